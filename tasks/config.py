@@ -1,0 +1,230 @@
+"""Run profiles: YAML data validated by pydantic, overridable with `--set a.b=value`.
+
+Every section forbids unknown keys so a typo (`lora_rnk`) is an error naming its path,
+not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.errors import BadInput
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModel(Section):
+    """Shape of the locally made Qwen2 base used where no model hub is reachable."""
+
+    vocab_size: int = Field(512, ge=64)
+    hidden_size: int = Field(64, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(128, ge=8)
+    pretrain_steps: int = Field(300, ge=0)
+    pretrain_learning_rate: float = Field(3e-3, gt=0)
+    pretrain_batch_size: int = Field(32, ge=1)
+    seed: int = 0
+
+
+class BaseModelSection(Section):
+    # "tiny-qwen2" builds a model locally; anything else is a hub id, a local folder or s3:// URI.
+    source: str = "tiny-qwen2"
+    tiny: TinyModel = TinyModel()
+
+
+class DataSection(Section):
+    source: str
+    format: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
+    eval_fraction: float = Field(0.15, gt=0, lt=1)
+    split_salt: str = "v1"
+
+
+class TrainSection(Section):
+    """LlamaFactory SFT arguments, under LlamaFactory's own names."""
+
+    stage: Literal["sft"] = "sft"
+    finetuning_type: Literal["lora", "full", "freeze"] = "lora"
+    template: str = "chatml"
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: int | None = None
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target: str = "all"
+    quantization_bit: Literal[4, 8] | None = None
+    quantization_method: Literal["bnb", "hqq", "eetq"] = "bnb"
+    double_quantization: bool = True
+    cutoff_len: int = Field(128, ge=8)
+    per_device_train_batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(5e-3, gt=0)
+    num_train_epochs: float = Field(3.0, gt=0)
+    max_steps: int = -1
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    logging_steps: int = Field(5, ge=1)
+    save_steps: int = Field(50, ge=1)
+    seed: int = 42
+    bf16: bool = False
+    fp16: bool = False
+    deepspeed: str | None = None
+    # Any further LlamaFactory argument, passed through as is (LlamaFactory validates it).
+    extra_args: dict[str, Any] = {}
+
+
+class EvaluateSection(Section):
+    metric: Literal["exact_match"] = "exact_match"
+    max_new_tokens: int = Field(8, ge=1)
+    max_samples: int = Field(256, ge=1)
+    # The candidate must beat the base by at least this much on the task metric.
+    min_improvement: float = 0.2
+
+
+class MergeSection(Section):
+    tolerance: float = Field(1e-3, ge=0)
+    probe_samples: int = Field(16, ge=1)
+
+
+class QuantizeSection(Section):
+    backend: Literal["onnx-int8", "none", "tensorrt-llm"] = "onnx-int8"
+    opset: int = 18
+    # Largest task-metric drop (merged -> quantized) the stage accepts.
+    max_accuracy_drop: float = Field(0.05, ge=0)
+
+
+class GateSection(Section):
+    """Promotion thresholds; read by the benchmark gate."""
+
+    p99_request_latency_ms: float | None = None
+    p99_time_to_first_token_ms: float | None = None
+    max_error_rate: float = 0.0
+    min_throughput_ratio: float | None = None
+    max_task_metric_drop: float = 0.02
+    max_quantization_accuracy_drop: float = 0.05
+
+
+class HardwareSection(Section):
+    accelerator: Literal["cpu", "cuda"] = "cpu"
+    gpus: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _gpus_match_accelerator(self) -> "HardwareSection":
+        if self.accelerator == "cuda" and self.gpus < 1:
+            raise ValueError("accelerator cuda needs gpus >= 1")
+        return self
+
+
+class RegistrySection(Section):
+    model_name: str = Field(min_length=1)
+
+
+class RunSection(Section):
+    retries: int = Field(3, ge=0)
+    retry_delay_s: float = Field(2.0, ge=0)
+
+
+class Profile(Section):
+    name: str
+    description: str = ""
+    hardware: HardwareSection = HardwareSection()
+    base_model: BaseModelSection = BaseModelSection()
+    data: DataSection
+    train: TrainSection = TrainSection()
+    evaluate: EvaluateSection = EvaluateSection()
+    merge: MergeSection = MergeSection()
+    quantize: QuantizeSection = QuantizeSection()
+    gate: GateSection = GateSection()
+    registry: RegistrySection
+    run: RunSection = RunSection()
+
+    def section_digest(self, *sections: str) -> str:
+        """sha256 of the named sections: what a stage's cache key depends on."""
+        picked = {name: getattr(self, name).model_dump(mode="json") for name in sections}
+        return sha256_json(picked)
+
+    @property
+    def digest(self) -> str:
+        return sha256_json(self.model_dump(mode="json"))
+
+
+def sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def profile_path(name_or_path: str) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        if not candidate.is_file():
+            raise BadInput(f"profile file {name_or_path}: not found")
+        return candidate
+    named = PROFILES_DIR / f"{name_or_path}.yaml"
+    if not named.is_file():
+        raise BadInput(f"profile {name_or_path}: not found (available: {', '.join(available_profiles())})")
+    return named
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise BadInput(f"--set {text}: expected key=value, e.g. train.learning_rate=1e-4")
+    # YAML typing so that 1e-4, true, null and [a, b] mean what they look like.
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_override(data: dict, path: list[str], value: Any, text: str) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise BadInput(f"--set {text}: {'.'.join(path[:-1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def format_validation_error(source: str, err: ValidationError) -> str:
+    parts = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        what = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        parts.append(f"{where}: {what}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def load_profile(name_or_path: str = "cpu-tiny", overrides: list[str] = (), data: str | None = None) -> Profile:
+    path = profile_path(name_or_path)
+    label = f"profile {name_or_path}"
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise BadInput(f"profile file {path}{line}: invalid YAML") from exc
+    if not isinstance(raw, dict):
+        raise BadInput(f"profile file {path}: expected a mapping at the top level")
+    for text in overrides:
+        keys, value = parse_override(text)
+        apply_override(raw, keys, value, text)
+    if data:
+        raw.setdefault("data", {})["source"] = data
+    # A relative local data path in a profile file is relative to that file.
+    source = raw.get("data", {}).get("source") if isinstance(raw.get("data"), dict) else None
+    if isinstance(source, str) and not data and "://" not in source and not Path(source).is_absolute():
+        raw["data"]["source"] = str((path.parent / source).resolve())
+    try:
+        return Profile.model_validate(raw)
+    except ValidationError as err:
+        raise BadInput(format_validation_error(label, err)) from None

@@ -1,0 +1,121 @@
+"""What every stage shares: the content cache, the run context, and the thin Prefect task.
+
+Why not Prefect's own result cache: Prefect keeps its cache record in its result storage and
+cannot know that an artifact was deleted from the bucket or corrupted since. Here the record
+lives in the artifact store next to the objects it names, and a hit is taken only when every
+object it names still exists there at its recorded size (content is verified again on read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tasks.config import Profile, sha256_json
+from tasks.errors import is_transient
+from tasks.store import Artifact, ArtifactStore
+from tasks.tracking import Tracker
+
+
+@dataclass
+class RunContext:
+    """What a stage needs besides its inputs: where to write, where to log."""
+
+    profile: Profile
+    store: ArtifactStore
+    tracker: Tracker
+    home: Path
+
+    def work_dir(self, stage: str, key: str) -> Path:
+        path = self.home / "work" / stage / key[:16]
+        return path
+
+
+@dataclass
+class StageResult:
+    stage: str
+    artifact: Artifact
+    metrics: dict = field(default_factory=dict)
+    cached: bool = False
+    seconds: float = 0.0
+    key: str = ""
+    headline: str = ""
+
+
+def logger() -> logging.Logger | logging.LoggerAdapter:
+    """Prefect's run logger inside a flow/task (terminal + Prefect UI), a plain logger elsewhere."""
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger()
+    except Exception:
+        return logging.getLogger("llmops")
+
+
+def code_version(func: Callable) -> str:
+    """sha256 of the source of the module that implements a stage: editing a stage reruns it."""
+    source = inspect.getsource(inspect.getmodule(func))
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def run_cached(
+    ctx: RunContext,
+    stage: str,
+    key_inputs: dict,
+    produce: Callable[[Path], dict],
+    headline: Callable[[dict], str] = lambda m: "",
+) -> StageResult:
+    """Return the stored result for `key_inputs`, or run `produce(out_dir) -> metrics` and store it."""
+    key = sha256_json({"stage": stage, "code": code_version(produce), **key_inputs})
+    log = logger()
+    started = time.monotonic()
+    record = ctx.store.get_record(f"stages/{stage}", key)
+    if record is not None:
+        if ctx.store.exists(record["artifact"]["digest"]):
+            metrics = record["metrics"]
+            ctx.tracker.log_metrics(stage, metrics)
+            log.info(f"{stage}: cache hit {key[:12]} -> {record['artifact']['uri']}")
+            return StageResult(
+                stage, Artifact(**record["artifact"]), metrics, True, time.monotonic() - started, key, headline(metrics)
+            )
+        log.warning(f"{stage}: cached artifact {record['artifact']['digest'][:12]} is gone from the store; rerunning")
+
+    out_dir = ctx.work_dir(stage, key) / "output"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    log.info(f"{stage}: running (key {key[:12]})")
+    metrics = produce(out_dir)
+    artifact = ctx.store.put_dir(out_dir)
+    ctx.store.put_record(f"stages/{stage}", key, {"artifact": artifact.as_dict(), "metrics": metrics})
+    ctx.tracker.log_metrics(stage, metrics)
+    seconds = time.monotonic() - started
+    log.info(f"{stage}: done in {seconds:.1f}s -> {artifact.uri}")
+    return StageResult(stage, artifact, metrics, False, seconds, key, headline(metrics))
+
+
+def retry_if_transient(task, task_run, state) -> bool:
+    """Prefect retry condition: retry network/server faults, never bad input or a failed check."""
+    return is_transient(state.data)
+
+
+def stage_task(fn: Callable, profile: Profile):
+    """The thin Prefect task around a stage function: named, retried on transient faults only."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.tasks import exponential_backoff
+
+    return task(
+        fn,
+        name=fn.__name__,
+        retries=profile.run.retries,
+        retry_delay_seconds=exponential_backoff(profile.run.retry_delay_s),
+        retry_condition_fn=retry_if_transient,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+    )

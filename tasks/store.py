@@ -1,0 +1,259 @@
+"""Content-addressed artifact store: a local folder by default, S3 (boto3) in production.
+
+An artifact is a folder. Its digest is the sha256 of its manifest (every file's relative path,
+size and sha256), so identical outputs share one object and a digest names exact content.
+
+Atomicity: a local object is assembled in a temporary folder and renamed into place; an S3
+object's manifest is written last, and an object without a manifest does not exist.
+Reads verify every file's sha256 before the content is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from tasks.config import sha256_json
+from tasks.errors import ArtifactMissing, BadInput
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    digest: str
+    uri: str
+
+    def as_dict(self) -> dict:
+        return {"digest": self.digest, "uri": self.uri}
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def build_manifest(folder: Path) -> dict:
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    if not files:
+        raise ValueError(f"{folder}: refusing to store an empty artifact")
+    return {"files": files}
+
+
+def verify_folder(folder: Path, manifest: dict, label: str) -> None:
+    for rel, meta in manifest["files"].items():
+        path = folder / rel
+        if not path.is_file():
+            raise ArtifactMissing(f"artifact {label}: file {rel} is missing")
+        if path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
+            raise ArtifactMissing(f"artifact {label}: file {rel} does not match its sha256")
+
+
+def s3_client():
+    import boto3
+    from botocore.config import Config
+
+    # Endpoint and credentials come from the standard AWS variables/profile (AWS_ENDPOINT_URL,
+    # AWS_ACCESS_KEY_ID, ...). Standard retry mode backs off on throttling and 5xx itself.
+    attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", "3"))
+    config = Config(retries={"mode": "standard", "max_attempts": attempts}, connect_timeout=5, read_timeout=60)
+    return boto3.client("s3", config=config)
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise BadInput(f"{uri}: expected s3://bucket/prefix")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+class ArtifactStore:
+    """Interface shared by the local and S3 stores."""
+
+    uri: str
+
+    def put_dir(self, folder: Path) -> Artifact:
+        raise NotImplementedError
+
+    def exists(self, digest: str) -> bool:
+        raise NotImplementedError
+
+    def fetch(self, digest: str) -> Path:
+        raise NotImplementedError
+
+    def put_record(self, namespace: str, key: str, record: dict) -> None:
+        raise NotImplementedError
+
+    def get_record(self, namespace: str, key: str) -> dict | None:
+        raise NotImplementedError
+
+
+class LocalStore(ArtifactStore):
+    def __init__(self, root: Path):
+        self.root = root.resolve()
+        self.uri = self.root.as_uri()
+
+    def _object(self, digest: str) -> Path:
+        return self.root / "objects" / digest
+
+    def artifact(self, digest: str) -> Artifact:
+        return Artifact(digest, self._object(digest).as_uri())
+
+    def put_dir(self, folder: Path) -> Artifact:
+        manifest = build_manifest(folder)
+        digest = sha256_json(manifest)
+        target = self._object(digest)
+        if not self.exists(digest):
+            staging = self.root / "objects" / f".tmp-{uuid.uuid4().hex}"
+            shutil.copytree(folder, staging / "files")
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if target.exists():  # an incomplete object left behind: replace it whole
+                shutil.rmtree(target)
+            os.rename(staging, target)
+        return self.artifact(digest)
+
+    def exists(self, digest: str) -> bool:
+        target = self._object(digest)
+        manifest_path = target / MANIFEST
+        if not manifest_path.is_file():
+            return False
+        manifest = json.loads(manifest_path.read_text())
+        return all(
+            (target / "files" / rel).is_file() and (target / "files" / rel).stat().st_size == meta["size"]
+            for rel, meta in manifest["files"].items()
+        )
+
+    def fetch(self, digest: str) -> Path:
+        target = self._object(digest)
+        if not (target / MANIFEST).is_file():
+            raise ArtifactMissing(f"artifact {digest[:12]}: not in store {self.uri}")
+        verify_folder(target / "files", json.loads((target / MANIFEST).read_text()), digest[:12])
+        return target / "files"
+
+    def _record(self, namespace: str, key: str) -> Path:
+        return self.root / "records" / namespace / f"{key}.json"
+
+    def put_record(self, namespace: str, key: str, record: dict) -> None:
+        path = self._record(namespace, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh, indent=1)
+        os.replace(tmp, path)
+
+    def get_record(self, namespace: str, key: str) -> dict | None:
+        path = self._record(namespace, key)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+
+class S3Store(ArtifactStore):
+    def __init__(self, uri: str, cache_dir: Path):
+        self.bucket, self.prefix = split_s3_uri(uri)
+        self.uri = uri.rstrip("/")
+        self.cache_dir = cache_dir
+        self.client = s3_client()
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def artifact(self, digest: str) -> Artifact:
+        return Artifact(digest, f"s3://{self.bucket}/{self._key('objects', digest)}")
+
+    def _manifest(self, digest: str) -> dict | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key("objects", digest, MANIFEST))["Body"]
+        except ClientError as err:
+            if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise
+        return json.loads(body.read())
+
+    def _listing(self, digest: str) -> dict[str, int]:
+        prefix = self._key("objects", digest, "files") + "/"
+        sizes = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                sizes[item["Key"][len(prefix):]] = item["Size"]
+        return sizes
+
+    def put_dir(self, folder: Path) -> Artifact:
+        manifest = build_manifest(folder)
+        digest = sha256_json(manifest)
+        if not self.exists(digest):
+            for rel in manifest["files"]:
+                self.client.upload_file(str(folder / rel), self.bucket, self._key("objects", digest, "files", rel))
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._key("objects", digest, MANIFEST), Body=json.dumps(manifest).encode()
+            )
+        return self.artifact(digest)
+
+    def exists(self, digest: str) -> bool:
+        manifest = self._manifest(digest)
+        if manifest is None:
+            return False
+        sizes = self._listing(digest)
+        return all(sizes.get(rel) == meta["size"] for rel, meta in manifest["files"].items())
+
+    def fetch(self, digest: str) -> Path:
+        local = self.cache_dir / digest
+        if local.is_dir():  # verified when it was downloaded, and renamed into place only then
+            return local
+        manifest = self._manifest(digest)
+        if manifest is None:
+            raise ArtifactMissing(f"artifact {digest[:12]}: not in store {self.uri}")
+        from botocore.exceptions import ClientError
+
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=".tmp-"))
+        try:
+            for rel in manifest["files"]:
+                dest = staging / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.client.download_file(self.bucket, self._key("objects", digest, "files", rel), str(dest))
+                except ClientError as err:
+                    if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                        raise ArtifactMissing(f"artifact {digest[:12]}: file {rel} is missing") from None
+                    raise
+            verify_folder(staging, manifest, digest[:12])
+            os.rename(staging, local)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return local
+
+    def put_record(self, namespace: str, key: str, record: dict) -> None:
+        self.client.put_object(
+            Bucket=self.bucket, Key=self._key("records", namespace, f"{key}.json"), Body=json.dumps(record).encode()
+        )
+
+    def get_record(self, namespace: str, key: str) -> dict | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key("records", namespace, f"{key}.json"))
+        except ClientError as err:
+            if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise
+        return json.loads(body["Body"].read())
+
+
+def open_store(artifacts: str | None, home: Path) -> ArtifactStore:
+    if artifacts and artifacts.startswith("s3://"):
+        return S3Store(artifacts, home / "cache" / "objects")
+    if artifacts and "://" in artifacts and not artifacts.startswith("file://"):
+        raise BadInput(f"--artifacts {artifacts}: expected a folder, file:// or s3:// URI")
+    root = Path(urlparse(artifacts).path) if artifacts and artifacts.startswith("file://") else None
+    return LocalStore(root or Path(artifacts) if artifacts else home / "store")

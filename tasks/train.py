@@ -1,0 +1,202 @@
+"""train: LlamaFactory SFT (LoRA or QLoRA) run the way LlamaFactory is run, `llamafactory-cli train cfg.yaml`.
+
+The parent process follows LlamaFactory's `trainer_log.jsonl` while training runs: each
+logging step goes to MLflow (`train/loss`, `train/learning_rate`) and to the terminal/Prefect
+log, and each finished checkpoint is uploaded to the artifact store, so a retried task or a
+rerun on a fresh machine resumes from the last stored checkpoint instead of step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from tasks.config import HardwareSection, TrainSection
+from tasks.errors import CheckFailed
+from tasks.stage import RunContext, StageResult, logger, run_cached
+
+POLL_SECONDS = 1.0
+# What of LlamaFactory's output_dir makes up the adapter artifact (checkpoints are stored apart).
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_log.jsonl", "training_loss.png",
+                 "train_results.json", "all_results.json", "trainer_state.json")
+
+
+def llamafactory_config(cfg: TrainSection, model_dir: Path, data_dir: Path, output_dir: Path,
+                        resume_from: Path | None) -> dict:
+    """The YAML LlamaFactory reads, under its own key names."""
+    args = cfg.model_dump(exclude={"extra_args"}, exclude_none=True)
+    if cfg.finetuning_type != "lora":
+        for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target"):
+            args.pop(key, None)
+    if cfg.quantization_bit is None:
+        args.pop("quantization_method", None)
+        args.pop("double_quantization", None)
+    args.update(
+        model_name_or_path=str(model_dir),
+        do_train=True,
+        dataset="train",
+        dataset_dir=str(data_dir),
+        output_dir=str(output_dir),
+        overwrite_cache=True,
+        plot_loss=True,
+        save_strategy="steps",
+        save_total_limit=2,
+        report_to="none",
+        dataloader_num_workers=0,
+    )
+    if resume_from is not None:
+        args["resume_from_checkpoint"] = str(resume_from)
+    args.update(cfg.extra_args)
+    return args
+
+
+def launch_command(config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "tasks.llamafactory_launch", "train", str(config_path)]
+
+
+def launch_env(hardware: HardwareSection) -> dict:
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")]))
+    if hardware.gpus > 1:
+        # LlamaFactory's own torchrun launch (one process per GPU).
+        env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(hardware.gpus))
+    return env
+
+
+class TrainingFollower:
+    """Reads trainer_log.jsonl and checkpoint folders as they appear."""
+
+    def __init__(self, ctx: RunContext, output_dir: Path, checkpoint_key: str):
+        self.ctx, self.output_dir, self.checkpoint_key = ctx, output_dir, checkpoint_key
+        self.lines_seen = 0
+        self.uploaded: set[str] = set()
+        self.pending: dict[str, tuple] = {}
+        self.last_step = 0
+
+    def poll(self, finished: bool = False) -> None:
+        self._read_log()
+        self._upload_checkpoints(finished)
+
+    def _read_log(self) -> None:
+        path = self.output_dir / "trainer_log.jsonl"
+        if not path.is_file():
+            return
+        lines = path.read_text().splitlines()
+        complete = lines if path.read_text().endswith("\n") else lines[:-1]
+        for line in complete[self.lines_seen:]:
+            entry = json.loads(line)
+            step, total = entry.get("current_steps", 0), entry.get("total_steps", 0)
+            metrics = {k: entry[k] for k in ("loss", "lr", "epoch", "throughput") if k in entry}
+            if "lr" in metrics:
+                metrics["learning_rate"] = metrics.pop("lr")
+            self.ctx.tracker.log_metrics("train", metrics, step=step)
+            self.last_step = step
+            if "loss" in entry:
+                logger().info(
+                    f"train: step {step}/{total} ({entry.get('percentage', 0):.0f}%) loss {entry['loss']:.4f} "
+                    f"lr {metrics.get('learning_rate', 0):.2e} elapsed {entry.get('elapsed_time', '?')} "
+                    f"eta {entry.get('remaining_time', '?')}"
+                )
+        self.lines_seen = len(complete)
+
+    def _upload_checkpoints(self, finished: bool) -> None:
+        for folder in sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])):
+            if folder.name in self.uploaded or not (folder / "trainer_state.json").is_file():
+                continue
+            # A checkpoint counts as written once its file list and sizes hold still across two polls.
+            snapshot = tuple(sorted((p.name, p.stat().st_size) for p in folder.rglob("*") if p.is_file()))
+            if not finished and self.pending.get(folder.name) != snapshot:
+                self.pending[folder.name] = snapshot
+                continue
+            artifact = self.ctx.store.put_dir(folder)
+            step = int(folder.name.split("-")[1])
+            self.ctx.store.put_record("checkpoints/train", self.checkpoint_key, {"step": step, "artifact": artifact.as_dict()})
+            self.uploaded.add(folder.name)
+            logger().info(f"train: checkpoint {step} stored -> {artifact.uri}")
+
+
+def restore_checkpoint(ctx: RunContext, key: str, output_dir: Path) -> Path | None:
+    record = ctx.store.get_record("checkpoints/train", key)
+    if record is None or not ctx.store.exists(record["artifact"]["digest"]):
+        return None
+    target = output_dir / f"checkpoint-{record['step']}"
+    if not target.is_dir():
+        shutil.copytree(ctx.store.fetch(record["artifact"]["digest"]), target)
+    logger().info(f"train: resuming from stored checkpoint at step {record['step']} ({record['artifact']['uri']})")
+    return target
+
+
+def run_llamafactory(ctx: RunContext, config: dict, work: Path, follower: TrainingFollower) -> None:
+    config_path = work / "llamafactory_train.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log_path = work / "llamafactory.log"
+    command = launch_command(config_path)
+    logger().info(f"train: {' '.join(command)}  (log: {log_path})")
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=work,
+                                   env=launch_env(ctx.profile.hardware), start_new_session=True)
+        try:
+            while process.poll() is None:
+                time.sleep(POLL_SECONDS)
+                follower.poll()
+        finally:
+            if process.poll() is None:  # the task was cancelled or interrupted: do not leave a trainer behind
+                process.terminate()
+                process.wait(30)
+    follower.poll(finished=True)
+    if process.returncode != 0:
+        tail = [l for l in log_path.read_text(errors="replace").splitlines() if l.strip()][-1:] or ["(no output)"]
+        raise CheckFailed(f"train: LlamaFactory exited with {process.returncode}: {tail[0][:300]} (log: {log_path})")
+
+
+def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
+    cfg = ctx.profile.train
+    key_inputs = {"data": data.artifact.digest, "base": base.artifact.digest, "train": cfg.model_dump(),
+                  "gpus": ctx.profile.hardware.gpus, "llamafactory": llamafactory_version()}
+
+    def produce(out_dir: Path) -> dict:
+        from tasks.config import sha256_json
+
+        checkpoint_key = sha256_json(key_inputs)
+        work = out_dir.parent
+        output_dir = work / "llamafactory_output"
+        output_dir.mkdir(exist_ok=True)
+        resume_from = restore_checkpoint(ctx, checkpoint_key, output_dir)
+        config = llamafactory_config(cfg, ctx.store.fetch(base.artifact.digest), ctx.store.fetch(data.artifact.digest),
+                                     output_dir, resume_from)
+        follower = TrainingFollower(ctx, output_dir, checkpoint_key)
+        started = time.monotonic()
+        run_llamafactory(ctx, config, work, follower)
+        seconds = time.monotonic() - started
+        for name in ADAPTER_FILES:
+            if (output_dir / name).is_file():
+                shutil.copy2(output_dir / name, out_dir / name)
+        shutil.copy2(work / "llamafactory_train.yaml", out_dir / "llamafactory_train.yaml")
+        if (out_dir / "training_loss.png").is_file():
+            ctx.tracker.log_file(out_dir / "training_loss.png", "train")
+        results = json.loads((output_dir / "train_results.json").read_text())
+        return {
+            "final_loss": results.get("train_loss", float("nan")),
+            "steps": follower.last_step,
+            "samples_per_second": results.get("train_samples_per_second", 0.0),
+            "runtime_s": results.get("train_runtime", seconds),
+            "wall_s": seconds,
+            "resumed_from_step": int(resume_from.name.split("-")[1]) if resume_from else 0,
+        }
+
+    return run_cached(ctx, "train", key_inputs, produce,
+                      headline=lambda m: f"loss {m['final_loss']:.3f}, {m['steps']} steps")
+
+
+def llamafactory_version() -> str:
+    from importlib.metadata import version
+
+    return version("llamafactory")
