@@ -1,0 +1,69 @@
+"""merge: fold the LoRA adapter into the full-precision base, then prove the merge is exact.
+
+The merge always loads the base in full precision, also after QLoRA training: merging into a
+4-bit base is the known way to ship wrong weights ("Cannot merge adapters to a quantized
+model"), and re-quantization is the quantize stage's job. Exactness is checked on the merged
+model as saved (reloaded from disk), against base + adapter unmerged, on a probe batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.data import load_split
+from tasks.errors import CheckFailed
+from tasks.evaluate import answer_ids, load_model, load_tokenizer, prompt_ids
+from tasks.stage import RunContext, StageResult, logger, run_cached
+
+
+def probe_batch(tokenizer, conversations: list[list[dict]]):
+    """Right-padded prompt+answer sequences and their attention mask."""
+    import torch
+
+    rows = [prompt_ids(tokenizer, c) + answer_ids(tokenizer, c) for c in conversations]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return input_ids, mask
+
+
+def logits(model, input_ids, mask):
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=mask).logits
+    return out * mask.unsqueeze(-1)  # padding positions carry no meaning: compare real tokens only
+
+
+def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, probe: list[list[dict]]) -> float:
+    """Write the merged model to out_dir; return max |logits(base+adapter) - logits(merged)|."""
+    tokenizer = load_tokenizer(base_dir)
+    input_ids, mask = probe_batch(tokenizer, probe)
+    with_adapter = load_model(base_dir, adapter_dir)
+    expected = logits(with_adapter, input_ids, mask)
+    merged = with_adapter.merge_and_unload()
+    merged.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    reloaded = load_model(out_dir)
+    return float((logits(reloaded, input_ids, mask) - expected).abs().max())
+
+
+def merge(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageResult) -> StageResult:
+    cfg = ctx.profile.merge
+    key = {"base": base.artifact.digest, "adapter": adapter.artifact.digest, "data": data.artifact.digest,
+           "merge": cfg.model_dump()}
+
+    def produce(out_dir: Path) -> dict:
+        probe = load_split(ctx.store.fetch(data.artifact.digest), "eval")[: cfg.probe_samples]
+        max_diff = merge_adapter(ctx.store.fetch(base.artifact.digest), ctx.store.fetch(adapter.artifact.digest),
+                                 out_dir, probe)
+        logger().info(f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} (tolerance {cfg.tolerance:g})")
+        if max_diff > cfg.tolerance:
+            raise CheckFailed(f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} exceeds "
+                              f"merge.tolerance {cfg.tolerance:g} on {len(probe)} probe samples")
+        return {"max_abs_logit_diff": max_diff, "probe_samples": len(probe)}
+
+    return run_cached(ctx, "merge", key, produce, headline=lambda m: f"max |dlogits| {m['max_abs_logit_diff']:.1e}")

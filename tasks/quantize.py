@@ -1,0 +1,179 @@
+"""quantize: make the artifact that serving loads, and measure what quantization cost.
+
+CPU backend `onnx-int8`: torch.onnx (dynamo) export of the merged model's forward pass, then
+onnxruntime dynamic int8 quantization of the weights. Recorded: size before/after, latency
+per generated token (fp32 ONNX vs int8), and the accuracy delta against the merged model
+(task metric and top-1 agreement of next-token predictions). `none` passes the merged model
+through. The TensorRT-LLM backend belongs to the GPU path and is refused here until it exists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from tasks.data import load_split
+from tasks.errors import BadInput, CheckFailed
+from tasks.evaluate import exact_match, generate_answers, load_model, load_tokenizer, prompt_ids
+from tasks.merge import probe_batch
+from tasks.stage import RunContext, StageResult, logger, run_cached
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+def folder_bytes(folder: Path, pattern: str = "*") -> int:
+    return sum(p.stat().st_size for p in folder.glob(pattern) if p.is_file())
+
+
+def export_onnx(model_dir: Path, path: Path, opset: int) -> None:
+    import torch
+
+    model = load_model(model_dir)
+    model.config.use_cache = False
+
+    class LogitsOnly(torch.nn.Module):
+        """The exported graph: (input_ids, attention_mask) -> logits, no cache outputs."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    example = (torch.ones((2, 8), dtype=torch.long), torch.ones((2, 8), dtype=torch.long))
+    batch, seq = torch.export.Dim("batch", max=1024), torch.export.Dim("sequence", max=4096)
+    torch.onnx.export(
+        LogitsOnly(model).eval(), example, str(path), dynamo=True, opset_version=opset,
+        input_names=["input_ids", "attention_mask"], output_names=["logits"],
+        dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+        external_data=False,
+    )
+
+
+def quantize_int8(source: Path, target: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
+
+
+class OnnxCausalLM:
+    """Greedy decoding over an ONNX logits graph (full recompute per token: no KV cache here)."""
+
+    def __init__(self, path: Path):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def logits(self, input_ids, attention_mask):
+        import numpy as np
+
+        feeds = {"input_ids": np.asarray(input_ids, dtype=np.int64), "attention_mask": np.asarray(attention_mask, dtype=np.int64)}
+        return self.session.run(["logits"], feeds)[0]
+
+    def generate(self, tokenizer, conversations, max_new_tokens: int) -> tuple[list[str], float]:
+        """Answers, and the mean seconds per generated token."""
+        import numpy as np
+
+        answers, tokens, seconds = [], 0, 0.0
+        for conversation in conversations:
+            ids = prompt_ids(tokenizer, conversation)
+            new = []
+            for _ in range(max_new_tokens):
+                started = time.perf_counter()
+                step = self.logits([ids + new], [[1] * (len(ids) + len(new))])
+                seconds += time.perf_counter() - started
+                tokens += 1
+                token = int(np.argmax(step[0, -1]))
+                if token == tokenizer.eos_token_id:
+                    break
+                new.append(token)
+            answers.append(tokenizer.decode(new, skip_special_tokens=True).strip())
+        return answers, seconds / max(tokens, 1)
+
+
+def top1_agreement(reference, candidate, mask) -> float:
+    import numpy as np
+
+    same = (np.asarray(reference).argmax(-1) == np.asarray(candidate).argmax(-1)) & (np.asarray(mask) == 1)
+    return float(same.sum() / max(int(np.asarray(mask).sum()), 1))
+
+
+def onnx_int8(merged_dir: Path, out_dir: Path, conversations: list[list[dict]], opset: int, max_new_tokens: int) -> dict:
+    log = logger()
+    tokenizer = load_tokenizer(merged_dir)
+    scratch = out_dir.parent / "onnx-fp32"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    log.info("quantize: exporting the merged model to ONNX (torch.onnx, dynamo)")
+    export_onnx(merged_dir, scratch / "model.onnx", opset)
+    log.info("quantize: onnxruntime dynamic int8 quantization")
+    quantize_int8(scratch / "model.onnx", out_dir / "model.onnx")
+    for name in TOKENIZER_FILES:
+        if (merged_dir / name).is_file():
+            shutil.copy2(merged_dir / name, out_dir / name)
+
+    merged = load_model(merged_dir)
+    merged_answers = generate_answers(merged, tokenizer, conversations, max_new_tokens)
+    fp32, int8 = OnnxCausalLM(scratch / "model.onnx"), OnnxCausalLM(out_dir / "model.onnx")
+    fp32_answers, fp32_s_per_token = fp32.generate(tokenizer, conversations, max_new_tokens)
+    int8_answers, int8_s_per_token = int8.generate(tokenizer, conversations, max_new_tokens)
+    input_ids, mask = probe_batch(tokenizer, conversations)
+    import torch
+
+    with torch.no_grad():
+        reference = merged(input_ids=input_ids, attention_mask=mask).logits.numpy()
+    metrics = {
+        "merged_bytes": folder_bytes(merged_dir, "*.safetensors"),
+        "onnx_fp32_bytes": folder_bytes(scratch, "model.onnx*"),
+        "quantized_bytes": folder_bytes(out_dir, "model.onnx*"),
+        "merged_exact_match": exact_match(merged_answers, conversations),
+        "onnx_fp32_exact_match": exact_match(fp32_answers, conversations),
+        "quantized_exact_match": exact_match(int8_answers, conversations),
+        "top1_agreement": top1_agreement(reference, int8.logits(input_ids.numpy(), mask.numpy()), mask.numpy()),
+        "onnx_fp32_ms_per_token": fp32_s_per_token * 1000,
+        "quantized_ms_per_token": int8_s_per_token * 1000,
+    }
+    metrics["accuracy_drop"] = metrics["merged_exact_match"] - metrics["quantized_exact_match"]
+    shutil.rmtree(scratch, ignore_errors=True)
+    return metrics
+
+
+def passthrough(merged_dir: Path, out_dir: Path) -> dict:
+    shutil.copytree(merged_dir, out_dir, dirs_exist_ok=True)
+    size = folder_bytes(merged_dir, "*.safetensors")
+    return {"merged_bytes": size, "quantized_bytes": size, "accuracy_drop": 0.0}
+
+
+def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
+    cfg = ctx.profile.quantize
+    if cfg.backend == "tensorrt-llm":
+        raise BadInput("quantize.backend tensorrt-llm: the TensorRT-LLM backend is not available in this build; "
+                       "use onnx-int8 or none")
+    key = {"merged": merged.artifact.digest, "data": data.artifact.digest, "quantize": cfg.model_dump(),
+           "max_new_tokens": ctx.profile.evaluate.max_new_tokens, "eval_samples": ctx.profile.evaluate.max_samples}
+
+    def produce(out_dir: Path) -> dict:
+        merged_dir = ctx.store.fetch(merged.artifact.digest)
+        if cfg.backend == "none":
+            metrics = passthrough(merged_dir, out_dir)
+        else:
+            conversations = load_split(ctx.store.fetch(data.artifact.digest), "eval")[: ctx.profile.evaluate.max_samples]
+            metrics = onnx_int8(merged_dir, out_dir, conversations, cfg.opset, ctx.profile.evaluate.max_new_tokens)
+        # Timings stay out of the artifact (they go to the record and MLflow): equal weights, equal digest.
+        stable = {k: v for k, v in metrics.items() if not k.endswith("_per_token")}
+        (out_dir / "quantization.json").write_text(json.dumps({"backend": cfg.backend, **stable}, indent=2))
+        logger().info("quantize: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        if metrics["accuracy_drop"] > cfg.max_accuracy_drop:
+            raise CheckFailed(f"quantize: exact match drops by {metrics['accuracy_drop']:.3f} after {cfg.backend} "
+                              f"> quantize.max_accuracy_drop {cfg.max_accuracy_drop}")
+        return metrics
+
+    return run_cached(ctx, "quantize", key, produce,
+                      headline=lambda m: f"{m.get('onnx_fp32_bytes', m['merged_bytes']):,} -> "
+                                         f"{m['quantized_bytes']:,} bytes, accuracy drop {m['accuracy_drop']:.3f}")
