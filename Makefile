@@ -1,0 +1,17 @@
+# The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
+.PHONY: setup run test test-unit benchmark
+
+setup:
+	bash infra/local/setup.sh
+
+run: setup
+	.venv/bin/llmops run
+
+test: setup
+	.venv/bin/python -m pytest tests
+
+test-unit: setup
+	.venv/bin/python -m pytest tests/unit
+
+benchmark: setup
+	.venv/bin/python benchmarks/pipeline_overhead.py

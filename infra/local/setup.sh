@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Sets up .venv with the pinned CPU stack and the `llmops` command. Safe to run again: when the
+# pins have not changed since the last successful setup it only re-checks and returns.
+#
+#   bash infra/local/setup.sh        (what `make run` and `make test` call)
+#
+# Never pulls CUDA: every package is pinned in infra/constraints-cpu.txt and installed with
+# --no-deps (no resolver, so nothing can drag in torch's CUDA build or nvidia-* wheels).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+PYTHON=${PYTHON:-python3.11}
+VENV=.venv
+PIN_FILE=infra/constraints-cpu.txt
+STAMP=$VENV/.llmops-setup
+want=$(cat "$PIN_FILE" pyproject.toml | sha256sum | cut -d' ' -f1)
+
+say() { printf 'setup: %s\n' "$*"; }
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/llmops" ]; then
+  say "environment is up to date ($VENV)"
+  exit 0
+fi
+
+if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
+  echo "setup: error: $PYTHON is not Python 3.11 (set PYTHON=/path/to/python3.11)" >&2
+  exit 2
+fi
+
+[ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+# A current pip: the 23.x that a fresh 3.11 venv ships is slow with large pinned sets.
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip==26.3"
+say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resolution, CPU only)"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+
+cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(nvidia-[a-z0-9-]+-cu[0-9]+|nvidia-(cublas|cudnn|cuda|nccl|cusparse|cufft|curand|cusolver|nvjitlink|nvtx)|cuda-|triton==)' || true)
+if [ -n "$cuda" ]; then
+  echo "setup: error: CUDA packages found in $VENV, refusing a CPU setup with them: $(echo $cuda)" >&2
+  exit 1
+fi
+if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)'; then
+  echo "setup: error: torch in $VENV is a CUDA build; expected the CPU wheel pinned in $PIN_FILE" >&2
+  exit 1
+fi
+
+# The only accepted `pip check` findings: llamafactory's torchvision/torchaudio requirements (README, "pip check").
+problems=$("$VENV/bin/python" -m pip check 2>&1 | grep -vE '^llamafactory [0-9.]+ requires (torchvision|torchaudio), which is not installed\.$' | grep -v '^No broken requirements found' || true)
+if [ -n "$problems" ]; then
+  echo "setup: error: pip check found broken requirements:" >&2
+  echo "$problems" >&2
+  exit 1
+fi
+
+echo "$want" > "$STAMP"
+say "done: $VENV/bin/llmops ($("$VENV/bin/llmops" --help >/dev/null && echo ok))"

@@ -1,0 +1,23 @@
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# Prefect and Hugging Face state of the test process stays out of the user's home.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="llmops-test-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_prefect_at_the_end():
+    yield
+    from flows.cli import stop_prefect_services
+
+    stop_prefect_services()

@@ -1,0 +1,114 @@
+"""prepare_data: formats, validation errors with file/line/field, cleaning, split, fingerprint."""
+
+import json
+import random
+
+import pytest
+
+from tasks.config import DataSection
+from tasks.data import SourceFile, clean_and_split, dataset_info, normalize, read_source
+from tasks.errors import BadInput
+
+CFG = DataSection(source="unused", eval_fraction=0.25)
+
+
+def jsonl(name, rows):
+    return SourceFile(name, "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows).encode())
+
+
+def alpaca(i, answer=None):
+    return {"instruction": f"question {i}", "input": "", "output": answer if answer is not None else f"answer {i}"}
+
+
+def test_three_formats_normalise_to_the_same_messages():
+    want = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert normalize({"instruction": "hi", "output": "hello"}, "auto", "x") == want
+    assert normalize({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, "auto", "x") == want
+    assert normalize({"messages": want}, "auto", "x") == want
+
+
+def test_alpaca_input_and_system():
+    messages = normalize({"instruction": "Translate", "input": "chat", "output": "cat", "system": "be brief"}, "alpaca", "x")
+    assert messages[0] == {"role": "system", "content": "be brief"}
+    assert messages[1]["content"] == "Translate\n\nchat"
+
+
+def test_malformed_json_names_file_and_line():
+    source = jsonl("d.jsonl", [alpaca(1), '{"instruction": "broken"', alpaca(3)])
+    with pytest.raises(BadInput, match=r"^data file d\.jsonl line 2: invalid JSON"):
+        clean_and_split([source], CFG)
+
+
+def test_missing_field_names_file_line_and_field():
+    source = jsonl("d.jsonl", [alpaca(1), {"instruction": "no answer"}])
+    with pytest.raises(BadInput, match=r"^data file d\.jsonl line 2: field 'output' is missing$"):
+        clean_and_split([source], CFG)
+
+
+def test_wrong_field_type():
+    with pytest.raises(BadInput, match=r"line 1: field 'output' must be a string, got int"):
+        clean_and_split([jsonl("d.jsonl", [{"instruction": "q", "output": 3}])], CFG)
+
+
+def test_turns_must_alternate():
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+    with pytest.raises(BadInput, match="alternate user/assistant"):
+        clean_and_split([jsonl("d.jsonl", [bad])], CFG)
+
+
+def test_unknown_role():
+    bad = {"conversations": [{"from": "robot", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    with pytest.raises(BadInput, match=r"conversations\[0\]\.from: unknown role 'robot'"):
+        clean_and_split([jsonl("d.jsonl", [bad])], CFG)
+
+
+def test_empty_after_cleaning():
+    source = jsonl("d.jsonl", [alpaca(1, ""), alpaca(2, "  ")])
+    with pytest.raises(BadInput, match=r"no usable records after cleaning \(2 read, 0 duplicates, 2 empty answers\)"):
+        clean_and_split([source], CFG)
+
+
+def test_duplicates_and_empty_answers_are_dropped_and_counted():
+    rows = [alpaca(i) for i in range(40)] + [alpaca(3), alpaca(5), alpaca(99, "")]
+    data = clean_and_split([jsonl("d.jsonl", rows)], CFG)
+    assert data.stats["duplicates_dropped"] == 2
+    assert data.stats["empty_answers_dropped"] == 1
+    assert data.stats["records"] == 40 == len(data.train) + len(data.eval)
+
+
+def test_split_and_fingerprint_do_not_depend_on_order():
+    rows = [alpaca(i) for i in range(60)]
+    shuffled = rows[:]
+    random.Random(1).shuffle(shuffled)
+    a = clean_and_split([jsonl("a.jsonl", rows)], CFG)
+    b = clean_and_split([jsonl("b.jsonl", shuffled)], CFG)
+    assert a.fingerprint == b.fingerprint
+    assert sorted(map(str, a.eval)) == sorted(map(str, b.eval))
+    assert 0 < len(a.eval) < len(rows)
+
+
+def test_fingerprint_changes_with_content():
+    a = clean_and_split([jsonl("a.jsonl", [alpaca(i) for i in range(30)])], CFG)
+    b = clean_and_split([jsonl("a.jsonl", [alpaca(i) for i in range(31)])], CFG)
+    assert a.fingerprint != b.fingerprint
+
+
+def test_json_array_and_folder_sources(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([alpaca(i) for i in range(20)]))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(alpaca(i)) for i in range(20, 40)))
+    (tmp_path / "notes.txt").write_text("ignored")
+    files = read_source(str(tmp_path))
+    assert [f.name.rsplit("/", 1)[1] for f in files] == ["a.json", "b.jsonl"]
+    assert clean_and_split(files, CFG).stats["records"] == 40
+
+
+def test_missing_source():
+    with pytest.raises(BadInput, match="no such file or folder"):
+        read_source("/nonexistent/data.jsonl")
+
+
+def test_dataset_info_is_llamafactory_sharegpt_messages():
+    info = dataset_info()
+    assert info["train"]["file_name"] == "train.json"
+    assert info["train"]["formatting"] == "sharegpt"
+    assert info["train"]["tags"]["assistant_tag"] == "assistant"

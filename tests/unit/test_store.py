@@ -1,0 +1,73 @@
+"""Local content-addressed store: atomic objects, existence needs every file, reads verify sha256."""
+
+import pytest
+
+from tasks.errors import ArtifactMissing
+from tasks.store import LocalStore, open_store
+
+
+def make_folder(path, files):
+    path.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    return path
+
+
+def test_put_fetch_round_trip(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    artifact = store.put_dir(make_folder(tmp_path / "a", {"w.txt": "weights", "sub/c.json": "{}"}))
+    assert store.exists(artifact.digest)
+    fetched = store.fetch(artifact.digest)
+    assert (fetched / "sub/c.json").read_text() == "{}"
+    assert artifact.uri.startswith("file://") and artifact.digest in artifact.uri
+
+
+def test_same_content_same_digest_different_content_different(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    a = store.put_dir(make_folder(tmp_path / "a", {"w.txt": "x"}))
+    b = store.put_dir(make_folder(tmp_path / "b", {"w.txt": "x"}))
+    c = store.put_dir(make_folder(tmp_path / "c", {"w.txt": "y"}))
+    assert a.digest == b.digest != c.digest
+
+
+def test_deleted_file_means_the_artifact_does_not_exist(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    artifact = store.put_dir(make_folder(tmp_path / "a", {"w.txt": "x", "v.txt": "y"}))
+    (store.fetch(artifact.digest) / "v.txt").unlink()
+    assert not store.exists(artifact.digest)
+    with pytest.raises(ArtifactMissing, match="file v.txt is missing"):
+        store.fetch(artifact.digest)
+
+
+def test_corrupted_file_fails_verification_on_read(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    artifact = store.put_dir(make_folder(tmp_path / "a", {"w.txt": "abc"}))
+    (store.fetch(artifact.digest) / "w.txt").write_text("abd")  # same size, other bytes
+    with pytest.raises(ArtifactMissing, match="does not match its sha256"):
+        store.fetch(artifact.digest)
+
+
+def test_staging_leftovers_are_not_objects(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    artifact = store.put_dir(make_folder(tmp_path / "a", {"w.txt": "x"}))
+    objects = sorted(p.name for p in (tmp_path / "store" / "objects").iterdir())
+    assert objects == [artifact.digest]
+
+
+def test_records_round_trip(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    assert store.get_record("stages/x", "k") is None
+    store.put_record("stages/x", "k", {"a": 1})
+    assert store.get_record("stages/x", "k") == {"a": 1}
+
+
+def test_empty_artifact_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="empty artifact"):
+        LocalStore(tmp_path / "store").put_dir(make_folder(tmp_path / "a", {}))
+
+
+def test_open_store_kinds(tmp_path):
+    assert isinstance(open_store(None, tmp_path), LocalStore)
+    assert open_store(str(tmp_path / "s"), tmp_path).root == (tmp_path / "s").resolve()
+    assert open_store((tmp_path / "f").as_uri(), tmp_path).root == (tmp_path / "f").resolve()

@@ -1,0 +1,71 @@
+"""What the train stage hands to LlamaFactory: its own key names, QLoRA keys, resume, torchrun launch."""
+
+import json
+import sys
+
+import yaml
+
+from tasks.config import HardwareSection, load_profile
+from tasks.train import TrainingFollower, launch_command, launch_env, llamafactory_config
+
+
+def render(*overrides, resume=None, tmp="/w"):
+    cfg = load_profile("cpu-tiny", list(overrides)).train
+    from pathlib import Path
+
+    return llamafactory_config(cfg, Path(f"{tmp}/base"), Path(f"{tmp}/data"), Path(f"{tmp}/out"), resume)
+
+
+def test_lora_config_uses_llamafactory_names():
+    args = render()
+    assert args["stage"] == "sft" and args["do_train"] is True and args["finetuning_type"] == "lora"
+    assert args["lora_rank"] == 8 and args["lora_alpha"] == 16 and args["lora_target"] == "all"
+    assert args["model_name_or_path"] == "/w/base" and args["dataset_dir"] == "/w/data" and args["dataset"] == "train"
+    assert args["template"] == "chatml" and args["report_to"] == "none"
+    assert "quantization_bit" not in args and "resume_from_checkpoint" not in args
+    yaml.safe_load(yaml.safe_dump(args))  # renders as plain YAML
+
+
+def test_qlora_adds_quantization_keys():
+    args = render("train.quantization_bit=4")
+    assert args["quantization_bit"] == 4 and args["quantization_method"] == "bnb" and args["double_quantization"] is True
+
+
+def test_full_finetuning_drops_lora_keys():
+    args = render("train.finetuning_type=full")
+    assert not any(k.startswith("lora_") for k in args)
+
+
+def test_resume_and_extra_args_pass_through():
+    from pathlib import Path
+
+    args = render("train.extra_args={neftune_noise_alpha: 5}", resume=Path("/w/out/checkpoint-50"))
+    assert args["resume_from_checkpoint"] == "/w/out/checkpoint-50"
+    assert args["neftune_noise_alpha"] == 5
+
+
+def test_launch_is_llamafactory_cli_and_multi_gpu_uses_torchrun():
+    from pathlib import Path
+
+    assert launch_command(Path("c.yaml"))[:4] == [sys.executable, "-m", "tasks.llamafactory_launch", "train"]
+    assert "FORCE_TORCHRUN" not in launch_env(HardwareSection())
+    env = launch_env(HardwareSection(accelerator="cuda", gpus=2))
+    assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
+
+
+def test_follower_streams_log_lines_and_skips_a_partial_line(tmp_path):
+    logged = []
+
+    class Tracker:
+        def log_metrics(self, prefix, metrics, step=0):
+            logged.append((prefix, step, metrics))
+
+    class Ctx:
+        tracker = Tracker()
+
+    follower = TrainingFollower(Ctx(), tmp_path, "key")
+    line = {"current_steps": 5, "total_steps": 10, "loss": 2.5, "lr": 0.001, "epoch": 0.5, "percentage": 50}
+    (tmp_path / "trainer_log.jsonl").write_text(json.dumps(line) + "\n" + '{"current_steps": 10, "lo')
+    follower.poll()
+    assert logged == [("train", 5, {"loss": 2.5, "epoch": 0.5, "learning_rate": 0.001})]
+    assert follower.last_step == 5
