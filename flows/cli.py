@@ -62,7 +62,6 @@ examples:
 
 def prepare_environment(home: Path) -> None:
     """Keep Prefect's and MLflow's local state under $LLMOPS_HOME; must run before Prefect is imported."""
-    home.mkdir(parents=True, exist_ok=True)
     os.environ["LLMOPS_HOME"] = str(home)
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -101,6 +100,7 @@ def command_run(args) -> str:
 
     profile = load_profile(args.profile, args.overrides, args.data)  # bad input fails before anything is created
     check_machine(profile)
+    Path(os.environ["LLMOPS_HOME"]).mkdir(parents=True, exist_ok=True)
     from flows.release import release
 
     result = release(profile=args.profile, data_source=args.data, overrides=args.overrides,

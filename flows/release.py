@@ -33,8 +33,10 @@ def llmops_home() -> Path:
 
 def open_context(profile: Profile, tracking_uri: str | None, artifacts: str | None) -> RunContext:
     home = llmops_home()
+    # A local store keeps its artifacts under LLMOPS_HOME; a tracking server decides for itself.
+    artifact_root = None if tracking_uri else home / "mlartifacts"
     tracker = start_run(
-        tracking_uri or default_tracking_uri(home), home / "mlartifacts", f"release-{profile.name}",
+        tracking_uri or default_tracking_uri(home), artifact_root, f"release-{profile.name}",
         tags={"profile.name": profile.name, "profile.digest": profile.digest,
               "prefect.flow_run_id": str(runtime.flow_run.id or "")},
     )

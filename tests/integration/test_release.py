@@ -1,0 +1,246 @@
+"""The whole cpu-tiny release against a real MLflow server and a real S3 server on 127.0.0.1.
+
+Order matters inside this module: the first run fills the bucket, later tests check the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.servers import free_port, s3_env, start_stack
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+LLMOPS = Path(sys.executable).parent / "llmops"
+ANTONYMS = ROOT / "profiles" / "data" / "antonyms.jsonl"
+MODEL = "tiny-qwen2-antonyms"
+STAGES = ["prepare_data", "base_model", "train", "evaluate", "merge", "quantize"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    stack = start_stack(root)
+    stack.boto3().upload_file(str(ANTONYMS), "datasets", "sft/antonyms.jsonl")
+    yield stack
+    stack.stop()
+
+
+def llmops(stack, *args: str, home: Path | None = None, env: dict | None = None, timeout: float = 600):
+    home = home or Path(f"/tmp/llmops-it-{uuid.uuid4().hex[:8]}")
+    run_env = {**os.environ, **stack.env, "LLMOPS_HOME": str(home), **(env or {})}
+    run_env.pop("PREFECT_HOME", None)  # each run keeps Prefect's state in its own LLMOPS_HOME
+    result = subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, env=run_env, timeout=timeout, cwd=ROOT)
+    shutil.rmtree(home, ignore_errors=True)
+    return result
+
+
+def release_args(stack, *extra: str) -> list[str]:
+    return ["run", "--data", "s3://datasets/sft/", "--artifacts", "s3://artifacts/llmops",
+            "--tracking-uri", stack.mlflow.url, "--set", "run.retry_delay_s=0.2", *extra]
+
+
+def latest_run(stack):
+    client = MlflowClient(stack.mlflow.url)
+    experiment = client.get_experiment_by_name("llm-release")
+    return client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
+
+
+def stage_results(stack) -> dict[str, str]:
+    run = latest_run(stack)
+    return {stage: run.data.tags.get(f"stage.{stage}") for stage in STAGES}
+
+
+def bucket_keys(stack, bucket="artifacts") -> set[str]:
+    keys = set()
+    for page in stack.boto3().get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys |= {item["Key"] for item in page.get("Contents", [])}
+    return keys
+
+
+def versions(stack) -> list[str]:
+    client = MlflowClient(stack.mlflow.url)
+    try:
+        return sorted(v.version for v in client.search_model_versions(f"name = '{MODEL}'"))
+    except Exception:
+        return []
+
+
+def assert_one_line_error(result, code: int, *phrases: str):
+    assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("llmops: error: "), result.stderr[-2000:]
+    for phrase in phrases:
+        assert phrase in last, last
+
+
+@pytest.fixture(scope="module")
+def first_run(stack):
+    result = llmops(stack, *release_args(stack))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def test_full_run_registers_a_tracked_candidate(stack, first_run):
+    assert "quantize" in first_run.stdout and "MLflow run: http://127.0.0.1" in first_run.stdout
+    client = MlflowClient(stack.mlflow.url)
+    run = latest_run(stack)
+    assert run.info.status == "FINISHED"
+    assert stage_results(stack) == {stage: "ran" for stage in STAGES}
+
+    losses = client.get_metric_history(run.info.run_id, "train/loss")
+    assert len(losses) >= 10 and losses[-1].step > losses[0].step  # streamed per logging step
+    assert len(client.get_metric_history(run.info.run_id, "train/learning_rate")) == len(losses)
+    metrics = run.data.metrics
+    assert metrics["evaluate/candidate_exact_match"] - metrics["evaluate/base_exact_match"] >= 0.3
+    assert metrics["merge/max_abs_logit_diff"] <= 1e-3
+    assert metrics["quantize/quantized_bytes"] < metrics["quantize/onnx_fp32_bytes"]
+    assert {"prepare_data/train_records", "prepare_data/duplicates_dropped"} <= set(metrics)
+    assert {d.dataset.name for d in run.inputs.dataset_inputs} == {"sft-train", "sft-eval"}
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert "artifacts.json" in artifacts and "train" in artifacts  # train/training_loss.png
+
+    version = client.get_model_version(MODEL, run.data.tags["registered_version"])
+    assert version.source.startswith("s3://artifacts/llmops/objects/")
+    for tag in ("data.fingerprint", "profile.digest", "code.version", "prefect.flow_run_id", "artifact.train.sha256"):
+        assert version.tags.get(tag), tag
+    assert version.tags["mlflow.run_id"] == run.info.run_id
+    digest = version.source.rsplit("/", 1)[1]
+    assert f"llmops/objects/{digest}/manifest.json" in bucket_keys(stack)
+
+
+def test_rerun_on_a_fresh_machine_is_all_cache_hits(stack, first_run):
+    before = versions(stack)
+    result = llmops(stack, *release_args(stack))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stage_results(stack) == {stage: "cached" for stage in STAGES}
+    assert versions(stack) == before  # same candidate, same registered version
+
+
+def delete_stage_artifact(stack, stage: str) -> str:
+    version = MlflowClient(stack.mlflow.url).get_model_version(MODEL, latest_run(stack).data.tags["registered_version"])
+    uri = version.tags[f"artifact.{stage}.uri"]
+    prefix = uri.split("s3://artifacts/", 1)[1]
+    victim = sorted(k for k in bucket_keys(stack) if k.startswith(prefix + "/files/"))[0]
+    stack.boto3().delete_object(Bucket="artifacts", Key=victim)
+    return victim
+
+
+def test_deleted_artifact_reruns_its_stage_and_dependents_follow_content(stack, first_run):
+    client = MlflowClient(stack.mlflow.url)
+    tags_before = client.get_model_version(MODEL, latest_run(stack).data.tags["registered_version"]).tags
+    victim = delete_stage_artifact(stack, "merge")
+    result = llmops(stack, *release_args(stack))
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = stage_results(stack)
+    assert results["merge"] == "ran"
+    assert victim in bucket_keys(stack)  # the stage put its artifact back
+    assert all(results[s] == "cached" for s in ("prepare_data", "base_model", "train", "evaluate"))
+    # A dependent reruns when its input content changed; a bit-identical re-merge keeps quantize's cache valid.
+    tags_after = client.get_model_version(MODEL, latest_run(stack).data.tags["registered_version"]).tags
+    merge_same = tags_after["artifact.merge.sha256"] == tags_before["artifact.merge.sha256"]
+    assert results["quantize"] == ("cached" if merge_same else "ran")
+
+    delete_stage_artifact(stack, "quantize")
+    result = llmops(stack, *release_args(stack))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stage_results(stack)["quantize"] == "ran"
+
+
+def test_eval_change_reruns_evaluation_and_what_follows_only(stack, first_run):
+    result = llmops(stack, *release_args(stack, "--set", "evaluate.max_new_tokens=6"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stage_results(stack) == {"prepare_data": "cached", "base_model": "cached", "train": "cached",
+                                    "evaluate": "ran", "merge": "cached", "quantize": "ran"}
+
+
+# Bad input: one clear line, a non-zero exit, nothing in the store or the registry.
+
+def write(tmp_path, name, lines):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+GOOD = ANTONYMS.read_text().splitlines()
+
+
+@pytest.mark.parametrize("name,lines,phrases", [
+    ("malformed.jsonl", GOOD[:5] + ['{"instruction": "x", "output": '] + GOOD[5:10], ["malformed.jsonl line 6: invalid JSON"]),
+    ("missing.jsonl", GOOD[:3] + ['{"instruction": "no answer here"}'], ["missing.jsonl line 4: field 'output' is missing"]),
+    ("empty.jsonl", ['{"instruction": "a", "output": ""}', '{"instruction": "b", "output": " "}'],
+     ["no usable records after cleaning", "2 empty answers"]),
+])
+def test_bad_data_is_rejected_and_nothing_is_written(stack, first_run, tmp_path, name, lines, phrases):
+    keys, before = bucket_keys(stack), versions(stack)
+    args = release_args(stack)
+    args[args.index("--data") + 1] = write(tmp_path, name, lines)
+    assert_one_line_error(llmops(stack, *args), 2, *phrases)
+    assert bucket_keys(stack) == keys and versions(stack) == before
+
+
+@pytest.mark.parametrize("override,phrase", [
+    ("train.lora_rnk=3", "train.lora_rnk: unknown key"),
+    ("train.lora_rank=many", "train.lora_rank: Input should be a valid integer"),
+])
+def test_bad_profile_is_rejected_before_anything_is_created(stack, tmp_path, override, phrase):
+    home = tmp_path / "home"
+    result = llmops(stack, *release_args(stack, "--set", override), home=home)
+    assert_one_line_error(result, 2, phrase)
+    assert not home.exists()
+
+
+def test_unreachable_s3_fails_after_retries(stack, first_run):
+    closed = f"http://127.0.0.1:{free_port()}"
+    result = llmops(stack, *release_args(stack), env=s3_env(closed))
+    assert_one_line_error(result, 4, "unreachable after retries", closed)
+    assert result.stdout.count("Retry") + result.stderr.count("Retry") >= 3  # Prefect retried the task
+
+
+def test_merge_failing_exactness_registers_nothing(stack, first_run):
+    before = versions(stack)
+    result = llmops(stack, *release_args(stack, "--set", "merge.tolerance=0"))
+    assert_one_line_error(result, 3, "merge: max |logits(base+adapter) - logits(merged)|", "merge.tolerance 0")
+    assert versions(stack) == before
+    assert latest_run(stack).info.status == "FAILED"
+
+
+def test_training_resumes_from_the_stored_checkpoint_on_a_fresh_machine(stack, first_run, tmp_path):
+    import signal
+    import time
+
+    args = release_args(stack, "--set", "train.num_train_epochs=20", "--set", "train.save_steps=40")
+    namespace = "llmops/records/checkpoints/train/"
+    known = {k for k in bucket_keys(stack) if k.startswith(namespace)}
+    home = tmp_path / "machine-1"
+    env = {**os.environ, **stack.env, "LLMOPS_HOME": str(home)}
+    env.pop("PREFECT_HOME", None)
+    with open(tmp_path / "first.log", "w") as log:
+        process = subprocess.Popen([str(LLMOPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                   start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not {k for k in bucket_keys(stack) if k.startswith(namespace)} - known:
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.5)
+        # The machine dies mid-training: the run and its trainer, nothing is cleaned up.
+        os.killpg(process.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", str(home)], check=False)
+        process.wait(30)
+
+    result = llmops(stack, *args, home=tmp_path / "machine-2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "train: resuming from stored checkpoint at step" in output
+    resumed = latest_run(stack).data.metrics["train/resumed_from_step"]
+    assert resumed >= 40
+    history = MlflowClient(stack.mlflow.url).get_metric_history(latest_run(stack).info.run_id, "train/loss")
+    assert min(m.step for m in history) > resumed  # no step before the checkpoint was trained again

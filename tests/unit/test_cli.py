@@ -1,0 +1,55 @@
+"""The llmops command: help everywhere, one-line errors with documented exit codes, fail fast."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LLMOPS = Path(sys.executable).parent / "llmops"
+
+
+def llmops(*args, env_home=None):
+    import os
+
+    env = {**os.environ, "LLMOPS_HOME": str(env_home or "/nonexistent/llmops-home")}
+    return subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("args", [[], ["run"], ["profiles"], ["profiles", "list"], ["profiles", "show"],
+                                  ["profiles", "validate"]])
+def test_every_command_has_help(args):
+    result = llmops(*args, "--help")
+    assert result.returncode == 0 and "usage: llmops" in result.stdout
+
+
+def test_run_help_documents_exit_codes_and_examples():
+    out = llmops("run", "--help").stdout
+    assert "exit codes:" in out and "--set" in out and "s3://" in out
+
+
+def test_profiles_list_and_show():
+    assert "cpu-tiny" in llmops("profiles", "list").stdout
+    shown = llmops("profiles", "show", "cpu-tiny", "--set", "train.lora_rank=4").stdout
+    assert "lora_rank: 4" in shown and "tolerance:" in shown
+
+
+def test_bad_override_is_one_line_exit_2():
+    result = llmops("profiles", "validate", "cpu-tiny", "--set", "merge.tolerence=1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["llmops: error: profile cpu-tiny: merge.tolerence: unknown key"]
+
+
+def test_gpu_profile_without_gpu_fails_fast_and_creates_nothing(tmp_path):
+    started = time.monotonic()
+    result = llmops("run", "--profile", "qwen-7b-qlora-2xa10", env_home=tmp_path / "home")
+    assert result.returncode == 2
+    assert "needs 2 CUDA GPU(s), this machine has 0" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "home").exists()
+    assert time.monotonic() - started < 60
+
+
+def test_missing_data_file_is_bad_input(tmp_path):
+    result = llmops("profiles", "validate", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2 and "not found" in result.stderr
