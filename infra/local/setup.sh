@@ -13,7 +13,7 @@ PYTHON=${PYTHON:-python3.11}
 VENV=.venv
 PIN_FILE=infra/constraints-cpu.txt
 STAMP=$VENV/.llmops-setup
-want=$(cat "$PIN_FILE" pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat "$PIN_FILE" pyproject.toml infra/local/perf_analyzer.sh | sha256sum | cut -d' ' -f1)
 
 say() { printf 'setup: %s\n' "$*"; }
 
@@ -51,6 +51,8 @@ if [ -n "$problems" ]; then
   echo "$problems" >&2
   exit 1
 fi
+
+bash infra/local/perf_analyzer.sh
 
 echo "$want" > "$STAMP"
 say "done: $VENV/bin/llmops ($("$VENV/bin/llmops" --help >/dev/null && echo ok))"
