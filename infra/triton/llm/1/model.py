@@ -1,0 +1,154 @@
+"""Triton Python-backend model: a causal LM from a Hugging Face folder, batched, streaming, with a KV cache.
+
+Each `execute` receives the requests Triton's dynamic batcher gathered; they are decoded together
+(left-padded prefill, then one token per step for the whole batch, reusing past key/values, so a
+token costs the same at step 1 and step 100). Streaming requests get one response per token,
+the others one response at the end; every request ends with the FINAL flag (decoupled mode).
+"""
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+@dataclass
+class Job:
+    sender: object
+    prompt: str
+    ids: list
+    max_tokens: int
+    min_length: int
+    stream: bool
+    echo: bool
+    temperature: float
+    top_k: int
+    generator: object = None
+    tokens: list = field(default_factory=list)
+    sent_text: str = ""
+    done: bool = False
+
+
+def scalar(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    value = tensor.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        torch.set_num_threads(int(params.get("torch_threads", "1")))
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(params["model_dir"])
+        self.chat = params.get("apply_chat_template", "true") == "true"
+        self.default_max_tokens = int(params.get("default_max_tokens", "16"))
+        self.eos = self.tokenizer.eos_token_id
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+
+    def encode(self, text):
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def parse(self, request):
+        text = scalar(request, "text_input", None)
+        if text is None:
+            raise ValueError("text_input is required")
+        max_tokens = int(scalar(request, "max_tokens", self.default_max_tokens))
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        job = Job(sender=request.get_response_sender(), prompt=text, ids=self.encode(text), max_tokens=max_tokens,
+                  min_length=int(scalar(request, "min_length", 0)), stream=bool(scalar(request, "stream", False)),
+                  echo=not bool(scalar(request, "exclude_input_in_output", False)),
+                  temperature=float(scalar(request, "temperature", 0.0)), top_k=int(scalar(request, "top_k", 0)))
+        seed = scalar(request, "random_seed", None)
+        if job.temperature > 0:
+            job.generator = self.torch.Generator().manual_seed(int(seed) if seed is not None else 0)
+        return job
+
+    def execute(self, requests):
+        jobs = []
+        for request in requests:
+            try:
+                jobs.append(self.parse(request))
+            except Exception as exc:  # a bad request fails alone, not its batch
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if jobs:
+            try:
+                self.generate(jobs)
+            except Exception as exc:
+                for job in jobs:
+                    if not job.done:
+                        job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def respond(self, job, text, final):
+        output = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        job.sender.send(pb_utils.InferenceResponse(output_tensors=[output]), flags=flags)
+
+    def pick(self, job, logits):
+        if len(job.tokens) < job.min_length:
+            logits[self.eos] = float("-inf")
+        if job.temperature <= 0:
+            return int(logits.argmax())
+        logits = logits / job.temperature
+        if job.top_k > 0:
+            cutoff = self.torch.topk(logits, job.top_k).values[-1]
+            logits[logits < cutoff] = float("-inf")
+        return int(self.torch.multinomial(self.torch.softmax(logits, -1), 1, generator=job.generator))
+
+    def generate(self, jobs):
+        torch = self.torch
+        width = max(len(job.ids) for job in jobs)
+        input_ids = torch.full((len(jobs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for i, job in enumerate(jobs):  # left padding: every sequence ends at the last column
+            input_ids[i, width - len(job.ids):] = torch.tensor(job.ids)
+            mask[i, width - len(job.ids):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        past, step_ids, step_positions = None, input_ids, positions
+        with torch.no_grad():
+            for _ in range(max(job.max_tokens for job in jobs)):
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions,
+                                 past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[:, -1, :]
+                next_ids = torch.full((len(jobs),), self.pad, dtype=torch.long)
+                for i, job in enumerate(jobs):
+                    if job.done:
+                        continue
+                    token = self.pick(job, logits[i].clone())
+                    next_ids[i] = token
+                    finished = token == self.eos or len(job.tokens) + 1 >= job.max_tokens
+                    if token != self.eos:
+                        job.tokens.append(token)
+                    self.emit(job, finished)
+                if all(job.done for job in jobs):
+                    break
+                step_ids = next_ids[:, None]
+                step_positions = step_positions[:, -1:] + 1
+                mask = torch.cat([mask, torch.ones((len(jobs), 1), dtype=torch.long)], dim=1)
+
+    def emit(self, job, finished):
+        text = self.tokenizer.decode(job.tokens, skip_special_tokens=True)
+        if job.stream:
+            delta, job.sent_text = text[len(job.sent_text):], text
+            if delta or finished:
+                self.respond(job, delta, finished)
+        elif finished:
+            self.respond(job, (job.prompt + text) if job.echo else text, True)
+        job.done = finished
