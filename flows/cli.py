@@ -13,17 +13,18 @@ import sys
 from pathlib import Path
 
 EXIT_CODES = """exit codes:
-  0  success
+  0  success (for run: the candidate was promoted, or already is the champion)
   2  bad input: data, profile or arguments (nothing is written)
   3  a stage's check failed (evaluation margin, merge exactness, quantization accuracy)
   4  a service (S3, MLflow, Prefect) stayed unreachable after retries
   5  an artifact is missing or does not match its sha256
+ 10  the gate rejected the candidate, or the canary rolled it back (the champion keeps serving)
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="llmops", description="Release pipeline for fine-tuned LLMs: data -> QLoRA -> merge -> quantize -> registry.",
+        prog="llmops", description="Release pipeline for fine-tuned LLMs: data -> (Q)LoRA -> merge -> quantize -> Triton canary -> gate -> promote | rollback.",
         epilog=EXIT_CODES + "\nstate lives in $LLMOPS_HOME (default ./.llmops); a fresh folder is a fresh start.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -46,6 +47,29 @@ examples:
                      help="override a profile value, e.g. train.learning_rate=1e-4 (repeatable)")
     run.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
     run.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
+    run.add_argument("--triton-url", help="attach to a running Triton (HTTP URL; gRPC and metrics on its ports +1/+2) "
+                     "instead of the one `llmops serve` runs or a temporary one")
+    run.add_argument("--triton-repository", help="that Triton's model repository folder (shared with this machine)")
+
+    serve = commands.add_parser(
+        "serve", help="serve the champion on Triton behind the router until Ctrl-C",
+        description="Start Triton on 127.0.0.1 with the registered champion behind the router (the service name). "
+                    "`llmops run` with the same LLMOPS_HOME rolls candidates out on this server.",
+        epilog="example:\n  llmops serve &\n  curl -s localhost:PORT/v2/models/tiny-qwen2-antonyms/generate "
+               "-d '{\"text_input\": \"Antonym of hot:\", \"max_tokens\": 8}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--profile", default="cpu-tiny", help="profile name or YAML path (default: cpu-tiny)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a profile value (repeatable)")
+    serve.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
+    serve.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
+
+    gate = commands.add_parser(
+        "gate", help="read a gate report; exit 0 on promote, 10 on reject (for release pipelines)",
+        description="Print a gate report written by `llmops run` and exit with its decision: 0 promote, 10 reject.",
+        epilog="example (a CI/CD step):\n  llmops gate .llmops/work/gate/<mlflow-run-id>/gate_report.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    gate.add_argument("report", help="gate_report.json path (printed by llmops run)")
 
     profiles = commands.add_parser("profiles", help="list, show or validate profiles",
                                    description="Inspect the run profiles in profiles/.")
@@ -87,12 +111,16 @@ def summary(result) -> str:
     rows = [(s.stage, "cached" if s.cached else "ran", f"{s.seconds:.1f}", s.headline) for s in result.stages]
     rows.append(("register", "reused" if result.registered.reused else "new", "",
                  f"{result.registered.name} v{result.registered.version}"))
+    if result.gate_report is not None:
+        rows.append(("gate", result.gate_report.decision, "", result.gate_report.summary()[:60]))
+    rows.append(("rollout", result.outcome, "", ""))
     widths = [max(len(r[i]) for r in rows + [("stage", "result", "seconds", "key metric")]) for i in range(4)]
     line = "  ".join("{:<%d}" % w for w in widths)
     table = [line.format("stage", "result", "seconds", "key metric"), line.format(*("-" * w for w in widths))]
     table += [line.format(*row).rstrip() for row in rows]
     return "\n".join(["", *table, "", f"MLflow run: {result.tracker.url()}",
-                      f"model: models:/{result.registered.name}/{result.registered.version}  source {result.registered.source}"])
+                      f"model: models:/{result.registered.name}/{result.registered.version}  source {result.registered.source}",
+                      *([f"gate report: {result.gate_report_path}"] if result.gate_report_path else [])])
 
 
 def command_run(args) -> str:
@@ -104,8 +132,86 @@ def command_run(args) -> str:
     from flows.release import release
 
     result = release(profile=args.profile, data_source=args.data, overrides=args.overrides,
-                     tracking_uri=args.tracking_uri, artifacts=args.artifacts)
+                     tracking_uri=args.tracking_uri, artifacts=args.artifacts, triton_url=args.triton_url,
+                     triton_repository=args.triton_repository)
+    if result.outcome in ("rejected", "rolled_back"):
+        report = result.gate_report
+        reason = report.summary() if report is not None and not report.passed else "canary breach (see the log)"
+        raise Rejected(summary(result), f"candidate {result.outcome.replace('_', ' ')}: {reason}")
     return summary(result)
+
+
+class Rejected(Exception):
+    """Not an error of the run: the gate or the canary said no. Exit 10, after the summary."""
+
+    exit_code = 10
+
+    def __init__(self, table: str, message: str):
+        self.table = table
+        super().__init__(message)
+
+
+def command_serve(args) -> None:
+    import json as jsonlib
+    import signal
+    import time
+
+    from tasks.config import load_profile
+
+    profile = load_profile(args.profile, args.overrides)
+    check_machine(profile)
+    home = Path(os.environ["LLMOPS_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    from flows.release import open_serving_context
+    from tasks.canary import SERVER_FILE, serve_champion
+    from tasks.triton import Triton
+
+    ctx = open_serving_context(profile, args.tracking_uri, args.artifacts)
+    triton = Triton.start(home, profile.serve.triton_binary)
+    state = home / "triton" / SERVER_FILE
+    try:
+        champion = serve_champion(ctx, triton)
+        if champion is None:
+            from tasks.errors import BadInput
+
+            raise BadInput(f"registered model {profile.registry.model_name}: no champion yet; run `llmops run` first")
+        state.write_text(jsonlib.dumps({"url": triton.url, "grpc_url": triton.grpc_url, "metrics_url": triton.metrics_url,
+                                        "repository": str(triton.repository), "pid": os.getpid()}))
+        print(f"serving {profile.registry.model_name} (champion v{champion.version}) at {triton.url}/v2/models/"
+              f"{profile.registry.model_name}/generate  (gRPC {triton.grpc_url}, metrics {triton.metrics_url}); "
+              f"Ctrl-C stops", flush=True)
+        stopped = []
+        signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+        while not stopped and triton.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        state.unlink(missing_ok=True)
+        triton.stop()
+        print("llmops serve: stopped", flush=True)
+
+
+def command_gate(args) -> str:
+    import json as jsonlib
+
+    from tasks.errors import BadInput
+
+    path = Path(args.report)
+    try:
+        report = jsonlib.loads(path.read_text())
+        decision, checks = report["decision"], report["checks"]
+    except FileNotFoundError:
+        raise BadInput(f"gate report {path}: not found") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"gate report {path}: not a gate report ({type(exc).__name__}: {exc})") from None
+    lines = [f"gate: {decision} {report['model']} v{report['candidate_version']} ({path})"]
+    lines += [f"  {'pass' if c['passed'] else 'FAIL'}  {c['name']}: {c['value']} {c['comparison']} {c['threshold']}"
+              for c in checks]
+    if decision != "promote":
+        failed = "; ".join(c["name"] for c in checks if not c["passed"])
+        raise Rejected("\n".join(lines), f"gate rejected {report['model']} v{report['candidate_version']}: {failed}")
+    return "\n".join(lines)
 
 
 def command_profiles(args) -> None:
@@ -154,14 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     prepare_environment(Path(os.environ.get("LLMOPS_HOME", ".llmops")).resolve())
     epilogue = None
     try:
-        epilogue = {"run": command_run, "profiles": command_profiles}[args.command](args)
+        commands = {"run": command_run, "profiles": command_profiles, "serve": command_serve, "gate": command_gate}
+        epilogue = commands[args.command](args)
         code, message = 0, None
     except KeyboardInterrupt:
         code, message = 130, "interrupted"
+    except Rejected as exc:
+        code, message, epilogue = exc.exit_code, str(exc), exc.table
     except Exception as exc:
         code, message = describe_failure(exc)
     stop_prefect_services()
-    if code == 0 and epilogue:
+    if epilogue and code in (0, Rejected.exit_code):
         print(epilogue)
     sys.stdout.flush()
     if message:

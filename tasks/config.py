@@ -102,15 +102,63 @@ class QuantizeSection(Section):
     max_accuracy_drop: float = Field(0.05, ge=0)
 
 
+class ServeSection(Section):
+    """Triton serving of the candidate and the champion."""
+
+    # None: the nvidia-pytriton binary (CPU). A path or name: an NGC/system tritonserver.
+    triton_binary: str | None = None
+    artifact: Literal["merged"] = "merged"
+    instance_count: int = Field(1, ge=1)
+    max_batch_size: int = Field(8, ge=1)
+    max_queue_delay_us: int = Field(2000, ge=0)
+    torch_threads: int = Field(1, ge=1)
+    default_max_tokens: int = Field(16, ge=1)
+    apply_chat_template: bool = True
+    load_timeout_s: float = Field(300, gt=0)
+
+
+class CanarySection(Section):
+    """Traffic steps of the rollout; each step is watched for `window_s` before the next."""
+
+    steps: list[int] = [10, 50, 100]
+    window_s: float = Field(3.0, gt=0)
+    probe_concurrency: int = Field(4, ge=1)
+    max_error_rate: float = Field(0.0, ge=0, le=1)
+    max_mean_latency_ms: float = Field(2000, gt=0)
+
+    @model_validator(mode="after")
+    def _steps_rise_to_100(self) -> "CanarySection":
+        if not self.steps or any(not 0 < s <= 100 for s in self.steps) or self.steps != sorted(self.steps) \
+                or self.steps[-1] != 100:
+            raise ValueError("steps must be rising percentages in (0, 100] ending at 100")
+        return self
+
+
+class BenchSection(Section):
+    """genai-perf load, the same for champion and candidate."""
+
+    concurrency: list[int] = [1, 4]
+    input_tokens: int = Field(16, ge=1)
+    output_tokens: int = Field(8, ge=1)
+    request_count: int = Field(32, ge=1)
+    warmup_request_count: int = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _concurrency_positive(self) -> "BenchSection":
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("concurrency must list levels >= 1")
+        return self
+
+
 class GateSection(Section):
     """Promotion thresholds; read by the benchmark gate."""
 
-    p99_request_latency_ms: float | None = None
-    p99_time_to_first_token_ms: float | None = None
-    max_error_rate: float = 0.0
-    min_throughput_ratio: float | None = None
-    max_task_metric_drop: float = 0.02
-    max_quantization_accuracy_drop: float = 0.05
+    p99_request_latency_ms: float | None = Field(None, gt=0)
+    p99_time_to_first_token_ms: float | None = Field(None, gt=0)
+    max_error_rate: float = Field(0.0, ge=0, le=1)
+    min_throughput_ratio: float | None = Field(None, gt=0)
+    max_task_metric_drop: float = Field(0.02, ge=0)
+    max_quantization_accuracy_drop: float = Field(0.05, ge=0)
 
 
 class HardwareSection(Section):
@@ -143,6 +191,9 @@ class Profile(Section):
     evaluate: EvaluateSection = EvaluateSection()
     merge: MergeSection = MergeSection()
     quantize: QuantizeSection = QuantizeSection()
+    serve: ServeSection = ServeSection()
+    canary: CanarySection = CanarySection()
+    bench: BenchSection = BenchSection()
     gate: GateSection = GateSection()
     registry: RegistrySection
     run: RunSection = RunSection()

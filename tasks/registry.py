@@ -50,6 +50,8 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
         "mlflow.run_id": ctx.tracker.run_id,
     }
     for stage in stages:
+        if stage.stage == "evaluate":
+            tags["metric.exact_match"] = str(stage.metrics["candidate_exact_match"])
         tags[f"artifact.{stage.stage}.sha256"] = stage.artifact.digest
         tags[f"artifact.{stage.stage}.uri"] = stage.artifact.uri
     return tags

@@ -1,0 +1,294 @@
+"""deploy_canary, rollout, promote, rollback: the candidate next to the champion on one Triton.
+
+Triton cannot load or unload one version of a model and does not split traffic, so each
+registered version is its own Triton model (`<service>-v<N>`), and the router model named
+`<service>` splits traffic by weight. Changing weights rewrites the router's config and loads
+it again; Triton swaps the router without failing requests in flight.
+
+Aliases: `challenger` when the candidate is deployed, `champion` when it is promoted; a
+rollback moves no alias.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from tasks.config import Profile
+from tasks.data import load_split
+from tasks.errors import CheckFailed
+from tasks.registry import Registered
+from tasks.stage import RunContext, StageResult, logger
+from tasks.triton import Triton, parse_metric, render_model
+
+SERVER_FILE = "server.json"  # written by `llmops serve`: lets a run attach to the serving Triton
+
+
+@dataclass
+class Served:
+    version: str
+    name: str
+    model_dir: Path
+    exact_match: float | None = None
+
+
+@dataclass
+class Deployment:
+    triton: Triton
+    service: str
+    candidate: Served
+    champion: Served | None
+    started_here: bool
+    steps: list[dict] = field(default_factory=list)
+
+    @property
+    def first_release(self) -> bool:
+        return self.champion is None
+
+
+def model_name(service: str, version: str) -> str:
+    return f"{service}-v{version}"
+
+
+def llm_values(profile: Profile, model_dir: Path) -> dict:
+    serve = profile.serve
+    return {"max_batch_size": serve.max_batch_size, "max_queue_delay_us": serve.max_queue_delay_us,
+            "instance_count": serve.instance_count, "model_dir": model_dir.resolve(),
+            "apply_chat_template": str(serve.apply_chat_template).lower(),
+            "default_max_tokens": serve.default_max_tokens, "torch_threads": serve.torch_threads}
+
+
+def install_model(triton: Triton, profile: Profile, served: Served) -> None:
+    if triton.is_ready(served.name):
+        return
+    render_model("llm", triton.repository, served.name, llm_values(profile, served.model_dir))
+    logger().info(f"canary: loading {served.name} on Triton {triton.url}")
+    triton.load(served.name, timeout=profile.serve.load_timeout_s)
+
+
+def set_routes(triton: Triton, profile: Profile, service: str, weights: dict[str, float]) -> None:
+    routes = ",".join(f"{name}={weight:g}" for name, weight in weights.items() if weight > 0)
+    render_model("router", triton.repository, service, {"max_batch_size": profile.serve.max_batch_size,
+                                                        "routes": routes})
+    triton.load(service, timeout=profile.serve.load_timeout_s)
+    logger().info(f"canary: router {service} -> {routes}")
+
+
+# --- where Triton runs ------------------------------------------------------------------------
+
+def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None) -> tuple[Triton, bool]:
+    """Attach to the given Triton, or to the one `llmops serve` runs for this LLMOPS_HOME, else start one."""
+    if triton_url:
+        return Triton.attach(triton_url, Path(repository or ctx.home / "triton" / "repository")), False
+    state = ctx.home / "triton" / SERVER_FILE
+    if state.is_file():
+        info = json.loads(state.read_text())
+        try:
+            triton = Triton.attach(info["url"], Path(info["repository"]))
+            triton.grpc_url, triton.metrics_url = info["grpc_url"], info["metrics_url"]
+            return triton, False
+        except Exception:
+            logger().warning(f"canary: {state} names a Triton that does not answer; starting a new one")
+    return Triton.start(ctx.home, ctx.profile.serve.triton_binary), True
+
+
+def served_version(ctx: RunContext, service: str, version) -> Served:
+    digest = version.tags["artifact.merge.sha256"]
+    metric = version.tags.get("metric.exact_match")
+    return Served(str(version.version), model_name(service, str(version.version)), ctx.store.fetch(digest),
+                  float(metric) if metric is not None else None)
+
+
+def champion_version(ctx: RunContext):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return ctx.tracker.client.get_model_version_by_alias(ctx.profile.registry.model_name, "champion")
+    except MlflowException:
+        return None
+
+
+def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
+    """Champion loaded and the router sending it everything (what `llmops serve` keeps running)."""
+    service = ctx.profile.registry.model_name
+    version = champion_version(ctx)
+    if version is None:
+        return None
+    champion = served_version(ctx, service, version)
+    install_model(triton, ctx.profile, champion)
+    if not triton.is_ready(service):
+        set_routes(triton, ctx.profile, service, {champion.name: 100})
+    return champion
+
+
+def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton, started_here: bool) -> Deployment:
+    service = ctx.profile.registry.model_name
+    client = ctx.tracker.client
+    candidate = served_version(ctx, service, client.get_model_version(registered.name, registered.version))
+    champion = serve_champion(ctx, triton)
+    if champion is not None and champion.version == candidate.version:
+        logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
+        return Deployment(triton, service, candidate, champion, started_here)
+    try:
+        install_model(triton, ctx.profile, candidate)
+    except CheckFailed:
+        triton_unload_quietly(triton, candidate.name)
+        raise
+    client.set_registered_model_alias(registered.name, "challenger", registered.version)
+    logger().info(f"canary: {candidate.name} ready next to "
+                  f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}")
+    return Deployment(triton, service, candidate, champion, started_here)
+
+
+def triton_unload_quietly(triton: Triton, name: str) -> None:
+    try:
+        triton.unload(name)
+    except requests.RequestException:
+        pass
+
+
+# --- live checks during the rollout -------------------------------------------------------------
+
+@dataclass
+class Window:
+    requests: int
+    failures: int
+    candidate_requests: float
+    candidate_failures: float
+    candidate_mean_latency_ms: float | None
+    client_p99_ms: float | None
+
+
+def probe(triton: Triton, service: str, prompts: list[str], seconds: float, concurrency: int, max_tokens: int) -> tuple[int, int, list[float]]:
+    """Send real requests through the router for `seconds` (bounded: loopback, stops by itself)."""
+    stop = time.monotonic() + seconds
+    counts, latencies, lock = [0, 0], [], threading.Lock()
+
+    def client(offset: int) -> None:
+        i = offset
+        while time.monotonic() < stop:
+            started = time.perf_counter()
+            try:
+                triton.generate(service, prompts[i % len(prompts)], max_tokens=max_tokens, timeout=30)
+                ok = True
+            except Exception:
+                ok = False
+            with lock:
+                counts[0] += 1
+                counts[1] += 0 if ok else 1
+                latencies.append((time.perf_counter() - started) * 1000)
+            i += concurrency
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return counts[0], counts[1], latencies
+
+
+def watch_window(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> Window:
+    cfg, triton, name = ctx.profile.canary, deployment.triton, deployment.candidate.name
+    before = triton.metrics()
+    sent, failed, latencies = probe(triton, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency,
+                                    ctx.profile.bench.output_tokens)
+    after = triton.metrics()
+
+    def delta(metric: str) -> float:
+        return parse_metric(after, metric, name) - parse_metric(before, metric, name)
+
+    ok, bad = delta("nv_inference_request_success"), delta("nv_inference_request_failure")
+    duration_us = delta("nv_inference_request_duration_us")
+    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else None
+    return Window(sent, failed, ok + bad, bad, duration_us / ok / 1000 if ok else None, p99)
+
+
+def breach(ctx: RunContext, deployment: Deployment, window: Window) -> str | None:
+    cfg = ctx.profile.canary
+    if not deployment.triton.is_ready(deployment.candidate.name):
+        return f"{deployment.candidate.name} is not ready"
+    if window.requests and window.failures / window.requests > cfg.max_error_rate:
+        return f"{window.failures}/{window.requests} client requests failed (max error rate {cfg.max_error_rate})"
+    if window.candidate_requests and window.candidate_failures / window.candidate_requests > cfg.max_error_rate:
+        return f"candidate failed {window.candidate_failures:.0f}/{window.candidate_requests:.0f} requests"
+    if window.candidate_mean_latency_ms is not None and window.candidate_mean_latency_ms > cfg.max_mean_latency_ms:
+        return (f"candidate mean latency {window.candidate_mean_latency_ms:.1f} ms > canary.max_mean_latency_ms "
+                f"{cfg.max_mean_latency_ms}")
+    return None
+
+
+# --- the rollout decision -------------------------------------------------------------------------
+
+def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | None:
+    """Walk the traffic steps; return the breach that stopped it, or None when 100% was reached."""
+    champion = deployment.champion
+    steps = ctx.profile.canary.steps if champion else [100]  # the first release is deployed directly
+    for weight in steps:
+        weights = {deployment.candidate.name: weight}
+        if champion and weight < 100:
+            weights[champion.name] = 100 - weight
+        set_routes(deployment.triton, ctx.profile, deployment.service, weights)
+        window = watch_window(ctx, deployment, prompts)
+        problem = breach(ctx, deployment, window)
+        deployment.steps.append({"weight": weight, **window.__dict__, "breach": problem})
+        ctx.tracker.log_metrics("canary", {"weight": weight, "client_requests": window.requests,
+                                           "client_failures": window.failures,
+                                           "candidate_requests": window.candidate_requests,
+                                           "candidate_failures": window.candidate_failures,
+                                           "candidate_mean_latency_ms": window.candidate_mean_latency_ms or 0.0},
+                                step=weight)
+        logger().info(f"canary: {weight}% to {deployment.candidate.name}: {window.requests} requests, "
+                      f"{window.failures} failed, candidate mean {window.candidate_mean_latency_ms or 0:.1f} ms"
+                      + (f" -> BREACH: {problem}" if problem else ""))
+        if problem:
+            return problem
+    return None
+
+
+def promote(ctx: RunContext, deployment: Deployment) -> None:
+    client, name = ctx.tracker.client, ctx.profile.registry.model_name
+    client.set_registered_model_alias(name, "champion", deployment.candidate.version)
+    client.delete_registered_model_alias(name, "challenger")
+    if deployment.champion and deployment.champion.name != deployment.candidate.name:
+        triton_unload_quietly(deployment.triton, deployment.champion.name)
+    logger().info(f"canary: promoted {deployment.candidate.name}; alias champion -> v{deployment.candidate.version}")
+
+
+def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
+    """Router back to the champion, candidate unloaded, no alias moved."""
+    if deployment.champion:
+        set_routes(deployment.triton, ctx.profile, deployment.service, {deployment.champion.name: 100})
+    elif deployment.triton.is_ready(deployment.service):
+        triton_unload_quietly(deployment.triton, deployment.service)
+    triton_unload_quietly(deployment.triton, deployment.candidate.name)
+    logger().warning(f"canary: rolled back {deployment.candidate.name}: {reason}")
+
+
+def eval_prompts(ctx: RunContext, data: StageResult) -> list[str]:
+    return [c[-2]["content"] for c in load_split(ctx.store.fetch(data.artifact.digest), "eval")]
+
+
+def rollout(ctx: RunContext, deployment: Deployment, gate_passed: bool, gate_summary: str, data: StageResult) -> str:
+    """promote | rollback: walk the canary steps after a passed gate; any breach rolls back."""
+    if deployment.champion and deployment.champion.version == deployment.candidate.version:
+        outcome = "unchanged"
+    elif not gate_passed:
+        rollback(ctx, deployment, f"gate rejected: {gate_summary}")
+        outcome = "rejected"
+    else:
+        problem = ramp(ctx, deployment, eval_prompts(ctx, data))
+        if problem:
+            rollback(ctx, deployment, f"canary breach: {problem}")
+            outcome = "rolled_back"
+        else:
+            promote(ctx, deployment)
+            outcome = "promoted"
+    ctx.tracker.set_tags({"release.outcome": outcome})
+    ctx.tracker.log_json("canary.json", {"outcome": outcome, "steps": deployment.steps})
+    return outcome
