@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(epilogue)
     sys.stdout.flush()
     if message:
-        print(f"llmops: error: {message}", file=sys.stderr)
+        print(f"llmops: {'rejected' if code == Rejected.exit_code else 'error'}: {message}", file=sys.stderr)
     return code
 
 
