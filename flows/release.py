@@ -73,6 +73,9 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
         registered = stage_task(registry.register, config)(
             ctx, quantized, stages, dataset.metrics["fingerprint"], str(runtime.flow_run.id or ""))
         record_run(ctx, stages, registered)
+        if not config.serve.deploy:
+            end_run(ctx.tracker, "FINISHED")
+            return ReleaseResult(stages, registered, ctx.tracker)
 
         triton, started_here = canary.open_triton(ctx, triton_url, triton_repository)
         deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton, started_here)

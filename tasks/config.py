@@ -105,6 +105,8 @@ class QuantizeSection(Section):
 class ServeSection(Section):
     """Triton serving of the candidate and the champion."""
 
+    # false: stop after registering the candidate (a training-only pipeline); no Triton, no gate.
+    deploy: bool = True
     # None: the nvidia-pytriton binary (CPU). A path or name: an NGC/system tritonserver.
     triton_binary: str | None = None
     artifact: Literal["merged"] = "merged"

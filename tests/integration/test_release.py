@@ -46,7 +46,8 @@ def llmops(stack, *args: str, home: Path | None = None, env: dict | None = None,
 
 def release_args(stack, *extra: str) -> list[str]:
     return ["run", "--data", "s3://datasets/sft/", "--artifacts", "s3://artifacts/llmops",
-            "--tracking-uri", stack.mlflow.url, "--set", "run.retry_delay_s=0.2", *extra]
+            "--tracking-uri", stack.mlflow.url, "--set", "run.retry_delay_s=0.2",
+            "--set", "serve.deploy=false", *extra]  # serving has its own tests (test_serving.py)
 
 
 def latest_run(stack):

@@ -1,0 +1,200 @@
+"""Canary, gate, promotion and rollback on a real Triton (nvidia-pytriton binary) with real genai-perf.
+
+One LLMOPS_HOME for the module: the first run releases v1 (no champion: deployed directly after
+the gate), `llmops serve` then keeps the champion served, and later runs roll candidates out on
+that server while a bounded client load runs through the router.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from mlflow import MlflowClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[2]
+LLMOPS = Path(sys.executable).parent / "llmops"
+SERVICE = "tiny-qwen2-antonyms"
+# Lighter load than the profile's defaults: the same code paths in less CI time.
+FAST = ["--set", "bench.concurrency=[2]", "--set", "bench.request_count=16", "--set", "canary.window_s=1.5"]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("serving-home")
+
+
+def env_for(home: Path) -> dict:
+    env = {**os.environ, "LLMOPS_HOME": str(home)}
+    env.pop("PREFECT_HOME", None)
+    return env
+
+
+def llmops(home: Path, *args: str, timeout: float = 900):
+    return subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, env=env_for(home), cwd=ROOT,
+                          timeout=timeout)
+
+
+def registry(home: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+
+
+def champion(home: Path) -> str:
+    return str(registry(home).get_model_version_by_alias(SERVICE, "champion").version)
+
+
+@pytest.fixture(scope="module")
+def first_release(home):
+    result = llmops(home, "run", *FAST)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def server(home, first_release):
+    log = open(home / "serve.log", "w")
+    process = subprocess.Popen([str(LLMOPS), "serve"], stdout=log, stderr=subprocess.STDOUT, env=env_for(home),
+                               cwd=ROOT, start_new_session=True)
+    state = home / "triton" / "server.json"
+    deadline = time.monotonic() + 180
+    while not state.is_file():
+        assert process.poll() is None and time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+        time.sleep(0.5)
+    yield json.loads(state.read_text())
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(60)
+    assert not state.exists()  # serve cleans up after itself
+
+
+def ready_models(url: str, expected: list[str], timeout: float = 60) -> list[str]:
+    """Triton unloads asynchronously (after requests in flight): poll until the set settles."""
+    deadline = time.monotonic() + timeout
+    while True:
+        index = requests.post(f"{url}/v2/repository/index", json={"ready": True}, timeout=10).json()
+        names = sorted(m["name"] for m in index)
+        if names == sorted(expected) or time.monotonic() > deadline:
+            return names
+        time.sleep(0.5)
+
+
+class Load:
+    """A bounded client load on the router: fixed number of requests, stops by itself."""
+
+    def __init__(self, url: str, requests_total: int = 4000, concurrency: int = 3):
+        self.url, self.left, self.lock = url, requests_total, threading.Lock()
+        self.ok, self.failed, self.errors = 0, 0, []
+        self.threads = [threading.Thread(target=self.client) for _ in range(concurrency)]
+        self.stop = threading.Event()
+
+    def client(self):
+        while not self.stop.is_set():
+            with self.lock:
+                if self.left == 0:
+                    return
+                self.left -= 1
+            try:
+                response = requests.post(f"{self.url}/v2/models/{SERVICE}/generate", timeout=30,
+                                         json={"text_input": "What is the opposite of hot?", "max_tokens": 4})
+                good = response.status_code == 200 and "text_output" in response.json()
+            except requests.RequestException as exc:
+                good, response = False, exc
+            with self.lock:
+                self.ok += good
+                self.failed += not good
+                if not good:
+                    self.errors.append(str(getattr(response, "text", response))[:200])
+            time.sleep(0.02)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_first_release_is_gated_and_promoted(home, first_release):
+    assert "gate          promote" in first_release.stdout and "rollout       promoted" in first_release.stdout
+    assert champion(home) == "1"
+    report = json.loads(Path(first_release.stdout.split("gate report: ")[1].split()[0]).read_text())
+    assert report["decision"] == "promote" and report["champion_version"] is None
+    run = registry(home).get_run(registry(home).get_model_version(SERVICE, "1").tags["mlflow.run_id"])
+    for metric in ("benchmark/candidate_c2_latency_p99_ms", "benchmark/candidate_c2_ttft_p99_ms",
+                   "benchmark/candidate_c2_itl_avg_ms", "benchmark/candidate_c2_output_tokens_per_s",
+                   "benchmark/candidate_c2_requests_per_s", "gate/passed"):
+        assert metric in run.data.metrics, metric
+    assert run.data.metrics["benchmark/candidate_c2_request_count"] == 16
+    artifacts = {a.path for a in registry(home).list_artifacts(run.info.run_id, "benchmark")}
+    assert "benchmark/latency_throughput.png" in artifacts
+
+
+def test_served_model_answers_generate_and_generate_stream(home, server):
+    url = server["url"]
+    prompt = {"text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True}
+    through_router = requests.post(f"{url}/v2/models/{SERVICE}/generate", json=prompt, timeout=30).json()["text_output"]
+    direct = requests.post(f"{url}/v2/models/{SERVICE}-v1/generate", json=prompt, timeout=30).json()["text_output"]
+    assert through_router == direct == "cold"  # the fine-tuned answer, greedy
+    stream = requests.post(f"{url}/v2/models/{SERVICE}/generate_stream", json={**prompt, "stream": True}, timeout=30,
+                           stream=True)
+    events = [json.loads(line[5:]) for line in stream.iter_lines() if line.startswith(b"data:")]
+    assert "".join(e["text_output"] for e in events) == "cold" and len(events) >= 2
+
+
+def test_a_model_that_fails_to_load_leaves_the_champion_serving(home, server, tmp_path):
+    from tasks.canary import Served, install_model
+    from tasks.config import load_profile
+    from tasks.errors import CheckFailed
+    from tasks.triton import Triton
+
+    triton = Triton.attach(server["url"], Path(server["repository"]))
+    broken = Served("999", f"{SERVICE}-v999", tmp_path / "no-model-here")
+    with pytest.raises(CheckFailed, match=f"model {SERVICE}-v999 failed to load"):
+        install_model(triton, load_profile("cpu-tiny"), broken)
+    assert triton.generate(SERVICE, "What is the opposite of hot?", 4) == "cold"
+    assert f"{SERVICE}-v999" not in triton.loaded_models()
+
+
+def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server):
+    with Load(server["url"]) as load:
+        result = llmops(home, "run", "--set", "train.seed=7", *FAST)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "rollout       promoted" in result.stdout
+    new = champion(home)
+    assert new != "1"
+    for weight in (10, 50, 100):
+        assert f"canary: {weight}% to {SERVICE}-v{new}" in result.stdout + result.stderr
+    expected = [SERVICE, f"{SERVICE}-v{new}"]
+    assert ready_models(server["url"], expected) == sorted(expected)  # old champion unloaded
+    assert load.failed == 0, load.errors[:5]
+    assert load.ok > 50
+
+
+def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server):
+    before = champion(home)
+    with Load(server["url"]) as load:
+        result = llmops(home, "run", "--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=0", *FAST)
+    assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("llmops: rejected: candidate rejected: task metric drop vs champion")
+    assert champion(home) == before  # no alias moved
+    rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
+    assert str(rejected.version) != before and rejected.tags["gate.decision"] == "reject"
+    expected = [SERVICE, f"{SERVICE}-v{before}"]
+    assert ready_models(server["url"], expected) == sorted(expected)  # candidate unloaded
+    assert load.failed == 0, load.errors[:5]
+    report = result.stdout.split("gate report: ")[1].split()[0]
+    gate = llmops(home, "gate", report)
+    assert gate.returncode == 10 and "FAIL  task metric drop vs champion" in gate.stdout

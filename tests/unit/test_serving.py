@@ -1,0 +1,139 @@
+"""Serving pieces that need no server: strict templates, the gate's decision, genai-perf parsing, CLI gate."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.bench import parse_profile_export, summarize
+from tasks.config import GateSection, load_profile
+from tasks.errors import BadInput, CheckFailed
+from tasks.gate import REJECTED_EXIT_CODE, decide
+from tasks.triton import TEMPLATES, find_binary, render_model, render_template
+
+LLM_VALUES = dict(max_batch_size=8, max_queue_delay_us=100, instance_count=2, model_dir="/m", apply_chat_template="true",
+                  default_max_tokens=8, torch_threads=1)
+
+
+def test_template_refuses_missing_unknown_and_malformed():
+    with pytest.raises(BadInput, match=r"no value for \$\{b\}"):
+        render_template("${a} ${b}", {"a": 1}, "t")
+    with pytest.raises(BadInput, match=r"unknown variable\(s\) typo"):
+        render_template("${a}", {"a": 1, "typo": 2}, "t")
+    with pytest.raises(BadInput, match="malformed placeholder"):
+        render_template("${a} ${ b", {"a": 1}, "t")
+    assert render_template("x=${a}", {"a": 3}, "t") == "x=3"
+
+
+def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
+    folder = render_model("llm", tmp_path, "svc-v3", LLM_VALUES)
+    config = (folder / "config.pbtxt").read_text()
+    assert 'name: "svc-v3"' in config and "max_batch_size: 8" in config and "count: 2" in config
+    assert "decoupled: true" in config and "exclude_input_in_output" in config
+    assert "${" not in config and (folder / "1" / "model.py").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["svc-v3"]  # no staging folder left behind
+
+
+def test_every_template_renders_with_exactly_its_variables(tmp_path):
+    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "router"]
+    render_model("router", tmp_path, "svc", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"})
+    with pytest.raises(BadInput, match="no value"):
+        render_model("router", tmp_path, "svc", {"max_batch_size": 8})
+    with pytest.raises(BadInput, match="model name"):
+        render_model("router", tmp_path, "bad name", {"max_batch_size": 8, "routes": "a=1"})
+
+
+def test_missing_triton_binary_is_bad_input(monkeypatch):
+    monkeypatch.setenv("LLMOPS_TRITONSERVER", "/nonexistent/tritonserver")
+    with pytest.raises(BadInput, match="tritonserver binary /nonexistent/tritonserver: not found"):
+        find_binary(None)
+
+
+CANDIDATE = {"latency_p99_ms": 50.0, "ttft_p99_ms": 10.0, "output_tokens_per_s": 900.0, "error_rate": 0.0,
+             "exact_match": 0.90, "quantization_accuracy_drop": 0.0}
+CHAMPION = {"latency_p99_ms": 45.0, "ttft_p99_ms": 9.0, "output_tokens_per_s": 1000.0, "error_rate": 0.0, "exact_match": 0.91}
+GATE = GateSection(p99_request_latency_ms=100, p99_time_to_first_token_ms=20, min_throughput_ratio=0.8,
+                   max_task_metric_drop=0.02)
+
+
+def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
+    report = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION)
+    assert report.passed and report.decision == "promote"
+    assert [c.name for c in report.checks] == ["p99 request latency (ms)", "p99 time to first token (ms)", "error rate",
+                                                "quantization accuracy drop", "throughput ratio vs champion",
+                                                "task metric drop vs champion"]
+    json_path, md_path = report.write(tmp_path)
+    assert json.loads(json_path.read_text())["decision"] == "promote"
+    assert "| throughput ratio vs champion | 0.9 | >= 0.8 | pass |" in md_path.read_text()
+
+
+@pytest.mark.parametrize("change,failed", [
+    ({"latency_p99_ms": 150.0}, "p99 request latency (ms)"),
+    ({"error_rate": 0.01}, "error rate"),
+    ({"output_tokens_per_s": 500.0}, "throughput ratio vs champion"),
+    ({"exact_match": 0.80}, "task metric drop vs champion"),
+    ({"quantization_accuracy_drop": 0.2}, "quantization accuracy drop"),
+])
+def test_gate_rejects_on_each_threshold(change, failed):
+    report = decide(GATE, "svc", "2", "1", {**CANDIDATE, **change}, CHAMPION)
+    assert not report.passed and [c.name for c in report.checks if not c.passed] == [failed]
+    assert failed in report.summary()
+
+
+def test_first_release_has_only_absolute_checks():
+    report = decide(GATE, "svc", "1", None, CANDIDATE, None)
+    assert report.passed and not any("champion" in c.name for c in report.checks)
+
+
+def test_invalid_gate_thresholds_are_rejected_by_the_profile():
+    with pytest.raises(BadInput, match=r"gate\.max_error_rate: Input should be less than or equal to 1"):
+        load_profile("cpu-tiny", ["gate.max_error_rate=1.5"])
+    with pytest.raises(BadInput, match=r"gate\.p99_request_latency_ms: Input should be greater than 0"):
+        load_profile("cpu-tiny", ["gate.p99_request_latency_ms=-5"])
+    with pytest.raises(BadInput, match="steps must be rising percentages"):
+        load_profile("cpu-tiny", ["canary.steps=[50, 10]"])
+
+
+def export(**overrides):
+    stats = lambda v: {"unit": "ms", "avg": v, "p50": v, "p90": v, "p99": v * 2, "min": v, "max": v * 2}
+    data = {"time_to_first_token": stats(5), "inter_token_latency": stats(1), "request_latency": stats(20),
+            "output_token_throughput": {"unit": "tokens/sec", "avg": 800.0},
+            "request_throughput": {"unit": "requests/sec", "avg": 50.0}, "request_count": {"unit": "count", "avg": 32}}
+    data.update(overrides)
+    return data
+
+
+def test_genai_perf_export_is_parsed(tmp_path):
+    path = tmp_path / "profile_export_genai_perf.json"
+    path.write_text(json.dumps(export()))
+    metrics = parse_profile_export(path)
+    assert metrics["latency_p99_ms"] == 40 and metrics["ttft_p99_ms"] == 10 and metrics["output_tokens_per_s"] == 800
+    assert summarize({1: metrics, 4: {**metrics, "latency_p99_ms": 60.0}})["latency_p99_ms"] == 60.0
+
+
+def test_genai_perf_export_missing_or_malformed(tmp_path):
+    path = tmp_path / "profile_export_genai_perf.json"
+    with pytest.raises(CheckFailed, match="genai-perf wrote no profile_export_genai_perf.json"):
+        parse_profile_export(path)
+    path.write_text("{not json")
+    with pytest.raises(CheckFailed, match="malformed genai-perf export"):
+        parse_profile_export(path)
+    data = export()
+    del data["time_to_first_token"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(CheckFailed, match="malformed genai-perf export .*time_to_first_token"):
+        parse_profile_export(path)
+
+
+def test_llmops_gate_exit_codes(tmp_path):
+    llmops = Path(sys.executable).parent / "llmops"
+    good = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION).write(tmp_path / "good")[0]
+    bad = decide(GATE, "svc", "3", "1", {**CANDIDATE, "exact_match": 0.1}, CHAMPION).write(tmp_path / "bad")[0]
+    assert subprocess.run([llmops, "gate", str(good)], capture_output=True).returncode == 0
+    rejected = subprocess.run([llmops, "gate", str(bad)], capture_output=True, text=True)
+    assert rejected.returncode == REJECTED_EXIT_CODE
+    assert rejected.stderr.strip().splitlines()[-1].startswith("llmops: rejected: gate rejected svc v3")
+    (tmp_path / "junk.json").write_text("[]")
+    assert subprocess.run([llmops, "gate", str(tmp_path / "junk.json")], capture_output=True).returncode == 2
