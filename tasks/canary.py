@@ -21,7 +21,7 @@ from pathlib import Path
 import requests
 
 from tasks.config import Profile
-from tasks.data import load_split
+from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.registry import Registered
 from tasks.stage import RunContext, StageResult, logger
@@ -46,10 +46,6 @@ class Deployment:
     champion: Served | None
     started_here: bool
     steps: list[dict] = field(default_factory=list)
-
-    @property
-    def first_release(self) -> bool:
-        return self.champion is None
 
 
 def model_name(service: str, version: str) -> str:
@@ -271,7 +267,7 @@ def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
 
 
 def eval_prompts(ctx: RunContext, data: StageResult) -> list[str]:
-    return [c[-2]["content"] for c in load_split(ctx.store.fetch(data.artifact.digest), "eval")]
+    return [c[-2]["content"] for c in eval_conversations(ctx, data)]
 
 
 def rollout(ctx: RunContext, deployment: Deployment, gate_passed: bool, gate_summary: str, data: StageResult) -> str:

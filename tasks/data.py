@@ -211,6 +211,11 @@ def load_split(folder: Path, split: str) -> list[list[dict]]:
     return [row["messages"] for row in json.loads((folder / f"{split}.json").read_text())]
 
 
+def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[list[dict]]:
+    """The held-out split of a prepared dataset artifact (verified on read)."""
+    return load_split(ctx.store.fetch(data.artifact.digest), "eval")[:limit]
+
+
 def prepare_data(ctx: RunContext) -> StageResult:
     cfg = ctx.profile.data
     files = read_source(cfg.source)

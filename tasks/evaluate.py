@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import EvaluateSection
-from tasks.data import load_split
+from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
@@ -123,7 +123,7 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
            "evaluate": cfg.model_dump()}
 
     def produce(out_dir: Path) -> dict:
-        conversations = load_split(ctx.store.fetch(data.artifact.digest), "eval")[: cfg.max_samples]
+        conversations = eval_conversations(ctx, data, cfg.max_samples)
         base_dir = ctx.store.fetch(base.artifact.digest)
         tokenizer = load_tokenizer(base_dir)
         base_scores = score(load_model(base_dir), tokenizer, conversations, cfg)

@@ -94,11 +94,11 @@ def decide(cfg: GateSection, model: str, candidate_version: str, champion_versio
 
 def champion_exact_match(ctx: RunContext, deployment, data: StageResult) -> float:
     """The champion scored on this run's eval split: the same questions the candidate answered."""
-    from tasks.data import load_split
+    from tasks.data import eval_conversations
     from tasks.evaluate import exact_match, generate_answers, load_model, load_tokenizer
 
     cfg = ctx.profile.evaluate
-    conversations = load_split(ctx.store.fetch(data.artifact.digest), "eval")[: cfg.max_samples]
+    conversations = eval_conversations(ctx, data, cfg.max_samples)
     model_dir = deployment.champion.model_dir
     answers = generate_answers(load_model(model_dir), load_tokenizer(model_dir), conversations, cfg.max_new_tokens)
     return exact_match(answers, conversations)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.data import load_split
+from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.evaluate import answer_ids, load_model, load_tokenizer, prompt_ids
 from tasks.stage import RunContext, StageResult, logger, run_cached
@@ -57,7 +57,7 @@ def merge(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageR
            "merge": cfg.model_dump()}
 
     def produce(out_dir: Path) -> dict:
-        probe = load_split(ctx.store.fetch(data.artifact.digest), "eval")[: cfg.probe_samples]
+        probe = eval_conversations(ctx, data, cfg.probe_samples)
         max_diff = merge_adapter(ctx.store.fetch(base.artifact.digest), ctx.store.fetch(adapter.artifact.digest),
                                  out_dir, probe)
         logger().info(f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} (tolerance {cfg.tolerance:g})")

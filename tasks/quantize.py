@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.data import load_split
+from tasks.data import eval_conversations
 from tasks.errors import BadInput, CheckFailed
 from tasks.evaluate import exact_match, generate_answers, load_model, load_tokenizer, prompt_ids
 from tasks.merge import probe_batch
@@ -163,7 +163,7 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
         if cfg.backend == "none":
             metrics = passthrough(merged_dir, out_dir)
         else:
-            conversations = load_split(ctx.store.fetch(data.artifact.digest), "eval")[: ctx.profile.evaluate.max_samples]
+            conversations = eval_conversations(ctx, data, ctx.profile.evaluate.max_samples)
             metrics = onnx_int8(merged_dir, out_dir, conversations, cfg.opset, ctx.profile.evaluate.max_new_tokens)
         # Timings stay out of the artifact (they go to the record and MLflow): equal weights, equal digest.
         stable = {k: v for k, v in metrics.items() if not k.endswith("_per_token")}

@@ -148,7 +148,9 @@ class Triton:
         command = [str(exe), f"--model-repository={repository}", "--model-control-mode=explicit",
                    f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}",
                    "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--allow-metrics=true",
-                   "--exit-timeout-secs=10", "--log-verbose=0"]
+                   "--exit-timeout-secs=10", "--log-verbose=0",
+                   # one candidate that failed to load must not mark the whole server unready
+                   "--strict-readiness=false"]
         if binary is None and not os.environ.get("LLMOPS_TRITONSERVER"):
             command.append(f"--backend-directory={python_backend_dir(home)}")
         with open(log_path, "ab") as log:
@@ -166,12 +168,15 @@ class Triton:
         return server
 
     def wait_ready(self, timeout: float) -> None:
+        """Server liveness and readiness; models are checked one by one (`is_ready`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise CheckFailed(f"tritonserver exited with {self.process.returncode}: {self.log_tail()}")
             try:
-                if requests.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
+                # /v2/health/live: an attached server with strict readiness reports "not ready"
+                # while any model is unavailable (a failed candidate), yet it serves the others.
+                if requests.get(f"{self.url}/v2/health/live", timeout=2).status_code == 200:
                     return
             except requests.RequestException:
                 pass
