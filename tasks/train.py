@@ -76,7 +76,7 @@ class TrainingFollower:
 
     def __init__(self, ctx: RunContext, output_dir: Path, checkpoint_key: str):
         self.ctx, self.output_dir, self.checkpoint_key = ctx, output_dir, checkpoint_key
-        self.lines_seen = 0
+        self.offset = 0
         self.uploaded: set[str] = set()
         self.pending: dict[str, tuple] = {}
         self.last_step = 0
@@ -86,12 +86,16 @@ class TrainingFollower:
         self._upload_checkpoints(finished)
 
     def _read_log(self) -> None:
+        """Only the bytes appended since the last poll; a line is used once it is complete."""
         path = self.output_dir / "trainer_log.jsonl"
         if not path.is_file():
             return
-        lines = path.read_text().splitlines()
-        complete = lines if path.read_text().endswith("\n") else lines[:-1]
-        for line in complete[self.lines_seen:]:
+        with open(path, "rb") as fh:
+            fh.seek(self.offset)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
             entry = json.loads(line)
             step, total = entry.get("current_steps", 0), entry.get("total_steps", 0)
             metrics = {k: entry[k] for k in ("loss", "lr", "epoch", "throughput") if k in entry}
@@ -105,7 +109,6 @@ class TrainingFollower:
                     f"lr {metrics.get('learning_rate', 0):.2e} elapsed {entry.get('elapsed_time', '?')} "
                     f"eta {entry.get('remaining_time', '?')}"
                 )
-        self.lines_seen = len(complete)
 
     def _upload_checkpoints(self, finished: bool) -> None:
         for folder in sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])):
