@@ -79,7 +79,7 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
 
         triton, started_here = canary.open_triton(ctx, triton_url, triton_repository)
         deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton, started_here)
-        if not (deployment.champion and deployment.champion.version == deployment.candidate.version):
+        if not deployment.unchanged:
             measured = stage_task(bench.benchmark, config)(ctx, deployment)
             report = stage_task(gate.gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
         outcome = stage_task(canary.rollout, config)(

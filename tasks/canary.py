@@ -47,6 +47,11 @@ class Deployment:
     started_here: bool
     steps: list[dict] = field(default_factory=list)
 
+    @property
+    def unchanged(self) -> bool:
+        """The candidate already is the champion (a rerun with nothing new): nothing to roll out."""
+        return self.champion is not None and self.champion.version == self.candidate.version
+
 
 def model_name(service: str, version: str) -> str:
     return f"{service}-v{version}"
@@ -272,7 +277,7 @@ def eval_prompts(ctx: RunContext, data: StageResult) -> list[str]:
 
 def rollout(ctx: RunContext, deployment: Deployment, gate_passed: bool, gate_summary: str, data: StageResult) -> str:
     """promote | rollback: walk the canary steps after a passed gate; any breach rolls back."""
-    if deployment.champion and deployment.champion.version == deployment.candidate.version:
+    if deployment.unchanged:
         outcome = "unchanged"
     elif not gate_passed:
         rollback(ctx, deployment, f"gate rejected: {gate_summary}")

@@ -198,3 +198,20 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     report = result.stdout.split("gate report: ")[1].split()[0]
     gate = llmops(home, "gate", report)
     assert gate.returncode == 10 and "FAIL  task metric drop vs champion" in gate.stdout
+
+
+def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, server):
+    """The gate passes (permissive thresholds) but the live check breaches at the first step."""
+    before = champion(home)
+    with Load(server["url"]) as load:
+        result = llmops(home, "run", "--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=0",
+                        "--set", "gate.max_task_metric_drop=1", "--set", "canary.max_mean_latency_ms=0.001", *FAST)
+    assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "gate          promote" in result.stdout and "rollout       rolled_back" in result.stdout
+    assert "-> BREACH: candidate mean latency" in output and "canary: 50%" not in output  # stopped at 10%
+    assert result.stderr.strip().splitlines()[-1] == "llmops: rejected: candidate rolled back: canary breach (see the log)"
+    assert champion(home) == before
+    expected = [SERVICE, f"{SERVICE}-v{before}"]
+    assert ready_models(server["url"], expected) == sorted(expected)
+    assert load.failed == 0, load.errors[:5]
