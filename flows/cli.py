@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from tasks.gate import REJECTED_EXIT_CODE
+
 EXIT_CODES = """exit codes:
   0  success (for run: the candidate was promoted, or already is the champion)
   2  bad input: data, profile or arguments (nothing is written)
@@ -144,7 +146,7 @@ def command_run(args) -> str:
 class Rejected(Exception):
     """Not an error of the run: the gate or the canary said no. Exit 10, after the summary."""
 
-    exit_code = 10
+    exit_code = REJECTED_EXIT_CODE
 
     def __init__(self, table: str, message: str):
         self.table = table

@@ -255,5 +255,6 @@ def open_store(artifacts: str | None, home: Path) -> ArtifactStore:
         return S3Store(artifacts, home / "cache" / "objects")
     if artifacts and "://" in artifacts and not artifacts.startswith("file://"):
         raise BadInput(f"--artifacts {artifacts}: expected a folder, file:// or s3:// URI")
-    root = Path(urlparse(artifacts).path) if artifacts and artifacts.startswith("file://") else None
-    return LocalStore(root or Path(artifacts) if artifacts else home / "store")
+    if not artifacts:
+        return LocalStore(home / "store")
+    return LocalStore(Path(urlparse(artifacts).path) if artifacts.startswith("file://") else Path(artifacts))
