@@ -78,7 +78,7 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
             return ReleaseResult(stages, registered, ctx.tracker)
 
         triton, started_here = canary.open_triton(ctx, triton_url, triton_repository)
-        deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton, started_here)
+        deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton)
         if not deployment.unchanged:
             measured = stage_task(bench.benchmark, config)(ctx, deployment)
             report = stage_task(gate.gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)

@@ -35,7 +35,6 @@ class Served:
     version: str
     name: str
     model_dir: Path
-    exact_match: float | None = None
 
 
 @dataclass
@@ -44,7 +43,6 @@ class Deployment:
     service: str
     candidate: Served
     champion: Served | None
-    started_here: bool
     steps: list[dict] = field(default_factory=list)
 
     @property
@@ -101,9 +99,7 @@ def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None)
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
     digest = version.tags["artifact.merge.sha256"]
-    metric = version.tags.get("metric.exact_match")
-    return Served(str(version.version), model_name(service, str(version.version)), ctx.store.fetch(digest),
-                  float(metric) if metric is not None else None)
+    return Served(str(version.version), model_name(service, str(version.version)), ctx.store.fetch(digest))
 
 
 def champion_version(ctx: RunContext):
@@ -128,14 +124,14 @@ def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
     return champion
 
 
-def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton, started_here: bool) -> Deployment:
+def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton) -> Deployment:
     service = ctx.profile.registry.model_name
     client = ctx.tracker.client
     candidate = served_version(ctx, service, client.get_model_version(registered.name, registered.version))
     champion = serve_champion(ctx, triton)
     if champion is not None and champion.version == candidate.version:
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
-        return Deployment(triton, service, candidate, champion, started_here)
+        return Deployment(triton, service, candidate, champion)
     try:
         install_model(triton, ctx.profile, candidate)
     except CheckFailed:
@@ -144,7 +140,7 @@ def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton, start
     client.set_registered_model_alias(registered.name, "challenger", registered.version)
     logger().info(f"canary: {candidate.name} ready next to "
                   f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}")
-    return Deployment(triton, service, candidate, champion, started_here)
+    return Deployment(triton, service, candidate, champion)
 
 
 def triton_unload_quietly(triton: Triton, name: str) -> None:

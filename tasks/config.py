@@ -200,11 +200,6 @@ class Profile(Section):
     registry: RegistrySection
     run: RunSection = RunSection()
 
-    def section_digest(self, *sections: str) -> str:
-        """sha256 of the named sections: what a stage's cache key depends on."""
-        picked = {name: getattr(self, name).model_dump(mode="json") for name in sections}
-        return sha256_json(picked)
-
     @property
     def digest(self) -> str:
         return sha256_json(self.model_dump(mode="json"))
