@@ -102,6 +102,9 @@ class LocalStore(ArtifactStore):
     def __init__(self, root: Path):
         self.root = root.resolve()
         self.uri = self.root.as_uri()
+        # Digests verified by this process: several stages read the same base model in one run,
+        # and re-hashing a multi-GB model for each would be repeated I/O on the hot path.
+        self._verified: set[str] = set()
 
     def _object(self, digest: str) -> Path:
         return self.root / "objects" / digest
@@ -115,11 +118,14 @@ class LocalStore(ArtifactStore):
         target = self._object(digest)
         if not self.exists(digest):
             staging = self.root / "objects" / f".tmp-{uuid.uuid4().hex}"
-            shutil.copytree(folder, staging / "files")
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            if target.exists():  # an incomplete object left behind: replace it whole
-                shutil.rmtree(target)
-            os.rename(staging, target)
+            try:
+                shutil.copytree(folder, staging / "files")
+                (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+                if target.exists():  # an incomplete object left behind: replace it whole
+                    shutil.rmtree(target)
+                os.rename(staging, target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         return self.artifact(digest)
 
     def exists(self, digest: str) -> bool:
@@ -137,8 +143,14 @@ class LocalStore(ArtifactStore):
         target = self._object(digest)
         if not (target / MANIFEST).is_file():
             raise ArtifactMissing(f"artifact {digest[:12]}: not in store {self.uri}")
-        verify_folder(target / "files", json.loads((target / MANIFEST).read_text()), digest[:12])
-        return target / "files"
+        manifest = json.loads((target / MANIFEST).read_text())
+        files = target / "files"
+        still_whole = all((files / rel).is_file() and (files / rel).stat().st_size == meta["size"]
+                          for rel, meta in manifest["files"].items())
+        if digest not in self._verified or not still_whole:
+            verify_folder(files, manifest, digest[:12])
+            self._verified.add(digest)
+        return files
 
     def _record(self, namespace: str, key: str) -> Path:
         return self.root / "records" / namespace / f"{key}.json"

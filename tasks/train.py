@@ -119,8 +119,15 @@ class TrainingFollower:
             if not finished and self.pending.get(folder.name) != snapshot:
                 self.pending[folder.name] = snapshot
                 continue
-            artifact = self.ctx.store.put_dir(folder)
             step = int(folder.name.split("-")[1])
+            try:
+                artifact = self.ctx.store.put_dir(folder)
+            except (FileNotFoundError, shutil.Error):  # shutil.Error: copytree (local store) lost a file
+                # The trainer's rotation (save_total_limit) deleted it mid-upload; only older
+                # checkpoints are rotated away, so a newer one is already on disk and follows.
+                self.uploaded.add(folder.name)
+                logger().info(f"train: checkpoint {step} was rotated away before it was stored; a newer one follows")
+                continue
             self.ctx.store.put_record("checkpoints/train", self.checkpoint_key, {"step": step, "artifact": artifact.as_dict()})
             self.uploaded.add(folder.name)
             logger().info(f"train: checkpoint {step} stored -> {artifact.uri}")
