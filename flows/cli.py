@@ -73,6 +73,54 @@ examples:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     gate.add_argument("report", help="gate_report.json path (printed by llmops run)")
 
+    stack = commands.add_parser(
+        "stack", help="start, inspect or stop the local stack (Prefect server + worker, MLflow, S3)",
+        description="A local stack on 127.0.0.1: an S3 server (rclone), an MLflow server (sqlite + S3 artifacts), "
+                    "a Prefect server and a process worker on the llmops-cpu pool. State, logs and data live in "
+                    "$LLMOPS_HOME/stack.",
+        epilog="""examples:
+  llmops stack up                       # default ports: Prefect 4200, MLflow 5000, S3 9000
+  eval "$(llmops stack env)"            # point llmops, prefect, mlflow and boto3 at it
+  llmops deploy                         # register the deployments of infra/prefect.yaml
+  llmops stack status
+  llmops stack down                     # the worker first, then the servers""",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    stack_actions = stack.add_subparsers(dest="action", required=True, metavar="ACTION")
+    up = stack_actions.add_parser("up", help="start every service that is not running",
+                                  description="Start the services that are not running; idempotent.")
+    for service in ("prefect", "mlflow", "s3"):
+        up.add_argument(f"--{service}-port", type=int, metavar="PORT",
+                        help=f"port for {service} on 127.0.0.1 (0: any free port; default: last used, else the usual)")
+    stack_actions.add_parser("status", help="show what runs where", description="Show each service, its PID, URL and log.")
+    stack_actions.add_parser("env", help="print shell exports for the stack",
+                             description="Print `export` lines; use as: eval \"$(llmops stack env)\".")
+    stack_actions.add_parser("down", help="stop the stack (worker first)", description="Stop every service by PID, "
+                             "the worker before the Prefect server.")
+
+    deploy = commands.add_parser(
+        "deploy", help="register infra/prefect.yaml's deployments with the Prefect server",
+        description="Create the work pools (llmops-cpu: process; the GPU pool: kubernetes, with "
+                    "infra/work-pools/kubernetes-gpu.json) when missing, then run `prefect deploy --all` on "
+                    "infra/prefect.yaml against PREFECT_API_URL (or the local stack).",
+        epilog="""examples:
+  llmops deploy                               # against the local stack, or PREFECT_API_URL when set
+  llmops deploy --gpu-pool llmops-cpu         # one machine: heavy stages on the process pool too""",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    deploy.add_argument("--gpu-pool", default="llmops-gpu",
+                        help="work pool for the heavy stages (train, quantize, build_engine); default llmops-gpu")
+
+    data = commands.add_parser(
+        "data", help="push a dataset to a watched data location (starts a retrain)",
+        description="Upload a dataset file or folder to a data location (s3:// prefix or folder) and emit the "
+                    "`llmops.data.landed` event, which the retrain deployment's trigger reacts to.",
+        epilog="example:\n  llmops data push profiles/data/antonyms.jsonl s3://datasets/sft/",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    data_actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
+    push = data_actions.add_parser("push", help="upload a dataset and emit llmops.data.landed",
+                                   description="Upload SOURCE (file or folder) under DESTINATION and emit the event.")
+    push.add_argument("source", help="local dataset file or folder")
+    push.add_argument("destination", help="s3://bucket/prefix/ or a folder: the location a retrain deployment watches")
+
     profiles = commands.add_parser("profiles", help="list, show or validate profiles",
                                    description="Inspect the run profiles in profiles/.")
     actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -95,20 +143,6 @@ def prepare_environment(home: Path) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def check_machine(profile) -> None:
-    """A GPU profile on a machine without CUDA fails here, before any stage does work."""
-    from tasks.errors import BadInput
-
-    if profile.hardware.accelerator != "cuda":
-        return
-    import torch
-
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < profile.hardware.gpus:
-        raise BadInput(f"profile {profile.name}: hardware needs {profile.hardware.gpus} CUDA GPU(s), this machine has "
-                       f"{found}; run it on a GPU machine or pick a CPU profile (llmops profiles list)")
-
-
 def summary(result) -> str:
     rows = [(s.stage, "cached" if s.cached else "ran", f"{s.seconds:.1f}", s.headline) for s in result.stages]
     rows.append(("register", "reused" if result.registered.reused else "new", "",
@@ -126,10 +160,10 @@ def summary(result) -> str:
 
 
 def command_run(args) -> str:
-    from tasks.config import load_profile
+    from tasks.config import check_machine, load_profile, local_stages
 
     profile = load_profile(args.profile, args.overrides, args.data)  # bad input fails before anything is created
-    check_machine(profile)
+    check_machine(profile, local_stages(profile))
     Path(os.environ["LLMOPS_HOME"]).mkdir(parents=True, exist_ok=True)
     from flows.release import release
 
@@ -158,10 +192,10 @@ def command_serve(args) -> None:
     import signal
     import time
 
-    from tasks.config import load_profile
+    from tasks.config import check_machine, load_profile
 
     profile = load_profile(args.profile, args.overrides)
-    check_machine(profile)
+    check_machine(profile, ["serve"])
     home = Path(os.environ["LLMOPS_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     from flows.release import open_serving_context
@@ -216,6 +250,58 @@ def command_gate(args) -> str:
     return "\n".join(lines)
 
 
+def command_stack(args) -> str | None:
+    from flows.stack import Stack
+
+    stack = Stack(Path(os.environ["LLMOPS_HOME"]))
+    if args.action == "up":
+        state = stack.up({"prefect": args.prefect_port, "mlflow": args.mlflow_port, "s3": args.s3_port},
+                         say=lambda line: print(line, flush=True))
+        env = stack.client_env(state)
+        return "\n".join([f"Prefect UI:  {env['PREFECT_API_URL'].removesuffix('/api')}",
+                          f"MLflow UI:   {env['MLFLOW_TRACKING_URI']}", f"S3:          {env['AWS_ENDPOINT_URL']}",
+                          'use it:      eval "$(llmops stack env)"; llmops deploy'])
+    if args.action == "down":
+        stack.down(say=lambda line: print(line, flush=True))
+        return None
+    if args.action == "env":
+        from flows.stack import require_running
+
+        import shlex
+
+        return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in require_running(stack.home).items())
+    rows = stack.status()
+    if not rows:
+        return f"stack: not started (state folder {stack.root}); run `llmops stack up`"
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in rows[0]}
+    lines = ["  ".join(k.ljust(widths[k]) for k in rows[0])]
+    lines += ["  ".join(str(r[k]).ljust(widths[k]) for k in r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def prefect_api_env() -> dict:
+    """PREFECT_API_URL from the environment, else the local stack's; a clear error without either."""
+    if os.environ.get("PREFECT_API_URL"):
+        return {}
+    from flows.stack import require_running
+
+    return require_running(Path(os.environ["LLMOPS_HOME"]))
+
+
+def command_deploy(args) -> str:
+    from flows.deploy import deploy
+
+    os.environ.update(prefect_api_env())
+    return deploy(args.gpu_pool, say=lambda line: print(line, flush=True))
+
+
+def command_data(args) -> str:
+    from flows.deploy import push_data
+
+    os.environ.update(prefect_api_env())
+    return push_data(args.source, args.destination)
+
+
 def command_profiles(args) -> None:
     import yaml
 
@@ -262,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     prepare_environment(Path(os.environ.get("LLMOPS_HOME", ".llmops")).resolve())
     epilogue = None
     try:
-        commands = {"run": command_run, "profiles": command_profiles, "serve": command_serve, "gate": command_gate}
+        commands = {"run": command_run, "profiles": command_profiles, "serve": command_serve, "gate": command_gate,
+                    "stack": command_stack, "deploy": command_deploy, "data": command_data}
         epilogue = commands[args.command](args)
         code, message = 0, None
     except KeyboardInterrupt:

@@ -9,6 +9,8 @@ Each stage is a cached, retried Prefect task (tasks/stage.py); the flow only wir
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from prefect import flow, runtime
 
 from tasks import base_model, bench, canary, data, evaluate, gate, merge, quantize, registry, train
 from tasks.config import Profile, load_profile
+from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, stage_task
 from tasks.store import open_store
 from tasks.tracking import Tracker, default_tracking_uri, end_run, start_run
@@ -35,7 +38,14 @@ def llmops_home() -> Path:
     return Path(os.environ.get("LLMOPS_HOME", ".llmops")).resolve()
 
 
+def default_services(tracking_uri: str | None, artifacts: str | None) -> tuple[str | None, str | None]:
+    """Unset: what the environment names (MLflow's own MLFLOW_TRACKING_URI, LLMOPS_ARTIFACTS), as a
+    worker of the local stack or a cluster sets it; else the sqlite/local defaults under LLMOPS_HOME."""
+    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None, artifacts or os.environ.get("LLMOPS_ARTIFACTS") or None
+
+
 def open_context(profile: Profile, tracking_uri: str | None, artifacts: str | None) -> RunContext:
+    tracking_uri, artifacts = default_services(tracking_uri, artifacts)
     home = llmops_home()
     # A local store keeps its artifacts under LLMOPS_HOME; a tracking server decides for itself.
     artifact_root = None if tracking_uri else home / "mlartifacts"
@@ -50,6 +60,7 @@ def open_context(profile: Profile, tracking_uri: str | None, artifacts: str | No
 
 def open_serving_context(profile: Profile, tracking_uri: str | None, artifacts: str | None) -> RunContext:
     """What `llmops serve` needs: the store and the registry, no tracking run."""
+    tracking_uri, artifacts = default_services(tracking_uri, artifacts)
     home = llmops_home()
     return RunContext(profile, open_store(artifacts, home), Tracker(tracking_uri or default_tracking_uri(home), "", ""), home)
 
@@ -58,7 +69,17 @@ def open_serving_context(profile: Profile, tracking_uri: str | None, artifacts: 
 def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides: list[str] | None = None,
             tracking_uri: str | None = None, artifacts: str | None = None, triton_url: str | None = None,
             triton_repository: str | None = None) -> ReleaseResult:
-    """Data -> (Q)LoRA adapter -> evaluated, merged, quantized candidate -> canary on Triton -> gate -> promote | rollback."""
+    """Data -> (Q)LoRA adapter -> evaluated, merged, quantized candidate -> canary on Triton -> gate -> promote | rollback.
+
+    Args:
+        profile: run profile: a name in profiles/ (cpu-tiny, qwen-7b-qlora-2xa10, ...) or a YAML path.
+        data_source: dataset file, folder or s3:// URI; empty: the profile's data.source.
+        overrides: profile overrides as key=value, e.g. train.learning_rate=1e-4 or serve.deploy=false.
+        tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI of the worker, else sqlite under LLMOPS_HOME.
+        artifacts: artifact store, a folder or s3://bucket/prefix; empty: LLMOPS_ARTIFACTS, else LLMOPS_HOME/store.
+        triton_url: a running Triton to roll out on (HTTP URL); empty: the one `llmops serve` runs, else a temporary one.
+        triton_repository: that Triton's model repository folder, when triton_url is given.
+    """
     config = load_profile(profile, overrides or [], data_source)
     ctx = open_context(config, tracking_uri, artifacts)
     triton, started_here, report = None, False, None
@@ -77,13 +98,14 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
             end_run(ctx.tracker, "FINISHED")
             return ReleaseResult(stages, registered, ctx.tracker)
 
-        triton, started_here = canary.open_triton(ctx, triton_url, triton_repository)
-        deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton)
-        if not deployment.unchanged:
-            measured = stage_task(bench.benchmark, config)(ctx, deployment)
-            report = stage_task(gate.gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
-        outcome = stage_task(canary.rollout, config)(
-            ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset)
+        with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
+            triton, started_here = canary.open_triton(ctx, triton_url, triton_repository)
+            deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton)
+            if not deployment.unchanged:
+                measured = stage_task(bench.benchmark, config)(ctx, deployment)
+                report = stage_task(gate.gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
+            outcome = stage_task(canary.rollout, config)(
+                ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset)
     except BaseException as exc:
         ctx.tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
         end_run(ctx.tracker, "FAILED")
@@ -94,6 +116,40 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
     end_run(ctx.tracker, "FINISHED")
     report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
     return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path)
+
+
+@contextmanager
+def serving_lock(config: Profile, tracker: Tracker):
+    """A Prefect global concurrency limit of 1 per registered model, held from loading the candidate
+    until it is promoted or rolled back; a second release of the model waits here for its turn."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.asyncio import AcquireConcurrencySlotTimeoutError
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.logging import get_run_logger
+
+    name = f"llmops-serving-{config.registry.model_name}"
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:
+            pass
+    log = get_run_logger()
+    log.info(f"serving lock {name}: acquiring (another release of {config.registry.model_name} may hold it)")
+    waited = time.monotonic()
+    try:
+        with concurrency(name, occupy=1, timeout_seconds=config.run.serving_lock_timeout_s, strict=True):
+            log.info(f"serving lock {name}: held after {time.monotonic() - waited:.1f}s")
+            tracker.log_metrics("serving_lock", {"wait_s": time.monotonic() - waited})
+            tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})
+            try:
+                yield
+            finally:
+                tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
+    except AcquireConcurrencySlotTimeoutError:
+        raise CheckFailed(f"serving lock {name}: another release of {config.registry.model_name} held it for over "
+                          f"{config.run.serving_lock_timeout_s:.0f}s (run.serving_lock_timeout_s); nothing was deployed") from None
 
 
 def record_run(ctx: RunContext, stages: list[StageResult], registered: registry.Registered) -> None:

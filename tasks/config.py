@@ -163,9 +163,23 @@ class GateSection(Section):
     max_quantization_accuracy_drop: float = Field(0.05, ge=0)
 
 
+class KubernetesSection(Section):
+    """Job variables for the Kubernetes GPU work pool (infra/work-pools/kubernetes-gpu.json)."""
+
+    image: str | None = None
+    namespace: str = "default"
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    cpu_request: str | None = None
+    memory_request: str | None = None
+
+
 class HardwareSection(Section):
     accelerator: Literal["cpu", "cuda"] = "cpu"
     gpus: int = Field(0, ge=0)
+    # e.g. "A10", "H100": documentation and the engine cache key's expected architecture
+    gpu_type: str | None = None
+    kubernetes: KubernetesSection = KubernetesSection()
 
     @model_validator(mode="after")
     def _gpus_match_accelerator(self) -> "HardwareSection":
@@ -178,9 +192,20 @@ class RegistrySection(Section):
     model_name: str = Field(min_length=1)
 
 
+# Stages that need the profile's accelerator; each may run on a deployment of its own (run.remote_stages).
+HEAVY_STAGES = ("train", "evaluate", "merge", "quantize", "build_engine")
+
+
 class RunSection(Section):
     retries: int = Field(3, ge=0)
     retry_delay_s: float = Field(2.0, ge=0)
+    # Heavy stages that run as flow runs of a Prefect deployment (e.g. `run-stage/gpu` on the GPU
+    # work pool) rather than inside the release flow's process, e.g. {train: run-stage/gpu}.
+    # Empty on one machine; `--set 'run.remote_stages={}'` runs a GPU profile on one GPU machine.
+    # The machines of that pool must share the artifact store (s3://) and the MLflow server.
+    remote_stages: dict[Literal[HEAVY_STAGES], str] = {}
+    # Longest wait for another release of the same model to finish deploying/promoting.
+    serving_lock_timeout_s: float = Field(3600, gt=0)
 
 
 class Profile(Section):
@@ -276,3 +301,21 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: list[str] = (), data
         return Profile.model_validate(raw)
     except ValidationError as err:
         raise BadInput(format_validation_error(label, err)) from None
+
+
+def local_stages(profile: Profile) -> list[str]:
+    """The accelerator-bound stages this process runs itself (the others run on their deployments)."""
+    return [s for s in HEAVY_STAGES if s not in profile.run.remote_stages] + (["serve"] if profile.serve.deploy else [])
+
+
+def check_machine(profile: Profile, stages: list[str]) -> None:
+    """A GPU profile on a machine without its GPUs fails here, before any stage does work."""
+    if profile.hardware.accelerator != "cuda" or not stages:
+        return
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < profile.hardware.gpus:
+        raise BadInput(f"profile {profile.name}: {', '.join(stages)} need(s) {profile.hardware.gpus} CUDA GPU(s) "
+                       f"(hardware.gpus), this machine has {found}; run it on a GPU machine, place those stages on "
+                       f"the GPU pool (run.remote_stages), or pick a CPU profile (llmops profiles list)")

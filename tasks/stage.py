@@ -13,12 +13,12 @@ import inspect
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from tasks.config import Profile, sha256_json
-from tasks.errors import is_transient
+from tasks.errors import ArtifactMissing, CheckFailed, TransientError, is_transient
 from tasks.store import Artifact, ArtifactStore
 from tasks.tracking import Tracker
 
@@ -31,6 +31,8 @@ class RunContext:
     store: ArtifactStore
     tracker: Tracker
     home: Path
+    # Set where a stage ran elsewhere (a remote stage's flow run): here its result may only be read.
+    cache_only: bool = False
 
     def work_dir(self, stage: str, key: str) -> Path:
         path = self.home / "work" / stage / key[:16]
@@ -46,6 +48,13 @@ class StageResult:
     seconds: float = 0.0
     key: str = ""
     headline: str = ""
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "artifact": self.artifact.as_dict()}
+
+    @classmethod
+    def from_dict(cls, value: dict) -> "StageResult":
+        return cls(**{**value, "artifact": Artifact(**value["artifact"])})
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
@@ -85,6 +94,9 @@ def run_cached(
                 stage, Artifact(**record["artifact"]), metrics, True, time.monotonic() - started, key, headline(metrics)
             )
         log.warning(f"{stage}: cached artifact {record['artifact']['digest'][:12]} is gone from the store; rerunning")
+    if ctx.cache_only:
+        raise ArtifactMissing(f"{stage}: ran on its deployment but its result (key {key[:12]}) is not in the artifact "
+                              f"store {ctx.store.uri}; the work pool's machines must use the same store (s3://)")
 
     out_dir = ctx.work_dir(stage, key) / "output"
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -105,13 +117,15 @@ def retry_if_transient(task, task_run, state) -> bool:
 
 
 def stage_task(fn: Callable, profile: Profile):
-    """The thin Prefect task around a stage function: named, retried on transient faults only."""
+    """The thin Prefect task around a stage function: named, retried on transient faults only.
+    A stage the profile places on a deployment (`run.remote_stages`) runs there instead."""
     from prefect import task
     from prefect.cache_policies import NO_CACHE
     from prefect.tasks import exponential_backoff
 
+    deployment = profile.run.remote_stages.get(fn.__name__)
     return task(
-        fn,
+        on_deployment(fn, deployment) if deployment else fn,
         name=fn.__name__,
         retries=profile.run.retries,
         retry_delay_seconds=exponential_backoff(profile.run.retry_delay_s),
@@ -119,3 +133,42 @@ def stage_task(fn: Callable, profile: Profile):
         cache_policy=NO_CACHE,
         persist_result=False,
     )
+
+
+def job_variables(profile: Profile) -> dict:
+    """Job variables of the GPU pool's Kubernetes template (infra/work-pools/kubernetes-gpu.json)."""
+    k8s = profile.hardware.kubernetes
+    if profile.hardware.accelerator != "cuda" or k8s.image is None:
+        return {}
+    values = {"image": k8s.image, "namespace": k8s.namespace, "gpu_count": profile.hardware.gpus,
+              "node_selector": k8s.node_selector, "tolerations": k8s.tolerations}
+    values.update({k: v for k, v in (("cpu_request", k8s.cpu_request), ("memory_request", k8s.memory_request)) if v})
+    return values
+
+
+def on_deployment(fn: Callable, deployment: str) -> Callable:
+    """Run stage `fn` as a flow run of `deployment` (flows/remote_stage.py, e.g. on the GPU work pool)
+    and wait for it; then read its result from the shared artifact store. Prefect places and runs
+    it: this process holds no GPU while the stage runs."""
+
+    def dispatch(ctx: RunContext, *inputs: StageResult) -> StageResult:
+        from prefect.deployments import run_deployment
+
+        logger().info(f"{fn.__name__}: running on deployment {deployment}")
+        run = run_deployment(
+            deployment, poll_interval=2, job_variables=job_variables(ctx.profile) or None,
+            flow_run_name=f"{fn.__name__}-{ctx.tracker.run_id[:8]}",
+            parameters={"stage": fn.__name__, "profile": ctx.profile.model_dump(mode="json"),
+                        "artifacts": ctx.store.uri, "tracking_uri": ctx.tracker.tracking_uri,
+                        "mlflow_run_id": ctx.tracker.run_id, "experiment_id": ctx.tracker.experiment_id,
+                        "inputs": [i.as_dict() for i in inputs]})
+        state = run.state
+        if state is None or not state.is_completed():
+            message = f"{fn.__name__} on {deployment}: flow run {run.name} ended {state.type.value if state else '?'}: " \
+                      f"{state.message if state else ''}"
+            raise (TransientError if state is not None and state.is_crashed() else CheckFailed)(message)
+        return fn(replace(ctx, cache_only=True), *inputs)
+
+    dispatch.__name__ = dispatch.__qualname__ = fn.__name__
+    dispatch.__doc__ = fn.__doc__
+    return dispatch

@@ -45,7 +45,7 @@ def test_gpu_profile_without_gpu_fails_fast_and_creates_nothing(tmp_path):
     started = time.monotonic()
     result = llmops("run", "--profile", "qwen-7b-qlora-2xa10", env_home=tmp_path / "home")
     assert result.returncode == 2
-    assert "needs 2 CUDA GPU(s), this machine has 0" in result.stderr.strip().splitlines()[-1]
+    assert "need(s) 2 CUDA GPU(s) (hardware.gpus), this machine has 0" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "home").exists()
     assert time.monotonic() - started < 60
 

@@ -1,0 +1,43 @@
+"""One heavy stage as its own flow run, deployed on the pool that has the hardware for it.
+
+The release flow starts it with Prefect's `run_deployment` when the profile places a stage there
+(`run.remote_stages: {train: run-stage/gpu}`), waits, and reads the result from the shared
+artifact store. Metrics go to the release's MLflow run.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.release import llmops_home
+from tasks import evaluate, merge, quantize, train
+from tasks.config import Profile, check_machine
+from tasks.stage import RunContext, StageResult
+from tasks.store import open_store
+from tasks.tracking import Tracker
+
+HEAVY_STAGES = {"train": train.train, "evaluate": evaluate.evaluate, "merge": merge.merge, "quantize": quantize.quantize}
+
+
+@flow(name="run-stage", log_prints=True)
+def run_stage(stage: str, profile: dict, artifacts: str, tracking_uri: str, mlflow_run_id: str,
+              experiment_id: str, inputs: list[dict]) -> dict:
+    """Run one heavy stage of a release run.
+
+    Args:
+        stage: the stage to run (train, evaluate, merge, quantize, build_engine).
+        profile: the release run's validated profile, in full.
+        artifacts: the artifact store the release run uses (s3:// for a cluster).
+        tracking_uri: the MLflow tracking server.
+        mlflow_run_id: the release run's MLflow run; the stage's metrics go there.
+        experiment_id: that run's experiment.
+        inputs: the upstream stage results (artifact digests and URIs) the stage takes.
+    """
+    if stage not in HEAVY_STAGES:
+        raise ValueError(f"stage {stage!r}: not a heavy stage (one of {', '.join(HEAVY_STAGES)})")
+    config = Profile.model_validate(profile)
+    check_machine(config, [stage])
+    ctx = RunContext(config, open_store(artifacts, llmops_home()), Tracker(tracking_uri, mlflow_run_id, experiment_id),
+                     llmops_home())
+    result = HEAVY_STAGES[stage](ctx, *[StageResult.from_dict(i) for i in inputs])
+    return result.as_dict()

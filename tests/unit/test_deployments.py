@@ -1,0 +1,136 @@
+"""infra/prefect.yaml, the Kubernetes GPU job template and the remote-stage plumbing, without a cluster."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.stack import Server
+from tasks.config import HEAVY_STAGES, available_profiles, load_profile
+from tasks.errors import ArtifactMissing
+from tasks.stage import RunContext, StageResult, job_variables, run_cached
+from tasks.store import Artifact, LocalStore
+from tasks.tracking import Tracker
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFECT_FILE = ROOT / "infra" / "prefect.yaml"
+GPU_TEMPLATE = ROOT / "infra" / "work-pools" / "kubernetes-gpu.json"
+GPU_PROFILES = [p for p in available_profiles() if load_profile(p).hardware.accelerator == "cuda"]
+
+
+def deployments() -> dict[str, dict]:
+    return {d["name"]: d for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"]}
+
+
+def render_job(profile_name: str) -> dict:
+    """The Job manifest the Kubernetes worker would submit for a heavy stage of this profile."""
+    from prefect.client.schemas.objects import FlowRun
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    values = {**job_variables(load_profile(profile_name)), "env": {"LLMOPS_ARTIFACTS": "s3://artifacts/llmops"}}
+
+    async def render():
+        config = await KubernetesWorkerJobConfiguration.from_template_and_values(
+            json.loads(GPU_TEMPLATE.read_text()), values)
+        config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="train-abc"))
+        return config.job_manifest
+
+    return asyncio.run(render())
+
+
+def as_kubernetes_job(manifest: dict) -> dict:
+    """Round-trip through the Kubernetes client's V1Job model: required fields are enforced and any
+    key the Job schema does not know is dropped, so equality means a valid manifest."""
+    from kubernetes_asyncio.client import ApiClient
+
+    async def round_trip():
+        async with ApiClient() as api:
+            return api.sanitize_for_serialization(api._ApiClient__deserialize(manifest, "V1Job"))
+
+    return asyncio.run(round_trip())
+
+
+def test_there_are_gpu_profiles():
+    assert "qwen-7b-qlora-2xa10" in GPU_PROFILES
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_gpu_job_template_renders_a_valid_job_for_each_gpu_profile(profile_name):
+    profile = load_profile(profile_name)
+    manifest = render_job(profile_name)
+    assert json.loads(json.dumps(as_kubernetes_job(manifest)), parse_int=str) == \
+        json.loads(json.dumps(manifest), parse_int=str)
+    pod = manifest["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == profile.hardware.gpus
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == profile.hardware.gpus
+    assert container["image"] == profile.hardware.kubernetes.image
+    assert pod["nodeSelector"] == profile.hardware.kubernetes.node_selector
+    assert pod["tolerations"] == profile.hardware.kubernetes.tolerations
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["LLMOPS_ARTIFACTS"] == "s3://artifacts/llmops" and "PREFECT__FLOW_RUN_ID" in env
+    assert container["args"] == ["prefect", "flow-run", "execute"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_cpu_profile_has_no_gpu_job_variables():
+    assert job_variables(load_profile("cpu-tiny")) == {}
+
+
+def test_prefect_yaml_entrypoints_are_flows_with_documented_parameters():
+    from prefect.utilities.callables import parameter_schema
+    from prefect.flows import load_flow_from_entrypoint
+
+    for name, deployment in deployments().items():
+        flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
+        schema = parameter_schema(flow.fn).model_dump()
+        assert set(deployment.get("parameters", {})) <= set(schema["properties"]), name
+        undocumented = [p for p, s in schema["properties"].items() if not s.get("description")]
+        assert not undocumented, f"{name}: parameters without a description in the UI form: {undocumented}"
+        assert deployment["enforce_parameter_schema"] is True
+
+
+def test_retrain_trigger_watches_its_own_data_location():
+    retrain = deployments()["retrain"]
+    trigger, = retrain["triggers"]
+    assert trigger["expect"] == ["llmops.data.landed"]
+    assert trigger["match"]["prefect.resource.id"] == f"llmops.data.{retrain['parameters']['data_source']}*"
+    assert retrain["schedules"][0]["cron"]
+
+
+def test_gpu_profiles_place_heavy_stages_on_the_deployed_stage_flow():
+    gpu = deployments()["gpu"]
+    assert gpu["entrypoint"] == "flows/remote_stage.py:run_stage"
+    for name in GPU_PROFILES:
+        placed = load_profile(name).run.remote_stages
+        assert placed and set(placed) <= set(HEAVY_STAGES)
+        assert set(placed.values()) == {"run-stage/gpu"}
+
+
+def test_stage_result_survives_the_trip_through_flow_parameters():
+    result = StageResult("train", Artifact("ab" * 32, "s3://b/objects/abab"), {"loss": 1.5}, False, 2.0, "k", "loss 1.5")
+    assert StageResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
+
+
+def test_a_cache_only_context_refuses_to_run_a_stage(tmp_path):
+    ctx = RunContext(load_profile("cpu-tiny"), LocalStore(tmp_path / "store"), Tracker("sqlite://", "", ""), tmp_path,
+                     cache_only=True)
+    ran = []
+    with pytest.raises(ArtifactMissing, match="must use the same store"):
+        run_cached(ctx, "train", {"x": 1}, lambda out: ran.append(out) or {})
+    assert ran == []
+
+
+def test_server_is_not_alive_when_its_pid_belongs_to_another_program():
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not Server("s3", other.pid, "", "", ["/usr/bin/not-rclone"]).alive()
+        assert Server("py", other.pid, "", "", [sys.executable]).alive()
+    finally:
+        other.kill()
+        other.wait()
