@@ -16,3 +16,4 @@ test-unit: setup
 benchmark: setup
 	.venv/bin/python benchmarks/pipeline_overhead.py
 	.venv/bin/python benchmarks/serving_batching.py
+	.venv/bin/python benchmarks/service_latency.py

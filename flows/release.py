@@ -1,6 +1,6 @@
 """The release DAG as a Prefect flow.
 
-    prepare_data -> base_model -> train -> evaluate -> merge -> quantize -> register
+    prepare_data -> base_model -> train -> evaluate -> merge -> quantize [-> build_engine] -> register
       -> deploy_canary (Triton) -> benchmark (genai-perf) -> gate -> promote | rollback
 
 Each stage is a cached, retried Prefect task (tasks/stage.py); the flow only wires them.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prefect import flow, runtime
 
-from tasks import base_model, bench, canary, data, evaluate, gate, merge, quantize, registry, train
+from tasks import base_model, bench, canary, data, engine, evaluate, gate, merge, quantize, registry, train
 from tasks.config import Profile, load_profile
 from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, stage_task
@@ -91,6 +91,9 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
         merged = stage_task(merge.merge, config)(ctx, dataset, base, adapter)
         quantized = stage_task(quantize.quantize, config)(ctx, dataset, merged)
         stages = [dataset, base, adapter, evaluation, merged, quantized]
+        if config.quantize.backend == "tensorrt-llm":
+            quantized = stage_task(engine.build_engine, config)(ctx, dataset, evaluation, quantized)
+            stages.append(quantized)
         registered = stage_task(registry.register, config)(
             ctx, quantized, stages, dataset.metrics["fingerprint"], str(runtime.flow_run.id or ""))
         record_run(ctx, stages, registered)

@@ -10,13 +10,14 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.release import llmops_home
-from tasks import evaluate, merge, quantize, train
+from tasks import engine, evaluate, merge, quantize, train
 from tasks.config import Profile, check_machine
 from tasks.stage import RunContext, StageResult
 from tasks.store import open_store
 from tasks.tracking import Tracker
 
-HEAVY_STAGES = {"train": train.train, "evaluate": evaluate.evaluate, "merge": merge.merge, "quantize": quantize.quantize}
+HEAVY_STAGES = {"train": train.train, "evaluate": evaluate.evaluate, "merge": merge.merge, "quantize": quantize.quantize,
+                "build_engine": engine.build_engine}
 
 
 @flow(name="run-stage", log_prints=True)

@@ -34,7 +34,8 @@ SERVER_FILE = "server.json"  # written by `llmops serve`: lets a run attach to t
 class Served:
     version: str
     name: str
-    model_dir: Path
+    model_dir: Path  # the merged model: tokenizer for genai-perf, the champion's task score
+    engine_root: Path | None = None  # build_engine's artifact (engine/, tokenizer/) on the GPU path
 
 
 @dataclass
@@ -60,13 +61,51 @@ def llm_values(profile: Profile, model_dir: Path) -> dict:
     return {"max_batch_size": serve.max_batch_size, "max_queue_delay_us": serve.max_queue_delay_us,
             "instance_count": serve.instance_count, "model_dir": model_dir.resolve(),
             "apply_chat_template": str(serve.apply_chat_template).lower(),
-            "default_max_tokens": serve.default_max_tokens, "torch_threads": serve.torch_threads}
+            "default_max_tokens": serve.default_max_tokens, "torch_threads": serve.torch_threads,
+            "device": "cuda" if profile.hardware.accelerator == "cuda" else "cpu"}
+
+
+def tensorrtllm_models(profile: Profile, name: str, engine_root: Path) -> dict[str, tuple[str, dict]]:
+    """The four Triton models of one tensorrtllm candidate, {model name: (template, values)}; the
+    composing models carry the candidate's name, and the engine path is this candidate's own."""
+    serve, trt = profile.serve, profile.serve.tensorrtllm
+    world = profile.quantize.tensorrt_llm.tp_size * profile.quantize.tensorrt_llm.pp_size
+    # instance i runs on GPUs [i*world, (i+1)*world): "0;1" two single-GPU instances, "0,1" one TP2 instance
+    devices = ";".join(",".join(str(i * world + r) for r in range(world)) for i in range(serve.instance_count))
+    tokenizer = str((engine_root / "tokenizer").resolve())
+    names = {"pre": f"{name}-pre", "trtllm": f"{name}-trtllm", "post": f"{name}-post"}
+    return {
+        names["pre"]: ("tensorrtllm/preprocessing", {
+            "max_batch_size": serve.max_batch_size, "instance_count": trt.preprocessing_instances,
+            "tokenizer_dir": tokenizer, "apply_chat_template": str(serve.apply_chat_template).lower(),
+            "default_max_tokens": serve.default_max_tokens}),
+        names["trtllm"]: ("tensorrtllm/tensorrt_llm", {
+            "max_batch_size": serve.max_batch_size, "decoupled": str(trt.decoupled).lower(),
+            "max_queue_delay_us": trt.max_queue_delay_us, "instance_count": serve.instance_count,
+            "batching_strategy": trt.batching_strategy, "engine_dir": str((engine_root / "engine").resolve()),
+            "batch_scheduler_policy": trt.batch_scheduler_policy,
+            "kv_cache_free_gpu_mem_fraction": trt.kv_cache_free_gpu_mem_fraction,
+            "enable_kv_cache_reuse": str(trt.enable_kv_cache_reuse).lower(),
+            "enable_chunked_context": str(trt.enable_chunked_context).lower(),
+            "max_beam_width": profile.engine.max_beam_width, "gpu_device_ids": devices}),
+        names["post"]: ("tensorrtllm/postprocessing", {
+            "max_batch_size": serve.max_batch_size, "instance_count": trt.postprocessing_instances,
+            "tokenizer_dir": tokenizer}),
+        name: ("tensorrtllm/ensemble", {
+            "max_batch_size": serve.max_batch_size, "preprocessing_model": names["pre"],
+            "tensorrt_llm_model": names["trtllm"], "postprocessing_model": names["post"]}),
+    }
 
 
 def install_model(triton: Triton, profile: Profile, served: Served) -> None:
     if triton.is_ready(served.name):
         return
-    render_model("llm", triton.repository, served.name, llm_values(profile, served.model_dir))
+    if profile.serve.backend == "tensorrtllm":
+        # Composing models first; loading the ensemble loads them.
+        for model, (template, values) in tensorrtllm_models(profile, served.name, served.engine_root).items():
+            render_model(template, triton.repository, model, values)
+    else:
+        render_model("llm", triton.repository, served.name, llm_values(profile, served.model_dir))
     logger().info(f"canary: loading {served.name} on Triton {triton.url}")
     triton.load(served.name, timeout=profile.serve.load_timeout_s)
 
@@ -98,8 +137,9 @@ def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None)
 
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
-    digest = version.tags["artifact.merge.sha256"]
-    return Served(str(version.version), model_name(service, str(version.version)), ctx.store.fetch(digest))
+    engine = version.tags.get("artifact.build_engine.sha256")
+    return Served(str(version.version), model_name(service, str(version.version)),
+                  ctx.store.fetch(version.tags["artifact.merge.sha256"]), ctx.store.fetch(engine) if engine else None)
 
 
 def champion_version(ctx: RunContext):

@@ -95,11 +95,69 @@ class MergeSection(Section):
     probe_samples: int = Field(16, ge=1)
 
 
+class TensorRTLLMQuantize(Section):
+    """A TensorRT-LLM checkpoint from the merged model: TensorRT-LLM's examples/quantization/quantize.py
+    (NVIDIA ModelOpt for fp8/int4_awq/int8_sq/w4a8_awq; plain conversion for full_prec/int8_wo/int4_wo)."""
+
+    qformat: Literal["full_prec", "fp8", "int4_awq", "w4a8_awq", "int8_sq", "int8_wo", "int4_wo"] = "full_prec"
+    kv_cache_dtype: Literal["fp8", "int8"] | None = None
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    calib_size: int = Field(512, ge=1)
+    calib_max_seq_length: int = Field(512, ge=16)
+    awq_block_size: int = Field(128, ge=16)
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
+    # The examples folder of the pinned TensorRT-LLM release (NGC TensorRT-LLM images ship it here).
+    examples_dir: str = "/app/tensorrt_llm/examples"
+
+
 class QuantizeSection(Section):
     backend: Literal["onnx-int8", "none", "tensorrt-llm"] = "onnx-int8"
     opset: int = 18
+    tensorrt_llm: TensorRTLLMQuantize = TensorRTLLMQuantize()
     # Largest task-metric drop (merged -> quantized) the stage accepts.
     max_accuracy_drop: float = Field(0.05, ge=0)
+
+
+class EngineSection(Section):
+    """`trtllm-build` arguments under TensorRT-LLM's own names (used when quantize.backend is tensorrt-llm)."""
+
+    max_batch_size: int = Field(64, ge=1)
+    max_input_len: int = Field(1024, ge=1)
+    max_seq_len: int = Field(2048, ge=2)
+    max_num_tokens: int = Field(8192, ge=1)
+    max_beam_width: int = Field(1, ge=1)
+    gemm_plugin: str = "auto"
+    gpt_attention_plugin: str = "auto"
+    paged_kv_cache: bool = True
+    remove_input_padding: bool = True
+    context_fmha: bool = True
+    use_paged_context_fmha: bool = True
+    use_fp8_context_fmha: bool = False
+    multiple_profiles: bool = True
+    workers: int = Field(1, ge=1)
+    # Any further trtllm-build flag, e.g. {reduce_fusion: enable}; trtllm-build validates it.
+    extra_args: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> "EngineSection":
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError("max_input_len must be below max_seq_len (room for output tokens)")
+        return self
+
+
+class TritonTensorRTLLM(Section):
+    """The tensorrtllm backend's model parameters (Triton's inflight_batcher_llm layout)."""
+
+    batching_strategy: Literal["inflight_fused_batching", "V1"] = "inflight_fused_batching"
+    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = "guaranteed_no_evict"
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1)
+    enable_kv_cache_reuse: bool = False
+    enable_chunked_context: bool = False
+    decoupled: bool = True  # streaming responses; genai-perf --streaming needs it
+    max_queue_delay_us: int = Field(0, ge=0)
+    preprocessing_instances: int = Field(1, ge=1)
+    postprocessing_instances: int = Field(1, ge=1)
 
 
 class ServeSection(Section):
@@ -107,6 +165,10 @@ class ServeSection(Section):
 
     # false: stop after registering the candidate (a training-only pipeline); no Triton, no gate.
     deploy: bool = True
+    # python: the merged model in a Python-backend model (CPU, or CUDA with torch);
+    # tensorrtllm: the TensorRT-LLM engine behind preprocessing/tensorrt_llm/postprocessing/ensemble.
+    backend: Literal["python", "tensorrtllm"] = "python"
+    tensorrtllm: TritonTensorRTLLM = TritonTensorRTLLM()
     # None: the nvidia-pytriton binary (CPU). A path or name: an NGC/system tritonserver.
     triton_binary: str | None = None
     artifact: Literal["merged"] = "merged"
@@ -158,6 +220,8 @@ class GateSection(Section):
     p99_request_latency_ms: float | None = Field(None, gt=0)
     p99_time_to_first_token_ms: float | None = Field(None, gt=0)
     max_error_rate: float = Field(0.0, ge=0, le=1)
+    # Absolute request rate at the highest bench concurrency (e.g. a 120 QPS target).
+    min_requests_per_s: float | None = Field(None, gt=0)
     min_throughput_ratio: float | None = Field(None, gt=0)
     max_task_metric_drop: float = Field(0.02, ge=0)
     max_quantization_accuracy_drop: float = Field(0.05, ge=0)
@@ -218,12 +282,26 @@ class Profile(Section):
     evaluate: EvaluateSection = EvaluateSection()
     merge: MergeSection = MergeSection()
     quantize: QuantizeSection = QuantizeSection()
+    engine: EngineSection = EngineSection()
     serve: ServeSection = ServeSection()
     canary: CanarySection = CanarySection()
     bench: BenchSection = BenchSection()
     gate: GateSection = GateSection()
     registry: RegistrySection
     run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _backends_fit(self) -> "Profile":
+        trt = self.quantize.backend == "tensorrt-llm"
+        if trt and self.hardware.accelerator != "cuda":
+            raise ValueError("quantize.backend tensorrt-llm needs hardware.accelerator cuda")
+        if (self.serve.backend == "tensorrtllm") != trt:
+            raise ValueError("serve.backend tensorrtllm and quantize.backend tensorrt-llm go together "
+                             "(the engine is what the tensorrtllm backend serves)")
+        world = self.quantize.tensorrt_llm.tp_size * self.quantize.tensorrt_llm.pp_size
+        if trt and world > self.hardware.gpus:
+            raise ValueError(f"quantize.tensorrt_llm tp_size x pp_size = {world} exceeds hardware.gpus {self.hardware.gpus}")
+        return self
 
     @property
     def digest(self) -> str:
@@ -272,7 +350,7 @@ def format_validation_error(source: str, err: ValidationError) -> str:
     parts = []
     for item in err.errors():
         where = ".".join(str(p) for p in item["loc"]) or "(top level)"
-        what = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        what = "unknown key" if item["type"] == "extra_forbidden" else item["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {what}")
     return f"{source}: " + "; ".join(parts)
 

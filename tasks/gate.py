@@ -80,6 +80,8 @@ def decide(cfg: GateSection, model: str, candidate_version: str, champion_versio
         checks.append(at_most("p99 request latency (ms)", candidate["latency_p99_ms"], cfg.p99_request_latency_ms))
     if cfg.p99_time_to_first_token_ms is not None:
         checks.append(at_most("p99 time to first token (ms)", candidate["ttft_p99_ms"], cfg.p99_time_to_first_token_ms))
+    if cfg.min_requests_per_s is not None:
+        checks.append(at_least("request throughput (req/s)", candidate.get("requests_per_s"), cfg.min_requests_per_s))
     checks.append(at_most("error rate", candidate["error_rate"], cfg.max_error_rate))
     checks.append(at_most("quantization accuracy drop", candidate["quantization_accuracy_drop"],
                           cfg.max_quantization_accuracy_drop))

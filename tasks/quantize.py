@@ -14,8 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.data import eval_conversations
-from tasks.errors import BadInput, CheckFailed
+from tasks.data import eval_conversations, load_split
+from tasks.errors import CheckFailed
 from tasks.evaluate import exact_match, generate_answers, load_model, load_tokenizer, prompt_ids
 from tasks.merge import probe_batch
 from tasks.stage import RunContext, StageResult, logger, run_cached
@@ -153,8 +153,7 @@ def passthrough(merged_dir: Path, out_dir: Path) -> dict:
 def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
     cfg = ctx.profile.quantize
     if cfg.backend == "tensorrt-llm":
-        raise BadInput("quantize.backend tensorrt-llm: the TensorRT-LLM backend is not available in this build; "
-                       "use onnx-int8 or none")
+        return tensorrt_llm_checkpoint(ctx, data, merged)
     key = {"merged": merged.artifact.digest, "data": data.artifact.digest, "quantize": cfg.model_dump(),
            "max_new_tokens": ctx.profile.evaluate.max_new_tokens, "eval_samples": ctx.profile.evaluate.max_samples}
 
@@ -177,3 +176,33 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
     return run_cached(ctx, "quantize", key, produce,
                       headline=lambda m: f"{m.get('onnx_fp32_bytes', m['merged_bytes']):,} -> "
                                          f"{m['quantized_bytes']:,} bytes, accuracy drop {m['accuracy_drop']:.3f}")
+
+
+def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
+    """The GPU backend: a TensorRT-LLM checkpoint (quantized by ModelOpt where the format asks) next to
+    the tokenizer. Its accuracy is measured on the built engine (tasks/engine.py)."""
+    from tasks import tensorrt_llm
+
+    cfg = ctx.profile.quantize.tensorrt_llm
+    key = {"merged": merged.artifact.digest, "data": data.artifact.digest, "tensorrt_llm_quantize": cfg.model_dump(),
+           "tensorrt_llm": tensorrt_llm.installed_version()}
+
+    def produce(out_dir: Path) -> dict:
+        merged_dir = ctx.store.fetch(merged.artifact.digest)
+        calib_dir = out_dir.parent / "calibration"
+        calib_dir.mkdir(parents=True, exist_ok=True)
+        # The training split as {"text": ...} lines: quantize.py reads a local folder's train split, text column.
+        train = load_split(ctx.store.fetch(data.artifact.digest), "train")[: cfg.calib_size]
+        (calib_dir / "train.jsonl").write_text("".join(
+            json.dumps({"text": "\n".join(m["content"] for m in conversation)}) + "\n" for conversation in train))
+        command = tensorrt_llm.checkpoint_command(cfg, merged_dir, calib_dir, out_dir / "checkpoint")
+        tensorrt_llm.run_logged(command, out_dir.parent / "quantize.log", "quantize", logger())
+        shutil.copytree(merged_dir, out_dir / "tokenizer",
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", "*.index.json"))
+        shutil.rmtree(calib_dir, ignore_errors=True)
+        (out_dir / "quantization.json").write_text(json.dumps({"backend": "tensorrt-llm", **cfg.model_dump()}, indent=2))
+        return {"merged_bytes": folder_bytes(merged_dir, "*.safetensors"),
+                "quantized_bytes": folder_bytes(out_dir / "checkpoint", "*.safetensors")}
+
+    return run_cached(ctx, "quantize", key, produce,
+                      headline=lambda m: f"{m['merged_bytes']:,} -> {m['quantized_bytes']:,} bytes ({cfg.qformat})")

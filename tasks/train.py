@@ -9,6 +9,7 @@ rerun on a fresh machine resumes from the last stored checkpoint instead of step
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 import os
 import shutil
 import subprocess
@@ -50,6 +51,7 @@ def llamafactory_config(cfg: TrainSection, model_dir: Path, data_dir: Path, outp
         save_total_limit=2,
         report_to="none",
         dataloader_num_workers=0,
+        include_tokens_per_second=True,  # train_tokens_per_second in train_results.json
     )
     if resume_from is not None:
         args["resume_from_checkpoint"] = str(resume_from)
@@ -144,6 +146,20 @@ def restore_checkpoint(ctx: RunContext, key: str, output_dir: Path) -> Path | No
     return target
 
 
+@contextmanager
+def system_metrics(ctx: RunContext):
+    """MLflow system metrics on the release run while the trainer runs: CPU and memory, and per-GPU
+    utilisation and memory (`system/gpu_0_memory_usage_megabytes`, ...) where nvidia-ml-py is installed."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(ctx.tracker.run_id, sampling_interval=5, tracking_uri=ctx.tracker.tracking_uri)
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
+
+
 def run_llamafactory(ctx: RunContext, config: dict, work: Path, follower: TrainingFollower) -> None:
     config_path = work / "llamafactory_train.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -184,7 +200,8 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
                                      output_dir, resume_from)
         follower = TrainingFollower(ctx, output_dir, checkpoint_key)
         started = time.monotonic()
-        run_llamafactory(ctx, config, work, follower)
+        with system_metrics(ctx):
+            run_llamafactory(ctx, config, work, follower)
         seconds = time.monotonic() - started
         for name in ADAPTER_FILES:
             if (output_dir / name).is_file():
@@ -197,6 +214,7 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
             "final_loss": results.get("train_loss", float("nan")),
             "steps": follower.last_step,
             "samples_per_second": results.get("train_samples_per_second", 0.0),
+            "tokens_per_second": results.get("train_tokens_per_second", 0.0),
             "runtime_s": results.get("train_runtime", seconds),
             "wall_s": seconds,
             "resumed_from_step": int(resume_from.name.split("-")[1]) if resume_from else 0,

@@ -210,7 +210,9 @@ class Triton:
             raise CheckFailed(f"Triton: model {name} failed to load: {message.strip()[:400]}")
 
     def unload(self, name: str) -> None:
-        requests.post(f"{self.url}/v2/repository/models/{name}/unload", timeout=60).raise_for_status()
+        # unload_dependents: an ensemble's composing models go with it (a no-op for other models)
+        requests.post(f"{self.url}/v2/repository/models/{name}/unload", json={"parameters": {"unload_dependents": True}},
+                      timeout=60).raise_for_status()
 
     def is_ready(self, name: str) -> bool:
         try:

@@ -14,7 +14,7 @@ from tasks.gate import REJECTED_EXIT_CODE, decide
 from tasks.triton import TEMPLATES, find_binary, render_model, render_template
 
 LLM_VALUES = dict(max_batch_size=8, max_queue_delay_us=100, instance_count=2, model_dir="/m", apply_chat_template="true",
-                  default_max_tokens=8, torch_threads=1)
+                  default_max_tokens=8, torch_threads=1, device="cpu")
 
 
 def test_template_refuses_missing_unknown_and_malformed():
@@ -37,7 +37,7 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
 
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):
-    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "router"]
+    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "router", "tensorrtllm"]
     render_model("router", tmp_path, "svc", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"})
     with pytest.raises(BadInput, match="no value"):
         render_model("router", tmp_path, "svc", {"max_batch_size": 8})

@@ -47,7 +47,10 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         torch.set_num_threads(int(params.get("torch_threads", "1")))
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.float32).eval()
+        # cuda: fp16 weights on the GPU (a CUDA profile's Python-backend serving); cpu: fp32.
+        self.device = params.get("device", "cpu")
+        dtype = torch.float16 if self.device.startswith("cuda") else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(params["model_dir"])
         self.chat = params.get("apply_chat_template", "true") == "true"
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
@@ -124,9 +127,9 @@ class TritonPythonModel:
         past, step_ids, step_positions = None, input_ids, positions
         with torch.no_grad():
             for _ in range(max(job.max_tokens for job in jobs)):
-                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions,
-                                 past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[:, -1, :]
+                out = self.model(input_ids=step_ids.to(self.device), attention_mask=mask.to(self.device),
+                                 position_ids=step_positions.to(self.device), past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[:, -1, :].float().cpu()
                 next_ids = torch.full((len(jobs),), self.pad, dtype=torch.long)
                 for i, job in enumerate(jobs):
                     if job.done:

@@ -1,0 +1,71 @@
+"""GPU integration: QLoRA on CUDA and a TensorRT-LLM engine of the tiny model, through `llmops run`.
+
+Skipped, with the reason printed (pytest -ra), where there is no CUDA GPU or no TensorRT-LLM. Run them
+in a GPU image with `pip install .[gpu]` and a CUDA build of torch:
+    python -m pytest tests/gpu -ra
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LLMOPS = str(Path(sys.executable).parent / "llmops")
+
+
+def cuda_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+needs_cuda = pytest.mark.skipif(cuda_gpus() < 1, reason="no CUDA GPU visible to torch on this machine")
+TRTLLM_EXAMPLES = os.environ.get("TRTLLM_EXAMPLES_DIR", "/app/tensorrt_llm/examples")
+needs_tensorrt_llm = pytest.mark.skipif(
+    importlib.util.find_spec("tensorrt_llm") is None or not Path(TRTLLM_EXAMPLES, "quantization", "quantize.py").is_file(),
+    reason=f"tensorrt_llm not installed or its examples not at {TRTLLM_EXAMPLES} (TRTLLM_EXAMPLES_DIR)")
+
+ON_ONE_GPU = ["--set", "hardware.accelerator=cuda", "--set", "hardware.gpus=1", "--set", "serve.deploy=false"]
+
+
+def llmops_run(home: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LLMOPS_HOME": str(home)}
+    return subprocess.run([LLMOPS, "run", "--profile", "cpu-tiny", *ON_ONE_GPU, *overrides], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+
+
+def mlflow_metrics(home: Path) -> dict:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("llm-release").experiment_id], max_results=1)[0]
+    return run.data.metrics
+
+
+@needs_cuda
+def test_qlora_on_cuda_logs_tokens_per_second_and_gpu_memory(tmp_path):
+    done = llmops_run(tmp_path / "home", "--set", "train.quantization_bit=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = mlflow_metrics(tmp_path / "home")
+    assert metrics["train/tokens_per_second"] > 0
+    assert metrics["evaluate/candidate_exact_match"] > metrics["evaluate/base_exact_match"]
+    assert any(k.startswith("system/gpu_0_memory_usage") for k in metrics), sorted(metrics)
+
+
+@needs_cuda
+@needs_tensorrt_llm
+def test_tensorrt_llm_engine_of_the_tiny_model_answers_like_the_merged_model(tmp_path):
+    done = llmops_run(tmp_path / "home", "--set", "quantize.backend=tensorrt-llm", "--set", "serve.backend=tensorrtllm",
+                      "--set", f"quantize.tensorrt_llm.examples_dir={TRTLLM_EXAMPLES}",
+                      "--set", "engine.max_batch_size=8", "--set", "engine.max_input_len=96",
+                      "--set", "engine.max_seq_len=128", "--set", "engine.max_num_tokens=1024")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = mlflow_metrics(tmp_path / "home")
+    assert metrics["build_engine/engine_bytes"] > 0
+    assert metrics["build_engine/accuracy_drop"] <= 0.05

@@ -1,0 +1,228 @@
+"""The pipeline as a service: `llmops stack up`, `llmops deploy`, new data -> retrain -> release run
+on the process worker -> champion; the same data again -> no run; runs created through the Prefect
+API (as the UI does) with parameters; two releases of one model never hold the serving lock together.
+
+Everything is real and on 127.0.0.1: rclone's S3 server, an MLflow server, a Prefect server with
+its scheduler and triggers, a process worker, Triton and genai-perf inside the release runs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from tasks.config import load_profile
+from tasks.data import clean_and_split, read_source
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+LLMOPS = str(Path(sys.executable).parent / "llmops")
+DATASET = ROOT / "profiles" / "data" / "antonyms.jsonl"
+MODEL = "tiny-qwen2-antonyms"
+RELEASE_TIMEOUT = 600
+
+
+@dataclass
+class Service:
+    home: Path
+    env: dict  # the CLI's environment: LLMOPS_HOME plus what `llmops stack env` exports
+    api: str
+    tracking_uri: str
+
+    def llmops(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([LLMOPS, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def get(self, path: str) -> dict:
+        response = requests.get(f"{self.api}{path}", timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def flow_runs(self, **flow_run_filter) -> list[dict]:
+        response = requests.post(f"{self.api}/flow_runs/filter", json={"flow_runs": flow_run_filter, "sort": "START_TIME_ASC"},
+                                 timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def deployment_id(self, name: str) -> str:
+        return self.get(f"/deployments/name/{name}")["id"]
+
+    def create_run(self, deployment: str, parameters: dict) -> requests.Response:
+        """What the UI's "Custom run" form does."""
+        return requests.post(f"{self.api}/deployments/{self.deployment_id(deployment)}/create_flow_run",
+                             json={"parameters": parameters}, timeout=10)
+
+    def wait_final(self, flow_run_id: str, timeout: float = RELEASE_TIMEOUT) -> dict:
+        return wait_for(lambda: (run := self.get(f"/flow_runs/{flow_run_id}"))["state_type"] in
+                        ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and run, timeout, f"flow run {flow_run_id}")
+
+    def logs(self, flow_run_id: str) -> str:
+        response = requests.post(f"{self.api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}},
+                                 timeout=10)
+        return "\n".join(line["message"] for line in response.json())
+
+    def mlflow_run(self, flow_run_id: str):
+        from mlflow import MlflowClient
+
+        client = MlflowClient(self.tracking_uri)
+        experiment = client.get_experiment_by_name("llm-release")
+        runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'") \
+            if experiment else []
+        assert len(runs) <= 1, f"MLflow runs of flow run {flow_run_id}: {len(runs)}"
+        return runs[0] if runs else None
+
+    def release_runs(self) -> list[dict]:
+        return self.flow_runs(deployment_id={"any_": [self.deployment_id("release/release")]})
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not reached within {timeout:.0f}s")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    home = tmp_path_factory.mktemp("service") / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_", "AWS_"))}
+    env.update(LLMOPS_HOME=str(home), PREFECT_HOME=str(home / "prefect"))
+    up = subprocess.run([LLMOPS, "stack", "up", "--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0"],
+                        env=env, capture_output=True, text=True, timeout=400)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        exports = subprocess.run([LLMOPS, "stack", "env"], env=env, capture_output=True, text=True, timeout=60)
+        for line in exports.stdout.splitlines():
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key] = value.strip("'")
+        svc = Service(home, env, env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"])
+        deployed = svc.llmops("deploy", "--gpu-pool", "llmops-cpu")
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        assert "release/release" in deployed.stdout and "retrain/retrain" in deployed.stdout
+        yield svc
+    finally:
+        down = subprocess.run([LLMOPS, "stack", "down"], env=env, capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+        state = json.loads((home / "stack" / "stack.json").read_text())
+        assert state["services"] == {}
+
+
+@pytest.fixture(scope="module")
+def first_release(service):
+    """New data lands (pushed twice, as a retried upload would): the retrain deployment starts one release run.
+    Once that run holds the serving lock, a second release of the same model is created through the API."""
+    pushed_at = time.time()
+    for _ in range(2):
+        pushed = service.llmops("data", "push", str(DATASET), "s3://datasets/sft/")
+        assert pushed.returncode == 0, pushed.stderr
+        assert "emitted llmops.data.landed" in pushed.stdout
+    release = wait_for(lambda: service.release_runs(), 120, "a release run started by retrain")[0]
+    started_after = release_started_at(release) - pushed_at
+    print(f"\nnew data -> release run {release['name']} created {started_after:.1f}s after the push")
+    wait_for(lambda: (run := service.mlflow_run(release["id"])) and run.data.tags.get("serving_lock.acquired_at"),
+             RELEASE_TIMEOUT,
+             "the retrain's release run holding the serving lock", interval=2)
+    second = service.create_run("release/release", {
+        "profile": "cpu-tiny", "data_source": "s3://datasets/sft/",
+        "overrides": ["canary.window_s=1", "bench.request_count=16", "bench.concurrency=[2]"]})
+    assert second.status_code == 201, second.text
+    return release, second.json()
+
+
+def release_started_at(flow_run: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(flow_run["created"].replace("Z", "+00:00")).timestamp()
+
+
+def test_new_data_starts_one_release_run_that_becomes_champion(service, first_release):
+    from mlflow import MlflowClient
+
+    release, _ = first_release
+    final = service.wait_final(release["id"])
+    assert final["state_type"] == "COMPLETED", service.logs(release["id"])[-3000:]
+    retrains = service.flow_runs(deployment_id={"any_": [service.deployment_id("retrain/retrain")]})
+    assert len(retrains) == 2 and all(service.wait_final(r["id"], 120)["state_type"] == "COMPLETED" for r in retrains)
+    assert len([r for r in service.release_runs() if "retrain" in r["tags"]]) == 1
+
+    run = service.mlflow_run(release["id"])
+    assert run.data.tags["release.outcome"] == "promoted"
+    expected = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).fingerprint
+    assert run.data.tags["data.fingerprint"] == expected
+    version = MlflowClient(service.tracking_uri).get_model_version(MODEL, run.data.tags["registered_version"])
+    assert version.tags["data.fingerprint"] == expected
+    assert version.source.startswith("s3://artifacts/llmops/objects/")
+
+
+def test_a_second_release_of_the_model_waits_for_the_serving_lock(service, first_release):
+    from mlflow import MlflowClient
+
+    release, second = first_release
+    final = service.wait_final(second["id"])
+    assert final["state_type"] == "COMPLETED", service.logs(second["id"])[-3000:]
+    first_run, second_run = service.mlflow_run(release["id"]), service.mlflow_run(second["id"])
+    assert second_run.data.params["profile/canary.window_s"] == "1.0"  # the API run's parameters were used
+    held = [(float(r.data.tags["serving_lock.acquired_at"]), float(r.data.tags["serving_lock.released_at"]))
+            for r in (first_run, second_run)]
+    print(f"\nserving lock held {held[0][1] - held[0][0]:.1f}s by the first release, then {held[1][1] - held[1][0]:.1f}s "
+          f"by the second after waiting {second_run.data.metrics['serving_lock/wait_s']:.1f}s")
+    assert held[0][1] <= held[1][0], f"both releases held the serving lock at once: {held}"
+    assert second_run.data.metrics["serving_lock/wait_s"] > 1
+    assert "serving lock llmops-serving-tiny-qwen2-antonyms: acquiring" in service.logs(second["id"])
+    outcome = second_run.data.tags["release.outcome"]
+    assert outcome in ("promoted", "rejected", "rolled_back")
+    champion = MlflowClient(service.tracking_uri).get_model_version_by_alias(MODEL, "champion")
+    promoted_last = second_run if outcome == "promoted" else first_run
+    assert champion.version == promoted_last.data.tags["registered_version"]
+
+
+def test_the_same_data_again_starts_no_release_run(service, first_release):
+    releases_before = len(service.release_runs())
+    retrains_before = len(service.flow_runs(deployment_id={"any_": [service.deployment_id("retrain/retrain")]}))
+    pushed = service.llmops("data", "push", str(DATASET), "s3://datasets/sft/")
+    assert pushed.returncode == 0, pushed.stderr
+    retrain = wait_for(lambda: (runs := service.flow_runs(
+        deployment_id={"any_": [service.deployment_id("retrain/retrain")]}))[retrains_before:] and runs[-1], 120,
+        "a retrain run for the repeated data")
+    assert service.wait_final(retrain["id"], 180)["state_type"] == "COMPLETED"
+    assert "data unchanged since tiny-qwen2-antonyms v" in service.logs(retrain["id"])
+    assert len(service.release_runs()) == releases_before
+
+
+def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(service, first_release):
+    created = service.create_run("release/release", {
+        "profile": "cpu-tiny", "data_source": "s3://datasets/sft/",
+        "overrides": ["serve.deploy=false", "train.seed=3", "run.remote_stages.train=run-stage/gpu"]})
+    assert created.status_code == 201, created.text
+    run_id = created.json()["id"]
+    final = service.wait_final(run_id)
+    assert final["state_type"] == "COMPLETED", service.logs(run_id)[-3000:]
+    run = service.mlflow_run(run_id)
+    assert run.data.params["profile/train.seed"] == "3"
+    assert run.data.tags["stage.train"] == "cached"  # read back here after the stage deployment trained it
+    assert run.data.metrics["train/final_loss"] > 0 and run.data.metrics["train/steps"] > 0
+    stage_runs = [r for r in service.flow_runs(deployment_id={"any_": [service.deployment_id("run-stage/gpu")]})
+                  if r["parameters"]["mlflow_run_id"] == run.info.run_id]
+    assert [r["state_type"] for r in stage_runs] == ["COMPLETED"]
+    assert "train: running (key" in service.logs(stage_runs[0]["id"])
+
+
+def test_bad_parameters_reach_the_caller_as_clear_messages(service, first_release):
+    wrong_type = service.create_run("release/release", {"profile": "cpu-tiny", "overrides": "train.seed=3"})
+    assert wrong_type.status_code == 409
+    assert "overrides" in wrong_type.text, wrong_type.text
+
+    unknown_key = service.create_run("release/release", {"profile": "cpu-tiny", "overrides": ["train.lora_rnk=4"]})
+    assert unknown_key.status_code == 201
+    final = service.wait_final(unknown_key.json()["id"], 180)
+    assert final["state_type"] == "FAILED"
+    assert "profile cpu-tiny: train.lora_rnk: unknown key" in final["state"]["message"]

@@ -1,0 +1,144 @@
+"""The GPU path on a CPU machine: every GPU profile validates, and what it renders (the TensorRT-LLM
+commands, the tensorrtllm Triton model repository) matches the reviewed golden files.
+
+Regenerate after a reviewed change:  LLMOPS_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_gpu_path.py
+"""
+
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tasks import tensorrt_llm
+from tasks.canary import tensorrtllm_models
+from tasks.config import PROFILES_DIR, available_profiles, load_profile
+from tasks.engine import engine_cache_key
+from tasks.errors import BadInput
+from tasks.triton import render_model
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GPU_PROFILES = [p for p in available_profiles() if load_profile(p).hardware.accelerator == "cuda"]
+UPDATE = os.environ.get("LLMOPS_UPDATE_GOLDEN") == "1"
+
+
+def matches_golden(path: Path, text: str) -> None:
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"no golden file {path}; run with LLMOPS_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text(), f"{path} differs from what is rendered now"
+
+
+def rendered_commands(profile_name: str) -> str:
+    profile = load_profile(profile_name)
+    checkpoint = tensorrt_llm.checkpoint_command(profile.quantize.tensorrt_llm, Path("/work/merged"),
+                                                 Path("/work/calibration"), Path("/work/checkpoint"), python="python")
+    build = tensorrt_llm.build_command(profile.engine, Path("/work/checkpoint"), Path("/work/engine"))
+    world = profile.quantize.tensorrt_llm.tp_size * profile.quantize.tensorrt_llm.pp_size
+    evaluate = tensorrt_llm.eval_command(Path("/work/engine"), Path("/work/tokenizer"), Path("/work/q.jsonl"),
+                                         Path("/work/a.jsonl"), profile.evaluate.max_new_tokens, world, python="python")
+    return "".join(f"# {stage}\n{shlex.join(command)}\n" for stage, command in
+                   (("quantize", checkpoint), ("build_engine", build), ("engine eval", evaluate)))
+
+
+def test_the_three_gpu_profiles_exist_and_validate():
+    assert {"qwen-7b-qlora-2xa10", "llama3-8b-h100-fp8", "qwen2-14b-int4-tp2"} <= set(GPU_PROFILES)
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_gpu_profile_header_shows_the_command_to_run_it(profile_name):
+    header = [line for line in (PROFILES_DIR / f"{profile_name}.yaml").read_text().splitlines() if line.startswith("#")]
+    assert any(f"llmops run --profile {profile_name}" in line for line in header)
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_tensorrt_llm_commands_match_golden(profile_name):
+    matches_golden(GOLDEN / profile_name / "commands.sh", rendered_commands(profile_name))
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
+    profile = load_profile(profile_name)
+    models = tensorrtllm_models(profile, f"{profile.registry.model_name}-v3", Path("/engines/v3"))
+    for name, (template, values) in models.items():
+        folder = render_model(template, tmp_path, name, values)
+        config = (folder / "config.pbtxt").read_text()
+        assert "${" not in config
+        matches_golden(GOLDEN / profile_name / "triton" / name / "config.pbtxt", config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(models)
+
+
+def test_golden_values_are_what_the_profiles_ask_for():
+    """The reviewed facts behind the golden files, stated once in words."""
+    qwen7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "commands.sh").read_text()
+    assert "--qformat full_prec" in qwen7b and "--dtype float16" in qwen7b and "--calib_dataset" not in qwen7b
+    assert "--gemm_plugin float16 --gpt_attention_plugin float16 --paged_kv_cache enable" in qwen7b
+    trt7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "triton" / "qwen-7b-sft-v3-trtllm" / "config.pbtxt").read_text()
+    assert 'string_value: "0;1"' in trt7b and "count: 2" in trt7b  # two instances, one A10 each
+    assert 'string_value: "/engines/v3/engine"' in trt7b and "decoupled: true" in trt7b
+    assert 'string_value: "inflight_fused_batching"' in trt7b and 'string_value: "0.85"' in trt7b
+
+    llama = (GOLDEN / "llama3-8b-h100-fp8" / "commands.sh").read_text()
+    assert "--qformat fp8 --output_dir" in llama and "--kv_cache_dtype fp8" in llama
+    assert "--calib_dataset /work/calibration --calib_size 512" in llama and "--use_fp8_context_fmha enable" in llama
+
+    qwen14b = (GOLDEN / "qwen2-14b-int4-tp2" / "commands.sh").read_text()
+    assert "--qformat int4_awq" in qwen14b and "--tp_size 2" in qwen14b and "--awq_block_size 128" in qwen14b
+    assert "mpirun -n 2 --allow-run-as-root python -m tasks.tensorrt_llm_eval" in qwen14b
+    trt14b = (GOLDEN / "qwen2-14b-int4-tp2" / "triton" / "qwen2-14b-sft-v3-trtllm" / "config.pbtxt").read_text()
+    assert 'string_value: "0,1"' in trt14b and "count: 1" in trt14b  # one instance over both GPUs
+
+
+def test_each_candidate_gets_its_own_model_names_and_engine_path():
+    profile = load_profile("qwen-7b-qlora-2xa10")
+    v3 = tensorrtllm_models(profile, "svc-v3", Path("/engines/a"))
+    v4 = tensorrtllm_models(profile, "svc-v4", Path("/engines/b"))
+    assert not set(v3) & set(v4)
+    assert v3["svc-v3"][1]["tensorrt_llm_model"] == "svc-v3-trtllm"
+    assert v3["svc-v3-trtllm"][1]["engine_dir"].endswith("/engines/a/engine")
+    assert v4["svc-v4-trtllm"][1]["engine_dir"].endswith("/engines/b/engine")
+
+
+def test_engine_cache_key_changes_with_each_of_its_inputs():
+    base = ("a" * 64, ["--max_batch_size", "64"], "0.20.0", "sm90 NVIDIA H100")
+    variants = [("b" * 64, *base[1:]), (base[0], ["--max_batch_size", "128"], *base[2:]),
+                (*base[:2], "0.21.0", base[3]), (*base[:3], "sm86 NVIDIA A10")]
+    keys = {str(engine_cache_key(*v)) for v in [base, *variants]}
+    assert len(keys) == 5
+
+
+def test_profile_rules_for_the_gpu_backends():
+    with pytest.raises(BadInput, match="needs hardware.accelerator cuda"):
+        load_profile("cpu-tiny", ["quantize.backend=tensorrt-llm", "serve.backend=tensorrtllm"])
+    with pytest.raises(BadInput, match="go together"):
+        load_profile("qwen-7b-qlora-2xa10", ["serve.backend=python"])
+    with pytest.raises(BadInput, match="tp_size x pp_size = 4 exceeds hardware.gpus 2"):
+        load_profile("qwen2-14b-int4-tp2", ["quantize.tensorrt_llm.pp_size=2"])
+    with pytest.raises(BadInput, match="max_input_len must be below max_seq_len"):
+        load_profile("llama3-8b-h100-fp8", ["engine.max_input_len=4096"])
+    with pytest.raises(BadInput, match="quantize.tensorrt_llm.qformat"):
+        load_profile("llama3-8b-h100-fp8", ["quantize.tensorrt_llm.qformat=fp4"])
+
+
+def test_tensorrt_llm_stages_refuse_clearly_without_tensorrt_llm(tmp_path):
+    try:
+        import tensorrt_llm as _  # noqa: F401
+        pytest.skip("tensorrt_llm is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(BadInput, match=r"tensorrt_llm is not installed here: .*pip install \.\[gpu\]"):
+        tensorrt_llm.installed_version()
+
+
+def test_qlora_config_for_two_gpus_launches_torchrun_with_4bit_base():
+    from tasks.train import launch_env, llamafactory_config
+
+    profile = load_profile("qwen-7b-qlora-2xa10")
+    config = llamafactory_config(profile.train, Path("/m"), Path("/d"), Path("/o"), None)
+    assert config["quantization_bit"] == 4 and config["quantization_method"] == "bnb"
+    assert config["lora_target"] == "q_proj,v_proj" and config["lora_rank"] == 8 and config["lora_alpha"] == 32
+    assert config["fp16"] is True and config["include_tokens_per_second"] is True
+    env = launch_env(profile.hardware)
+    assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
+
