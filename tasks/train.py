@@ -51,7 +51,7 @@ def llamafactory_config(cfg: TrainSection, model_dir: Path, data_dir: Path, outp
         save_total_limit=2,
         report_to="none",
         dataloader_num_workers=0,
-        include_tokens_per_second=True,  # train_tokens_per_second in train_results.json
+        include_num_input_tokens_seen="non_padding",  # tokens/s of real (unpadded) tokens in the trainer log
     )
     if resume_from is not None:
         args["resume_from_checkpoint"] = str(resume_from)
@@ -214,7 +214,8 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
             "final_loss": results.get("train_loss", float("nan")),
             "steps": follower.last_step,
             "samples_per_second": results.get("train_samples_per_second", 0.0),
-            "tokens_per_second": results.get("train_tokens_per_second", 0.0),
+            # real (unpadded) training tokens per second of the trainer's own runtime
+            "tokens_per_second": results.get("num_input_tokens_seen", 0) / max(results.get("train_runtime", seconds), 1e-9),
             "runtime_s": results.get("train_runtime", seconds),
             "wall_s": seconds,
             "resumed_from_step": int(resume_from.name.split("-")[1]) if resume_from else 0,

@@ -105,6 +105,7 @@ def test_full_run_registers_a_tracked_candidate(stack, first_run):
     assert metrics["evaluate/candidate_exact_match"] - metrics["evaluate/base_exact_match"] >= 0.3
     assert metrics["merge/max_abs_logit_diff"] <= 1e-3
     assert metrics["quantize/quantized_bytes"] < metrics["quantize/onnx_fp32_bytes"]
+    assert metrics["train/tokens_per_second"] > 0 and "system/cpu_utilization_percentage" in metrics
     assert {"prepare_data/train_records", "prepare_data/duplicates_dropped"} <= set(metrics)
     assert {d.dataset.name for d in run.inputs.dataset_inputs} == {"sft-train", "sft-eval"}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

@@ -138,7 +138,7 @@ def test_qlora_config_for_two_gpus_launches_torchrun_with_4bit_base():
     config = llamafactory_config(profile.train, Path("/m"), Path("/d"), Path("/o"), None)
     assert config["quantization_bit"] == 4 and config["quantization_method"] == "bnb"
     assert config["lora_target"] == "q_proj,v_proj" and config["lora_rank"] == 8 and config["lora_alpha"] == 32
-    assert config["fp16"] is True and config["include_tokens_per_second"] is True
+    assert config["fp16"] is True and config["include_num_input_tokens_seen"] == "non_padding"
     env = launch_env(profile.hardware)
     assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
 
