@@ -18,7 +18,9 @@ def llmops(*args, env_home=None):
 
 
 @pytest.mark.parametrize("args", [[], ["run"], ["profiles"], ["profiles", "list"], ["profiles", "show"],
-                                  ["profiles", "validate"]])
+                                  ["profiles", "validate"], ["stack"], ["stack", "up"], ["stack", "status"],
+                                  ["stack", "env"], ["stack", "down"], ["deploy"], ["data"], ["data", "push"],
+                                  ["serve"], ["gate"]])
 def test_every_command_has_help(args):
     result = llmops(*args, "--help")
     assert result.returncode == 0 and "usage: llmops" in result.stdout
@@ -53,3 +55,28 @@ def test_gpu_profile_without_gpu_fails_fast_and_creates_nothing(tmp_path):
 def test_missing_data_file_is_bad_input(tmp_path):
     result = llmops("profiles", "validate", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_service_commands_without_a_stack_say_what_to_do(tmp_path):
+    import os
+
+    home = tmp_path / "home"
+    status = llmops("stack", "status", env_home=home)
+    assert status.returncode == 0 and "not started" in status.stdout and "llmops stack up" in status.stdout
+    for args in (["stack", "env"], ["deploy"], ["data", "push", "profiles/data/antonyms.jsonl", "s3://datasets/sft/"]):
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        result = subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, timeout=120,
+                                env={**env, "LLMOPS_HOME": str(home)})
+        assert result.returncode == 2, (args, result.stderr)
+        assert result.stderr.strip().splitlines()[-1].startswith("llmops: error: local stack under ")
+        assert "run `llmops stack up`" in result.stderr
+
+
+def test_deploy_against_an_unreachable_prefect_server_is_one_clear_line(tmp_path):
+    import os
+
+    env = {**os.environ, "LLMOPS_HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    result = subprocess.run([str(LLMOPS), "deploy"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == ("llmops: error: PREFECT_API_URL http://127.0.0.1:9/api: no Prefect "
+                                                      "server answers (ConnectionError); run `llmops stack up` or fix the URL")
