@@ -25,7 +25,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import requests
+from flows.stack import API
+
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMOPS = str(Path(sys.executable).parent / "llmops")
@@ -89,14 +90,14 @@ def timestamp(value: str | None) -> float | None:
 
 
 def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
-    release_id = requests.get(f"{api}/deployments/name/release/release", timeout=10).json()["id"]
+    release_id = API.get(f"{api}/deployments/name/release/release", timeout=10).json()["id"]
     lines = DATASET.read_text().splitlines()
     results = []
     for trial in range(trials):
         dataset = work / f"trial-{trial}" / "antonyms.jsonl"
         dataset.parent.mkdir(parents=True)
         dataset.write_text("\n".join(lines[:trial] + lines[trial + 1:]) + "\n")  # new data: one record fewer
-        known = {r["id"] for r in requests.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()}
+        known = {r["id"] for r in API.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()}
         pushed_at = time.time()
         pushed = subprocess.run([LLMOPS, "data", "push", str(dataset), "s3://datasets/sft/"], env=env,
                                 capture_output=True, text=True, timeout=120)
@@ -106,7 +107,7 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
         run = None
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            runs = requests.post(f"{api}/flow_runs/filter", json={
+            runs = API.post(f"{api}/flow_runs/filter", json={
                 "flow_runs": {"deployment_id": {"any_": [release_id]}}}, timeout=10).json()
             run = next((r for r in runs if r["id"] not in known and r["start_time"]), None)
             if run:
@@ -114,9 +115,9 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
             time.sleep(0.2)
         if run is None:
             sys.exit("no release run started within 300 s")
-        retrain = next(r for r in requests.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()
+        retrain = next(r for r in API.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()
                        if r["id"] not in known and r["id"] != run["id"])
-        requests.post(f"{api}/flow_runs/{run['id']}/set_state", timeout=10,
+        API.post(f"{api}/flow_runs/{run['id']}/set_state", timeout=10,
                       json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
         results.append({
             "push_s": pushed_done - pushed_at,
@@ -131,7 +132,7 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
 def wait_cancelled(api: str, flow_run_id: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if requests.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"] in ("CANCELLED", "COMPLETED",
+        if API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"] in ("CANCELLED", "COMPLETED",
                                                                                                 "FAILED", "CRASHED"):
             return
         time.sleep(0.5)

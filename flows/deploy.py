@@ -15,7 +15,7 @@ from typing import Callable
 import requests
 
 from flows.retrain import DATA_EVENT
-from flows.stack import BIN, CPU_POOL, PROJECT_ROOT, ensure_process_pool
+from flows.stack import API, BIN, CPU_POOL, PROJECT_ROOT, ensure_process_pool
 from tasks.errors import BadInput, CheckFailed
 
 PREFECT_FILE = PROJECT_ROOT / "infra" / "prefect.yaml"
@@ -24,11 +24,11 @@ GPU_POOL_TEMPLATE = PROJECT_ROOT / "infra" / "work-pools" / "kubernetes-gpu.json
 
 def ensure_gpu_pool(api_url: str, pool: str) -> str:
     """The Kubernetes GPU pool with our job template; an existing pool is left as it is."""
-    found = requests.get(f"{api_url}/work_pools/{pool}", timeout=10)
+    found = API.get(f"{api_url}/work_pools/{pool}", timeout=10)
     if found.ok:
         return f"work pool {pool}: exists ({found.json()['type']})"
     template = json.loads(GPU_POOL_TEMPLATE.read_text())
-    response = requests.post(f"{api_url}/work_pools/", timeout=10, json={
+    response = API.post(f"{api_url}/work_pools/", timeout=10, json={
         "name": pool, "type": "kubernetes", "base_job_template": template,
         "description": "llmops: heavy stages (train, quantize, build_engine) as Kubernetes jobs with GPUs"})
     if response.status_code != 201:
@@ -62,10 +62,10 @@ def deploy(gpu_pool: str, say: Callable[[str], None] = print) -> str:
 
 
 def deployment_names(api_url: str) -> list[str]:
-    response = requests.post(f"{api_url}/deployments/filter", json={"deployments": {"tags": {"all_": ["llmops"]}}},
+    response = API.post(f"{api_url}/deployments/filter", json={"deployments": {"tags": {"all_": ["llmops"]}}},
                              timeout=10)
     response.raise_for_status()
-    flows = {f["id"]: f["name"] for f in requests.post(f"{api_url}/flows/filter", json={}, timeout=10).json()}
+    flows = {f["id"]: f["name"] for f in API.post(f"{api_url}/flows/filter", json={}, timeout=10).json()}
     return sorted(f"{flows.get(d['flow_id'], '?')}/{d['name']}  (pool {d['work_pool_name']})" for d in response.json())
 
 

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +40,21 @@ DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200}
 # Start order; `down` stops in reverse, so the worker goes before the Prefect server it polls
 # (a worker whose API is gone ignores SIGTERM).
 SERVICES = ("s3", "mlflow", "prefect", "worker")
+
+
+def prefect_api() -> requests.Session:
+    """HTTP to the Prefect API that retries what Prefect's own client retries: 502/503/504, which a
+    Prefect server on sqlite answers while its database is busy (seen here under load on 2 cores)."""
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    session = requests.Session()
+    session.mount("http://", HTTPAdapter(max_retries=Retry(
+        total=6, backoff_factor=0.5, status_forcelist=(502, 503, 504), allowed_methods=None, raise_on_status=False)))
+    return session
+
+
+API = prefect_api()
 
 
 def free_port() -> int:
@@ -176,9 +192,9 @@ def start_prefect(prefect_home: Path, port: int, log_dir: Path) -> Server:
 
 def ensure_process_pool(api_url: str, pool: str = CPU_POOL) -> None:
     """The work pool for CPU work; created once, left as is when it exists (a user may have tuned it)."""
-    found = requests.get(f"{api_url}/work_pools/{pool}", timeout=10)
+    found = API.get(f"{api_url}/work_pools/{pool}", timeout=10)
     if found.status_code == 404:
-        response = requests.post(f"{api_url}/work_pools/", timeout=10, json={
+        response = API.post(f"{api_url}/work_pools/", timeout=10, json={
             "name": pool, "type": "process", "description": "llmops: CPU stages and the release flow itself"})
         if response.status_code not in (201, 409):
             raise CheckFailed(f"creating work pool {pool}: HTTP {response.status_code} {response.text[:200]}")
@@ -187,7 +203,7 @@ def ensure_process_pool(api_url: str, pool: str = CPU_POOL) -> None:
 
 
 def worker_online(api_url: str, pool: str, name: str) -> bool:
-    response = requests.post(f"{api_url}/work_pools/{pool}/workers/filter", json={}, timeout=5)
+    response = API.post(f"{api_url}/work_pools/{pool}/workers/filter", json={}, timeout=5)
     return any(w["name"] == name and w.get("status") == "ONLINE" for w in response.json())
 
 
@@ -272,16 +288,29 @@ class Stack:
             "worker": lambda: start_worker(env["PREFECT_API_URL"], {**env, "PREFECT_HOME": str(self.home / "prefect")},
                                            logs),
         }
-        for name in SERVICES:
-            if name in running:
-                say(f"stack: {name} already running (pid {running[name].pid})")
+        # MLflow and Prefect need only S3 (or nothing) and take ~15 s each: they start side by side.
+        for group in (("s3",), ("mlflow", "prefect"), ("worker",)):
+            todo = [name for name in group if name not in running]
+            for name in group:
+                if name in running:
+                    say(f"stack: {name} already running (pid {running[name].pid})")
+            if not todo:
                 continue
-            say(f"stack: starting {name} ...")
+            say(f"stack: starting {', '.join(todo)} ...")
             started = time.monotonic()
-            server = starters[name]()
-            state["services"][name] = server.record()
-            self.save(state)  # saved after each start: a failure later still lets `down` stop this one
-            say(f"stack: {name} up in {time.monotonic() - started:.1f}s at {server.url} (pid {server.pid}, log {server.log})")
+            with ThreadPoolExecutor(len(todo)) as pool:
+                futures = {name: pool.submit(starters[name]) for name in todo}
+            failures = []
+            for name, future in futures.items():
+                if future.exception() is not None:
+                    failures.append(future.exception())
+                    continue
+                server = future.result()
+                state["services"][name] = server.record()
+                say(f"stack: {name} up in {time.monotonic() - started:.1f}s at {server.url} (pid {server.pid}, log {server.log})")
+            self.save(state)  # saved after each group: a failure later still lets `down` stop what started
+            if failures:
+                raise failures[0]
         return state
 
     def down(self, say: Callable[[str], None] = print) -> None:

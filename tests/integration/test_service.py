@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
 
+from flows.stack import API
 from tasks.config import load_profile
 from tasks.data import clean_and_split, read_source
 
@@ -27,6 +27,7 @@ LLMOPS = str(Path(sys.executable).parent / "llmops")
 DATASET = ROOT / "profiles" / "data" / "antonyms.jsonl"
 MODEL = "tiny-qwen2-antonyms"
 RELEASE_TIMEOUT = 600
+SERVING_OVERRIDES = ["bench.request_count=16", "bench.concurrency=[2]"]
 
 
 @dataclass
@@ -40,12 +41,12 @@ class Service:
         return subprocess.run([LLMOPS, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def get(self, path: str) -> dict:
-        response = requests.get(f"{self.api}{path}", timeout=10)
+        response = API.get(f"{self.api}{path}", timeout=10)
         response.raise_for_status()
         return response.json()
 
     def flow_runs(self, **flow_run_filter) -> list[dict]:
-        response = requests.post(f"{self.api}/flow_runs/filter", json={"flow_runs": flow_run_filter, "sort": "START_TIME_ASC"},
+        response = API.post(f"{self.api}/flow_runs/filter", json={"flow_runs": flow_run_filter, "sort": "START_TIME_ASC"},
                                  timeout=10)
         response.raise_for_status()
         return response.json()
@@ -53,9 +54,9 @@ class Service:
     def deployment_id(self, name: str) -> str:
         return self.get(f"/deployments/name/{name}")["id"]
 
-    def create_run(self, deployment: str, parameters: dict) -> requests.Response:
+    def create_run(self, deployment: str, parameters: dict):
         """What the UI's "Custom run" form does."""
-        return requests.post(f"{self.api}/deployments/{self.deployment_id(deployment)}/create_flow_run",
+        return API.post(f"{self.api}/deployments/{self.deployment_id(deployment)}/create_flow_run",
                              json={"parameters": parameters}, timeout=10)
 
     def wait_final(self, flow_run_id: str, timeout: float = RELEASE_TIMEOUT) -> dict:
@@ -63,7 +64,7 @@ class Service:
                         ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and run, timeout, f"flow run {flow_run_id}")
 
     def logs(self, flow_run_id: str) -> str:
-        response = requests.post(f"{self.api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}},
+        response = API.post(f"{self.api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}},
                                  timeout=10)
         return "\n".join(line["message"] for line in response.json())
 
@@ -108,6 +109,11 @@ def service(tmp_path_factory):
         deployed = svc.llmops("deploy", "--gpu-pool", "llmops-cpu")
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert "release/release" in deployed.stdout and "retrain/retrain" in deployed.stdout
+        # Lighter serving checks for the releases the retrain deployment starts (as a user edits them in the UI).
+        patched = API.patch(f"{svc.api}/deployments/{svc.deployment_id('retrain/retrain')}", timeout=10,
+                                 json={"parameters": {"profile": "cpu-tiny", "data_source": "s3://datasets/sft/",
+                                                      "overrides": SERVING_OVERRIDES}})
+        assert patched.status_code == 204, patched.text
         yield svc
     finally:
         down = subprocess.run([LLMOPS, "stack", "down"], env=env, capture_output=True, text=True, timeout=120)
@@ -133,7 +139,7 @@ def first_release(service):
              "the retrain's release run holding the serving lock", interval=2)
     second = service.create_run("release/release", {
         "profile": "cpu-tiny", "data_source": "s3://datasets/sft/",
-        "overrides": ["canary.window_s=1", "bench.request_count=16", "bench.concurrency=[2]"]})
+        "overrides": [*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2"]})  # a new profile digest: a new version
     assert second.status_code == 201, second.text
     return release, second.json()
 
@@ -170,7 +176,8 @@ def test_a_second_release_of_the_model_waits_for_the_serving_lock(service, first
     final = service.wait_final(second["id"])
     assert final["state_type"] == "COMPLETED", service.logs(second["id"])[-3000:]
     first_run, second_run = service.mlflow_run(release["id"]), service.mlflow_run(second["id"])
-    assert second_run.data.params["profile/canary.window_s"] == "1.0"  # the API run's parameters were used
+    assert second_run.data.params["profile/canary.probe_concurrency"] == "2"  # the API run's parameters were used
+    assert first_run.data.params["profile/canary.probe_concurrency"] == "4"
     held = [(float(r.data.tags["serving_lock.acquired_at"]), float(r.data.tags["serving_lock.released_at"]))
             for r in (first_run, second_run)]
     print(f"\nserving lock held {held[0][1] - held[0][0]:.1f}s by the first release, then {held[1][1] - held[1][0]:.1f}s "
