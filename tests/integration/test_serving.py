@@ -188,7 +188,8 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
         result = llmops(home, "run", "--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=0", *FAST)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("llmops: rejected: candidate rejected: task metric drop vs champion")
+    # The one-epoch candidate's task metric collapses; on 2 shared cores its throughput ratio may fail too.
+    assert last.startswith("llmops: rejected: candidate rejected: ") and "task metric drop vs champion" in last
     assert champion(home) == before  # no alias moved
     rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
     assert str(rejected.version) != before and rejected.tags["gate.decision"] == "reject"
