@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import requests
 
 from tasks.errors import BadInput, CheckFailed
@@ -92,6 +93,25 @@ class Server:
     def stop(self, timeout: float = 20) -> None:
         if not self.alive():
             return
+        # Children that left the process group (a flow run's Triton runs in its own session) are
+        # stopped after it, so `stack down` during a run leaves nothing behind.
+        try:
+            strays = psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            strays = []
+        self._stop_group(timeout)
+        alive = []
+        for process in strays:
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    process.terminate()
+                    alive.append(process)
+            except psutil.NoSuchProcess:
+                pass
+        for process in psutil.wait_procs(alive, timeout=10)[1]:
+            process.kill()
+
+    def _stop_group(self, timeout: float) -> None:
         try:
             os.killpg(self.pid, signal.SIGTERM)
         except ProcessLookupError:

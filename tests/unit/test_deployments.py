@@ -2,8 +2,10 @@
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -129,8 +131,35 @@ def test_a_cache_only_context_refuses_to_run_a_stage(tmp_path):
 def test_server_is_not_alive_when_its_pid_belongs_to_another_program():
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
+        ours = Server("py", other.pid, "", "", [sys.executable])
+        deadline = time.monotonic() + 10
+        while not ours.alive() and time.monotonic() < deadline:  # /proc/PID/cmdline right after the fork
+            time.sleep(0.05)
+        assert ours.alive()
         assert not Server("s3", other.pid, "", "", ["/usr/bin/not-rclone"]).alive()
-        assert Server("py", other.pid, "", "", [sys.executable]).alive()
     finally:
         other.kill()
         other.wait()
+
+
+def test_stopping_a_service_also_stops_children_that_left_its_process_group(tmp_path):
+    """A worker's flow run starts Triton in a session of its own; `stack down` must not orphan it."""
+    import psutil
+
+    from flows.stack import start
+
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+              "time.sleep(120)")
+    server = start("worker", [sys.executable, "-c", script], "", lambda: True, tmp_path)
+    child = None
+    for _ in range(50):
+        children = psutil.Process(server.pid).children()
+        if children:
+            child = children[0]
+            break
+        time.sleep(0.1)
+    assert child is not None and os.getsid(child.pid) != os.getsid(server.pid)
+    server.stop(timeout=5)
+    assert not server.alive()
+    assert psutil.wait_procs([child], timeout=10)[1] == []
