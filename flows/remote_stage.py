@@ -16,7 +16,7 @@ from tasks.stage import RunContext, StageResult
 from tasks.store import open_store
 from tasks.tracking import Tracker
 
-HEAVY_STAGES = {"train": train.train, "evaluate": evaluate.evaluate, "merge": merge.merge, "quantize": quantize.quantize,
+STAGE_FUNCTIONS = {"train": train.train, "evaluate": evaluate.evaluate, "merge": merge.merge, "quantize": quantize.quantize,
                 "build_engine": engine.build_engine}
 
 
@@ -34,11 +34,11 @@ def run_stage(stage: str, profile: dict, artifacts: str, tracking_uri: str, mlfl
         experiment_id: that run's experiment.
         inputs: the upstream stage results (artifact digests and URIs) the stage takes.
     """
-    if stage not in HEAVY_STAGES:
-        raise ValueError(f"stage {stage!r}: not a heavy stage (one of {', '.join(HEAVY_STAGES)})")
+    if stage not in STAGE_FUNCTIONS:
+        raise ValueError(f"stage {stage!r}: not a heavy stage (one of {', '.join(STAGE_FUNCTIONS)})")
     config = Profile.model_validate(profile)
     check_machine(config, [stage])
     ctx = RunContext(config, open_store(artifacts, llmops_home()), Tracker(tracking_uri, mlflow_run_id, experiment_id),
                      llmops_home())
-    result = HEAVY_STAGES[stage](ctx, *[StageResult.from_dict(i) for i in inputs])
+    result = STAGE_FUNCTIONS[stage](ctx, *[StageResult.from_dict(i) for i in inputs])
     return result.as_dict()

@@ -57,9 +57,8 @@ def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, ch
         build_s = time.monotonic() - started
         shutil.copytree(source / "tokenizer", out_dir / "tokenizer")
         engine_config = json.loads((out_dir / "engine" / "config.json").read_text())
-        (out_dir / "build.json").write_text(json.dumps({"command": command[:1] + ["--checkpoint_dir", "<checkpoint>",
-                                                                                   "--output_dir", "<engine>"] + args,
-                                                         **{k: key[k] for k in ("tensorrt_llm", "gpu_arch")}}, indent=2))
+        (out_dir / "build.json").write_text(json.dumps({"trtllm_build_args": args, "tensorrt_llm": key["tensorrt_llm"],
+                                                         "gpu_arch": key["gpu_arch"]}, indent=2))
         ctx.tracker.log_params("engine", {"build_args": " ".join(args), "tensorrt_llm": key["tensorrt_llm"],
                                           "gpu_arch": key["gpu_arch"]})
         ctx.tracker.log_json("engine_config.json", engine_config)

@@ -114,6 +114,12 @@ def test_gpu_profiles_place_heavy_stages_on_the_deployed_stage_flow():
         assert set(placed.values()) == {"run-stage/gpu"}
 
 
+def test_every_placeable_stage_has_a_function_on_the_stage_deployment():
+    from flows.remote_stage import STAGE_FUNCTIONS
+
+    assert set(STAGE_FUNCTIONS) == set(HEAVY_STAGES)
+
+
 def test_stage_result_survives_the_trip_through_flow_parameters():
     result = StageResult("train", Artifact("ab" * 32, "s3://b/objects/abab"), {"loss": 1.5}, False, 2.0, "k", "loss 1.5")
     assert StageResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
