@@ -129,15 +129,19 @@ def serving_lock(config: Profile, tracker: Tracker):
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.concurrency.asyncio import AcquireConcurrencySlotTimeoutError
     from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
     from prefect.logging import get_run_logger
 
     name = f"llmops-serving-{config.registry.model_name}"
     with get_client(sync_client=True) as client:
+        # Look before creating: a create of an existing limit makes the server log an IntegrityError traceback.
         try:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-        except ObjectAlreadyExists:
-            pass
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except ObjectAlreadyExists:  # another release created it in between
+                pass
     log = get_run_logger()
     log.info(f"serving lock {name}: acquiring (another release of {config.registry.model_name} may hold it)")
     waited = time.monotonic()

@@ -19,8 +19,9 @@ if [ -x "$WRAPPER" ] && "$WRAPPER" --version >/dev/null 2>&1; then
   exit 0
 fi
 
-glibc=$(ldd --version | head -1 | grep -oE '[0-9]+\.[0-9]+$')
-if [ "$(printf '%s\n2.38\n' "$glibc" | sort -V | head -1)" = "2.38" ]; then
+source infra/local/platform.sh
+glibc=$(glibc_version)
+if glibc_at_least 2.38; then
   say "glibc $glibc: installing the perf-analyzer wheel"
   "$VENV/bin/python" -m pip install --quiet --no-deps "perf-analyzer==$VERSION"
   exit 0

@@ -13,7 +13,7 @@ PYTHON=${PYTHON:-python3.11}
 VENV=.venv
 PIN_FILE=infra/constraints-cpu.txt
 STAMP=$VENV/.llmops-setup
-want=$(cat "$PIN_FILE" pyproject.toml infra/local/perf_analyzer.sh | sha256sum | cut -d' ' -f1)
+want=$(cat "$PIN_FILE" pyproject.toml infra/local/perf_analyzer.sh infra/local/platform.sh | sha256sum | cut -d' ' -f1)
 
 say() { printf 'setup: %s\n' "$*"; }
 

@@ -68,6 +68,11 @@ class Service:
                                  timeout=10)
         return "\n".join(line["message"] for line in response.json())
 
+    def wait_log(self, flow_run_id: str, text: str, timeout: float = 60) -> str:
+        """The run's logs once they hold `text`: Prefect ships logs in batches, after the state changes."""
+        return wait_for(lambda: text in (logs := self.logs(flow_run_id)) and logs, timeout,
+                        f"log line {text!r} of flow run {flow_run_id}")
+
     def mlflow_run(self, flow_run_id: str):
         from mlflow import MlflowClient
 
@@ -184,7 +189,7 @@ def test_a_second_release_of_the_model_waits_for_the_serving_lock(service, first
           f"by the second after waiting {second_run.data.metrics['serving_lock/wait_s']:.1f}s")
     assert held[0][1] <= held[1][0], f"both releases held the serving lock at once: {held}"
     assert second_run.data.metrics["serving_lock/wait_s"] > 1
-    assert "serving lock llmops-serving-tiny-qwen2-antonyms: acquiring" in service.logs(second["id"])
+    service.wait_log(second["id"], "serving lock llmops-serving-tiny-qwen2-antonyms: acquiring")
     outcome = second_run.data.tags["release.outcome"]
     assert outcome in ("promoted", "rejected", "rolled_back")
     champion = MlflowClient(service.tracking_uri).get_model_version_by_alias(MODEL, "champion")
@@ -201,7 +206,7 @@ def test_the_same_data_again_starts_no_release_run(service, first_release):
         deployment_id={"any_": [service.deployment_id("retrain/retrain")]}))[retrains_before:] and runs[-1], 120,
         "a retrain run for the repeated data")
     assert service.wait_final(retrain["id"], 180)["state_type"] == "COMPLETED"
-    assert "data unchanged since tiny-qwen2-antonyms v" in service.logs(retrain["id"])
+    service.wait_log(retrain["id"], "data unchanged since tiny-qwen2-antonyms v")
     assert len(service.release_runs()) == releases_before
 
 
@@ -220,7 +225,7 @@ def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(servi
     stage_runs = [r for r in service.flow_runs(deployment_id={"any_": [service.deployment_id("run-stage/gpu")]})
                   if r["parameters"]["mlflow_run_id"] == run.info.run_id]
     assert [r["state_type"] for r in stage_runs] == ["COMPLETED"]
-    assert "train: running (key" in service.logs(stage_runs[0]["id"])
+    service.wait_log(stage_runs[0]["id"], "train: running (key")
 
 
 def test_bad_parameters_reach_the_caller_as_clear_messages(service, first_release):
