@@ -37,7 +37,7 @@ def latest_release(tracking_uri: str, model_name: str) -> tuple[str, str] | None
 
 def data_fingerprint(config: Profile) -> tuple[str, int]:
     """The fingerprint prepare_data will compute (validated, de-duplicated records), and the record count."""
-    cleaned = data.clean_and_split(data.read_source(config.data.source), config.data)
+    cleaned = data.read_data(config.data)
     return cleaned.fingerprint, len(cleaned.train) + len(cleaned.eval)
 
 

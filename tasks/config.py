@@ -46,6 +46,8 @@ class BaseModelSection(Section):
 
 class DataSection(Section):
     source: str
+    # A fixed held-out set (file, folder or s3://) used as the eval split instead of the hash split of `source`.
+    eval_source: str | None = None
     format: Literal["auto", "alpaca", "sharegpt", "openai"] = "auto"
     eval_fraction: float = Field(0.15, gt=0, lt=1)
     split_salt: str = "v1"
@@ -83,11 +85,21 @@ class TrainSection(Section):
 
 
 class EvaluateSection(Section):
-    metric: Literal["exact_match"] = "exact_match"
+    """The task metric the gate decides on, and how sure it must be (tasks/metrics.py, tasks/stats.py)."""
+
+    # exact_match, rouge_l, bleu_4 (higher is better) or answer_loss (lower is better); all are logged.
+    metric: Literal["exact_match", "rouge_l", "bleu_4", "answer_loss"] = "exact_match"
     max_new_tokens: int = Field(8, ge=1)
     max_samples: int = Field(256, ge=1)
     # The candidate must beat the base by at least this much on the task metric.
     min_improvement: float = 0.2
+    # None: checks use the point difference. A level such as 0.9: they use the paired bootstrap
+    # interval's bound (improvement's lower bound, a drop's upper bound).
+    confidence: float | None = Field(None, gt=0, lt=1)
+    bootstrap_resamples: int = Field(2000, ge=100)
+    seed: int = 0
+    # Fewer eval samples than this: no decision, a message saying to add data.
+    min_samples: int = Field(20, ge=1)
 
 
 class MergeSection(Section):
@@ -223,7 +235,11 @@ class GateSection(Section):
     # Absolute request rate at the highest bench concurrency (e.g. a 120 QPS target).
     min_requests_per_s: float | None = Field(None, gt=0)
     min_throughput_ratio: float | None = Field(None, gt=0)
+    # On evaluate.metric: how much worse than the champion the candidate may score (served scores).
     max_task_metric_drop: float = Field(0.02, ge=0)
+    # On evaluate.metric: how much worse the served candidate may score than the same model offline
+    # (a chat template, tokenizer or stop-token mismatch between training and serving shows here).
+    max_serving_parity_drop: float = Field(0.05, ge=0)
     max_quantization_accuracy_drop: float = Field(0.05, ge=0)
 
 
@@ -366,15 +382,17 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: list[str] = (), data
         raise BadInput(f"profile file {path}{line}: invalid YAML") from exc
     if not isinstance(raw, dict):
         raise BadInput(f"profile file {path}: expected a mapping at the top level")
+    # A relative local data path in a profile file is relative to that file (one given on the command line, to the cwd).
+    section = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    for field in ("source", "eval_source"):
+        value = section.get(field)
+        if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
+            section[field] = str((path.parent / value).resolve())
     for text in overrides:
         keys, value = parse_override(text)
         apply_override(raw, keys, value, text)
     if data:
         raw.setdefault("data", {})["source"] = data
-    # A relative local data path in a profile file is relative to that file.
-    source = raw.get("data", {}).get("source") if isinstance(raw.get("data"), dict) else None
-    if isinstance(source, str) and not data and "://" not in source and not Path(source).is_absolute():
-        raw["data"]["source"] = str((path.parent / source).resolve())
     try:
         return Profile.model_validate(raw)
     except ValidationError as err:

@@ -67,7 +67,8 @@ def source_digest(files: list[SourceFile]) -> str:
 def iter_raw_records(file: SourceFile):
     """Yield (where, record) with `where` naming the file and line (JSONL) or index (JSON array)."""
     try:
-        text = file.content.decode("utf-8")
+        # utf-8-sig: a byte-order mark (Windows and Excel exports) is read as no text; CRLF endings split like LF.
+        text = file.content.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise BadInput(f"data file {file.name}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     if file.name.endswith(".json") and text.lstrip().startswith("["):
@@ -157,15 +158,30 @@ class CleanData:
     eval: list[list[dict]]
     stats: dict
     fingerprint: str
+    eval_fingerprint: str = ""
 
 
-def clean_and_split(files: list[SourceFile], cfg: DataSection) -> CleanData:
+@dataclass
+class Records:
+    """Validated, de-duplicated conversations of some files, and what was dropped on the way."""
+
+    conversations: list[list[dict]]
+    hashes: list[str]
+    read: int
+    duplicates: int
+    empty: int
+
+    def describe(self) -> str:
+        return f"{self.read} read, {self.duplicates} duplicates, {self.empty} empty answers"
+
+
+def read_records(files: list[SourceFile], fmt: str) -> Records:
     seen: set[str] = set()
-    records, duplicates, empty, total = [], 0, 0, 0
+    conversations, hashes, duplicates, empty, total = [], [], 0, 0, 0
     for file in files:
         for where, raw in iter_raw_records(file):
             total += 1
-            messages = normalize(raw, cfg.format, where)
+            messages = normalize(raw, fmt, where)
             if not messages[-1]["content"].strip():
                 empty += 1
                 continue
@@ -174,21 +190,51 @@ def clean_and_split(files: list[SourceFile], cfg: DataSection) -> CleanData:
                 duplicates += 1
                 continue
             seen.add(digest)
-            records.append(messages)
+            conversations.append(messages)
+            hashes.append(digest)
+    return Records(conversations, hashes, total, duplicates, empty)
+
+
+def fingerprint_of(hashes: list[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(hashes)).encode()).hexdigest()
+
+
+def clean_and_split(files: list[SourceFile], cfg: DataSection, eval_files: list[SourceFile] | None = None) -> CleanData:
+    """Train and eval splits: a content-hash split of `files`, or with `eval_files` (data.eval_source)
+    all of `files` for training and the fixed held-out set for eval (its records dropped from training)."""
     names = ", ".join(f.name for f in files)
-    if not records:
-        raise BadInput(f"data {names}: no usable records after cleaning ({total} read, {duplicates} duplicates, {empty} empty answers)")
-    train = [m for m in records if not is_eval(m, cfg.eval_fraction, cfg.split_salt)]
-    evals = [m for m in records if is_eval(m, cfg.eval_fraction, cfg.split_salt)]
-    if not train or not evals:
-        raise BadInput(
-            f"data {names}: {len(records)} records leave an empty {'train' if not train else 'eval'} split "
-            f"at data.eval_fraction={cfg.eval_fraction}"
-        )
-    fingerprint = hashlib.sha256("\n".join(sorted(seen)).encode()).hexdigest()
-    stats = {"records_read": total, "duplicates_dropped": duplicates, "empty_answers_dropped": empty,
-             "records": len(records), "train_records": len(train), "eval_records": len(evals)}
-    return CleanData(train, evals, stats, fingerprint)
+    found = read_records(files, cfg.format)
+    if not found.conversations:
+        raise BadInput(f"data {names}: no usable records after cleaning ({found.describe()})")
+    stats = {"records_read": found.read, "duplicates_dropped": found.duplicates, "empty_answers_dropped": found.empty}
+    if eval_files is None:
+        train = [m for m in found.conversations if not is_eval(m, cfg.eval_fraction, cfg.split_salt)]
+        evals = [m for m in found.conversations if is_eval(m, cfg.eval_fraction, cfg.split_salt)]
+        fingerprint, eval_fingerprint = fingerprint_of(found.hashes), ""
+        if not train or not evals:
+            raise BadInput(
+                f"data {names}: {len(found.conversations)} records leave an empty {'train' if not train else 'eval'} "
+                f"split at data.eval_fraction={cfg.eval_fraction}")
+    else:
+        held_out = read_records(eval_files, cfg.format)
+        eval_names = ", ".join(f.name for f in eval_files)
+        if not held_out.conversations:
+            raise BadInput(f"data.eval_source {eval_names}: no usable records after cleaning ({held_out.describe()})")
+        overlap = set(held_out.hashes)
+        train = [m for m, h in zip(found.conversations, found.hashes) if h not in overlap]
+        evals = held_out.conversations
+        if not train:
+            raise BadInput(f"data {names}: every record is also in data.eval_source {eval_names}; nothing left to train on")
+        eval_fingerprint = fingerprint_of(held_out.hashes)
+        fingerprint = hashlib.sha256(f"{fingerprint_of(found.hashes)}+eval:{eval_fingerprint}".encode()).hexdigest()
+        stats |= {"eval_records_read": held_out.read, "eval_overlap_dropped": len(found.conversations) - len(train)}
+    stats |= {"records": len(train) + len(evals), "train_records": len(train), "eval_records": len(evals)}
+    return CleanData(train, evals, stats, fingerprint, eval_fingerprint)
+
+
+def read_data(cfg: DataSection) -> CleanData:
+    """What prepare_data will see for this data section (read, validated, cleaned, split)."""
+    return clean_and_split(read_source(cfg.source), cfg, read_source(cfg.eval_source) if cfg.eval_source else None)
 
 
 def dataset_info() -> dict:
@@ -204,7 +250,8 @@ def write_dataset(data: CleanData, out_dir: Path) -> None:
     for split, rows in (("train", data.train), ("eval", data.eval)):
         (out_dir / f"{split}.json").write_text(json.dumps([{"messages": m} for m in rows], ensure_ascii=False))
     (out_dir / "dataset_info.json").write_text(json.dumps(dataset_info(), indent=2))
-    (out_dir / "stats.json").write_text(json.dumps({**data.stats, "fingerprint": data.fingerprint}, indent=2))
+    (out_dir / "stats.json").write_text(json.dumps(
+        {**data.stats, "fingerprint": data.fingerprint, "eval_fingerprint": data.eval_fingerprint}, indent=2))
 
 
 def load_split(folder: Path, split: str) -> list[list[dict]]:
@@ -219,9 +266,10 @@ def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = N
 def prepare_data(ctx: RunContext) -> StageResult:
     cfg = ctx.profile.data
     files = read_source(cfg.source)
+    eval_files = read_source(cfg.eval_source) if cfg.eval_source else None
 
     def produce(out_dir: Path) -> dict:
-        data = clean_and_split(files, cfg)
+        data = clean_and_split(files, cfg, eval_files)
         write_dataset(data, out_dir)
         log = logger()
         log.info(f"prepare_data: {data.stats['records_read']} read, {data.stats['duplicates_dropped']} duplicates and "
@@ -230,13 +278,17 @@ def prepare_data(ctx: RunContext) -> StageResult:
         return data.stats
 
     result = run_cached(
-        ctx, "prepare_data", {"source": source_digest(files), "config": cfg.model_dump(exclude={"source"})}, produce,
+        ctx, "prepare_data", {"source": source_digest(files), "eval_source": source_digest(eval_files) if eval_files else None,
+                              "config": cfg.model_dump(exclude={"source", "eval_source"})}, produce,
         headline=lambda m: f"{m['train_records']} train / {m['eval_records']} eval",
     )
     folder = ctx.store.fetch(result.artifact.digest)
     stats = json.loads((folder / "stats.json").read_text())
     result.metrics = {**result.metrics, "fingerprint": stats["fingerprint"]}
     log_dataset_input(ctx, folder, cfg.source, stats["fingerprint"])
+    if stats.get("eval_fingerprint"):
+        ctx.tracker.set_tags({"data.eval_fingerprint": stats["eval_fingerprint"], "data.eval_source": cfg.eval_source})
+        result.metrics["eval_fingerprint"] = stats["eval_fingerprint"]
     return result
 
 

@@ -1,9 +1,14 @@
-"""evaluate: base vs candidate (base + adapter) on the held-out split.
+"""evaluate: base vs candidate (base + adapter) on the held-out split, on the metric the profile gates on.
 
-Metrics: answer-token loss and perplexity (the loss LlamaFactory trains on: answer tokens and
-the closing <|im_end|>, prompt masked), and the task metric (exact match of the greedy answer).
-Prompts are encoded with the tokenizer's chat template, answers separately, the way
-LlamaFactory's template encodes them, so the eval sees the same token boundaries as training.
+Every metric is computed for both models, per sample (tasks/metrics.py): exact match, ROUGE-1/2/L
+and BLEU-4 of the greedy answer, and the answer-token loss (the loss LlamaFactory trains on: answer
+tokens and the closing <|im_end|>, prompt masked) with its perplexity. `evaluate.metric` picks the
+one the checks use; `answer_loss` is lower-is-better and the checks turn around for it. Prompts are
+encoded with the tokenizer's chat template, answers separately, the way LlamaFactory's template
+encodes them, so the eval sees the same token boundaries as training.
+
+The improvement over the base is the mean paired per-sample difference; with `evaluate.confidence`
+its bootstrap interval's lower bound must reach `evaluate.min_improvement` (tasks/stats.py).
 """
 
 from __future__ import annotations
@@ -13,23 +18,32 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks import metrics
 from tasks.config import EvaluateSection
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
+from tasks.metrics import higher_is_better, mean, text_scores
 from tasks.stage import RunContext, StageResult, logger, run_cached
+from tasks.stats import Difference, paired_difference
 
 BATCH = 32
+EVALUATION_FILE = "evaluation.json"
 
 
 @dataclass
 class Scores:
-    loss: float
-    perplexity: float
-    exact_match: float
+    """One model's answers on the eval split and every metric per sample ({metric: [score per sample]})."""
+
+    per_sample: dict[str, list[float]]
     predictions: list[str]
 
-    def as_metrics(self, prefix: str) -> dict:
-        return {f"{prefix}_loss": self.loss, f"{prefix}_perplexity": self.perplexity, f"{prefix}_exact_match": self.exact_match}
+    def summary(self) -> dict[str, float]:
+        """Each metric's mean over the samples, and the perplexity of the mean answer loss."""
+        means = {name: mean(values) for name, values in self.per_sample.items()}
+        return {**means, "perplexity": math.exp(min(means["answer_loss"], 50.0))}
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}_{name}": value for name, value in self.summary().items()}
 
 
 def load_model(base_dir: Path, adapter_dir: Path | None = None):
@@ -66,10 +80,11 @@ def batches(items: list, size: int = BATCH):
         yield items[i : i + size]
 
 
-def answer_loss(model, tokenizer, conversations: list[list[dict]]) -> float:
+def answer_losses(model, tokenizer, conversations: list[list[dict]]) -> list[float]:
+    """Per sample, the mean cross-entropy of the answer's tokens (and the closing <|im_end|>) given the prompt."""
     import torch
 
-    total, count = 0.0, 0
+    losses = []
     for group in batches(conversations):
         rows = [(prompt_ids(tokenizer, c), answer_ids(tokenizer, c)) for c in group]
         width = max(len(p) + len(a) for p, a in rows)
@@ -84,11 +99,10 @@ def answer_loss(model, tokenizer, conversations: list[list[dict]]) -> float:
         with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
         target = labels[:, 1:]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-                                                ignore_index=-100, reduction="sum")
-        total += nll.item()
-        count += int((target != -100).sum())
-    return total / max(count, 1)
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+        counts = (target != -100).sum(dim=1).clamp(min=1)
+        losses += (nll.sum(dim=1) / counts).tolist()
+    return losses
 
 
 def generate_answers(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
@@ -107,14 +121,41 @@ def generate_answers(model, tokenizer, conversations: list[list[dict]], max_new_
 
 
 def exact_match(predictions: list[str], conversations: list[list[dict]]) -> float:
-    hits = sum(p.strip() == c[-1]["content"].strip() for p, c in zip(predictions, conversations))
-    return hits / max(len(conversations), 1)
+    """Share of answers equal to the reference (the quantize and engine stages' accuracy measure)."""
+    return mean([metrics.exact_match(p, c[-1]["content"]) for p, c in zip(predictions, conversations)])
+
+
+def references(conversations: list[list[dict]]) -> list[str]:
+    return [c[-1]["content"] for c in conversations]
 
 
 def score(model, tokenizer, conversations: list[list[dict]], cfg: EvaluateSection) -> Scores:
-    loss = answer_loss(model, tokenizer, conversations)
     predictions = generate_answers(model, tokenizer, conversations, cfg.max_new_tokens)
-    return Scores(loss, math.exp(min(loss, 50.0)), exact_match(predictions, conversations), predictions)
+    per_sample = {**text_scores(predictions, references(conversations)),
+                  "answer_loss": answer_losses(model, tokenizer, conversations)}
+    return Scores(per_sample, predictions)
+
+
+def require_samples(count: int, cfg: EvaluateSection, where: str) -> None:
+    """A decision on a handful of samples is noise: refuse it, saying what to do."""
+    if count < cfg.min_samples:
+        raise CheckFailed(
+            f"{where}: the eval split has {count} samples, fewer than evaluate.min_samples {cfg.min_samples}: too few "
+            "to decide on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source")
+
+
+def gain(candidate: list[float], reference: list[float], cfg: EvaluateSection) -> Difference:
+    """How much better the candidate scores than the reference on the gate metric, paired per sample
+    (positive = better, whichever way the metric points), with its interval when evaluate.confidence is set."""
+    difference = paired_difference(candidate, reference, cfg.confidence, cfg.bootstrap_resamples, cfg.seed)
+    return difference if higher_is_better(cfg.metric) else difference.flipped()
+
+
+def describe(difference: Difference) -> str:
+    if difference.low is None:
+        return f"{difference.value:.3f}"
+    return (f"{difference.value:.3f} ({difference.confidence:.0%} interval {difference.low:.3f}..{difference.high:.3f}, "
+            f"{difference.samples} samples)")
 
 
 def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageResult) -> StageResult:
@@ -124,27 +165,43 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
 
     def produce(out_dir: Path) -> dict:
         conversations = eval_conversations(ctx, data, cfg.max_samples)
+        require_samples(len(conversations), cfg, "evaluate")
         base_dir = ctx.store.fetch(base.artifact.digest)
         tokenizer = load_tokenizer(base_dir)
         base_scores = score(load_model(base_dir), tokenizer, conversations, cfg)
         candidate_scores = score(load_model(base_dir, ctx.store.fetch(adapter.artifact.digest)), tokenizer,
                                  conversations, cfg)
-        metrics = {**base_scores.as_metrics("base"), **candidate_scores.as_metrics("candidate"),
-                   "improvement": candidate_scores.exact_match - base_scores.exact_match, "samples": len(conversations)}
-        samples = [{"prompt": c[:-1], "expected": c[-1]["content"], "base": b, "candidate": p}
-                   for c, b, p in zip(conversations, base_scores.predictions, candidate_scores.predictions)]
-        (out_dir / "evaluation.json").write_text(json.dumps({"metrics": metrics, "samples": samples}, indent=1))
-        logger().info(
-            f"evaluate: {'':10} {'loss':>8} {'ppl':>8} {'exact':>7}\n"
-            f"  base      {base_scores.loss:8.3f} {base_scores.perplexity:8.2f} {base_scores.exact_match:7.3f}\n"
-            f"  candidate {candidate_scores.loss:8.3f} {candidate_scores.perplexity:8.2f} {candidate_scores.exact_match:7.3f}"
-        )
-        if metrics["improvement"] < cfg.min_improvement:
+        improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
+        result = {**base_scores.as_metrics("base"), **candidate_scores.as_metrics("candidate"),
+                  "improvement": improvement.value, "samples": len(conversations)}
+        if improvement.low is not None:
+            result |= {"improvement_low": improvement.low, "improvement_high": improvement.high}
+        samples = [{"prompt": c[:-1], "expected": c[-1]["content"], "base": b, "candidate": p,
+                    "scores": {"base": {m: v[i] for m, v in base_scores.per_sample.items()},
+                               "candidate": {m: v[i] for m, v in candidate_scores.per_sample.items()}}}
+                   for i, (c, b, p) in enumerate(zip(conversations, base_scores.predictions, candidate_scores.predictions))]
+        (out_dir / EVALUATION_FILE).write_text(json.dumps(
+            {"metric": cfg.metric, "higher_is_better": higher_is_better(cfg.metric), "metrics": result,
+             "improvement": {"value": improvement.value, "interval": improvement.interval(),
+                             "confidence": improvement.confidence}, "samples": samples},
+            indent=1, ensure_ascii=False))
+        names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity"]
+        rows = [f"  {label:<9} " + " ".join(f"{s[n]:>11.3f}" for n in names)
+                for label, s in (("base", base_scores.summary()), ("candidate", candidate_scores.summary()))]
+        logger().info("evaluate:\n  " + " " * 10 + " ".join(f"{n:>11}" for n in names) + "\n" + "\n".join(rows))
+        bound = improvement.low if improvement.low is not None else improvement.value
+        if bound < cfg.min_improvement:
+            which = "the lower bound of its improvement" if improvement.low is not None else "its improvement"
             raise CheckFailed(
-                f"evaluate: candidate exact match {candidate_scores.exact_match:.3f} beats base "
-                f"{base_scores.exact_match:.3f} by {metrics['improvement']:.3f} < evaluate.min_improvement {cfg.min_improvement}"
-            )
-        return metrics
+                f"evaluate: candidate {cfg.metric} {candidate_scores.summary()[cfg.metric]:.3f} vs base "
+                f"{base_scores.summary()[cfg.metric]:.3f}: {which} {bound:.3f} < evaluate.min_improvement "
+                f"{cfg.min_improvement} (improvement {describe(improvement)})")
+        return result
 
     return run_cached(ctx, "evaluate", key, produce,
-                      headline=lambda m: f"exact {m['base_exact_match']:.2f} -> {m['candidate_exact_match']:.2f}")
+                      headline=lambda m: f"{cfg.metric} {m[f'base_{cfg.metric}']:.3f} -> {m[f'candidate_{cfg.metric}']:.3f}")
+
+
+def offline_scores(ctx: RunContext, evaluation: StageResult) -> dict:
+    """The evaluate stage's record of the candidate: answers and per-sample scores (evaluation.json)."""
+    return json.loads((ctx.store.fetch(evaluation.artifact.digest) / EVALUATION_FILE).read_text())

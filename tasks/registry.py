@@ -51,7 +51,11 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
     }
     for stage in stages:
         if stage.stage == "evaluate":
-            tags["metric.exact_match"] = str(stage.metrics["candidate_exact_match"])
+            metric = ctx.profile.evaluate.metric
+            tags[f"metric.{metric}"] = str(stage.metrics[f"candidate_{metric}"])
+        if stage.stage == "prepare_data" and stage.metrics.get("eval_fingerprint"):
+            tags["data.eval_fingerprint"] = stage.metrics["eval_fingerprint"]
+            tags["data.eval_source"] = ctx.profile.data.eval_source or ""
         tags[f"artifact.{stage.stage}.sha256"] = stage.artifact.digest
         tags[f"artifact.{stage.stage}.uri"] = stage.artifact.uri
     return tags

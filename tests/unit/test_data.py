@@ -112,3 +112,31 @@ def test_dataset_info_is_llamafactory_sharegpt_messages():
     assert info["train"]["file_name"] == "train.json"
     assert info["train"]["formatting"] == "sharegpt"
     assert info["train"]["tags"]["assistant_tag"] == "assistant"
+
+
+def test_utf8_bom_and_crlf_line_endings_read_like_plain_utf8():
+    rows = [alpaca(i, f"答案{i}") for i in range(20)]
+    plain = jsonl("plain.jsonl", rows)
+    windows = SourceFile("excel.jsonl", b"\xef\xbb\xbf" + plain.content.replace(b"\n", b"\r\n") + b"\r\n")
+    assert clean_and_split([windows], CFG).fingerprint == clean_and_split([plain], CFG).fingerprint
+    array = SourceFile("excel.json", b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode().replace(b", ", b",\r\n"))
+    assert clean_and_split([array], CFG).stats["records"] == 20
+
+
+def test_other_encodings_keep_their_error_naming_the_file():
+    gbk = SourceFile("gbk.jsonl", json.dumps(alpaca(1, "答案"), ensure_ascii=False).encode("gbk"))
+    with pytest.raises(BadInput, match=r"^data file gbk\.jsonl: not UTF-8"):
+        clean_and_split([gbk], CFG)
+
+
+def test_a_fixed_eval_source_is_the_eval_split_and_leaves_training():
+    train = jsonl("train.jsonl", [alpaca(i) for i in range(30)])
+    held_out = jsonl("held_out.jsonl", [alpaca(i) for i in range(25, 40)])
+    data = clean_and_split([train], CFG, [held_out])
+    assert len(data.eval) == 15 and data.stats["eval_overlap_dropped"] == 5 and len(data.train) == 25
+    assert all(m[0]["content"] != "question 25" for m in data.train)
+    assert data.eval_fingerprint and data.fingerprint != clean_and_split([train], CFG).fingerprint
+    other = clean_and_split([train], CFG, [jsonl("held_out.jsonl", [alpaca(i) for i in range(26, 40)])])
+    assert other.fingerprint != data.fingerprint  # the held-out set is part of what the data is
+    with pytest.raises(BadInput, match=r"^data.eval_source empty.jsonl: no usable records"):
+        clean_and_split([train], CFG, [jsonl("empty.jsonl", [alpaca(1, "")])])
