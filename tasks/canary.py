@@ -12,6 +12,7 @@ rollback moves no alias.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import threading
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import requests
 
 from tasks.config import Profile
+from tasks.contract import CONTRACT_FILE, load_contract, read_contract, require_same
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.registry import Registered
@@ -36,6 +38,7 @@ class Served:
     name: str
     model_dir: Path  # the merged model: tokenizer for genai-perf, the champion's task score
     engine_root: Path | None = None  # build_engine's artifact (engine/, tokenizer/) on the GPU path
+    artifact_sha256: str = ""  # the store artifact this model serves: the engine on the GPU path, else the merged model
 
 
 @dataclass
@@ -56,16 +59,16 @@ def model_name(service: str, version: str) -> str:
     return f"{service}-v{version}"
 
 
-def llm_values(profile: Profile, model_dir: Path) -> dict:
+def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
     serve = profile.serve
     return {"max_batch_size": serve.max_batch_size, "max_queue_delay_us": serve.max_queue_delay_us,
-            "instance_count": serve.instance_count, "model_dir": model_dir.resolve(),
+            "instance_count": serve.instance_count, "model_dir": model_dir.resolve(), "artifact_sha256": artifact_sha256,
             "apply_chat_template": str(serve.apply_chat_template).lower(),
             "default_max_tokens": serve.default_max_tokens, "torch_threads": serve.torch_threads,
             "device": "cuda" if profile.hardware.accelerator == "cuda" else "cpu"}
 
 
-def tensorrtllm_models(profile: Profile, name: str, engine_root: Path) -> dict[str, tuple[str, dict]]:
+def tensorrtllm_models(profile: Profile, name: str, engine_root: Path, artifact_sha256: str) -> dict[str, tuple[str, dict]]:
     """The four Triton models of one tensorrtllm candidate, {model name: (template, values)}; the
     composing models carry the candidate's name, and the engine path is this candidate's own."""
     serve, trt = profile.serve, profile.serve.tensorrtllm
@@ -78,6 +81,7 @@ def tensorrtllm_models(profile: Profile, name: str, engine_root: Path) -> dict[s
         names["pre"]: ("tensorrtllm/preprocessing", {
             "max_batch_size": serve.max_batch_size, "instance_count": trt.preprocessing_instances,
             "tokenizer_dir": tokenizer, "apply_chat_template": str(serve.apply_chat_template).lower(),
+            "artifact_sha256": artifact_sha256,
             "default_max_tokens": serve.default_max_tokens}),
         names["trtllm"]: ("tensorrtllm/tensorrt_llm", {
             "max_batch_size": serve.max_batch_size, "decoupled": str(trt.decoupled).lower(),
@@ -102,12 +106,28 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> None:
         return
     if profile.serve.backend == "tensorrtllm":
         # Composing models first; loading the ensemble loads them.
-        for model, (template, values) in tensorrtllm_models(profile, served.name, served.engine_root).items():
+        for model, (template, values) in tensorrtllm_models(profile, served.name, served.engine_root,
+                                                            served.artifact_sha256).items():
             render_model(template, triton.repository, model, values)
     else:
-        render_model("llm", triton.repository, served.name, llm_values(profile, served.model_dir))
+        render_model("llm", triton.repository, served.name, llm_values(profile, served.model_dir, served.artifact_sha256))
+    check_serving_contract(triton.repository, profile, served)
     logger().info(f"canary: loading {served.name} on Triton {triton.url}")
     triton.load(served.name, timeout=profile.serve.load_timeout_s)
+
+
+def check_serving_contract(repository: Path, profile: Profile, served: Served) -> None:
+    """The tokenizer the rendered serving config names (its chat template, EOS/pad ids: the end_id/pad_id the
+    tensorrtllm preprocessing sends) must keep the contract training recorded (tasks/contract.py)."""
+    if not (served.model_dir / CONTRACT_FILE).is_file():
+        return  # registered before contracts were recorded
+    model, key = (f"{served.name}-pre", "tokenizer_dir") if profile.serve.backend == "tensorrtllm" else (served.name, "model_dir")
+    config = repository / model / "config.pbtxt"
+    found = re.search(rf'key: "{key}", value: {{ string_value: "([^"]*)" }}', config.read_text())
+    if found is None:
+        raise CheckFailed(f"train/serve contract: {config} names no {key}")
+    require_same(load_contract(served.model_dir), read_contract(Path(found.group(1)), served.model_dir),
+                 f"the serving config {config} ({key} {found.group(1)})")
 
 
 def set_routes(triton: Triton, profile: Profile, service: str, weights: dict[str, float]) -> None:
@@ -138,8 +158,9 @@ def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None)
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
     engine = version.tags.get("artifact.build_engine.sha256")
-    return Served(str(version.version), model_name(service, str(version.version)),
-                  ctx.store.fetch(version.tags["artifact.merge.sha256"]), ctx.store.fetch(engine) if engine else None)
+    merged = version.tags["artifact.merge.sha256"]
+    return Served(str(version.version), model_name(service, str(version.version)), ctx.store.fetch(merged),
+                  ctx.store.fetch(engine) if engine else None, engine or merged)
 
 
 def champion_version(ctx: RunContext):

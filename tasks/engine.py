@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from tasks import tensorrt_llm
+from tasks.contract import CONTRACT_FILE
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, logger, run_cached
@@ -26,7 +27,9 @@ def engine_cache_key(checkpoint_digest: str, build_args: list[str], trtllm_versi
 
 
 def engine_exact_match(ctx: RunContext, data: StageResult, engine_dir: Path, tokenizer_dir: Path, scratch: Path) -> float:
-    from tasks.evaluate import exact_match, load_tokenizer, prompt_ids
+    from tasks.chat import prompt_ids
+    from tasks.evaluate import exact_match
+    from tasks.models import load_tokenizer
 
     cfg = ctx.profile.evaluate
     conversations = eval_conversations(ctx, data, cfg.max_samples)
@@ -56,6 +59,7 @@ def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, ch
         tensorrt_llm.run_logged(command, scratch / "trtllm-build.log", "build_engine", log)
         build_s = time.monotonic() - started
         shutil.copytree(source / "tokenizer", out_dir / "tokenizer")
+        shutil.copy2(source / CONTRACT_FILE, out_dir / CONTRACT_FILE)  # checked against the tokenizer at quantize
         engine_config = json.loads((out_dir / "engine" / "config.json").read_text())
         (out_dir / "build.json").write_text(json.dumps({"trtllm_build_args": args, "tensorrt_llm": key["tensorrt_llm"],
                                                          "gpu_arch": key["gpu_arch"]}, indent=2))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks import metrics
+from tasks.chat import prompt_ids
+from tasks.models import load_model, load_tokenizer
 from tasks.config import EvaluateSection
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
@@ -44,31 +46,6 @@ class Scores:
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}_{name}": value for name, value in self.summary().items()}
-
-
-def load_model(base_dir: Path, adapter_dir: Path | None = None):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    return model.eval()
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-def prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def answer_ids(tokenizer, conversation: list[dict]) -> list[int]:

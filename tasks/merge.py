@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.contract import load_contract, read_contract, require_same, write_contract
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
-from tasks.evaluate import answer_ids, load_model, load_tokenizer, prompt_ids
+from tasks.chat import prompt_ids
+from tasks.evaluate import answer_ids
+from tasks.models import load_model, load_tokenizer
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
 
@@ -60,6 +63,9 @@ def merge(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageR
         probe = eval_conversations(ctx, data, cfg.probe_samples)
         max_diff = merge_adapter(ctx.store.fetch(base.artifact.digest), ctx.store.fetch(adapter.artifact.digest),
                                  out_dir, probe)
+        trained = load_contract(ctx.store.fetch(adapter.artifact.digest))
+        require_same(trained, read_contract(out_dir), "the merged model's tokenizer")
+        write_contract(trained, out_dir)
         logger().info(f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} (tolerance {cfg.tolerance:g})")
         if max_diff > cfg.tolerance:
             raise CheckFailed(f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} exceeds "

@@ -14,9 +14,12 @@ import shutil
 import time
 from pathlib import Path
 
+from tasks.contract import load_contract, read_contract, require_same, write_contract
 from tasks.data import eval_conversations, load_split
 from tasks.errors import CheckFailed
-from tasks.evaluate import exact_match, generate_answers, load_model, load_tokenizer, prompt_ids
+from tasks.chat import prompt_ids
+from tasks.evaluate import exact_match, generate_answers
+from tasks.models import load_model, load_tokenizer
 from tasks.merge import probe_batch
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
@@ -164,6 +167,9 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
         else:
             conversations = eval_conversations(ctx, data, ctx.profile.evaluate.max_samples)
             metrics = onnx_int8(merged_dir, out_dir, conversations, cfg.opset, ctx.profile.evaluate.max_new_tokens)
+        trained = load_contract(merged_dir)
+        require_same(trained, read_contract(out_dir, merged_dir), f"the {cfg.backend} artifact's tokenizer")
+        write_contract(trained, out_dir)
         # Timings stay out of the artifact (they go to the record and MLflow): equal weights, equal digest.
         stable = {k: v for k, v in metrics.items() if not k.endswith("_per_token")}
         (out_dir / "quantization.json").write_text(json.dumps({"backend": cfg.backend, **stable}, indent=2))
@@ -200,6 +206,9 @@ def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageRes
         shutil.copytree(merged_dir, out_dir / "tokenizer",
                         ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", "*.index.json"))
         shutil.rmtree(calib_dir, ignore_errors=True)
+        trained = load_contract(merged_dir)
+        require_same(trained, read_contract(out_dir / "tokenizer", merged_dir), "the TensorRT-LLM checkpoint's tokenizer")
+        write_contract(trained, out_dir)
         (out_dir / "quantization.json").write_text(json.dumps({"backend": "tensorrt-llm", **cfg.model_dump()}, indent=2))
         return {"merged_bytes": folder_bytes(merged_dir, "*.safetensors"),
                 "quantized_bytes": folder_bytes(out_dir / "checkpoint", "*.safetensors")}

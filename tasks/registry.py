@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.contract import CONTRACT_FILE, load_contract
 from tasks.stage import RunContext, StageResult, logger
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +57,10 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
         if stage.stage == "prepare_data" and stage.metrics.get("eval_fingerprint"):
             tags["data.eval_fingerprint"] = stage.metrics["eval_fingerprint"]
             tags["data.eval_source"] = ctx.profile.data.eval_source or ""
+        if stage.stage == "merge":
+            contract = ctx.store.fetch(stage.artifact.digest) / CONTRACT_FILE
+            if contract.is_file():
+                tags |= load_contract(contract.parent).tags()
         tags[f"artifact.{stage.stage}.sha256"] = stage.artifact.digest
         tags[f"artifact.{stage.stage}.uri"] = stage.artifact.uri
     return tags

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from tasks.contract import read_contract, write_contract
 from tasks.config import HardwareSection, TrainSection
 from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, logger, run_cached
@@ -207,6 +208,9 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
             if (output_dir / name).is_file():
                 shutil.copy2(output_dir / name, out_dir / name)
         shutil.copy2(work / "llamafactory_train.yaml", out_dir / "llamafactory_train.yaml")
+        # The contract of the tokenizer LlamaFactory trained with (its template, saved next to the adapter).
+        trained_with = output_dir if (output_dir / "tokenizer_config.json").is_file() else ctx.store.fetch(base.artifact.digest)
+        write_contract(read_contract(trained_with, ctx.store.fetch(base.artifact.digest)), out_dir)
         if (out_dir / "training_loss.png").is_file():
             ctx.tracker.log_file(out_dir / "training_loss.png", "train")
         results = json.loads((output_dir / "train_results.json").read_text())

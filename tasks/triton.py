@@ -12,6 +12,7 @@ The binary: $LLMOPS_TRITONSERVER or `serve.triton_binary`, else the one in the n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -224,12 +225,22 @@ class Triton:
         index = requests.post(f"{self.url}/v2/repository/index", json={"ready": True}, timeout=10).json()
         return sorted(m["name"] for m in index)
 
-    def generate(self, name: str, text: str, max_tokens: int = 16, timeout: float = 60) -> str:
-        response = requests.post(f"{self.url}/v2/models/{name}/generate", timeout=timeout,
-                                 json={"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True})
+    def generate(self, name: str, text: str, max_tokens: int = 16, timeout: float = 60,
+                 history: list[dict] | None = None) -> str:
+        """Greedy answer of model `name` to `text`, after `history` (earlier messages, e.g. a system prompt)."""
+        body = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True}
+        if history:
+            body["chat_history"] = json.dumps(history, ensure_ascii=False)
+        response = requests.post(f"{self.url}/v2/models/{name}/generate", timeout=timeout, json=body)
         if response.status_code != 200:
             raise CheckFailed(f"Triton: {name} generate failed: {response.text[:300]}")
         return response.json()["text_output"]
+
+    def model_config(self, name: str) -> dict:
+        """The configuration Triton loaded for model `name` (what it serves, not what a file says)."""
+        response = requests.get(f"{self.url}/v2/models/{name}/config", timeout=10)
+        response.raise_for_status()
+        return response.json()
 
     def metrics(self) -> str:
         url = self.metrics_url or re.sub(r":\d+$", ":8002", self.url) + "/metrics"

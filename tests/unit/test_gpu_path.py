@@ -60,7 +60,7 @@ def test_tensorrt_llm_commands_match_golden(profile_name):
 @pytest.mark.parametrize("profile_name", GPU_PROFILES)
 def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
     profile = load_profile(profile_name)
-    models = tensorrtllm_models(profile, f"{profile.registry.model_name}-v3", Path("/engines/v3"))
+    models = tensorrtllm_models(profile, f"{profile.registry.model_name}-v3", Path("/engines/v3"), "e" * 64)
     for name, (template, values) in models.items():
         folder = render_model(template, tmp_path, name, values)
         config = (folder / "config.pbtxt").read_text()
@@ -92,8 +92,8 @@ def test_golden_values_are_what_the_profiles_ask_for():
 
 def test_each_candidate_gets_its_own_model_names_and_engine_path():
     profile = load_profile("qwen-7b-qlora-2xa10")
-    v3 = tensorrtllm_models(profile, "svc-v3", Path("/engines/a"))
-    v4 = tensorrtllm_models(profile, "svc-v4", Path("/engines/b"))
+    v3 = tensorrtllm_models(profile, "svc-v3", Path("/engines/a"), "a" * 64)
+    v4 = tensorrtllm_models(profile, "svc-v4", Path("/engines/b"), "b" * 64)
     assert not set(v3) & set(v4)
     assert v3["svc-v3"][1]["tensorrt_llm_model"] == "svc-v3-trtllm"
     assert v3["svc-v3-trtllm"][1]["engine_dir"].endswith("/engines/a/engine")

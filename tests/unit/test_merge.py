@@ -5,7 +5,7 @@ import torch
 
 from tasks.base_model import build_tiny_qwen2
 from tasks.config import TinyModel
-from tasks.evaluate import load_model, load_tokenizer
+from tasks.models import load_model, load_tokenizer
 from tasks.merge import logits, merge_adapter, probe_batch
 
 CONVERSATIONS = [[{"role": "user", "content": f"opposite of {a}?"}, {"role": "assistant", "content": b}]

@@ -38,6 +38,28 @@ def scalar(request, name, default):
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
 
+def chat_history(text):
+    """The optional `chat_history` input: a JSON list of earlier {role, content} messages (a system prompt among them)."""
+    if not text:
+        return []
+    history = json.loads(text)
+    if not isinstance(history, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in history):
+        raise ValueError("chat_history must be a JSON list of {role, content} messages")
+    return history
+
+
+# A copy of tasks/chat.py's encode_prompt (this folder is loaded by Triton on its own);
+# tests/unit/test_chat_encoding.py pins it to the original.
+def encode_prompt(tokenizer, text, history, apply_chat_template):
+    """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
+    through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
+    if not apply_chat_template:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template([*history, {"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         import torch
@@ -57,21 +79,16 @@ class TritonPythonModel:
         self.eos = self.tokenizer.eos_token_id
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
 
-    def encode(self, text):
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def parse(self, request):
         text = scalar(request, "text_input", None)
         if text is None:
             raise ValueError("text_input is required")
+        history = chat_history(scalar(request, "chat_history", ""))
         max_tokens = int(scalar(request, "max_tokens", self.default_max_tokens))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        job = Job(sender=request.get_response_sender(), prompt=text, ids=self.encode(text), max_tokens=max_tokens,
+        ids = encode_prompt(self.tokenizer, text, history, self.chat)
+        job = Job(sender=request.get_response_sender(), prompt=text, ids=ids, max_tokens=max_tokens,
                   min_length=int(scalar(request, "min_length", 0)), stream=bool(scalar(request, "stream", False)),
                   echo=not bool(scalar(request, "exclude_input_in_output", False)),
                   temperature=float(scalar(request, "temperature", 0.0)), top_k=int(scalar(request, "top_k", 0)))

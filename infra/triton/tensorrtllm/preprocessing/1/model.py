@@ -14,6 +14,28 @@ def scalar(request, name, default):
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
 
+def chat_history(text):
+    """The optional `chat_history` input: a JSON list of earlier {role, content} messages (a system prompt among them)."""
+    if not text:
+        return []
+    history = json.loads(text)
+    if not isinstance(history, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in history):
+        raise ValueError("chat_history must be a JSON list of {role, content} messages")
+    return history
+
+
+# A copy of tasks/chat.py's encode_prompt (this folder is loaded by Triton on its own);
+# tests/unit/test_chat_encoding.py pins it to the original.
+def encode_prompt(tokenizer, text, history, apply_chat_template):
+    """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
+    through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
+    if not apply_chat_template:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template([*history, {"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
@@ -25,13 +47,6 @@ class TritonPythonModel:
         self.end_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id
 
-    def encode(self, text):
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
     def execute(self, requests):
         responses = []
         for request in requests:
@@ -42,7 +57,7 @@ class TritonPythonModel:
                 max_tokens = int(scalar(request, "max_tokens", self.default_max_tokens))
                 if max_tokens < 1:
                     raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-                ids = self.encode(text)
+                ids = encode_prompt(self.tokenizer, text, chat_history(scalar(request, "chat_history", "")), self.chat)
                 outputs = [pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
                            pb_utils.Tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32)),
                            pb_utils.Tensor("request_output_len", np.array([[max_tokens]], dtype=np.int32)),

@@ -1,0 +1,31 @@
+"""The one chat-prompt encoder: how a conversation becomes the prompt's token ids.
+
+Evaluation, the merge probe, quantization and every serving model encode prompts with
+`encode_prompt`. The Triton model folders (infra/triton/llm, infra/triton/tensorrtllm/preprocessing)
+are self-contained, as Triton loads them, so they carry a copy of this function;
+tests/unit/test_chat_encoding.py pins every copy to this one on the same conversations.
+"""
+
+from __future__ import annotations
+
+
+def encode_prompt(tokenizer, text, history, apply_chat_template):
+    """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
+    through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
+    if not apply_chat_template:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template([*history, {"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def serving_request(conversation: list[dict]) -> tuple[str, list[dict]]:
+    """(text_input, chat_history) for a conversation that ends with the assistant's answer."""
+    *history, question, _answer = conversation
+    return question["content"], history
+
+
+def prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
+    """The prompt of a conversation that ends with the assistant's answer, as training encoded it."""
+    text, history = serving_request(conversation)
+    return encode_prompt(tokenizer, text, history, True)

@@ -1,0 +1,57 @@
+"""Task quality where users are served: the eval split answered by the models Triton serves.
+
+Each eval question goes to `/v2/models/<candidate or champion>/generate` with the inputs a client
+sends (text_input, chat_history for a system prompt or earlier turns, max_tokens), so the answers
+pass through the serving model's own prompt encoding, tokenizer and stop tokens. They are scored
+with the same metrics as the offline answers (tasks/metrics.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tasks.chat import serving_request
+from tasks.metrics import TEXT_METRICS, text_scores
+from tasks.triton import Triton
+
+SERVED_ANSWERS_FILE = "served_answers.json"
+CONCURRENCY = 4  # a few requests in flight: the model batches them, as it does for clients
+
+
+@dataclass
+class ServedScores:
+    model: str
+    answers: list[str]
+    per_sample: dict[str, list[float]]
+    answer_tokens: list[int]  # tokens of each served answer, by the served model's tokenizer
+
+
+def served_metric(metric: str) -> str:
+    """The metric served answers are compared on: the gate metric, or ROUGE-L for answer_loss (a
+    likelihood of the reference answer, which `/generate` does not return)."""
+    return metric if metric in TEXT_METRICS else "rouge_l"
+
+
+def ask(triton: Triton, model: str, conversations: list[list[dict]], max_tokens: int) -> list[str]:
+    def one(conversation: list[dict]) -> str:
+        text, history = serving_request(conversation)
+        return triton.generate(model, text, max_tokens=max_tokens, timeout=120, history=history).strip()
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, conversations))
+
+
+def score_served(triton: Triton, model: str, conversations: list[list[dict]], max_tokens: int, tokenizer) -> ServedScores:
+    answers = ask(triton, model, conversations, max_tokens)
+    per_sample = text_scores(answers, [c[-1]["content"] for c in conversations])
+    tokens = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers]
+    return ServedScores(model, answers, per_sample, tokens)
+
+
+def stop_probe(offline_answers: list[str], tokenizer, max_tokens: int) -> int | None:
+    """The eval sample the model answers in the fewest tokens offline (it stopped at EOS well before
+    max_tokens): served, it must stop before max_tokens too. None when no answer is that short."""
+    lengths = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in offline_answers]
+    short = [(n, i) for i, n in enumerate(lengths) if 0 < n <= max_tokens // 2]
+    return min(short)[1] if short else None

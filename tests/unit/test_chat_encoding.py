@@ -1,0 +1,97 @@
+"""One prompt encoding from training to serving: every copy of encode_prompt gives the same token ids,
+and the train/serve contract names each kind of mismatch."""
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from tasks.base_model import CHATML_TEMPLATE, train_tokenizer
+from tasks.chat import encode_prompt, prompt_ids, serving_request
+from tasks.contract import PROBES, read_contract, require_same
+from tasks.errors import CheckFailed
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVING_MODELS = ["infra/triton/llm/1/model.py", "infra/triton/tensorrtllm/preprocessing/1/model.py"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the opposite of hot?"}, {"role": "assistant", "content": "cold"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Opposite of up?"},
+     {"role": "assistant", "content": "down"}],
+    [{"role": "user", "content": "什么是市盈率？"}, {"role": "assistant", "content": "股价除以每股收益。"}],
+    [{"role": "system", "content": "你是一名理财顾问。"}, {"role": "user", "content": "请解释一下复利。"},
+     {"role": "assistant", "content": "利滚利。"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    texts = ["\n".join(m["content"] for m in c) for c in CONVERSATIONS + PROBES] * 4
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(texts, 300).save_pretrained(folder)
+    return folder
+
+
+def serving_copy(path: str):
+    """A Triton model file imported outside Triton (its pb_utils import is a stand-in: only encode_prompt runs)."""
+    sys.modules.setdefault("triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    spec = importlib.util.spec_from_file_location(f"serving_{Path(path).parent.parent.name}", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", SERVING_MODELS)
+def test_every_serving_copy_encodes_like_training(path, tokenizer_dir):
+    from tasks.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = serving_copy(path)
+    for conversation in CONVERSATIONS:
+        text, history = serving_request(conversation)
+        served = model.encode_prompt(tokenizer, text, model.chat_history(json.dumps(history, ensure_ascii=False)), True)
+        assert served == prompt_ids(tokenizer, conversation) == encode_prompt(tokenizer, text, history, True)
+        assert model.encode_prompt(tokenizer, text, [], False) == encode_prompt(tokenizer, text, [], False)
+    with pytest.raises(ValueError, match="chat_history must be a JSON list"):
+        model.chat_history('{"role": "system"}')
+
+
+def test_the_system_prompt_reaches_the_prompt(tokenizer_dir):
+    from tasks.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    with_system = tokenizer.decode(prompt_ids(tokenizer, CONVERSATIONS[3]))
+    assert with_system.startswith("<|im_start|>system\n你是一名理财顾问。<|im_end|>")
+    assert with_system.endswith("<|im_start|>assistant\n")
+
+
+def changed(tokenizer_dir: Path, tmp_path: Path, edit) -> Path:
+    from tasks.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    edit(tokenizer)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda t: setattr(t, "chat_template", CHATML_TEMPLATE.replace("'<|im_start|>' + message['role']", "message['role']")),
+     "chat template"),
+    (lambda t: setattr(t, "eos_token", "<|endoftext|>"), "eos_token_id"),
+    (lambda t: setattr(t, "pad_token", "<|im_start|>"), "pad_token_id"),
+    (lambda t: t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<tool_call>"]}), "special tokens"),
+])
+def test_the_contract_names_each_kind_of_mismatch(tokenizer_dir, tmp_path, edit, named):
+    trained = read_contract(tokenizer_dir)
+    assert not require_same(trained, read_contract(tokenizer_dir), "same")
+    with pytest.raises(CheckFailed, match=rf"^train/serve contract: the serving config differs from training: .*{named}"):
+        require_same(trained, read_contract(changed(tokenizer_dir, tmp_path, edit)), "the serving config")
+
+
+def test_a_generation_config_stop_id_joins_the_contract(tokenizer_dir, tmp_path):
+    trained = read_contract(tokenizer_dir)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [trained.eos_token_id, 0]}))
+    with pytest.raises(CheckFailed, match=r"stop_token_ids \[0, \d+\] \(trained with \[\d+\]\)"):
+        require_same(trained, read_contract(tokenizer_dir, tmp_path), "the merged model")
