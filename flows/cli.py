@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from flows.prefect_api import TemporaryPrefectAPI
 from tasks.gate import REJECTED_EXIT_CODE
 
 EXIT_CODES = """exit codes:
@@ -120,6 +121,21 @@ examples:
                                    description="Upload SOURCE (file or folder) under DESTINATION and emit the event.")
     push.add_argument("source", help="local dataset file or folder")
     push.add_argument("destination", help="s3://bucket/prefix/ or a folder: the location a retrain deployment watches")
+    validate = data_actions.add_parser(
+        "validate", help="check a dataset and print what prepare_data would see",
+        description="Read, validate, clean and split a dataset the way prepare_data does, without running anything: "
+                    "records read, duplicates and empty answers dropped, train/eval counts, fingerprint. Bad data "
+                    "exits 2 with the first error, naming the file, line and field.",
+        epilog="examples:\n  llmops data validate profiles/data/antonyms.jsonl\n"
+               "  llmops data validate my_qa.json --format alpaca --eval-source held_out.jsonl\n"
+               "  llmops data validate s3://datasets/sft/ --profile cpu-tiny-qa-zh",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    validate.add_argument("source", help="dataset file, folder or s3:// URI")
+    validate.add_argument("--format", choices=["auto", "alpaca", "sharegpt", "openai"],
+                          help="record format (default: the profile's data.format, usually auto)")
+    validate.add_argument("--eval-source", help="a fixed held-out set (file, folder or s3://), as data.eval_source")
+    validate.add_argument("--profile", default="cpu-tiny", help="profile whose data settings (eval_fraction, "
+                          "split_salt) apply (default: cpu-tiny)")
 
     profiles = commands.add_parser("profiles", help="list, show or validate profiles",
                                    description="Inspect the run profiles in profiles/.")
@@ -164,9 +180,18 @@ def command_run(args) -> str:
 
     profile = load_profile(args.profile, args.overrides, args.data)  # bad input fails before anything is created
     check_machine(profile, local_stages(profile))
-    Path(os.environ["LLMOPS_HOME"]).mkdir(parents=True, exist_ok=True)
-    from flows.release import release
+    validate_local_data(profile)
+    home = Path(os.environ["LLMOPS_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    if not os.environ.get("PREFECT_API_URL"):
+        api = TemporaryPrefectAPI(home / "prefect" / "temporary-api.log")
+        RUN_SERVICES.append(api)
+        os.environ["PREFECT_API_URL"] = api.url
+    from flows.release import release  # imports Prefect and the pipeline while the API server starts
+    import mlflow  # noqa: F401  (the same: the run's first stage needs it)
 
+    for service in RUN_SERVICES:
+        service.wait_healthy(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
     result = release(profile=args.profile, data_source=args.data, overrides=args.overrides,
                      tracking_uri=args.tracking_uri, artifacts=args.artifacts, triton_url=args.triton_url,
                      triton_repository=args.triton_repository)
@@ -175,6 +200,19 @@ def command_run(args) -> str:
         reason = report.summary() if report is not None and not report.passed else "canary breach (see the log)"
         raise Rejected(summary(result), f"candidate {result.outcome.replace('_', ' ')}: {reason}")
     return summary(result)
+
+
+def validate_local_data(profile) -> None:
+    """Bad local data fails here, in a second or two, before Prefect's API server or any stage starts.
+    (Data on S3 is validated by prepare_data, which retries S3 faults.)"""
+    from tasks.data import read_data
+
+    sources = [profile.data.source, profile.data.eval_source]
+    if not any(source and source.startswith("s3://") for source in sources):
+        read_data(profile.data)
+
+
+RUN_SERVICES: list = []  # what command_run started for this process alone; stopped when main returns
 
 
 class Rejected(Exception):
@@ -296,10 +334,32 @@ def command_deploy(args) -> str:
 
 
 def command_data(args) -> str:
+    if args.action == "validate":
+        return validate_data(args)
     from flows.deploy import push_data
 
     os.environ.update(prefect_api_env())
     return push_data(args.source, args.destination)
+
+
+def validate_data(args) -> str:
+    from tasks.config import load_profile
+    from tasks.data import read_data
+
+    overrides = [f"data.eval_source={args.eval_source}"] if args.eval_source else []
+    overrides += [f"data.format={args.format}"] if args.format else []
+    cfg = load_profile(args.profile, overrides, args.source).data
+    data = read_data(cfg)
+    stats = data.stats
+    lines = [f"data {cfg.source}: valid ({cfg.format} format)",
+             f"  records read           {stats['records_read']}",
+             f"  duplicates dropped     {stats['duplicates_dropped']}",
+             f"  empty answers dropped  {stats['empty_answers_dropped']}",
+             f"  train / eval           {stats['train_records']} / {stats['eval_records']}"
+             + (f"  (eval: data.eval_source {cfg.eval_source}, {stats['eval_overlap_dropped']} overlapping records "
+                "left out of training)" if cfg.eval_source else f"  (data.eval_fraction {cfg.eval_fraction})"),
+             f"  fingerprint            {data.fingerprint}"]
+    return "\n".join(lines)
 
 
 def command_profiles(args) -> None:
@@ -325,11 +385,11 @@ def stop_prefect_services() -> None:
         return
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
-    from prefect.server.api.server import SubprocessASGIServer
 
     APILogWorker.drain_all(timeout=10)
     EventsWorker.drain_all(timeout=10)
-    for server in list(SubprocessASGIServer._instances.values()):
+    server_module = sys.modules.get("prefect.server.api.server")  # importing it costs seconds: only if Prefect did
+    for server in list(server_module.SubprocessASGIServer._instances.values()) if server_module else []:
         server.stop()
 
 
@@ -359,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         code, message = describe_failure(exc)
     stop_prefect_services()
+    while RUN_SERVICES:
+        RUN_SERVICES.pop().stop()
     if epilogue and code in (0, Rejected.exit_code):
         print(epilogue)
     sys.stdout.flush()

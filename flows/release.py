@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefect import flow, runtime
+from prefect import flow, get_run_logger, runtime
 
 from tasks import base_model, bench, canary, data, engine, evaluate, gate, merge, quantize, registry, train
 from tasks.config import Profile, load_profile
@@ -100,6 +100,13 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
         if not config.serve.deploy:
             end_run(ctx.tracker, "FINISHED")
             return ReleaseResult(stages, registered, ctx.tracker)
+        if not triton_url and canary.is_champion(ctx, registered):
+            # Nothing new to roll out: no Triton to start, no lock to take (`llmops serve` keeps serving it).
+            get_run_logger().info(f"release: {registered.name} v{registered.version} already is the champion; "
+                                  "nothing to roll out")
+            ctx.tracker.set_tags({"release.outcome": "unchanged"})
+            end_run(ctx.tracker, "FINISHED")
+            return ReleaseResult(stages, registered, ctx.tracker, "unchanged")
 
         with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
             triton, started_here = canary.open_triton(ctx, triton_url, triton_repository)

@@ -172,6 +172,11 @@ def champion_version(ctx: RunContext):
         return None
 
 
+def is_champion(ctx: RunContext, registered: Registered) -> bool:
+    version = champion_version(ctx)
+    return version is not None and str(version.version) == registered.version
+
+
 def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
     """Champion loaded and the router sending it everything (what `llmops serve` keeps running)."""
     service = ctx.profile.registry.model_name

@@ -216,3 +216,29 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, ser
     expected = [SERVICE, f"{SERVICE}-v{before}"]
     assert ready_models(server["url"], expected) == sorted(expected)
     assert load.failed == 0, load.errors[:5]
+
+
+def test_a_candidate_served_with_a_broken_prompt_encoding_fails_parity_and_the_champion_keeps_serving(home, server):
+    """Offline the candidate is fine (every training stage is a cache hit); its serving config skips the chat
+    template, so what clients get differs from what was evaluated: the served scores catch it."""
+    before = champion(home)
+    with Load(server["url"]) as load:
+        result = llmops(home, "run", "--set", "serve.apply_chat_template=false", *FAST)
+    assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
+    rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
+    report = json.loads(Path(result.stdout.split("gate report: ")[1].split()[0]).read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    parity = checks["serving parity: exact_match drop served vs offline"]
+    assert not parity["passed"] and parity["value"] > 0.5 and parity["samples"] >= 20
+    assert checks["served artifact is the measured artifact"]["passed"]
+    assert report["served_artifact"] == report["measured_artifact"] == rejected.tags["artifact.merge.sha256"]
+    answers = json.loads((Path(report_path := result.stdout.split("gate report: ")[1].split()[0]).parent
+                          / "served_answers.json").read_text())
+    assert sum(a["served"] == a["offline"] for a in answers) < len(answers) / 2, report_path
+    assert champion(home) == before and str(rejected.version) != before  # no alias moved
+    expected = [SERVICE, f"{SERVICE}-v{before}"]
+    assert ready_models(server["url"], expected) == sorted(expected)  # candidate unloaded, champion serving
+    assert requests.post(f"{server['url']}/v2/models/{SERVICE}/generate", timeout=30, json={
+        "text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True,
+    }).json()["text_output"] == "cold"
+    assert load.failed == 0, load.errors[:5]
