@@ -1,5 +1,5 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup run test test-unit benchmark
+.PHONY: setup run test test-unit lint format benchmark
 
 setup:
 	bash infra/local/setup.sh
@@ -9,6 +9,16 @@ run: setup
 
 test: setup
 	.venv/bin/python -m pytest tests
+
+# ruff (lint and format check) and mypy, as configured in pyproject.toml; CI runs it before the tests.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+format: setup
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
 
 test-unit: setup
 	.venv/bin/python -m pytest tests/unit

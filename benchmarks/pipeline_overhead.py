@@ -50,8 +50,14 @@ def bare_llamafactory(home: Path, scratch: Path) -> tuple[float, float]:
     bare.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tasks.llamafactory_launch", "train", str(bare)], check=True, env=env,
-                   cwd=scratch, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "tasks.llamafactory_launch", "train", str(bare)],
+        check=True,
+        env=env,
+        cwd=scratch,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wall = time.perf_counter() - started
     samples = json.loads((scratch / "bare-output" / "train_results.json").read_text())["train_samples_per_second"]
     return wall, samples
@@ -86,8 +92,10 @@ def main() -> None:
         print(f"{name:34} {value:9.2f} {base:9.2f}  {label:24} {value / base:6.2f}")
     overhead = (full_stages["train"] - bare_wall) / bare_wall * 100
     print(f"\ncached rerun / full run: {cached_wall / full_wall:.3f} (goal: at most 0.10)")
-    print(f"train stage overhead over bare LlamaFactory: {overhead:+.1f}% "
-          f"(stage = fetch inputs + launch + follow log/checkpoints + store adapter)")
+    print(
+        f"train stage overhead over bare LlamaFactory: {overhead:+.1f}% "
+        f"(stage = fetch inputs + launch + follow log/checkpoints + store adapter)"
+    )
     if args.keep:
         print(f"kept: {scratch}")
     else:

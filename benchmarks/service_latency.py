@@ -27,7 +27,6 @@ from pathlib import Path
 
 from flows.stack import API
 
-
 ROOT = Path(__file__).resolve().parent.parent
 LLMOPS = str(Path(sys.executable).parent / "llmops")
 DATASET = ROOT / "profiles" / "data" / "antonyms.jsonl"
@@ -76,8 +75,9 @@ print(json.dumps({"import_s": imported - started, "first_flow_s": first_flow,
 
 def prefect_overhead(env: dict, n_tasks: int, n_flows: int) -> dict:
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", PROBE, str(n_tasks), str(n_flows)], env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(n_tasks), str(n_flows)], env=env, capture_output=True, text=True, timeout=900
+    )
     if done.returncode != 0:
         sys.exit(f"probe failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -96,35 +96,49 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
     for trial in range(trials):
         dataset = work / f"trial-{trial}" / "antonyms.jsonl"
         dataset.parent.mkdir(parents=True)
-        dataset.write_text("\n".join(lines[:trial] + lines[trial + 1:]) + "\n")  # new data: one record fewer
+        dataset.write_text("\n".join(lines[:trial] + lines[trial + 1 :]) + "\n")  # new data: one record fewer
         known = {r["id"] for r in API.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()}
         pushed_at = time.time()
-        pushed = subprocess.run([LLMOPS, "data", "push", str(dataset), "s3://datasets/sft/"], env=env,
-                                capture_output=True, text=True, timeout=120)
+        pushed = subprocess.run(
+            [LLMOPS, "data", "push", str(dataset), "s3://datasets/sft/"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if pushed.returncode != 0:
             sys.exit(f"push failed: {pushed.stderr}")
         pushed_done = time.time()
         run = None
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            runs = API.post(f"{api}/flow_runs/filter", json={
-                "flow_runs": {"deployment_id": {"any_": [release_id]}}}, timeout=10).json()
+            runs = API.post(
+                f"{api}/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [release_id]}}}, timeout=10
+            ).json()
             run = next((r for r in runs if r["id"] not in known and r["start_time"]), None)
             if run:
                 break
             time.sleep(0.2)
         if run is None:
             sys.exit("no release run started within 300 s")
-        retrain = next(r for r in API.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()
-                       if r["id"] not in known and r["id"] != run["id"])
-        API.post(f"{api}/flow_runs/{run['id']}/set_state", timeout=10,
-                      json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
-        results.append({
-            "push_s": pushed_done - pushed_at,
-            "retrain_created_s": timestamp(retrain["created"]) - pushed_at,
-            "release_created_s": timestamp(run["created"]) - pushed_at,
-            "release_running_s": timestamp(run["start_time"]) - pushed_at,
-        })
+        retrain = next(
+            r
+            for r in API.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()
+            if r["id"] not in known and r["id"] != run["id"]
+        )
+        API.post(
+            f"{api}/flow_runs/{run['id']}/set_state",
+            timeout=10,
+            json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True},
+        )
+        results.append(
+            {
+                "push_s": pushed_done - pushed_at,
+                "retrain_created_s": timestamp(retrain["created"]) - pushed_at,
+                "release_created_s": timestamp(run["created"]) - pushed_at,
+                "release_running_s": timestamp(run["start_time"]) - pushed_at,
+            }
+        )
         wait_cancelled(api, run["id"])
     return results
 
@@ -132,8 +146,12 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
 def wait_cancelled(api: str, flow_run_id: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"] in ("CANCELLED", "COMPLETED",
-                                                                                                "FAILED", "CRASHED"):
+        if API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"] in (
+            "CANCELLED",
+            "COMPLETED",
+            "FAILED",
+            "CRASHED",
+        ):
             return
         time.sleep(0.5)
 
@@ -147,12 +165,20 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="llmops-bench-service-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_", "AWS_"))}
-    env.update(LLMOPS_HOME=str(work / "home"), PREFECT_HOME=str(work / "home" / "prefect"),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(
+        LLMOPS_HOME=str(work / "home"),
+        PREFECT_HOME=str(work / "home" / "prefect"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
     ephemeral = prefect_overhead({**env, "PREFECT_HOME": str(work / "ephemeral")}, args.tasks, args.flows)
 
-    up = subprocess.run([LLMOPS, "stack", "up", "--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0"],
-                        env=env, capture_output=True, text=True, timeout=600)
+    up = subprocess.run(
+        [LLMOPS, "stack", "up", "--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     try:
         if up.returncode != 0:
             sys.exit(f"stack up failed:\n{up.stdout}{up.stderr}")
@@ -161,7 +187,9 @@ def main() -> None:
             key, _, value = line.removeprefix("export ").partition("=")
             env[key] = value.strip("'")
         server = prefect_overhead(env, args.tasks, args.flows)
-        deployed = subprocess.run([LLMOPS, "deploy", "--gpu-pool", "llmops-cpu"], env=env, capture_output=True, text=True)
+        deployed = subprocess.run(
+            [LLMOPS, "deploy", "--gpu-pool", "llmops-cpu"], env=env, capture_output=True, text=True
+        )
         if deployed.returncode != 0:
             sys.exit(f"deploy failed:\n{deployed.stderr}")
         latencies = data_to_release(env, env["PREFECT_API_URL"], args.trials, work)
@@ -170,16 +198,24 @@ def main() -> None:
 
     print(f"\nPrefect overhead ({args.tasks} tasks in one flow, {args.flows} empty flow calls; 2-core machine)")
     print(f"{'':28}{'running server':>16}{'ephemeral':>12}")
-    for key, label in (("per_task_ms", "per task call (ms)"), ("per_flow_ms", "per flow call (ms)"),
-                       ("first_flow_s", "first flow call (s)"), ("import_s", "import prefect (s)"),
-                       ("process_s", "whole probe process (s)")):
+    for key, label in (
+        ("per_task_ms", "per task call (ms)"),
+        ("per_flow_ms", "per flow call (ms)"),
+        ("first_flow_s", "first flow call (s)"),
+        ("import_s", "import prefect (s)"),
+        ("process_s", "whole probe process (s)"),
+    ):
         print(f"{label:28}{server[key]:>16.2f}{ephemeral[key]:>12.2f}")
     print(f"{'plain Python call (us)':28}{server['plain_call_us']:>16.2f}{ephemeral['plain_call_us']:>12.2f}")
 
     print(f"\nnew data -> release run, {args.trials} trials (seconds after the push started)")
     print(f"{'':28}" + "".join(f"{f'#{i + 1}':>9}" for i in range(len(latencies))) + f"{'median':>9}")
-    for key, label in (("push_s", "push done (upload+event)"), ("retrain_created_s", "retrain run created"),
-                       ("release_created_s", "release run created"), ("release_running_s", "release run running")):
+    for key, label in (
+        ("push_s", "push done (upload+event)"),
+        ("retrain_created_s", "retrain run created"),
+        ("release_created_s", "release run created"),
+        ("release_running_s", "release run running"),
+    ):
         values = [r[key] for r in latencies]
         print(f"{label:28}" + "".join(f"{v:>9.1f}" for v in values) + f"{statistics.median(values):>9.1f}")
     print("(worker poll: PREFECT_WORKER_QUERY_SECONDS=2 in the local stack; the cron path adds up to its interval)")

@@ -38,8 +38,14 @@ def merged_model(home: Path) -> Path:
         env = {**os.environ, "LLMOPS_HOME": str(home)}
         env.pop("PREFECT_HOME", None)
         print("bench: no merged model in LLMOPS_HOME; running `llmops run` first ...", flush=True)
-        subprocess.run([str(Path(sys.executable).parent / "llmops"), "run"], check=True, env=env, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "llmops"), "run"],
+            check=True,
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return merged_model(home)
     digest = json.loads(records[-1].read_text())["artifact"]["digest"]
     return home / "store" / "objects" / digest / "files"
@@ -60,10 +66,16 @@ def sequential(model_dir: Path, texts: list[str], tokens: int) -> float:
     started = time.perf_counter()
     with torch.no_grad():
         for text in texts:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)
-            model.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                           pad_token_id=tokenizer.pad_token_id)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+            model.generate(
+                **ids,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
     return time.perf_counter() - started
 
 
@@ -71,8 +83,11 @@ def served(url: str, model: str, texts: list[str], tokens: int, concurrency: int
     session = requests.Session()
 
     def call(text: str) -> None:
-        response = session.post(f"{url}/v2/models/{model}/generate", timeout=120,
-                                json={"text_input": text, "max_tokens": tokens, "min_length": tokens})
+        response = session.post(
+            f"{url}/v2/models/{model}/generate",
+            timeout=120,
+            json={"text_input": text, "max_tokens": tokens, "min_length": tokens},
+        )
         response.raise_for_status()
 
     call(texts[0])  # warm up
@@ -84,7 +99,9 @@ def served(url: str, model: str, texts: list[str], tokens: int, concurrency: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--home", type=Path, help="an LLMOPS_HOME holding a merged model (default: a fresh temporary one)")
+    parser.add_argument(
+        "--home", type=Path, help="an LLMOPS_HOME holding a merged model (default: a fresh temporary one)"
+    )
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
@@ -98,8 +115,15 @@ def main() -> None:
     seq_s = sequential(model_dir, texts, args.tokens)
     triton = Triton.start(scratch)
     try:
-        values = {"max_batch_size": 32, "max_queue_delay_us": 2000, "instance_count": 1, "model_dir": model_dir,
-                  "apply_chat_template": "true", "default_max_tokens": args.tokens, "torch_threads": 1}
+        values = {
+            "max_batch_size": 32,
+            "max_queue_delay_us": 2000,
+            "instance_count": 1,
+            "model_dir": model_dir,
+            "apply_chat_template": "true",
+            "default_max_tokens": args.tokens,
+            "torch_threads": 1,
+        }
         for name in ("bench-a", "bench-b"):
             render_model("llm", triton.repository, name, values)
             triton.load(name)
@@ -110,11 +134,15 @@ def main() -> None:
 
         n, tok = len(texts), len(texts) * args.tokens
         print(f"\n{len(texts)} prompts, {args.tokens} output tokens each, same merged model, 2 CPU cores")
-        print(f"{'concurrency':>11} {'triton req/s':>13} {'triton tok/s':>13} {'sequential req/s':>17} "
-              f"{'sequential tok/s':>17} {'ratio':>6}")
+        print(
+            f"{'concurrency':>11} {'triton req/s':>13} {'triton tok/s':>13} {'sequential req/s':>17} "
+            f"{'sequential tok/s':>17} {'ratio':>6}"
+        )
         for concurrency, seconds in rows:
-            print(f"{concurrency:>11} {n / seconds:13.1f} {tok / seconds:13.0f} {n / seq_s:17.1f} {tok / seq_s:17.0f} "
-                  f"{seq_s / seconds:6.1f}")
+            print(
+                f"{concurrency:>11} {n / seconds:13.1f} {tok / seconds:13.0f} {n / seq_s:17.1f} {tok / seq_s:17.0f} "
+                f"{seq_s / seconds:6.1f}"
+            )
 
         from tasks.canary import set_routes
 
@@ -135,8 +163,12 @@ def main() -> None:
         triton.unload("bench-a")
         ramp = time.perf_counter() - started
         timings.append((f"ramp {' -> '.join(map(str, profile.canary.steps))} + promote, without check windows", ramp))
-        timings.append((f"  + check windows ({len(profile.canary.steps)} x {profile.canary.window_s:g} s, cpu-tiny)",
-                        ramp + len(profile.canary.steps) * profile.canary.window_s))
+        timings.append(
+            (
+                f"  + check windows ({len(profile.canary.steps)} x {profile.canary.window_s:g} s, cpu-tiny)",
+                ramp + len(profile.canary.steps) * profile.canary.window_s,
+            )
+        )
         render_model("llm", triton.repository, "bench-a", values)
         triton.load("bench-a")
         started = time.perf_counter()

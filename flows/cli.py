@@ -1,8 +1,6 @@
 """`llmops`: the command line of the release pipeline.
 
-Exit codes: 0 ok, 2 bad input (data, profile, arguments), 3 a stage's check failed,
-4 a service stayed unreachable after retries, 5 an artifact is missing or corrupt, 1 anything else.
-The last line of a failed command is one `llmops: error: ...` line naming what to fix.
+Exit codes: tasks/errors.py's EXIT_CODES (also in --help and the README). The last line of a failed command is one `llmops: error: ...` line naming what to fix.
 """
 
 from __future__ import annotations
@@ -13,30 +11,26 @@ import sys
 from pathlib import Path
 
 from flows.prefect_api import TemporaryPrefectAPI
-from tasks.gate import REJECTED_EXIT_CODE
+from tasks.errors import REJECTED_EXIT_CODE, exit_codes_text
 
-EXIT_CODES = """exit codes:
-  0  success (for run: the candidate was promoted, or already is the champion)
-  2  bad input: data, profile or arguments (nothing is written)
-  3  a stage's check failed (evaluation margin, merge exactness, quantization accuracy)
-  4  a service (S3, MLflow, Prefect) stayed unreachable after retries
-  5  an artifact is missing or does not match its sha256
- 10  the gate rejected the candidate, or the canary rolled it back (the champion keeps serving)
-"""
+EXIT_CODES = exit_codes_text()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="llmops", description="Release pipeline for fine-tuned LLMs: data -> (Q)LoRA -> merge -> quantize -> Triton canary -> gate -> promote | rollback.",
+        prog="llmops",
+        description="Release pipeline for fine-tuned LLMs: data -> (Q)LoRA -> merge -> quantize -> Triton canary -> gate -> promote | rollback.",
         epilog=EXIT_CODES + "\nstate lives in $LLMOPS_HOME (default ./.llmops); a fresh folder is a fresh start.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser(
-        "run", help="run the release flow on a profile",
+        "run",
+        help="run the release flow on a profile",
         description="Run the release DAG. Stages whose inputs did not change are cache hits.",
-        epilog=EXIT_CODES + """
+        epilog=EXIT_CODES
+        + """
 examples:
   llmops run                                         # embedded default: cpu-tiny, no server needed
   llmops run --set train.learning_rate=1e-3 --set evaluate.max_new_tokens=4
@@ -44,109 +38,174 @@ examples:
   (S3 endpoint/credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...; Prefect server: PREFECT_API_URL)""",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("--profile", default="cpu-tiny", help="profile name in profiles/ or a YAML path (default: cpu-tiny)")
+    run.add_argument(
+        "--profile", default="cpu-tiny", help="profile name in profiles/ or a YAML path (default: cpu-tiny)"
+    )
     run.add_argument("--data", help="dataset file, folder or s3:// URI (overrides data.source)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a profile value, e.g. train.learning_rate=1e-4 (repeatable)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a profile value, e.g. train.learning_rate=1e-4 (repeatable)",
+    )
     run.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
     run.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
-    run.add_argument("--triton-url", help="attach to a running Triton (HTTP URL; gRPC and metrics on its ports +1/+2) "
-                     "instead of the one `llmops serve` runs or a temporary one")
+    run.add_argument(
+        "--triton-url",
+        help="attach to a running Triton (HTTP URL; gRPC and metrics on its ports +1/+2) "
+        "instead of the one `llmops serve` runs or a temporary one",
+    )
     run.add_argument("--triton-repository", help="that Triton's model repository folder (shared with this machine)")
 
     serve = commands.add_parser(
-        "serve", help="serve the champion on Triton behind the router until Ctrl-C",
+        "serve",
+        help="serve the champion on Triton behind the router until Ctrl-C",
         description="Start Triton on 127.0.0.1 with the registered champion behind the router (the service name). "
-                    "`llmops run` with the same LLMOPS_HOME rolls candidates out on this server.",
+        "`llmops run` with the same LLMOPS_HOME rolls candidates out on this server.",
         epilog="example:\n  llmops serve &\n  curl -s localhost:PORT/v2/models/tiny-qwen2-antonyms/generate "
-               "-d '{\"text_input\": \"Antonym of hot:\", \"max_tokens\": 8}'",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        '-d \'{"text_input": "Antonym of hot:", "max_tokens": 8}\'',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     serve.add_argument("--profile", default="cpu-tiny", help="profile name or YAML path (default: cpu-tiny)")
-    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a profile value (repeatable)")
+    serve.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a profile value (repeatable)",
+    )
     serve.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
     serve.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
 
     gate = commands.add_parser(
-        "gate", help="read a gate report; exit 0 on promote, 10 on reject (for release pipelines)",
+        "gate",
+        help="read a gate report; exit 0 on promote, 10 on reject (for release pipelines)",
         description="Print a gate report written by `llmops run` and exit with its decision: 0 promote, 10 reject.",
         epilog="example (a CI/CD step):\n  llmops gate .llmops/work/gate/<mlflow-run-id>/gate_report.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     gate.add_argument("report", help="gate_report.json path (printed by llmops run)")
 
     stack = commands.add_parser(
-        "stack", help="start, inspect or stop the local stack (Prefect server + worker, MLflow, S3)",
+        "stack",
+        help="start, inspect or stop the local stack (Prefect server + worker, MLflow, S3)",
         description="A local stack on 127.0.0.1: an S3 server (rclone), an MLflow server (sqlite + S3 artifacts), "
-                    "a Prefect server and a process worker on the llmops-cpu pool. State, logs and data live in "
-                    "$LLMOPS_HOME/stack.",
+        "a Prefect server and a process worker on the llmops-cpu pool. State, logs and data live in "
+        "$LLMOPS_HOME/stack.",
         epilog="""examples:
   llmops stack up                       # default ports: Prefect 4200, MLflow 5000, S3 9000
   eval "$(llmops stack env)"            # point llmops, prefect, mlflow and boto3 at it
   llmops deploy                         # register the deployments of infra/prefect.yaml
   llmops stack status
   llmops stack down                     # the worker first, then the servers""",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     stack_actions = stack.add_subparsers(dest="action", required=True, metavar="ACTION")
-    up = stack_actions.add_parser("up", help="start every service that is not running",
-                                  description="Start the services that are not running; idempotent.")
+    up = stack_actions.add_parser(
+        "up",
+        help="start every service that is not running",
+        description="Start the services that are not running; idempotent.",
+    )
     for service in ("prefect", "mlflow", "s3"):
-        up.add_argument(f"--{service}-port", type=int, metavar="PORT",
-                        help=f"port for {service} on 127.0.0.1 (0: any free port; default: last used, else the usual)")
-    stack_actions.add_parser("status", help="show what runs where", description="Show each service, its PID, URL and log.")
-    stack_actions.add_parser("env", help="print shell exports for the stack",
-                             description="Print `export` lines; use as: eval \"$(llmops stack env)\".")
-    stack_actions.add_parser("down", help="stop the stack (worker first)", description="Stop every service by PID, "
-                             "the worker before the Prefect server.")
+        up.add_argument(
+            f"--{service}-port",
+            type=int,
+            metavar="PORT",
+            help=f"port for {service} on 127.0.0.1 (0: any free port; default: last used, else the usual)",
+        )
+    stack_actions.add_parser(
+        "status", help="show what runs where", description="Show each service, its PID, URL and log."
+    )
+    stack_actions.add_parser(
+        "env",
+        help="print shell exports for the stack",
+        description='Print `export` lines; use as: eval "$(llmops stack env)".',
+    )
+    stack_actions.add_parser(
+        "down",
+        help="stop the stack (worker first)",
+        description="Stop every service by PID, the worker before the Prefect server.",
+    )
 
     deploy = commands.add_parser(
-        "deploy", help="register infra/prefect.yaml's deployments with the Prefect server",
+        "deploy",
+        help="register infra/prefect.yaml's deployments with the Prefect server",
         description="Create the work pools (llmops-cpu: process; the GPU pool: kubernetes, with "
-                    "infra/work-pools/kubernetes-gpu.json) when missing, then run `prefect deploy --all` on "
-                    "infra/prefect.yaml against PREFECT_API_URL (or the local stack).",
+        "infra/work-pools/kubernetes-gpu.json) when missing, then run `prefect deploy --all` on "
+        "infra/prefect.yaml against PREFECT_API_URL (or the local stack).",
         epilog="""examples:
   llmops deploy                               # against the local stack, or PREFECT_API_URL when set
   llmops deploy --gpu-pool llmops-cpu         # one machine: heavy stages on the process pool too""",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    deploy.add_argument("--gpu-pool", default="llmops-gpu",
-                        help="work pool for the heavy stages (train, quantize, build_engine); default llmops-gpu")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    deploy.add_argument(
+        "--gpu-pool",
+        default="llmops-gpu",
+        help="work pool for the heavy stages (train, quantize, build_engine); default llmops-gpu",
+    )
 
     data = commands.add_parser(
-        "data", help="push a dataset to a watched data location (starts a retrain)",
+        "data",
+        help="push a dataset to a watched data location (starts a retrain)",
         description="Upload a dataset file or folder to a data location (s3:// prefix or folder) and emit the "
-                    "`llmops.data.landed` event, which the retrain deployment's trigger reacts to.",
+        "`llmops.data.landed` event, which the retrain deployment's trigger reacts to.",
         epilog="example:\n  llmops data push profiles/data/antonyms.jsonl s3://datasets/sft/",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     data_actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
-    push = data_actions.add_parser("push", help="upload a dataset and emit llmops.data.landed",
-                                   description="Upload SOURCE (file or folder) under DESTINATION and emit the event.")
+    push = data_actions.add_parser(
+        "push",
+        help="upload a dataset and emit llmops.data.landed",
+        description="Upload SOURCE (file or folder) under DESTINATION and emit the event.",
+    )
     push.add_argument("source", help="local dataset file or folder")
     push.add_argument("destination", help="s3://bucket/prefix/ or a folder: the location a retrain deployment watches")
     validate = data_actions.add_parser(
-        "validate", help="check a dataset and print what prepare_data would see",
+        "validate",
+        help="check a dataset and print what prepare_data would see",
         description="Read, validate, clean and split a dataset the way prepare_data does, without running anything: "
-                    "records read, duplicates and empty answers dropped, train/eval counts, fingerprint. Bad data "
-                    "exits 2 with the first error, naming the file, line and field.",
+        "records read, duplicates and empty answers dropped, train/eval counts, fingerprint. Bad data "
+        "exits 2 with the first error, naming the file, line and field.",
         epilog="examples:\n  llmops data validate profiles/data/antonyms.jsonl\n"
-               "  llmops data validate my_qa.json --format alpaca --eval-source held_out.jsonl\n"
-               "  llmops data validate s3://datasets/sft/ --profile cpu-tiny-qa-zh",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  llmops data validate my_qa.json --format alpaca --eval-source held_out.jsonl\n"
+        "  llmops data validate s3://datasets/sft/ --profile cpu-tiny-qa-zh",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     validate.add_argument("source", help="dataset file, folder or s3:// URI")
-    validate.add_argument("--format", choices=["auto", "alpaca", "sharegpt", "openai"],
-                          help="record format (default: the profile's data.format, usually auto)")
+    validate.add_argument(
+        "--format",
+        choices=["auto", "alpaca", "sharegpt", "openai"],
+        help="record format (default: the profile's data.format, usually auto)",
+    )
     validate.add_argument("--eval-source", help="a fixed held-out set (file, folder or s3://), as data.eval_source")
-    validate.add_argument("--profile", default="cpu-tiny", help="profile whose data settings (eval_fraction, "
-                          "split_salt) apply (default: cpu-tiny)")
+    validate.add_argument(
+        "--profile",
+        default="cpu-tiny",
+        help="profile whose data settings (eval_fraction, split_salt) apply (default: cpu-tiny)",
+    )
 
-    profiles = commands.add_parser("profiles", help="list, show or validate profiles",
-                                   description="Inspect the run profiles in profiles/.")
+    profiles = commands.add_parser(
+        "profiles", help="list, show or validate profiles", description="Inspect the run profiles in profiles/."
+    )
     actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")
     actions.add_parser("list", help="list the available profiles", description="List profiles with their descriptions.")
-    for action, text in (("show", "print a profile with every default filled in"),
-                         ("validate", "check a profile (and overrides) without running anything")):
+    for action, text in (
+        ("show", "print a profile with every default filled in"),
+        ("validate", "check a profile (and overrides) without running anything"),
+    ):
         sub = actions.add_parser(action, help=text, description=text.capitalize() + ".")
         sub.add_argument("profile", help="profile name or YAML path")
-        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a profile value (repeatable)")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a profile value (repeatable)",
+        )
     return parser
 
 
@@ -161,18 +220,31 @@ def prepare_environment(home: Path) -> None:
 
 def summary(result) -> str:
     rows = [(s.stage, "cached" if s.cached else "ran", f"{s.seconds:.1f}", s.headline) for s in result.stages]
-    rows.append(("register", "reused" if result.registered.reused else "new", "",
-                 f"{result.registered.name} v{result.registered.version}"))
+    rows.append(
+        (
+            "register",
+            "reused" if result.registered.reused else "new",
+            "",
+            f"{result.registered.name} v{result.registered.version}",
+        )
+    )
     if result.gate_report is not None:
         rows.append(("gate", result.gate_report.decision, "", result.gate_report.summary()[:60]))
     rows.append(("rollout", result.outcome, "", ""))
     widths = [max(len(r[i]) for r in rows + [("stage", "result", "seconds", "key metric")]) for i in range(4)]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     table = [line.format("stage", "result", "seconds", "key metric"), line.format(*("-" * w for w in widths))]
     table += [line.format(*row).rstrip() for row in rows]
-    return "\n".join(["", *table, "", f"MLflow run: {result.tracker.url()}",
-                      f"model: models:/{result.registered.name}/{result.registered.version}  source {result.registered.source}",
-                      *([f"gate report: {result.gate_report_path}"] if result.gate_report_path else [])])
+    return "\n".join(
+        [
+            "",
+            *table,
+            "",
+            f"MLflow run: {result.tracker.url()}",
+            f"model: models:/{result.registered.name}/{result.registered.version}  source {result.registered.source}",
+            *([f"gate report: {result.gate_report_path}"] if result.gate_report_path else []),
+        ]
+    )
 
 
 def command_run(args) -> str:
@@ -187,14 +259,21 @@ def command_run(args) -> str:
         api = TemporaryPrefectAPI(home / "prefect" / "temporary-api.log")
         RUN_SERVICES.append(api)
         os.environ["PREFECT_API_URL"] = api.url
-    from flows.release import release  # imports Prefect and the pipeline while the API server starts
     import mlflow  # noqa: F401  (the same: the run's first stage needs it)
+
+    from flows.release import release  # imports Prefect and the pipeline while the API server starts
 
     for service in RUN_SERVICES:
         service.wait_healthy(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-    result = release(profile=args.profile, data_source=args.data, overrides=args.overrides,
-                     tracking_uri=args.tracking_uri, artifacts=args.artifacts, triton_url=args.triton_url,
-                     triton_repository=args.triton_repository)
+    result = release(
+        profile=args.profile,
+        data_source=args.data,
+        overrides=args.overrides,
+        tracking_uri=args.tracking_uri,
+        artifacts=args.artifacts,
+        triton_url=args.triton_url,
+        triton_repository=args.triton_repository,
+    )
     if result.outcome in ("rejected", "rolled_back"):
         report = result.gate_report
         reason = report.summary() if report is not None and not report.passed else "canary breach (see the log)"
@@ -249,14 +328,26 @@ def command_serve(args) -> None:
             from tasks.errors import BadInput
 
             raise BadInput(f"registered model {profile.registry.model_name}: no champion yet; run `llmops run` first")
-        state.write_text(jsonlib.dumps({"url": triton.url, "grpc_url": triton.grpc_url, "metrics_url": triton.metrics_url,
-                                        "repository": str(triton.repository), "pid": os.getpid()}))
-        print(f"serving {profile.registry.model_name} (champion v{champion.version}) at {triton.url}/v2/models/"
-              f"{profile.registry.model_name}/generate  (gRPC {triton.grpc_url}, metrics {triton.metrics_url}); "
-              f"Ctrl-C stops", flush=True)
+        state.write_text(
+            jsonlib.dumps(
+                {
+                    "url": triton.url,
+                    "grpc_url": triton.grpc_url,
+                    "metrics_url": triton.metrics_url,
+                    "repository": str(triton.repository),
+                    "pid": os.getpid(),
+                }
+            )
+        )
+        print(
+            f"serving {profile.registry.model_name} (champion v{champion.version}) at {triton.url}/v2/models/"
+            f"{profile.registry.model_name}/generate  (gRPC {triton.grpc_url}, metrics {triton.metrics_url}); "
+            f"Ctrl-C stops",
+            flush=True,
+        )
         stopped = []
         signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
-        while not stopped and triton.process.poll() is None:
+        while not stopped and triton.process is not None and triton.process.poll() is None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -280,8 +371,10 @@ def command_gate(args) -> str:
     except (ValueError, KeyError, TypeError) as exc:
         raise BadInput(f"gate report {path}: not a gate report ({type(exc).__name__}: {exc})") from None
     lines = [f"gate: {decision} {report['model']} v{report['candidate_version']} ({path})"]
-    lines += [f"  {'pass' if c['passed'] else 'FAIL'}  {c['name']}: {c['value']} {c['comparison']} {c['threshold']}"
-              for c in checks]
+    lines += [
+        f"  {'pass' if c['passed'] else 'FAIL'}  {c['name']}: {c['value']} {c['comparison']} {c['threshold']}"
+        for c in checks
+    ]
     if decision != "promote":
         failed = "; ".join(c["name"] for c in checks if not c["passed"])
         raise Rejected("\n".join(lines), f"gate rejected {report['model']} v{report['candidate_version']}: {failed}")
@@ -293,19 +386,26 @@ def command_stack(args) -> str | None:
 
     stack = Stack(Path(os.environ["LLMOPS_HOME"]))
     if args.action == "up":
-        state = stack.up({"prefect": args.prefect_port, "mlflow": args.mlflow_port, "s3": args.s3_port},
-                         say=lambda line: print(line, flush=True))
+        state = stack.up(
+            {"prefect": args.prefect_port, "mlflow": args.mlflow_port, "s3": args.s3_port},
+            say=lambda line: print(line, flush=True),
+        )
         env = stack.client_env(state)
-        return "\n".join([f"Prefect UI:  {env['PREFECT_API_URL'].removesuffix('/api')}",
-                          f"MLflow UI:   {env['MLFLOW_TRACKING_URI']}", f"S3:          {env['AWS_ENDPOINT_URL']}",
-                          'use it:      eval "$(llmops stack env)"; llmops deploy'])
+        return "\n".join(
+            [
+                f"Prefect UI:  {env['PREFECT_API_URL'].removesuffix('/api')}",
+                f"MLflow UI:   {env['MLFLOW_TRACKING_URI']}",
+                f"S3:          {env['AWS_ENDPOINT_URL']}",
+                'use it:      eval "$(llmops stack env)"; llmops deploy',
+            ]
+        )
     if args.action == "down":
         stack.down(say=lambda line: print(line, flush=True))
         return None
     if args.action == "env":
-        from flows.stack import require_running
-
         import shlex
+
+        from flows.stack import require_running
 
         return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in require_running(stack.home).items())
     rows = stack.status()
@@ -351,14 +451,20 @@ def validate_data(args) -> str:
     cfg = load_profile(args.profile, overrides, args.source).data
     data = read_data(cfg)
     stats = data.stats
-    lines = [f"data {cfg.source}: valid ({cfg.format} format)",
-             f"  records read           {stats['records_read']}",
-             f"  duplicates dropped     {stats['duplicates_dropped']}",
-             f"  empty answers dropped  {stats['empty_answers_dropped']}",
-             f"  train / eval           {stats['train_records']} / {stats['eval_records']}"
-             + (f"  (eval: data.eval_source {cfg.eval_source}, {stats['eval_overlap_dropped']} overlapping records "
-                "left out of training)" if cfg.eval_source else f"  (data.eval_fraction {cfg.eval_fraction})"),
-             f"  fingerprint            {data.fingerprint}"]
+    lines = [
+        f"data {cfg.source}: valid ({cfg.format} format)",
+        f"  records read           {stats['records_read']}",
+        f"  duplicates dropped     {stats['duplicates_dropped']}",
+        f"  empty answers dropped  {stats['empty_answers_dropped']}",
+        f"  train / eval           {stats['train_records']} / {stats['eval_records']}"
+        + (
+            f"  (eval: data.eval_source {cfg.eval_source}, {stats['eval_overlap_dropped']} overlapping records "
+            "left out of training)"
+            if cfg.eval_source
+            else f"  (data.eval_fraction {cfg.eval_fraction})"
+        ),
+        f"  fingerprint            {data.fingerprint}",
+    ]
     return "\n".join(lines)
 
 
@@ -372,7 +478,9 @@ def command_profiles(args) -> None:
             profile = load_profile(name)
             print(f"{name:28} {profile.hardware.accelerator:5} {profile.description}")
     elif args.action == "show":
-        print(yaml.safe_dump(load_profile(args.profile, args.overrides).model_dump(mode="json"), sort_keys=False), end="")
+        print(
+            yaml.safe_dump(load_profile(args.profile, args.overrides).model_dump(mode="json"), sort_keys=False), end=""
+        )
     else:
         profile = load_profile(args.profile, args.overrides)
         print(f"profile {profile.name}: valid (digest {profile.digest[:12]})")
@@ -408,8 +516,15 @@ def main(argv: list[str] | None = None) -> int:
     prepare_environment(Path(os.environ.get("LLMOPS_HOME", ".llmops")).resolve())
     epilogue = None
     try:
-        commands = {"run": command_run, "profiles": command_profiles, "serve": command_serve, "gate": command_gate,
-                    "stack": command_stack, "deploy": command_deploy, "data": command_data}
+        commands = {
+            "run": command_run,
+            "profiles": command_profiles,
+            "serve": command_serve,
+            "gate": command_gate,
+            "stack": command_stack,
+            "deploy": command_deploy,
+            "data": command_data,
+        }
         epilogue = commands[args.command](args)
         code, message = 0, None
     except KeyboardInterrupt:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import requests
 
@@ -28,9 +28,16 @@ def ensure_gpu_pool(api_url: str, pool: str) -> str:
     if found.ok:
         return f"work pool {pool}: exists ({found.json()['type']})"
     template = json.loads(GPU_POOL_TEMPLATE.read_text())
-    response = API.post(f"{api_url}/work_pools/", timeout=10, json={
-        "name": pool, "type": "kubernetes", "base_job_template": template,
-        "description": "llmops: heavy stages (train, quantize, build_engine) as Kubernetes jobs with GPUs"})
+    response = API.post(
+        f"{api_url}/work_pools/",
+        timeout=10,
+        json={
+            "name": pool,
+            "type": "kubernetes",
+            "base_job_template": template,
+            "description": "llmops: heavy stages (train, quantize, build_engine) as Kubernetes jobs with GPUs",
+        },
+    )
     if response.status_code != 201:
         raise CheckFailed(f"creating work pool {pool}: HTTP {response.status_code} {response.text[:300]}")
     return f"work pool {pool}: created (kubernetes, template {GPU_POOL_TEMPLATE.relative_to(PROJECT_ROOT)})"
@@ -41,14 +48,20 @@ def deploy(gpu_pool: str, say: Callable[[str], None] = print) -> str:
     try:
         requests.get(f"{api_url}/health", timeout=10).raise_for_status()
     except requests.RequestException as exc:
-        raise BadInput(f"PREFECT_API_URL {api_url}: no Prefect server answers ({type(exc).__name__}); "
-                       f"run `llmops stack up` or fix the URL") from None
+        raise BadInput(
+            f"PREFECT_API_URL {api_url}: no Prefect server answers ({type(exc).__name__}); "
+            f"run `llmops stack up` or fix the URL"
+        ) from None
     ensure_process_pool(api_url, CPU_POOL)
     say(f"work pool {CPU_POOL}: ready (process)")
     if gpu_pool != CPU_POOL:
         say(ensure_gpu_pool(api_url, gpu_pool))
-    env = {**os.environ, "LLMOPS_PROJECT_DIR": str(PROJECT_ROOT), "LLMOPS_GPU_POOL": gpu_pool,
-           "PREFECT_API_URL": api_url}
+    env = {
+        **os.environ,
+        "LLMOPS_PROJECT_DIR": str(PROJECT_ROOT),
+        "LLMOPS_GPU_POOL": gpu_pool,
+        "PREFECT_API_URL": api_url,
+    }
     command = [str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_FILE)]
     say(f"deploy: {' '.join(command[1:])} (gpu pool {gpu_pool})")
     done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -57,13 +70,19 @@ def deploy(gpu_pool: str, say: Callable[[str], None] = print) -> str:
         last = [line for line in output.strip().splitlines() if line.strip()][-3:]
         raise CheckFailed(f"prefect deploy of {PREFECT_FILE.name} failed (exit {done.returncode}): {' | '.join(last)}")
     names = deployment_names(api_url)
-    return "\n".join([f"deployed {len(names)} deployments to {api_url}:", *(f"  {n}" for n in names),
-                      f"UI: {api_url.removesuffix('/api')}/deployments"])
+    return "\n".join(
+        [
+            f"deployed {len(names)} deployments to {api_url}:",
+            *(f"  {n}" for n in names),
+            f"UI: {api_url.removesuffix('/api')}/deployments",
+        ]
+    )
 
 
 def deployment_names(api_url: str) -> list[str]:
-    response = API.post(f"{api_url}/deployments/filter", json={"deployments": {"tags": {"all_": ["llmops"]}}},
-                             timeout=10)
+    response = API.post(
+        f"{api_url}/deployments/filter", json={"deployments": {"tags": {"all_": ["llmops"]}}}, timeout=10
+    )
     response.raise_for_status()
     flows = {f["id"]: f["name"] for f in API.post(f"{api_url}/flows/filter", json={}, timeout=10).json()}
     return sorted(f"{flows.get(d['flow_id'], '?')}/{d['name']}  (pool {d['work_pool_name']})" for d in response.json())
@@ -86,7 +105,9 @@ def push_data(source: str, destination: str) -> str:
         bucket, prefix = split_s3_uri(destination)
         client = s3_client()
         for file in files:
-            client.upload_file(str(file), bucket, "/".join(p for p in (prefix.rstrip("/"), str(file.relative_to(base))) if p))
+            client.upload_file(
+                str(file), bucket, "/".join(p for p in (prefix.rstrip("/"), str(file.relative_to(base))) if p)
+            )
     else:
         import shutil
 
@@ -96,9 +117,11 @@ def push_data(source: str, destination: str) -> str:
             shutil.copyfile(file, target.with_suffix(target.suffix + ".partial"))
             target.with_suffix(target.suffix + ".partial").replace(target)  # a watcher never reads half a file
     location = destination if destination.endswith("/") else destination + "/"
-    event = emit_event(event=DATA_EVENT, resource={"prefect.resource.id": f"llmops.data.{location}",
-                                                   "llmops.data.uri": location},
-                       payload={"files": [str(f.relative_to(base)) for f in files]})
+    event = emit_event(
+        event=DATA_EVENT,
+        resource={"prefect.resource.id": f"llmops.data.{location}", "llmops.data.uri": location},
+        payload={"files": [str(f.relative_to(base)) for f in files]},
+    )
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all(timeout=10)

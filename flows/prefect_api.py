@@ -20,30 +20,56 @@ from pathlib import Path
 import requests
 
 from tasks.errors import TransientError
-from tasks.triton import free_port
+from tasks.ports import free_port
 
 
 class TemporaryPrefectAPI:
     def __init__(self, log_path: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
-        prefect_dir = Path(find_spec("prefect").origin).parent.parent
+        spec = find_spec("prefect")  # where it is, without importing it
+        if spec is None or spec.origin is None:
+            raise TransientError("prefect is not installed in this environment")
+        prefect_dir = Path(spec.origin).parent.parent
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir), "--factory",
-                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--log-level", "error", "--lifespan", "on"],
-                env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "--app-dir",
+                    str(prefect_dir),
+                    "--factory",
+                    "prefect.server.api.server:create_app",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "error",
+                    "--lifespan",
+                    "on",
+                ],
+                env={
+                    **os.environ,
+                    "PREFECT_UI_ENABLED": "0",
+                    "PREFECT__SERVER_EPHEMERAL": "1",
+                    "PREFECT__SERVER_FINAL": "1",
+                },
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.log_path = log_path
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise TransientError(f"temporary Prefect API server exited with {self.process.returncode} "
-                                     f"(log {self.log_path})")
+                raise TransientError(
+                    f"temporary Prefect API server exited with {self.process.returncode} (log {self.log_path})"
+                )
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return

@@ -41,7 +41,9 @@ def llmops_home() -> Path:
 def default_services(tracking_uri: str | None, artifacts: str | None) -> tuple[str | None, str | None]:
     """Unset: what the environment names (MLflow's own MLFLOW_TRACKING_URI, LLMOPS_ARTIFACTS), as a
     worker of the local stack or a cluster sets it; else the sqlite/local defaults under LLMOPS_HOME."""
-    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None, artifacts or os.environ.get("LLMOPS_ARTIFACTS") or None
+    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None, artifacts or os.environ.get(
+        "LLMOPS_ARTIFACTS"
+    ) or None
 
 
 def open_context(profile: Profile, tracking_uri: str | None, artifacts: str | None) -> RunContext:
@@ -50,9 +52,14 @@ def open_context(profile: Profile, tracking_uri: str | None, artifacts: str | No
     # A local store keeps its artifacts under LLMOPS_HOME; a tracking server decides for itself.
     artifact_root = None if tracking_uri else home / "mlartifacts"
     tracker = start_run(
-        tracking_uri or default_tracking_uri(home), artifact_root, f"release-{profile.name}",
-        tags={"profile.name": profile.name, "profile.digest": profile.digest,
-              "prefect.flow_run_id": str(runtime.flow_run.id or "")},
+        tracking_uri or default_tracking_uri(home),
+        artifact_root,
+        f"release-{profile.name}",
+        tags={
+            "profile.name": profile.name,
+            "profile.digest": profile.digest,
+            "prefect.flow_run_id": str(runtime.flow_run.id or ""),
+        },
     )
     tracker.log_params("profile", profile.model_dump(mode="json"))
     return RunContext(profile, open_store(artifacts, home), tracker, home)
@@ -62,13 +69,21 @@ def open_serving_context(profile: Profile, tracking_uri: str | None, artifacts: 
     """What `llmops serve` needs: the store and the registry, no tracking run."""
     tracking_uri, artifacts = default_services(tracking_uri, artifacts)
     home = llmops_home()
-    return RunContext(profile, open_store(artifacts, home), Tracker(tracking_uri or default_tracking_uri(home), "", ""), home)
+    return RunContext(
+        profile, open_store(artifacts, home), Tracker(tracking_uri or default_tracking_uri(home), "", ""), home
+    )
 
 
 @flow(name="release", log_prints=True)
-def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides: list[str] | None = None,
-            tracking_uri: str | None = None, artifacts: str | None = None, triton_url: str | None = None,
-            triton_repository: str | None = None) -> ReleaseResult:
+def release(
+    profile: str = "cpu-tiny",
+    data_source: str | None = None,
+    overrides: list[str] | None = None,
+    tracking_uri: str | None = None,
+    artifacts: str | None = None,
+    triton_url: str | None = None,
+    triton_repository: str | None = None,
+) -> ReleaseResult:
     """Data -> (Q)LoRA adapter -> evaluated, merged, quantized candidate -> canary on Triton -> gate -> promote | rollback.
 
     Args:
@@ -95,15 +110,17 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
             quantized = stage_task(engine.build_engine, config)(ctx, dataset, evaluation, quantized)
             stages.append(quantized)
         registered = stage_task(registry.register, config)(
-            ctx, quantized, stages, dataset.metrics["fingerprint"], str(runtime.flow_run.id or ""))
+            ctx, quantized, stages, dataset.metrics["fingerprint"], str(runtime.flow_run.id or "")
+        )
         record_run(ctx, stages, registered)
         if not config.serve.deploy:
             end_run(ctx.tracker, "FINISHED")
             return ReleaseResult(stages, registered, ctx.tracker)
         if not triton_url and canary.is_champion(ctx, registered):
             # Nothing new to roll out: no Triton to start, no lock to take (`llmops serve` keeps serving it).
-            get_run_logger().info(f"release: {registered.name} v{registered.version} already is the champion; "
-                                  "nothing to roll out")
+            get_run_logger().info(
+                f"release: {registered.name} v{registered.version} already is the champion; nothing to roll out"
+            )
             ctx.tracker.set_tags({"release.outcome": "unchanged"})
             end_run(ctx.tracker, "FINISHED")
             return ReleaseResult(stages, registered, ctx.tracker, "unchanged")
@@ -115,7 +132,8 @@ def release(profile: str = "cpu-tiny", data_source: str | None = None, overrides
                 measured = stage_task(bench.benchmark, config)(ctx, deployment)
                 report = stage_task(gate.gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
             outcome = stage_task(canary.rollout, config)(
-                ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset)
+                ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset
+            )
     except BaseException as exc:
         ctx.tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
         end_run(ctx.tracker, "FAILED")
@@ -162,20 +180,37 @@ def serving_lock(config: Profile, tracker: Tracker):
             finally:
                 tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
     except AcquireConcurrencySlotTimeoutError:
-        raise CheckFailed(f"serving lock {name}: another release of {config.registry.model_name} held it for over "
-                          f"{config.run.serving_lock_timeout_s:.0f}s (run.serving_lock_timeout_s); nothing was deployed") from None
+        raise CheckFailed(
+            f"serving lock {name}: another release of {config.registry.model_name} held it for over "
+            f"{config.run.serving_lock_timeout_s:.0f}s (run.serving_lock_timeout_s); nothing was deployed"
+        ) from None
 
 
 def record_run(ctx: RunContext, stages: list[StageResult], registered: registry.Registered) -> None:
     """Every artifact of the run, reachable from the MLflow run and from the Prefect UI."""
     from prefect.artifacts import create_table_artifact
 
-    ctx.tracker.log_json("artifacts.json", {s.stage: {"uri": s.artifact.uri, "sha256": s.artifact.digest} for s in stages})
-    ctx.tracker.set_tags({"registered_model": registered.name, "registered_version": registered.version,
-                          **{f"stage.{s.stage}": "cached" if s.cached else "ran" for s in stages}})
+    ctx.tracker.log_json(
+        "artifacts.json", {s.stage: {"uri": s.artifact.uri, "sha256": s.artifact.digest} for s in stages}
+    )
+    ctx.tracker.set_tags(
+        {
+            "registered_model": registered.name,
+            "registered_version": registered.version,
+            **{f"stage.{s.stage}": "cached" if s.cached else "ran" for s in stages},
+        }
+    )
     create_table_artifact(
         key="release-summary",
-        table=[{"stage": s.stage, "result": "cached" if s.cached else "ran", "seconds": round(s.seconds, 1),
-                "metric": s.headline, "artifact": s.artifact.uri} for s in stages],
+        table=[
+            {
+                "stage": s.stage,
+                "result": "cached" if s.cached else "ran",
+                "seconds": round(s.seconds, 1),
+                "metric": s.headline,
+                "artifact": s.artifact.uri,
+            }
+            for s in stages
+        ],
         description=f"{registered.name} version {registered.version}; MLflow run {ctx.tracker.run_id}",
     )

@@ -7,6 +7,8 @@ artifact store. Metrics go to the release's MLflow run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prefect import flow
 
 from flows.release import llmops_home
@@ -16,13 +18,25 @@ from tasks.stage import RunContext, StageResult
 from tasks.store import open_store
 from tasks.tracking import Tracker
 
-STAGE_FUNCTIONS = {"train": train.train, "evaluate": evaluate.evaluate, "merge": merge.merge, "quantize": quantize.quantize,
-                "build_engine": engine.build_engine}
+STAGE_FUNCTIONS: dict[str, Callable[..., StageResult]] = {
+    "train": train.train,
+    "evaluate": evaluate.evaluate,
+    "merge": merge.merge,
+    "quantize": quantize.quantize,
+    "build_engine": engine.build_engine,
+}
 
 
 @flow(name="run-stage", log_prints=True)
-def run_stage(stage: str, profile: dict, artifacts: str, tracking_uri: str, mlflow_run_id: str,
-              experiment_id: str, inputs: list[dict]) -> dict:
+def run_stage(
+    stage: str,
+    profile: dict,
+    artifacts: str,
+    tracking_uri: str,
+    mlflow_run_id: str,
+    experiment_id: str,
+    inputs: list[dict],
+) -> dict:
     """Run one heavy stage of a release run.
 
     Args:
@@ -38,7 +52,8 @@ def run_stage(stage: str, profile: dict, artifacts: str, tracking_uri: str, mlfl
         raise ValueError(f"stage {stage!r}: not a heavy stage (one of {', '.join(STAGE_FUNCTIONS)})")
     config = Profile.model_validate(profile)
     check_machine(config, [stage])
-    ctx = RunContext(config, open_store(artifacts, llmops_home()), Tracker(tracking_uri, mlflow_run_id, experiment_id),
-                     llmops_home())
+    ctx = RunContext(
+        config, open_store(artifacts, llmops_home()), Tracker(tracking_uri, mlflow_run_id, experiment_id), llmops_home()
+    )
     result = STAGE_FUNCTIONS[stage](ctx, *[StageResult.from_dict(i) for i in inputs])
     return result.as_dict()

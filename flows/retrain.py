@@ -13,6 +13,7 @@ The same data never starts two release runs:
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
+from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from flows.release import default_services, llmops_home
@@ -42,8 +43,12 @@ def data_fingerprint(config: Profile) -> tuple[str, int]:
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(profile: str = "cpu-tiny", data_source: str = "s3://datasets/sft/", overrides: list[str] | None = None,
-            release_deployment: str = RELEASE_DEPLOYMENT) -> str:
+def retrain(
+    profile: str = "cpu-tiny",
+    data_source: str = "s3://datasets/sft/",
+    overrides: list[str] | None = None,
+    release_deployment: str = RELEASE_DEPLOYMENT,
+) -> str:
     """Look at the data location; start a release run when its data changed since the last release.
 
     Args:
@@ -58,16 +63,23 @@ def retrain(profile: str = "cpu-tiny", data_source: str = "s3://datasets/sft/", 
     fingerprint, records = data_fingerprint(config)
     tracking_uri, _ = default_services(None, None)
     last = latest_release(tracking_uri or default_tracking_uri(llmops_home()), config.registry.model_name)
-    log.info(f"data {data_source}: {records} records, fingerprint {fingerprint[:12]}; "
-             f"last release: {f'v{last[0]} (data {last[1][:12]})' if last else 'none'}")
+    log.info(
+        f"data {data_source}: {records} records, fingerprint {fingerprint[:12]}; "
+        f"last release: {f'v{last[0]} (data {last[1][:12]})' if last else 'none'}"
+    )
     if last and last[1] == fingerprint:
         message = f"data unchanged since {config.registry.model_name} v{last[0]} (fingerprint {fingerprint[:12]}): no release run"
         log.info(message)
         return message
     key = f"{config.registry.model_name}:{config.digest[:16]}:{fingerprint}:after-v{last[0] if last else 0}"
-    run = run_deployment(release_deployment, timeout=0, idempotency_key=key,
-                         parameters={"profile": profile, "data_source": data_source, "overrides": overrides},
-                         tags=["retrain", f"data:{fingerprint[:12]}"], flow_run_name=f"retrain-{fingerprint[:12]}")
+    run: FlowRun = run_deployment(  # type: ignore[assignment]  # a sync call returns the FlowRun
+        release_deployment,
+        timeout=0,
+        idempotency_key=key,
+        parameters={"profile": profile, "data_source": data_source, "overrides": overrides},
+        tags=["retrain", f"data:{fingerprint[:12]}"],
+        flow_run_name=f"retrain-{fingerprint[:12]}",
+    )
     message = f"release run {run.name} ({run.id}) for data {fingerprint[:12]}, state {run.state.type.value if run.state else '?'}"
     log.info(message)
     return message

@@ -19,19 +19,19 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import psutil
 import requests
 
 from tasks.errors import BadInput, CheckFailed
+from tasks.ports import free_port, port_in_use
 
 BIN = Path(sys.executable).parent
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -50,23 +50,22 @@ def prefect_api() -> requests.Session:
     from urllib3.util.retry import Retry
 
     session = requests.Session()
-    session.mount("http://", HTTPAdapter(max_retries=Retry(
-        total=6, backoff_factor=0.5, status_forcelist=(502, 503, 504), allowed_methods=None, raise_on_status=False)))
+    session.mount(
+        "http://",
+        HTTPAdapter(
+            max_retries=Retry(
+                total=6,
+                backoff_factor=0.5,
+                status_forcelist=(502, 503, 504),
+                allowed_methods=None,
+                raise_on_status=False,
+            )
+        ),
+    )
     return session
 
 
 API = prefect_api()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 @dataclass
@@ -134,20 +133,32 @@ class Server:
         return {"name": self.name, "pid": self.pid, "url": self.url, "log": self.log, "command": self.command}
 
 
-def start(name: str, command: list[str], url: str, ready: Callable[[], bool], log_dir: Path,
-          env: dict | None = None, timeout: float = 120) -> Server:
+def start(
+    name: str,
+    command: list[str],
+    url: str,
+    ready: Callable[[], bool],
+    log_dir: Path,
+    env: dict | None = None,
+    timeout: float = 120,
+) -> Server:
     """Start `command` in its own session, logging to log_dir/<name>.log; return once `ready()` is true."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     with open(log, "ab") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **(env or {})}, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
     server = Server(name, process.pid, url, str(log), command, process)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise CheckFailed(f"{name} exited with code {process.returncode} while starting; see {log}: "
-                              f"{tail(log)}")
+            raise CheckFailed(f"{name} exited with code {process.returncode} while starting; see {log}: {tail(log)}")
         try:
             if ready():
                 return server
@@ -167,9 +178,14 @@ def tail(log: Path, lines: int = 3) -> str:
 
 # --- the services -----------------------------------------------------------------------------
 
+
 def s3_env(endpoint: str, key: str, secret: str) -> dict:
-    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
-            "AWS_DEFAULT_REGION": "us-east-1"}
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
 
 
 def start_s3(data_dir: Path, port: int, key: str, secret: str, log_dir: Path) -> Server:
@@ -181,41 +197,83 @@ def start_s3(data_dir: Path, port: int, key: str, secret: str, log_dir: Path) ->
     def ready() -> bool:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=url, aws_access_key_id=key, aws_secret_access_key=secret,
-                              region_name="us-east-1")
+        client = boto3.client(
+            "s3", endpoint_url=url, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
+        )
         return len(client.list_buckets()["Buckets"]) >= len(BUCKETS)
 
-    return start("s3", [str(BIN / "rclone"), "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key",
-                        f"{key},{secret}", "--config", "/dev/null", str(data_dir)], url, ready, log_dir)
+    return start(
+        "s3",
+        [
+            str(BIN / "rclone"),
+            "serve",
+            "s3",
+            "--addr",
+            f"127.0.0.1:{port}",
+            "--auth-key",
+            f"{key},{secret}",
+            "--config",
+            "/dev/null",
+            str(data_dir),
+        ],
+        url,
+        ready,
+        log_dir,
+    )
 
 
 def start_mlflow(db: Path, port: int, s3: dict, log_dir: Path) -> Server:
     """MLflow server: sqlite backend, artifacts proxied into the S3 server's `mlflow` bucket."""
     url = f"http://127.0.0.1:{port}"
-    return start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                            "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", "s3://mlflow/artifacts"],
-                 url, lambda: requests.get(f"{url}/health", timeout=2).ok, log_dir,
-                 env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"]})
+    return start(
+        "mlflow",
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{db}",
+            "--artifacts-destination",
+            "s3://mlflow/artifacts",
+        ],
+        url,
+        lambda: requests.get(f"{url}/health", timeout=2).ok,
+        log_dir,
+        env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"]},
+    )
 
 
 def prefect_server_env(prefect_home: Path) -> dict:
-    return {"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_API_URL": ""}
+    return {"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": ""}
 
 
 def start_prefect(prefect_home: Path, port: int, log_dir: Path) -> Server:
     url = f"http://127.0.0.1:{port}/api"
-    return start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                 url, lambda: requests.get(f"{url}/health", timeout=2).ok, log_dir,
-                 env=prefect_server_env(prefect_home), timeout=180)
+    return start(
+        "prefect",
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        url,
+        lambda: requests.get(f"{url}/health", timeout=2).ok,
+        log_dir,
+        env=prefect_server_env(prefect_home),
+        timeout=180,
+    )
 
 
 def ensure_process_pool(api_url: str, pool: str = CPU_POOL) -> None:
     """The work pool for CPU work; created once, left as is when it exists (a user may have tuned it)."""
     found = API.get(f"{api_url}/work_pools/{pool}", timeout=10)
     if found.status_code == 404:
-        response = API.post(f"{api_url}/work_pools/", timeout=10, json={
-            "name": pool, "type": "process", "description": "llmops: CPU stages and the release flow itself"})
+        response = API.post(
+            f"{api_url}/work_pools/",
+            timeout=10,
+            json={"name": pool, "type": "process", "description": "llmops: CPU stages and the release flow itself"},
+        )
         if response.status_code not in (201, 409):
             raise CheckFailed(f"creating work pool {pool}: HTTP {response.status_code} {response.text[:200]}")
     elif not found.ok:
@@ -227,19 +285,32 @@ def worker_online(api_url: str, pool: str, name: str) -> bool:
     return any(w["name"] == name and w.get("status") == "ONLINE" for w in response.json())
 
 
-def start_worker(api_url: str, env: dict, log_dir: Path, pool: str = CPU_POOL, name: str = "llmops-local",
-                 query_seconds: float = 2) -> Server:
+def start_worker(
+    api_url: str, env: dict, log_dir: Path, pool: str = CPU_POOL, name: str = "llmops-local", query_seconds: float = 2
+) -> Server:
     """A `process` worker for `pool`; its flow runs inherit `env` (S3, MLflow, LLMOPS_HOME)."""
     ensure_process_pool(api_url, pool)
-    worker_env = {**env, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
-                  # flow runs from this worker find the project's modules and the venv's executables
-                  "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
-    return start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process",
-                            "--name", name], api_url, lambda: worker_online(api_url, pool, name), log_dir,
-                 env=worker_env, timeout=120)
+    worker_env = {
+        **env,
+        "PREFECT_API_URL": api_url,
+        "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
+        # flow runs from this worker find the project's modules and the venv's executables
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    return start(
+        "worker",
+        [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process", "--name", name],
+        api_url,
+        lambda: worker_online(api_url, pool, name),
+        log_dir,
+        env=worker_env,
+        timeout=120,
+    )
 
 
 # --- the stack as a whole -----------------------------------------------------------------------
+
 
 @dataclass
 class Stack:
@@ -259,7 +330,9 @@ class Stack:
         except FileNotFoundError:
             return {"services": {}}
         except ValueError as exc:
-            raise BadInput(f"stack state {self.state_file}: unreadable ({exc}); remove it after stopping its processes") from None
+            raise BadInput(
+                f"stack state {self.state_file}: unreadable ({exc}); remove it after stopping its processes"
+            ) from None
 
     def save(self, state: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -285,28 +358,39 @@ class Stack:
     def up(self, ports: dict[str, int | None], say: Callable[[str], None] = print) -> dict:
         state = self.load()
         running = {n: s for n, s in self.servers(state).items() if s.alive()}
-        chosen = {**DEFAULT_PORTS, **state.get("ports", {}),
-                  **{name: port for name, port in ports.items() if port is not None}}
+        chosen = {
+            **DEFAULT_PORTS,
+            **state.get("ports", {}),
+            **{name: port for name, port in ports.items() if port is not None},
+        }
         for name in ("s3", "mlflow", "prefect"):
             if name in running:
                 continue
             if chosen[name] == 0:
                 chosen[name] = free_port()
             elif port_in_use(chosen[name]):
-                raise BadInput(f"--{name}-port {chosen[name]}: port in use on 127.0.0.1; pick another (0 = any free port)")
+                raise BadInput(
+                    f"--{name}-port {chosen[name]}: port in use on 127.0.0.1; pick another (0 = any free port)"
+                )
         state["ports"] = chosen
         state.setdefault("s3_credentials", {"key": "llmops", "secret": secrets.token_urlsafe(24)})
         state["services"] = {n: s.record() for n, s in running.items()}
         env = self.client_env(state)
         logs = self.root / "logs"
         starters = {
-            "s3": lambda: start_s3(self.root / "s3", chosen["s3"], state["s3_credentials"]["key"],
-                                   state["s3_credentials"]["secret"], logs),
-            "mlflow": lambda: start_mlflow(self.root / "mlflow.db", chosen["mlflow"], s3_env(
-                env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]), logs),
+            "s3": lambda: start_s3(
+                self.root / "s3", chosen["s3"], state["s3_credentials"]["key"], state["s3_credentials"]["secret"], logs
+            ),
+            "mlflow": lambda: start_mlflow(
+                self.root / "mlflow.db",
+                chosen["mlflow"],
+                s3_env(env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
+                logs,
+            ),
             "prefect": lambda: start_prefect(self.root / "prefect-server", chosen["prefect"], logs),
-            "worker": lambda: start_worker(env["PREFECT_API_URL"], {**env, "PREFECT_HOME": str(self.home / "prefect")},
-                                           logs),
+            "worker": lambda: start_worker(
+                env["PREFECT_API_URL"], {**env, "PREFECT_HOME": str(self.home / "prefect")}, logs
+            ),
         }
         # MLflow and Prefect need only S3 (or nothing) and take ~15 s each: they start side by side.
         for group in (("s3",), ("mlflow", "prefect"), ("worker",)):
@@ -320,14 +404,16 @@ class Stack:
             started = time.monotonic()
             with ThreadPoolExecutor(len(todo)) as pool:
                 futures = {name: pool.submit(starters[name]) for name in todo}
-            failures = []
+            failures: list[BaseException] = []
             for name, future in futures.items():
-                if future.exception() is not None:
-                    failures.append(future.exception())
+                if (failure := future.exception()) is not None:
+                    failures.append(failure)
                     continue
                 server = future.result()
                 state["services"][name] = server.record()
-                say(f"stack: {name} up in {time.monotonic() - started:.1f}s at {server.url} (pid {server.pid}, log {server.log})")
+                say(
+                    f"stack: {name} up in {time.monotonic() - started:.1f}s at {server.url} (pid {server.pid}, log {server.log})"
+                )
             self.save(state)  # saved after each group: a failure later still lets `down` stop what started
             if failures:
                 raise failures[0]
@@ -351,8 +437,15 @@ class Stack:
         state = self.load()
         rows = []
         for name, server in self.servers(state).items():
-            rows.append({"service": name, "state": "running" if server.alive() else "stopped", "pid": server.pid,
-                         "url": server.url, "log": server.log})
+            rows.append(
+                {
+                    "service": name,
+                    "state": "running" if server.alive() else "stopped",
+                    "pid": server.pid,
+                    "url": server.url,
+                    "log": server.log,
+                }
+            )
         return rows
 
 
@@ -362,5 +455,7 @@ def require_running(home: Path) -> dict:
     state = stack.load()
     stopped = [n for n in SERVICES if n not in state["services"] or not Server(**state["services"][n]).alive()]
     if stopped:
-        raise BadInput(f"local stack under {stack.root}: not running ({', '.join(stopped)} down); run `llmops stack up`")
+        raise BadInput(
+            f"local stack under {stack.root}: not running ({', '.join(stopped)} down); run `llmops stack up`"
+        )
     return stack.client_env(state)

@@ -135,7 +135,9 @@ def copy_model(source: str, out_dir: Path) -> dict:
         try:
             snapshot_download(source, local_dir=out_dir)
         except Exception as exc:
-            raise BadInput(f"base_model.source {source}: not a local folder and the hub download failed ({exc})") from None
+            raise BadInput(
+                f"base_model.source {source}: not a local folder and the hub download failed ({exc})"
+            ) from None
     if not (out_dir / "config.json").is_file():
         raise BadInput(f"base_model.source {source}: no config.json (not a Hugging Face model folder)")
     return {}

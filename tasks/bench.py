@@ -21,10 +21,13 @@ from tasks.triton import parse_metric
 
 # (genai-perf key, statistic) -> our metric name; latencies in ms, throughputs per second.
 METRICS = {
-    ("time_to_first_token", "p50"): "ttft_p50_ms", ("time_to_first_token", "p90"): "ttft_p90_ms",
+    ("time_to_first_token", "p50"): "ttft_p50_ms",
+    ("time_to_first_token", "p90"): "ttft_p90_ms",
     ("time_to_first_token", "p99"): "ttft_p99_ms",
-    ("inter_token_latency", "avg"): "itl_avg_ms", ("inter_token_latency", "p99"): "itl_p99_ms",
-    ("request_latency", "p50"): "latency_p50_ms", ("request_latency", "p90"): "latency_p90_ms",
+    ("inter_token_latency", "avg"): "itl_avg_ms",
+    ("inter_token_latency", "p99"): "itl_p99_ms",
+    ("request_latency", "p50"): "latency_p50_ms",
+    ("request_latency", "p90"): "latency_p90_ms",
     ("request_latency", "p99"): "latency_p99_ms",
     ("output_token_throughput", "avg"): "output_tokens_per_s",
     ("request_throughput", "avg"): "requests_per_s",
@@ -43,23 +46,49 @@ def parse_profile_export(path: Path) -> dict[str, float]:
         raise CheckFailed(f"benchmark: {path}: malformed genai-perf export ({type(exc).__name__}: {exc})") from None
 
 
-def genai_perf_command(model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, concurrency: int,
-                       artifact_dir: Path) -> list[str]:
+def genai_perf_command(
+    model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, concurrency: int, artifact_dir: Path
+) -> list[str]:
     return [
-        str(Path(sys.executable).parent / "genai-perf"), "profile", "-m", model,
-        "--endpoint-type", "kserve", "--backend", "tensorrtllm", "--streaming", "-u", grpc_url,
-        "--tokenizer", str(tokenizer_dir),
-        "--synthetic-input-tokens-mean", str(cfg.input_tokens), "--synthetic-input-tokens-stddev", "0",
-        "--output-tokens-mean", str(cfg.output_tokens), "--output-tokens-mean-deterministic",
-        "--concurrency", str(concurrency), "--request-count", str(cfg.request_count),
-        "--warmup-request-count", str(cfg.warmup_request_count), "--artifact-dir", str(artifact_dir),
+        str(Path(sys.executable).parent / "genai-perf"),
+        "profile",
+        "-m",
+        model,
+        "--endpoint-type",
+        "kserve",
+        "--backend",
+        "tensorrtllm",
+        "--streaming",
+        "-u",
+        grpc_url,
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--synthetic-input-tokens-mean",
+        str(cfg.input_tokens),
+        "--synthetic-input-tokens-stddev",
+        "0",
+        "--output-tokens-mean",
+        str(cfg.output_tokens),
+        "--output-tokens-mean-deterministic",
+        "--concurrency",
+        str(concurrency),
+        "--request-count",
+        str(cfg.request_count),
+        "--warmup-request-count",
+        str(cfg.warmup_request_count),
+        "--artifact-dir",
+        str(artifact_dir),
     ]
 
 
 def run_genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, out_dir: Path) -> dict:
     """{concurrency: metrics} for one model; genai-perf's own files are kept under out_dir."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
     results = {}
     for level in cfg.concurrency:
         artifact_dir = out_dir / f"{model}-c{level}"
@@ -70,7 +99,9 @@ def run_genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSec
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
             raise CheckFailed(f"benchmark: genai-perf on {model} exited with {done.returncode}: {tail[0][:300]}")
         exports = sorted(artifact_dir.rglob("profile_export_genai_perf.json"))
-        results[level] = parse_profile_export(exports[0] if exports else artifact_dir / "profile_export_genai_perf.json")
+        results[level] = parse_profile_export(
+            exports[0] if exports else artifact_dir / "profile_export_genai_perf.json"
+        )
     return results
 
 
@@ -99,7 +130,9 @@ def plot(results_by_role: dict[str, dict[int, dict]], path: Path) -> None:
     for role, results in results_by_role.items():
         levels = sorted(results)
         axes[0].plot(levels, [results[c]["latency_p99_ms"] for c in levels], marker="o", label=f"{role} p99")
-        axes[0].plot(levels, [results[c]["ttft_p99_ms"] for c in levels], marker="x", linestyle="--", label=f"{role} TTFT p99")
+        axes[0].plot(
+            levels, [results[c]["ttft_p99_ms"] for c in levels], marker="x", linestyle="--", label=f"{role} TTFT p99"
+        )
         axes[1].plot(levels, [results[c]["output_tokens_per_s"] for c in levels], marker="o", label=role)
     axes[0].set(xlabel="concurrency", ylabel="ms", title="latency")
     axes[1].set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
@@ -130,19 +163,31 @@ def benchmark(ctx: RunContext, deployment) -> dict:
         before = deployment.triton.metrics()
         levels[role] = run_genai_perf(served.name, deployment.triton.grpc_url, served.model_dir, cfg, out_dir)
         after = deployment.triton.metrics()
-        failures = parse_metric(after, "nv_inference_request_failure", served.name) - \
-            parse_metric(before, "nv_inference_request_failure", served.name)
-        successes = parse_metric(after, "nv_inference_request_success", served.name) - \
-            parse_metric(before, "nv_inference_request_success", served.name)
-        summary[role] = {**summarize(levels[role]),
-                         "error_rate": failures / (failures + successes) if failures + successes else 1.0}
-        ctx.tracker.log_metrics("benchmark", {**flat_metrics(role, levels[role]),
-                                              **{f"{role}_{k}": v for k, v in summary[role].items()}})
+        failures = parse_metric(after, "nv_inference_request_failure", served.name) - parse_metric(
+            before, "nv_inference_request_failure", served.name
+        )
+        successes = parse_metric(after, "nv_inference_request_success", served.name) - parse_metric(
+            before, "nv_inference_request_success", served.name
+        )
+        summary[role] = {
+            **summarize(levels[role]),
+            "error_rate": failures / (failures + successes) if failures + successes else 1.0,
+        }
+        ctx.tracker.log_metrics(
+            "benchmark", {**flat_metrics(role, levels[role]), **{f"{role}_{k}": v for k, v in summary[role].items()}}
+        )
     plot(levels, out_dir / "latency_throughput.png")
     ctx.tracker.log_file(out_dir / "latency_throughput.png", "benchmark")
-    ctx.tracker.log_json("benchmark.json", {"levels": {r: {str(c): m for c, m in v.items()} for r, v in levels.items()},
-                                            "summary": summary})
-    logger().info("benchmark: " + "; ".join(
-        f"{role} p99 {s['latency_p99_ms']:.1f} ms, TTFT p99 {s['ttft_p99_ms']:.1f} ms, "
-        f"{s['output_tokens_per_s']:.0f} tok/s, errors {s['error_rate']:.2%}" for role, s in summary.items()))
+    ctx.tracker.log_json(
+        "benchmark.json",
+        {"levels": {r: {str(c): m for c, m in v.items()} for r, v in levels.items()}, "summary": summary},
+    )
+    logger().info(
+        "benchmark: "
+        + "; ".join(
+            f"{role} p99 {s['latency_p99_ms']:.1f} ms, TTFT p99 {s['ttft_p99_ms']:.1f} ms, "
+            f"{s['output_tokens_per_s']:.0f} tok/s, errors {s['error_rate']:.2%}"
+            for role, s in summary.items()
+        )
+    )
     return summary

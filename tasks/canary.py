@@ -16,6 +16,7 @@ import re
 import statistics
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,14 +62,22 @@ def model_name(service: str, version: str) -> str:
 
 def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
     serve = profile.serve
-    return {"max_batch_size": serve.max_batch_size, "max_queue_delay_us": serve.max_queue_delay_us,
-            "instance_count": serve.instance_count, "model_dir": model_dir.resolve(), "artifact_sha256": artifact_sha256,
-            "apply_chat_template": str(serve.apply_chat_template).lower(),
-            "default_max_tokens": serve.default_max_tokens, "torch_threads": serve.torch_threads,
-            "device": "cuda" if profile.hardware.accelerator == "cuda" else "cpu"}
+    return {
+        "max_batch_size": serve.max_batch_size,
+        "max_queue_delay_us": serve.max_queue_delay_us,
+        "instance_count": serve.instance_count,
+        "model_dir": model_dir.resolve(),
+        "artifact_sha256": artifact_sha256,
+        "apply_chat_template": str(serve.apply_chat_template).lower(),
+        "default_max_tokens": serve.default_max_tokens,
+        "torch_threads": serve.torch_threads,
+        "device": "cuda" if profile.hardware.accelerator == "cuda" else "cpu",
+    }
 
 
-def tensorrtllm_models(profile: Profile, name: str, engine_root: Path, artifact_sha256: str) -> dict[str, tuple[str, dict]]:
+def tensorrtllm_models(
+    profile: Profile, name: str, engine_root: Path, artifact_sha256: str
+) -> dict[str, tuple[str, dict]]:
     """The four Triton models of one tensorrtllm candidate, {model name: (template, values)}; the
     composing models carry the candidate's name, and the engine path is this candidate's own."""
     serve, trt = profile.serve, profile.serve.tensorrtllm
@@ -78,26 +87,51 @@ def tensorrtllm_models(profile: Profile, name: str, engine_root: Path, artifact_
     tokenizer = str((engine_root / "tokenizer").resolve())
     names = {"pre": f"{name}-pre", "trtllm": f"{name}-trtllm", "post": f"{name}-post"}
     return {
-        names["pre"]: ("tensorrtllm/preprocessing", {
-            "max_batch_size": serve.max_batch_size, "instance_count": trt.preprocessing_instances,
-            "tokenizer_dir": tokenizer, "apply_chat_template": str(serve.apply_chat_template).lower(),
-            "artifact_sha256": artifact_sha256,
-            "default_max_tokens": serve.default_max_tokens}),
-        names["trtllm"]: ("tensorrtllm/tensorrt_llm", {
-            "max_batch_size": serve.max_batch_size, "decoupled": str(trt.decoupled).lower(),
-            "max_queue_delay_us": trt.max_queue_delay_us, "instance_count": serve.instance_count,
-            "batching_strategy": trt.batching_strategy, "engine_dir": str((engine_root / "engine").resolve()),
-            "batch_scheduler_policy": trt.batch_scheduler_policy,
-            "kv_cache_free_gpu_mem_fraction": trt.kv_cache_free_gpu_mem_fraction,
-            "enable_kv_cache_reuse": str(trt.enable_kv_cache_reuse).lower(),
-            "enable_chunked_context": str(trt.enable_chunked_context).lower(),
-            "max_beam_width": profile.engine.max_beam_width, "gpu_device_ids": devices}),
-        names["post"]: ("tensorrtllm/postprocessing", {
-            "max_batch_size": serve.max_batch_size, "instance_count": trt.postprocessing_instances,
-            "tokenizer_dir": tokenizer}),
-        name: ("tensorrtllm/ensemble", {
-            "max_batch_size": serve.max_batch_size, "preprocessing_model": names["pre"],
-            "tensorrt_llm_model": names["trtllm"], "postprocessing_model": names["post"]}),
+        names["pre"]: (
+            "tensorrtllm/preprocessing",
+            {
+                "max_batch_size": serve.max_batch_size,
+                "instance_count": trt.preprocessing_instances,
+                "tokenizer_dir": tokenizer,
+                "apply_chat_template": str(serve.apply_chat_template).lower(),
+                "artifact_sha256": artifact_sha256,
+                "default_max_tokens": serve.default_max_tokens,
+            },
+        ),
+        names["trtllm"]: (
+            "tensorrtllm/tensorrt_llm",
+            {
+                "max_batch_size": serve.max_batch_size,
+                "decoupled": str(trt.decoupled).lower(),
+                "max_queue_delay_us": trt.max_queue_delay_us,
+                "instance_count": serve.instance_count,
+                "batching_strategy": trt.batching_strategy,
+                "engine_dir": str((engine_root / "engine").resolve()),
+                "batch_scheduler_policy": trt.batch_scheduler_policy,
+                "kv_cache_free_gpu_mem_fraction": trt.kv_cache_free_gpu_mem_fraction,
+                "enable_kv_cache_reuse": str(trt.enable_kv_cache_reuse).lower(),
+                "enable_chunked_context": str(trt.enable_chunked_context).lower(),
+                "max_beam_width": profile.engine.max_beam_width,
+                "gpu_device_ids": devices,
+            },
+        ),
+        names["post"]: (
+            "tensorrtllm/postprocessing",
+            {
+                "max_batch_size": serve.max_batch_size,
+                "instance_count": trt.postprocessing_instances,
+                "tokenizer_dir": tokenizer,
+            },
+        ),
+        name: (
+            "tensorrtllm/ensemble",
+            {
+                "max_batch_size": serve.max_batch_size,
+                "preprocessing_model": names["pre"],
+                "tensorrt_llm_model": names["trtllm"],
+                "postprocessing_model": names["post"],
+            },
+        ),
     }
 
 
@@ -105,12 +139,17 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> None:
     if triton.is_ready(served.name):
         return
     if profile.serve.backend == "tensorrtllm":
+        if served.engine_root is None:
+            raise CheckFailed(f"{served.name}: serve.backend tensorrtllm, but the version has no build_engine artifact")
         # Composing models first; loading the ensemble loads them.
-        for model, (template, values) in tensorrtllm_models(profile, served.name, served.engine_root,
-                                                            served.artifact_sha256).items():
+        for model, (template, values) in tensorrtllm_models(
+            profile, served.name, served.engine_root, served.artifact_sha256
+        ).items():
             render_model(template, triton.repository, model, values)
     else:
-        render_model("llm", triton.repository, served.name, llm_values(profile, served.model_dir, served.artifact_sha256))
+        render_model(
+            "llm", triton.repository, served.name, llm_values(profile, served.model_dir, served.artifact_sha256)
+        )
     check_serving_contract(triton.repository, profile, served)
     logger().info(f"canary: loading {served.name} on Triton {triton.url}")
     triton.load(served.name, timeout=profile.serve.load_timeout_s)
@@ -121,24 +160,33 @@ def check_serving_contract(repository: Path, profile: Profile, served: Served) -
     tensorrtllm preprocessing sends) must keep the contract training recorded (tasks/contract.py)."""
     if not (served.model_dir / CONTRACT_FILE).is_file():
         return  # registered before contracts were recorded
-    model, key = (f"{served.name}-pre", "tokenizer_dir") if profile.serve.backend == "tensorrtllm" else (served.name, "model_dir")
+    model, key = (
+        (f"{served.name}-pre", "tokenizer_dir")
+        if profile.serve.backend == "tensorrtllm"
+        else (served.name, "model_dir")
+    )
     config = repository / model / "config.pbtxt"
     found = re.search(rf'key: "{key}", value: {{ string_value: "([^"]*)" }}', config.read_text())
     if found is None:
         raise CheckFailed(f"train/serve contract: {config} names no {key}")
-    require_same(load_contract(served.model_dir), read_contract(Path(found.group(1)), served.model_dir),
-                 f"the serving config {config} ({key} {found.group(1)})")
+    require_same(
+        load_contract(served.model_dir),
+        read_contract(Path(found.group(1)), served.model_dir),
+        f"the serving config {config} ({key} {found.group(1)})",
+    )
 
 
-def set_routes(triton: Triton, profile: Profile, service: str, weights: dict[str, float]) -> None:
+def set_routes(triton: Triton, profile: Profile, service: str, weights: Mapping[str, float]) -> None:
     routes = ",".join(f"{name}={weight:g}" for name, weight in weights.items() if weight > 0)
-    render_model("router", triton.repository, service, {"max_batch_size": profile.serve.max_batch_size,
-                                                        "routes": routes})
+    render_model(
+        "router", triton.repository, service, {"max_batch_size": profile.serve.max_batch_size, "routes": routes}
+    )
     triton.load(service, timeout=profile.serve.load_timeout_s)
     logger().info(f"canary: router {service} -> {routes}")
 
 
 # --- where Triton runs ------------------------------------------------------------------------
+
 
 def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None) -> tuple[Triton, bool]:
     """Attach to the given Triton, or to the one `llmops serve` runs for this LLMOPS_HOME, else start one."""
@@ -159,8 +207,13 @@ def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None)
 def served_version(ctx: RunContext, service: str, version) -> Served:
     engine = version.tags.get("artifact.build_engine.sha256")
     merged = version.tags["artifact.merge.sha256"]
-    return Served(str(version.version), model_name(service, str(version.version)), ctx.store.fetch(merged),
-                  ctx.store.fetch(engine) if engine else None, engine or merged)
+    return Served(
+        str(version.version),
+        model_name(service, str(version.version)),
+        ctx.store.fetch(merged),
+        ctx.store.fetch(engine) if engine else None,
+        engine or merged,
+    )
 
 
 def champion_version(ctx: RunContext):
@@ -204,8 +257,10 @@ def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton) -> De
         triton_unload_quietly(triton, candidate.name)
         raise
     client.set_registered_model_alias(registered.name, "challenger", registered.version)
-    logger().info(f"canary: {candidate.name} ready next to "
-                  f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}")
+    logger().info(
+        f"canary: {candidate.name} ready next to "
+        f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}"
+    )
     return Deployment(triton, service, candidate, champion)
 
 
@@ -218,6 +273,7 @@ def triton_unload_quietly(triton: Triton, name: str) -> None:
 
 # --- live checks during the rollout -------------------------------------------------------------
 
+
 @dataclass
 class Window:
     requests: int
@@ -228,7 +284,9 @@ class Window:
     client_p99_ms: float | None
 
 
-def probe(triton: Triton, service: str, prompts: list[str], seconds: float, concurrency: int, max_tokens: int) -> tuple[int, int, list[float]]:
+def probe(
+    triton: Triton, service: str, prompts: list[str], seconds: float, concurrency: int, max_tokens: int
+) -> tuple[int, int, list[float]]:
     """Send real requests through the router for `seconds` (bounded: loopback, stops by itself)."""
     stop = time.monotonic() + seconds
     counts, latencies, lock = [0, 0], [], threading.Lock()
@@ -259,8 +317,9 @@ def probe(triton: Triton, service: str, prompts: list[str], seconds: float, conc
 def watch_window(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> Window:
     cfg, triton, name = ctx.profile.canary, deployment.triton, deployment.candidate.name
     before = triton.metrics()
-    sent, failed, latencies = probe(triton, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency,
-                                    ctx.profile.bench.output_tokens)
+    sent, failed, latencies = probe(
+        triton, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency, ctx.profile.bench.output_tokens
+    )
     after = triton.metrics()
 
     def delta(metric: str) -> float:
@@ -281,12 +340,15 @@ def breach(ctx: RunContext, deployment: Deployment, window: Window) -> str | Non
     if window.candidate_requests and window.candidate_failures / window.candidate_requests > cfg.max_error_rate:
         return f"candidate failed {window.candidate_failures:.0f}/{window.candidate_requests:.0f} requests"
     if window.candidate_mean_latency_ms is not None and window.candidate_mean_latency_ms > cfg.max_mean_latency_ms:
-        return (f"candidate mean latency {window.candidate_mean_latency_ms:.1f} ms > canary.max_mean_latency_ms "
-                f"{cfg.max_mean_latency_ms}")
+        return (
+            f"candidate mean latency {window.candidate_mean_latency_ms:.1f} ms > canary.max_mean_latency_ms "
+            f"{cfg.max_mean_latency_ms}"
+        )
     return None
 
 
 # --- the rollout decision -------------------------------------------------------------------------
+
 
 def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | None:
     """Walk the traffic steps; return the breach that stopped it, or None when 100% was reached."""
@@ -300,15 +362,23 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
         window = watch_window(ctx, deployment, prompts)
         problem = breach(ctx, deployment, window)
         deployment.steps.append({"weight": weight, **window.__dict__, "breach": problem})
-        ctx.tracker.log_metrics("canary", {"weight": weight, "client_requests": window.requests,
-                                           "client_failures": window.failures,
-                                           "candidate_requests": window.candidate_requests,
-                                           "candidate_failures": window.candidate_failures,
-                                           "candidate_mean_latency_ms": window.candidate_mean_latency_ms or 0.0},
-                                step=weight)
-        logger().info(f"canary: {weight}% to {deployment.candidate.name}: {window.requests} requests, "
-                      f"{window.failures} failed, candidate mean {window.candidate_mean_latency_ms or 0:.1f} ms"
-                      + (f" -> BREACH: {problem}" if problem else ""))
+        ctx.tracker.log_metrics(
+            "canary",
+            {
+                "weight": weight,
+                "client_requests": window.requests,
+                "client_failures": window.failures,
+                "candidate_requests": window.candidate_requests,
+                "candidate_failures": window.candidate_failures,
+                "candidate_mean_latency_ms": window.candidate_mean_latency_ms or 0.0,
+            },
+            step=weight,
+        )
+        logger().info(
+            f"canary: {weight}% to {deployment.candidate.name}: {window.requests} requests, "
+            f"{window.failures} failed, candidate mean {window.candidate_mean_latency_ms or 0:.1f} ms"
+            + (f" -> BREACH: {problem}" if problem else "")
+        )
         if problem:
             return problem
     return None

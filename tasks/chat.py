@@ -14,8 +14,9 @@ def encode_prompt(tokenizer, text, history, apply_chat_template):
     through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
     if not apply_chat_template:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template([*history, {"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [*history, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -29,3 +30,8 @@ def prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
     """The prompt of a conversation that ends with the assistant's answer, as training encoded it."""
     text, history = serving_request(conversation)
     return encode_prompt(tokenizer, text, history, True)
+
+
+def answer_ids(tokenizer, conversation: list[dict]) -> list[int]:
+    """The answer's token ids and the closing EOS, as LlamaFactory's template encodes an assistant turn."""
+    return tokenizer(conversation[-1]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -152,7 +153,7 @@ class EngineSection(Section):
     extra_args: dict[str, Any] = {}
 
     @model_validator(mode="after")
-    def _lengths_fit(self) -> "EngineSection":
+    def _lengths_fit(self) -> EngineSection:
         if self.max_input_len >= self.max_seq_len:
             raise ValueError("max_input_len must be below max_seq_len (room for output tokens)")
         return self
@@ -203,9 +204,13 @@ class CanarySection(Section):
     max_mean_latency_ms: float = Field(2000, gt=0)
 
     @model_validator(mode="after")
-    def _steps_rise_to_100(self) -> "CanarySection":
-        if not self.steps or any(not 0 < s <= 100 for s in self.steps) or self.steps != sorted(self.steps) \
-                or self.steps[-1] != 100:
+    def _steps_rise_to_100(self) -> CanarySection:
+        if (
+            not self.steps
+            or any(not 0 < s <= 100 for s in self.steps)
+            or self.steps != sorted(self.steps)
+            or self.steps[-1] != 100
+        ):
             raise ValueError("steps must be rising percentages in (0, 100] ending at 100")
         return self
 
@@ -220,7 +225,7 @@ class BenchSection(Section):
     warmup_request_count: int = Field(2, ge=0)
 
     @model_validator(mode="after")
-    def _concurrency_positive(self) -> "BenchSection":
+    def _concurrency_positive(self) -> BenchSection:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("concurrency must list levels >= 1")
         return self
@@ -262,7 +267,7 @@ class HardwareSection(Section):
     kubernetes: KubernetesSection = KubernetesSection()
 
     @model_validator(mode="after")
-    def _gpus_match_accelerator(self) -> "HardwareSection":
+    def _gpus_match_accelerator(self) -> HardwareSection:
         if self.accelerator == "cuda" and self.gpus < 1:
             raise ValueError("accelerator cuda needs gpus >= 1")
         return self
@@ -273,7 +278,8 @@ class RegistrySection(Section):
 
 
 # Stages that need the profile's accelerator; each may run on a deployment of its own (run.remote_stages).
-HEAVY_STAGES = ("train", "evaluate", "merge", "quantize", "build_engine")
+HeavyStage = Literal["train", "evaluate", "merge", "quantize", "build_engine"]
+HEAVY_STAGES: tuple[str, ...] = get_args(HeavyStage)
 
 
 class RunSection(Section):
@@ -283,7 +289,7 @@ class RunSection(Section):
     # work pool) rather than inside the release flow's process, e.g. {train: run-stage/gpu}.
     # Empty on one machine; `--set 'run.remote_stages={}'` runs a GPU profile on one GPU machine.
     # The machines of that pool must share the artifact store (s3://) and the MLflow server.
-    remote_stages: dict[Literal[HEAVY_STAGES], str] = {}
+    remote_stages: dict[HeavyStage, str] = {}
     # Longest wait for another release of the same model to finish deploying/promoting.
     serving_lock_timeout_s: float = Field(3600, gt=0)
 
@@ -307,16 +313,20 @@ class Profile(Section):
     run: RunSection = RunSection()
 
     @model_validator(mode="after")
-    def _backends_fit(self) -> "Profile":
+    def _backends_fit(self) -> Profile:
         trt = self.quantize.backend == "tensorrt-llm"
         if trt and self.hardware.accelerator != "cuda":
             raise ValueError("quantize.backend tensorrt-llm needs hardware.accelerator cuda")
         if (self.serve.backend == "tensorrtllm") != trt:
-            raise ValueError("serve.backend tensorrtllm and quantize.backend tensorrt-llm go together "
-                             "(the engine is what the tensorrtllm backend serves)")
+            raise ValueError(
+                "serve.backend tensorrtllm and quantize.backend tensorrt-llm go together "
+                "(the engine is what the tensorrtllm backend serves)"
+            )
         world = self.quantize.tensorrt_llm.tp_size * self.quantize.tensorrt_llm.pp_size
         if trt and world > self.hardware.gpus:
-            raise ValueError(f"quantize.tensorrt_llm tp_size x pp_size = {world} exceeds hardware.gpus {self.hardware.gpus}")
+            raise ValueError(
+                f"quantize.tensorrt_llm tp_size x pp_size = {world} exceeds hardware.gpus {self.hardware.gpus}"
+            )
         return self
 
     @property
@@ -371,7 +381,7 @@ def format_validation_error(source: str, err: ValidationError) -> str:
     return f"{source}: " + "; ".join(parts)
 
 
-def load_profile(name_or_path: str = "cpu-tiny", overrides: list[str] = (), data: str | None = None) -> Profile:
+def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), data: str | None = None) -> Profile:
     path = profile_path(name_or_path)
     label = f"profile {name_or_path}"
     try:
@@ -383,7 +393,8 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: list[str] = (), data
     if not isinstance(raw, dict):
         raise BadInput(f"profile file {path}: expected a mapping at the top level")
     # A relative local data path in a profile file is relative to that file (one given on the command line, to the cwd).
-    section = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data_section = raw.get("data")
+    section: dict = data_section if isinstance(data_section, dict) else {}
     for field in ("source", "eval_source"):
         value = section.get(field)
         if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
@@ -412,6 +423,8 @@ def check_machine(profile: Profile, stages: list[str]) -> None:
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < profile.hardware.gpus:
-        raise BadInput(f"profile {profile.name}: {', '.join(stages)} need(s) {profile.hardware.gpus} CUDA GPU(s) "
-                       f"(hardware.gpus), this machine has {found}; run it on a GPU machine, place those stages on "
-                       f"the GPU pool (run.remote_stages), or pick a CPU profile (llmops profiles list)")
+        raise BadInput(
+            f"profile {profile.name}: {', '.join(stages)} need(s) {profile.hardware.gpus} CUDA GPU(s) "
+            f"(hardware.gpus), this machine has {found}; run it on a GPU machine, place those stages on "
+            f"the GPU pool (run.remote_stages), or pick a CPU profile (llmops profiles list)"
+        )

@@ -25,13 +25,23 @@ from tasks.errors import CheckFailed
 CONTRACT_FILE = "contract.json"
 PROBES: list[list[dict]] = [
     [{"role": "user", "content": "What is the opposite of hot?"}, {"role": "assistant", "content": "cold"}],
-    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Opposite of up?"},
-     {"role": "assistant", "content": "down"}],
+    [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Opposite of up?"},
+        {"role": "assistant", "content": "down"},
+    ],
     [{"role": "user", "content": "什么是市盈率？"}, {"role": "assistant", "content": "股价除以每股收益。"}],
-    [{"role": "system", "content": "你是一名理财顾问。"}, {"role": "user", "content": "请解释一下复利。"},
-     {"role": "assistant", "content": "利滚利。"}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "债券呢？"},
-     {"role": "assistant", "content": "借款凭证。"}],
+    [
+        {"role": "system", "content": "你是一名理财顾问。"},
+        {"role": "user", "content": "请解释一下复利。"},
+        {"role": "assistant", "content": "利滚利。"},
+    ],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "债券呢？"},
+        {"role": "assistant", "content": "借款凭证。"},
+    ],
 ]
 
 
@@ -50,8 +60,12 @@ class Contract:
 
     def tags(self) -> dict[str, str]:
         """Registry tags: the values a reader compares across versions."""
-        return {"contract.prompt_ids_sha256": self.prompt_ids_sha256, "contract.eos_token_id": str(self.eos_token_id),
-                "contract.pad_token_id": str(self.pad_token_id), "contract.stop_token_ids": json.dumps(self.stop_token_ids)}
+        return {
+            "contract.prompt_ids_sha256": self.prompt_ids_sha256,
+            "contract.eos_token_id": str(self.eos_token_id),
+            "contract.pad_token_id": str(self.pad_token_id),
+            "contract.stop_token_ids": json.dumps(self.stop_token_ids),
+        }
 
 
 def read_contract(tokenizer_dir: Path, generation_config_dir: Path | None = None) -> Contract:
@@ -65,12 +79,18 @@ def read_contract(tokenizer_dir: Path, generation_config_dir: Path | None = None
     if generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id")
         stops |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
+    template = (
+        tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
+    )
     return Contract(
         prompt_ids_sha256=hashlib.sha256(json.dumps(encoded).encode()).hexdigest(),
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         special_token_ids={token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens},
-        stop_token_ids=sorted(stops), chat_template_sha256=hashlib.sha256((template or "").encode()).hexdigest())
+        stop_token_ids=sorted(stops),
+        chat_template_sha256=hashlib.sha256((template or "").encode()).hexdigest(),
+    )
 
 
 def load_contract(folder: Path) -> Contract:

@@ -54,7 +54,9 @@ def read_s3_source(uri: str) -> list[SourceFile]:
     keys = [k for k in keys if k == key or k.startswith(key.rstrip("/") + "/") or not key]
     if not keys:
         raise BadInput(f"data source {uri}: no .jsonl or .json objects there")
-    return [SourceFile(f"s3://{bucket}/{k}", client.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in sorted(keys)]
+    return [
+        SourceFile(f"s3://{bucket}/{k}", client.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in sorted(keys)
+    ]
 
 
 def source_digest(files: list[SourceFile]) -> str:
@@ -106,7 +108,9 @@ def detect_format(record: dict, where: str) -> str:
         return "sharegpt"
     if "instruction" in record or "output" in record:
         return "alpaca"
-    raise BadInput(f"{where}: record has none of the fields 'instruction' (alpaca), 'conversations' (sharegpt), 'messages'")
+    raise BadInput(
+        f"{where}: record has none of the fields 'instruction' (alpaca), 'conversations' (sharegpt), 'messages'"
+    )
 
 
 def normalize(record, fmt: str, where: str) -> list[dict]:
@@ -122,7 +126,9 @@ def normalize(record, fmt: str, where: str) -> list[dict]:
         messages.append({"role": "assistant", "content": output})
         system = _text(record, "system", where, required=False)
         return ([{"role": "system", "content": system}] if system else []) + messages
-    field, role_key, content_key = ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
+    field, role_key, content_key = (
+        ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
+    )
     turns = record.get(field)
     if not isinstance(turns, list) or not turns:
         raise BadInput(f"{where}: field '{field}' must be a non-empty list")
@@ -131,10 +137,10 @@ def normalize(record, fmt: str, where: str) -> list[dict]:
         at = f"{where}: {field}[{i}]"
         if not isinstance(turn, dict):
             raise BadInput(f"{at}: expected an object")
-        role = _text(turn, role_key, at)
-        role = ROLES_SHAREGPT.get(role) if fmt == "sharegpt" else (role if role in ROLES_OPENAI else None)
+        given = _text(turn, role_key, at)
+        role = ROLES_SHAREGPT.get(given) if fmt == "sharegpt" else (given if given in ROLES_OPENAI else None)
         if role is None:
-            raise BadInput(f"{at}.{role_key}: unknown role {turn[role_key]!r}")
+            raise BadInput(f"{at}.{role_key}: unknown role {given!r}")
         messages.append({"role": role, "content": _text(turn, content_key, at)})
     body = messages[1:] if messages[0]["role"] == "system" else messages
     expected = ["user", "assistant"] * (len(body) // 2 + 1)
@@ -214,17 +220,20 @@ def clean_and_split(files: list[SourceFile], cfg: DataSection, eval_files: list[
         if not train or not evals:
             raise BadInput(
                 f"data {names}: {len(found.conversations)} records leave an empty {'train' if not train else 'eval'} "
-                f"split at data.eval_fraction={cfg.eval_fraction}")
+                f"split at data.eval_fraction={cfg.eval_fraction}"
+            )
     else:
         held_out = read_records(eval_files, cfg.format)
         eval_names = ", ".join(f.name for f in eval_files)
         if not held_out.conversations:
             raise BadInput(f"data.eval_source {eval_names}: no usable records after cleaning ({held_out.describe()})")
         overlap = set(held_out.hashes)
-        train = [m for m, h in zip(found.conversations, found.hashes) if h not in overlap]
+        train = [m for m, h in zip(found.conversations, found.hashes, strict=True) if h not in overlap]
         evals = held_out.conversations
         if not train:
-            raise BadInput(f"data {names}: every record is also in data.eval_source {eval_names}; nothing left to train on")
+            raise BadInput(
+                f"data {names}: every record is also in data.eval_source {eval_names}; nothing left to train on"
+            )
         eval_fingerprint = fingerprint_of(held_out.hashes)
         fingerprint = hashlib.sha256(f"{fingerprint_of(found.hashes)}+eval:{eval_fingerprint}".encode()).hexdigest()
         stats |= {"eval_records_read": held_out.read, "eval_overlap_dropped": len(found.conversations) - len(train)}
@@ -240,18 +249,26 @@ def read_data(cfg: DataSection) -> CleanData:
 def dataset_info() -> dict:
     """LlamaFactory's dataset registry for the two splits, in its sharegpt/messages layout."""
     columns = {"messages": "messages"}
-    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-            "assistant_tag": "assistant", "system_tag": "system"}
-    return {split: {"file_name": f"{split}.json", "formatting": "sharegpt", "columns": columns, "tags": tags}
-            for split in ("train", "eval")}
+    tags = {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "system_tag": "system",
+    }
+    return {
+        split: {"file_name": f"{split}.json", "formatting": "sharegpt", "columns": columns, "tags": tags}
+        for split in ("train", "eval")
+    }
 
 
 def write_dataset(data: CleanData, out_dir: Path) -> None:
     for split, rows in (("train", data.train), ("eval", data.eval)):
         (out_dir / f"{split}.json").write_text(json.dumps([{"messages": m} for m in rows], ensure_ascii=False))
     (out_dir / "dataset_info.json").write_text(json.dumps(dataset_info(), indent=2))
-    (out_dir / "stats.json").write_text(json.dumps(
-        {**data.stats, "fingerprint": data.fingerprint, "eval_fingerprint": data.eval_fingerprint}, indent=2))
+    (out_dir / "stats.json").write_text(
+        json.dumps({**data.stats, "fingerprint": data.fingerprint, "eval_fingerprint": data.eval_fingerprint}, indent=2)
+    )
 
 
 def load_split(folder: Path, split: str) -> list[list[dict]]:
@@ -272,14 +289,22 @@ def prepare_data(ctx: RunContext) -> StageResult:
         data = clean_and_split(files, cfg, eval_files)
         write_dataset(data, out_dir)
         log = logger()
-        log.info(f"prepare_data: {data.stats['records_read']} read, {data.stats['duplicates_dropped']} duplicates and "
-                 f"{data.stats['empty_answers_dropped']} empty answers dropped, "
-                 f"{data.stats['train_records']} train / {data.stats['eval_records']} eval")
+        log.info(
+            f"prepare_data: {data.stats['records_read']} read, {data.stats['duplicates_dropped']} duplicates and "
+            f"{data.stats['empty_answers_dropped']} empty answers dropped, "
+            f"{data.stats['train_records']} train / {data.stats['eval_records']} eval"
+        )
         return data.stats
 
     result = run_cached(
-        ctx, "prepare_data", {"source": source_digest(files), "eval_source": source_digest(eval_files) if eval_files else None,
-                              "config": cfg.model_dump(exclude={"source", "eval_source"})}, produce,
+        ctx,
+        "prepare_data",
+        {
+            "source": source_digest(files),
+            "eval_source": source_digest(eval_files) if eval_files else None,
+            "config": cfg.model_dump(exclude={"source", "eval_source"}),
+        },
+        produce,
         headline=lambda m: f"{m['train_records']} train / {m['eval_records']} eval",
     )
     folder = ctx.store.fetch(result.artifact.digest)
@@ -294,15 +319,15 @@ def prepare_data(ctx: RunContext) -> StageResult:
 
 def log_dataset_input(ctx: RunContext, folder: Path, source: str, fingerprint: str) -> None:
     """Record both splits as MLflow dataset inputs of the run (mlflow.data), with their counts."""
-    import mlflow.data
     import pandas as pd
+    from mlflow.data.pandas_dataset import from_pandas
     from mlflow.entities import DatasetInput, InputTag
 
     inputs = []
     for split in ("train", "eval"):
         rows = load_split(folder, split)
         frame = pd.DataFrame({"messages": [json.dumps(m, ensure_ascii=False) for m in rows]})
-        dataset = mlflow.data.from_pandas(frame, source=source, name=f"sft-{split}", digest=fingerprint[:16])
+        dataset = from_pandas(frame, source=source, name=f"sft-{split}", digest=fingerprint[:16])
         inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", split)]))
     ctx.tracker.client.log_inputs(ctx.tracker.run_id, datasets=inputs)
     ctx.tracker.set_tags({"data.fingerprint": fingerprint, "data.source": source})

@@ -21,12 +21,23 @@ from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
 
-def engine_cache_key(checkpoint_digest: str, build_args: list[str], trtllm_version: str, gpu_arch: str) -> dict:
-    return {"checkpoint": checkpoint_digest, "build_args": build_args, "tensorrt_llm": trtllm_version,
-            "gpu_arch": gpu_arch}
+def engine_cache_key(
+    checkpoint_digest: str, build_args: list[str], trtllm_version: str, gpu_arch: str, data_digest: str, evaluate: dict
+) -> dict:
+    """The engine, and the accuracy measured on it: the eval data and settings it is measured with count too."""
+    return {
+        "checkpoint": checkpoint_digest,
+        "build_args": build_args,
+        "tensorrt_llm": trtllm_version,
+        "gpu_arch": gpu_arch,
+        "data": data_digest,
+        "evaluate": evaluate,
+    }
 
 
-def engine_exact_match(ctx: RunContext, data: StageResult, engine_dir: Path, tokenizer_dir: Path, scratch: Path) -> float:
+def engine_exact_match(
+    ctx: RunContext, data: StageResult, engine_dir: Path, tokenizer_dir: Path, scratch: Path
+) -> float:
     from tasks.chat import prompt_ids
     from tasks.evaluate import exact_match
     from tasks.models import load_tokenizer
@@ -37,8 +48,12 @@ def engine_exact_match(ctx: RunContext, data: StageResult, engine_dir: Path, tok
     questions, answers = scratch / "questions.jsonl", scratch / "answers.jsonl"
     questions.write_text("".join(json.dumps({"input_ids": prompt_ids(tokenizer, c)}) + "\n" for c in conversations))
     world = ctx.profile.quantize.tensorrt_llm.tp_size * ctx.profile.quantize.tensorrt_llm.pp_size
-    tensorrt_llm.run_logged(tensorrt_llm.eval_command(engine_dir, tokenizer_dir, questions, answers, cfg.max_new_tokens,
-                                                      world), scratch / "eval.log", "build_engine: eval", logger())
+    tensorrt_llm.run_logged(
+        tensorrt_llm.eval_command(engine_dir, tokenizer_dir, questions, answers, cfg.max_new_tokens, world),
+        scratch / "eval.log",
+        "build_engine: eval",
+        logger(),
+    )
     predictions = [json.loads(line)["answer"] for line in answers.read_text().splitlines()]
     return exact_match(predictions, conversations)
 
@@ -46,7 +61,14 @@ def engine_exact_match(ctx: RunContext, data: StageResult, engine_dir: Path, tok
 def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, checkpoint: StageResult) -> StageResult:
     cfg = ctx.profile.engine
     args = tensorrt_llm.build_args(cfg)
-    key = engine_cache_key(checkpoint.artifact.digest, args, tensorrt_llm.installed_version(), tensorrt_llm.gpu_arch())
+    key = engine_cache_key(
+        checkpoint.artifact.digest,
+        args,
+        tensorrt_llm.installed_version(),
+        tensorrt_llm.gpu_arch(),
+        data.artifact.digest,
+        ctx.profile.evaluate.model_dump(),
+    )
 
     def produce(out_dir: Path) -> dict:
         log = logger()
@@ -61,21 +83,37 @@ def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, ch
         shutil.copytree(source / "tokenizer", out_dir / "tokenizer")
         shutil.copy2(source / CONTRACT_FILE, out_dir / CONTRACT_FILE)  # checked against the tokenizer at quantize
         engine_config = json.loads((out_dir / "engine" / "config.json").read_text())
-        (out_dir / "build.json").write_text(json.dumps({"trtllm_build_args": args, "tensorrt_llm": key["tensorrt_llm"],
-                                                         "gpu_arch": key["gpu_arch"]}, indent=2))
-        ctx.tracker.log_params("engine", {"build_args": " ".join(args), "tensorrt_llm": key["tensorrt_llm"],
-                                          "gpu_arch": key["gpu_arch"]})
+        (out_dir / "build.json").write_text(
+            json.dumps(
+                {"trtllm_build_args": args, "tensorrt_llm": key["tensorrt_llm"], "gpu_arch": key["gpu_arch"]}, indent=2
+            )
+        )
+        ctx.tracker.log_params(
+            "engine", {"build_args": " ".join(args), "tensorrt_llm": key["tensorrt_llm"], "gpu_arch": key["gpu_arch"]}
+        )
         ctx.tracker.log_json("engine_config.json", engine_config)
         engine_em = engine_exact_match(ctx, data, out_dir / "engine", out_dir / "tokenizer", scratch)
         merged_em = evaluation.metrics["candidate_exact_match"]  # the merged model's, within merge.tolerance
-        metrics = {"build_s": build_s, "engine_bytes": sum(p.stat().st_size for p in (out_dir / "engine").rglob("*.engine")),
-                   "merged_exact_match": merged_em, "engine_exact_match": engine_em, "accuracy_drop": merged_em - engine_em}
+        metrics = {
+            "build_s": build_s,
+            "engine_bytes": sum(p.stat().st_size for p in (out_dir / "engine").rglob("*.engine")),
+            "merged_exact_match": merged_em,
+            "engine_exact_match": engine_em,
+            "accuracy_drop": merged_em - engine_em,
+        }
         shutil.rmtree(scratch, ignore_errors=True)
         if metrics["accuracy_drop"] > ctx.profile.quantize.max_accuracy_drop:
-            raise CheckFailed(f"build_engine: exact match drops by {metrics['accuracy_drop']:.3f} in the "
-                              f"{ctx.profile.quantize.tensorrt_llm.qformat} engine > quantize.max_accuracy_drop "
-                              f"{ctx.profile.quantize.max_accuracy_drop}")
+            raise CheckFailed(
+                f"build_engine: exact match drops by {metrics['accuracy_drop']:.3f} in the "
+                f"{ctx.profile.quantize.tensorrt_llm.qformat} engine > quantize.max_accuracy_drop "
+                f"{ctx.profile.quantize.max_accuracy_drop}"
+            )
         return metrics
 
-    return run_cached(ctx, "build_engine", key, produce,
-                      headline=lambda m: f"{m['engine_bytes']:,} bytes, exact match {m['engine_exact_match']:.3f}")
+    return run_cached(
+        ctx,
+        "build_engine",
+        key,
+        produce,
+        headline=lambda m: f"{m['engine_bytes']:,} bytes, exact match {m['engine_exact_match']:.3f}",
+    )

@@ -6,6 +6,32 @@ bad input and failed checks are deterministic, retrying them only delays the mes
 
 from __future__ import annotations
 
+REJECTED_EXIT_CODE = 10  # `llmops gate` / `llmops run` when the gate rejects the candidate or the canary rolls it back
+
+# The one table of exit codes: the CLI's --help and error mapping use it, and the README's table is
+# pinned to it by tests/unit/test_cli.py.
+EXIT_CODES: dict[int, str] = {
+    0: "success (for run: the candidate was promoted, or already is the champion)",
+    1: "anything else (an unexpected error; the last line names it)",
+    2: "bad input: data, profile or arguments (nothing is written)",
+    3: "a stage's check failed (evaluation margin, merge exactness, quantization accuracy, the train/serve "
+    "contract, a model that fails to load)",
+    4: "a service (S3, MLflow, Prefect, Triton) stayed unreachable after retries",
+    5: "an artifact is missing or does not match its sha256",
+    REJECTED_EXIT_CODE: "the gate rejected the candidate, or the canary rolled it back (the champion keeps serving)",
+    130: "interrupted (Ctrl-C)",
+}
+
+
+def exit_codes_text() -> str:
+    """The table as `--help` prints it."""
+    return "exit codes:\n" + "".join(f"  {code:>3}  {meaning}\n" for code, meaning in EXIT_CODES.items())
+
+
+def exit_codes_markdown() -> str:
+    """The table as the README shows it."""
+    return "| exit code | meaning |\n|---|---|\n" + "".join(f"| `{c}` | {m} |\n" for c, m in EXIT_CODES.items())
+
 
 class LlmopsError(Exception):
     exit_code = 1

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks import metrics
-from tasks.chat import prompt_ids
-from tasks.models import load_model, load_tokenizer
+from tasks.chat import answer_ids, prompt_ids
 from tasks.config import EvaluateSection
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.metrics import higher_is_better, mean, text_scores
+from tasks.models import load_model, load_tokenizer
 from tasks.stage import RunContext, StageResult, logger, run_cached
 from tasks.stats import Difference, paired_difference
 
@@ -46,10 +46,6 @@ class Scores:
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}_{name}": value for name, value in self.summary().items()}
-
-
-def answer_ids(tokenizer, conversation: list[dict]) -> list[int]:
-    return tokenizer(conversation[-1]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
 def batches(items: list, size: int = BATCH):
@@ -90,16 +86,21 @@ def generate_answers(model, tokenizer, conversations: list[list[dict]], max_new_
         prompts = [prompt_ids(tokenizer, c) for c in group]
         batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        new_tokens = out[:, batch["input_ids"].shape[1]:]
+            out = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new_tokens = out[:, batch["input_ids"].shape[1] :]
         answers += [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new_tokens]
     return answers
 
 
 def exact_match(predictions: list[str], conversations: list[list[dict]]) -> float:
     """Share of answers equal to the reference (the quantize and engine stages' accuracy measure)."""
-    return mean([metrics.exact_match(p, c[-1]["content"]) for p, c in zip(predictions, conversations)])
+    return mean([metrics.exact_match(p, c[-1]["content"]) for p, c in zip(predictions, conversations, strict=True)])
 
 
 def references(conversations: list[list[dict]]) -> list[str]:
@@ -108,8 +109,10 @@ def references(conversations: list[list[dict]]) -> list[str]:
 
 def score(model, tokenizer, conversations: list[list[dict]], cfg: EvaluateSection) -> Scores:
     predictions = generate_answers(model, tokenizer, conversations, cfg.max_new_tokens)
-    per_sample = {**text_scores(predictions, references(conversations)),
-                  "answer_loss": answer_losses(model, tokenizer, conversations)}
+    per_sample = {
+        **text_scores(predictions, references(conversations)),
+        "answer_loss": answer_losses(model, tokenizer, conversations),
+    }
     return Scores(per_sample, predictions)
 
 
@@ -118,7 +121,8 @@ def require_samples(count: int, cfg: EvaluateSection, where: str) -> None:
     if count < cfg.min_samples:
         raise CheckFailed(
             f"{where}: the eval split has {count} samples, fewer than evaluate.min_samples {cfg.min_samples}: too few "
-            "to decide on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source")
+            "to decide on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source"
+        )
 
 
 def gain(candidate: list[float], reference: list[float], cfg: EvaluateSection) -> Difference:
@@ -131,14 +135,20 @@ def gain(candidate: list[float], reference: list[float], cfg: EvaluateSection) -
 def describe(difference: Difference) -> str:
     if difference.low is None:
         return f"{difference.value:.3f}"
-    return (f"{difference.value:.3f} ({difference.confidence:.0%} interval {difference.low:.3f}..{difference.high:.3f}, "
-            f"{difference.samples} samples)")
+    return (
+        f"{difference.value:.3f} ({difference.confidence:.0%} interval {difference.low:.3f}..{difference.high:.3f}, "
+        f"{difference.samples} samples)"
+    )
 
 
 def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageResult) -> StageResult:
     cfg = ctx.profile.evaluate
-    key = {"data": data.artifact.digest, "base": base.artifact.digest, "adapter": adapter.artifact.digest,
-           "evaluate": cfg.model_dump()}
+    key = {
+        "data": data.artifact.digest,
+        "base": base.artifact.digest,
+        "adapter": adapter.artifact.digest,
+        "evaluate": cfg.model_dump(),
+    }
 
     def produce(out_dir: Path) -> dict:
         conversations = eval_conversations(ctx, data, cfg.max_samples)
@@ -146,25 +156,55 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
         base_dir = ctx.store.fetch(base.artifact.digest)
         tokenizer = load_tokenizer(base_dir)
         base_scores = score(load_model(base_dir), tokenizer, conversations, cfg)
-        candidate_scores = score(load_model(base_dir, ctx.store.fetch(adapter.artifact.digest)), tokenizer,
-                                 conversations, cfg)
+        candidate_scores = score(
+            load_model(base_dir, ctx.store.fetch(adapter.artifact.digest)), tokenizer, conversations, cfg
+        )
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
-        result = {**base_scores.as_metrics("base"), **candidate_scores.as_metrics("candidate"),
-                  "improvement": improvement.value, "samples": len(conversations)}
-        if improvement.low is not None:
+        result = {
+            **base_scores.as_metrics("base"),
+            **candidate_scores.as_metrics("candidate"),
+            "improvement": improvement.value,
+            "samples": len(conversations),
+        }
+        if improvement.low is not None and improvement.high is not None:
             result |= {"improvement_low": improvement.low, "improvement_high": improvement.high}
-        samples = [{"prompt": c[:-1], "expected": c[-1]["content"], "base": b, "candidate": p,
-                    "scores": {"base": {m: v[i] for m, v in base_scores.per_sample.items()},
-                               "candidate": {m: v[i] for m, v in candidate_scores.per_sample.items()}}}
-                   for i, (c, b, p) in enumerate(zip(conversations, base_scores.predictions, candidate_scores.predictions))]
-        (out_dir / EVALUATION_FILE).write_text(json.dumps(
-            {"metric": cfg.metric, "higher_is_better": higher_is_better(cfg.metric), "metrics": result,
-             "improvement": {"value": improvement.value, "interval": improvement.interval(),
-                             "confidence": improvement.confidence}, "samples": samples},
-            indent=1, ensure_ascii=False))
+        samples = [
+            {
+                "prompt": c[:-1],
+                "expected": c[-1]["content"],
+                "base": b,
+                "candidate": p,
+                "scores": {
+                    "base": {m: v[i] for m, v in base_scores.per_sample.items()},
+                    "candidate": {m: v[i] for m, v in candidate_scores.per_sample.items()},
+                },
+            }
+            for i, (c, b, p) in enumerate(
+                zip(conversations, base_scores.predictions, candidate_scores.predictions, strict=True)
+            )
+        ]
+        (out_dir / EVALUATION_FILE).write_text(
+            json.dumps(
+                {
+                    "metric": cfg.metric,
+                    "higher_is_better": higher_is_better(cfg.metric),
+                    "metrics": result,
+                    "improvement": {
+                        "value": improvement.value,
+                        "interval": improvement.interval(),
+                        "confidence": improvement.confidence,
+                    },
+                    "samples": samples,
+                },
+                indent=1,
+                ensure_ascii=False,
+            )
+        )
         names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity"]
-        rows = [f"  {label:<9} " + " ".join(f"{s[n]:>11.3f}" for n in names)
-                for label, s in (("base", base_scores.summary()), ("candidate", candidate_scores.summary()))]
+        rows = [
+            f"  {label:<9} " + " ".join(f"{s[n]:>11.3f}" for n in names)
+            for label, s in (("base", base_scores.summary()), ("candidate", candidate_scores.summary()))
+        ]
         logger().info("evaluate:\n  " + " " * 10 + " ".join(f"{n:>11}" for n in names) + "\n" + "\n".join(rows))
         bound = improvement.low if improvement.low is not None else improvement.value
         if bound < cfg.min_improvement:
@@ -172,11 +212,17 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
             raise CheckFailed(
                 f"evaluate: candidate {cfg.metric} {candidate_scores.summary()[cfg.metric]:.3f} vs base "
                 f"{base_scores.summary()[cfg.metric]:.3f}: {which} {bound:.3f} < evaluate.min_improvement "
-                f"{cfg.min_improvement} (improvement {describe(improvement)})")
+                f"{cfg.min_improvement} (improvement {describe(improvement)})"
+            )
         return result
 
-    return run_cached(ctx, "evaluate", key, produce,
-                      headline=lambda m: f"{cfg.metric} {m[f'base_{cfg.metric}']:.3f} -> {m[f'candidate_{cfg.metric}']:.3f}")
+    return run_cached(
+        ctx,
+        "evaluate",
+        key,
+        produce,
+        headline=lambda m: f"{cfg.metric} {m[f'base_{cfg.metric}']:.3f} -> {m[f'candidate_{cfg.metric}']:.3f}",
+    )
 
 
 def offline_scores(ctx: RunContext, evaluation: StageResult) -> dict:

@@ -24,8 +24,6 @@ from tasks.config import GateSection
 from tasks.stage import RunContext, StageResult, logger
 from tasks.stats import Difference
 
-REJECTED_EXIT_CODE = 10  # `llmops gate` / `llmops run` when the gate rejects the candidate
-
 
 @dataclass
 class Check:
@@ -67,9 +65,13 @@ class GateReport:
         return "promote" if self.passed else "reject"
 
     def summary(self) -> str:
-        failed = [f"{c.name} {c.value if c.value is None else round(c.value, 4)}"
-                  + (f" (interval {c.interval[0]:.4g}..{c.interval[1]:.4g})" if c.interval else "")
-                  + f" (needs {c.comparison} {c.threshold:g})" for c in self.checks if not c.passed]
+        failed = [
+            f"{c.name} {c.value if c.value is None else round(c.value, 4)}"
+            + (f" (interval {c.interval[0]:.4g}..{c.interval[1]:.4g})" if c.interval else "")
+            + f" (needs {c.comparison} {c.threshold:g})"
+            for c in self.checks
+            if not c.passed
+        ]
         return "; ".join(failed) or "all checks pass"
 
     def as_dict(self) -> dict:
@@ -77,22 +79,33 @@ class GateReport:
 
     def description(self) -> str:
         """One paragraph for the registry's version page: the decision and its headline numbers."""
-        numbers = "; ".join(f"{c.name} {'n/a' if c.value is None else format(c.value, '.4g')} "
-                            f"({'pass' if c.passed else 'FAIL'}, {c.comparison} {c.threshold:g})" for c in self.checks)
+        numbers = "; ".join(
+            f"{c.name} {'n/a' if c.value is None else format(c.value, '.4g')} "
+            f"({'pass' if c.passed else 'FAIL'}, {c.comparison} {c.threshold:g})"
+            for c in self.checks
+        )
         against = f"v{self.champion_version}" if self.champion_version else "no champion (first release)"
         return f"Gate: {self.decision} against {against}. {numbers}."
 
     def markdown(self) -> str:
-        lines = [f"# Gate: {self.decision.upper()} {self.model} v{self.candidate_version}", "",
-                 f"Champion: {'v' + self.champion_version if self.champion_version else 'none (first release)'}", "",
-                 f"Task metric: {self.metric or 'n/a'}; served artifact {self.served_artifact[:12] or 'n/a'}, "
-                 f"measured artifact {self.measured_artifact[:12] or 'n/a'}", "",
-                 "| check | value | interval | threshold | verdict |", "|---|---|---|---|---|"]
+        lines = [
+            f"# Gate: {self.decision.upper()} {self.model} v{self.candidate_version}",
+            "",
+            f"Champion: {'v' + self.champion_version if self.champion_version else 'none (first release)'}",
+            "",
+            f"Task metric: {self.metric or 'n/a'}; served artifact {self.served_artifact[:12] or 'n/a'}, "
+            f"measured artifact {self.measured_artifact[:12] or 'n/a'}",
+            "",
+            "| check | value | interval | threshold | verdict |",
+            "|---|---|---|---|---|",
+        ]
         for c in self.checks:
             value = "n/a" if c.value is None else f"{c.value:.4g}"
             interval = f"{c.interval[0]:.4g}..{c.interval[1]:.4g}" if c.interval else ""
-            lines.append(f"| {c.name} | {value} | {interval} | {c.comparison} {c.threshold:g} | "
-                         f"{'pass' if c.passed else 'FAIL'} |")
+            lines.append(
+                f"| {c.name} | {value} | {interval} | {c.comparison} {c.threshold:g} | "
+                f"{'pass' if c.passed else 'FAIL'} |"
+            )
         return "\n".join(lines) + "\n"
 
     def write(self, folder: Path) -> tuple[Path, Path]:
@@ -106,16 +119,30 @@ class GateReport:
 def at_most(name: str, value: float | None, threshold: float, difference: Difference | None = None) -> Check:
     """value <= threshold; with an interval, its upper bound must be."""
     bound = difference.high if difference is not None and difference.high is not None else value
-    return Check(name, value, threshold, "<=", bound is not None and bound <= threshold,
-                 difference.interval() if difference else None, difference.samples if difference else None)
+    return Check(
+        name,
+        value,
+        threshold,
+        "<=",
+        bound is not None and bound <= threshold,
+        difference.interval() if difference else None,
+        difference.samples if difference else None,
+    )
 
 
 def at_least(name: str, value: float | None, threshold: float) -> Check:
     return Check(name, value, threshold, ">=", value is not None and value >= threshold)
 
 
-def decide(cfg: GateSection, model: str, candidate_version: str, champion_version: str | None,
-           candidate: dict[str, float | None], champion: dict[str, float] | None, quality: Quality | None = None) -> GateReport:
+def decide(
+    cfg: GateSection,
+    model: str,
+    candidate_version: str,
+    champion_version: str | None,
+    candidate: dict[str, float | None],
+    champion: dict[str, float] | None,
+    quality: Quality | None = None,
+) -> GateReport:
     """`candidate`/`champion`: latency_p99_ms, ttft_p99_ms, requests_per_s, output_tokens_per_s, error_rate and, for
     the candidate, quantization_accuracy_drop (None where the quantized artifact is not what serves)."""
     checks = []
@@ -127,25 +154,59 @@ def decide(cfg: GateSection, model: str, candidate_version: str, champion_versio
         checks.append(at_least("request throughput (req/s)", candidate.get("requests_per_s"), cfg.min_requests_per_s))
     checks.append(at_most("error rate", candidate["error_rate"], cfg.max_error_rate))
     if candidate.get("quantization_accuracy_drop") is not None:
-        checks.append(at_most("quantization accuracy drop", candidate["quantization_accuracy_drop"],
-                              cfg.max_quantization_accuracy_drop))
+        checks.append(
+            at_most(
+                "quantization accuracy drop",
+                candidate["quantization_accuracy_drop"],
+                cfg.max_quantization_accuracy_drop,
+            )
+        )
     if quality is not None:
-        checks.append(at_least("served artifact is the measured artifact",
-                               float(quality.served_artifact == quality.measured_artifact), 1))
-        checks.append(at_most(f"serving parity: {quality.metric} drop served vs offline", quality.parity.value,
-                              cfg.max_serving_parity_drop, quality.parity))
+        checks.append(
+            at_least(
+                "served artifact is the measured artifact",
+                float(quality.served_artifact == quality.measured_artifact),
+                1,
+            )
+        )
+        checks.append(
+            at_most(
+                f"serving parity: {quality.metric} drop served vs offline",
+                quality.parity.value,
+                cfg.max_serving_parity_drop,
+                quality.parity,
+            )
+        )
         if quality.probe_tokens is not None:
             checks.append(at_most("served stop probe: answer tokens", quality.probe_tokens, quality.max_tokens - 1))
     if champion is not None:
         if cfg.min_throughput_ratio is not None:
-            ratio = candidate["output_tokens_per_s"] / champion["output_tokens_per_s"] if champion["output_tokens_per_s"] else None
+            throughput = candidate["output_tokens_per_s"]
+            ratio = (
+                throughput / champion["output_tokens_per_s"]
+                if throughput is not None and champion["output_tokens_per_s"]
+                else None
+            )
             checks.append(at_least("throughput ratio vs champion", ratio, cfg.min_throughput_ratio))
         if quality is not None and quality.drop_vs_champion is not None:
-            checks.append(at_most(f"task metric drop vs champion ({quality.metric}, served)",
-                                  quality.drop_vs_champion.value, cfg.max_task_metric_drop, quality.drop_vs_champion))
-    return GateReport(model, candidate_version, champion_version, all(c.passed for c in checks), checks,
-                      quality.metric if quality else "", quality.served_artifact if quality else "",
-                      quality.measured_artifact if quality else "")
+            checks.append(
+                at_most(
+                    f"task metric drop vs champion ({quality.metric}, served)",
+                    quality.drop_vs_champion.value,
+                    cfg.max_task_metric_drop,
+                    quality.drop_vs_champion,
+                )
+            )
+    return GateReport(
+        model,
+        candidate_version,
+        champion_version,
+        all(c.passed for c in checks),
+        checks,
+        quality.metric if quality else "",
+        quality.served_artifact if quality else "",
+        quality.measured_artifact if quality else "",
+    )
 
 
 def measured_artifact(deployment) -> str:
@@ -172,48 +233,94 @@ def score_quality(ctx: RunContext, deployment, data: StageResult, evaluation: St
     triton, max_tokens = deployment.triton, cfg.max_new_tokens
     tokenizer = load_tokenizer(deployment.candidate.model_dir)
     candidate = score_served(triton, deployment.candidate.name, conversations, max_tokens, tokenizer)
-    champion = (score_served(triton, deployment.champion.name, conversations, max_tokens,
-                             load_tokenizer(deployment.champion.model_dir)) if deployment.champion else None)
+    champion = (
+        score_served(
+            triton, deployment.champion.name, conversations, max_tokens, load_tokenizer(deployment.champion.model_dir)
+        )
+        if deployment.champion
+        else None
+    )
     metric_cfg = cfg.model_copy(update={"metric": metric})
     parity = gain(offline_metric, candidate.per_sample[metric], metric_cfg)
     drop = gain(champion.per_sample[metric], candidate.per_sample[metric], metric_cfg) if champion else None
     probe = stop_probe([s["candidate"] for s in offline], tokenizer, max_tokens)
-    (folder / SERVED_ANSWERS_FILE).write_text(json.dumps([
-        {"prompt": c[:-1], "expected": c[-1]["content"], "offline": o["candidate"], "served": candidate.answers[i],
-         "served_tokens": candidate.answer_tokens[i],
-         "scores": {"offline": o["scores"]["candidate"], "served": {m: v[i] for m, v in candidate.per_sample.items()}},
-         **({"champion_served": champion.answers[i],
-             "champion_scores": {m: v[i] for m, v in champion.per_sample.items()}} if champion else {})}
-        for i, (c, o) in enumerate(zip(conversations, offline))], indent=1, ensure_ascii=False))
+    (folder / SERVED_ANSWERS_FILE).write_text(
+        json.dumps(
+            [
+                {
+                    "prompt": c[:-1],
+                    "expected": c[-1]["content"],
+                    "offline": o["candidate"],
+                    "served": candidate.answers[i],
+                    "served_tokens": candidate.answer_tokens[i],
+                    "scores": {
+                        "offline": o["scores"]["candidate"],
+                        "served": {m: v[i] for m, v in candidate.per_sample.items()},
+                    },
+                    **(
+                        {
+                            "champion_served": champion.answers[i],
+                            "champion_scores": {m: v[i] for m, v in champion.per_sample.items()},
+                        }
+                        if champion
+                        else {}
+                    ),
+                }
+                for i, (c, o) in enumerate(zip(conversations, offline, strict=True))
+            ],
+            indent=1,
+            ensure_ascii=False,
+        )
+    )
     ctx.tracker.log_file(folder / SERVED_ANSWERS_FILE, "gate")
     served_means = {f"served_candidate_{m}": sum(v) / len(v) for m, v in candidate.per_sample.items()}
     if champion:
         served_means |= {f"served_champion_{m}": sum(v) / len(v) for m, v in champion.per_sample.items()}
     ctx.tracker.log_metrics("gate", served_means)
-    logger().info(f"gate: served {metric} candidate {served_means[f'served_candidate_{metric}']:.3f}"
-                  + (f", champion {served_means[f'served_champion_{metric}']:.3f}" if champion else "")
-                  + f"; offline candidate {sum(offline_metric) / len(offline_metric):.3f}")
-    return Quality(metric, parity, drop, candidate.answer_tokens[probe] if probe is not None else None, max_tokens,
-                   deployment.candidate.artifact_sha256, measured_artifact(deployment))
+    logger().info(
+        f"gate: served {metric} candidate {served_means[f'served_candidate_{metric}']:.3f}"
+        + (f", champion {served_means[f'served_champion_{metric}']:.3f}" if champion else "")
+        + f"; offline candidate {sum(offline_metric) / len(offline_metric):.3f}"
+    )
+    return Quality(
+        metric,
+        parity,
+        drop,
+        candidate.answer_tokens[probe] if probe is not None else None,
+        max_tokens,
+        deployment.candidate.artifact_sha256,
+        measured_artifact(deployment),
+    )
 
 
-def gate(ctx: RunContext, deployment, bench: dict, data: StageResult, evaluation: StageResult,
-         quantized: StageResult) -> GateReport:
+def gate(
+    ctx: RunContext, deployment, bench: dict, data: StageResult, evaluation: StageResult, quantized: StageResult
+) -> GateReport:
     folder = ctx.home / "work" / "gate" / ctx.tracker.run_id
     folder.mkdir(parents=True, exist_ok=True)
     quality = score_quality(ctx, deployment, data, evaluation, folder)
     # The quantized artifact's accuracy counts where it is what serves (the TensorRT-LLM engine); on CPU
     # the merged model serves (README: "What serves on CPU") and the ONNX numbers are informational.
     serves_quantized = ctx.profile.serve.backend == "tensorrtllm"
-    candidate = {**bench["candidate"],
-                 "quantization_accuracy_drop": quantized.metrics["accuracy_drop"] if serves_quantized else None}
-    report = decide(ctx.profile.gate, deployment.service, deployment.candidate.version,
-                    deployment.champion.version if deployment.champion else None, candidate,
-                    bench["champion"] if deployment.champion is not None else None, quality)
+    candidate = {
+        **bench["candidate"],
+        "quantization_accuracy_drop": quantized.metrics["accuracy_drop"] if serves_quantized else None,
+    }
+    report = decide(
+        ctx.profile.gate,
+        deployment.service,
+        deployment.candidate.version,
+        deployment.champion.version if deployment.champion else None,
+        candidate,
+        bench["champion"] if deployment.champion is not None else None,
+        quality,
+    )
     json_path, md_path = report.write(folder)
     publish(ctx, report, json_path, md_path)
-    logger().info(f"gate: {report.decision.upper()} ({sum(c.passed for c in report.checks)}/{len(report.checks)} "
-                  f"checks pass); report {json_path}")
+    logger().info(
+        f"gate: {report.decision.upper()} ({sum(c.passed for c in report.checks)}/{len(report.checks)} "
+        f"checks pass); report {json_path}"
+    )
     return report
 
 
@@ -223,11 +330,16 @@ def publish(ctx: RunContext, report: GateReport, json_path: Path, md_path: Path)
 
     ctx.tracker.log_file(json_path, "gate")
     ctx.tracker.log_file(md_path, "gate")
-    ctx.tracker.log_metrics("gate", {"passed": float(report.passed), "checks_failed": sum(not c.passed for c in report.checks)})
+    ctx.tracker.log_metrics(
+        "gate", {"passed": float(report.passed), "checks_failed": sum(not c.passed for c in report.checks)}
+    )
     ctx.tracker.set_tags({"gate.decision": report.decision})
     client, name = ctx.tracker.client, ctx.profile.registry.model_name
     client.set_model_version_tag(name, report.candidate_version, "gate.decision", report.decision)
     client.set_model_version_tag(name, report.candidate_version, "gate.run_id", ctx.tracker.run_id)
     client.update_model_version(name, report.candidate_version, description=report.description())
-    create_markdown_artifact(key="gate-report", markdown=report.markdown(),
-                             description=f"{report.decision}: {report.model} v{report.candidate_version}")
+    create_markdown_artifact(
+        key="gate-report",
+        markdown=report.markdown(),
+        description=f"{report.decision}: {report.model} v{report.candidate_version}",
+    )

@@ -20,9 +20,11 @@ def _placeholder_torchaudio() -> types.ModuleType:
     def __getattr__(name):
         if name.startswith("__"):  # introspection (inspect, hasattr) must see a plain module
             raise AttributeError(name)
-        raise ImportError(f"torchaudio.{name}: torchaudio is not installed in this CPU environment (audio datasets are unsupported here)")
+        raise ImportError(
+            f"torchaudio.{name}: torchaudio is not installed in this CPU environment (audio datasets are unsupported here)"
+        )
 
-    module.__getattr__ = __getattr__
+    setattr(module, "__getattr__", __getattr__)  # noqa: B010  (a module-level __getattr__, PEP 562)
     return module
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.chat import answer_ids, prompt_ids
 from tasks.contract import load_contract, read_contract, require_same, write_contract
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
-from tasks.chat import prompt_ids
-from tasks.evaluate import answer_ids
 from tasks.models import load_model, load_tokenizer
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
@@ -56,20 +55,29 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, probe: list[
 
 def merge(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageResult) -> StageResult:
     cfg = ctx.profile.merge
-    key = {"base": base.artifact.digest, "adapter": adapter.artifact.digest, "data": data.artifact.digest,
-           "merge": cfg.model_dump()}
+    key = {
+        "base": base.artifact.digest,
+        "adapter": adapter.artifact.digest,
+        "data": data.artifact.digest,
+        "merge": cfg.model_dump(),
+    }
 
     def produce(out_dir: Path) -> dict:
         probe = eval_conversations(ctx, data, cfg.probe_samples)
-        max_diff = merge_adapter(ctx.store.fetch(base.artifact.digest), ctx.store.fetch(adapter.artifact.digest),
-                                 out_dir, probe)
+        max_diff = merge_adapter(
+            ctx.store.fetch(base.artifact.digest), ctx.store.fetch(adapter.artifact.digest), out_dir, probe
+        )
         trained = load_contract(ctx.store.fetch(adapter.artifact.digest))
         require_same(trained, read_contract(out_dir), "the merged model's tokenizer")
         write_contract(trained, out_dir)
-        logger().info(f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} (tolerance {cfg.tolerance:g})")
+        logger().info(
+            f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} (tolerance {cfg.tolerance:g})"
+        )
         if max_diff > cfg.tolerance:
-            raise CheckFailed(f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} exceeds "
-                              f"merge.tolerance {cfg.tolerance:g} on {len(probe)} probe samples")
+            raise CheckFailed(
+                f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} exceeds "
+                f"merge.tolerance {cfg.tolerance:g} on {len(probe)} probe samples"
+            )
         return {"max_abs_logit_diff": max_diff, "probe_samples": len(probe)}
 
     return run_cached(ctx, "merge", key, produce, headline=lambda m: f"max |dlogits| {m['max_abs_logit_diff']:.1e}")

@@ -13,7 +13,7 @@ def load_model(base_dir: Path, adapter_dir: Path | None = None):
     if adapter_dir is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter_dir)
+        return PeftModel.from_pretrained(model, adapter_dir).eval()
     return model.eval()
 
 

@@ -14,17 +14,23 @@ import shutil
 import time
 from pathlib import Path
 
+from tasks.chat import prompt_ids
 from tasks.contract import load_contract, read_contract, require_same, write_contract
 from tasks.data import eval_conversations, load_split
 from tasks.errors import CheckFailed
-from tasks.chat import prompt_ids
 from tasks.evaluate import exact_match, generate_answers
-from tasks.models import load_model, load_tokenizer
 from tasks.merge import probe_batch
+from tasks.models import load_model, load_tokenizer
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def folder_bytes(folder: Path, pattern: str = "*") -> int:
@@ -50,8 +56,13 @@ def export_onnx(model_dir: Path, path: Path, opset: int) -> None:
     example = (torch.ones((2, 8), dtype=torch.long), torch.ones((2, 8), dtype=torch.long))
     batch, seq = torch.export.Dim("batch", max=1024), torch.export.Dim("sequence", max=4096)
     torch.onnx.export(
-        LogitsOnly(model).eval(), example, str(path), dynamo=True, opset_version=opset,
-        input_names=["input_ids", "attention_mask"], output_names=["logits"],
+        LogitsOnly(model).eval(),
+        example,
+        str(path),
+        dynamo=True,
+        opset_version=opset,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["logits"],
         dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
         external_data=False,
     )
@@ -76,7 +87,10 @@ class OnnxCausalLM:
     def logits(self, input_ids, attention_mask):
         import numpy as np
 
-        feeds = {"input_ids": np.asarray(input_ids, dtype=np.int64), "attention_mask": np.asarray(attention_mask, dtype=np.int64)}
+        feeds = {
+            "input_ids": np.asarray(input_ids, dtype=np.int64),
+            "attention_mask": np.asarray(attention_mask, dtype=np.int64),
+        }
         return self.session.run(["logits"], feeds)[0]
 
     def generate(self, tokenizer, conversations, max_new_tokens: int) -> tuple[list[str], float]:
@@ -86,7 +100,7 @@ class OnnxCausalLM:
         answers, tokens, seconds = [], 0, 0.0
         for conversation in conversations:
             ids = prompt_ids(tokenizer, conversation)
-            new = []
+            new: list[int] = []
             for _ in range(max_new_tokens):
                 started = time.perf_counter()
                 step = self.logits([ids + new], [[1] * (len(ids) + len(new))])
@@ -107,7 +121,9 @@ def top1_agreement(reference, candidate, mask) -> float:
     return float(same.sum() / max(int(np.asarray(mask).sum()), 1))
 
 
-def onnx_int8(merged_dir: Path, out_dir: Path, conversations: list[list[dict]], opset: int, max_new_tokens: int) -> dict:
+def onnx_int8(
+    merged_dir: Path, out_dir: Path, conversations: list[list[dict]], opset: int, max_new_tokens: int
+) -> dict:
     log = logger()
     tokenizer = load_tokenizer(merged_dir)
     scratch = out_dir.parent / "onnx-fp32"
@@ -157,8 +173,13 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
     cfg = ctx.profile.quantize
     if cfg.backend == "tensorrt-llm":
         return tensorrt_llm_checkpoint(ctx, data, merged)
-    key = {"merged": merged.artifact.digest, "data": data.artifact.digest, "quantize": cfg.model_dump(),
-           "max_new_tokens": ctx.profile.evaluate.max_new_tokens, "eval_samples": ctx.profile.evaluate.max_samples}
+    key = {
+        "merged": merged.artifact.digest,
+        "data": data.artifact.digest,
+        "quantize": cfg.model_dump(),
+        "max_new_tokens": ctx.profile.evaluate.max_new_tokens,
+        "eval_samples": ctx.profile.evaluate.max_samples,
+    }
 
     def produce(out_dir: Path) -> dict:
         merged_dir = ctx.store.fetch(merged.artifact.digest)
@@ -175,13 +196,22 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
         (out_dir / "quantization.json").write_text(json.dumps({"backend": cfg.backend, **stable}, indent=2))
         logger().info("quantize: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         if metrics["accuracy_drop"] > cfg.max_accuracy_drop:
-            raise CheckFailed(f"quantize: exact match drops by {metrics['accuracy_drop']:.3f} after {cfg.backend} "
-                              f"> quantize.max_accuracy_drop {cfg.max_accuracy_drop}")
+            raise CheckFailed(
+                f"quantize: exact match drops by {metrics['accuracy_drop']:.3f} after {cfg.backend} "
+                f"> quantize.max_accuracy_drop {cfg.max_accuracy_drop}"
+            )
         return metrics
 
-    return run_cached(ctx, "quantize", key, produce,
-                      headline=lambda m: f"{m.get('onnx_fp32_bytes', m['merged_bytes']):,} -> "
-                                         f"{m['quantized_bytes']:,} bytes, accuracy drop {m['accuracy_drop']:.3f}")
+    return run_cached(
+        ctx,
+        "quantize",
+        key,
+        produce,
+        headline=lambda m: (
+            f"{m.get('onnx_fp32_bytes', m['merged_bytes']):,} -> "
+            f"{m['quantized_bytes']:,} bytes, accuracy drop {m['accuracy_drop']:.3f}"
+        ),
+    )
 
 
 def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
@@ -190,8 +220,12 @@ def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageRes
     from tasks import tensorrt_llm
 
     cfg = ctx.profile.quantize.tensorrt_llm
-    key = {"merged": merged.artifact.digest, "data": data.artifact.digest, "tensorrt_llm_quantize": cfg.model_dump(),
-           "tensorrt_llm": tensorrt_llm.installed_version()}
+    key = {
+        "merged": merged.artifact.digest,
+        "data": data.artifact.digest,
+        "tensorrt_llm_quantize": cfg.model_dump(),
+        "tensorrt_llm": tensorrt_llm.installed_version(),
+    }
 
     def produce(out_dir: Path) -> dict:
         merged_dir = ctx.store.fetch(merged.artifact.digest)
@@ -199,19 +233,36 @@ def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageRes
         calib_dir.mkdir(parents=True, exist_ok=True)
         # The training split as {"text": ...} lines: quantize.py reads a local folder's train split, text column.
         train = load_split(ctx.store.fetch(data.artifact.digest), "train")[: cfg.calib_size]
-        (calib_dir / "train.jsonl").write_text("".join(
-            json.dumps({"text": "\n".join(m["content"] for m in conversation)}) + "\n" for conversation in train))
+        (calib_dir / "train.jsonl").write_text(
+            "".join(
+                json.dumps({"text": "\n".join(m["content"] for m in conversation)}) + "\n" for conversation in train
+            )
+        )
         command = tensorrt_llm.checkpoint_command(cfg, merged_dir, calib_dir, out_dir / "checkpoint")
         tensorrt_llm.run_logged(command, out_dir.parent / "quantize.log", "quantize", logger())
-        shutil.copytree(merged_dir, out_dir / "tokenizer",
-                        ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", "*.index.json"))
+        shutil.copytree(
+            merged_dir,
+            out_dir / "tokenizer",
+            ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", "*.index.json"),
+        )
         shutil.rmtree(calib_dir, ignore_errors=True)
         trained = load_contract(merged_dir)
-        require_same(trained, read_contract(out_dir / "tokenizer", merged_dir), "the TensorRT-LLM checkpoint's tokenizer")
+        require_same(
+            trained, read_contract(out_dir / "tokenizer", merged_dir), "the TensorRT-LLM checkpoint's tokenizer"
+        )
         write_contract(trained, out_dir)
-        (out_dir / "quantization.json").write_text(json.dumps({"backend": "tensorrt-llm", **cfg.model_dump()}, indent=2))
-        return {"merged_bytes": folder_bytes(merged_dir, "*.safetensors"),
-                "quantized_bytes": folder_bytes(out_dir / "checkpoint", "*.safetensors")}
+        (out_dir / "quantization.json").write_text(
+            json.dumps({"backend": "tensorrt-llm", **cfg.model_dump()}, indent=2)
+        )
+        return {
+            "merged_bytes": folder_bytes(merged_dir, "*.safetensors"),
+            "quantized_bytes": folder_bytes(out_dir / "checkpoint", "*.safetensors"),
+        }
 
-    return run_cached(ctx, "quantize", key, produce,
-                      headline=lambda m: f"{m['merged_bytes']:,} -> {m['quantized_bytes']:,} bytes ({cfg.qformat})")
+    return run_cached(
+        ctx,
+        "quantize",
+        key,
+        produce,
+        headline=lambda m: f"{m['merged_bytes']:,} -> {m['quantized_bytes']:,} bytes ({cfg.qformat})",
+    )

@@ -30,10 +30,16 @@ class Registered:
 def code_version() -> str:
     """The git commit the run's code came from (with '-dirty' for local edits), else the package version."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import version
@@ -66,8 +72,9 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
     return tags
 
 
-def register(ctx: RunContext, candidate: StageResult, stages: list[StageResult], fingerprint: str,
-             flow_run_id: str) -> Registered:
+def register(
+    ctx: RunContext, candidate: StageResult, stages: list[StageResult], fingerprint: str, flow_run_id: str
+) -> Registered:
     from mlflow.exceptions import MlflowException
 
     client = ctx.tracker.client
@@ -78,12 +85,16 @@ def register(ctx: RunContext, candidate: StageResult, stages: list[StageResult],
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     tags = lineage_tags(ctx, stages, fingerprint, flow_run_id)
-    query = (f"name = '{name}' and tags.`artifact.{candidate.stage}.sha256` = '{candidate.artifact.digest}' "
-             f"and tags.`profile.digest` = '{ctx.profile.digest}'")
+    query = (
+        f"name = '{name}' and tags.`artifact.{candidate.stage}.sha256` = '{candidate.artifact.digest}' "
+        f"and tags.`profile.digest` = '{ctx.profile.digest}'"
+    )
     existing = client.search_model_versions(query)
     if existing:
         version = max(existing, key=lambda v: int(v.version))
-        logger().info(f"registry: {name} version {version.version} already holds artifact {candidate.artifact.digest[:12]}")
+        logger().info(
+            f"registry: {name} version {version.version} already holds artifact {candidate.artifact.digest[:12]}"
+        )
         return Registered(name, str(version.version), version.source, True)
     version = client.create_model_version(name, source=candidate.artifact.uri, run_id=ctx.tracker.run_id, tags=tags)
     logger().info(f"registry: registered {name} version {version.version} <- {candidate.artifact.uri}")

@@ -42,7 +42,9 @@ def ask(triton: Triton, model: str, conversations: list[list[dict]], max_tokens:
         return list(pool.map(one, conversations))
 
 
-def score_served(triton: Triton, model: str, conversations: list[list[dict]], max_tokens: int, tokenizer) -> ServedScores:
+def score_served(
+    triton: Triton, model: str, conversations: list[list[dict]], max_tokens: int, tokenizer
+) -> ServedScores:
     answers = ask(triton, model, conversations, max_tokens)
     per_sample = text_scores(answers, [c[-1]["content"] for c in conversations])
     tokens = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers]

@@ -8,14 +8,17 @@ object it names still exists there at its recorded size (content is verified aga
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import logging
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import cache
 from pathlib import Path
-from typing import Callable
 
 from tasks.config import Profile, sha256_json
 from tasks.errors import ArtifactMissing, CheckFailed, TransientError, is_transient
@@ -53,7 +56,7 @@ class StageResult:
         return {**asdict(self), "artifact": self.artifact.as_dict()}
 
     @classmethod
-    def from_dict(cls, value: dict) -> "StageResult":
+    def from_dict(cls, value: dict) -> StageResult:
         return cls(**{**value, "artifact": Artifact(**value["artifact"])})
 
 
@@ -67,10 +70,75 @@ def logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger("llmops")
 
 
+PROJECT_PACKAGES = ("tasks", "flows")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE_DIRS = {"tasks.triton": PROJECT_ROOT / "infra" / "triton"}  # what a module renders, by module
+
+
+def project_file(module: str) -> Path:
+    path = module_file(module)
+    if path is None:
+        raise ValueError(f"{module}: not a module of this project")
+    return path
+
+
+def module_file(module: str) -> Path | None:
+    """The source file of a project module (tasks.data -> tasks/data.py), or None when `module` is not one."""
+    base = PROJECT_ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if module.split(".")[0] in PROJECT_PACKAGES and path.is_file():
+            return path
+    return None
+
+
+def project_imports(module: str) -> set[str]:
+    """The project modules `module` imports anywhere in its source (lazy imports inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(project_file(module).read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from tasks import metrics` names a module; `from tasks.data import load_split` a module's member
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found |= {name for name in names if module_file(name) is not None}
+    return found
+
+
+def module_closure(module: str) -> list[str]:
+    """`module` and every project module it imports, transitively, sorted."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += project_imports(name) - seen
+    return sorted(seen)
+
+
+@cache
+def module_code_version(module: str) -> str:
+    """sha256 over the source of `module`, of every project module it imports (transitively), and of the
+    templates those modules render: editing a helper a stage uses reruns that stage, and only the stages that use it."""
+    digest = hashlib.sha256()
+    for name in module_closure(module):
+        digest.update(name.encode() + b"\0" + project_file(name).read_bytes())
+        template_dir = TEMPLATE_DIRS.get(name)
+        if template_dir is None:
+            continue
+        for path in sorted(template_dir.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(template_dir)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def code_version(func: Callable) -> str:
-    """sha256 of the source of the module that implements a stage: editing a stage reruns it."""
-    source = inspect.getsource(inspect.getmodule(func))
-    return hashlib.sha256(source.encode()).hexdigest()
+    """The code version of the stage that `func` belongs to (its module's, see module_code_version)."""
+    if module_file(func.__module__) is None:  # a stage written outside the project (a test's): its own source
+        return hashlib.sha256(inspect.getsource(sys.modules[func.__module__]).encode()).hexdigest()
+    return module_code_version(func.__module__)
 
 
 def run_cached(
@@ -95,8 +163,10 @@ def run_cached(
             )
         log.warning(f"{stage}: cached artifact {record['artifact']['digest'][:12]} is gone from the store; rerunning")
     if ctx.cache_only:
-        raise ArtifactMissing(f"{stage}: ran on its deployment but its result (key {key[:12]}) is not in the artifact "
-                              f"store {ctx.store.uri}; the work pool's machines must use the same store (s3://)")
+        raise ArtifactMissing(
+            f"{stage}: ran on its deployment but its result (key {key[:12]}) is not in the artifact "
+            f"store {ctx.store.uri}; the work pool's machines must use the same store (s3://)"
+        )
 
     out_dir = ctx.work_dir(stage, key) / "output"
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -123,16 +193,15 @@ def stage_task(fn: Callable, profile: Profile):
     from prefect.cache_policies import NO_CACHE
     from prefect.tasks import exponential_backoff
 
-    deployment = profile.run.remote_stages.get(fn.__name__)
+    deployment = next((d for stage, d in profile.run.remote_stages.items() if stage == fn.__name__), None)
     return task(
-        on_deployment(fn, deployment) if deployment else fn,
         name=fn.__name__,
         retries=profile.run.retries,
         retry_delay_seconds=exponential_backoff(profile.run.retry_delay_s),
         retry_condition_fn=retry_if_transient,
         cache_policy=NO_CACHE,
         persist_result=False,
-    )
+    )(on_deployment(fn, deployment) if deployment else fn)
 
 
 def job_variables(profile: Profile) -> dict:
@@ -140,8 +209,13 @@ def job_variables(profile: Profile) -> dict:
     k8s = profile.hardware.kubernetes
     if profile.hardware.accelerator != "cuda" or k8s.image is None:
         return {}
-    values = {"image": k8s.image, "namespace": k8s.namespace, "gpu_count": profile.hardware.gpus,
-              "node_selector": k8s.node_selector, "tolerations": k8s.tolerations}
+    values = {
+        "image": k8s.image,
+        "namespace": k8s.namespace,
+        "gpu_count": profile.hardware.gpus,
+        "node_selector": k8s.node_selector,
+        "tolerations": k8s.tolerations,
+    }
     values.update({k: v for k, v in (("cpu_request", k8s.cpu_request), ("memory_request", k8s.memory_request)) if v})
     return values
 
@@ -152,20 +226,31 @@ def on_deployment(fn: Callable, deployment: str) -> Callable:
     it: this process holds no GPU while the stage runs."""
 
     def dispatch(ctx: RunContext, *inputs: StageResult) -> StageResult:
+        from prefect.client.schemas.objects import FlowRun
         from prefect.deployments import run_deployment
 
         logger().info(f"{fn.__name__}: running on deployment {deployment}")
-        run = run_deployment(
-            deployment, poll_interval=2, job_variables=job_variables(ctx.profile) or None,
+        run: FlowRun = run_deployment(  # type: ignore[assignment]  # a sync call returns the FlowRun
+            deployment,
+            poll_interval=2,
+            job_variables=job_variables(ctx.profile) or None,
             flow_run_name=f"{fn.__name__}-{ctx.tracker.run_id[:8]}",
-            parameters={"stage": fn.__name__, "profile": ctx.profile.model_dump(mode="json"),
-                        "artifacts": ctx.store.uri, "tracking_uri": ctx.tracker.tracking_uri,
-                        "mlflow_run_id": ctx.tracker.run_id, "experiment_id": ctx.tracker.experiment_id,
-                        "inputs": [i.as_dict() for i in inputs]})
+            parameters={
+                "stage": fn.__name__,
+                "profile": ctx.profile.model_dump(mode="json"),
+                "artifacts": ctx.store.uri,
+                "tracking_uri": ctx.tracker.tracking_uri,
+                "mlflow_run_id": ctx.tracker.run_id,
+                "experiment_id": ctx.tracker.experiment_id,
+                "inputs": [i.as_dict() for i in inputs],
+            },
+        )
         state = run.state
         if state is None or not state.is_completed():
-            message = f"{fn.__name__} on {deployment}: flow run {run.name} ended {state.type.value if state else '?'}: " \
-                      f"{state.message if state else ''}"
+            message = (
+                f"{fn.__name__} on {deployment}: flow run {run.name} ended {state.type.value if state else '?'}: "
+                f"{state.message if state else ''}"
+            )
             raise (TransientError if state is not None and state.is_crashed() else CheckFailed)(message)
         return fn(replace(ctx, cache_only=True), *inputs)
 

@@ -21,7 +21,7 @@ class Difference:
     confidence: float | None
     samples: int
 
-    def flipped(self) -> "Difference":
+    def flipped(self) -> Difference:
         """mean(b - a): the same comparison seen from the other side."""
         low, high = (-self.high if self.high is not None else None), (-self.low if self.low is not None else None)
         return Difference(-self.value, low, high, self.confidence, self.samples)
@@ -30,8 +30,9 @@ class Difference:
         return None if self.low is None or self.high is None else [self.low, self.high]
 
 
-def paired_difference(a: list[float], b: list[float], confidence: float | None = None, resamples: int = 2000,
-                      seed: int = 0) -> Difference:
+def paired_difference(
+    a: list[float], b: list[float], confidence: float | None = None, resamples: int = 2000, seed: int = 0
+) -> Difference:
     """mean(a - b); with `confidence` (e.g. 0.9) the two-sided bootstrap interval of it."""
     import numpy as np
 
@@ -43,8 +44,16 @@ def paired_difference(a: list[float], b: list[float], confidence: float | None =
         return Difference(value, None, None, confidence, len(first))
     from scipy.stats import bootstrap
 
-    result = bootstrap((first, second), lambda x, y, axis: np.mean(x - y, axis=axis), paired=True, vectorized=True,
-                       confidence_level=confidence, n_resamples=resamples, method="percentile",
-                       rng=np.random.default_rng(seed))
-    return Difference(value, float(result.confidence_interval.low), float(result.confidence_interval.high),
-                      confidence, len(first))
+    result = bootstrap(
+        (first, second),
+        lambda x, y, axis: np.mean(x - y, axis=axis),
+        paired=True,
+        vectorized=True,
+        confidence_level=confidence,
+        n_resamples=resamples,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    return Difference(
+        value, float(result.confidence_interval.low), float(result.confidence_interval.high), confidence, len(first)
+    )

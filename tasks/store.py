@@ -145,8 +145,10 @@ class LocalStore(ArtifactStore):
             raise ArtifactMissing(f"artifact {digest[:12]}: not in store {self.uri}")
         manifest = json.loads((target / MANIFEST).read_text())
         files = target / "files"
-        still_whole = all((files / rel).is_file() and (files / rel).stat().st_size == meta["size"]
-                          for rel, meta in manifest["files"].items())
+        still_whole = all(
+            (files / rel).is_file() and (files / rel).stat().st_size == meta["size"]
+            for rel, meta in manifest["files"].items()
+        )
         if digest not in self._verified or not still_whole:
             verify_folder(files, manifest, digest[:12])
             self._verified.add(digest)
@@ -197,7 +199,7 @@ class S3Store(ArtifactStore):
         sizes = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             for item in page.get("Contents", []):
-                sizes[item["Key"][len(prefix):]] = item["Size"]
+                sizes[item["Key"][len(prefix) :]] = item["Size"]
         return sizes
 
     def put_dir(self, folder: Path) -> Artifact:

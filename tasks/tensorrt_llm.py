@@ -33,8 +33,10 @@ def installed_version() -> str:
     try:
         return version("tensorrt_llm")
     except PackageNotFoundError:
-        raise BadInput("tensorrt_llm is not installed here: run the GPU stages in a TensorRT-LLM image with "
-                       "`pip install .[gpu]` (see README, GPU path)") from None
+        raise BadInput(
+            "tensorrt_llm is not installed here: run the GPU stages in a TensorRT-LLM image with "
+            "`pip install .[gpu]` (see README, GPU path)"
+        ) from None
 
 
 def gpu_arch() -> str:
@@ -51,31 +53,73 @@ def flag(value: bool) -> str:
     return "enable" if value else "disable"
 
 
-def checkpoint_command(cfg: TensorRTLLMQuantize, merged_dir: Path, calib_dir: Path, out_dir: Path,
-                       python: str = sys.executable) -> list[str]:
-    command = [python, f"{cfg.examples_dir.rstrip('/')}/quantization/quantize.py",
-               "--model_dir", str(merged_dir), "--dtype", cfg.dtype, "--qformat", cfg.qformat,
-               "--output_dir", str(out_dir), "--tp_size", str(cfg.tp_size), "--pp_size", str(cfg.pp_size)]
+def checkpoint_command(
+    cfg: TensorRTLLMQuantize, merged_dir: Path, calib_dir: Path, out_dir: Path, python: str = sys.executable
+) -> list[str]:
+    command = [
+        python,
+        f"{cfg.examples_dir.rstrip('/')}/quantization/quantize.py",
+        "--model_dir",
+        str(merged_dir),
+        "--dtype",
+        cfg.dtype,
+        "--qformat",
+        cfg.qformat,
+        "--output_dir",
+        str(out_dir),
+        "--tp_size",
+        str(cfg.tp_size),
+        "--pp_size",
+        str(cfg.pp_size),
+    ]
     if cfg.kv_cache_dtype:
         command += ["--kv_cache_dtype", cfg.kv_cache_dtype]
     if cfg.qformat in MODELOPT_FORMATS or cfg.kv_cache_dtype:
         # Local calibration data (the training split, {"text": ...} lines): no dataset download.
-        command += ["--calib_dataset", str(calib_dir), "--calib_size", str(cfg.calib_size),
-                    "--calib_max_seq_length", str(cfg.calib_max_seq_length)]
+        command += [
+            "--calib_dataset",
+            str(calib_dir),
+            "--calib_size",
+            str(cfg.calib_size),
+            "--calib_max_seq_length",
+            str(cfg.calib_max_seq_length),
+        ]
     if cfg.qformat in ("int4_awq", "w4a8_awq"):
         command += ["--awq_block_size", str(cfg.awq_block_size)]
     return command
 
 
 def build_args(cfg: EngineSection) -> list[str]:
-    args = ["--max_batch_size", str(cfg.max_batch_size), "--max_input_len", str(cfg.max_input_len),
-            "--max_seq_len", str(cfg.max_seq_len), "--max_num_tokens", str(cfg.max_num_tokens),
-            "--max_beam_width", str(cfg.max_beam_width), "--gemm_plugin", cfg.gemm_plugin,
-            "--gpt_attention_plugin", cfg.gpt_attention_plugin, "--paged_kv_cache", flag(cfg.paged_kv_cache),
-            "--remove_input_padding", flag(cfg.remove_input_padding), "--context_fmha", flag(cfg.context_fmha),
-            "--use_paged_context_fmha", flag(cfg.use_paged_context_fmha),
-            "--use_fp8_context_fmha", flag(cfg.use_fp8_context_fmha),
-            "--multiple_profiles", flag(cfg.multiple_profiles), "--workers", str(cfg.workers)]
+    args = [
+        "--max_batch_size",
+        str(cfg.max_batch_size),
+        "--max_input_len",
+        str(cfg.max_input_len),
+        "--max_seq_len",
+        str(cfg.max_seq_len),
+        "--max_num_tokens",
+        str(cfg.max_num_tokens),
+        "--max_beam_width",
+        str(cfg.max_beam_width),
+        "--gemm_plugin",
+        cfg.gemm_plugin,
+        "--gpt_attention_plugin",
+        cfg.gpt_attention_plugin,
+        "--paged_kv_cache",
+        flag(cfg.paged_kv_cache),
+        "--remove_input_padding",
+        flag(cfg.remove_input_padding),
+        "--context_fmha",
+        flag(cfg.context_fmha),
+        "--use_paged_context_fmha",
+        flag(cfg.use_paged_context_fmha),
+        "--use_fp8_context_fmha",
+        flag(cfg.use_fp8_context_fmha),
+        "--multiple_profiles",
+        flag(cfg.multiple_profiles),
+        "--workers",
+        str(cfg.workers),
+    ]
     for key, value in sorted(cfg.extra_args.items()):
         args += [f"--{key}", flag(value) if isinstance(value, bool) else str(value)]
     return args
@@ -85,11 +129,30 @@ def build_command(cfg: EngineSection, checkpoint_dir: Path, out_dir: Path) -> li
     return ["trtllm-build", "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(out_dir), *build_args(cfg)]
 
 
-def eval_command(engine_dir: Path, tokenizer_dir: Path, questions: Path, answers: Path, max_new_tokens: int,
-                 world_size: int, python: str = sys.executable) -> list[str]:
-    command = [python, "-m", "tasks.tensorrt_llm_eval", "--engine_dir", str(engine_dir), "--tokenizer_dir",
-               str(tokenizer_dir), "--questions", str(questions), "--answers", str(answers),
-               "--max_new_tokens", str(max_new_tokens)]
+def eval_command(
+    engine_dir: Path,
+    tokenizer_dir: Path,
+    questions: Path,
+    answers: Path,
+    max_new_tokens: int,
+    world_size: int,
+    python: str = sys.executable,
+) -> list[str]:
+    command = [
+        python,
+        "-m",
+        "tasks.tensorrt_llm_eval",
+        "--engine_dir",
+        str(engine_dir),
+        "--tokenizer_dir",
+        str(tokenizer_dir),
+        "--questions",
+        str(questions),
+        "--answers",
+        str(answers),
+        "--max_new_tokens",
+        str(max_new_tokens),
+    ]
     # A tensor-parallel engine runs one MPI rank per GPU.
     return ["mpirun", "-n", str(world_size), "--allow-run-as-root", *command] if world_size > 1 else command
 
@@ -97,10 +160,16 @@ def eval_command(engine_dir: Path, tokenizer_dir: Path, questions: Path, answers
 def run_logged(command: list[str], log_file: Path, what: str, log) -> None:
     """Run a TensorRT-LLM command, its output to log_file and the run log; a failure names its last lines."""
     log.info(f"{what}: {' '.join(command)}")
-    last = deque(maxlen=5)
+    last: deque[str] = deque(maxlen=5)
     with open(log_file, "w") as sink:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   cwd=Path(__file__).resolve().parent.parent)
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:
             sink.write(line)
             last.append(line.rstrip())

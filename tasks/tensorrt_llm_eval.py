@@ -28,18 +28,26 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     runner = ModelRunner.from_dir(engine_dir=args.engine_dir, rank=tensorrt_llm.mpi_rank())
-    prompts = [json.loads(line)["input_ids"] for line in open(args.questions)]  # chat-templated by the caller
+    with open(args.questions) as questions:
+        prompts = [json.loads(line)["input_ids"] for line in questions]  # chat-templated by the caller
     answers = []
     for start in range(0, len(prompts), args.batch_size):
-        batch = [torch.tensor(ids, dtype=torch.int32) for ids in prompts[start:start + args.batch_size]]
+        batch = [torch.tensor(ids, dtype=torch.int32) for ids in prompts[start : start + args.batch_size]]
         with torch.no_grad():
-            outputs = runner.generate(batch, max_new_tokens=args.max_new_tokens, end_id=tokenizer.eos_token_id,
-                                      pad_id=pad_id, temperature=1.0, top_k=1, return_dict=True)
+            outputs = runner.generate(
+                batch,
+                max_new_tokens=args.max_new_tokens,
+                end_id=tokenizer.eos_token_id,
+                pad_id=pad_id,
+                temperature=1.0,
+                top_k=1,
+                return_dict=True,
+            )
         torch.cuda.synchronize()
         for i, ids in enumerate(batch):
             length = int(outputs["sequence_lengths"][i][0])
-            new_tokens = outputs["output_ids"][i][0][len(ids):length].tolist()
-            answers.append(tokenizer.decode(new_tokens, skip_special_tokens=True).strip())
+            new_tokens = outputs["output_ids"][i][0][len(ids) : length].tolist()
+            answers.append(str(tokenizer.decode(new_tokens, skip_special_tokens=True)).strip())
     if tensorrt_llm.mpi_rank() == 0:
         with open(args.answers, "w") as sink:
             for answer in answers:

@@ -42,8 +42,9 @@ class Tracker:
             self.client.log_batch(self.run_id, params=new[i : i + 100])
 
     def log_metrics(self, prefix: str, metrics: dict, step: int = 0) -> None:
-        from mlflow.entities import Metric
         import time
+
+        from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [

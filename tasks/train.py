@@ -9,29 +9,37 @@ rerun on a fresh machine resumes from the last stored checkpoint instead of step
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 import os
 import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
-from tasks.contract import read_contract, write_contract
 from tasks.config import HardwareSection, TrainSection
+from tasks.contract import read_contract, write_contract
 from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
 POLL_SECONDS = 1.0
 # What of LlamaFactory's output_dir makes up the adapter artifact (checkpoints are stored apart).
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_log.jsonl", "training_loss.png",
-                 "train_results.json", "all_results.json", "trainer_state.json")
+ADAPTER_FILES = (
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "trainer_log.jsonl",
+    "training_loss.png",
+    "train_results.json",
+    "all_results.json",
+    "trainer_state.json",
+)
 
 
-def llamafactory_config(cfg: TrainSection, model_dir: Path, data_dir: Path, output_dir: Path,
-                        resume_from: Path | None) -> dict:
+def llamafactory_config(
+    cfg: TrainSection, model_dir: Path, data_dir: Path, output_dir: Path, resume_from: Path | None
+) -> dict:
     """The YAML LlamaFactory reads, under its own key names."""
     args = cfg.model_dump(exclude={"extra_args"}, exclude_none=True)
     if cfg.finetuning_type != "lora":
@@ -67,7 +75,9 @@ def launch_command(config_path: Path) -> list[str]:
 def launch_env(hardware: HardwareSection) -> dict:
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")])
+    )
     if hardware.gpus > 1:
         # LlamaFactory's own torchrun launch (one process per GPU).
         env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(hardware.gpus))
@@ -131,7 +141,9 @@ class TrainingFollower:
                 self.uploaded.add(folder.name)
                 logger().info(f"train: checkpoint {step} was rotated away before it was stored; a newer one follows")
                 continue
-            self.ctx.store.put_record("checkpoints/train", self.checkpoint_key, {"step": step, "artifact": artifact.as_dict()})
+            self.ctx.store.put_record(
+                "checkpoints/train", self.checkpoint_key, {"step": step, "artifact": artifact.as_dict()}
+            )
             self.uploaded.add(folder.name)
             logger().info(f"train: checkpoint {step} stored -> {artifact.uri}")
 
@@ -168,8 +180,14 @@ def run_llamafactory(ctx: RunContext, config: dict, work: Path, follower: Traini
     command = launch_command(config_path)
     logger().info(f"train: {' '.join(command)}  (log: {log_path})")
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=work,
-                                   env=launch_env(ctx.profile.hardware), start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=launch_env(ctx.profile.hardware),
+            start_new_session=True,
+        )
         try:
             while process.poll() is None:
                 time.sleep(POLL_SECONDS)
@@ -180,14 +198,21 @@ def run_llamafactory(ctx: RunContext, config: dict, work: Path, follower: Traini
                 process.wait(30)
     follower.poll(finished=True)
     if process.returncode != 0:
-        tail = [l for l in log_path.read_text(errors="replace").splitlines() if l.strip()][-1:] or ["(no output)"]
+        tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:] or [
+            "(no output)"
+        ]
         raise CheckFailed(f"train: LlamaFactory exited with {process.returncode}: {tail[0][:300]} (log: {log_path})")
 
 
 def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
     cfg = ctx.profile.train
-    key_inputs = {"data": data.artifact.digest, "base": base.artifact.digest, "train": cfg.model_dump(),
-                  "gpus": ctx.profile.hardware.gpus, "llamafactory": llamafactory_version()}
+    key_inputs = {
+        "data": data.artifact.digest,
+        "base": base.artifact.digest,
+        "train": cfg.model_dump(),
+        "gpus": ctx.profile.hardware.gpus,
+        "llamafactory": llamafactory_version(),
+    }
 
     def produce(out_dir: Path) -> dict:
         from tasks.config import sha256_json
@@ -197,8 +222,9 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
         output_dir = work / "llamafactory_output"
         output_dir.mkdir(exist_ok=True)
         resume_from = restore_checkpoint(ctx, checkpoint_key, output_dir)
-        config = llamafactory_config(cfg, ctx.store.fetch(base.artifact.digest), ctx.store.fetch(data.artifact.digest),
-                                     output_dir, resume_from)
+        config = llamafactory_config(
+            cfg, ctx.store.fetch(base.artifact.digest), ctx.store.fetch(data.artifact.digest), output_dir, resume_from
+        )
         follower = TrainingFollower(ctx, output_dir, checkpoint_key)
         started = time.monotonic()
         with system_metrics(ctx):
@@ -209,7 +235,9 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
                 shutil.copy2(output_dir / name, out_dir / name)
         shutil.copy2(work / "llamafactory_train.yaml", out_dir / "llamafactory_train.yaml")
         # The contract of the tokenizer LlamaFactory trained with (its template, saved next to the adapter).
-        trained_with = output_dir if (output_dir / "tokenizer_config.json").is_file() else ctx.store.fetch(base.artifact.digest)
+        trained_with = (
+            output_dir if (output_dir / "tokenizer_config.json").is_file() else ctx.store.fetch(base.artifact.digest)
+        )
         write_contract(read_contract(trained_with, ctx.store.fetch(base.artifact.digest)), out_dir)
         if (out_dir / "training_loss.png").is_file():
             ctx.tracker.log_file(out_dir / "training_loss.png", "train")
@@ -219,14 +247,16 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
             "steps": follower.last_step,
             "samples_per_second": results.get("train_samples_per_second", 0.0),
             # real (unpadded) training tokens per second of the trainer's own runtime
-            "tokens_per_second": results.get("num_input_tokens_seen", 0) / max(results.get("train_runtime", seconds), 1e-9),
+            "tokens_per_second": results.get("num_input_tokens_seen", 0)
+            / max(results.get("train_runtime", seconds), 1e-9),
             "runtime_s": results.get("train_runtime", seconds),
             "wall_s": seconds,
             "resumed_from_step": int(resume_from.name.split("-")[1]) if resume_from else 0,
         }
 
-    return run_cached(ctx, "train", key_inputs, produce,
-                      headline=lambda m: f"loss {m['final_loss']:.3f}, {m['steps']} steps")
+    return run_cached(
+        ctx, "train", key_inputs, produce, headline=lambda m: f"loss {m['final_loss']:.3f}, {m['steps']} steps"
+    )
 
 
 def llamafactory_version() -> str:

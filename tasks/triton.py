@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import requests
 
 from tasks.errors import BadInput, CheckFailed, TransientError
+from tasks.ports import free_port
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "infra" / "triton"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -64,8 +64,9 @@ def render_model(kind: str, repository: Path, name: str, values: dict[str, objec
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=repository))
     try:
         shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-        config = render_template((source / "config.pbtxt").read_text(), {"model_name": name, **values},
-                                 str(source / "config.pbtxt"))
+        config = render_template(
+            (source / "config.pbtxt").read_text(), {"model_name": name, **values}, str(source / "config.pbtxt")
+        )
         (staging / "config.pbtxt").write_text(config)
         target = repository / name
         if target.exists():
@@ -81,12 +82,6 @@ def render_model(kind: str, repository: Path, name: str, values: dict[str, objec
         raise
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def pytriton_root() -> Path:
     import pytriton
 
@@ -98,8 +93,10 @@ def find_binary(configured: str | None) -> Path:
     if named:
         path = Path(shutil.which(named) or named)
         if not path.is_file() or not os.access(path, os.X_OK):
-            raise BadInput(f"tritonserver binary {named}: not found or not executable "
-                           "(set serve.triton_binary or LLMOPS_TRITONSERVER)")
+            raise BadInput(
+                f"tritonserver binary {named}: not found or not executable "
+                "(set serve.triton_binary or LLMOPS_TRITONSERVER)"
+            )
         return path
     try:
         return pytriton_root() / "bin" / "tritonserver"
@@ -137,33 +134,44 @@ class Triton:
     process: subprocess.Popen | None = None
     log_path: Path | None = None
     metrics_url: str | None = None
+    grpc_url: str | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     @classmethod
-    def start(cls, home: Path, binary: str | None = None, timeout: float = 120) -> "Triton":
+    def start(cls, home: Path, binary: str | None = None, timeout: float = 120) -> Triton:
         exe = find_binary(binary)
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)
         log_path = home / "triton" / "tritonserver.log"
         http, grpc, metrics = free_port(), free_port(), free_port()
-        command = [str(exe), f"--model-repository={repository}", "--model-control-mode=explicit",
-                   f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}",
-                   "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--allow-metrics=true",
-                   "--exit-timeout-secs=10", "--log-verbose=0",
-                   # one candidate that failed to load must not mark the whole server unready
-                   "--strict-readiness=false"]
+        command = [
+            str(exe),
+            f"--model-repository={repository}",
+            "--model-control-mode=explicit",
+            f"--http-port={http}",
+            f"--grpc-port={grpc}",
+            f"--metrics-port={metrics}",
+            "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1",
+            "--allow-metrics=true",
+            "--exit-timeout-secs=10",
+            "--log-verbose=0",
+            # one candidate that failed to load must not mark the whole server unready
+            "--strict-readiness=false",
+        ]
         if binary is None and not os.environ.get("LLMOPS_TRITONSERVER"):
             command.append(f"--backend-directory={python_backend_dir(home)}")
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
+            )
         server = cls(f"http://127.0.0.1:{http}", repository, process, log_path, f"http://127.0.0.1:{metrics}/metrics")
         server.grpc_url = f"127.0.0.1:{grpc}"
         server.wait_ready(timeout)
         return server
 
     @classmethod
-    def attach(cls, url: str, repository: Path) -> "Triton":
+    def attach(cls, url: str, repository: Path) -> Triton:
         server = cls(url.rstrip("/"), repository)
         server.wait_ready(30)
         return server
@@ -212,8 +220,11 @@ class Triton:
 
     def unload(self, name: str) -> None:
         # unload_dependents: an ensemble's composing models go with it (a no-op for other models)
-        requests.post(f"{self.url}/v2/repository/models/{name}/unload", json={"parameters": {"unload_dependents": True}},
-                      timeout=60).raise_for_status()
+        requests.post(
+            f"{self.url}/v2/repository/models/{name}/unload",
+            json={"parameters": {"unload_dependents": True}},
+            timeout=60,
+        ).raise_for_status()
 
     def is_ready(self, name: str) -> bool:
         try:
@@ -225,8 +236,9 @@ class Triton:
         index = requests.post(f"{self.url}/v2/repository/index", json={"ready": True}, timeout=10).json()
         return sorted(m["name"] for m in index)
 
-    def generate(self, name: str, text: str, max_tokens: int = 16, timeout: float = 60,
-                 history: list[dict] | None = None) -> str:
+    def generate(
+        self, name: str, text: str, max_tokens: int = 16, timeout: float = 60, history: list[dict] | None = None
+    ) -> str:
         """Greedy answer of model `name` to `text`, after `history` (earlier messages, e.g. a system prompt)."""
         body = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True}
         if history:

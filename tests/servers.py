@@ -1,16 +1,43 @@
 """Real servers for integration tests, on 127.0.0.1 with free ports: the local stack's own S3
-(`rclone serve s3`, checks credentials) and MLflow (sqlite, artifacts in that S3) starters."""
+(`rclone serve s3`, checks credentials) and MLflow (sqlite, artifacts in that S3) starters; and the
+`llmops` command run on an LLMOPS_HOME of a test's, with that home's MLflow registry."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows import stack as local_stack
-from flows.stack import Server, free_port
+from flows.stack import Server
+from tasks.ports import free_port
 
 S3_KEY, S3_SECRET = "llmops-test", "llmops-test-secret"
-__all__ = ["Stack", "free_port", "s3_env", "start_stack"]
+__all__ = ["Stack", "free_port", "llmops", "llmops_env", "registry", "s3_env", "start_stack"]
+ROOT = Path(__file__).resolve().parent.parent
+LLMOPS = Path(sys.executable).parent / "llmops"
+
+
+def llmops_env(home: Path) -> dict:
+    env = {**os.environ, "LLMOPS_HOME": str(home)}
+    env.pop("PREFECT_HOME", None)
+    return env
+
+
+def llmops(home: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`llmops ARGS` with LLMOPS_HOME=home, from the project root; output captured."""
+    return subprocess.run(
+        [str(LLMOPS), *args], capture_output=True, text=True, env=llmops_env(home), cwd=ROOT, timeout=timeout
+    )
+
+
+def registry(home: Path):
+    """The MLflow client of a home's embedded tracking store (sqlite)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
 
 
 def s3_env(endpoint: str) -> dict:
@@ -27,8 +54,13 @@ class Stack:
     def boto3(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.s3.url, aws_access_key_id=S3_KEY,
-                            aws_secret_access_key=S3_SECRET, region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.s3.url,
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+            region_name="us-east-1",
+        )
 
     def stop(self) -> None:
         self.mlflow.stop()

@@ -75,8 +75,14 @@ def records(seed: int = 7) -> list[dict]:
     for concept, what, use in CONCEPTS:
         for question in QUESTIONS:
             answer = rng.choice(ANSWERS).format(c=concept, what=what, use=use)
-            rows.append({"conversations": [{"from": "human", "value": question.format(c=concept)},
-                                           {"from": "gpt", "value": answer}]})
+            rows.append(
+                {
+                    "conversations": [
+                        {"from": "human", "value": question.format(c=concept)},
+                        {"from": "gpt", "value": answer},
+                    ]
+                }
+            )
     rng.shuffle(rows)
     return rows
 

@@ -28,16 +28,24 @@ def cuda_gpus() -> int:
 needs_cuda = pytest.mark.skipif(cuda_gpus() < 1, reason="no CUDA GPU visible to torch on this machine")
 TRTLLM_EXAMPLES = os.environ.get("TRTLLM_EXAMPLES_DIR", "/app/tensorrt_llm/examples")
 needs_tensorrt_llm = pytest.mark.skipif(
-    importlib.util.find_spec("tensorrt_llm") is None or not Path(TRTLLM_EXAMPLES, "quantization", "quantize.py").is_file(),
-    reason=f"tensorrt_llm not installed or its examples not at {TRTLLM_EXAMPLES} (TRTLLM_EXAMPLES_DIR)")
+    importlib.util.find_spec("tensorrt_llm") is None
+    or not Path(TRTLLM_EXAMPLES, "quantization", "quantize.py").is_file(),
+    reason=f"tensorrt_llm not installed or its examples not at {TRTLLM_EXAMPLES} (TRTLLM_EXAMPLES_DIR)",
+)
 
 ON_ONE_GPU = ["--set", "hardware.accelerator=cuda", "--set", "hardware.gpus=1", "--set", "serve.deploy=false"]
 
 
 def llmops_run(home: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "LLMOPS_HOME": str(home)}
-    return subprocess.run([LLMOPS, "run", "--profile", "cpu-tiny", *ON_ONE_GPU, *overrides], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800)
+    return subprocess.run(
+        [LLMOPS, "run", "--profile", "cpu-tiny", *ON_ONE_GPU, *overrides],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
 
 
 def mlflow_metrics(home: Path) -> dict:
@@ -61,10 +69,23 @@ def test_qlora_on_cuda_logs_tokens_per_second_and_gpu_memory(tmp_path):
 @needs_cuda
 @needs_tensorrt_llm
 def test_tensorrt_llm_engine_of_the_tiny_model_answers_like_the_merged_model(tmp_path):
-    done = llmops_run(tmp_path / "home", "--set", "quantize.backend=tensorrt-llm", "--set", "serve.backend=tensorrtllm",
-                      "--set", f"quantize.tensorrt_llm.examples_dir={TRTLLM_EXAMPLES}",
-                      "--set", "engine.max_batch_size=8", "--set", "engine.max_input_len=96",
-                      "--set", "engine.max_seq_len=128", "--set", "engine.max_num_tokens=1024")
+    done = llmops_run(
+        tmp_path / "home",
+        "--set",
+        "quantize.backend=tensorrt-llm",
+        "--set",
+        "serve.backend=tensorrtllm",
+        "--set",
+        f"quantize.tensorrt_llm.examples_dir={TRTLLM_EXAMPLES}",
+        "--set",
+        "engine.max_batch_size=8",
+        "--set",
+        "engine.max_input_len=96",
+        "--set",
+        "engine.max_seq_len=128",
+        "--set",
+        "engine.max_num_tokens=1024",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = mlflow_metrics(tmp_path / "home")
     assert metrics["build_engine/engine_bytes"] > 0

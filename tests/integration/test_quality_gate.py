@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_serving import FAST, llmops, registry
+from tests.integration.test_serving import FAST
+from tests.servers import llmops, registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -70,4 +71,5 @@ def test_an_eval_split_too_small_to_decide_says_so(home, release):
     assert result.returncode == 3
     assert result.stderr.strip().splitlines()[-1] == (
         "llmops: error: evaluate: the eval split has 5 samples, fewer than evaluate.min_samples 20: too few to decide "
-        "on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source")
+        "on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source"
+    )

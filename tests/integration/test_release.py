@@ -39,15 +39,28 @@ def llmops(stack, *args: str, home: Path | None = None, env: dict | None = None,
     home = home or Path(f"/tmp/llmops-it-{uuid.uuid4().hex[:8]}")
     run_env = {**os.environ, **stack.env, "LLMOPS_HOME": str(home), **(env or {})}
     run_env.pop("PREFECT_HOME", None)  # each run keeps Prefect's state in its own LLMOPS_HOME
-    result = subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, env=run_env, timeout=timeout, cwd=ROOT)
+    result = subprocess.run(
+        [str(LLMOPS), *args], capture_output=True, text=True, env=run_env, timeout=timeout, cwd=ROOT
+    )
     shutil.rmtree(home, ignore_errors=True)
     return result
 
 
 def release_args(stack, *extra: str) -> list[str]:
-    return ["run", "--data", "s3://datasets/sft/", "--artifacts", "s3://artifacts/llmops",
-            "--tracking-uri", stack.mlflow.url, "--set", "run.retry_delay_s=0.2",
-            "--set", "serve.deploy=false", *extra]  # serving has its own tests (test_serving.py)
+    return [
+        "run",
+        "--data",
+        "s3://datasets/sft/",
+        "--artifacts",
+        "s3://artifacts/llmops",
+        "--tracking-uri",
+        stack.mlflow.url,
+        "--set",
+        "run.retry_delay_s=0.2",
+        "--set",
+        "serve.deploy=false",
+        *extra,
+    ]  # serving has its own tests (test_serving.py)
 
 
 def latest_run(stack):
@@ -161,11 +174,18 @@ def test_deleted_artifact_reruns_its_stage_and_dependents_follow_content(stack, 
 def test_eval_change_reruns_evaluation_and_what_follows_only(stack, first_run):
     result = llmops(stack, *release_args(stack, "--set", "evaluate.max_new_tokens=6"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert stage_results(stack) == {"prepare_data": "cached", "base_model": "cached", "train": "cached",
-                                    "evaluate": "ran", "merge": "cached", "quantize": "ran"}
+    assert stage_results(stack) == {
+        "prepare_data": "cached",
+        "base_model": "cached",
+        "train": "cached",
+        "evaluate": "ran",
+        "merge": "cached",
+        "quantize": "ran",
+    }
 
 
 # Bad input: one clear line, a non-zero exit, nothing in the store or the registry.
+
 
 def write(tmp_path, name, lines):
     path = tmp_path / name
@@ -176,12 +196,26 @@ def write(tmp_path, name, lines):
 GOOD = ANTONYMS.read_text().splitlines()
 
 
-@pytest.mark.parametrize("name,lines,phrases", [
-    ("malformed.jsonl", GOOD[:5] + ['{"instruction": "x", "output": '] + GOOD[5:10], ["malformed.jsonl line 6: invalid JSON"]),
-    ("missing.jsonl", GOOD[:3] + ['{"instruction": "no answer here"}'], ["missing.jsonl line 4: field 'output' is missing"]),
-    ("empty.jsonl", ['{"instruction": "a", "output": ""}', '{"instruction": "b", "output": " "}'],
-     ["no usable records after cleaning", "2 empty answers"]),
-])
+@pytest.mark.parametrize(
+    "name,lines,phrases",
+    [
+        (
+            "malformed.jsonl",
+            GOOD[:5] + ['{"instruction": "x", "output": '] + GOOD[5:10],
+            ["malformed.jsonl line 6: invalid JSON"],
+        ),
+        (
+            "missing.jsonl",
+            GOOD[:3] + ['{"instruction": "no answer here"}'],
+            ["missing.jsonl line 4: field 'output' is missing"],
+        ),
+        (
+            "empty.jsonl",
+            ['{"instruction": "a", "output": ""}', '{"instruction": "b", "output": " "}'],
+            ["no usable records after cleaning", "2 empty answers"],
+        ),
+    ],
+)
 def test_bad_data_is_rejected_and_nothing_is_written(stack, first_run, tmp_path, name, lines, phrases):
     keys, before = bucket_keys(stack), versions(stack)
     args = release_args(stack)
@@ -190,10 +224,13 @@ def test_bad_data_is_rejected_and_nothing_is_written(stack, first_run, tmp_path,
     assert bucket_keys(stack) == keys and versions(stack) == before
 
 
-@pytest.mark.parametrize("override,phrase", [
-    ("train.lora_rnk=3", "train.lora_rnk: unknown key"),
-    ("train.lora_rank=many", "train.lora_rank: Input should be a valid integer"),
-])
+@pytest.mark.parametrize(
+    "override,phrase",
+    [
+        ("train.lora_rnk=3", "train.lora_rnk: unknown key"),
+        ("train.lora_rank=many", "train.lora_rank: Input should be a valid integer"),
+    ],
+)
 def test_bad_profile_is_rejected_before_anything_is_created(stack, tmp_path, override, phrase):
     home = tmp_path / "home"
     result = llmops(stack, *release_args(stack, "--set", override), home=home)
@@ -227,8 +264,9 @@ def test_training_resumes_from_the_stored_checkpoint_on_a_fresh_machine(stack, f
     env = {**os.environ, **stack.env, "LLMOPS_HOME": str(home)}
     env.pop("PREFECT_HOME", None)
     with open(tmp_path / "first.log", "w") as log:
-        process = subprocess.Popen([str(LLMOPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [str(LLMOPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
         deadline = time.monotonic() + 300
         while not {k for k in bucket_keys(stack) if k.startswith(namespace)} - known:
             assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]

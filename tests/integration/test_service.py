@@ -46,8 +46,9 @@ class Service:
         return response.json()
 
     def flow_runs(self, **flow_run_filter) -> list[dict]:
-        response = API.post(f"{self.api}/flow_runs/filter", json={"flow_runs": flow_run_filter, "sort": "START_TIME_ASC"},
-                                 timeout=10)
+        response = API.post(
+            f"{self.api}/flow_runs/filter", json={"flow_runs": flow_run_filter, "sort": "START_TIME_ASC"}, timeout=10
+        )
         response.raise_for_status()
         return response.json()
 
@@ -56,30 +57,47 @@ class Service:
 
     def create_run(self, deployment: str, parameters: dict):
         """What the UI's "Custom run" form does."""
-        return API.post(f"{self.api}/deployments/{self.deployment_id(deployment)}/create_flow_run",
-                             json={"parameters": parameters}, timeout=10)
+        return API.post(
+            f"{self.api}/deployments/{self.deployment_id(deployment)}/create_flow_run",
+            json={"parameters": parameters},
+            timeout=10,
+        )
 
     def wait_final(self, flow_run_id: str, timeout: float = RELEASE_TIMEOUT) -> dict:
-        return wait_for(lambda: (run := self.get(f"/flow_runs/{flow_run_id}"))["state_type"] in
-                        ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and run, timeout, f"flow run {flow_run_id}")
+        return wait_for(
+            lambda: (
+                (run := self.get(f"/flow_runs/{flow_run_id}"))["state_type"]
+                in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+                and run
+            ),
+            timeout,
+            f"flow run {flow_run_id}",
+        )
 
     def logs(self, flow_run_id: str) -> str:
-        response = API.post(f"{self.api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}},
-                                 timeout=10)
+        response = API.post(
+            f"{self.api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=10
+        )
         return "\n".join(line["message"] for line in response.json())
 
     def wait_log(self, flow_run_id: str, text: str, timeout: float = 60) -> str:
         """The run's logs once they hold `text`: Prefect ships logs in batches, after the state changes."""
-        return wait_for(lambda: text in (logs := self.logs(flow_run_id)) and logs, timeout,
-                        f"log line {text!r} of flow run {flow_run_id}")
+        return wait_for(
+            lambda: text in (logs := self.logs(flow_run_id)) and logs,
+            timeout,
+            f"log line {text!r} of flow run {flow_run_id}",
+        )
 
     def mlflow_run(self, flow_run_id: str):
         from mlflow import MlflowClient
 
         client = MlflowClient(self.tracking_uri)
         experiment = client.get_experiment_by_name("llm-release")
-        runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'") \
-            if experiment else []
+        runs = (
+            client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+            if experiment
+            else []
+        )
         assert len(runs) <= 1, f"MLflow runs of flow run {flow_run_id}: {len(runs)}"
         return runs[0] if runs else None
 
@@ -102,8 +120,13 @@ def service(tmp_path_factory):
     home = tmp_path_factory.mktemp("service") / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_", "AWS_"))}
     env.update(LLMOPS_HOME=str(home), PREFECT_HOME=str(home / "prefect"))
-    up = subprocess.run([LLMOPS, "stack", "up", "--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0"],
-                        env=env, capture_output=True, text=True, timeout=400)
+    up = subprocess.run(
+        [LLMOPS, "stack", "up", "--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         exports = subprocess.run([LLMOPS, "stack", "env"], env=env, capture_output=True, text=True, timeout=60)
@@ -115,9 +138,17 @@ def service(tmp_path_factory):
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert "release/release" in deployed.stdout and "retrain/retrain" in deployed.stdout
         # Lighter serving checks for the releases the retrain deployment starts (as a user edits them in the UI).
-        patched = API.patch(f"{svc.api}/deployments/{svc.deployment_id('retrain/retrain')}", timeout=10,
-                                 json={"parameters": {"profile": "cpu-tiny", "data_source": "s3://datasets/sft/",
-                                                      "overrides": SERVING_OVERRIDES}})
+        patched = API.patch(
+            f"{svc.api}/deployments/{svc.deployment_id('retrain/retrain')}",
+            timeout=10,
+            json={
+                "parameters": {
+                    "profile": "cpu-tiny",
+                    "data_source": "s3://datasets/sft/",
+                    "overrides": SERVING_OVERRIDES,
+                }
+            },
+        )
         assert patched.status_code == 204, patched.text
         yield svc
     finally:
@@ -139,12 +170,20 @@ def first_release(service):
     release = wait_for(lambda: service.release_runs(), 120, "a release run started by retrain")[0]
     started_after = release_started_at(release) - pushed_at
     print(f"\nnew data -> release run {release['name']} created {started_after:.1f}s after the push")
-    wait_for(lambda: (run := service.mlflow_run(release["id"])) and run.data.tags.get("serving_lock.acquired_at"),
-             RELEASE_TIMEOUT,
-             "the retrain's release run holding the serving lock", interval=2)
-    second = service.create_run("release/release", {
-        "profile": "cpu-tiny", "data_source": "s3://datasets/sft/",
-        "overrides": [*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2"]})  # a new profile digest: a new version
+    wait_for(
+        lambda: (run := service.mlflow_run(release["id"])) and run.data.tags.get("serving_lock.acquired_at"),
+        RELEASE_TIMEOUT,
+        "the retrain's release run holding the serving lock",
+        interval=2,
+    )
+    second = service.create_run(
+        "release/release",
+        {
+            "profile": "cpu-tiny",
+            "data_source": "s3://datasets/sft/",
+            "overrides": [*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2"],
+        },
+    )  # a new profile digest: a new version
     assert second.status_code == 201, second.text
     return release, second.json()
 
@@ -183,10 +222,14 @@ def test_a_second_release_of_the_model_waits_for_the_serving_lock(service, first
     first_run, second_run = service.mlflow_run(release["id"]), service.mlflow_run(second["id"])
     assert second_run.data.params["profile/canary.probe_concurrency"] == "2"  # the API run's parameters were used
     assert first_run.data.params["profile/canary.probe_concurrency"] == "4"
-    held = [(float(r.data.tags["serving_lock.acquired_at"]), float(r.data.tags["serving_lock.released_at"]))
-            for r in (first_run, second_run)]
-    print(f"\nserving lock held {held[0][1] - held[0][0]:.1f}s by the first release, then {held[1][1] - held[1][0]:.1f}s "
-          f"by the second after waiting {second_run.data.metrics['serving_lock/wait_s']:.1f}s")
+    held = [
+        (float(r.data.tags["serving_lock.acquired_at"]), float(r.data.tags["serving_lock.released_at"]))
+        for r in (first_run, second_run)
+    ]
+    print(
+        f"\nserving lock held {held[0][1] - held[0][0]:.1f}s by the first release, then {held[1][1] - held[1][0]:.1f}s "
+        f"by the second after waiting {second_run.data.metrics['serving_lock/wait_s']:.1f}s"
+    )
     assert held[0][1] <= held[1][0], f"both releases held the serving lock at once: {held}"
     assert second_run.data.metrics["serving_lock/wait_s"] > 1
     service.wait_log(second["id"], "serving lock llmops-serving-tiny-qwen2-antonyms: acquiring")
@@ -202,18 +245,30 @@ def test_the_same_data_again_starts_no_release_run(service, first_release):
     retrains_before = len(service.flow_runs(deployment_id={"any_": [service.deployment_id("retrain/retrain")]}))
     pushed = service.llmops("data", "push", str(DATASET), "s3://datasets/sft/")
     assert pushed.returncode == 0, pushed.stderr
-    retrain = wait_for(lambda: (runs := service.flow_runs(
-        deployment_id={"any_": [service.deployment_id("retrain/retrain")]}))[retrains_before:] and runs[-1], 120,
-        "a retrain run for the repeated data")
+    retrain = wait_for(
+        lambda: (
+            (runs := service.flow_runs(deployment_id={"any_": [service.deployment_id("retrain/retrain")]}))[
+                retrains_before:
+            ]
+            and runs[-1]
+        ),
+        120,
+        "a retrain run for the repeated data",
+    )
     assert service.wait_final(retrain["id"], 180)["state_type"] == "COMPLETED"
     service.wait_log(retrain["id"], "data unchanged since tiny-qwen2-antonyms v")
     assert len(service.release_runs()) == releases_before
 
 
 def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(service, first_release):
-    created = service.create_run("release/release", {
-        "profile": "cpu-tiny", "data_source": "s3://datasets/sft/",
-        "overrides": ["serve.deploy=false", "train.seed=3", "run.remote_stages.train=run-stage/gpu"]})
+    created = service.create_run(
+        "release/release",
+        {
+            "profile": "cpu-tiny",
+            "data_source": "s3://datasets/sft/",
+            "overrides": ["serve.deploy=false", "train.seed=3", "run.remote_stages.train=run-stage/gpu"],
+        },
+    )
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
     final = service.wait_final(run_id)
@@ -222,8 +277,11 @@ def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(servi
     assert run.data.params["profile/train.seed"] == "3"
     assert run.data.tags["stage.train"] == "cached"  # read back here after the stage deployment trained it
     assert run.data.metrics["train/final_loss"] > 0 and run.data.metrics["train/steps"] > 0
-    stage_runs = [r for r in service.flow_runs(deployment_id={"any_": [service.deployment_id("run-stage/gpu")]})
-                  if r["parameters"]["mlflow_run_id"] == run.info.run_id]
+    stage_runs = [
+        r
+        for r in service.flow_runs(deployment_id={"any_": [service.deployment_id("run-stage/gpu")]})
+        if r["parameters"]["mlflow_run_id"] == run.info.run_id
+    ]
     assert [r["state_type"] for r in stage_runs] == ["COMPLETED"]
     service.wait_log(stage_runs[0]["id"], "train: running (key")
 

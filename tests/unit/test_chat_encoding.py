@@ -18,11 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVING_MODELS = ["infra/triton/llm/1/model.py", "infra/triton/tensorrtllm/preprocessing/1/model.py"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the opposite of hot?"}, {"role": "assistant", "content": "cold"}],
-    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Opposite of up?"},
-     {"role": "assistant", "content": "down"}],
+    [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Opposite of up?"},
+        {"role": "assistant", "content": "down"},
+    ],
     [{"role": "user", "content": "什么是市盈率？"}, {"role": "assistant", "content": "股价除以每股收益。"}],
-    [{"role": "system", "content": "你是一名理财顾问。"}, {"role": "user", "content": "请解释一下复利。"},
-     {"role": "assistant", "content": "利滚利。"}],
+    [
+        {"role": "system", "content": "你是一名理财顾问。"},
+        {"role": "user", "content": "请解释一下复利。"},
+        {"role": "assistant", "content": "利滚利。"},
+    ],
 ]
 
 
@@ -76,17 +82,29 @@ def changed(tokenizer_dir: Path, tmp_path: Path, edit) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("edit, named", [
-    (lambda t: setattr(t, "chat_template", CHATML_TEMPLATE.replace("'<|im_start|>' + message['role']", "message['role']")),
-     "chat template"),
-    (lambda t: setattr(t, "eos_token", "<|endoftext|>"), "eos_token_id"),
-    (lambda t: setattr(t, "pad_token", "<|im_start|>"), "pad_token_id"),
-    (lambda t: t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<tool_call>"]}), "special tokens"),
-])
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (
+            lambda t: setattr(
+                t, "chat_template", CHATML_TEMPLATE.replace("'<|im_start|>' + message['role']", "message['role']")
+            ),
+            "chat template",
+        ),
+        (lambda t: setattr(t, "eos_token", "<|endoftext|>"), "eos_token_id"),
+        (lambda t: setattr(t, "pad_token", "<|im_start|>"), "pad_token_id"),
+        (
+            lambda t: t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<tool_call>"]}),
+            "special tokens",
+        ),
+    ],
+)
 def test_the_contract_names_each_kind_of_mismatch(tokenizer_dir, tmp_path, edit, named):
     trained = read_contract(tokenizer_dir)
     assert not require_same(trained, read_contract(tokenizer_dir), "same")
-    with pytest.raises(CheckFailed, match=rf"^train/serve contract: the serving config differs from training: .*{named}"):
+    with pytest.raises(
+        CheckFailed, match=rf"^train/serve contract: the serving config differs from training: .*{named}"
+    ):
         require_same(trained, read_contract(changed(tokenizer_dir, tmp_path, edit)), "the serving config")
 
 

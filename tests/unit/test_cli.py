@@ -17,10 +17,28 @@ def llmops(*args, env_home=None):
     return subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("args", [[], ["run"], ["profiles"], ["profiles", "list"], ["profiles", "show"],
-                                  ["profiles", "validate"], ["stack"], ["stack", "up"], ["stack", "status"],
-                                  ["stack", "env"], ["stack", "down"], ["deploy"], ["data"], ["data", "push"],
-                                  ["serve"], ["gate"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["run"],
+        ["profiles"],
+        ["profiles", "list"],
+        ["profiles", "show"],
+        ["profiles", "validate"],
+        ["stack"],
+        ["stack", "up"],
+        ["stack", "status"],
+        ["stack", "env"],
+        ["stack", "down"],
+        ["deploy"],
+        ["data"],
+        ["data", "push"],
+        ["data", "validate"],
+        ["serve"],
+        ["gate"],
+    ],
+)
 def test_every_command_has_help(args):
     result = llmops(*args, "--help")
     assert result.returncode == 0 and "usage: llmops" in result.stdout
@@ -65,8 +83,9 @@ def test_service_commands_without_a_stack_say_what_to_do(tmp_path):
     assert status.returncode == 0 and "not started" in status.stdout and "llmops stack up" in status.stdout
     for args in (["stack", "env"], ["deploy"], ["data", "push", "profiles/data/antonyms.jsonl", "s3://datasets/sft/"]):
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        result = subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, timeout=120,
-                                env={**env, "LLMOPS_HOME": str(home)})
+        result = subprocess.run(
+            [str(LLMOPS), *args], capture_output=True, text=True, timeout=120, env={**env, "LLMOPS_HOME": str(home)}
+        )
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.strip().splitlines()[-1].startswith("llmops: error: local stack under ")
         assert "run `llmops stack up`" in result.stderr
@@ -78,5 +97,41 @@ def test_deploy_against_an_unreachable_prefect_server_is_one_clear_line(tmp_path
     env = {**os.environ, "LLMOPS_HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
     result = subprocess.run([str(LLMOPS), "deploy"], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == ("llmops: error: PREFECT_API_URL http://127.0.0.1:9/api: no Prefect "
-                                                      "server answers (ConnectionError); run `llmops stack up` or fix the URL")
+    assert result.stderr.strip().splitlines()[-1] == (
+        "llmops: error: PREFECT_API_URL http://127.0.0.1:9/api: no Prefect "
+        "server answers (ConnectionError); run `llmops stack up` or fix the URL"
+    )
+
+
+def test_one_exit_code_table_for_help_errors_and_readme():
+    from tasks.errors import EXIT_CODES, ArtifactMissing, BadInput, CheckFailed, TransientError, exit_codes_markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert exit_codes_markdown() in readme
+    help_text = llmops("--help").stdout
+    for code, meaning in EXIT_CODES.items():
+        assert f"{code:>3}  {meaning[:40]}" in help_text
+    assert {e.exit_code for e in (BadInput, CheckFailed, TransientError, ArtifactMissing)} <= set(EXIT_CODES)
+
+
+def test_data_validate_prints_what_prepare_data_would_see(tmp_path):
+    dataset = Path(__file__).resolve().parents[2] / "profiles" / "data" / "finance_qa_zh.jsonl"
+    result = llmops("data", "validate", str(dataset), "--profile", "cpu-tiny-qa-zh")
+    assert result.returncode == 0, result.stderr
+    assert "records read           288" in result.stdout and "train / eval           241 / 47" in result.stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "x", "output": null}\n')
+    result = llmops("data", "validate", str(bad))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"llmops: error: data file {bad} line 2: field 'output' must be a string, got NoneType"
+    ]
+
+
+def test_run_on_bad_data_fails_before_anything_starts(tmp_path):
+    bad = tmp_path / "gbk.jsonl"
+    bad.write_bytes('{"instruction": "反义词", "output": "冷"}'.encode("gbk"))
+    result = llmops("run", "--data", str(bad), env_home=tmp_path / "home")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"llmops: error: data file {bad}: not UTF-8")
+    assert not (tmp_path / "home").exists()  # no Prefect server, no store, no MLflow database

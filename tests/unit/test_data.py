@@ -23,12 +23,17 @@ def alpaca(i, answer=None):
 def test_three_formats_normalise_to_the_same_messages():
     want = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert normalize({"instruction": "hi", "output": "hello"}, "auto", "x") == want
-    assert normalize({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, "auto", "x") == want
+    assert (
+        normalize({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, "auto", "x")
+        == want
+    )
     assert normalize({"messages": want}, "auto", "x") == want
 
 
 def test_alpaca_input_and_system():
-    messages = normalize({"instruction": "Translate", "input": "chat", "output": "cat", "system": "be brief"}, "alpaca", "x")
+    messages = normalize(
+        {"instruction": "Translate", "input": "chat", "output": "cat", "system": "be brief"}, "alpaca", "x"
+    )
     assert messages[0] == {"role": "system", "content": "be brief"}
     assert messages[1]["content"] == "Translate\n\nchat"
 
@@ -119,7 +124,9 @@ def test_utf8_bom_and_crlf_line_endings_read_like_plain_utf8():
     plain = jsonl("plain.jsonl", rows)
     windows = SourceFile("excel.jsonl", b"\xef\xbb\xbf" + plain.content.replace(b"\n", b"\r\n") + b"\r\n")
     assert clean_and_split([windows], CFG).fingerprint == clean_and_split([plain], CFG).fingerprint
-    array = SourceFile("excel.json", b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode().replace(b", ", b",\r\n"))
+    array = SourceFile(
+        "excel.json", b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode().replace(b", ", b",\r\n")
+    )
     assert clean_and_split([array], CFG).stats["records"] == 20
 
 

@@ -38,7 +38,8 @@ def render_job(profile_name: str) -> dict:
 
     async def render():
         config = await KubernetesWorkerJobConfiguration.from_template_and_values(
-            json.loads(GPU_TEMPLATE.read_text()), values)
+            json.loads(GPU_TEMPLATE.read_text()), values
+        )
         config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="train-abc"))
         return config.job_manifest
 
@@ -65,8 +66,9 @@ def test_there_are_gpu_profiles():
 def test_gpu_job_template_renders_a_valid_job_for_each_gpu_profile(profile_name):
     profile = load_profile(profile_name)
     manifest = render_job(profile_name)
-    assert json.loads(json.dumps(as_kubernetes_job(manifest)), parse_int=str) == \
-        json.loads(json.dumps(manifest), parse_int=str)
+    assert json.loads(json.dumps(as_kubernetes_job(manifest)), parse_int=str) == json.loads(
+        json.dumps(manifest), parse_int=str
+    )
     pod = manifest["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == profile.hardware.gpus
@@ -85,8 +87,8 @@ def test_cpu_profile_has_no_gpu_job_variables():
 
 
 def test_prefect_yaml_entrypoints_are_flows_with_documented_parameters():
-    from prefect.utilities.callables import parameter_schema
     from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
 
     for name, deployment in deployments().items():
         flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
@@ -99,7 +101,7 @@ def test_prefect_yaml_entrypoints_are_flows_with_documented_parameters():
 
 def test_retrain_trigger_watches_its_own_data_location():
     retrain = deployments()["retrain"]
-    trigger, = retrain["triggers"]
+    (trigger,) = retrain["triggers"]
     assert trigger["expect"] == ["llmops.data.landed"]
     assert trigger["match"]["prefect.resource.id"] == f"llmops.data.{retrain['parameters']['data_source']}*"
     assert retrain["schedules"][0]["cron"]
@@ -121,13 +123,20 @@ def test_every_placeable_stage_has_a_function_on_the_stage_deployment():
 
 
 def test_stage_result_survives_the_trip_through_flow_parameters():
-    result = StageResult("train", Artifact("ab" * 32, "s3://b/objects/abab"), {"loss": 1.5}, False, 2.0, "k", "loss 1.5")
+    result = StageResult(
+        "train", Artifact("ab" * 32, "s3://b/objects/abab"), {"loss": 1.5}, False, 2.0, "k", "loss 1.5"
+    )
     assert StageResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
 
 
 def test_a_cache_only_context_refuses_to_run_a_stage(tmp_path):
-    ctx = RunContext(load_profile("cpu-tiny"), LocalStore(tmp_path / "store"), Tracker("sqlite://", "", ""), tmp_path,
-                     cache_only=True)
+    ctx = RunContext(
+        load_profile("cpu-tiny"),
+        LocalStore(tmp_path / "store"),
+        Tracker("sqlite://", "", ""),
+        tmp_path,
+        cache_only=True,
+    )
     ran = []
     with pytest.raises(ArtifactMissing, match="must use the same store"):
         run_cached(ctx, "train", {"x": 1}, lambda out: ran.append(out) or {})
@@ -154,9 +163,11 @@ def test_stopping_a_service_also_stops_children_that_left_its_process_group(tmp_
 
     from flows.stack import start
 
-    script = ("import subprocess, sys, time; "
-              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
-              "time.sleep(120)")
+    script = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+        "time.sleep(120)"
+    )
     server = start("worker", [sys.executable, "-c", script], "", lambda: True, tmp_path)
     child = None
     for _ in range(50):

@@ -32,14 +32,28 @@ def matches_golden(path: Path, text: str) -> None:
 
 def rendered_commands(profile_name: str) -> str:
     profile = load_profile(profile_name)
-    checkpoint = tensorrt_llm.checkpoint_command(profile.quantize.tensorrt_llm, Path("/work/merged"),
-                                                 Path("/work/calibration"), Path("/work/checkpoint"), python="python")
+    checkpoint = tensorrt_llm.checkpoint_command(
+        profile.quantize.tensorrt_llm,
+        Path("/work/merged"),
+        Path("/work/calibration"),
+        Path("/work/checkpoint"),
+        python="python",
+    )
     build = tensorrt_llm.build_command(profile.engine, Path("/work/checkpoint"), Path("/work/engine"))
     world = profile.quantize.tensorrt_llm.tp_size * profile.quantize.tensorrt_llm.pp_size
-    evaluate = tensorrt_llm.eval_command(Path("/work/engine"), Path("/work/tokenizer"), Path("/work/q.jsonl"),
-                                         Path("/work/a.jsonl"), profile.evaluate.max_new_tokens, world, python="python")
-    return "".join(f"# {stage}\n{shlex.join(command)}\n" for stage, command in
-                   (("quantize", checkpoint), ("build_engine", build), ("engine eval", evaluate)))
+    evaluate = tensorrt_llm.eval_command(
+        Path("/work/engine"),
+        Path("/work/tokenizer"),
+        Path("/work/q.jsonl"),
+        Path("/work/a.jsonl"),
+        profile.evaluate.max_new_tokens,
+        world,
+        python="python",
+    )
+    return "".join(
+        f"# {stage}\n{shlex.join(command)}\n"
+        for stage, command in (("quantize", checkpoint), ("build_engine", build), ("engine eval", evaluate))
+    )
 
 
 def test_the_three_gpu_profiles_exist_and_validate():
@@ -101,11 +115,17 @@ def test_each_candidate_gets_its_own_model_names_and_engine_path():
 
 
 def test_engine_cache_key_changes_with_each_of_its_inputs():
-    base = ("a" * 64, ["--max_batch_size", "64"], "0.20.0", "sm90 NVIDIA H100")
-    variants = [("b" * 64, *base[1:]), (base[0], ["--max_batch_size", "128"], *base[2:]),
-                (*base[:2], "0.21.0", base[3]), (*base[:3], "sm86 NVIDIA A10")]
+    base = ("a" * 64, ["--max_batch_size", "64"], "0.20.0", "sm90 NVIDIA H100", "d" * 64, {"max_new_tokens": 8})
+    variants = [
+        ("b" * 64, *base[1:]),
+        (base[0], ["--max_batch_size", "128"], *base[2:]),
+        (*base[:2], "0.21.0", *base[3:]),
+        (*base[:3], "sm86 NVIDIA A10", *base[4:]),
+        (*base[:4], "e" * 64, base[5]),
+        (*base[:5], {"max_new_tokens": 16}),
+    ]
     keys = {str(engine_cache_key(*v)) for v in [base, *variants]}
-    assert len(keys) == 5
+    assert len(keys) == 7
 
 
 def test_profile_rules_for_the_gpu_backends():
@@ -124,6 +144,7 @@ def test_profile_rules_for_the_gpu_backends():
 def test_tensorrt_llm_stages_refuse_clearly_without_tensorrt_llm(tmp_path):
     try:
         import tensorrt_llm as _  # noqa: F401
+
         pytest.skip("tensorrt_llm is installed here")
     except ImportError:
         pass
@@ -141,4 +162,3 @@ def test_qlora_config_for_two_gpus_launches_torchrun_with_4bit_base():
     assert config["fp16"] is True and config["include_num_input_tokens_seen"] == "non_padding"
     env = launch_env(profile.hardware)
     assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
-

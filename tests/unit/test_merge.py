@@ -5,11 +5,13 @@ import torch
 
 from tasks.base_model import build_tiny_qwen2
 from tasks.config import TinyModel
-from tasks.models import load_model, load_tokenizer
 from tasks.merge import logits, merge_adapter, probe_batch
+from tasks.models import load_model, load_tokenizer
 
-CONVERSATIONS = [[{"role": "user", "content": f"opposite of {a}?"}, {"role": "assistant", "content": b}]
-                 for a, b in [("hot", "cold"), ("up", "down"), ("big", "small"), ("fast", "slow")]]
+CONVERSATIONS = [
+    [{"role": "user", "content": f"opposite of {a}?"}, {"role": "assistant", "content": b}]
+    for a, b in [("hot", "cold"), ("up", "down"), ("big", "small"), ("fast", "slow")]
+]
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,22 @@ import pytest
 
 from tasks.bench import parse_profile_export, summarize
 from tasks.config import GateSection, load_profile
-from tasks.errors import BadInput, CheckFailed
-from tasks.gate import REJECTED_EXIT_CODE, Quality, decide
+from tasks.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
+from tasks.gate import Quality, decide
 from tasks.stats import Difference
 from tasks.triton import TEMPLATES, find_binary, render_model, render_template
 
-LLM_VALUES = dict(max_batch_size=8, max_queue_delay_us=100, instance_count=2, model_dir="/m", apply_chat_template="true",
-                  default_max_tokens=8, torch_threads=1, device="cpu", artifact_sha256="a" * 64)
+LLM_VALUES = dict(
+    max_batch_size=8,
+    max_queue_delay_us=100,
+    instance_count=2,
+    model_dir="/m",
+    apply_chat_template="true",
+    default_max_tokens=8,
+    torch_threads=1,
+    device="cpu",
+    artifact_sha256="a" * 64,
+)
 
 
 def test_template_refuses_missing_unknown_and_malformed():
@@ -53,23 +62,46 @@ def test_missing_triton_binary_is_bad_input(monkeypatch):
         find_binary(None)
 
 
-CANDIDATE = {"latency_p99_ms": 50.0, "ttft_p99_ms": 10.0, "output_tokens_per_s": 900.0, "error_rate": 0.0,
-             "quantization_accuracy_drop": 0.0}
+CANDIDATE = {
+    "latency_p99_ms": 50.0,
+    "ttft_p99_ms": 10.0,
+    "output_tokens_per_s": 900.0,
+    "error_rate": 0.0,
+    "quantization_accuracy_drop": 0.0,
+}
 CHAMPION = {"latency_p99_ms": 45.0, "ttft_p99_ms": 9.0, "output_tokens_per_s": 1000.0, "error_rate": 0.0}
-GATE = GateSection(p99_request_latency_ms=100, p99_time_to_first_token_ms=20, min_throughput_ratio=0.8,
-                   max_task_metric_drop=0.02, max_serving_parity_drop=0.05)
-QUALITY = Quality("rouge_l", parity=Difference(0.0, -0.01, 0.02, 0.9, 40),
-                  drop_vs_champion=Difference(0.01, -0.02, 0.015, 0.9, 40), probe_tokens=3, max_tokens=16,
-                  served_artifact="a" * 64, measured_artifact="a" * 64)
+GATE = GateSection(
+    p99_request_latency_ms=100,
+    p99_time_to_first_token_ms=20,
+    min_throughput_ratio=0.8,
+    max_task_metric_drop=0.02,
+    max_serving_parity_drop=0.05,
+)
+QUALITY = Quality(
+    "rouge_l",
+    parity=Difference(0.0, -0.01, 0.02, 0.9, 40),
+    drop_vs_champion=Difference(0.01, -0.02, 0.015, 0.9, 40),
+    probe_tokens=3,
+    max_tokens=16,
+    served_artifact="a" * 64,
+    measured_artifact="a" * 64,
+)
 
 
 def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
     report = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY)
     assert report.passed and report.decision == "promote"
     assert [c.name for c in report.checks] == [
-        "p99 request latency (ms)", "p99 time to first token (ms)", "error rate", "quantization accuracy drop",
-        "served artifact is the measured artifact", "serving parity: rouge_l drop served vs offline",
-        "served stop probe: answer tokens", "throughput ratio vs champion", "task metric drop vs champion (rouge_l, served)"]
+        "p99 request latency (ms)",
+        "p99 time to first token (ms)",
+        "error rate",
+        "quantization accuracy drop",
+        "served artifact is the measured artifact",
+        "serving parity: rouge_l drop served vs offline",
+        "served stop probe: answer tokens",
+        "throughput ratio vs champion",
+        "task metric drop vs champion (rouge_l, served)",
+    ]
     json_path, md_path = report.write(tmp_path)
     written = json.loads(json_path.read_text())
     assert written["decision"] == "promote" and written["metric"] == "rouge_l"
@@ -79,17 +111,24 @@ def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
     assert "Gate: promote against v1" in report.description()
 
 
-@pytest.mark.parametrize("change,quality,failed", [
-    ({"latency_p99_ms": 150.0}, {}, "p99 request latency (ms)"),
-    ({"error_rate": 0.01}, {}, "error rate"),
-    ({"output_tokens_per_s": 500.0}, {}, "throughput ratio vs champion"),
-    ({"quantization_accuracy_drop": 0.2}, {}, "quantization accuracy drop"),
-    # the point drop passes (0.01 <= 0.02), the interval's upper bound does not
-    ({}, {"drop_vs_champion": Difference(0.01, -0.01, 0.04, 0.9, 40)}, "task metric drop vs champion (rouge_l, served)"),
-    ({}, {"parity": Difference(0.3, 0.25, 0.35, 0.9, 40)}, "serving parity: rouge_l drop served vs offline"),
-    ({}, {"probe_tokens": 16}, "served stop probe: answer tokens"),
-    ({}, {"measured_artifact": "b" * 64}, "served artifact is the measured artifact"),
-])
+@pytest.mark.parametrize(
+    "change,quality,failed",
+    [
+        ({"latency_p99_ms": 150.0}, {}, "p99 request latency (ms)"),
+        ({"error_rate": 0.01}, {}, "error rate"),
+        ({"output_tokens_per_s": 500.0}, {}, "throughput ratio vs champion"),
+        ({"quantization_accuracy_drop": 0.2}, {}, "quantization accuracy drop"),
+        # the point drop passes (0.01 <= 0.02), the interval's upper bound does not
+        (
+            {},
+            {"drop_vs_champion": Difference(0.01, -0.01, 0.04, 0.9, 40)},
+            "task metric drop vs champion (rouge_l, served)",
+        ),
+        ({}, {"parity": Difference(0.3, 0.25, 0.35, 0.9, 40)}, "serving parity: rouge_l drop served vs offline"),
+        ({}, {"probe_tokens": 16}, "served stop probe: answer tokens"),
+        ({}, {"measured_artifact": "b" * 64}, "served artifact is the measured artifact"),
+    ],
+)
 def test_gate_rejects_on_each_threshold(change, quality, failed):
     report = decide(GATE, "svc", "2", "1", {**CANDIDATE, **change}, CHAMPION, replace(QUALITY, **quality))
     assert not report.passed and [c.name for c in report.checks if not c.passed] == [failed]
@@ -121,10 +160,17 @@ def test_invalid_gate_thresholds_are_rejected_by_the_profile():
 
 
 def export(**overrides):
-    stats = lambda v: {"unit": "ms", "avg": v, "p50": v, "p90": v, "p99": v * 2, "min": v, "max": v * 2}
-    data = {"time_to_first_token": stats(5), "inter_token_latency": stats(1), "request_latency": stats(20),
-            "output_token_throughput": {"unit": "tokens/sec", "avg": 800.0},
-            "request_throughput": {"unit": "requests/sec", "avg": 50.0}, "request_count": {"unit": "count", "avg": 32}}
+    def stats(v):
+        return {"unit": "ms", "avg": v, "p50": v, "p90": v, "p99": v * 2, "min": v, "max": v * 2}
+
+    data = {
+        "time_to_first_token": stats(5),
+        "inter_token_latency": stats(1),
+        "request_latency": stats(20),
+        "output_token_throughput": {"unit": "tokens/sec", "avg": 800.0},
+        "request_throughput": {"unit": "requests/sec", "avg": 50.0},
+        "request_count": {"unit": "count", "avg": 32},
+    }
     data.update(overrides)
     return data
 
@@ -154,8 +200,15 @@ def test_genai_perf_export_missing_or_malformed(tmp_path):
 def test_llmops_gate_exit_codes(tmp_path):
     llmops = Path(sys.executable).parent / "llmops"
     good = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY).write(tmp_path / "good")[0]
-    bad = decide(GATE, "svc", "3", "1", CANDIDATE, CHAMPION,
-                 replace(QUALITY, drop_vs_champion=Difference(0.5, 0.4, 0.6, 0.9, 40))).write(tmp_path / "bad")[0]
+    bad = decide(
+        GATE,
+        "svc",
+        "3",
+        "1",
+        CANDIDATE,
+        CHAMPION,
+        replace(QUALITY, drop_vs_champion=Difference(0.5, 0.4, 0.6, 0.9, 40)),
+    ).write(tmp_path / "bad")[0]
     assert subprocess.run([llmops, "gate", str(good)], capture_output=True).returncode == 0
     rejected = subprocess.run([llmops, "gate", str(bad)], capture_output=True, text=True)
     assert rejected.returncode == REJECTED_EXIT_CODE

@@ -1,4 +1,11 @@
-"""The shared stage machinery: content cache hits need the artifact; retries only for transient faults."""
+"""The shared stage machinery: content cache hits need the artifact; retries only for transient faults;
+the code version of a stage follows every project module it uses."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +19,9 @@ from tasks.tracking import start_run
 @pytest.fixture
 def ctx(tmp_path):
     tracker = start_run(f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "mlartifacts", "unit", {})
-    return RunContext(load_profile("cpu-tiny", ["run.retry_delay_s=0"]), LocalStore(tmp_path / "store"), tracker, tmp_path)
+    return RunContext(
+        load_profile("cpu-tiny", ["run.retry_delay_s=0"]), LocalStore(tmp_path / "store"), tracker, tmp_path
+    )
 
 
 def test_second_call_is_a_cache_hit_and_a_deleted_artifact_is_rebuilt(ctx):
@@ -69,3 +78,58 @@ def test_prefect_retries_transient_faults_only(ctx):
     with pytest.raises(BadInput):
         pipeline("bad")
     assert attempts["bad"] == 1
+
+
+STAGE_MODULES = [
+    "tasks.data",
+    "tasks.base_model",
+    "tasks.train",
+    "tasks.evaluate",
+    "tasks.merge",
+    "tasks.quantize",
+    "tasks.engine",
+]
+
+
+def stage_code_versions(project: Path) -> dict[str, str]:
+    """Each stage's code version, computed by the copy of the project at `project` (its own tasks/stage.py)."""
+    script = (
+        "import json; from tasks.stage import module_code_version; "
+        f"print(json.dumps({{m: module_code_version(m) for m in {STAGE_MODULES!r}}}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=project,
+        env={"PYTHONPATH": str(project)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(result.stdout)
+
+
+def test_editing_a_helper_reruns_only_the_stages_that_use_it(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    project = tmp_path / "project"
+    for folder in ("tasks", "flows", "infra/triton"):
+        shutil.copytree(root / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    before = stage_code_versions(project)
+
+    metrics = project / "tasks" / "metrics.py"  # imported by evaluate; through it by quantize and build_engine
+    metrics.write_text(metrics.read_text() + "\n\ndef new_helper() -> None:\n    pass\n")
+    after_metrics = stage_code_versions(project)
+    assert {m for m in STAGE_MODULES if before[m] != after_metrics[m]} == {
+        "tasks.evaluate",
+        "tasks.quantize",
+        "tasks.engine",
+    }
+    chat = project / "tasks" / "chat.py"  # the prompt encoder: every stage that encodes prompts
+    chat.write_text(chat.read_text() + "\n# an edit\n")
+    after_chat = stage_code_versions(project)
+    assert {m for m in STAGE_MODULES if after_metrics[m] != after_chat[m]} == {
+        "tasks.train",
+        "tasks.evaluate",
+        "tasks.merge",
+        "tasks.quantize",
+        "tasks.engine",
+    }

@@ -28,7 +28,9 @@ def test_lora_config_uses_llamafactory_names():
 
 def test_qlora_adds_quantization_keys():
     args = render("train.quantization_bit=4")
-    assert args["quantization_bit"] == 4 and args["quantization_method"] == "bnb" and args["double_quantization"] is True
+    assert (
+        args["quantization_bit"] == 4 and args["quantization_method"] == "bnb" and args["double_quantization"] is True
+    )
 
 
 def test_full_finetuning_drops_lora_keys():

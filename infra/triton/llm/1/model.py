@@ -55,8 +55,9 @@ def encode_prompt(tokenizer, text, history, apply_chat_template):
     through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
     if not apply_chat_template:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template([*history, {"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [*history, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -88,10 +89,17 @@ class TritonPythonModel:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = encode_prompt(self.tokenizer, text, history, self.chat)
-        job = Job(sender=request.get_response_sender(), prompt=text, ids=ids, max_tokens=max_tokens,
-                  min_length=int(scalar(request, "min_length", 0)), stream=bool(scalar(request, "stream", False)),
-                  echo=not bool(scalar(request, "exclude_input_in_output", False)),
-                  temperature=float(scalar(request, "temperature", 0.0)), top_k=int(scalar(request, "top_k", 0)))
+        job = Job(
+            sender=request.get_response_sender(),
+            prompt=text,
+            ids=ids,
+            max_tokens=max_tokens,
+            min_length=int(scalar(request, "min_length", 0)),
+            stream=bool(scalar(request, "stream", False)),
+            echo=not bool(scalar(request, "exclude_input_in_output", False)),
+            temperature=float(scalar(request, "temperature", 0.0)),
+            top_k=int(scalar(request, "top_k", 0)),
+        )
         seed = scalar(request, "random_seed", None)
         if job.temperature > 0:
             job.generator = self.torch.Generator().manual_seed(int(seed) if seed is not None else 0)
@@ -105,15 +113,18 @@ class TritonPythonModel:
             except Exception as exc:  # a bad request fails alone, not its batch
                 request.get_response_sender().send(
                     pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
         if jobs:
             try:
                 self.generate(jobs)
             except Exception as exc:
                 for job in jobs:
                     if not job.done:
-                        job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
-                                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                        job.sender.send(
+                            pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                        )
         return None
 
     def respond(self, job, text, final):
@@ -138,14 +149,19 @@ class TritonPythonModel:
         input_ids = torch.full((len(jobs), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(jobs), width), dtype=torch.long)
         for i, job in enumerate(jobs):  # left padding: every sequence ends at the last column
-            input_ids[i, width - len(job.ids):] = torch.tensor(job.ids)
-            mask[i, width - len(job.ids):] = 1
+            input_ids[i, width - len(job.ids) :] = torch.tensor(job.ids)
+            mask[i, width - len(job.ids) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         past, step_ids, step_positions = None, input_ids, positions
         with torch.no_grad():
             for _ in range(max(job.max_tokens for job in jobs)):
-                out = self.model(input_ids=step_ids.to(self.device), attention_mask=mask.to(self.device),
-                                 position_ids=step_positions.to(self.device), past_key_values=past, use_cache=True)
+                out = self.model(
+                    input_ids=step_ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    position_ids=step_positions.to(self.device),
+                    past_key_values=past,
+                    use_cache=True,
+                )
                 past, logits = out.past_key_values, out.logits[:, -1, :].float().cpu()
                 next_ids = torch.full((len(jobs),), self.pad, dtype=torch.long)
                 for i, job in enumerate(jobs):
@@ -166,7 +182,7 @@ class TritonPythonModel:
     def emit(self, job, finished):
         text = self.tokenizer.decode(job.tokens, skip_special_tokens=True)
         if job.stream:
-            delta, job.sent_text = text[len(job.sent_text):], text
+            delta, job.sent_text = text[len(job.sent_text) :], text
             if delta or finished:
                 self.respond(job, delta, finished)
         elif finished:

@@ -31,7 +31,7 @@ class TritonPythonModel:
         self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="route")
 
     def pick(self):
-        names, weights = zip(*self.routes)
+        names, weights = zip(*self.routes, strict=True)
         return self.random.choices(names, weights=weights)[0]
 
     def execute(self, requests):
@@ -42,8 +42,9 @@ class TritonPythonModel:
     def forward(self, request):
         sender = request.get_response_sender()
         try:
-            call = pb_utils.InferenceRequest(model_name=self.pick(), inputs=request.inputs(),
-                                             requested_output_names=["text_output"])
+            call = pb_utils.InferenceRequest(
+                model_name=self.pick(), inputs=request.inputs(), requested_output_names=["text_output"]
+            )
             for response in call.exec(decoupled=True):
                 if response.has_error():
                     raise RuntimeError(response.error().message())
@@ -52,8 +53,10 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[output]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
 
     def finalize(self):
         self.workers.shutdown(wait=True)  # a reload waits for requests in flight to finish

@@ -31,8 +31,9 @@ def encode_prompt(tokenizer, text, history, apply_chat_template):
     through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
     if not apply_chat_template:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template([*history, {"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [*history, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -58,11 +59,13 @@ class TritonPythonModel:
                 if max_tokens < 1:
                     raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
                 ids = encode_prompt(self.tokenizer, text, chat_history(scalar(request, "chat_history", "")), self.chat)
-                outputs = [pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
-                           pb_utils.Tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32)),
-                           pb_utils.Tensor("request_output_len", np.array([[max_tokens]], dtype=np.int32)),
-                           pb_utils.Tensor("end_id", np.array([[self.end_id]], dtype=np.int32)),
-                           pb_utils.Tensor("pad_id", np.array([[self.pad_id]], dtype=np.int32))]
+                outputs = [
+                    pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
+                    pb_utils.Tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32)),
+                    pb_utils.Tensor("request_output_len", np.array([[max_tokens]], dtype=np.int32)),
+                    pb_utils.Tensor("end_id", np.array([[self.end_id]], dtype=np.int32)),
+                    pb_utils.Tensor("pad_id", np.array([[self.pad_id]], dtype=np.int32)),
+                ]
                 responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
             except Exception as exc:  # a bad request fails alone, with its reason
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
