@@ -16,25 +16,12 @@ from tasks.errors import CheckFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_MODELS = ["infra/triton/llm/1/model.py", "infra/triton/tensorrtllm/preprocessing/1/model.py"]
-CONVERSATIONS = [
-    [{"role": "user", "content": "What is the opposite of hot?"}, {"role": "assistant", "content": "cold"}],
-    [
-        {"role": "system", "content": "Answer in one word."},
-        {"role": "user", "content": "Opposite of up?"},
-        {"role": "assistant", "content": "down"},
-    ],
-    [{"role": "user", "content": "什么是市盈率？"}, {"role": "assistant", "content": "股价除以每股收益。"}],
-    [
-        {"role": "system", "content": "你是一名理财顾问。"},
-        {"role": "user", "content": "请解释一下复利。"},
-        {"role": "assistant", "content": "利滚利。"},
-    ],
-]
+CONVERSATIONS = PROBES  # English and Chinese, with and without a system prompt, multi-turn
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    texts = ["\n".join(m["content"] for m in c) for c in CONVERSATIONS + PROBES] * 4
+    texts = ["\n".join(m["content"] for m in c) for c in CONVERSATIONS] * 4
     folder = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(texts, 300).save_pretrained(folder)
     return folder
