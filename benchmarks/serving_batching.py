@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tasks.config import load_profile  # noqa: E402
-from tasks.triton import Triton, render_model  # noqa: E402
+from tasks.triton_repository import render_model  # noqa: E402
+from tasks.triton_server import TritonServer  # noqa: E402
 
 
 def merged_model(home: Path) -> Path:
@@ -113,7 +114,8 @@ def main() -> None:
 
     print("bench: sequential transformers generate ...", flush=True)
     seq_s = sequential(model_dir, texts, args.tokens)
-    triton = Triton.start(scratch)
+    server = TritonServer.start(scratch)
+    triton = server.client
     try:
         values = {
             "max_batch_size": 32,
@@ -123,6 +125,8 @@ def main() -> None:
             "apply_chat_template": "true",
             "default_max_tokens": args.tokens,
             "torch_threads": 1,
+            "device": "cpu",
+            "artifact_sha256": "benchmark",
         }
         for name in ("bench-a", "bench-b"):
             render_model("llm", triton.repository, name, values)
@@ -179,7 +183,7 @@ def main() -> None:
         for name, seconds in timings:
             print(f"{name:60} {seconds:8.2f}")
     finally:
-        triton.stop()
+        server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -305,56 +305,15 @@ class Rejected(Exception):
 
 
 def command_serve(args) -> None:
-    import json as jsonlib
-    import signal
-    import time
-
     from tasks.config import check_machine, load_profile
 
     profile = load_profile(args.profile, args.overrides)
     check_machine(profile, ["serve"])
     home = Path(os.environ["LLMOPS_HOME"])
     home.mkdir(parents=True, exist_ok=True)
-    from flows.release import open_serving_context
-    from tasks.canary import SERVER_FILE, serve_champion
-    from tasks.triton import Triton
+    from flows.serve import serve
 
-    ctx = open_serving_context(profile, args.tracking_uri, args.artifacts)
-    triton = Triton.start(home, profile.serve.triton_binary)
-    state = home / "triton" / SERVER_FILE
-    try:
-        champion = serve_champion(ctx, triton)
-        if champion is None:
-            from tasks.errors import BadInput
-
-            raise BadInput(f"registered model {profile.registry.model_name}: no champion yet; run `llmops run` first")
-        state.write_text(
-            jsonlib.dumps(
-                {
-                    "url": triton.url,
-                    "grpc_url": triton.grpc_url,
-                    "metrics_url": triton.metrics_url,
-                    "repository": str(triton.repository),
-                    "pid": os.getpid(),
-                }
-            )
-        )
-        print(
-            f"serving {profile.registry.model_name} (champion v{champion.version}) at {triton.url}/v2/models/"
-            f"{profile.registry.model_name}/generate  (gRPC {triton.grpc_url}, metrics {triton.metrics_url}); "
-            f"Ctrl-C stops",
-            flush=True,
-        )
-        stopped = []
-        signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
-        while not stopped and triton.process is not None and triton.process.poll() is None:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        state.unlink(missing_ok=True)
-        triton.stop()
-        print("llmops serve: stopped", flush=True)
+    serve(profile, home, args.tracking_uri, args.artifacts)
 
 
 def command_gate(args) -> str:

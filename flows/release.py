@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
 
-from tasks import base_model, bench, canary, data, engine, evaluate, gate, merge, quantize, registry, train
+from tasks import base_model, bench, canary, data, engine, evaluate, gate, merge, quantize, registry, rollout, train
 from tasks.config import Profile, load_profile
 from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, stage_task
@@ -97,7 +97,7 @@ def release(
     """
     config = load_profile(profile, overrides or [], data_source)
     ctx = open_context(config, tracking_uri, artifacts)
-    triton, started_here, report = None, False, None
+    server, report = None, None
     try:
         dataset = stage_task(data.prepare_data, config)(ctx)
         base = stage_task(base_model.base_model, config)(ctx, dataset)
@@ -126,12 +126,12 @@ def release(
             return ReleaseResult(stages, registered, ctx.tracker, "unchanged")
 
         with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
-            triton, started_here = canary.open_triton(ctx, triton_url, triton_repository)
+            triton, server = canary.open_triton(ctx, triton_url, triton_repository)
             deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton)
             if not deployment.unchanged:
                 measured = stage_task(bench.benchmark, config)(ctx, deployment)
                 report = stage_task(gate.gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
-            outcome = stage_task(canary.rollout, config)(
+            outcome = stage_task(rollout.rollout, config)(
                 ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset
             )
     except BaseException as exc:
@@ -139,8 +139,8 @@ def release(
         end_run(ctx.tracker, "FAILED")
         raise
     finally:
-        if triton is not None and started_here:
-            triton.stop()
+        if server is not None:  # started for this run
+            server.stop()
     end_run(ctx.tracker, "FINISHED")
     report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
     return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path)

@@ -1,21 +1,17 @@
-"""deploy_canary, rollout, promote, rollback: the candidate next to the champion on one Triton.
+"""deploy_canary: the candidate next to the champion on one Triton, behind the service's router.
 
 Triton cannot load or unload one version of a model and does not split traffic, so each
 registered version is its own Triton model (`<service>-v<N>`), and the router model named
 `<service>` splits traffic by weight. Changing weights rewrites the router's config and loads
-it again; Triton swaps the router without failing requests in flight.
+it again; Triton swaps the router without failing requests in flight. The rollout policy that
+moves the weights (steps, live checks, promote, rollback) is tasks/rollout.py.
 
-Aliases: `challenger` when the candidate is deployed, `champion` when it is promoted; a
-rollback moves no alias.
+Aliases: `challenger` when the candidate is deployed (here), `champion` when it is promoted.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import statistics
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +20,12 @@ import requests
 
 from tasks.config import Profile
 from tasks.contract import CONTRACT_FILE, load_contract, read_contract, require_same
-from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.registry import Registered
-from tasks.stage import RunContext, StageResult, logger
-from tasks.triton import Triton, parse_metric, render_model
-
-SERVER_FILE = "server.json"  # written by `llmops serve`: lets a run attach to the serving Triton
+from tasks.stage import RunContext, logger
+from tasks.triton import Triton
+from tasks.triton_repository import render_model
+from tasks.triton_server import TritonServer, published
 
 
 @dataclass
@@ -188,20 +183,16 @@ def set_routes(triton: Triton, profile: Profile, service: str, weights: Mapping[
 # --- where Triton runs ------------------------------------------------------------------------
 
 
-def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None) -> tuple[Triton, bool]:
-    """Attach to the given Triton, or to the one `llmops serve` runs for this LLMOPS_HOME, else start one."""
+def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None) -> tuple[Triton, TritonServer | None]:
+    """Attach to the given Triton, or to the one `llmops serve` publishes for this LLMOPS_HOME, else start one
+    (returned as the second value: the caller stops it)."""
     if triton_url:
-        return Triton.attach(triton_url, Path(repository or ctx.home / "triton" / "repository")), False
-    state = ctx.home / "triton" / SERVER_FILE
-    if state.is_file():
-        info = json.loads(state.read_text())
-        try:
-            triton = Triton.attach(info["url"], Path(info["repository"]))
-            triton.grpc_url, triton.metrics_url = info["grpc_url"], info["metrics_url"]
-            return triton, False
-        except Exception:
-            logger().warning(f"canary: {state} names a Triton that does not answer; starting a new one")
-    return Triton.start(ctx.home, ctx.profile.serve.triton_binary), True
+        return Triton.attach(triton_url, Path(repository or ctx.home / "triton" / "repository")), None
+    serving = published(ctx.home)
+    if serving is not None:
+        return serving, None
+    server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary)
+    return server.client, server
 
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
@@ -269,159 +260,3 @@ def triton_unload_quietly(triton: Triton, name: str) -> None:
         triton.unload(name)
     except requests.RequestException:
         pass
-
-
-# --- live checks during the rollout -------------------------------------------------------------
-
-
-@dataclass
-class Window:
-    requests: int
-    failures: int
-    candidate_requests: float
-    candidate_failures: float
-    candidate_mean_latency_ms: float | None
-    client_p99_ms: float | None
-
-
-def probe(
-    triton: Triton, service: str, prompts: list[str], seconds: float, concurrency: int, max_tokens: int
-) -> tuple[int, int, list[float]]:
-    """Send real requests through the router for `seconds` (bounded: loopback, stops by itself)."""
-    stop = time.monotonic() + seconds
-    counts, latencies, lock = [0, 0], [], threading.Lock()
-
-    def client(offset: int) -> None:
-        i = offset
-        while time.monotonic() < stop:
-            started = time.perf_counter()
-            try:
-                triton.generate(service, prompts[i % len(prompts)], max_tokens=max_tokens, timeout=30)
-                ok = True
-            except Exception:
-                ok = False
-            with lock:
-                counts[0] += 1
-                counts[1] += 0 if ok else 1
-                latencies.append((time.perf_counter() - started) * 1000)
-            i += concurrency
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return counts[0], counts[1], latencies
-
-
-def watch_window(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> Window:
-    cfg, triton, name = ctx.profile.canary, deployment.triton, deployment.candidate.name
-    before = triton.metrics()
-    sent, failed, latencies = probe(
-        triton, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency, ctx.profile.bench.output_tokens
-    )
-    after = triton.metrics()
-
-    def delta(metric: str) -> float:
-        return parse_metric(after, metric, name) - parse_metric(before, metric, name)
-
-    ok, bad = delta("nv_inference_request_success"), delta("nv_inference_request_failure")
-    duration_us = delta("nv_inference_request_duration_us")
-    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else None
-    return Window(sent, failed, ok + bad, bad, duration_us / ok / 1000 if ok else None, p99)
-
-
-def breach(ctx: RunContext, deployment: Deployment, window: Window) -> str | None:
-    cfg = ctx.profile.canary
-    if not deployment.triton.is_ready(deployment.candidate.name):
-        return f"{deployment.candidate.name} is not ready"
-    if window.requests and window.failures / window.requests > cfg.max_error_rate:
-        return f"{window.failures}/{window.requests} client requests failed (max error rate {cfg.max_error_rate})"
-    if window.candidate_requests and window.candidate_failures / window.candidate_requests > cfg.max_error_rate:
-        return f"candidate failed {window.candidate_failures:.0f}/{window.candidate_requests:.0f} requests"
-    if window.candidate_mean_latency_ms is not None and window.candidate_mean_latency_ms > cfg.max_mean_latency_ms:
-        return (
-            f"candidate mean latency {window.candidate_mean_latency_ms:.1f} ms > canary.max_mean_latency_ms "
-            f"{cfg.max_mean_latency_ms}"
-        )
-    return None
-
-
-# --- the rollout decision -------------------------------------------------------------------------
-
-
-def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | None:
-    """Walk the traffic steps; return the breach that stopped it, or None when 100% was reached."""
-    champion = deployment.champion
-    steps = ctx.profile.canary.steps if champion else [100]  # the first release is deployed directly
-    for weight in steps:
-        weights = {deployment.candidate.name: weight}
-        if champion and weight < 100:
-            weights[champion.name] = 100 - weight
-        set_routes(deployment.triton, ctx.profile, deployment.service, weights)
-        window = watch_window(ctx, deployment, prompts)
-        problem = breach(ctx, deployment, window)
-        deployment.steps.append({"weight": weight, **window.__dict__, "breach": problem})
-        ctx.tracker.log_metrics(
-            "canary",
-            {
-                "weight": weight,
-                "client_requests": window.requests,
-                "client_failures": window.failures,
-                "candidate_requests": window.candidate_requests,
-                "candidate_failures": window.candidate_failures,
-                "candidate_mean_latency_ms": window.candidate_mean_latency_ms or 0.0,
-            },
-            step=weight,
-        )
-        logger().info(
-            f"canary: {weight}% to {deployment.candidate.name}: {window.requests} requests, "
-            f"{window.failures} failed, candidate mean {window.candidate_mean_latency_ms or 0:.1f} ms"
-            + (f" -> BREACH: {problem}" if problem else "")
-        )
-        if problem:
-            return problem
-    return None
-
-
-def promote(ctx: RunContext, deployment: Deployment) -> None:
-    client, name = ctx.tracker.client, ctx.profile.registry.model_name
-    client.set_registered_model_alias(name, "champion", deployment.candidate.version)
-    client.delete_registered_model_alias(name, "challenger")
-    if deployment.champion and deployment.champion.name != deployment.candidate.name:
-        triton_unload_quietly(deployment.triton, deployment.champion.name)
-    logger().info(f"canary: promoted {deployment.candidate.name}; alias champion -> v{deployment.candidate.version}")
-
-
-def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
-    """Router back to the champion, candidate unloaded, no alias moved."""
-    if deployment.champion:
-        set_routes(deployment.triton, ctx.profile, deployment.service, {deployment.champion.name: 100})
-    elif deployment.triton.is_ready(deployment.service):
-        triton_unload_quietly(deployment.triton, deployment.service)
-    triton_unload_quietly(deployment.triton, deployment.candidate.name)
-    logger().warning(f"canary: rolled back {deployment.candidate.name}: {reason}")
-
-
-def eval_prompts(ctx: RunContext, data: StageResult) -> list[str]:
-    return [c[-2]["content"] for c in eval_conversations(ctx, data)]
-
-
-def rollout(ctx: RunContext, deployment: Deployment, gate_passed: bool, gate_summary: str, data: StageResult) -> str:
-    """promote | rollback: walk the canary steps after a passed gate; any breach rolls back."""
-    if deployment.unchanged:
-        outcome = "unchanged"
-    elif not gate_passed:
-        rollback(ctx, deployment, f"gate rejected: {gate_summary}")
-        outcome = "rejected"
-    else:
-        problem = ramp(ctx, deployment, eval_prompts(ctx, data))
-        if problem:
-            rollback(ctx, deployment, f"canary breach: {problem}")
-            outcome = "rolled_back"
-        else:
-            promote(ctx, deployment)
-            outcome = "promoted"
-    ctx.tracker.set_tags({"release.outcome": outcome})
-    ctx.tracker.log_json("canary.json", {"outcome": outcome, "steps": deployment.steps})
-    return outcome

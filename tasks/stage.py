@@ -72,7 +72,7 @@ def logger() -> logging.Logger | logging.LoggerAdapter:
 
 PROJECT_PACKAGES = ("tasks", "flows")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE_DIRS = {"tasks.triton": PROJECT_ROOT / "infra" / "triton"}  # what a module renders, by module
+TEMPLATE_DIRS = {"tasks.triton_repository": PROJECT_ROOT / "infra" / "triton"}  # what a module renders, by module
 
 
 def project_file(module: str) -> Path:

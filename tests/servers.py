@@ -15,7 +15,7 @@ from flows.stack import Server
 from tasks.ports import free_port
 
 S3_KEY, S3_SECRET = "llmops-test", "llmops-test-secret"
-__all__ = ["Stack", "free_port", "llmops", "llmops_env", "registry", "s3_env", "start_stack"]
+__all__ = ["Stack", "free_port", "latest_release", "llmops", "llmops_env", "registry", "s3_env", "start_stack"]
 ROOT = Path(__file__).resolve().parent.parent
 LLMOPS = Path(sys.executable).parent / "llmops"
 
@@ -31,6 +31,16 @@ def llmops(home: Path, *args: str, timeout: float = 900) -> subprocess.Completed
     return subprocess.run(
         [str(LLMOPS), *args], capture_output=True, text=True, env=llmops_env(home), cwd=ROOT, timeout=timeout
     )
+
+
+def latest_release(home: Path):
+    """The newest release run of a home's tracking store: its tags say what happened (stage.*, gate.decision,
+    release.outcome)."""
+    from tasks.tracking import EXPERIMENT
+
+    client = registry(home)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    return client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
 
 
 def registry(home: Path):

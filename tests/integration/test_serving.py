@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.servers import LLMOPS, ROOT, llmops, llmops_env, registry
+from tests.servers import LLMOPS, ROOT, latest_release, llmops, llmops_env, registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -119,7 +119,8 @@ class Load:
 
 
 def test_first_release_is_gated_and_promoted(home, first_release):
-    assert "gate          promote" in first_release.stdout and "rollout       promoted" in first_release.stdout
+    tags = latest_release(home).data.tags
+    assert (tags["gate.decision"], tags["release.outcome"]) == ("promote", "promoted")
     assert champion(home) == "1"
     report = json.loads(Path(first_release.stdout.split("gate report: ")[1].split()[0]).read_text())
     assert report["decision"] == "promote" and report["champion_version"] is None
@@ -169,7 +170,7 @@ def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, s
     with Load(server["url"]) as load:
         result = llmops(home, "run", "--set", "train.seed=7", *FAST)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "rollout       promoted" in result.stdout
+    assert latest_release(home).data.tags["release.outcome"] == "promoted"
     new = champion(home)
     assert new != "1"
     for weight in (10, 50, 100):
@@ -218,7 +219,8 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, ser
         )
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr
-    assert "gate          promote" in result.stdout and "rollout       rolled_back" in result.stdout
+    tags = latest_release(home).data.tags
+    assert (tags["gate.decision"], tags["release.outcome"]) == ("promote", "rolled_back")
     assert "-> BREACH: candidate mean latency" in output and "canary: 50%" not in output  # stopped at 10%
     assert (
         result.stderr.strip().splitlines()[-1] == "llmops: rejected: candidate rolled back: canary breach (see the log)"

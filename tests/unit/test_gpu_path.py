@@ -15,7 +15,7 @@ from tasks.canary import tensorrtllm_models
 from tasks.config import PROFILES_DIR, available_profiles, load_profile
 from tasks.engine import engine_cache_key
 from tasks.errors import BadInput
-from tasks.triton import render_model
+from tasks.triton_repository import render_model
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GPU_PROFILES = [p for p in available_profiles() if load_profile(p).hardware.accelerator == "cuda"]

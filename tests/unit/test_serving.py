@@ -13,7 +13,8 @@ from tasks.config import GateSection, load_profile
 from tasks.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
 from tasks.gate import Quality, decide
 from tasks.stats import Difference
-from tasks.triton import TEMPLATES, find_binary, render_model, render_template
+from tasks.triton_repository import TEMPLATES, render_model, render_template
+from tasks.triton_server import find_binary
 
 LLM_VALUES = dict(
     max_batch_size=8,

@@ -1,0 +1,172 @@
+"""rollout, promote, rollback: the policy that walks the candidate's traffic share up on the live service.
+
+After a passed gate the router walks `canary.steps`; each step sends real requests through the
+router for `window_s` and checks the candidate's health, error rate (client side and Triton's
+per-model counters) and mean latency. A breach rolls back: router to the champion, candidate
+unloaded, no alias moved. After 100% the alias `champion` moves and the old champion is unloaded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+from tasks.canary import Deployment, set_routes, triton_unload_quietly
+from tasks.data import eval_conversations
+from tasks.stage import RunContext, StageResult, logger
+from tasks.triton import Triton, parse_metric
+
+
+@dataclass
+class Window:
+    requests: int
+    failures: int
+    candidate_requests: float
+    candidate_failures: float
+    candidate_mean_latency_ms: float | None
+    client_p99_ms: float | None
+
+
+def probe(
+    triton: Triton, service: str, prompts: list[str], seconds: float, concurrency: int, max_tokens: int
+) -> tuple[int, int, list[float]]:
+    """Send real requests through the router for `seconds` (bounded: loopback, stops by itself)."""
+    stop = time.monotonic() + seconds
+    counts, latencies, lock = [0, 0], [], threading.Lock()
+
+    def client(offset: int) -> None:
+        i = offset
+        while time.monotonic() < stop:
+            started = time.perf_counter()
+            try:
+                triton.generate(service, prompts[i % len(prompts)], max_tokens=max_tokens, timeout=30)
+                ok = True
+            except Exception:
+                ok = False
+            with lock:
+                counts[0] += 1
+                counts[1] += 0 if ok else 1
+                latencies.append((time.perf_counter() - started) * 1000)
+            i += concurrency
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return counts[0], counts[1], latencies
+
+
+def watch_window(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> Window:
+    cfg, triton, name = ctx.profile.canary, deployment.triton, deployment.candidate.name
+    before = triton.metrics()
+    sent, failed, latencies = probe(
+        triton, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency, ctx.profile.bench.output_tokens
+    )
+    after = triton.metrics()
+
+    def delta(metric: str) -> float:
+        return parse_metric(after, metric, name) - parse_metric(before, metric, name)
+
+    ok, bad = delta("nv_inference_request_success"), delta("nv_inference_request_failure")
+    duration_us = delta("nv_inference_request_duration_us")
+    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else None
+    return Window(sent, failed, ok + bad, bad, duration_us / ok / 1000 if ok else None, p99)
+
+
+def breach(ctx: RunContext, deployment: Deployment, window: Window) -> str | None:
+    cfg = ctx.profile.canary
+    if not deployment.triton.is_ready(deployment.candidate.name):
+        return f"{deployment.candidate.name} is not ready"
+    if window.requests and window.failures / window.requests > cfg.max_error_rate:
+        return f"{window.failures}/{window.requests} client requests failed (max error rate {cfg.max_error_rate})"
+    if window.candidate_requests and window.candidate_failures / window.candidate_requests > cfg.max_error_rate:
+        return f"candidate failed {window.candidate_failures:.0f}/{window.candidate_requests:.0f} requests"
+    if window.candidate_mean_latency_ms is not None and window.candidate_mean_latency_ms > cfg.max_mean_latency_ms:
+        return (
+            f"candidate mean latency {window.candidate_mean_latency_ms:.1f} ms > canary.max_mean_latency_ms "
+            f"{cfg.max_mean_latency_ms}"
+        )
+    return None
+
+
+# --- the rollout decision -------------------------------------------------------------------------
+
+
+def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | None:
+    """Walk the traffic steps; return the breach that stopped it, or None when 100% was reached."""
+    champion = deployment.champion
+    steps = ctx.profile.canary.steps if champion else [100]  # the first release is deployed directly
+    for weight in steps:
+        weights = {deployment.candidate.name: weight}
+        if champion and weight < 100:
+            weights[champion.name] = 100 - weight
+        set_routes(deployment.triton, ctx.profile, deployment.service, weights)
+        window = watch_window(ctx, deployment, prompts)
+        problem = breach(ctx, deployment, window)
+        deployment.steps.append({"weight": weight, **window.__dict__, "breach": problem})
+        ctx.tracker.log_metrics(
+            "canary",
+            {
+                "weight": weight,
+                "client_requests": window.requests,
+                "client_failures": window.failures,
+                "candidate_requests": window.candidate_requests,
+                "candidate_failures": window.candidate_failures,
+                "candidate_mean_latency_ms": window.candidate_mean_latency_ms or 0.0,
+            },
+            step=weight,
+        )
+        logger().info(
+            f"canary: {weight}% to {deployment.candidate.name}: {window.requests} requests, "
+            f"{window.failures} failed, candidate mean {window.candidate_mean_latency_ms or 0:.1f} ms"
+            + (f" -> BREACH: {problem}" if problem else "")
+        )
+        if problem:
+            return problem
+    return None
+
+
+def promote(ctx: RunContext, deployment: Deployment) -> None:
+    client, name = ctx.tracker.client, ctx.profile.registry.model_name
+    client.set_registered_model_alias(name, "champion", deployment.candidate.version)
+    client.delete_registered_model_alias(name, "challenger")
+    if deployment.champion and deployment.champion.name != deployment.candidate.name:
+        triton_unload_quietly(deployment.triton, deployment.champion.name)
+    logger().info(f"canary: promoted {deployment.candidate.name}; alias champion -> v{deployment.candidate.version}")
+
+
+def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
+    """Router back to the champion, candidate unloaded, no alias moved."""
+    if deployment.champion:
+        set_routes(deployment.triton, ctx.profile, deployment.service, {deployment.champion.name: 100})
+    elif deployment.triton.is_ready(deployment.service):
+        triton_unload_quietly(deployment.triton, deployment.service)
+    triton_unload_quietly(deployment.triton, deployment.candidate.name)
+    logger().warning(f"canary: rolled back {deployment.candidate.name}: {reason}")
+
+
+def eval_prompts(ctx: RunContext, data: StageResult) -> list[str]:
+    return [c[-2]["content"] for c in eval_conversations(ctx, data)]
+
+
+def rollout(ctx: RunContext, deployment: Deployment, gate_passed: bool, gate_summary: str, data: StageResult) -> str:
+    """promote | rollback: walk the canary steps after a passed gate; any breach rolls back."""
+    if deployment.unchanged:
+        outcome = "unchanged"
+    elif not gate_passed:
+        rollback(ctx, deployment, f"gate rejected: {gate_summary}")
+        outcome = "rejected"
+    else:
+        problem = ramp(ctx, deployment, eval_prompts(ctx, data))
+        if problem:
+            rollback(ctx, deployment, f"canary breach: {problem}")
+            outcome = "rolled_back"
+        else:
+            promote(ctx, deployment)
+            outcome = "promoted"
+    ctx.tracker.set_tags({"release.outcome": outcome})
+    ctx.tracker.log_json("canary.json", {"outcome": outcome, "steps": deployment.steps})
+    return outcome

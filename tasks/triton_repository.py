@@ -1,0 +1,67 @@
+"""Triton model repositories: one folder per model, rendered from infra/triton/<kind>/ templates.
+
+Rendering is strict (a missing, unknown or malformed `${variable}` fails at render time) and atomic
+(a temporary folder renamed into place), so a half-written model folder never exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import string
+import tempfile
+import time
+from pathlib import Path
+
+from tasks.errors import BadInput
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "infra" / "triton"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def render_template(text: str, values: dict[str, object], source: str) -> str:
+    """`${var}` substitution that refuses a missing variable, an unused (unknown) value and a bad placeholder.
+
+    TensorRT-LLM's fill_template leaves unknown `${...}` in place silently; a config with a literal
+    `${triton_max_batch_size}` then fails far from its cause. Here it fails at render time.
+    """
+    template = string.Template(text)
+    if not template.is_valid():
+        raise BadInput(f"template {source}: malformed placeholder (use ${{name}})")
+    wanted = set(template.get_identifiers())
+    missing, unknown = sorted(wanted - set(values)), sorted(set(values) - wanted)
+    if missing:
+        raise BadInput(f"template {source}: no value for {', '.join('${' + m + '}' for m in missing)}")
+    if unknown:
+        raise BadInput(f"template {source}: unknown variable(s) {', '.join(unknown)} (not in the template)")
+    return template.substitute({k: str(v) for k, v in values.items()})
+
+
+def render_model(kind: str, repository: Path, name: str, values: dict[str, object]) -> Path:
+    """Render infra/triton/<kind>/ into repository/<name>/, atomically (a temporary folder renamed in)."""
+    if not NAME_RE.match(name):
+        raise BadInput(f"model name {name!r}: use letters, digits, '-', '_' or '.'")
+    source = TEMPLATES / kind
+    if not (source / "config.pbtxt").is_file():
+        raise BadInput(f"template {source}: no config.pbtxt")
+    repository.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=repository))
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        config = render_template(
+            (source / "config.pbtxt").read_text(), {"model_name": name, **values}, str(source / "config.pbtxt")
+        )
+        (staging / "config.pbtxt").write_text(config)
+        target = repository / name
+        if target.exists():
+            old = repository / f".old-{name}-{os.getpid()}-{time.monotonic_ns()}"
+            os.rename(target, old)
+            os.rename(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, target)
+        return target
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

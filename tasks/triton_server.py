@@ -1,0 +1,178 @@
+"""The Triton Inference Server process: started on 127.0.0.1 with explicit model control, stopped, and
+published in `$LLMOPS_HOME/triton/server.json` while `llmops serve` keeps it (this module is that file's one owner).
+
+The binary: $LLMOPS_TRITONSERVER or `serve.triton_binary`, else the one in the nvidia-pytriton wheel
+(CPU machines), run with the Python backend and this environment's Python:
+- the wheel's bundled libraries go on LD_LIBRARY_PATH (without them model loads hang, not fail);
+- the Python backend stub embeds Python in isolated mode and finds its interpreter through PATH,
+  so this venv's bin goes first on PATH: the stub then runs with exactly this venv's packages
+  (the interpreter's global site-packages hold other numpy/torch builds);
+- the stub for this Python version is put into a private copy of the Python backend folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.errors import BadInput, CheckFailed, TransientError
+from tasks.ports import free_port
+from tasks.triton import Triton
+
+SERVER_FILE = "server.json"  # written while `llmops serve` runs: lets a run attach to the serving Triton
+
+
+def pytriton_root() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def find_binary(configured: str | None) -> Path:
+    named = os.environ.get("LLMOPS_TRITONSERVER") or configured
+    if named:
+        path = Path(shutil.which(named) or named)
+        if not path.is_file() or not os.access(path, os.X_OK):
+            raise BadInput(
+                f"tritonserver binary {named}: not found or not executable "
+                "(set serve.triton_binary or LLMOPS_TRITONSERVER)"
+            )
+        return path
+    try:
+        return pytriton_root() / "bin" / "tritonserver"
+    except ImportError:
+        raise BadInput("tritonserver: no binary configured and nvidia-pytriton is not installed") from None
+
+
+def python_backend_dir(home: Path) -> Path:
+    """A backend folder whose Python backend carries the stub for the running Python version."""
+    root = pytriton_root()
+    target = home / "triton" / "backends"
+    python = target / "python"
+    if not (python / "triton_python_backend_stub").is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(root / "backends" / "python", python)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        shutil.copy2(root / "python_backend_stubs" / version / "triton_python_backend_stub", python)
+    return target
+
+
+def server_env() -> dict:
+    env = dict(os.environ)
+    libs = [str(pytriton_root().parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [*libs, env.get("LD_LIBRARY_PATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver process this process started, and the client that talks to it."""
+
+    process: subprocess.Popen
+    log_path: Path
+    client: Triton
+
+    @classmethod
+    def start(cls, home: Path, binary: str | None = None, timeout: float = 120) -> TritonServer:
+        exe = find_binary(binary)
+        repository = home / "triton" / "repository"
+        repository.mkdir(parents=True, exist_ok=True)
+        log_path = home / "triton" / "tritonserver.log"
+        http, grpc, metrics = free_port(), free_port(), free_port()
+        command = [
+            str(exe),
+            f"--model-repository={repository}",
+            "--model-control-mode=explicit",
+            f"--http-port={http}",
+            f"--grpc-port={grpc}",
+            f"--metrics-port={metrics}",
+            "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1",
+            "--allow-metrics=true",
+            "--exit-timeout-secs=10",
+            "--log-verbose=0",
+            # one candidate that failed to load must not mark the whole server unready
+            "--strict-readiness=false",
+        ]
+        if binary is None and not os.environ.get("LLMOPS_TRITONSERVER"):
+            command.append(f"--backend-directory={python_backend_dir(home)}")
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
+            )
+        client = Triton(
+            f"http://127.0.0.1:{http}", repository, f"http://127.0.0.1:{metrics}/metrics", f"127.0.0.1:{grpc}"
+        )
+        server = cls(process, log_path, client)
+        server.wait_live(timeout)
+        return server
+
+    def wait_live(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise CheckFailed(f"tritonserver exited with {self.process.returncode}: {self.log_tail()}")
+            if self.client.is_live():
+                return
+            time.sleep(0.3)
+        raise TransientError(f"Triton at {self.client.url}: not live after {timeout:.0f}s ({self.log_tail()})")
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM (tritonserver started in the background ignores SIGINT), then SIGKILL if it hangs."""
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def log_tail(self, lines: int = 5) -> str:
+        if not self.log_path or not self.log_path.is_file():
+            return ""
+        return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
+def publish(home: Path, server: TritonServer) -> Path:
+    """Write server.json: runs with this LLMOPS_HOME roll out on this server while it lives."""
+    state = home / "triton" / SERVER_FILE
+    client = server.client
+    state.write_text(
+        json.dumps(
+            {
+                "url": client.url,
+                "grpc_url": client.grpc_url,
+                "metrics_url": client.metrics_url,
+                "repository": str(client.repository),
+                "pid": os.getpid(),
+            }
+        )
+    )
+    return state
+
+
+def unpublish(home: Path) -> None:
+    (home / "triton" / SERVER_FILE).unlink(missing_ok=True)
+
+
+def published(home: Path) -> Triton | None:
+    """The client of the Triton `llmops serve` publishes for this LLMOPS_HOME, if it answers."""
+    state = home / "triton" / SERVER_FILE
+    if not state.is_file():
+        return None
+    info = json.loads(state.read_text())
+    triton = Triton(info["url"], Path(info["repository"]), info["metrics_url"], info["grpc_url"])
+    return triton if triton.is_live() else None
