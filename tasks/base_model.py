@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from tasks.chat import Conversation
 from tasks.config import BaseModelSection, TinyModel
 from tasks.data import load_split
 from tasks.errors import BadInput
@@ -27,7 +28,7 @@ CHATML_TEMPLATE = (
 )
 
 
-def corpus(conversations: list[list[dict]]) -> list[str]:
+def corpus(conversations: list[Conversation]) -> list[str]:
     """Plain text of the conversations, without chat markup: what the base 'read' in pretraining."""
     return ["\n".join(m["content"] for m in conv) for conv in conversations]
 

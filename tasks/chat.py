@@ -8,6 +8,17 @@ tests/unit/test_chat_encoding.py pins every copy to this one on the same convers
 
 from __future__ import annotations
 
+from typing import TypedDict
+
+
+class Message(TypedDict):
+    role: str  # system, user or assistant
+    content: str
+
+
+# One conversation: an optional system message, then user/assistant turns ending with the assistant's answer.
+Conversation = list[Message]
+
 
 def encode_prompt(tokenizer, text, history, apply_chat_template):
     """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
@@ -20,18 +31,18 @@ def encode_prompt(tokenizer, text, history, apply_chat_template):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def serving_request(conversation: list[dict]) -> tuple[str, list[dict]]:
+def serving_request(conversation: Conversation) -> tuple[str, list[Message]]:
     """(text_input, chat_history) for a conversation that ends with the assistant's answer."""
     *history, question, _answer = conversation
     return question["content"], history
 
 
-def prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
+def prompt_ids(tokenizer, conversation: Conversation) -> list[int]:
     """The prompt of a conversation that ends with the assistant's answer, as training encoded it."""
     text, history = serving_request(conversation)
     return encode_prompt(tokenizer, text, history, True)
 
 
-def answer_ids(tokenizer, conversation: list[dict]) -> list[int]:
+def answer_ids(tokenizer, conversation: Conversation) -> list[int]:
     """The answer's token ids and the closing EOS, as LlamaFactory's template encodes an assistant turn."""
     return tokenizer(conversation[-1]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

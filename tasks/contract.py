@@ -19,11 +19,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks.chat import prompt_ids
+from tasks.chat import Conversation, prompt_ids
 from tasks.errors import CheckFailed
 
 CONTRACT_FILE = "contract.json"
-PROBES: list[list[dict]] = [
+PROBES: list[Conversation] = [
     [{"role": "user", "content": "What is the opposite of hot?"}, {"role": "assistant", "content": "cold"}],
     [
         {"role": "system", "content": "Answer in one word."},

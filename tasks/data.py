@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.chat import Conversation, Message
 from tasks.config import DataSection
 from tasks.errors import BadInput
 from tasks.stage import RunContext, StageResult, logger, run_cached
@@ -113,7 +114,7 @@ def detect_format(record: dict, where: str) -> str:
     )
 
 
-def normalize(record, fmt: str, where: str) -> list[dict]:
+def normalize(record, fmt: str, where: str) -> Conversation:
     """One record as a list of {role, content} messages: optional system, then user/assistant turns."""
     if not isinstance(record, dict):
         raise BadInput(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -122,17 +123,17 @@ def normalize(record, fmt: str, where: str) -> list[dict]:
         instruction = _text(record, "instruction", where)
         extra = _text(record, "input", where, required=False)
         output = _text(record, "output", where)
-        messages = [{"role": "user", "content": f"{instruction}\n\n{extra}" if extra else instruction}]
-        messages.append({"role": "assistant", "content": output})
         system = _text(record, "system", where, required=False)
-        return ([{"role": "system", "content": system}] if system else []) + messages
+        prompt = Message(role="user", content=f"{instruction}\n\n{extra}" if extra else instruction)
+        answer = Message(role="assistant", content=output)
+        return [*([Message(role="system", content=system)] if system else []), prompt, answer]
     field, role_key, content_key = (
         ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
     )
     turns = record.get(field)
     if not isinstance(turns, list) or not turns:
         raise BadInput(f"{where}: field '{field}' must be a non-empty list")
-    messages = []
+    messages: Conversation = []  # the turns, validated one by one
     for i, turn in enumerate(turns):
         at = f"{where}: {field}[{i}]"
         if not isinstance(turn, dict):
@@ -141,7 +142,7 @@ def normalize(record, fmt: str, where: str) -> list[dict]:
         role = ROLES_SHAREGPT.get(given) if fmt == "sharegpt" else (given if given in ROLES_OPENAI else None)
         if role is None:
             raise BadInput(f"{at}.{role_key}: unknown role {given!r}")
-        messages.append({"role": role, "content": _text(turn, content_key, at)})
+        messages.append(Message(role=role, content=_text(turn, content_key, at)))
     body = messages[1:] if messages[0]["role"] == "system" else messages
     expected = ["user", "assistant"] * (len(body) // 2 + 1)
     if not body or [m["role"] for m in body] != expected[: len(body)] or len(body) % 2:
@@ -149,19 +150,19 @@ def normalize(record, fmt: str, where: str) -> list[dict]:
     return messages
 
 
-def record_hash(messages: list[dict], salt: str = "") -> str:
+def record_hash(messages: Conversation, salt: str = "") -> str:
     return hashlib.sha256((salt + json.dumps(messages, sort_keys=True, ensure_ascii=False)).encode()).hexdigest()
 
 
-def is_eval(messages: list[dict], fraction: float, salt: str) -> bool:
+def is_eval(messages: Conversation, fraction: float, salt: str) -> bool:
     """Deterministic split: a record's place depends on its content only, not on file order."""
     return int(record_hash(messages, salt)[:15], 16) / 16**15 < fraction
 
 
 @dataclass
 class CleanData:
-    train: list[list[dict]]
-    eval: list[list[dict]]
+    train: list[Conversation]
+    eval: list[Conversation]
     stats: dict
     fingerprint: str
     eval_fingerprint: str = ""
@@ -171,7 +172,7 @@ class CleanData:
 class Records:
     """Validated, de-duplicated conversations of some files, and what was dropped on the way."""
 
-    conversations: list[list[dict]]
+    conversations: list[Conversation]
     hashes: list[str]
     read: int
     duplicates: int
@@ -271,11 +272,11 @@ def write_dataset(data: CleanData, out_dir: Path) -> None:
     )
 
 
-def load_split(folder: Path, split: str) -> list[list[dict]]:
+def load_split(folder: Path, split: str) -> list[Conversation]:
     return [row["messages"] for row in json.loads((folder / f"{split}.json").read_text())]
 
 
-def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[list[dict]]:
+def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[Conversation]:
     """The held-out split of a prepared dataset artifact (verified on read)."""
     return load_split(ctx.store.fetch(data.artifact.digest), "eval")[:limit]
 

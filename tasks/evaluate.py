@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks import metrics
-from tasks.chat import answer_ids, prompt_ids
+from tasks.chat import Conversation, answer_ids, prompt_ids
 from tasks.config import EvaluateSection
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
@@ -53,7 +53,7 @@ def batches(items: list, size: int = BATCH):
         yield items[i : i + size]
 
 
-def answer_losses(model, tokenizer, conversations: list[list[dict]]) -> list[float]:
+def answer_losses(model, tokenizer, conversations: list[Conversation]) -> list[float]:
     """Per sample, the mean cross-entropy of the answer's tokens (and the closing <|im_end|>) given the prompt."""
     import torch
 
@@ -78,7 +78,7 @@ def answer_losses(model, tokenizer, conversations: list[list[dict]]) -> list[flo
     return losses
 
 
-def generate_answers(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
+def generate_answers(model, tokenizer, conversations: list[Conversation], max_new_tokens: int) -> list[str]:
     import torch
 
     answers = []
@@ -98,16 +98,16 @@ def generate_answers(model, tokenizer, conversations: list[list[dict]], max_new_
     return answers
 
 
-def exact_match(predictions: list[str], conversations: list[list[dict]]) -> float:
+def exact_match(predictions: list[str], conversations: list[Conversation]) -> float:
     """Share of answers equal to the reference (the quantize and engine stages' accuracy measure)."""
     return mean([metrics.exact_match(p, c[-1]["content"]) for p, c in zip(predictions, conversations, strict=True)])
 
 
-def references(conversations: list[list[dict]]) -> list[str]:
+def references(conversations: list[Conversation]) -> list[str]:
     return [c[-1]["content"] for c in conversations]
 
 
-def score(model, tokenizer, conversations: list[list[dict]], cfg: EvaluateSection) -> Scores:
+def score(model, tokenizer, conversations: list[Conversation], cfg: EvaluateSection) -> Scores:
     predictions = generate_answers(model, tokenizer, conversations, cfg.max_new_tokens)
     per_sample = {
         **text_scores(predictions, references(conversations)),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.chat import answer_ids, prompt_ids
+from tasks.chat import Conversation, answer_ids, prompt_ids
 from tasks.contract import load_contract, read_contract, require_same, write_contract
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
@@ -18,7 +18,7 @@ from tasks.models import load_model, load_tokenizer
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
 
-def probe_batch(tokenizer, conversations: list[list[dict]]):
+def probe_batch(tokenizer, conversations: list[Conversation]):
     """Right-padded prompt+answer sequences and their attention mask."""
     import torch
 
@@ -40,7 +40,7 @@ def logits(model, input_ids, mask):
     return out * mask.unsqueeze(-1)  # padding positions carry no meaning: compare real tokens only
 
 
-def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, probe: list[list[dict]]) -> float:
+def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, probe: list[Conversation]) -> float:
     """Write the merged model to out_dir; return max |logits(base+adapter) - logits(merged)|."""
     tokenizer = load_tokenizer(base_dir)
     input_ids, mask = probe_batch(tokenizer, probe)

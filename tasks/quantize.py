@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.chat import prompt_ids
+from tasks.chat import Conversation, prompt_ids
 from tasks.contract import load_contract, read_contract, require_same, write_contract
 from tasks.data import eval_conversations, load_split
 from tasks.errors import CheckFailed
@@ -122,7 +122,7 @@ def top1_agreement(reference, candidate, mask) -> float:
 
 
 def onnx_int8(
-    merged_dir: Path, out_dir: Path, conversations: list[list[dict]], opset: int, max_new_tokens: int
+    merged_dir: Path, out_dir: Path, conversations: list[Conversation], opset: int, max_new_tokens: int
 ) -> dict:
     log = logger()
     tokenizer = load_tokenizer(merged_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tasks.chat import serving_request
+from tasks.chat import Conversation, serving_request
 from tasks.metrics import TEXT_METRICS, text_scores
 from tasks.triton import Triton
 
@@ -33,8 +33,8 @@ def served_metric(metric: str) -> str:
     return metric if metric in TEXT_METRICS else "rouge_l"
 
 
-def ask(triton: Triton, model: str, conversations: list[list[dict]], max_tokens: int) -> list[str]:
-    def one(conversation: list[dict]) -> str:
+def ask(triton: Triton, model: str, conversations: list[Conversation], max_tokens: int) -> list[str]:
+    def one(conversation: Conversation) -> str:
         text, history = serving_request(conversation)
         return triton.generate(model, text, max_tokens=max_tokens, timeout=120, history=history).strip()
 
@@ -43,7 +43,7 @@ def ask(triton: Triton, model: str, conversations: list[list[dict]], max_tokens:
 
 
 def score_served(
-    triton: Triton, model: str, conversations: list[list[dict]], max_tokens: int, tokenizer
+    triton: Triton, model: str, conversations: list[Conversation], max_tokens: int, tokenizer
 ) -> ServedScores:
     answers = ask(triton, model, conversations, max_tokens)
     per_sample = text_scores(answers, [c[-1]["content"] for c in conversations])
