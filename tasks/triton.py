@@ -74,7 +74,12 @@ class Triton:
         return sorted(m["name"] for m in index)
 
     def generate(
-        self, name: str, text: str, max_tokens: int = 16, timeout: float = 60, history: Sequence[Mapping[str, object]] | None = None
+        self,
+        name: str,
+        text: str,
+        max_tokens: int = 16,
+        timeout: float = 60,
+        history: Sequence[Mapping[str, object]] | None = None,
     ) -> str:
         """Greedy answer of model `name` to `text`, after `history` (earlier messages, e.g. a system prompt)."""
         body = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True}
