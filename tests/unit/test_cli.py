@@ -119,6 +119,11 @@ def test_data_validate_prints_what_prepare_data_would_see(tmp_path):
     result = llmops("data", "validate", str(dataset), "--profile", "cpu-tiny-qa-zh")
     assert result.returncode == 0, result.stderr
     assert "records read           288" in result.stdout and "train / eval           241 / 47" in result.stdout
+    held_out = tmp_path / "held_out.jsonl"  # the first 30 records as a fixed held-out set
+    held_out.write_text("".join(dataset.read_text(encoding="utf-8").splitlines(keepends=True)[:30]), encoding="utf-8")
+    result = llmops("data", "validate", str(dataset), "--eval-source", str(held_out), "--profile", "cpu-tiny-qa-zh")
+    assert result.returncode == 0, result.stderr
+    assert "train / eval           258 / 30" in result.stdout and "30 overlapping records left out" in result.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "x", "output": null}\n')
     result = llmops("data", "validate", str(bad))
