@@ -145,6 +145,11 @@ def test_served_model_answers_generate_and_generate_stream(home, server):
     through_router = requests.post(f"{url}/v2/models/{SERVICE}/generate", json=prompt, timeout=30).json()["text_output"]
     direct = requests.post(f"{url}/v2/models/{SERVICE}-v1/generate", json=prompt, timeout=30).json()["text_output"]
     assert through_router == direct == "cold"  # the fine-tuned answer, greedy
+    system = json.dumps([{"role": "system", "content": "Answer with one word."}])  # a client's system prompt
+    with_system = requests.post(
+        f"{url}/v2/models/{SERVICE}/generate", json={**prompt, "chat_history": system}, timeout=30
+    )
+    assert with_system.status_code == 200 and isinstance(with_system.json()["text_output"], str), with_system.text
     stream = requests.post(
         f"{url}/v2/models/{SERVICE}/generate_stream", json={**prompt, "stream": True}, timeout=30, stream=True
     )
