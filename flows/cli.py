@@ -54,10 +54,19 @@ examples:
     run.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
     run.add_argument(
         "--triton-url",
-        help="attach to a running Triton (HTTP URL; gRPC and metrics on its ports +1/+2) "
-        "instead of the one `llmops serve` runs or a temporary one",
+        help="attach to a running Triton (HTTP URL; or LLMOPS_TRITON_URL) instead of the one `llmops serve` runs or a "
+        "temporary one; its control key: LLMOPS_TRITON_CONTROL_KEY",
     )
-    run.add_argument("--triton-repository", help="that Triton's model repository folder (shared with this machine)")
+    run.add_argument("--triton-grpc-url", help="that Triton's gRPC endpoint, host:port (or LLMOPS_TRITON_GRPC_URL)")
+    run.add_argument(
+        "--triton-metrics-url",
+        help="that Triton's metrics URL, http://host:port/metrics (or LLMOPS_TRITON_METRICS_URL)",
+    )
+    run.add_argument(
+        "--triton-repository",
+        help="that Triton's model repository folder, when this machine shares it "
+        "(or LLMOPS_TRITON_REPOSITORY); without it, models are sent with their load requests",
+    )
 
     serve = commands.add_parser(
         "serve",
@@ -253,6 +262,9 @@ def command_run(args) -> str:
     profile = load_profile(args.profile, args.overrides, args.data)  # bad input fails before anything is created
     check_machine(profile, local_stages(profile))
     validate_local_data(profile)
+    from tasks.triton import TritonTarget
+
+    TritonTarget.from_options(args.triton_url, args.triton_grpc_url, args.triton_metrics_url, args.triton_repository)
     home = Path(os.environ["LLMOPS_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     if not os.environ.get("PREFECT_API_URL"):
@@ -273,6 +285,8 @@ def command_run(args) -> str:
         artifacts=args.artifacts,
         triton_url=args.triton_url,
         triton_repository=args.triton_repository,
+        triton_grpc_url=args.triton_grpc_url,
+        triton_metrics_url=args.triton_metrics_url,
     )
     if result.outcome in ("rejected", "rolled_back"):
         report = result.gate_report

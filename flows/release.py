@@ -22,6 +22,7 @@ from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, stage_task
 from tasks.store import open_store
 from tasks.tracking import Tracker, default_tracking_uri, end_run, start_run
+from tasks.triton import TritonTarget
 
 
 @dataclass
@@ -83,6 +84,8 @@ def release(
     artifacts: str | None = None,
     triton_url: str | None = None,
     triton_repository: str | None = None,
+    triton_grpc_url: str | None = None,
+    triton_metrics_url: str | None = None,
 ) -> ReleaseResult:
     """Data -> (Q)LoRA adapter -> evaluated, merged, quantized candidate -> canary on Triton -> gate -> promote | rollback.
 
@@ -92,10 +95,16 @@ def release(
         overrides: profile overrides as key=value, e.g. train.learning_rate=1e-4 or serve.deploy=false.
         tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI of the worker, else sqlite under LLMOPS_HOME.
         artifacts: artifact store, a folder or s3://bucket/prefix; empty: LLMOPS_ARTIFACTS, else LLMOPS_HOME/store.
-        triton_url: a running Triton to roll out on (HTTP URL); empty: the one `llmops serve` runs, else a temporary one.
-        triton_repository: that Triton's model repository folder, when triton_url is given.
+        triton_url: a running Triton to roll out on (HTTP URL); empty: LLMOPS_TRITON_URL, else the one `llmops serve`
+            runs, else a temporary one.
+        triton_repository: that Triton's model repository folder on a filesystem this machine shares; empty: models
+            are sent with their load requests (no shared filesystem).
+        triton_grpc_url: that Triton's gRPC endpoint (host:port), for genai-perf; or LLMOPS_TRITON_GRPC_URL.
+        triton_metrics_url: that Triton's Prometheus metrics URL, for the canary's live checks; or
+            LLMOPS_TRITON_METRICS_URL.
     """
     config = load_profile(profile, overrides or [], data_source)
+    target = TritonTarget.from_options(triton_url, triton_grpc_url, triton_metrics_url, triton_repository)
     ctx = open_context(config, tracking_uri, artifacts)
     server, report = None, None
     try:
@@ -116,7 +125,7 @@ def release(
         if not config.serve.deploy:
             end_run(ctx.tracker, "FINISHED")
             return ReleaseResult(stages, registered, ctx.tracker)
-        if not triton_url and canary.is_champion(ctx, registered):
+        if target is None and canary.is_champion(ctx, registered):
             # Nothing new to roll out: no Triton to start, no lock to take (`llmops serve` keeps serving it).
             get_run_logger().info(
                 f"release: {registered.name} v{registered.version} already is the champion; nothing to roll out"
@@ -126,7 +135,7 @@ def release(
             return ReleaseResult(stages, registered, ctx.tracker, "unchanged")
 
         with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
-            triton, server = canary.open_triton(ctx, triton_url, triton_repository)
+            triton, server = canary.open_triton(ctx, target)
             deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton)
             if not deployment.unchanged:
                 measured = stage_task(bench.benchmark, config)(ctx, deployment)

@@ -12,7 +12,10 @@ Aliases: `challenger` when the candidate is deployed (here), `champion` when it 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +23,10 @@ import requests
 
 from tasks.config import Profile
 from tasks.contract import CONTRACT_FILE, load_contract, read_contract, require_same
-from tasks.errors import CheckFailed
+from tasks.errors import BadInput, CheckFailed
 from tasks.registry import Registered
 from tasks.stage import RunContext, logger
-from tasks.triton import Triton
+from tasks.triton import Triton, TritonTarget, control_key
 from tasks.triton_repository import render_model
 from tasks.triton_server import TritonServer, published
 
@@ -130,24 +133,55 @@ def tensorrtllm_models(
     }
 
 
+@contextmanager
+def model_folders(triton: Triton) -> Iterator[Path]:
+    """Where model folders are rendered: the server's repository when this machine shares it, else a
+    temporary folder whose models go with their load requests (nothing is written on the server's side)."""
+    if triton.repository is not None:
+        yield triton.repository
+        return
+    with tempfile.TemporaryDirectory(prefix="llmops-models-") as folder:
+        yield Path(folder)
+
+
+def load_rendered(triton: Triton, name: str, folder: Path, timeout: float) -> None:
+    triton.load(name, timeout=timeout, model_folder=None if triton.repository is not None else folder / name)
+
+
 def install_model(triton: Triton, profile: Profile, served: Served) -> None:
     if triton.is_ready(served.name):
         return
-    if profile.serve.backend == "tensorrtllm":
-        if served.engine_root is None:
-            raise CheckFailed(f"{served.name}: serve.backend tensorrtllm, but the version has no build_engine artifact")
-        # Composing models first; loading the ensemble loads them.
-        for model, (template, values) in tensorrtllm_models(
-            profile, served.name, served.engine_root, served.artifact_sha256
-        ).items():
-            render_model(template, triton.repository, model, values)
-    else:
-        render_model(
-            "llm", triton.repository, served.name, llm_values(profile, served.model_dir, served.artifact_sha256)
+    with model_folders(triton) as repository:
+        if profile.serve.backend == "tensorrtllm":
+            if served.engine_root is None:
+                raise CheckFailed(
+                    f"{served.name}: serve.backend tensorrtllm, but the version has no build_engine artifact"
+                )
+            if triton.repository is None:
+                raise BadInput(
+                    f"Triton at {triton.url}: a tensorrtllm model needs the server's model repository "
+                    "(--triton-repository on a shared filesystem): engines are not sent with load requests"
+                )
+            # Composing models first; loading the ensemble loads them.
+            for model, (template, values) in tensorrtllm_models(
+                profile, served.name, served.engine_root, served.artifact_sha256
+            ).items():
+                render_model(template, repository, model, values)
+        else:
+            # No shared filesystem: the model's weights and tokenizer travel inside its folder (1/model).
+            shipped = triton.repository is None
+            values = llm_values(profile, served.model_dir, served.artifact_sha256)
+            folder = render_model(
+                "llm", repository, served.name, {**values, "model_dir": "model"} if shipped else values
+            )
+            if shipped:
+                shutil.copytree(served.model_dir, folder / "1" / "model")
+        check_serving_contract(repository, profile, served)
+        logger().info(
+            f"canary: loading {served.name} on Triton {triton.url}"
+            + (" (model files sent with the request)" if triton.repository is None else "")
         )
-    check_serving_contract(triton.repository, profile, served)
-    logger().info(f"canary: loading {served.name} on Triton {triton.url}")
-    triton.load(served.name, timeout=profile.serve.load_timeout_s)
+        load_rendered(triton, served.name, repository, profile.serve.load_timeout_s)
 
 
 def check_serving_contract(repository: Path, profile: Profile, served: Served) -> None:
@@ -164,30 +198,39 @@ def check_serving_contract(repository: Path, profile: Profile, served: Served) -
     found = re.search(rf'key: "{key}", value: {{ string_value: "([^"]*)" }}', config.read_text())
     if found is None:
         raise CheckFailed(f"train/serve contract: {config} names no {key}")
+    named = Path(found.group(1))
+    tokenizer_dir = named if named.is_absolute() else repository / model / "1" / named  # shipped with the model
     require_same(
         load_contract(served.model_dir),
-        read_contract(Path(found.group(1)), served.model_dir),
+        read_contract(tokenizer_dir, served.model_dir),
         f"the serving config {config} ({key} {found.group(1)})",
     )
 
 
 def set_routes(triton: Triton, profile: Profile, service: str, weights: Mapping[str, float]) -> None:
     routes = ",".join(f"{name}={weight:g}" for name, weight in weights.items() if weight > 0)
-    render_model(
-        "router", triton.repository, service, {"max_batch_size": profile.serve.max_batch_size, "routes": routes}
-    )
-    triton.load(service, timeout=profile.serve.load_timeout_s)
+    with model_folders(triton) as repository:
+        render_model("router", repository, service, {"max_batch_size": profile.serve.max_batch_size, "routes": routes})
+        load_rendered(triton, service, repository, profile.serve.load_timeout_s)
     logger().info(f"canary: router {service} -> {routes}")
 
 
 # --- where Triton runs ------------------------------------------------------------------------
 
 
-def open_triton(ctx: RunContext, triton_url: str | None, repository: str | None) -> tuple[Triton, TritonServer | None]:
-    """Attach to the given Triton, or to the one `llmops serve` publishes for this LLMOPS_HOME, else start one
-    (returned as the second value: the caller stops it)."""
-    if triton_url:
-        return Triton.attach(triton_url, Path(repository or ctx.home / "triton" / "repository")), None
+def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, TritonServer | None]:
+    """Attach to the target, or to the one `llmops serve` publishes for this LLMOPS_HOME, else start one
+    (returned as the second value: the caller stops it). The control key: LLMOPS_TRITON_CONTROL_KEY, else this
+    LLMOPS_HOME's key file."""
+    if target is not None:
+        triton = Triton.attach(
+            target.url,
+            Path(target.repository) if target.repository else None,
+            target.metrics_url,
+            target.grpc_url,
+            control_key(ctx.home),
+        )
+        return triton, None
     serving = published(ctx.home)
     if serving is not None:
         return serving, None

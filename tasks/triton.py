@@ -2,34 +2,102 @@
 
 Whoever started the server (tasks/triton_server.py, or someone else for an attached one), this is
 how the canary, the gate and the benchmark talk to it.
+
+- The model-control APIs (model repository, model config) carry the control key in the
+  `llmops-control-key` header when one is set: a Triton started here restricts them to it
+  (tasks/triton_server.py); inference and health need no key.
+- Without a shared filesystem (`repository` None), a model goes with its load request: its config
+  (as JSON) and every file of its folder, base64, in the request's parameters (Triton's model
+  repository extension, "load with override files"); the server's own repository is never written.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
 
-from tasks.errors import CheckFailed, TransientError
+from tasks.errors import BadInput, CheckFailed, TransientError
+
+CONTROL_HEADER = "llmops-control-key"
+CONTROL_KEY_ENV = "LLMOPS_TRITON_CONTROL_KEY"
+CONTROL_KEY_FILE = "control.key"  # under $LLMOPS_HOME/triton/, mode 600, made when this project starts a Triton
+
+
+def control_key(home: Path) -> str | None:
+    """The model-control key: LLMOPS_TRITON_CONTROL_KEY, else the key file of this LLMOPS_HOME's Triton."""
+    if os.environ.get(CONTROL_KEY_ENV):
+        return os.environ[CONTROL_KEY_ENV]
+    path = home / "triton" / CONTROL_KEY_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class TritonTarget:
+    """A Triton to roll out on that this run does not start: its endpoints, given by flags or the environment
+    (LLMOPS_TRITON_URL, LLMOPS_TRITON_GRPC_URL, LLMOPS_TRITON_METRICS_URL, LLMOPS_TRITON_REPOSITORY)."""
+
+    url: str
+    grpc_url: str
+    metrics_url: str
+    repository: str | None = None  # its model repository on a filesystem this machine shares; None: send models
+
+    @classmethod
+    def from_options(
+        cls, url: str | None, grpc_url: str | None, metrics_url: str | None, repository: str | None
+    ) -> TritonTarget | None:
+        env = os.environ
+        url = url or env.get("LLMOPS_TRITON_URL")
+        if not url:
+            return None
+        grpc_url = grpc_url or env.get("LLMOPS_TRITON_GRPC_URL")
+        metrics_url = metrics_url or env.get("LLMOPS_TRITON_METRICS_URL")
+        missing = [
+            flag
+            for flag, value in (
+                ("--triton-grpc-url (genai-perf's endpoint)", grpc_url),
+                ("--triton-metrics-url (the canary's live checks)", metrics_url),
+            )
+            if not value
+        ]
+        if missing:
+            raise BadInput(
+                f"Triton at {url}: attaching needs {' and '.join(missing)}, or LLMOPS_TRITON_GRPC_URL / "
+                "LLMOPS_TRITON_METRICS_URL"
+            )
+        assert grpc_url is not None and metrics_url is not None
+        return cls(url, grpc_url, metrics_url, repository or env.get("LLMOPS_TRITON_REPOSITORY") or None)
 
 
 @dataclass
 class Triton:
-    """A Triton reachable over HTTP, with its model repository folder and metrics endpoint."""
+    """A Triton reachable over HTTP: its URLs, its model repository folder when this machine shares it
+    (None: models go with their load requests), and the model-control key (never printed)."""
 
     url: str
-    repository: Path
+    repository: Path | None
     metrics_url: str | None = None
     grpc_url: str | None = None
+    control_key: str | None = field(default=None, repr=False)
 
     @classmethod
-    def attach(cls, url: str, repository: Path, timeout: float = 30) -> Triton:
-        server = cls(url.rstrip("/"), repository)
+    def attach(
+        cls,
+        url: str,
+        repository: Path | None,
+        metrics_url: str | None = None,
+        grpc_url: str | None = None,
+        control_key: str | None = None,
+        timeout: float = 30,
+    ) -> Triton:
+        server = cls(url.rstrip("/"), repository, metrics_url, grpc_url, control_key)
         deadline = time.monotonic() + timeout
         while not server.is_live():
             if time.monotonic() > deadline:
@@ -46,9 +114,20 @@ class Triton:
             return False
 
     # --- model control -------------------------------------------------------------------------
-    def load(self, name: str, timeout: float = 300) -> None:
+    def control_headers(self) -> dict[str, str]:
+        return {CONTROL_HEADER: self.control_key} if self.control_key else {}
+
+    def load(self, name: str, timeout: float = 300, model_folder: Path | None = None) -> None:
+        """Load (or reload) model `name`: from the server's repository, or, with `model_folder`, from the
+        config and files sent with the request."""
+        body = {"parameters": load_parameters(model_folder)} if model_folder is not None else None
         try:
-            response = requests.post(f"{self.url}/v2/repository/models/{name}/load", timeout=timeout)
+            response = requests.post(
+                f"{self.url}/v2/repository/models/{name}/load",
+                json=body,
+                timeout=timeout,
+                headers=self.control_headers(),
+            )
         except requests.RequestException as exc:
             raise TransientError(f"Triton at {self.url}: load {name}: {exc}") from None
         if response.status_code != 200:
@@ -60,6 +139,7 @@ class Triton:
         requests.post(
             f"{self.url}/v2/repository/models/{name}/unload",
             json={"parameters": {"unload_dependents": True}},
+            headers=self.control_headers(),
             timeout=60,
         ).raise_for_status()
 
@@ -70,7 +150,9 @@ class Triton:
             return False
 
     def loaded_models(self) -> list[str]:
-        index = requests.post(f"{self.url}/v2/repository/index", json={"ready": True}, timeout=10).json()
+        index = requests.post(
+            f"{self.url}/v2/repository/index", json={"ready": True}, headers=self.control_headers(), timeout=10
+        ).json()
         return sorted(m["name"] for m in index)
 
     def generate(
@@ -92,13 +174,29 @@ class Triton:
 
     def model_config(self, name: str) -> dict:
         """The configuration Triton loaded for model `name` (what it serves, not what a file says)."""
-        response = requests.get(f"{self.url}/v2/models/{name}/config", timeout=10)
+        response = requests.get(f"{self.url}/v2/models/{name}/config", headers=self.control_headers(), timeout=10)
         response.raise_for_status()
         return response.json()
 
     def metrics(self) -> str:
-        url = self.metrics_url or re.sub(r":\d+$", ":8002", self.url) + "/metrics"
-        return requests.get(url, timeout=10).text
+        if not self.metrics_url:
+            raise CheckFailed(
+                f"Triton at {self.url}: no metrics URL (give --triton-metrics-url or LLMOPS_TRITON_METRICS_URL)"
+            )
+        return requests.get(self.metrics_url, timeout=10).text
+
+
+def load_parameters(model_folder: Path) -> dict[str, str]:
+    """A rendered model folder as load-request parameters: its config.pbtxt as JSON, every other file base64."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse((model_folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    parameters = {"config": json_format.MessageToJson(config, preserving_proto_field_name=True)}
+    for path in sorted(model_folder.rglob("*")):
+        if path.is_file() and path.name != "config.pbtxt" and "__pycache__" not in path.parts:
+            parameters[f"file:{path.relative_to(model_folder)}"] = base64.b64encode(path.read_bytes()).decode()
+    return parameters
 
 
 def parse_metric(text: str, metric: str, model: str) -> float:

@@ -1,6 +1,15 @@
 """The Triton Inference Server process: started on 127.0.0.1 with explicit model control, stopped, and
 published in `$LLMOPS_HOME/triton/server.json` while `llmops serve` keeps it (this module is that file's one owner).
 
+Its control plane is locked: Triton's own `--http-restricted-api` / `--grpc-restricted-protocol` restrict
+the model-repository, model-config (HTTP) and shared-memory APIs to requests carrying the control key
+in the `llmops-control-key` header, so a client that reaches the port can infer but cannot load or
+unload models (Triton's secure-deployment guide: dynamic model loading can run arbitrary code).
+The key comes from LLMOPS_TRITON_CONTROL_KEY, else `$LLMOPS_HOME/triton/control.key` (made once,
+mode 600); it never goes into a profile, a log or MLflow. gRPC model-config stays open: genai-perf
+(perf_analyzer) reads the model config over gRPC, and a key on its command line would land in its
+artifacts; reading a config controls nothing.
+
 The binary: $LLMOPS_TRITONSERVER or `serve.triton_binary`, else the one in the nvidia-pytriton wheel
 (CPU machines), run with the Python backend and this environment's Python:
 - the wheel's bundled libraries go on LD_LIBRARY_PATH (without them model loads hang, not fail);
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -25,7 +35,7 @@ from pathlib import Path
 
 from tasks.errors import BadInput, CheckFailed, TransientError
 from tasks.ports import free_port
-from tasks.triton import Triton
+from tasks.triton import CONTROL_HEADER, CONTROL_KEY_FILE, Triton, control_key
 
 SERVER_FILE = "server.json"  # written while `llmops serve` runs: lets a run attach to the serving Triton
 
@@ -87,6 +97,7 @@ class TritonServer:
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)
         log_path = home / "triton" / "tritonserver.log"
+        key = ensure_control_key(home)
         http, grpc, metrics = free_port(), free_port(), free_port()
         command = [
             str(exe),
@@ -102,6 +113,7 @@ class TritonServer:
             "--log-verbose=0",
             # one candidate that failed to load must not mark the whole server unready
             "--strict-readiness=false",
+            *restricted_api_flags(key),
         ]
         if binary is None and not os.environ.get("LLMOPS_TRITONSERVER"):
             command.append(f"--backend-directory={python_backend_dir(home)}")
@@ -110,7 +122,7 @@ class TritonServer:
                 command, stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
             )
         client = Triton(
-            f"http://127.0.0.1:{http}", repository, f"http://127.0.0.1:{metrics}/metrics", f"127.0.0.1:{grpc}"
+            f"http://127.0.0.1:{http}", repository, f"http://127.0.0.1:{metrics}/metrics", f"127.0.0.1:{grpc}", key
         )
         server = cls(process, log_path, client)
         server.wait_live(timeout)
@@ -146,6 +158,27 @@ class TritonServer:
         return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
 
 
+def ensure_control_key(home: Path) -> str:
+    """The control key (see the module doc), made and stored once per LLMOPS_HOME when none is given."""
+    key = control_key(home)
+    if key is None:
+        path = home / "triton" / CONTROL_KEY_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(key)
+    return key
+
+
+def restricted_api_flags(key: str) -> list[str]:
+    """Triton's syntax: `--http-restricted-api=<API>,<API>:<header>=<value>` (and the gRPC twin)."""
+    return [
+        f"--http-restricted-api=model-repository,model-config,shared-memory:{CONTROL_HEADER}={key}",
+        f"--grpc-restricted-protocol=model-repository,shared-memory:{CONTROL_HEADER}={key}",
+    ]
+
+
 def publish(home: Path, server: TritonServer) -> Path:
     """Write server.json: runs with this LLMOPS_HOME roll out on this server while it lives."""
     state = home / "triton" / SERVER_FILE
@@ -174,5 +207,5 @@ def published(home: Path) -> Triton | None:
     if not state.is_file():
         return None
     info = json.loads(state.read_text())
-    triton = Triton(info["url"], Path(info["repository"]), info["metrics_url"], info["grpc_url"])
+    triton = Triton(info["url"], Path(info["repository"]), info["metrics_url"], info["grpc_url"], control_key(home))
     return triton if triton.is_live() else None

@@ -65,12 +65,20 @@ def server(home, first_release):
     assert not state.exists()  # serve cleans up after itself
 
 
-def ready_models(url: str, expected: list[str], timeout: float = 60) -> list[str]:
+def served_by(home: Path, server: dict):
+    """A client of the Triton `llmops serve` runs for `home`, with its model-control key."""
+    from tasks.triton import Triton, control_key
+
+    return Triton(
+        server["url"], Path(server["repository"]), server["metrics_url"], server["grpc_url"], control_key(home)
+    )
+
+
+def ready_models(triton, expected: list[str], timeout: float = 60) -> list[str]:
     """Triton unloads asynchronously (after requests in flight): poll until the set settles."""
     deadline = time.monotonic() + timeout
     while True:
-        index = requests.post(f"{url}/v2/repository/index", json={"ready": True}, timeout=10).json()
-        names = sorted(m["name"] for m in index)
+        names = triton.loaded_models()
         if names == sorted(expected) or time.monotonic() > deadline:
             return names
         time.sleep(0.5)
@@ -161,9 +169,8 @@ def test_a_model_that_fails_to_load_leaves_the_champion_serving(home, server, tm
     from tasks.canary import Served, install_model
     from tasks.config import load_profile
     from tasks.errors import CheckFailed
-    from tasks.triton import Triton
 
-    triton = Triton.attach(server["url"], Path(server["repository"]))
+    triton = served_by(home, server)
     broken = Served("999", f"{SERVICE}-v999", tmp_path / "no-model-here")
     with pytest.raises(CheckFailed, match=f"model {SERVICE}-v999 failed to load"):
         install_model(triton, load_profile("cpu-tiny"), broken)
@@ -181,7 +188,7 @@ def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, s
     for weight in (10, 50, 100):
         assert f"canary: {weight}% to {SERVICE}-v{new}" in result.stdout + result.stderr
     expected = [SERVICE, f"{SERVICE}-v{new}"]
-    assert ready_models(server["url"], expected) == sorted(expected)  # old champion unloaded
+    assert ready_models(served_by(home, server), expected) == sorted(expected)  # old champion unloaded
     assert load.failed == 0, load.errors[:5]
     assert load.ok > 50
 
@@ -198,7 +205,7 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
     assert str(rejected.version) != before and rejected.tags["gate.decision"] == "reject"
     expected = [SERVICE, f"{SERVICE}-v{before}"]
-    assert ready_models(server["url"], expected) == sorted(expected)  # candidate unloaded
+    assert ready_models(served_by(home, server), expected) == sorted(expected)  # candidate unloaded
     assert load.failed == 0, load.errors[:5]
     report = result.stdout.split("gate report: ")[1].split()[0]
     gate = llmops(home, "gate", report)
@@ -232,7 +239,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, ser
     )
     assert champion(home) == before
     expected = [SERVICE, f"{SERVICE}-v{before}"]
-    assert ready_models(server["url"], expected) == sorted(expected)
+    assert ready_models(served_by(home, server), expected) == sorted(expected)
     assert load.failed == 0, load.errors[:5]
 
 
@@ -258,7 +265,7 @@ def test_a_candidate_served_with_a_broken_prompt_encoding_fails_parity_and_the_c
     assert sum(a["served"] != a["offline"] for a in answers) >= parity["value"] * len(answers), report_path
     assert champion(home) == before and str(rejected.version) != before  # no alias moved
     expected = [SERVICE, f"{SERVICE}-v{before}"]
-    assert ready_models(server["url"], expected) == sorted(expected)  # candidate unloaded, champion serving
+    assert ready_models(served_by(home, server), expected) == sorted(expected)  # candidate unloaded, champion serving
     assert (
         requests.post(
             f"{server['url']}/v2/models/{SERVICE}/generate",

@@ -7,6 +7,7 @@ the others one response at the end; every request ends with the FINAL flag (deco
 """
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,8 +74,10 @@ class TritonPythonModel:
         # cuda: fp16 weights on the GPU (a CUDA profile's Python-backend serving); cpu: fp32.
         self.device = params.get("device", "cpu")
         dtype = torch.float16 if self.device.startswith("cuda") else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=dtype).to(self.device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(params["model_dir"])
+        # A relative model_dir is inside this model's version folder: the weights came with the load request.
+        model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.chat = params.get("apply_chat_template", "true") == "true"
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
         self.eos = self.tokenizer.eos_token_id

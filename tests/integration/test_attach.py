@@ -1,0 +1,106 @@
+"""Production attach: a release rolled out by URL on a Triton this run did not start, whose model
+repository this machine never writes (models go with their load requests), with the model-control
+API locked to a key that inference does not need."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from tasks.triton_server import TritonServer
+from tests.integration.test_serving import FAST, ready_models
+from tests.servers import latest_release, llmops, registry
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+SERVICE = "tiny-qwen2-antonyms"
+KEY = "test-control-key-4f1c9a"
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory, monkeypatch_module):
+    """A Triton started apart from the pipeline: its own home and repository, locked with KEY."""
+    monkeypatch_module.setenv("LLMOPS_TRITON_CONTROL_KEY", KEY)
+    server = TritonServer.start(tmp_path_factory.mktemp("triton-elsewhere"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def attach_args(server: TritonServer) -> list[str]:
+    client = server.client
+    return [
+        "--triton-url",
+        client.url,
+        "--triton-grpc-url",
+        client.grpc_url,
+        "--triton-metrics-url",
+        client.metrics_url,
+    ]
+
+
+def curl(*args: str) -> str:
+    """The HTTP status curl gets."""
+    return subprocess.run(
+        ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", *args], capture_output=True, text=True, timeout=60
+    ).stdout
+
+
+def test_the_control_api_needs_the_key_and_inference_does_not(triton):
+    url = triton.client.url
+    assert curl("-X", "POST", f"{url}/v2/repository/index") == "403"
+    assert curl("-X", "POST", f"{url}/v2/repository/models/nothing/unload") == "403"
+    assert curl("-X", "POST", "-H", "llmops-control-key: wrong", f"{url}/v2/repository/index") == "403"
+    assert curl("-X", "POST", "-H", f"llmops-control-key: {KEY}", f"{url}/v2/repository/index") == "200"
+    assert curl(f"{url}/v2/health/ready") == "200"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory, triton):
+    home = tmp_path_factory.mktemp("attach-home")
+    result = llmops(home, "run", *attach_args(triton), *FAST)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return home
+
+
+def test_a_release_by_url_promotes_without_writing_the_servers_repository(triton, release):
+    tags = latest_release(release).data.tags
+    assert (tags["gate.decision"], tags["release.outcome"]) == ("promote", "promoted")
+    assert list(triton.client.repository.iterdir()) == []  # every model came with its load request
+    answer = requests.post(
+        f"{triton.client.url}/v2/models/{SERVICE}/generate",
+        timeout=30,
+        json={"text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True},
+    )
+    assert answer.status_code == 200 and answer.json()["text_output"] == "cold"  # inference: no key
+    leaked = [str(p) for p in release.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
+    assert leaked == []  # the control key is in no log, report or database of the run
+
+
+def test_a_bad_candidate_rolls_back_on_the_attached_triton(triton, release):
+    champion = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
+    result = llmops(release, "run", *attach_args(triton), "--set", "serve.apply_chat_template=false", *FAST)
+    assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
+    assert str(registry(release).get_model_version_by_alias(SERVICE, "champion").version) == champion
+    report = json.loads(Path(result.stdout.split("gate report: ")[1].split()[0]).read_text())
+    assert report["decision"] == "reject"
+    expected = [SERVICE, f"{SERVICE}-v{champion}"]
+    assert ready_models(triton.client, expected) == expected  # candidate unloaded, champion serving
+
+
+def test_attaching_without_the_grpc_and_metrics_endpoints_is_one_clear_line(tmp_path, triton):
+    result = llmops(tmp_path / "home", "run", "--triton-url", triton.client.url)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"llmops: error: Triton at {triton.client.url}: attaching needs --triton-grpc-url (genai-perf's endpoint) "
+        "and --triton-metrics-url (the canary's live checks), or LLMOPS_TRITON_GRPC_URL / LLMOPS_TRITON_METRICS_URL"
+    )
