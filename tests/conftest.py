@@ -15,6 +15,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session")
+def cpu_tiny_store(tmp_path_factory):
+    """One artifact store for the cpu-tiny releases of several test modules: each training runs once in the
+    session and later modules' releases of the same model are cache hits (the stages' own tests are elsewhere)."""
+    return tmp_path_factory.mktemp("cpu-tiny-store")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_prefect_at_the_end():
     yield

@@ -37,16 +37,13 @@ def monkeypatch_module():
         yield patch
 
 
-def attach_args(server: TritonServer) -> list[str]:
-    client = server.client
-    return [
-        "--triton-url",
-        client.url,
-        "--triton-grpc-url",
-        client.grpc_url,
-        "--triton-metrics-url",
-        client.metrics_url,
-    ]
+@pytest.fixture(scope="module")
+def attach_args(triton: TritonServer, cpu_tiny_store) -> list[str]:
+    """Roll out on `triton` by URL only (no repository), with the session's shared cpu-tiny artifact store."""
+    client = triton.client
+    assert client.grpc_url and client.metrics_url
+    endpoints = ["--triton-url", client.url, "--triton-grpc-url", client.grpc_url]
+    return [*endpoints, "--triton-metrics-url", client.metrics_url, "--artifacts", str(cpu_tiny_store)]
 
 
 def curl(*args: str) -> str:
@@ -66,9 +63,9 @@ def test_the_control_api_needs_the_key_and_inference_does_not(triton):
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory, triton):
+def release(tmp_path_factory, attach_args):
     home = tmp_path_factory.mktemp("attach-home")
-    result = llmops(home, "run", *attach_args(triton), *FAST)
+    result = llmops(home, "run", *attach_args, *FAST)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return home
 
@@ -87,9 +84,9 @@ def test_a_release_by_url_promotes_without_writing_the_servers_repository(triton
     assert leaked == []  # the control key is in no log, report or database of the run
 
 
-def test_a_bad_candidate_rolls_back_on_the_attached_triton(triton, release):
+def test_a_bad_candidate_rolls_back_on_the_attached_triton(triton, release, attach_args):
     champion = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
-    result = llmops(release, "run", *attach_args(triton), "--set", "serve.apply_chat_template=false", *FAST)
+    result = llmops(release, "run", *attach_args, "--set", "serve.apply_chat_template=false", *FAST)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     assert str(registry(release).get_model_version_by_alias(SERVICE, "champion").version) == champion
     report = json.loads(Path(result.stdout.split("gate report: ")[1].split()[0]).read_text())

@@ -32,22 +32,32 @@ def home(tmp_path_factory):
     return tmp_path_factory.mktemp("serving-home")
 
 
+@pytest.fixture(scope="module")
+def run(home, cpu_tiny_store):
+    """`llmops run ARGS` on this module's home, with the session's shared cpu-tiny artifact store."""
+
+    def release(*args: str):
+        return llmops(home, "run", "--artifacts", str(cpu_tiny_store), *args, *FAST)
+
+    return release
+
+
 def champion(home: Path) -> str:
     return str(registry(home).get_model_version_by_alias(SERVICE, "champion").version)
 
 
 @pytest.fixture(scope="module")
-def first_release(home):
-    result = llmops(home, "run", *FAST)
+def first_release(run):
+    result = run()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
 @pytest.fixture(scope="module")
-def server(home, first_release):
+def server(home, first_release, cpu_tiny_store):
     with open(home / "serve.log", "w") as log:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
-            [str(LLMOPS), "serve"],
+            [str(LLMOPS), "serve", "--artifacts", str(cpu_tiny_store)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=llmops_env(home),
@@ -178,9 +188,9 @@ def test_a_model_that_fails_to_load_leaves_the_champion_serving(home, server, tm
     assert f"{SERVICE}-v999" not in triton.loaded_models()
 
 
-def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server):
+def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server, run):
     with Load(server["url"]) as load:
-        result = llmops(home, "run", "--set", "train.seed=7", *FAST)
+        result = run("--set", "train.seed=7")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert latest_release(home).data.tags["release.outcome"] == "promoted"
     new = champion(home)
@@ -193,10 +203,10 @@ def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, s
     assert load.ok > 50
 
 
-def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server):
+def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run):
     before = champion(home)
     with Load(server["url"]) as load:
-        result = llmops(home, "run", "--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=0", *FAST)
+        result = run("--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=0")
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     # The one-epoch candidate's task metric collapses; on 2 shared cores its throughput ratio may fail too.
@@ -212,13 +222,11 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     assert gate.returncode == 10 and "FAIL  task metric drop vs champion" in gate.stdout
 
 
-def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, server):
+def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, server, run):
     """The gate passes (permissive thresholds) but the live check breaches at the first step."""
     before = champion(home)
     with Load(server["url"]) as load:
-        result = llmops(
-            home,
-            "run",
+        result = run(
             "--set",
             "train.num_train_epochs=1",
             "--set",
@@ -227,7 +235,6 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, ser
             "gate.max_task_metric_drop=1",
             "--set",
             "canary.max_mean_latency_ms=0.001",
-            *FAST,
         )
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr
@@ -243,12 +250,14 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, ser
     assert load.failed == 0, load.errors[:5]
 
 
-def test_a_candidate_served_with_a_broken_prompt_encoding_fails_parity_and_the_champion_keeps_serving(home, server):
+def test_a_candidate_served_with_a_broken_prompt_encoding_fails_parity_and_the_champion_keeps_serving(
+    home, server, run
+):
     """Offline the candidate is fine (every training stage is a cache hit); its serving config skips the chat
     template, so what clients get differs from what was evaluated: the served scores catch it."""
     before = champion(home)
     with Load(server["url"]) as load:
-        result = llmops(home, "run", "--set", "serve.apply_chat_template=false", *FAST)
+        result = run("--set", "serve.apply_chat_template=false")
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
     report = json.loads(Path(result.stdout.split("gate report: ")[1].split()[0]).read_text())
