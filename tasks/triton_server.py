@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,9 +166,15 @@ def ensure_control_key(home: Path) -> str:
         path = home / "triton" / CONTROL_KEY_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         key = secrets.token_urlsafe(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 600
         with os.fdopen(fd, "w") as out:
             out.write(key)
+        try:
+            os.link(staged, path)  # atomic and never replaces: two runs starting at once agree on the first key
+        except FileExistsError:
+            key = path.read_text().strip()
+        finally:
+            os.unlink(staged)
     return key
 
 
