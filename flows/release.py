@@ -23,6 +23,7 @@ from tasks.stage import RunContext, StageResult, stage_task
 from tasks.store import open_store
 from tasks.tracking import Tracker, default_tracking_uri, end_run, start_run
 from tasks.triton import TritonTarget
+from tasks.triton_server import TritonServer
 
 
 @dataclass
@@ -106,7 +107,8 @@ def release(
     config = load_profile(profile, overrides or [], data_source)
     target = TritonTarget.from_options(triton_url, triton_grpc_url, triton_metrics_url, triton_repository)
     ctx = open_context(config, tracking_uri, artifacts)
-    server, report = None, None
+    server: TritonServer | None = None
+    report: gate.GateReport | None = None
     try:
         dataset = stage_task(data.prepare_data, config)(ctx)
         base = stage_task(base_model.base_model, config)(ctx, dataset)

@@ -13,11 +13,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.config import BenchSection
 from tasks.errors import BadInput, CheckFailed
 from tasks.stage import RunContext, logger
 from tasks.triton import parse_metric
+
+if TYPE_CHECKING:
+    from tasks.canary import Deployment
 
 # (genai-perf key, statistic) -> our metric name; latencies in ms, throughputs per second.
 METRICS = {
@@ -149,7 +153,7 @@ def check_tokenizer(folder: Path) -> None:
         raise BadInput(f"benchmark: no tokenizer in {folder}")
 
 
-def benchmark(ctx: RunContext, deployment) -> dict:
+def benchmark(ctx: RunContext, deployment: Deployment) -> dict:
     """genai-perf on the candidate and, when one serves, the champion; same load for both."""
     cfg = ctx.profile.bench
     out_dir = ctx.home / "work" / "benchmark" / ctx.tracker.run_id
@@ -157,11 +161,17 @@ def benchmark(ctx: RunContext, deployment) -> dict:
     roles = {"candidate": deployment.candidate}
     if deployment.champion is not None:
         roles["champion"] = deployment.champion
+    grpc_url = deployment.triton.grpc_url
+    if grpc_url is None:
+        raise CheckFailed(
+            f"benchmark: Triton at {deployment.triton.url} has no gRPC endpoint for genai-perf "
+            "(give --triton-grpc-url or LLMOPS_TRITON_GRPC_URL)"
+        )
     levels, summary = {}, {}
     for role, served in roles.items():
         check_tokenizer(served.model_dir)
         before = deployment.triton.metrics()
-        levels[role] = run_genai_perf(served.name, deployment.triton.grpc_url, served.model_dir, cfg, out_dir)
+        levels[role] = run_genai_perf(served.name, grpc_url, served.model_dir, cfg, out_dir)
         after = deployment.triton.metrics()
         failures = parse_metric(after, "nv_inference_request_failure", served.name) - parse_metric(
             before, "nv_inference_request_failure", served.name

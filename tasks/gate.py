@@ -19,10 +19,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.config import GateSection
 from tasks.stage import RunContext, StageResult, logger
 from tasks.stats import Difference
+
+if TYPE_CHECKING:
+    from tasks.canary import Deployment
 
 
 @dataclass
@@ -209,7 +213,7 @@ def decide(
     )
 
 
-def measured_artifact(deployment) -> str:
+def measured_artifact(deployment: Deployment) -> str:
     """The artifact Triton loaded for the candidate, from the configuration the server reports."""
     name = deployment.candidate.name
     config_model = f"{name}-pre" if deployment.candidate.engine_root is not None else name
@@ -217,7 +221,9 @@ def measured_artifact(deployment) -> str:
     return parameters.get("artifact_sha256", {}).get("string_value", "")
 
 
-def score_quality(ctx: RunContext, deployment, data: StageResult, evaluation: StageResult, folder: Path) -> Quality:
+def score_quality(
+    ctx: RunContext, deployment: Deployment, data: StageResult, evaluation: StageResult, folder: Path
+) -> Quality:
     """Score the eval split through the served candidate and champion; write their answers next to the report."""
     from tasks.data import eval_conversations
     from tasks.evaluate import gain, offline_scores, require_samples
@@ -294,7 +300,12 @@ def score_quality(ctx: RunContext, deployment, data: StageResult, evaluation: St
 
 
 def gate(
-    ctx: RunContext, deployment, bench: dict, data: StageResult, evaluation: StageResult, quantized: StageResult
+    ctx: RunContext,
+    deployment: Deployment,
+    bench: dict,
+    data: StageResult,
+    evaluation: StageResult,
+    quantized: StageResult,
 ) -> GateReport:
     folder = ctx.home / "work" / "gate" / ctx.tracker.run_id
     folder.mkdir(parents=True, exist_ok=True)
