@@ -283,8 +283,13 @@ HEAVY_STAGES: tuple[str, ...] = get_args(HeavyStage)
 
 
 class RunSection(Section):
+    # Prefect task retries for transient faults: exponential backoff from retry_delay_s, with jitter.
+    # The default (5, 10, 20 s) outlasts the restart of a server (S3, MLflow, Triton).
     retries: int = Field(3, ge=0)
-    retry_delay_s: float = Field(2.0, ge=0)
+    retry_delay_s: float = Field(5.0, ge=0)
+    # How long a store that cannot be reached is waited for before a stage fails: checkpoint uploads
+    # retry in the background while training goes on, and a stage's final artifact is retried this long.
+    storage_outage_s: float = Field(600, ge=0)
     # Heavy stages that run as flow runs of a Prefect deployment (e.g. `run-stage/gpu` on the GPU
     # work pool) rather than inside the release flow's process, e.g. {train: run-stage/gpu}.
     # Empty on one machine; `--set 'run.remote_stages={}'` runs a GPU profile on one GPU machine.

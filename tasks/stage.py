@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tasks.config import Profile, sha256_json
 from tasks.errors import ArtifactMissing, CheckFailed, TransientError, is_transient
-from tasks.store import Artifact, ArtifactStore
+from tasks.store import Artifact, ArtifactStore, outlast_outage
 from tasks.tracking import Tracker
 
 
@@ -173,8 +173,16 @@ def run_cached(
     out_dir.mkdir(parents=True)
     log.info(f"{stage}: running (key {key[:12]})")
     metrics = produce(out_dir)
-    artifact = ctx.store.put_dir(out_dir)
-    ctx.store.put_record(f"stages/{stage}", key, {"artifact": artifact.as_dict(), "metrics": metrics})
+
+    def store_result() -> Artifact:
+        artifact = ctx.store.put_dir(out_dir)
+        ctx.store.put_record(f"stages/{stage}", key, {"artifact": artifact.as_dict(), "metrics": metrics})
+        return artifact
+
+    # The work is done: a store that is briefly away is waited for rather than failing the stage.
+    artifact = outlast_outage(
+        f"{stage}: storing the result", store_result, ctx.profile.run.storage_outage_s, log.warning
+    )
     ctx.tracker.log_metrics(stage, metrics)
     seconds = time.monotonic() - started
     log.info(f"{stage}: done in {seconds:.1f}s -> {artifact.uri}")
@@ -198,6 +206,7 @@ def stage_task(fn: Callable, profile: Profile):
         name=fn.__name__,
         retries=profile.run.retries,
         retry_delay_seconds=exponential_backoff(profile.run.retry_delay_s),
+        retry_jitter_factor=0.5,  # releases that failed together do not all retry at the same moment
         retry_condition_fn=retry_if_transient,
         cache_policy=NO_CACHE,
         persist_result=False,

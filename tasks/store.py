@@ -15,15 +15,19 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from tasks.config import sha256_json
-from tasks.errors import ArtifactMissing, BadInput
+from tasks.errors import ArtifactMissing, BadInput, is_transient
 
 MANIFEST = "manifest.json"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -262,6 +266,38 @@ class S3Store(ArtifactStore):
                 return None
             raise
         return json.loads(body["Body"].read())
+
+
+def outlast_outage(
+    what: str,
+    call: Callable[[], T],
+    outage_s: float,
+    warn: Callable[[str], None],
+    keep_trying: Callable[[], bool] = lambda: True,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """`call()`, retried while the store is unreachable (transient faults only) for up to `outage_s`:
+    exponential backoff with full jitter (1 s doubling up to 30 s), so many clients coming back
+    after a storage restart do not hit it in step. `keep_trying()` false ends the retries early (a
+    newer checkpoint superseded this one); `sleep` may return early for the same reason."""
+    from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+    def log_retry(state) -> None:
+        fault = state.outcome.exception()
+        warn(
+            f"{what}: store unreachable ({type(fault).__name__}); retry {state.attempt_number} in "
+            f"{state.next_action.sleep:.1f}s, for up to {outage_s:.0f}s (run.storage_outage_s)"
+        )
+
+    retrying = Retrying(
+        retry=retry_if_exception(lambda exc: is_transient(exc) and keep_trying()),
+        wait=wait_random_exponential(multiplier=1, max=30),
+        stop=stop_after_delay(outage_s),
+        before_sleep=log_retry,
+        sleep=sleep,
+        reraise=True,
+    )
+    return retrying(call)
 
 
 def open_store(artifacts: str | None, home: Path) -> ArtifactStore:

@@ -2,8 +2,9 @@
 
 The parent process follows LlamaFactory's `trainer_log.jsonl` while training runs: each
 logging step goes to MLflow (`train/loss`, `train/learning_rate`) and to the terminal/Prefect
-log, and each finished checkpoint is uploaded to the artifact store, so a retried task or a
-rerun on a fresh machine resumes from the last stored checkpoint instead of step 0.
+log, and each finished checkpoint is uploaded to the artifact store from a background thread, so a
+retried task or a rerun on a fresh machine resumes from the last stored checkpoint instead of step 0,
+and a store that is briefly unreachable does not stop training.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,8 +23,9 @@ import yaml
 
 from tasks.config import HardwareSection, TrainSection
 from tasks.contract import read_contract, write_contract
-from tasks.errors import CheckFailed
+from tasks.errors import CheckFailed, is_transient
 from tasks.stage import RunContext, StageResult, logger, run_cached
+from tasks.store import Artifact, outlast_outage
 
 POLL_SECONDS = 1.0
 # What of LlamaFactory's output_dir makes up the adapter artifact (checkpoints are stored apart).
@@ -84,19 +87,109 @@ def launch_env(hardware: HardwareSection) -> dict:
     return env
 
 
+class CheckpointUploader:
+    """Stores finished checkpoints from a thread of its own, so that training goes on while the store
+    is slow or briefly unreachable (a restart of the S3 server, a network blip): an upload that meets
+    a transient fault is retried with backoff for up to `run.storage_outage_s`. Only the newest
+    checkpoint matters for a resume, so one still waiting when a newer one is finished is dropped."""
+
+    def __init__(self, ctx: RunContext, checkpoint_key: str):
+        self.ctx, self.checkpoint_key = ctx, checkpoint_key
+        self.log = logger()  # the task's logger, taken here: the upload thread has no Prefect run context
+        self._changed = threading.Condition()
+        self._next: Path | None = None
+        self._closing = False
+        self.stored_step = 0
+        self._thread = threading.Thread(target=self._work, name="checkpoint-uploader", daemon=True)
+        self._thread.start()
+
+    def submit(self, folder: Path) -> None:
+        with self._changed:
+            self._next = folder
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stores what was submitted last (one attempt once training is over: the final artifact,
+        not a checkpoint, is what the stage now waits for) and stops the thread."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        self._thread.join()
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._next is not None or self._closing)
+                folder, self._next = self._next, None
+            if folder is None:
+                return
+            self._store(folder)
+
+    def _superseded(self) -> bool:
+        with self._changed:
+            return self._next is not None or self._closing
+
+    def _newer_waiting(self) -> bool:
+        with self._changed:
+            return self._next is not None
+
+    def _pause(self, seconds: float) -> None:
+        """A backoff sleep that ends early when a newer checkpoint arrives or training ends."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._next is not None or self._closing, timeout=seconds)
+
+    def _store(self, folder: Path) -> None:
+        step = int(folder.name.split("-")[1])
+
+        def store() -> Artifact:
+            artifact = self.ctx.store.put_dir(folder)
+            self.ctx.store.put_record(
+                "checkpoints/train", self.checkpoint_key, {"step": step, "artifact": artifact.as_dict()}
+            )
+            return artifact
+
+        try:
+            artifact = outlast_outage(
+                f"train: checkpoint {step}",
+                store,
+                self.ctx.profile.run.storage_outage_s,
+                self.log.warning,
+                keep_trying=lambda: not self._superseded(),
+                sleep=self._pause,
+            )
+        except Exception as exc:  # a checkpoint is a convenience: the stage fails on the final artifact only
+            if not folder.is_dir() or isinstance(exc, FileNotFoundError | shutil.Error):
+                # The trainer's rotation (save_total_limit) deleted it mid-upload (shutil.Error: the local
+                # store's copytree lost a file); only older ones are rotated away, so a newer one follows.
+                self.log.info(f"train: checkpoint {step} was rotated away before it was stored; a newer one follows")
+                return
+            if self._newer_waiting():
+                next_step = "a newer one follows"
+            elif self._superseded():
+                next_step = "training is over, the adapter is stored next"
+            elif is_transient(exc):
+                next_step = "the store stayed unreachable for run.storage_outage_s; training goes on"
+            else:
+                next_step = "training goes on"
+            self.log.warning(f"train: checkpoint {step} not stored ({type(exc).__name__}: {exc}); {next_step}")
+        else:
+            self.stored_step = step
+            self.log.info(f"train: checkpoint {step} stored -> {artifact.uri}")
+
+
 class TrainingFollower:
     """Reads trainer_log.jsonl and checkpoint folders as they appear."""
 
-    def __init__(self, ctx: RunContext, output_dir: Path, checkpoint_key: str):
-        self.ctx, self.output_dir, self.checkpoint_key = ctx, output_dir, checkpoint_key
+    def __init__(self, ctx: RunContext, output_dir: Path, uploader: CheckpointUploader):
+        self.ctx, self.output_dir, self.uploader = ctx, output_dir, uploader
         self.offset = 0
-        self.uploaded: set[str] = set()
+        self.submitted: set[str] = set()
         self.pending: dict[str, tuple] = {}
         self.last_step = 0
 
     def poll(self, finished: bool = False) -> None:
         self._read_log()
-        self._upload_checkpoints(finished)
+        self._submit_checkpoints(finished)
 
     def _read_log(self) -> None:
         """Only the bytes appended since the last poll; a line is used once it is complete."""
@@ -123,29 +216,17 @@ class TrainingFollower:
                     f"eta {entry.get('remaining_time', '?')}"
                 )
 
-    def _upload_checkpoints(self, finished: bool) -> None:
+    def _submit_checkpoints(self, finished: bool) -> None:
         for folder in sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1])):
-            if folder.name in self.uploaded or not (folder / "trainer_state.json").is_file():
+            if folder.name in self.submitted or not (folder / "trainer_state.json").is_file():
                 continue
             # A checkpoint counts as written once its file list and sizes hold still across two polls.
             snapshot = tuple(sorted((p.name, p.stat().st_size) for p in folder.rglob("*") if p.is_file()))
             if not finished and self.pending.get(folder.name) != snapshot:
                 self.pending[folder.name] = snapshot
                 continue
-            step = int(folder.name.split("-")[1])
-            try:
-                artifact = self.ctx.store.put_dir(folder)
-            except (FileNotFoundError, shutil.Error):  # shutil.Error: copytree (local store) lost a file
-                # The trainer's rotation (save_total_limit) deleted it mid-upload; only older
-                # checkpoints are rotated away, so a newer one is already on disk and follows.
-                self.uploaded.add(folder.name)
-                logger().info(f"train: checkpoint {step} was rotated away before it was stored; a newer one follows")
-                continue
-            self.ctx.store.put_record(
-                "checkpoints/train", self.checkpoint_key, {"step": step, "artifact": artifact.as_dict()}
-            )
-            self.uploaded.add(folder.name)
-            logger().info(f"train: checkpoint {step} stored -> {artifact.uri}")
+            self.submitted.add(folder.name)
+            self.uploader.submit(folder)
 
 
 def restore_checkpoint(ctx: RunContext, key: str, output_dir: Path) -> Path | None:
@@ -225,10 +306,14 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
         config = llamafactory_config(
             cfg, ctx.store.fetch(base.artifact.digest), ctx.store.fetch(data.artifact.digest), output_dir, resume_from
         )
-        follower = TrainingFollower(ctx, output_dir, checkpoint_key)
+        uploader = CheckpointUploader(ctx, checkpoint_key)
+        follower = TrainingFollower(ctx, output_dir, uploader)
         started = time.monotonic()
-        with system_metrics(ctx):
-            run_llamafactory(ctx, config, work, follower)
+        try:
+            with system_metrics(ctx):
+                run_llamafactory(ctx, config, work, follower)
+        finally:
+            uploader.close()
         seconds = time.monotonic() - started
         for name in ADAPTER_FILES:
             if (output_dir / name).is_file():

@@ -82,7 +82,7 @@ def start_stack(root: Path) -> Stack:
     s3 = local_stack.start_s3(data_dir, free_port(), S3_KEY, S3_SECRET, root)
     env = s3_env(s3.url)
     try:
-        mlflow = local_stack.start_mlflow(root / "mlflow.db", free_port(), env, root)
+        mlflow = local_stack.start_mlflow(f"sqlite:///{root / 'mlflow.db'}", free_port(), env, root)
     except Exception:
         s3.stop()
         raise

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.servers import free_port, s3_env, start_stack
+from flows import stack as local_stack
+from tests.servers import S3_KEY, S3_SECRET, free_port, s3_env, start_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -284,3 +285,46 @@ def test_training_resumes_from_the_stored_checkpoint_on_a_fresh_machine(stack, f
     assert resumed >= 40
     history = MlflowClient(stack.mlflow.url).get_metric_history(latest_run(stack).info.run_id, "train/loss")
     assert min(m.step for m in history) > resumed  # no step before the checkpoint was trained again
+
+
+def test_training_outlasts_a_storage_outage(stack, first_run, tmp_path):
+    """The S3 server goes away mid-training for longer than the task retries of a stage span (three
+    retries 0.2 s apart here) and comes back on the same port: the same run finishes and promotes
+    nothing twice; the checkpoint uploads waited in the background while the trainer went on."""
+    import time
+
+    outage_s = 15
+    args = release_args(
+        stack,
+        *("--set", "train.num_train_epochs=35", "--set", "train.save_steps=100", "--set", "train.seed=23"),
+        *("--set", "run.storage_outage_s=180"),
+    )
+    namespace = "llmops/records/checkpoints/train/"
+    known = {k for k in bucket_keys(stack) if k.startswith(namespace)}
+    env = {**os.environ, **stack.env, "LLMOPS_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_HOME", None)
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([str(LLMOPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while not {k for k in bucket_keys(stack) if k.startswith(namespace)} - known:
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        port = int(stack.s3.url.rsplit(":", 1)[1])
+        stack.s3.stop()
+        went_away = time.monotonic()
+        time.sleep(outage_s)
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        stack.s3 = local_stack.start_s3(stack.data_dir, port, S3_KEY, S3_SECRET, tmp_path)
+        print(f"\nS3 was away for {time.monotonic() - went_away:.1f}s during training")
+        assert process.wait(600) == 0, log_path.read_text()[-4000:]
+    output = log_path.read_text()
+    assert "store unreachable" in output  # the outage was met and waited out, not missed
+    assert " - Retry 1/" not in output  # Prefect retried no task: the outage was waited out inside the stage
+    run = latest_run(stack)
+    assert run.data.tags["stage.train"] == "ran" and run.data.metrics["train/resumed_from_step"] == 0
+    lines = output.splitlines()
+    met = next(i for i, line in enumerate(lines) if "store unreachable" in line)
+    trained = next(i for i, line in enumerate(lines) if "train: done in" in line)
+    stored_after = [line for line in lines[met:trained] if "train: checkpoint" in line and "stored ->" in line]
+    assert stored_after, "\n".join(lines[met:trained])[-3000:]  # training went on and stored checkpoints again

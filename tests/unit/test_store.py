@@ -71,3 +71,52 @@ def test_open_store_kinds(tmp_path):
     assert isinstance(open_store(None, tmp_path), LocalStore)
     assert open_store(str(tmp_path / "s"), tmp_path).root == (tmp_path / "s").resolve()
     assert open_store((tmp_path / "f").as_uri(), tmp_path).root == (tmp_path / "f").resolve()
+
+
+def unreachable():
+    from botocore.exceptions import EndpointConnectionError
+
+    return EndpointConnectionError(endpoint_url="http://127.0.0.1:9/artifacts")
+
+
+def test_a_store_that_comes_back_within_the_outage_window_is_waited_for():
+    from tasks.store import outlast_outage
+
+    attempts, warnings, sleeps = [], [], []
+
+    def put():
+        attempts.append(1)
+        if len(attempts) < 4:
+            raise unreachable()
+        return "stored"
+
+    assert outlast_outage("train: storing", put, 600, warnings.append, sleep=sleeps.append) == "stored"
+    assert len(attempts) == 4 and len(warnings) == 3
+    assert "store unreachable (EndpointConnectionError); retry 1 in" in warnings[0]
+    assert "run.storage_outage_s" in warnings[0]
+    assert all(0 <= s <= 30 for s in sleeps)  # jittered exponential backoff, capped
+
+
+def test_the_outage_window_ends_retries_and_bad_input_is_not_retried():
+    from tasks.store import outlast_outage
+
+    def down():
+        raise unreachable()
+
+    with pytest.raises(type(unreachable())):
+        outlast_outage("x", down, 0, lambda _: None, sleep=lambda _: None)
+
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise PermissionError("AccessDenied")
+
+    with pytest.raises(PermissionError):
+        outlast_outage("x", refused, 600, lambda _: None, sleep=lambda _: None)
+    assert len(calls) == 1
+
+    stopped = []
+    with pytest.raises(type(unreachable())):
+        outlast_outage("x", lambda: stopped.append(1) or down(), 600, lambda _: None, keep_trying=lambda: False)
+    assert len(stopped) == 1  # a superseded upload is given up at once
