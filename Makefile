@@ -1,13 +1,17 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup run test test-unit lint format benchmark
+.PHONY: setup test-tools run test test-unit lint format benchmark
 
 setup:
 	bash infra/local/setup.sh
 
+# Debian's chromium and postgresql, which the integration tests start (installed when missing)
+test-tools:
+	bash infra/local/test-tools.sh
+
 run: setup
 	.venv/bin/llmops run
 
-test: setup
+test: setup test-tools
 	.venv/bin/python -m pytest tests
 
 # ruff (lint and format check) and mypy, as configured in pyproject.toml; CI runs it before the tests.

@@ -103,11 +103,13 @@ examples:
     stack = commands.add_parser(
         "stack",
         help="start, inspect or stop the local stack (Prefect server + worker, MLflow, S3)",
-        description="A local stack on 127.0.0.1: an S3 server (rclone), an MLflow server (sqlite + S3 artifacts), "
-        "a Prefect server and a process worker on the llmops-cpu pool. State, logs and data live in "
-        "$LLMOPS_HOME/stack.",
+        description="A local stack on 127.0.0.1: an S3 server (rclone), an MLflow server (S3 artifacts), "
+        "a Prefect server and a process worker on the llmops-cpu pool; Prefect and MLflow keep their "
+        "databases in sqlite files, or on a PostgreSQL server the stack starts (--db postgres). State, logs "
+        "and data live in $LLMOPS_HOME/stack.",
         epilog="""examples:
   llmops stack up                       # default ports: Prefect 4200, MLflow 5000, S3 9000
+  llmops stack up --db postgres         # Prefect and MLflow on PostgreSQL (port 5432), as in production
   eval "$(llmops stack env)"            # point llmops, prefect, mlflow and boto3 at it
   llmops deploy                         # register the deployments of infra/prefect.yaml
   llmops stack status
@@ -120,7 +122,13 @@ examples:
         help="start every service that is not running",
         description="Start the services that are not running; idempotent.",
     )
-    for service in ("prefect", "mlflow", "s3"):
+    up.add_argument(
+        "--db",
+        choices=("sqlite", "postgres"),
+        help="the database of Prefect's server and MLflow's tracking store (default: last used, else sqlite); "
+        "postgres runs Debian's PostgreSQL on 127.0.0.1 with its data under the stack's folder",
+    )
+    for service in ("prefect", "mlflow", "s3", "postgres"):
         up.add_argument(
             f"--{service}-port",
             type=int,
@@ -364,8 +372,14 @@ def command_stack(args) -> str | None:
     stack = Stack(Path(os.environ["LLMOPS_HOME"]))
     if args.action == "up":
         state = stack.up(
-            {"prefect": args.prefect_port, "mlflow": args.mlflow_port, "s3": args.s3_port},
+            {
+                "prefect": args.prefect_port,
+                "mlflow": args.mlflow_port,
+                "s3": args.s3_port,
+                "postgres": args.postgres_port,
+            },
             say=lambda line: print(line, flush=True),
+            db=args.db,
         )
         env = stack.client_env(state)
         return "\n".join(
@@ -373,6 +387,8 @@ def command_stack(args) -> str | None:
                 f"Prefect UI:  {env['PREFECT_API_URL'].removesuffix('/api')}",
                 f"MLflow UI:   {env['MLFLOW_TRACKING_URI']}",
                 f"S3:          {env['AWS_ENDPOINT_URL']}",
+                f"database:    {state['db']}"
+                + (f" (PostgreSQL on 127.0.0.1:{state['ports']['postgres']})" if state["db"] == "postgres" else ""),
                 'use it:      eval "$(llmops stack env)"; llmops deploy',
             ]
         )

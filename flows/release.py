@@ -17,7 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, runtime
 
 from tasks import base_model, bench, canary, data, engine, evaluate, gate, merge, quantize, registry, rollout, train
-from tasks.config import Profile, load_profile
+from tasks.config import Profile, ProfileName, load_profile
 from tasks.errors import CheckFailed
 from tasks.stage import RunContext, StageResult, stage_task
 from tasks.store import open_store
@@ -78,7 +78,7 @@ def open_serving_context(profile: Profile, tracking_uri: str | None, artifacts: 
 
 @flow(name="release", log_prints=True)
 def release(
-    profile: str = "cpu-tiny",
+    profile: ProfileName = "cpu-tiny",
     data_source: str | None = None,
     overrides: list[str] | None = None,
     tracking_uri: str | None = None,
@@ -91,7 +91,7 @@ def release(
     """Data -> (Q)LoRA adapter -> evaluated, merged, quantized candidate -> canary on Triton -> gate -> promote | rollback.
 
     Args:
-        profile: run profile: a name in profiles/ (cpu-tiny, qwen-7b-qlora-2xa10, ...) or a YAML path.
+        profile: run profile, one of profiles/ (a YAML path too, where the flow is called directly).
         data_source: dataset file, folder or s3:// URI; empty: the profile's data.source.
         overrides: profile overrides as key=value, e.g. train.learning_rate=1e-4 or serve.deploy=false.
         tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI of the worker, else sqlite under LLMOPS_HOME.

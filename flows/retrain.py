@@ -18,7 +18,7 @@ from prefect.deployments import run_deployment
 
 from flows.release import default_services, llmops_home
 from tasks import data
-from tasks.config import Profile, load_profile
+from tasks.config import Profile, ProfileName, load_profile
 from tasks.tracking import default_tracking_uri
 
 RELEASE_DEPLOYMENT = "release/release"
@@ -44,7 +44,7 @@ def data_fingerprint(config: Profile) -> tuple[str, int]:
 
 @flow(name="retrain", log_prints=True)
 def retrain(
-    profile: str = "cpu-tiny",
+    profile: ProfileName = "cpu-tiny",
     data_source: str = "s3://datasets/sft/",
     overrides: list[str] | None = None,
     release_deployment: str = RELEASE_DEPLOYMENT,
@@ -52,7 +52,7 @@ def retrain(
     """Look at the data location; start a release run when its data changed since the last release.
 
     Args:
-        profile: run profile of the release, a name in profiles/ or a YAML path.
+        profile: run profile of the release, one of profiles/.
         data_source: the data location to watch: an s3:// prefix, a folder or a file.
         overrides: profile overrides passed on to the release run (key=value).
         release_deployment: the release flow's deployment, as flow-name/deployment-name.

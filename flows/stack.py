@@ -1,6 +1,9 @@
 """The local stack: an S3 server, an MLflow server, a Prefect server and a process worker, all on 127.0.0.1.
 
     llmops stack up       start what is not running (ports, logs and data under $LLMOPS_HOME/stack)
+    llmops stack up --db postgres
+                          the same, with Prefect's and MLflow's databases on a PostgreSQL server
+                          the stack starts (Debian's postgresql; sqlite is the embedded default)
     llmops stack status   what runs where, with URLs and health
     llmops stack env      shell exports that point llmops, prefect, mlflow and boto3 at the stack
     llmops stack down     stop by PID: the worker first, then the servers
@@ -15,9 +18,12 @@ machines this runs on (no Docker, no root); every service here is a plain proces
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,10 +43,12 @@ BIN = Path(sys.executable).parent
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CPU_POOL = "llmops-cpu"
 BUCKETS = ("artifacts", "mlflow", "datasets")
-DEFAULT_PORTS = {"s3": 9000, "mlflow": 5000, "prefect": 4200}
+DEFAULT_PORTS = {"postgres": 5432, "s3": 9000, "mlflow": 5000, "prefect": 4200}
 # Start order; `down` stops in reverse, so the worker goes before the Prefect server it polls
-# (a worker whose API is gone ignores SIGTERM).
-SERVICES = ("s3", "mlflow", "prefect", "worker")
+# (a worker whose API is gone ignores SIGTERM), and PostgreSQL after its clients.
+SERVICES = ("postgres", "s3", "mlflow", "prefect", "worker")
+DATABASES = ("sqlite", "postgres")
+DB_USER = "llmops"
 
 
 def prefect_api() -> requests.Session:
@@ -141,8 +149,10 @@ def start(
     log_dir: Path,
     env: dict | None = None,
     timeout: float = 120,
+    user: str | None = None,
 ) -> Server:
-    """Start `command` in its own session, logging to log_dir/<name>.log; return once `ready()` is true."""
+    """Start `command` in its own session, logging to log_dir/<name>.log; return once `ready()` is true.
+    `user`: the account to run it as (root only)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     with open(log, "ab") as handle:
@@ -153,6 +163,9 @@ def start(
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            user=user,
+            group=user,
+            extra_groups=[] if user else None,
         )
     server = Server(name, process.pid, url, str(log), command, process)
     deadline = time.monotonic() + timeout
@@ -222,8 +235,8 @@ def start_s3(data_dir: Path, port: int, key: str, secret: str, log_dir: Path) ->
     )
 
 
-def start_mlflow(db: Path, port: int, s3: dict, log_dir: Path) -> Server:
-    """MLflow server: sqlite backend, artifacts proxied into the S3 server's `mlflow` bucket."""
+def start_mlflow(backend_store_uri: str, port: int, s3: dict, log_dir: Path, db_env: dict | None = None) -> Server:
+    """MLflow server: sqlite or PostgreSQL backend, artifacts proxied into the S3 server's `mlflow` bucket."""
     url = f"http://127.0.0.1:{port}"
     return start(
         "mlflow",
@@ -237,14 +250,15 @@ def start_mlflow(db: Path, port: int, s3: dict, log_dir: Path) -> Server:
             "--workers",
             "1",
             "--backend-store-uri",
-            f"sqlite:///{db}",
+            backend_store_uri,
             "--artifacts-destination",
             "s3://mlflow/artifacts",
         ],
         url,
         lambda: requests.get(f"{url}/health", timeout=2).ok,
         log_dir,
-        env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"]},
+        env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"], **(db_env or {})},
+        timeout=180,
     )
 
 
@@ -252,7 +266,7 @@ def prefect_server_env(prefect_home: Path) -> dict:
     return {"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": ""}
 
 
-def start_prefect(prefect_home: Path, port: int, log_dir: Path) -> Server:
+def start_prefect(prefect_home: Path, port: int, log_dir: Path, db_env: dict | None = None) -> Server:
     url = f"http://127.0.0.1:{port}/api"
     return start(
         "prefect",
@@ -260,8 +274,131 @@ def start_prefect(prefect_home: Path, port: int, log_dir: Path) -> Server:
         url,
         lambda: requests.get(f"{url}/health", timeout=2).ok,
         log_dir,
-        env=prefect_server_env(prefect_home),
+        # The UI asks /ui-settings where the API is; left alone that is port 4200 whatever --port says.
+        env={**prefect_server_env(prefect_home), "PREFECT_UI_API_URL": url, **(db_env or {})},
         timeout=180,
+    )
+
+
+# --- PostgreSQL (--db postgres) -------------------------------------------------------------------
+
+
+def postgres_program(name: str) -> str:
+    """Debian keeps PostgreSQL's server programs in /usr/lib/postgresql/<major>/bin, off PATH."""
+    found = shutil.which(name) or max(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), default=None)
+    if found is None:
+        raise BadInput(
+            f"--db postgres: PostgreSQL's `{name}` not found; install it (Debian: apt-get install postgresql)"
+        )
+    return found
+
+
+def postgres_account() -> str | None:
+    """PostgreSQL refuses to run as root: as root it runs as Debian's `postgres` account."""
+    return "postgres" if os.geteuid() == 0 else None
+
+
+def postgres_data_dir(stack_root: Path) -> Path:
+    """Under the stack's folder, except as root: `postgres` cannot enter a folder private to root
+    (pytest's and many $HOMEs are), so the data goes under that account's own home, one folder per stack."""
+    if postgres_account() is None:
+        return stack_root / "postgres"
+    return Path("/var/lib/postgresql/llmops") / hashlib.sha256(str(stack_root.resolve()).encode()).hexdigest()[:16]
+
+
+def postgres_client_env(passfile: Path) -> dict:
+    """libpq (MLflow's psycopg2) and asyncpg (Prefect's) both read the password from PGPASSFILE, so
+    no connection URL, command line or log holds it."""
+    return {"PGPASSFILE": str(passfile)}
+
+
+def prepare_postgres(data_dir: Path, passfile: Path, log_dir: Path) -> None:
+    """initdb once: the `llmops` superuser with a password (scram-sha-256 over TCP), no trust auth."""
+    if (data_dir / "PG_VERSION").is_file():
+        return
+    account = postgres_account()
+    password = secrets.token_urlsafe(24)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    pwfile = data_dir.parent / f".{data_dir.name}.pw"
+    pwfile.write_text(password + "\n")
+    pwfile.chmod(0o600)
+    if account:
+        for path in (data_dir.parent, data_dir, pwfile):
+            shutil.chown(path, account, account)
+    data_dir.chmod(0o700)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(log_dir / "postgres-initdb.log", "ab") as log:
+            result = subprocess.run(
+                [
+                    postgres_program("initdb"),
+                    "-D",
+                    str(data_dir),
+                    "-U",
+                    DB_USER,
+                    f"--pwfile={pwfile}",
+                    "--auth-host=scram-sha-256",
+                    "--auth-local=scram-sha-256",
+                    "--encoding=UTF8",
+                    "--locale=C",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                user=account,
+                group=account,
+                extra_groups=[] if account else None,
+                timeout=120,
+            )
+    finally:
+        pwfile.unlink(missing_ok=True)
+    if result.returncode != 0:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        raise CheckFailed(f"postgres: initdb failed; see {log_dir / 'postgres-initdb.log'}")
+    passfile.parent.mkdir(parents=True, exist_ok=True)
+    passfile.write_text(f"127.0.0.1:*:*:{DB_USER}:{password}\n")
+    passfile.chmod(0o600)
+
+
+def start_postgres(data_dir: Path, passfile: Path, port: int, log_dir: Path) -> Server:
+    """PostgreSQL on 127.0.0.1 only (no Unix socket), with the `prefect` and `mlflow` databases."""
+    prepare_postgres(data_dir, passfile, log_dir)
+    url = f"postgresql://{DB_USER}@127.0.0.1:{port}"
+
+    def ready() -> bool:
+        import psycopg2
+
+        connection = psycopg2.connect(
+            host="127.0.0.1", port=port, user=DB_USER, dbname="postgres", passfile=str(passfile), connect_timeout=2
+        )
+        try:
+            connection.autocommit = True  # CREATE DATABASE runs outside a transaction
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT datname FROM pg_database")
+                existing = {row[0] for row in cursor.fetchall()}
+                for database in ("prefect", "mlflow"):
+                    if database not in existing:
+                        cursor.execute(f"CREATE DATABASE {database}")
+        finally:
+            connection.close()
+        return True
+
+    return start(
+        "postgres",
+        [
+            postgres_program("postgres"),
+            "-D",
+            str(data_dir),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-c",
+            "unix_socket_directories=",
+        ],
+        url,
+        ready,
+        log_dir,
+        user=postgres_account(),
     )
 
 
@@ -355,15 +492,39 @@ class Stack:
             **s3_env(f"http://127.0.0.1:{ports['s3']}", creds["key"], creds["secret"]),
         }
 
-    def up(self, ports: dict[str, int | None], say: Callable[[str], None] = print) -> dict:
+    @property
+    def passfile(self) -> Path:
+        return self.root / "postgres.pgpass"
+
+    def database(self, state: dict) -> tuple[str, str, dict]:
+        """The backend store URIs of MLflow and Prefect, and the environment their servers need."""
+        if state.get("db", "sqlite") == "sqlite":
+            return f"sqlite:///{self.root / 'mlflow.db'}", "", {}
+        base = f"{DB_USER}@127.0.0.1:{state['ports']['postgres']}"
+        return (
+            f"postgresql+psycopg2://{base}/mlflow",
+            f"postgresql+asyncpg://{base}/prefect",
+            postgres_client_env(self.passfile),
+        )
+
+    def up(self, ports: dict[str, int | None], say: Callable[[str], None] = print, db: str | None = None) -> dict:
         state = self.load()
         running = {n: s for n, s in self.servers(state).items() if s.alive()}
+        if db is not None and db != state.get("db", db) and running:
+            raise BadInput(
+                f"--db {db}: the stack runs on {state['db']}; `llmops stack down` first "
+                f"(the runs and models recorded on {state['db']} stay there)"
+            )
+        state["db"] = db or state.get("db", "sqlite")
         chosen = {
             **DEFAULT_PORTS,
             **state.get("ports", {}),
             **{name: port for name, port in ports.items() if port is not None},
         }
-        for name in ("s3", "mlflow", "prefect"):
+        wanted = [
+            name for name in ("postgres", "s3", "mlflow", "prefect") if name != "postgres" or state["db"] == "postgres"
+        ]
+        for name in wanted:
             if name in running:
                 continue
             if chosen[name] == 0:
@@ -377,23 +538,28 @@ class Stack:
         state["services"] = {n: s.record() for n, s in running.items()}
         env = self.client_env(state)
         logs = self.root / "logs"
+        mlflow_store, prefect_store, db_env = self.database(state)
+        prefect_db_env = {**db_env, "PREFECT_SERVER_DATABASE_CONNECTION_URL": prefect_store} if prefect_store else {}
         starters = {
+            "postgres": lambda: start_postgres(postgres_data_dir(self.root), self.passfile, chosen["postgres"], logs),
             "s3": lambda: start_s3(
                 self.root / "s3", chosen["s3"], state["s3_credentials"]["key"], state["s3_credentials"]["secret"], logs
             ),
             "mlflow": lambda: start_mlflow(
-                self.root / "mlflow.db",
+                mlflow_store,
                 chosen["mlflow"],
                 s3_env(env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
                 logs,
+                db_env,
             ),
-            "prefect": lambda: start_prefect(self.root / "prefect-server", chosen["prefect"], logs),
+            "prefect": lambda: start_prefect(self.root / "prefect-server", chosen["prefect"], logs, prefect_db_env),
             "worker": lambda: start_worker(
                 env["PREFECT_API_URL"], {**env, "PREFECT_HOME": str(self.home / "prefect")}, logs
             ),
         }
-        # MLflow and Prefect need only S3 (or nothing) and take ~15 s each: they start side by side.
-        for group in (("s3",), ("mlflow", "prefect"), ("worker",)):
+        # MLflow and Prefect need only S3 and the database and take ~15 s each: they start side by side.
+        storage = ("postgres", "s3") if state["db"] == "postgres" else ("s3",)
+        for group in (storage, ("mlflow", "prefect"), ("worker",)):
             todo = [name for name in group if name not in running]
             for name in group:
                 if name in running:
@@ -453,7 +619,8 @@ def require_running(home: Path) -> dict:
     """The client environment of a running stack, or a clear error."""
     stack = Stack(home)
     state = stack.load()
-    stopped = [n for n in SERVICES if n not in state["services"] or not Server(**state["services"][n]).alive()]
+    needed = [n for n in SERVICES if n != "postgres" or state.get("db") == "postgres"]
+    stopped = [n for n in needed if n not in state["services"] or not Server(**state["services"][n]).alive()]
     if stopped:
         raise BadInput(
             f"local stack under {stack.root}: not running ({', '.join(stopped)} down); run `llmops stack up`"

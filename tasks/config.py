@@ -10,7 +10,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -345,6 +345,12 @@ def sha256_json(value: Any) -> str:
 
 def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+# A flow's profile parameter: the shipped profiles are its schema's choices, so the Prefect UI's run
+# form offers them and a deployment's server refuses another name (HTTP 409); a direct call
+# (`llmops run --profile my.yaml`) still takes a YAML path, as the schema does not bind Python callers.
+ProfileName = Annotated[str, Field(json_schema_extra={"enum": available_profiles()})]
 
 
 def profile_path(name_or_path: str) -> Path:

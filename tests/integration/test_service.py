@@ -1,4 +1,5 @@
-"""The pipeline as a service: `llmops stack up`, `llmops deploy`, new data -> retrain -> release run
+"""The pipeline as a service: `llmops stack up --db postgres` (Prefect and MLflow on PostgreSQL, Prefect
+on a port other than its default), `llmops deploy`, new data -> retrain -> release run
 on the process worker -> champion; the same data again -> no run; runs created through the Prefect
 API (as the UI does) with parameters; two releases of one model never hold the serving lock together.
 
@@ -17,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from flows.stack import API
-from tasks.config import load_profile
+from tasks.config import available_profiles, load_profile
 from tasks.data import clean_and_split, read_source
+from tests.browser import start_run_from_form, ui_api_url
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +123,10 @@ def service(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_", "AWS_"))}
     env.update(LLMOPS_HOME=str(home), PREFECT_HOME=str(home / "prefect"))
     up = subprocess.run(
-        [LLMOPS, "stack", "up", "--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0"],
+        [
+            *(LLMOPS, "stack", "up", "--db", "postgres"),
+            *("--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0", "--postgres-port", "0"),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -159,9 +164,10 @@ def service(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def first_release(service):
+def first_release(service, tmp_path_factory):
     """New data lands (pushed twice, as a retried upload would): the retrain deployment starts one release run.
-    Once that run holds the serving lock, a second release of the same model is created through the API."""
+    Once that run holds the serving lock, a second release of the same model is started by a person from the
+    release deployment's run form in the Prefect UI (headless Chromium; Prefect is not on its default port)."""
     pushed_at = time.time()
     for _ in range(2):
         pushed = service.llmops("data", "push", str(DATASET), "s3://datasets/sft/")
@@ -176,22 +182,51 @@ def first_release(service):
         "the retrain's release run holding the serving lock",
         interval=2,
     )
-    second = service.create_run(
-        "release/release",
-        {
-            "profile": "cpu-tiny",
-            "data_source": "s3://datasets/sft/",
-            "overrides": [*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2"],
-        },
-    )  # a new profile digest: a new version
-    assert second.status_code == 201, second.text
-    return release, second.json()
+    ui_url = service.api.removesuffix("/api")
+    assert not ui_url.endswith(":4200")
+    assert ui_api_url(ui_url) == service.api  # the UI calls the server it is served by
+    started = time.monotonic()
+    form = start_run_from_form(
+        ui_url,
+        service.deployment_id("release/release"),
+        profile="cpu-tiny",
+        data_source="s3://datasets/sft/",
+        overrides=[*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2"],  # a new version
+        screenshots=tmp_path_factory.mktemp("browser"),
+    )
+    print(f"release run {form.flow_run['name']} started from the UI's run form in {time.monotonic() - started:.1f}s")
+    assert form.offered_profiles == available_profiles()
+    return release, form.flow_run
 
 
 def release_started_at(flow_run: dict) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(flow_run["created"].replace("Z", "+00:00")).timestamp()
+
+
+def test_prefect_and_mlflow_keep_their_records_in_postgresql(service, first_release):
+    import psycopg2
+
+    state = json.loads((service.home / "stack" / "stack.json").read_text())
+    assert state["db"] == "postgres" and not (service.home / "stack" / "mlflow.db").exists()
+    passfile = service.home / "stack" / "postgres.pgpass"
+    assert passfile.stat().st_mode & 0o077 == 0
+    with pytest.raises(psycopg2.OperationalError, match="password"):
+        psycopg2.connect(
+            host="127.0.0.1", port=state["ports"]["postgres"], user="llmops", dbname="prefect", passfile="/dev/null"
+        )
+    counts = {}
+    for database, table in (("prefect", "flow_run"), ("mlflow", "runs")):
+        connection = psycopg2.connect(
+            host="127.0.0.1", port=state["ports"]["postgres"], user="llmops", dbname=database, passfile=str(passfile)
+        )
+        with connection, connection.cursor() as cursor:
+            cursor.execute(f"SELECT count(*) FROM {table}")
+            counts[database] = cursor.fetchone()[0]
+        connection.close()
+    assert counts["prefect"] >= len(service.release_runs()) >= 1
+    assert counts["mlflow"] >= 1  # the release run of first_release, tracked through the MLflow server
 
 
 def test_new_data_starts_one_release_run_that_becomes_champion(service, first_release):
@@ -213,14 +248,15 @@ def test_new_data_starts_one_release_run_that_becomes_champion(service, first_re
     assert version.source.startswith("s3://artifacts/llmops/objects/")
 
 
-def test_a_second_release_of_the_model_waits_for_the_serving_lock(service, first_release):
+def test_a_release_started_from_the_ui_waits_for_the_serving_lock_and_promotes(service, first_release):
     from mlflow import MlflowClient
 
     release, second = first_release
     final = service.wait_final(second["id"])
     assert final["state_type"] == "COMPLETED", service.logs(second["id"])[-3000:]
     first_run, second_run = service.mlflow_run(release["id"]), service.mlflow_run(second["id"])
-    assert second_run.data.params["profile/canary.probe_concurrency"] == "2"  # the API run's parameters were used
+    assert second_run.data.params["profile/canary.probe_concurrency"] == "2"  # the form's parameters were used
+    assert second["parameters"]["data_source"] == "s3://datasets/sft/"
     assert first_run.data.params["profile/canary.probe_concurrency"] == "4"
     held = [
         (float(r.data.tags["serving_lock.acquired_at"]), float(r.data.tags["serving_lock.released_at"]))
@@ -233,11 +269,10 @@ def test_a_second_release_of_the_model_waits_for_the_serving_lock(service, first
     assert held[0][1] <= held[1][0], f"both releases held the serving lock at once: {held}"
     assert second_run.data.metrics["serving_lock/wait_s"] > 1
     service.wait_log(second["id"], "serving lock llmops-serving-tiny-qwen2-antonyms: acquiring")
-    outcome = second_run.data.tags["release.outcome"]
-    assert outcome in ("promoted", "rejected", "rolled_back")
+    # The same weights under a new profile digest: the gate finds no drop, the canary walks, it promotes.
+    assert second_run.data.tags["release.outcome"] == "promoted", second_run.data.tags.get("gate.reasons")
     champion = MlflowClient(service.tracking_uri).get_model_version_by_alias(MODEL, "champion")
-    promoted_last = second_run if outcome == "promoted" else first_run
-    assert champion.version == promoted_last.data.tags["registered_version"]
+    assert champion.version == second_run.data.tags["registered_version"]
 
 
 def test_the_same_data_again_starts_no_release_run(service, first_release):
@@ -296,3 +331,30 @@ def test_bad_parameters_reach_the_caller_as_clear_messages(service, first_releas
     final = service.wait_final(unknown_key.json()["id"], 180)
     assert final["state_type"] == "FAILED"
     assert "profile cpu-tiny: train.lora_rnk: unknown key" in final["state"]["message"]
+
+
+def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
+    """`llmops stack up` without --db: sqlite for Prefect and MLflow; switching the database of a running
+    stack is refused with what to do; `down` stops everything."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_", "AWS_"))}
+    env.update(LLMOPS_HOME=str(tmp_path / "home"), PREFECT_HOME=str(tmp_path / "home" / "prefect"))
+
+    def stack(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([LLMOPS, "stack", *args], env=env, capture_output=True, text=True, timeout=300)
+
+    up = stack("up", "--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "database:    sqlite" in up.stdout
+        state = json.loads((tmp_path / "home" / "stack" / "stack.json").read_text())
+        assert state["db"] == "sqlite" and "postgres" not in state["services"]
+        assert (tmp_path / "home" / "stack" / "mlflow.db").is_file()
+        api = f"http://127.0.0.1:{state['ports']['prefect']}/api"
+        assert ui_api_url(api.removesuffix("/api")) == api
+        switched = stack("up", "--db", "postgres")
+        assert switched.returncode == 2
+        assert "--db postgres: the stack runs on sqlite; `llmops stack down` first" in switched.stderr
+    finally:
+        down = stack("down")
+        assert down.returncode == 0, down.stderr
+    assert json.loads((tmp_path / "home" / "stack" / "stack.json").read_text())["services"] == {}
