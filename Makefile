@@ -4,7 +4,7 @@
 setup:
 	bash infra/local/setup.sh
 
-# Debian's chromium and postgresql, which the integration tests start (installed when missing)
+# Debian's chromium, postgresql and prometheus, which the integration tests start (installed when missing)
 test-tools:
 	bash infra/local/test-tools.sh
 

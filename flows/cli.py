@@ -18,6 +18,19 @@ from tasks.errors import REJECTED_EXIT_CODE, exit_codes_text
 EXIT_CODES = exit_codes_text()
 
 
+# `llmops serve` flags that set serve.listen.* (flag, key, type, help)
+SERVE_LISTEN_FLAGS = (
+    ("--host", "host", str, "gateway bind address (default 127.0.0.1)"),
+    ("--port", "port", int, "gateway port (default 8080; 0: any free port)"),
+    ("--triton-host", "triton_host", str, "Triton's bind address (default 127.0.0.1)"),
+    ("--triton-http-port", "triton_http_port", int, "Triton HTTP port (default 8000)"),
+    ("--triton-grpc-port", "triton_grpc_port", int, "Triton gRPC port (default 8001)"),
+    ("--metrics-port", "triton_metrics_port", int, "Triton's Prometheus metrics port (default 8002)"),
+    ("--tls-cert", "tls_cert", str, "PEM certificate: the gateway speaks HTTPS"),
+    ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmops",
@@ -72,11 +85,18 @@ examples:
 
     serve = commands.add_parser(
         "serve",
-        help="serve the champion on Triton behind the router until Ctrl-C",
-        description="Start Triton on 127.0.0.1 with the registered champion behind the router (the service name). "
-        "`llmops run` with the same LLMOPS_HOME rolls candidates out on this server.",
-        epilog="example:\n  llmops serve &\n  curl -s localhost:PORT/v2/models/tiny-qwen2-antonyms/generate "
-        '-d \'{"text_input": "Antonym of hot:", "max_tokens": 8}\'',
+        help="serve the champion (Triton + an OpenAI-compatible gateway) until stopped",
+        description="Serve the registered champion: Triton with the champion behind the router (the service "
+        "name), and the gateway clients call (OpenAI-compatible /v1 and Triton's /v2/models/NAME/generate, with "
+        "API keys, TLS and request limits). Triton is restarted with backoff if it dies. `llmops run` with the "
+        "same LLMOPS_HOME rolls candidates out on this server. API keys: LLMOPS_API_KEYS_FILE (one a line) or "
+        "LLMOPS_API_KEYS (comma-separated); needed when --host is not a loopback address.",
+        epilog="""examples:
+  llmops serve &                         # gateway :8080, Triton :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
+  curl -s localhost:8080/health/ready
+  curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "hot"}], "max_tokens": 8}'
+  LLMOPS_API_KEYS_FILE=/etc/llmops/api-keys llmops serve --host 0.0.0.0 --tls-cert c.pem --tls-key k.pem""",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--profile", default="cpu-tiny", help="profile name or YAML path (default: cpu-tiny)")
@@ -90,6 +110,8 @@ examples:
     )
     serve.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
     serve.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
+    for flag, key, kind, text in SERVE_LISTEN_FLAGS:
+        serve.add_argument(flag, dest=key, type=kind, help=f"{text} (serve.listen.{key})")
 
     gate = commands.add_parser(
         "gate",
@@ -333,7 +355,12 @@ class Rejected(Exception):
 def command_serve(args) -> None:
     from tasks.config import check_machine, load_profile
 
-    profile = load_profile(args.profile, args.overrides)
+    listen = [
+        f"serve.listen.{key}={getattr(args, key)}"
+        for _, key, _, _ in SERVE_LISTEN_FLAGS
+        if getattr(args, key) is not None
+    ]
+    profile = load_profile(args.profile, [*args.overrides, *listen])
     check_machine(profile, ["serve"])
     home = Path(os.environ["LLMOPS_HOME"])
     home.mkdir(parents=True, exist_ok=True)

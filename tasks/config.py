@@ -173,6 +173,33 @@ class TritonTensorRTLLM(Section):
     postprocessing_instances: int = Field(1, ge=1)
 
 
+class ListenSection(Section):
+    """Where `llmops serve` listens (flags of the same names override these). Port 0: any free port.
+    Release runs that start a Triton of their own use free ports on 127.0.0.1 whatever these say."""
+
+    # The gateway clients call: OpenAI-compatible /v1 and Triton's generate API, with API keys and TLS.
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    # Triton itself: its HTTP port carries the locked control API that release runs use, and inference
+    # without client keys, so it stays on 127.0.0.1 unless release jobs run elsewhere (Kubernetes).
+    triton_host: str = "127.0.0.1"
+    triton_http_port: int = Field(8000, ge=0, le=65535)
+    triton_grpc_port: int = Field(8001, ge=0, le=65535)
+    triton_metrics_port: int = Field(8002, ge=0, le=65535)
+    # TLS for the gateway: PEM files (paths are not secrets; the key file's content is).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    # Triton deaths in a row (each within a minute of its start) before `llmops serve` gives up.
+    restart_limit: int = Field(5, ge=0)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ListenSection:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
+
+
 class ServeSection(Section):
     """Triton serving of the candidate and the champion."""
 
@@ -192,6 +219,7 @@ class ServeSection(Section):
     default_max_tokens: int = Field(16, ge=1)
     apply_chat_template: bool = True
     load_timeout_s: float = Field(300, gt=0)
+    listen: ListenSection = ListenSection()
 
 
 class CanarySection(Section):
@@ -202,6 +230,9 @@ class CanarySection(Section):
     probe_concurrency: int = Field(4, ge=1)
     max_error_rate: float = Field(0.0, ge=0, le=1)
     max_mean_latency_ms: float = Field(2000, gt=0)
+    # A Prometheus that scrapes the serving Triton (infra/monitoring/prometheus.yml): the candidate's
+    # requests, failures and latency in each window are read from it instead of from Triton directly.
+    prometheus_url: str | None = None
 
     @model_validator(mode="after")
     def _steps_rise_to_100(self) -> CanarySection:

@@ -2,7 +2,7 @@
 
 After a passed gate the router walks `canary.steps`; each step sends real requests through the
 router for `window_s` and checks the candidate's health, error rate (client side and Triton's
-per-model counters) and mean latency. A breach rolls back: router to the champion, candidate
+per-model counters, read from Triton or from the Prometheus at `canary.prometheus_url`) and mean latency. A breach rolls back: router to the champion, candidate
 unloaded, no alias moved. After 100% the alias `champion` moves and the old champion is unloaded.
 """
 
@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tasks import prometheus
 from tasks.canary import Deployment, set_routes, triton_unload_quietly
 from tasks.data import eval_conversations
 from tasks.stage import RunContext, StageResult, logger
@@ -61,17 +62,22 @@ def probe(
 
 def watch_window(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> Window:
     cfg, triton, name = ctx.profile.canary, deployment.triton, deployment.candidate.name
-    before = triton.metrics()
+    before, started = triton.metrics(), time.time()
     sent, failed, latencies = probe(
         triton, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency, ctx.profile.bench.output_tokens
     )
-    after = triton.metrics()
+    after, ended = triton.metrics(), time.time()
+    if cfg.prometheus_url:
+        scraped = prometheus.wait_for_scrape(cfg.prometheus_url, name, ended, timeout=max(30, 3 * cfg.window_s))
+        counters = prometheus.model_counters(cfg.prometheus_url, name, started, scraped)
+        ok, bad, duration_us = counters.successes, counters.failures, counters.duration_us
+    else:
 
-    def delta(metric: str) -> float:
-        return parse_metric(after, metric, name) - parse_metric(before, metric, name)
+        def delta(metric: str) -> float:
+            return parse_metric(after, metric, name) - parse_metric(before, metric, name)
 
-    ok, bad = delta("nv_inference_request_success"), delta("nv_inference_request_failure")
-    duration_us = delta("nv_inference_request_duration_us")
+        ok, bad = delta("nv_inference_request_success"), delta("nv_inference_request_failure")
+        duration_us = delta("nv_inference_request_duration_us")
     p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else None
     return Window(sent, failed, ok + bad, bad, duration_us / ok / 1000 if ok else None, p99)
 
@@ -121,7 +127,9 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
         )
         logger().info(
             f"canary: {weight}% to {deployment.candidate.name}: {window.requests} requests, "
-            f"{window.failures} failed, candidate mean {window.candidate_mean_latency_ms or 0:.1f} ms"
+            f"{window.failures} failed, candidate {window.candidate_requests:.0f} requests "
+            f"mean {window.candidate_mean_latency_ms or 0:.1f} ms"
+            + (" (from Prometheus)" if ctx.profile.canary.prometheus_url else "")
             + (f" -> BREACH: {problem}" if problem else "")
         )
         if problem:

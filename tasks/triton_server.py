@@ -93,13 +93,24 @@ class TritonServer:
     client: Triton
 
     @classmethod
-    def start(cls, home: Path, binary: str | None = None, timeout: float = 120) -> TritonServer:
+    def start(
+        cls,
+        home: Path,
+        binary: str | None = None,
+        timeout: float = 120,
+        host: str = "127.0.0.1",
+        ports: tuple[int, int, int] | None = None,
+        die_with_parent: bool = False,
+    ) -> TritonServer:
+        """Start tritonserver; `ports` (HTTP, gRPC, metrics) default to free ones. `die_with_parent`: the
+        kernel stops Triton when the thread that started it ends (a SIGKILLed `llmops serve` leaves no
+        orphan); only for a thread that lives as long as the server, such as a program's main thread."""
         exe = find_binary(binary)
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)
         log_path = home / "triton" / "tritonserver.log"
         key = ensure_control_key(home)
-        http, grpc, metrics = free_port(), free_port(), free_port()
+        http, grpc, metrics = ports or (free_port(), free_port(), free_port())
         command = [
             str(exe),
             f"--model-repository={repository}",
@@ -107,9 +118,13 @@ class TritonServer:
             f"--http-port={http}",
             f"--grpc-port={grpc}",
             f"--metrics-port={metrics}",
-            "--http-address=127.0.0.1",
-            "--grpc-address=127.0.0.1",
+            f"--http-address={host}",
+            f"--grpc-address={host}",
+            f"--metrics-address={host}",
             "--allow-metrics=true",
+            # p50/p90/p99 per model version (nv_inference_request_summary_us, nv_inference_queue_summary_us),
+            # which infra/monitoring's alerts and dashboard read
+            "--metrics-config=summary_latencies=true",
             "--exit-timeout-secs=10",
             "--log-verbose=0",
             # one candidate that failed to load must not mark the whole server unready
@@ -120,13 +135,23 @@ class TritonServer:
             command.append(f"--backend-directory={python_backend_dir(home)}")
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=server_env(),
+                start_new_session=True,
+                preexec_fn=die_with(os.getpid()) if die_with_parent else None,
             )
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         client = Triton(
-            f"http://127.0.0.1:{http}", repository, f"http://127.0.0.1:{metrics}/metrics", f"127.0.0.1:{grpc}", key
+            f"http://{local}:{http}", repository, f"http://{local}:{metrics}/metrics", f"{local}:{grpc}", key
         )
         server = cls(process, log_path, client)
-        server.wait_live(timeout)
+        try:
+            server.wait_live(timeout)
+        except Exception:
+            server.stop()
+            raise
         return server
 
     def wait_live(self, timeout: float) -> None:
@@ -159,6 +184,22 @@ class TritonServer:
         return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
 
 
+def die_with(parent: int):
+    """A preexec function: the child gets SIGTERM when the thread that forked it ends (Linux
+    PR_SET_PDEATHSIG; tritonserver stops its models and exits on SIGTERM, and ignores SIGINT)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+    def arm() -> None:
+        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            os._exit(127)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def ensure_control_key(home: Path) -> str:
     """The control key (see the module doc), made and stored once per LLMOPS_HOME when none is given."""
     key = control_key(home)
@@ -186,8 +227,9 @@ def restricted_api_flags(key: str) -> list[str]:
     ]
 
 
-def publish(home: Path, server: TritonServer) -> Path:
-    """Write server.json: runs with this LLMOPS_HOME roll out on this server while it lives."""
+def publish(home: Path, server: TritonServer, gateway_url: str | None = None) -> Path:
+    """Write server.json: runs with this LLMOPS_HOME roll out on this server while it lives; clients of
+    this machine find the gateway there."""
     state = home / "triton" / SERVER_FILE
     client = server.client
     state.write_text(
@@ -197,6 +239,7 @@ def publish(home: Path, server: TritonServer) -> Path:
                 "grpc_url": client.grpc_url,
                 "metrics_url": client.metrics_url,
                 "repository": str(client.repository),
+                "gateway_url": gateway_url,
                 "pid": os.getpid(),
             }
         )

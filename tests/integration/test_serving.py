@@ -53,26 +53,67 @@ def first_release(run):
     return result
 
 
+API_KEYS = {"team-a": "key-team-a-0123456789abcdef", "team-b": "key-team-b-0123456789abcdef"}
+
+
 @pytest.fixture(scope="module")
-def server(home, first_release, cpu_tiny_store):
-    with open(home / "serve.log", "w") as log:  # the child keeps its own copy of the descriptor
-        process = subprocess.Popen(
-            [str(LLMOPS), "serve", "--artifacts", str(cpu_tiny_store)],
-            stdout=log,
+def tls(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1, made here; clients trust exactly it."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost"),
+            *("-keyout", str(key), "-out", str(cert), "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path) -> subprocess.Popen:
+    keys = home / "api-keys"
+    keys.write_text("".join(f"{name}: {key}\n" for name, key in API_KEYS.items()))
+    keys.chmod(0o600)
+    ports = ["--port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0", "--metrics-port", "0"]
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [
+                str(LLMOPS),
+                "serve",
+                "--artifacts",
+                str(store),
+                *ports,
+                "--tls-cert",
+                str(tls[0]),
+                "--tls-key",
+                str(tls[1]),
+            ],
+            stdout=out,
             stderr=subprocess.STDOUT,
-            env=llmops_env(home),
+            env={**llmops_env(home), "LLMOPS_API_KEYS_FILE": str(keys)},
             cwd=ROOT,
             start_new_session=True,
         )
+
+
+def wait_published(home: Path, process: subprocess.Popen, log: Path, timeout: float = 180) -> dict:
     state = home / "triton" / "server.json"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + timeout
     while not state.is_file():
-        assert process.poll() is None and time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
-    yield json.loads(state.read_text())
+    return json.loads(state.read_text())
+
+
+@pytest.fixture(scope="module")
+def server(home, first_release, cpu_tiny_store, tls):
+    process = start_serve(home, cpu_tiny_store, tls, home / "serve.log")
+    yield {**wait_published(home, process, home / "serve.log"), "serve_pid": process.pid}
     os.killpg(process.pid, signal.SIGTERM)
     process.wait(60)
-    assert not state.exists()  # serve cleans up after itself
+    assert not (home / "triton" / "server.json").exists()  # serve cleans up after itself
 
 
 def served_by(home: Path, server: dict):
@@ -188,19 +229,241 @@ def test_a_model_that_fails_to_load_leaves_the_champion_serving(home, server, tm
     assert f"{SERVICE}-v999" not in triton.loaded_models()
 
 
-def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server, run):
+def openai_client(server: dict, tls, key: str = API_KEYS["team-a"]):
+    import ssl
+
+    import httpx
+    import openai
+
+    trusted = ssl.create_default_context(cafile=str(tls[0]))  # the test's certificate and no other
+    return openai.OpenAI(
+        base_url=f"{server['gateway_url']}/v1", api_key=key, http_client=httpx.Client(verify=trusted), max_retries=0
+    )
+
+
+QUESTION = [{"role": "user", "content": "What is the opposite of hot?"}]
+
+
+def test_the_openai_client_gets_the_champions_answer_over_tls_with_its_key(server, tls):
+    assert server["gateway_url"].startswith("https://127.0.0.1:")
+    client = openai_client(server, tls)
+    assert [m.id for m in client.models.list().data] == [SERVICE]
+
+    chat = client.chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8)
+    assert chat.choices[0].message.content == "cold"  # the fine-tuned answer, as /generate gives it
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens >= 1
+
+    chunks = list(client.chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "cold"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens >= 1
+
+    with_system = client.chat.completions.create(
+        model=SERVICE, messages=[{"role": "system", "content": "Answer with one word."}, *QUESTION], max_tokens=8
+    )
+    assert isinstance(with_system.choices[0].message.content, str)
+    stopped = client.chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8, stop=["ol"])
+    assert stopped.choices[0].message.content == "c" and stopped.choices[0].finish_reason == "stop"
+    completion = client.completions.create(model=SERVICE, prompt="What is the opposite of hot?", max_tokens=4)
+    assert isinstance(completion.choices[0].text, str) and completion.usage.completion_tokens >= 1
+    other_team = openai_client(server, tls, API_KEYS["team-b"])  # each client its own key
+    assert (
+        other_team.chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8).choices[0].message.content
+        == "cold"
+    )
+
+
+def curl(server: dict, tls, path: str, *args: str) -> tuple[int, dict | str]:
+    """curl against the gateway, trusting the test's certificate; (status, JSON body or text)."""
+    result = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "--cacert",
+            str(tls[0]),
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            *args,
+            f"{server['gateway_url']}{path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    body, _, status = result.stdout.rpartition("\n")
+    try:
+        return int(status), json.loads(body)
+    except ValueError:
+        return int(status or 0), body + result.stderr
+
+
+def test_the_gateway_refuses_bad_requests_in_each_apis_own_shape(server, tls, tmp_path):
+    chat = "/v1/chat/completions"
+    as_json = ["-H", "Content-Type: application/json"]
+    key = ["-H", f"Authorization: Bearer {API_KEYS['team-a']}"]
+    question = json.dumps({"messages": QUESTION, "max_tokens": 8})
+
+    assert curl(server, tls, "/health/ready")[0] == 200  # probes need no key
+    status, body = curl(server, tls, chat, *as_json, "-d", question)
+    assert status == 401 and body["error"]["type"] == "authentication_error", body
+    status, body = curl(server, tls, chat, *as_json, "-H", "Authorization: Bearer not-a-key", "-d", question)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+    status, body = curl(server, tls, chat, *as_json, *key, "-d", question)
+    assert status == 200 and body["choices"][0]["message"]["content"] == "cold", body
+
+    too_many = json.dumps({"messages": QUESTION, "max_tokens": 100000})
+    status, body = curl(server, tls, chat, *as_json, *key, "-d", too_many)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert body["error"]["param"] == "max_tokens" and "512" in body["error"]["message"]
+    # Under the context alone, not with the prompt: the model itself refuses, and says how many fit.
+    status, body = curl(server, tls, chat, *as_json, *key, "-d", json.dumps({"messages": QUESTION, "max_tokens": 510}))
+    assert status == 400 and "exceed the model's context of 512 tokens" in body["error"]["message"], body
+
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"messages": [{"role": "user", "content": "x" * (2 << 20)}]}))
+    status, body = curl(server, tls, chat, *as_json, *key, "--data-binary", f"@{big}")
+    assert status == 413 and "over the limit" in body["error"]["message"], body
+    # A form-encoded body of 4 MiB crashes Triton 2.51 (server#5840): it never reaches it.
+    status, body = curl(server, tls, chat, *key, "--data-binary", f"@{big}")
+    assert status == 415, body
+
+    generate = f"/v2/models/{SERVICE}/generate"
+    prompt = json.dumps(
+        {"text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True}
+    )
+    status, body = curl(server, tls, generate, *as_json, "-d", prompt)
+    assert status == 401 and isinstance(body["error"], str), body  # Triton's shape on /v2
+    status, body = curl(server, tls, generate, *as_json, *key, "-d", prompt)
+    assert status == 200 and body["text_output"] == "cold", body
+    plain = subprocess.run(
+        ["curl", "-sS", server["gateway_url"].replace("https://", "http://") + "/health/live"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert plain.returncode != 0 or "200" not in plain.stdout  # no plain HTTP on the TLS port
+
+
+def test_triton_that_dies_is_restarted_with_the_champion(home, server, tls):
+    import psutil
+
+    tritons = [p for p in psutil.Process(server["serve_pid"]).children(recursive=True) if p.name() == "tritonserver"]
+    assert len(tritons) == 1
+    tritons[0].kill()
+    deadline = time.monotonic() + 180
+    while "Triton restarted" not in (home / "serve.log").read_text():
+        assert time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+        time.sleep(0.5)
+    assert curl(server, tls, "/health/ready")[0] == 200
+    assert served_by(home, server).generate(SERVICE, "What is the opposite of hot?", 4) == "cold"  # same ports
+    assert (
+        openai_client(server, tls)
+        .chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8)
+        .choices[0]
+        .message.content
+        == "cold"
+    )
+
+
+def test_a_killed_serve_leaves_no_triton_behind(home, server, cpu_tiny_store, tls, tmp_path):
+    """SIGKILL gives `llmops serve` no chance to clean up: the kernel stops its Triton (PR_SET_PDEATHSIG)."""
+    import shutil
+
+    import psutil
+
+    other = tmp_path / "home"
+    other.mkdir()
+    shutil.copy2(home / "mlflow.db", other / "mlflow.db")  # the same registry: a second service of the champion
+    process = start_serve(other, cpu_tiny_store, tls, tmp_path / "serve.log")
+    wait_published(other, process, tmp_path / "serve.log")
+    tritons = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+    assert len(tritons) == 1
+    process.kill()
+    process.wait(10)
+    gone, alive = psutil.wait_procs(tritons, timeout=60)
+    assert not alive, f"tritonserver {alive[0].pid} outlived its llmops serve"
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, tmp_path_factory):
+    """A real Prometheus (Debian's) with the shipped config and alert rules, scraping the serving Triton
+    every second (the shipped 5 s is too slow for this module's 1.5 s canary windows)."""
+    import yaml
+
+    from tasks.ports import free_port
+
+    folder = tmp_path_factory.mktemp("prometheus")
+    config = yaml.safe_load((ROOT / "infra" / "monitoring" / "prometheus.yml").read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(ROOT / "infra" / "monitoring" / "alerts.yml")]
+    config["scrape_configs"][0]["static_configs"][0]["targets"] = [server["metrics_url"].split("/")[2]]
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{free_port()}"
+    with open(folder / "prometheus.log", "w") as log:
+        process = subprocess.Popen(
+            [
+                "/usr/bin/prometheus",
+                f"--config.file={folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={folder / 'data'}",
+                f"--web.listen-address={url.split('//')[1]}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not triton_scraped(url):
+            assert process.poll() is None and time.monotonic() < deadline, (folder / "prometheus.log").read_text()[
+                -2000:
+            ]
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def triton_scraped(url: str) -> bool:
+    try:
+        result = requests.get(f"{url}/api/v1/query", params={"query": 'up{job="triton"}'}, timeout=5).json()
+    except (requests.RequestException, ValueError):
+        return False
+    return bool(result.get("data", {}).get("result")) and result["data"]["result"][0]["value"][1] == "1"
+
+
+def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server, run, prometheus):
+    """The canary's live checks come from Prometheus here (`canary.prometheus_url`), as in production."""
     with Load(server["url"]) as load:
-        result = run("--set", "train.seed=7")
+        result = run("--set", "train.seed=7", "--set", f"canary.prometheus_url={prometheus}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert latest_release(home).data.tags["release.outcome"] == "promoted"
     new = champion(home)
     assert new != "1"
+    output = result.stdout + result.stderr
     for weight in (10, 50, 100):
-        assert f"canary: {weight}% to {SERVICE}-v{new}" in result.stdout + result.stderr
+        step = next(line for line in output.splitlines() if f"canary: {weight}% to {SERVICE}-v{new}" in line)
+        assert step.rstrip().endswith("(from Prometheus)"), step
+        assert " 0 requests mean" not in step  # Prometheus saw the candidate's requests
     expected = [SERVICE, f"{SERVICE}-v{new}"]
     assert ready_models(served_by(home, server), expected) == sorted(expected)  # old champion unloaded
     assert load.failed == 0, load.errors[:5]
     assert load.ok > 50
+    # A PromQL query returns the served versions side by side, as the Grafana dashboard shows them.
+    series = requests.get(
+        f"{prometheus}/api/v1/query",
+        params={"query": "sum by (model) (increase(nv_inference_request_success[10m]))"},
+        timeout=10,
+    ).json()["data"]["result"]
+    served = {s["metric"]["model"]: float(s["value"][1]) for s in series}
+    assert served.get(f"{SERVICE}-v{new}", 0) > 0 and served.get(f"{SERVICE}-v1", 0) > 0, served
+    p99 = requests.get(
+        f"{prometheus}/api/v1/query",
+        params={"query": f'nv_inference_request_summary_us{{model="{SERVICE}-v{new}",quantile="0.99"}}'},
+        timeout=10,
+    ).json()["data"]["result"]
+    assert p99, "Triton exports no latency summaries (--metrics-config summary_latencies=true)"
 
 
 def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run):
@@ -288,3 +551,16 @@ def test_a_candidate_served_with_a_broken_prompt_encoding_fails_parity_and_the_c
         == "cold"
     )
     assert load.failed == 0, load.errors[:5]
+
+
+def test_api_keys_and_the_control_key_leak_nowhere(home, server):
+    """After every release and request of this module: the clients' API keys and Triton's control key are
+    in no file of the home but the mode-600 ones that keep them (serve's log, Triton's log, gate reports,
+    genai-perf's artifacts, server.json) and in no MLflow param or tag."""
+    from tests.leaks import in_files, in_mlflow
+
+    control_key = home / "triton" / "control.key"
+    secrets = {**{f"API key of {name}": key for name, key in API_KEYS.items()}, "control key": control_key.read_text()}
+    kept_on_purpose = {home / "api-keys", control_key}
+    leaks = in_files(secrets, home, kept_on_purpose) + in_mlflow(secrets, f"sqlite:///{home / 'mlflow.db'}")
+    assert not leaks, leaks[:10]

@@ -80,6 +80,7 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.chat = params.get("apply_chat_template", "true") == "true"
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
+        self.context_tokens = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos = self.tokenizer.eos_token_id
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
 
@@ -92,6 +93,11 @@ class TritonPythonModel:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = encode_prompt(self.tokenizer, text, history, self.chat)
+        if len(ids) + max_tokens > self.context_tokens:
+            raise ValueError(
+                f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "
+                f"{self.context_tokens} tokens; ask for at most {max(self.context_tokens - len(ids), 0)}"
+            )
         job = Job(
             sender=request.get_response_sender(),
             prompt=text,

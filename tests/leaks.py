@@ -1,0 +1,60 @@
+"""Where a secret must never appear: the files a run leaves, MLflow's params, tags and registry tags, and
+Prefect's flow-run parameters, logs and artifacts. Each finder returns `(where, secret name)` pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import requests
+
+
+def in_files(secrets: dict[str, str], root: Path, allowed: set[Path]) -> list[tuple[str, str]]:
+    """Every file under root but the `allowed` ones (where a secret is kept on purpose, mode 600)."""
+    found = []
+    needles = {name: value.encode() for name, value in secrets.items()}
+    for path in root.rglob("*"):
+        if not path.is_file() or path.is_symlink() or path in allowed:
+            continue
+        try:
+            content = path.read_bytes()
+        except OSError:
+            continue
+        found += [(str(path), name) for name, needle in needles.items() if needle in content]
+    return found
+
+
+def in_mlflow(secrets: dict[str, str], tracking_uri: str) -> list[tuple[str, str]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    texts: list[tuple[str, str]] = []
+    for experiment in client.search_experiments():
+        for run in client.search_runs([experiment.experiment_id], max_results=1000):
+            texts += [(f"run {run.info.run_id} param {k}", str(v)) for k, v in run.data.params.items()]
+            texts += [(f"run {run.info.run_id} tag {k}", str(v)) for k, v in run.data.tags.items()]
+    for model in client.search_registered_models():
+        for version in client.search_model_versions(f"name = '{model.name}'"):
+            full = client.get_model_version(model.name, version.version)
+            texts += [(f"{model.name} v{version.version} tag {k}", str(v)) for k, v in full.tags.items()]
+            texts.append((f"{model.name} v{version.version} description", full.description or ""))
+            texts.append((f"{model.name} v{version.version} source", full.source or ""))
+    return [(where, name) for where, text in texts for name, value in secrets.items() if value in text]
+
+
+def in_prefect(secrets: dict[str, str], api: str) -> list[tuple[str, str]]:
+    texts: list[tuple[str, str]] = []
+    for offset in range(0, 10_000, 200):
+        runs = requests.post(f"{api}/flow_runs/filter", json={"limit": 200, "offset": offset}, timeout=30).json()
+        texts += [(f"flow run {r['name']} parameters", str(r["parameters"])) for r in runs]
+        if len(runs) < 200:
+            break
+    for offset in range(0, 100_000, 200):
+        logs = requests.post(f"{api}/logs/filter", json={"limit": 200, "offset": offset}, timeout=30).json()
+        texts += [(f"log of flow run {line['flow_run_id']}", line["message"]) for line in logs]
+        if len(logs) < 200:
+            break
+    artifacts = requests.post(f"{api}/artifacts/filter", json={"limit": 200}, timeout=30).json()
+    texts += [(f"artifact {a['key']}", f"{a.get('data')} {a.get('description')}") for a in artifacts]
+    variables = requests.post(f"{api}/variables/filter", json={"limit": 200}, timeout=30).json()
+    texts += [(f"variable {v['name']}", str(v.get("value"))) for v in variables]
+    return [(where, name) for where, text in texts for name, value in secrets.items() if value in text]

@@ -1,0 +1,84 @@
+"""infra/kubernetes/serving.yaml: every object is valid for the Kubernetes client's models, and what it
+tells `llmops serve` matches what `llmops serve` does (its flags parse, its probes hit the gateway's
+health routes on the gateway's port over TLS, its secrets reach the variables the code reads)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import yaml
+
+from flows.cli import build_parser
+from tasks.gateway import API_KEYS_FILE_ENV
+from tasks.triton import CONTROL_KEY_ENV
+
+MANIFEST = Path(__file__).resolve().parents[2] / "infra" / "kubernetes" / "serving.yaml"
+MODELS = {"Deployment": "V1Deployment", "Service": "V1Service", "NetworkPolicy": "V1NetworkPolicy"}
+
+
+def objects() -> dict[str, dict]:
+    return {doc["kind"] + "/" + doc["metadata"]["name"]: doc for doc in yaml.safe_load_all(MANIFEST.read_text())}
+
+
+def round_trip(manifest: dict) -> dict:
+    """Through the client's model: unknown keys are dropped and required ones enforced."""
+    from kubernetes_asyncio.client import ApiClient
+
+    async def convert():
+        async with ApiClient() as api:
+            model = api._ApiClient__deserialize(manifest, MODELS[manifest["kind"]])
+            return api.sanitize_for_serialization(model)
+
+    return asyncio.run(convert())
+
+
+def test_every_object_is_valid_for_the_kubernetes_models():
+    found = objects()
+    assert set(found) == {
+        "Deployment/llmops-serving",
+        "Service/llmops-serving",
+        "Service/llmops-triton",
+        "NetworkPolicy/llmops-serving",
+    }
+    for manifest in found.values():
+        assert round_trip(manifest) == yaml.safe_load(yaml.safe_dump(manifest)), manifest["kind"]
+
+
+def test_the_container_runs_llmops_serve_with_probes_on_its_gateway():
+    pod = objects()["Deployment/llmops-serving"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.command == "serve" and args.host == "0.0.0.0" and args.port == 8080
+    assert args.tls_cert.startswith("/etc/llmops/tls/")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {
+        "gateway": args.port,
+        "triton-http": args.triton_http_port,
+        "triton-grpc": args.triton_grpc_port,
+        "metrics": args.triton_metrics_port,
+    }
+    paths = {name: container[name]["httpGet"] for name in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert {p["port"] for p in paths.values()} == {"gateway"} and {p["scheme"] for p in paths.values()} == {"HTTPS"}
+    assert paths["readinessProbe"]["path"] == "/health/ready" and paths["livenessProbe"]["path"] == "/health/live"
+
+
+def test_secrets_come_from_kubernetes_secrets_into_the_variables_the_code_reads():
+    pod = objects()["Deployment/llmops-serving"]["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env[CONTROL_KEY_ENV]["valueFrom"]["secretKeyRef"]["name"] == "llmops-serving"
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "aws-secret-access-key"
+    keys_file = Path(env[API_KEYS_FILE_ENV]["value"])
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert str(keys_file.parent) == mounts["api-keys"]
+    assert volumes["api-keys"]["secret"]["items"] == [{"key": "api-keys", "path": keys_file.name}]
+    assert all("value" not in e or "KEY" not in e["name"] or e["name"] == API_KEYS_FILE_ENV for e in env.values())
+
+
+def test_only_release_pods_and_prometheus_reach_tritons_own_ports():
+    policy = objects()["NetworkPolicy/llmops-serving"]["spec"]
+    open_to_all = [rule for rule in policy["ingress"] if "from" not in rule]
+    assert [p["port"] for rule in open_to_all for p in rule["ports"]] == [8080]
+    triton_ports = {p["port"] for rule in policy["ingress"] if "from" in rule for p in rule["ports"]}
+    assert triton_ports == {8000, 8001, 8002}
