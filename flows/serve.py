@@ -157,7 +157,8 @@ def restart(
         print(f"llmops serve: Triton restarted; champion v{champion.version} serving again", flush=True)
         return server
     raise TransientError(
-        f"Triton died {deaths} times in a row (serve.listen.restart_limit {listen.restart_limit}); "
+        f"Triton died {deaths} {'time' if deaths == 1 else 'times'} in a row "
+        f"(serve.listen.restart_limit {listen.restart_limit}); "
         f"see {home / 'triton' / 'tritonserver.log'}"
     )
 

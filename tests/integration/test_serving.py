@@ -72,7 +72,7 @@ def tls(tmp_path_factory) -> tuple[Path, Path]:
     return cert, key
 
 
-def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path) -> subprocess.Popen:
+def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *args: str) -> subprocess.Popen:
     keys = home / "api-keys"
     keys.write_text("".join(f"{name}: {key}\n" for name, key in API_KEYS.items()))
     keys.chmod(0o600)
@@ -367,23 +367,40 @@ def test_triton_that_dies_is_restarted_with_the_champion(home, server, tls):
     )
 
 
-def test_a_killed_serve_leaves_no_triton_behind(home, server, cpu_tiny_store, tls, tmp_path):
-    """SIGKILL gives `llmops serve` no chance to clean up: the kernel stops its Triton (PR_SET_PDEATHSIG)."""
+def second_service(home: Path, store: Path, tls, folder: Path, *args: str) -> tuple[subprocess.Popen, list]:
+    """Another `llmops serve` of the same champion (a copy of the registry, its own home and ports),
+    published; with its tritonserver process."""
     import shutil
 
     import psutil
 
-    other = tmp_path / "home"
+    other = folder / "home"
     other.mkdir()
-    shutil.copy2(home / "mlflow.db", other / "mlflow.db")  # the same registry: a second service of the champion
-    process = start_serve(other, cpu_tiny_store, tls, tmp_path / "serve.log")
-    wait_published(other, process, tmp_path / "serve.log")
+    shutil.copy2(home / "mlflow.db", other / "mlflow.db")
+    process = start_serve(other, store, tls, folder / "serve.log", *args)
+    wait_published(other, process, folder / "serve.log")
     tritons = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
     assert len(tritons) == 1
+    return process, tritons
+
+
+def test_a_killed_serve_leaves_no_triton_behind(home, server, cpu_tiny_store, tls, tmp_path):
+    """SIGKILL gives `llmops serve` no chance to clean up: the kernel stops its Triton (PR_SET_PDEATHSIG)."""
+    import psutil
+
+    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path)
     process.kill()
     process.wait(10)
     gone, alive = psutil.wait_procs(tritons, timeout=60)
     assert not alive, f"tritonserver {alive[0].pid} outlived its llmops serve"
+
+
+def test_serve_exits_4_when_triton_keeps_dying(home, server, cpu_tiny_store, tls, tmp_path):
+    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path, "--set", "serve.listen.restart_limit=0")
+    tritons[0].kill()
+    assert process.wait(60) == 4
+    last = (tmp_path / "serve.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("llmops: error: Triton died 1 time in a row (serve.listen.restart_limit 0)"), last
 
 
 @pytest.fixture(scope="module")
