@@ -142,7 +142,8 @@ class EngineSection(Section):
     max_beam_width: int = Field(1, ge=1)
     gemm_plugin: str = "auto"
     gpt_attention_plugin: str = "auto"
-    paged_kv_cache: bool = True
+    # trtllm-build's --kv_cache_type (--paged_kv_cache is deprecated upstream: tensorrt_llm/commands/build.py)
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
     remove_input_padding: bool = True
     context_fmha: bool = True
     use_paged_context_fmha: bool = True

@@ -76,8 +76,13 @@ def python_backend_dir(home: Path) -> Path:
     return target
 
 
-def server_env() -> dict:
+def server_env(bundled: bool) -> dict:
+    """The environment of tritonserver. Only the nvidia-pytriton binary needs this venv's libraries and
+    Python; an NGC or system tritonserver has its own (/opt/tritonserver/lib, the image's Python), which
+    these must not shadow, and an image without nvidia-pytriton could not import it at all."""
     env = dict(os.environ)
+    if not bundled:
+        return env
     libs = [str(pytriton_root().parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [*libs, env.get("LD_LIBRARY_PATH")]))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -131,14 +136,15 @@ class TritonServer:
             "--strict-readiness=false",
             *restricted_api_flags(key),
         ]
-        if binary is None and not os.environ.get("LLMOPS_TRITONSERVER"):
+        bundled = binary is None and not os.environ.get("LLMOPS_TRITONSERVER")
+        if bundled:
             command.append(f"--backend-directory={python_backend_dir(home)}")
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(),
+                env=server_env(bundled),
                 start_new_session=True,
                 preexec_fn=die_with(os.getpid()) if die_with_parent else None,
             )

@@ -87,7 +87,7 @@ def test_golden_values_are_what_the_profiles_ask_for():
     """The reviewed facts behind the golden files, stated once in words."""
     qwen7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "commands.sh").read_text()
     assert "--qformat full_prec" in qwen7b and "--dtype float16" in qwen7b and "--calib_dataset" not in qwen7b
-    assert "--gemm_plugin float16 --gpt_attention_plugin float16 --paged_kv_cache enable" in qwen7b
+    assert "--gemm_plugin float16 --gpt_attention_plugin float16 --kv_cache_type paged" in qwen7b
     trt7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "triton" / "qwen-7b-sft-v3-trtllm" / "config.pbtxt").read_text()
     assert 'string_value: "0;1"' in trt7b and "count: 2" in trt7b  # two instances, one A10 each
     assert 'string_value: "/engines/v3/engine"' in trt7b and "decoupled: true" in trt7b
@@ -162,3 +162,51 @@ def test_qlora_config_for_two_gpus_launches_torchrun_with_4bit_base():
     assert config["fp16"] is True and config["include_num_input_tokens_seen"] == "non_padding"
     env = launch_env(profile.hardware)
     assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
+
+
+def test_engine_eval_asks_the_runner_for_sequence_lengths_and_slices_the_answer():
+    """ModelRunner(Cpp).generate returns `sequence_lengths` only with output_sequence_lengths=True (upstream
+    tensorrt_llm/runtime/model_runner_cpp.py `_fill_output`); lengths count prompt + generated tokens."""
+    import torch
+
+    from tasks.tensorrt_llm_eval import generate_kwargs, new_tokens
+
+    kwargs = generate_kwargs(64, end_id=2, pad_id=0)
+    assert kwargs["output_sequence_lengths"] is True and kwargs["return_dict"] is True
+    assert kwargs["top_k"] == 1 and kwargs["num_beams"] == 1 and kwargs["end_id"] == 2
+    outputs = {
+        "output_ids": torch.tensor([[[5, 6, 7, 8, 2, 2]], [[5, 9, 2, 2, 2, 2]]]),  # prompt first, padded with end_id
+        "sequence_lengths": torch.tensor([[4], [2]]),
+    }
+    assert new_tokens(outputs, 0, prompt_length=2) == [7, 8]
+    assert new_tokens(outputs, 1, prompt_length=1) == [9]
+
+
+def test_gpu_profiles_name_models_that_exist_with_the_modules_they_target():
+    sources = {name: load_profile(name) for name in ("qwen-7b-qlora-2xa10", "qwen2-14b-int4-tp2")}
+    assert sources["qwen-7b-qlora-2xa10"].base_model.source == "Qwen/Qwen2.5-7B-Instruct"
+    assert sources["qwen2-14b-int4-tp2"].base_model.source == "Qwen/Qwen2.5-14B-Instruct"
+    for profile in sources.values():  # Qwen2 architecture: separate projections, no remote code
+        assert set(profile.train.lora_target.split(",")) <= {"q_proj", "k_proj", "v_proj", "o_proj", "all"}
+
+
+def test_the_engine_model_reshapes_its_scalar_inputs_as_upstream_does():
+    """tensorrtllm_backend all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt: request_output_len
+    and streaming carry `reshape: { shape: [ ] }` like every other per-request scalar."""
+    config = (Path(__file__).resolve().parents[2] / "infra/triton/tensorrtllm/tensorrt_llm/config.pbtxt").read_text()
+    for name in ("request_output_len", "streaming", "input_lengths", "end_id"):
+        line = next(line for line in config.splitlines() if f'name: "{name}"' in line)
+        assert "reshape: { shape: [ ] }" in line, line
+
+
+def test_an_ngc_tritonserver_runs_with_its_own_environment(monkeypatch):
+    """Only the nvidia-pytriton binary gets this venv's libraries and Python; an image without the wheel
+    must not need it (importing pytriton there would fail)."""
+    import sys
+
+    from tasks.triton_server import server_env
+
+    monkeypatch.setitem(sys.modules, "pytriton", None)  # as in an NGC image: not installed
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/tritonserver/lib")
+    env = server_env(bundled=False)
+    assert env["LD_LIBRARY_PATH"] == "/opt/tritonserver/lib" and env["PATH"] == os.environ["PATH"]
