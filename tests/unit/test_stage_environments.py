@@ -48,7 +48,7 @@ def test_stage_side_modules_name_no_orchestrator_package(module):
 def test_stage_side_modules_import_under_python_312_without_any_package():
     script = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; print('ok')"
     result = subprocess.run(
-        [python312(), "-I", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); {script}", *STAGE_SIDE],
+        [python312(), "-I", "-B", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); {script}", *STAGE_SIDE],
         capture_output=True,
         text=True,
         timeout=60,
@@ -58,11 +58,23 @@ def test_stage_side_modules_import_under_python_312_without_any_package():
 
 def test_the_whole_project_compiles_under_python_312(tmp_path):
     result = subprocess.run(
-        [python312(), "-I", "-m", "compileall", "-q", "-d", "src", "flows", "tasks", "infra/triton", "benchmarks"],
+        # -I ignores PYTHONPYCACHEPREFIX; -X pycache_prefix leaves no 3.12 bytecode in the tree
+        [
+            python312(),
+            "-I",
+            "-X",
+            f"pycache_prefix={tmp_path}",
+            "-m",
+            "compileall",
+            "-q",
+            "flows",
+            "tasks",
+            "infra/triton",
+            "benchmarks",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
-        env={"PYTHONPYCACHEPREFIX": str(tmp_path)},  # leave no 3.12 bytecode in the tree
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
