@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.release import open_serving_context
-from tasks.canary import Served, serve_champion
+from tasks.canary import Served, serve_champion, triton_launch
 from tasks.config import ListenSection, Profile
 from tasks.errors import BadInput, TransientError
 from tasks.gateway import Gateway, GatewayConfig, read_api_keys
@@ -117,9 +117,12 @@ def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str
 
 def start_serving(ctx: RunContext, home: Path, listen: ListenSection, ports: Ports) -> tuple[TritonServer, Served]:
     """Triton on the chosen ports with the champion behind the router, published for release runs."""
+    launcher, env = triton_launch(ctx.profile)
     server = TritonServer.start(
         home,
         ctx.profile.serve.triton_binary,
+        launcher=launcher,
+        extra_env=env,
         host=listen.triton_host,
         ports=(ports.http, ports.grpc, ports.metrics),
         die_with_parent=threading.current_thread() is threading.main_thread(),

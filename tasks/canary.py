@@ -21,6 +21,7 @@ from pathlib import Path
 
 import requests
 
+from tasks import tensorrt_llm
 from tasks.config import Profile
 from tasks.contract import CONTRACT_FILE, load_contract, read_contract, require_same
 from tasks.errors import BadInput, CheckFailed
@@ -162,6 +163,9 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> None:
                     f"Triton at {triton.url}: a tensorrtllm model needs the server's model repository "
                     "(--triton-repository on a shared filesystem): engines are not sent with load requests"
                 )
+            tensorrt_llm.require_serving_version(
+                served.engine_root / "engine", profile.serve.tensorrtllm.server_version, triton.url
+            )
             # Composing models first; loading the ensemble loads them.
             for model, (template, values) in tensorrtllm_models(
                 profile, served.name, served.engine_root, served.artifact_sha256
@@ -234,8 +238,17 @@ def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, T
     serving = published(ctx.home)
     if serving is not None:
         return serving, None
-    server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary)
+    launcher, env = triton_launch(ctx.profile)
+    server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
     return server.client, server
+
+
+def triton_launch(profile: Profile) -> tuple[list[str], dict[str, str]]:
+    """The command prefix and environment tritonserver needs for this profile's models."""
+    if profile.serve.backend != "tensorrtllm":
+        return [], {}
+    checkpoint = profile.quantize.tensorrt_llm
+    return tensorrt_llm.triton_launch(checkpoint.tp_size * checkpoint.pp_size, profile.serve.instance_count)
 
 
 def served_version(ctx: RunContext, service: str, version) -> Served:

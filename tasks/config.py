@@ -172,6 +172,10 @@ class TritonTensorRTLLM(Section):
     max_queue_delay_us: int = Field(0, ge=0)
     preprocessing_instances: int = Field(1, ge=1)
     postprocessing_instances: int = Field(1, ge=1)
+    # The TensorRT-LLM release of the serving image's tensorrtllm backend (NGC tritonserver:25.06-trtllm-
+    # python-py3 ships 0.20.0). Each engine's build version is checked against it before anything loads:
+    # mismatched engine and backend versions are the backend's most reported failure.
+    server_version: str = "0.20.0"
 
 
 class ListenSection(Section):

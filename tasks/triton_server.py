@@ -106,10 +106,13 @@ class TritonServer:
         host: str = "127.0.0.1",
         ports: tuple[int, int, int] | None = None,
         die_with_parent: bool = False,
+        launcher: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> TritonServer:
         """Start tritonserver; `ports` (HTTP, gRPC, metrics) default to free ones. `die_with_parent`: the
         kernel stops Triton when the thread that started it ends (a SIGKILLed `llmops serve` leaves no
-        orphan); only for a thread that lives as long as the server, such as a program's main thread."""
+        orphan); only for a thread that lives as long as the server, such as a program's main thread.
+        `launcher` and `extra_env`: what tensorrtllm models spanning GPUs need (tasks/tensorrt_llm.py:triton_launch)."""
         exe = find_binary(binary)
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)
@@ -117,6 +120,7 @@ class TritonServer:
         key = ensure_control_key(home)
         http, grpc, metrics = ports or (free_port(), free_port(), free_port())
         command = [
+            *(launcher or []),
             str(exe),
             f"--model-repository={repository}",
             "--model-control-mode=explicit",
@@ -144,7 +148,7 @@ class TritonServer:
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(bundled),
+                env={**server_env(bundled), **(extra_env or {})},
                 start_new_session=True,
                 preexec_fn=die_with(os.getpid()) if die_with_parent else None,
             )

@@ -210,3 +210,43 @@ def test_an_ngc_tritonserver_runs_with_its_own_environment(monkeypatch):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/tritonserver/lib")
     env = server_env(bundled=False)
     assert env["LD_LIBRARY_PATH"] == "/opt/tritonserver/lib" and env["PATH"] == os.environ["PATH"]
+
+
+@pytest.mark.parametrize(
+    ("profile_name", "spans_gpus"),
+    [("qwen2-14b-int4-tp2", True), ("qwen-7b-qlora-2xa10", True), ("llama3-8b-h100-fp8", False)],
+)
+def test_triton_starts_in_orchestrator_mode_where_models_span_gpus(profile_name, spans_gpus):
+    """TP2 (one instance over "0,1") and two single-GPU instances ("0;1") need the backend's orchestrator
+    mode: tritonserver as MPI rank 0 alone, model ranks spawned by the backend; one GPU needs nothing."""
+    from tasks.canary import triton_launch
+
+    launcher, env = triton_launch(load_profile(profile_name))
+    if spans_gpus:
+        assert launcher == ["mpirun", "--allow-run-as-root", "-n", "1"]
+        assert env == {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
+    else:
+        assert (launcher, env) == ([], {})
+    assert triton_launch(load_profile("cpu-tiny")) == ([], {})
+
+
+def test_an_engine_built_by_another_tensorrt_llm_is_refused_before_loading(tmp_path):
+    import json
+
+    from tasks.errors import CheckFailed
+
+    engine = tmp_path / "qwen-7b-sft-v3" / "engine"
+    engine.mkdir(parents=True)
+    (engine / "config.json").write_text(json.dumps({"version": "0.19.0", "pretrained_config": {}, "build_config": {}}))
+    assert tensorrt_llm.engine_version(engine) == "0.19.0"
+    tensorrt_llm.require_serving_version(engine, "0.19.0", "http://triton:8000")  # same release: fine
+    with pytest.raises(CheckFailed) as refused:
+        tensorrt_llm.require_serving_version(engine, "0.20.0", "http://triton:8000")
+    assert str(refused.value) == (
+        "engine qwen-7b-sft-v3 was built with TensorRT-LLM 0.19.0, but Triton at http://triton:8000 serves "
+        "TensorRT-LLM 0.20.0 (serve.tensorrtllm.server_version): rebuild the engine with 0.20.0 or serve it "
+        "on a 0.19.0 image"
+    )
+    (engine / "config.json").write_text(json.dumps({"pretrained_config": {}}))
+    with pytest.raises(CheckFailed, match="no TensorRT-LLM version"):
+        tensorrt_llm.engine_version(engine)
