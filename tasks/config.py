@@ -104,6 +104,8 @@ class EvaluateSection(Section):
 
 
 class MergeSection(Section):
+    # max |logits(base+adapter) - logits(merged)|: 1e-3 in float32; in bfloat16 the merged weights are
+    # rounded to 8 bits of mantissa, so the GPU profiles allow more (tests/unit/test_merge.py measures it)
     tolerance: float = Field(1e-3, ge=0)
     probe_samples: int = Field(16, ge=1)
 
@@ -300,6 +302,9 @@ class HardwareSection(Section):
     gpus: int = Field(0, ge=0)
     # e.g. "A10", "H100": documentation and the engine cache key's expected architecture
     gpu_type: str | None = None
+    # The dtype evaluate and merge run the model in, on the accelerator: float32 on CPU; bfloat16 (or
+    # float16 where a GPU has no bf16) on CUDA, where a 7-14B model in fp32 would not fit or take hours.
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     kubernetes: KubernetesSection = KubernetesSection()
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ from tasks.config import EvaluateSection
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
 from tasks.metrics import higher_is_better, mean, text_scores
-from tasks.models import load_model, load_tokenizer
+from tasks.models import Compute, load_model, load_tokenizer
 from tasks.stage import RunContext, StageResult, logger, run_cached
 from tasks.stats import Difference, paired_difference
 
@@ -70,7 +70,8 @@ def answer_losses(model, tokenizer, conversations: list[Conversation]) -> list[f
             labels[i, len(p) : len(seq)] = torch.tensor(a)
             mask[i, : len(seq)] = 1
         with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
+            logits = model(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device)).logits
+        logits = logits[:, :-1].float().cpu()
         target = labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
         counts = (target != -100).sum(dim=1).clamp(min=1)
@@ -84,7 +85,7 @@ def generate_answers(model, tokenizer, conversations: list[Conversation], max_ne
     answers = []
     for group in batches(conversations):
         prompts = [prompt_ids(tokenizer, c) for c in group]
-        batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+        batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(model.device)
         with torch.no_grad():
             out = model.generate(
                 **batch,
@@ -155,9 +156,10 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
         require_samples(len(conversations), cfg, "evaluate")
         base_dir = ctx.store.fetch(base.artifact.digest)
         tokenizer = load_tokenizer(base_dir)
-        base_scores = score(load_model(base_dir), tokenizer, conversations, cfg)
+        compute = Compute.of(ctx.profile)
+        base_scores = score(load_model(base_dir, compute=compute), tokenizer, conversations, cfg)
         candidate_scores = score(
-            load_model(base_dir, ctx.store.fetch(adapter.artifact.digest)), tokenizer, conversations, cfg
+            load_model(base_dir, ctx.store.fetch(adapter.artifact.digest), compute), tokenizer, conversations, cfg
         )
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
         result = {

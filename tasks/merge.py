@@ -14,7 +14,7 @@ from tasks.chat import Conversation, answer_ids, prompt_ids
 from tasks.contract import load_contract, read_contract, require_same, write_contract
 from tasks.data import eval_conversations
 from tasks.errors import CheckFailed
-from tasks.models import load_model, load_tokenizer
+from tasks.models import CPU_FP32, Compute, load_model, load_tokenizer
 from tasks.stage import RunContext, StageResult, logger, run_cached
 
 
@@ -33,23 +33,27 @@ def probe_batch(tokenizer, conversations: list[Conversation]):
 
 
 def logits(model, input_ids, mask):
+    """float32 logits on the CPU, whatever the model's device and dtype."""
     import torch
 
     with torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=mask).logits
-    return out * mask.unsqueeze(-1)  # padding positions carry no meaning: compare real tokens only
+        out = model(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device)).logits
+    return out.float().cpu() * mask.unsqueeze(-1)  # padding positions carry no meaning: compare real tokens only
 
 
-def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, probe: list[Conversation]) -> float:
-    """Write the merged model to out_dir; return max |logits(base+adapter) - logits(merged)|."""
+def merge_adapter(
+    base_dir: Path, adapter_dir: Path, out_dir: Path, probe: list[Conversation], compute: Compute = CPU_FP32
+) -> float:
+    """Write the merged model to out_dir (in compute.dtype); return max |logits(base+adapter) - logits(merged)|."""
     tokenizer = load_tokenizer(base_dir)
     input_ids, mask = probe_batch(tokenizer, probe)
-    with_adapter = load_model(base_dir, adapter_dir)
+    with_adapter = load_model(base_dir, adapter_dir, compute)
     expected = logits(with_adapter, input_ids, mask)
     merged = with_adapter.merge_and_unload()
     merged.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    reloaded = load_model(out_dir)
+    del merged, with_adapter  # one copy of a 14B model on the GPU at a time
+    reloaded = load_model(out_dir, compute=compute)
     return float((logits(reloaded, input_ids, mask) - expected).abs().max())
 
 
@@ -65,7 +69,11 @@ def merge(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageR
     def produce(out_dir: Path) -> dict:
         probe = eval_conversations(ctx, data, cfg.probe_samples)
         max_diff = merge_adapter(
-            ctx.store.fetch(base.artifact.digest), ctx.store.fetch(adapter.artifact.digest), out_dir, probe
+            ctx.store.fetch(base.artifact.digest),
+            ctx.store.fetch(adapter.artifact.digest),
+            out_dir,
+            probe,
+            Compute.of(ctx.profile),
         )
         trained = load_contract(ctx.store.fetch(adapter.artifact.digest))
         require_same(trained, read_contract(out_dir), "the merged model's tokenizer")

@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.config import Profile
 
-def load_model(base_dir: Path, adapter_dir: Path | None = None):
+
+@dataclass(frozen=True)
+class Compute:
+    """Where and in what dtype a stage runs a model (the profile's hardware section)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @classmethod
+    def of(cls, profile: Profile) -> Compute:
+        hardware = profile.hardware
+        return cls("cuda" if hardware.accelerator == "cuda" else "cpu", hardware.compute_dtype)
+
+
+CPU_FP32 = Compute()
+
+
+def load_model(base_dir: Path, adapter_dir: Path | None = None, compute: Compute = CPU_FP32):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype)).to(compute.device)
     if adapter_dir is not None:
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(model, adapter_dir).eval()
+        # the adapter's weights follow the base's device and dtype
+        return PeftModel.from_pretrained(model, adapter_dir, torch_device=compute.device).eval()
     return model.eval()
 
 

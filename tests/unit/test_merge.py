@@ -1,5 +1,7 @@
 """merge on a real tiny Qwen2 and a real peft LoRA adapter: an exact merge passes, a wrong one is caught."""
 
+import json
+
 import pytest
 import torch
 
@@ -51,3 +53,30 @@ def test_a_wrong_merge_is_detected(base_and_adapter):
             module.scaling = {k: v * 2 for k, v in module.scaling.items()}
     wrongly_merged = wrong.merge_and_unload()
     assert (logits(wrongly_merged, ids, mask) - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_merge_stays_within_the_gpu_profiles_tolerance(base_and_adapter, dtype):
+    """What the CUDA profiles do (hardware.compute_dtype), run here on the CPU: the merged weights are
+    rounded to 16 bits, so base+adapter and merged differ by more than in float32, and by less than the
+    tolerance the GPU profiles set; a wrong merge still stands out above it."""
+    from tasks.config import load_profile
+    from tasks.models import Compute
+
+    base, adapter, root = base_and_adapter
+    gpu_profiles = [load_profile(p) for p in ("qwen-7b-qlora-2xa10", "qwen2-14b-int4-tp2", "llama3-8b-h100-fp8")]
+    assert {p.hardware.compute_dtype for p in gpu_profiles} == {"bfloat16"}
+    (tolerance,) = {p.merge.tolerance for p in gpu_profiles}
+    diff = merge_adapter(base, adapter, root / f"merged-{dtype}", CONVERSATIONS, Compute("cpu", dtype))
+    tokenizer = load_tokenizer(base)
+    ids, mask = probe_batch(tokenizer, CONVERSATIONS)
+    scale = float(logits(load_model(base), ids, mask).abs().max())
+    effect = float((logits(load_model(base), ids, mask) - logits(load_model(base, adapter), ids, mask)).abs().max())
+    print(
+        f"\n{dtype} merge: max |dlogits| {diff:.2e} = {diff / scale:.2%} of max |logit| {scale:.2f}; adapter effect {effect:.2f}"
+    )
+    assert diff / scale < 0.01  # the GPU tolerance assumes ~0.5% of the logits' scale (~30 for 7-14B models)
+    assert effect > tolerance  # a merge that lost the adapter would still fail the GPU check
+    assert load_model(root / f"merged-{dtype}").dtype == torch.float32  # loaded back as asked; saved in dtype
+    saved_dtype = json.loads((root / f"merged-{dtype}" / "config.json").read_text()).get("dtype")
+    assert saved_dtype == dtype
