@@ -31,6 +31,18 @@ def encode_prompt(tokenizer, text, history, apply_chat_template):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def stream_delta(text, sent, final):
+    """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
+    answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first
+    bytes of a character whose other bytes are still to come (a Chinese character split over byte-level
+    tokens), so it is held back until the character is whole or the answer ends. Returns (delta, new sent)."""
+    if not final:
+        text = text.rstrip("\ufffd")
+    if not text.startswith(sent):  # the decoder revised what was sent (rare): never send a wrong delta
+        return "", sent
+    return text[len(sent) :], text
+
+
 def serving_request(conversation: Conversation) -> tuple[str, list[Message]]:
     """(text_input, chat_history) for a conversation that ends with the assistant's answer."""
     *history, question, _answer = conversation

@@ -100,3 +100,25 @@ def test_a_generation_config_stop_id_joins_the_contract(tokenizer_dir, tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [trained.eos_token_id, 0]}))
     with pytest.raises(CheckFailed, match=r"stop_token_ids \[0, \d+\] \(trained with \[\d+\]\)"):
         require_same(trained, read_contract(tokenizer_dir, tmp_path), "the merged model")
+
+
+def test_chinese_streams_whole_characters_even_when_tokens_split_them(tokenizer_dir):
+    """A byte-level tokenizer that has not seen a character splits it over several tokens; decoding a prefix
+    of them gives U+FFFD. The streamed pieces (tasks/chat.py:stream_delta and the llm model's copy) never
+    carry a broken character and add up to the whole answer."""
+    from tasks.chat import stream_delta
+    from tasks.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    answer = "利率下调，债券价格上涨。 Rates fell; bonds rose."
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    prefixes = [tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
+    assert any(p.endswith("\ufffd") for p in prefixes), "the test needs a character split over tokens"
+    for delta_of in (stream_delta, serving_copy("infra/triton/llm/1/model.py").stream_delta):
+        sent, pieces = "", []
+        for n, text in enumerate(prefixes, 1):
+            delta, sent = delta_of(text, sent, final=n == len(ids))
+            pieces.append(delta)
+        assert "".join(pieces) == answer and not any("\ufffd" in p for p in pieces)
+        naive = [prefixes[0]] + [b[len(a) :] for a, b in zip(prefixes, prefixes[1:], strict=False)]
+        assert "".join(naive) != answer  # what slicing the text without holding back sends

@@ -39,6 +39,19 @@ def scalar(request, name, default):
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
 
+# A copy of tasks/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
+def stream_delta(text, sent, final):
+    """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
+    answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first
+    bytes of a character whose other bytes are still to come (a Chinese character split over byte-level
+    tokens), so it is held back until the character is whole or the answer ends. Returns (delta, new sent)."""
+    if not final:
+        text = text.rstrip("\ufffd")
+    if not text.startswith(sent):  # the decoder revised what was sent (rare): never send a wrong delta
+        return "", sent
+    return text[len(sent) :], text
+
+
 def chat_history(text):
     """The optional `chat_history` input: a JSON list of earlier {role, content} messages (a system prompt among them)."""
     if not text:
@@ -191,7 +204,7 @@ class TritonPythonModel:
     def emit(self, job, finished):
         text = self.tokenizer.decode(job.tokens, skip_special_tokens=True)
         if job.stream:
-            delta, job.sent_text = text[len(job.sent_text) :], text
+            delta, job.sent_text = stream_delta(text, job.sent_text, finished)
             if delta or finished:
                 self.respond(job, delta, finished)
         elif finished:
