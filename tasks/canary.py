@@ -21,7 +21,7 @@ from pathlib import Path
 
 import requests
 
-from tasks import tensorrt_llm
+from tasks import memory_plan, tensorrt_llm
 from tasks.config import Profile
 from tasks.contract import CONTRACT_FILE, load_contract, read_contract, require_same
 from tasks.errors import BadInput, CheckFailed
@@ -75,7 +75,7 @@ def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
 
 
 def tensorrtllm_models(
-    profile: Profile, name: str, engine_root: Path, artifact_sha256: str
+    profile: Profile, name: str, engine_root: Path, artifact_sha256: str, kv_tokens: int
 ) -> dict[str, tuple[str, dict]]:
     """The four Triton models of one tensorrtllm candidate, {model name: (template, values)}; the
     composing models carry the candidate's name, and the engine path is this candidate's own."""
@@ -108,6 +108,7 @@ def tensorrtllm_models(
                 "engine_dir": str((engine_root / "engine").resolve()),
                 "batch_scheduler_policy": trt.batch_scheduler_policy,
                 "kv_cache_free_gpu_mem_fraction": trt.kv_cache_free_gpu_mem_fraction,
+                "max_tokens_in_paged_kv_cache": kv_tokens,
                 "enable_kv_cache_reuse": str(trt.enable_kv_cache_reuse).lower(),
                 "enable_chunked_context": str(trt.enable_chunked_context).lower(),
                 "max_beam_width": profile.engine.max_beam_width,
@@ -163,12 +164,19 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> None:
                     f"Triton at {triton.url}: a tensorrtllm model needs the server's model repository "
                     "(--triton-repository on a shared filesystem): engines are not sent with load requests"
                 )
-            tensorrt_llm.require_serving_version(
-                served.engine_root / "engine", profile.serve.tensorrtllm.server_version, triton.url
+            engine_dir = served.engine_root / "engine"
+            tensorrt_llm.require_serving_version(engine_dir, profile.serve.tensorrtllm.server_version, triton.url)
+            if profile.hardware.gpu_memory_gb is None:
+                raise BadInput(
+                    f"profile {profile.name}: hardware.gpu_memory_gb is needed to plan the canary's GPU memory"
+                )
+            kv_tokens = memory_plan.kv_tokens_for_canary(
+                memory_plan.footprint(engine_dir), profile.hardware.gpu_memory_gb, served.name
             )
+            logger().info(f"canary: {served.name} gets a KV cache of {kv_tokens} tokens (room for a second engine)")
             # Composing models first; loading the ensemble loads them.
             for model, (template, values) in tensorrtllm_models(
-                profile, served.name, served.engine_root, served.artifact_sha256
+                profile, served.name, served.engine_root, served.artifact_sha256, kv_tokens
             ).items():
                 render_model(template, repository, model, values)
         else:

@@ -302,6 +302,8 @@ class HardwareSection(Section):
     gpus: int = Field(0, ge=0)
     # e.g. "A10", "H100": documentation and the engine cache key's expected architecture
     gpu_type: str | None = None
+    # Memory of one GPU: the canary's memory plan (tasks/memory_plan.py) fits champion and candidate in it.
+    gpu_memory_gb: float | None = Field(None, gt=0)
     # The dtype evaluate and merge run the model in, on the accelerator: float32 on CPU; bfloat16 (or
     # float16 where a GPU has no bf16) on CUDA, where a 7-14B model in fp32 would not fit or take hours.
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"

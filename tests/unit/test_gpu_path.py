@@ -74,7 +74,7 @@ def test_tensorrt_llm_commands_match_golden(profile_name):
 @pytest.mark.parametrize("profile_name", GPU_PROFILES)
 def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
     profile = load_profile(profile_name)
-    models = tensorrtllm_models(profile, f"{profile.registry.model_name}-v3", Path("/engines/v3"), "e" * 64)
+    models = tensorrtllm_models(profile, f"{profile.registry.model_name}-v3", Path("/engines/v3"), "e" * 64, 40960)
     for name, (template, values) in models.items():
         folder = render_model(template, tmp_path, name, values)
         config = (folder / "config.pbtxt").read_text()
@@ -86,7 +86,7 @@ def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
 def test_golden_values_are_what_the_profiles_ask_for():
     """The reviewed facts behind the golden files, stated once in words."""
     qwen7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "commands.sh").read_text()
-    assert "--qformat full_prec" in qwen7b and "--dtype float16" in qwen7b and "--calib_dataset" not in qwen7b
+    assert "--qformat int8_wo" in qwen7b and "--dtype float16" in qwen7b and "--calib_dataset" not in qwen7b
     assert "--gemm_plugin float16 --gpt_attention_plugin float16 --kv_cache_type paged" in qwen7b
     trt7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "triton" / "qwen-7b-sft-v3-trtllm" / "config.pbtxt").read_text()
     assert 'string_value: "0;1"' in trt7b and "count: 2" in trt7b  # two instances, one A10 each
@@ -106,8 +106,8 @@ def test_golden_values_are_what_the_profiles_ask_for():
 
 def test_each_candidate_gets_its_own_model_names_and_engine_path():
     profile = load_profile("qwen-7b-qlora-2xa10")
-    v3 = tensorrtllm_models(profile, "svc-v3", Path("/engines/a"), "a" * 64)
-    v4 = tensorrtllm_models(profile, "svc-v4", Path("/engines/b"), "b" * 64)
+    v3 = tensorrtllm_models(profile, "svc-v3", Path("/engines/a"), "a" * 64, 40960)
+    v4 = tensorrtllm_models(profile, "svc-v4", Path("/engines/b"), "b" * 64, 40960)
     assert not set(v3) & set(v4)
     assert v3["svc-v3"][1]["tensorrt_llm_model"] == "svc-v3-trtllm"
     assert v3["svc-v3-trtllm"][1]["engine_dir"].endswith("/engines/a/engine")
@@ -250,3 +250,67 @@ def test_an_engine_built_by_another_tensorrt_llm_is_refused_before_loading(tmp_p
     (engine / "config.json").write_text(json.dumps({"pretrained_config": {}}))
     with pytest.raises(CheckFailed, match="no TensorRT-LLM version"):
         tensorrt_llm.engine_version(engine)
+
+
+# Public model shapes (their config.json on the hub): layers, heads, KV heads, hidden size, parameters.
+SHAPES = {
+    "Qwen/Qwen2.5-7B-Instruct": (28, 28, 4, 3584, 7.62e9),
+    "Qwen/Qwen2.5-14B-Instruct": (48, 40, 8, 5120, 14.8e9),
+    "meta-llama/Meta-Llama-3-8B-Instruct": (32, 32, 8, 4096, 8.03e9),
+}
+WEIGHT_BYTES = {"full_prec": 2, "int8_wo": 1, "fp8": 1, "int4_awq": 0.5, "w4a8_awq": 0.5}
+
+
+def engine_like(profile, folder: Path, qformat: str | None = None) -> Path:
+    """An engine folder with the config.json keys and rank files trtllm-build writes, sized as this
+    profile's model would be (sparse files: nothing is written)."""
+    import json
+
+    checkpoint = profile.quantize.tensorrt_llm
+    qformat = qformat or checkpoint.qformat
+    layers, heads, kv_heads, hidden, params = SHAPES[profile.base_model.source]
+    config = {
+        "version": "0.20.0",
+        "pretrained_config": {
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "hidden_size": hidden,
+            "dtype": checkpoint.dtype,
+            "mapping": {"tp_size": checkpoint.tp_size, "pp_size": checkpoint.pp_size},
+            "quantization": {"kv_cache_quant_algo": "FP8" if checkpoint.kv_cache_dtype == "fp8" else None},
+        },
+        "build_config": {"max_seq_len": profile.engine.max_seq_len},
+    }
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    for rank in range(checkpoint.tp_size * checkpoint.pp_size):
+        with open(folder / f"rank{rank}.engine", "wb") as engine:
+            engine.truncate(int(params * WEIGHT_BYTES[qformat] / (checkpoint.tp_size * checkpoint.pp_size)))
+    return folder
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_each_gpu_profile_fits_champion_and_candidate_on_its_gpus(profile_name, tmp_path):
+    from tasks import memory_plan
+
+    profile = load_profile(profile_name)
+    engine = memory_plan.footprint(engine_like(profile, tmp_path / "engine"))
+    tokens = memory_plan.kv_tokens_for_canary(engine, profile.hardware.gpu_memory_gb, profile_name)
+    used = 2 * engine.weights_bytes + 2 * tokens * engine.kv_bytes_per_token
+    assert used <= profile.hardware.gpu_memory_gb * memory_plan.GIB * (1 - memory_plan.HEADROOM)
+    assert tokens >= 4 * profile.engine.max_seq_len, tokens  # room for a few sequences each, not just one
+
+
+def test_a_canary_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
+    """Two fp16 7B engines on one 24 GB A10: 2 x 14.2 GiB of weights alone exceed the GPU."""
+    from tasks import memory_plan
+
+    profile = load_profile("qwen-7b-qlora-2xa10")
+    engine = memory_plan.footprint(engine_like(profile, tmp_path / "engine", qformat="full_prec"))
+    assert engine.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, fp16
+    with pytest.raises(BadInput) as refused:
+        memory_plan.kv_tokens_for_canary(engine, 24, "qwen-7b-sft-v4")
+    message = str(refused.value)
+    assert message.startswith("qwen-7b-sft-v4: champion and candidate engines (14.2 GiB of weights per GPU each)")
+    assert "24 GB GPUs (hardware.gpu_memory_gb)" in message and "give the candidate GPUs of its own" in message

@@ -47,7 +47,9 @@ class TritonPythonModel:
         self.default_max_tokens = int(params.get("default_max_tokens", "128"))
         self.end_id = self.tokenizer.eos_token_id
         if self.end_id is None:  # end_id would be np.array([[None]]): no answer could ever stop
-            raise ValueError(f"tokenizer {params['tokenizer_dir']}: no EOS token; set eos_token in its tokenizer_config.json")
+            raise ValueError(
+                f"tokenizer {params['tokenizer_dir']}: no EOS token; set eos_token in its tokenizer_config.json"
+            )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id
 
     def execute(self, requests):
