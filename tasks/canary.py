@@ -84,7 +84,7 @@ def tensorrtllm_models(
     # instance i runs on GPUs [i*world, (i+1)*world): "0;1" two single-GPU instances, "0,1" one TP2 instance
     devices = ";".join(",".join(str(i * world + r) for r in range(world)) for i in range(serve.instance_count))
     tokenizer = str((engine_root / "tokenizer").resolve())
-    names = {"pre": f"{name}-pre", "trtllm": f"{name}-trtllm", "post": f"{name}-post"}
+    names = {"pre": f"{name}-pre", "trtllm": f"{name}-trtllm"}
     return {
         names["pre"]: (
             "tensorrtllm/preprocessing",
@@ -115,21 +115,15 @@ def tensorrtllm_models(
                 "gpu_device_ids": devices,
             },
         ),
-        names["post"]: (
-            "tensorrtllm/postprocessing",
-            {
-                "max_batch_size": serve.max_batch_size,
-                "instance_count": trt.postprocessing_instances,
-                "tokenizer_dir": tokenizer,
-            },
-        ),
         name: (
-            "tensorrtllm/ensemble",
+            "tensorrtllm/bls",
             {
                 "max_batch_size": serve.max_batch_size,
+                "instance_count": trt.bls_instances,
                 "preprocessing_model": names["pre"],
                 "tensorrt_llm_model": names["trtllm"],
-                "postprocessing_model": names["post"],
+                "engine_decoupled": str(trt.decoupled).lower(),
+                "tokenizer_dir": tokenizer,
             },
         ),
     }
@@ -174,11 +168,14 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> None:
                 memory_plan.footprint(engine_dir), profile.hardware.gpu_memory_gb, served.name
             )
             logger().info(f"canary: {served.name} gets a KV cache of {kv_tokens} tokens (room for a second engine)")
-            # Composing models first; loading the ensemble loads them.
+            # The models the entry BLS calls are loaded first, by name: Triton loads an ensemble's
+            # composing models with it, but not the models a BLS calls.
             for model, (template, values) in tensorrtllm_models(
                 profile, served.name, served.engine_root, served.artifact_sha256, kv_tokens
             ).items():
                 render_model(template, repository, model, values)
+                if model != served.name:
+                    load_rendered(triton, model, repository, profile.serve.load_timeout_s)
         else:
             # No shared filesystem: the model's weights and tokenizer travel inside its folder (1/model).
             shipped = triton.repository is None
@@ -320,7 +317,11 @@ def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton) -> De
 
 
 def triton_unload_quietly(triton: Triton, name: str) -> None:
-    try:
-        triton.unload(name)
-    except requests.RequestException:
-        pass
+    """Unload a served version, and the models its tensorrtllm entry BLS calls (not dependents to Triton)."""
+    for model in (name, f"{name}-pre", f"{name}-trtllm"):
+        if model != name and not triton.is_ready(model):
+            continue
+        try:
+            triton.unload(model)
+        except requests.RequestException:
+            pass

@@ -173,7 +173,7 @@ class TritonTensorRTLLM(Section):
     decoupled: bool = True  # streaming responses; genai-perf --streaming needs it
     max_queue_delay_us: int = Field(0, ge=0)
     preprocessing_instances: int = Field(1, ge=1)
-    postprocessing_instances: int = Field(1, ge=1)
+    bls_instances: int = Field(1, ge=1)  # the entry model that detokenizes (infra/triton/tensorrtllm/bls)
     # The TensorRT-LLM release of the serving image's tensorrtllm backend (NGC tritonserver:25.06-trtllm-
     # python-py3 ships 0.20.0). Each engine's build version is checked against it before anything loads:
     # mismatched engine and backend versions are the backend's most reported failure.
@@ -213,7 +213,7 @@ class ServeSection(Section):
     # false: stop after registering the candidate (a training-only pipeline); no Triton, no gate.
     deploy: bool = True
     # python: the merged model in a Python-backend model (CPU, or CUDA with torch);
-    # tensorrtllm: the TensorRT-LLM engine behind preprocessing/tensorrt_llm/postprocessing/ensemble.
+    # tensorrtllm: the TensorRT-LLM engine behind preprocessing -> tensorrt_llm, entered through a BLS model.
     backend: Literal["python", "tensorrtllm"] = "python"
     tensorrtllm: TritonTensorRTLLM = TritonTensorRTLLM()
     # None: the nvidia-pytriton binary (CPU). A path or name: an NGC/system tritonserver.

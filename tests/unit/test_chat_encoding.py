@@ -114,7 +114,11 @@ def test_chinese_streams_whole_characters_even_when_tokens_split_them(tokenizer_
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     prefixes = [tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
     assert any(p.endswith("\ufffd") for p in prefixes), "the test needs a character split over tokens"
-    for delta_of in (stream_delta, serving_copy("infra/triton/llm/1/model.py").stream_delta):
+    copies = [
+        serving_copy(path).stream_delta
+        for path in ("infra/triton/llm/1/model.py", "infra/triton/tensorrtllm/bls/1/model.py")
+    ]
+    for delta_of in (stream_delta, *copies):
         sent, pieces = "", []
         for n, text in enumerate(prefixes, 1):
             delta, sent = delta_of(text, sent, final=n == len(ids))

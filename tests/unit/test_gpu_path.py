@@ -81,6 +81,7 @@ def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
         assert "${" not in config
         matches_golden(GOLDEN / profile_name / "triton" / name / "config.pbtxt", config)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(models)
+    assert sorted(p.name for p in (GOLDEN / profile_name / "triton").iterdir()) == sorted(models)  # none stale
 
 
 def test_golden_values_are_what_the_profiles_ask_for():
@@ -314,3 +315,111 @@ def test_a_canary_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
     message = str(refused.value)
     assert message.startswith("qwen-7b-sft-v4: champion and candidate engines (14.2 GiB of weights per GPU each)")
     assert "24 GB GPUs (hardware.gpu_memory_gb)" in message and "give the candidate GPUs of its own" in message
+
+
+def test_the_tensorrtllm_entry_model_streams_whole_characters(tmp_path, monkeypatch):
+    """The entry BLS's own logic (infra/triton/tensorrtllm/bls/1/model.py), run outside Triton: a stand-in
+    for Triton's pb_utils (the calls the router also makes on a real Triton) and an engine that streams a
+    Chinese answer a few byte-level tokens per response. The client gets whole characters that add up
+    to the answer, in streaming and in one response."""
+    import importlib.util
+    import sys
+    import types
+
+    import numpy as np
+
+    from tasks.base_model import train_tokenizer
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    train_tokenizer(["opposite of hot", "cold"] * 4, 300).save_pretrained(tokenizer_dir)
+    from transformers import AutoTokenizer
+
+    answer = "利率下调，债券价格上涨。"
+    tokens = AutoTokenizer.from_pretrained(tokenizer_dir)(answer, add_special_tokens=False)["input_ids"]
+    assert len(tokens) > len(answer)  # characters split over byte tokens
+
+    class Tensor:
+        def __init__(self, name, array):
+            self._name, self._array = name, np.asarray(array)
+
+        def name(self):
+            return self._name
+
+        def as_numpy(self):
+            return self._array
+
+    class Response:
+        def __init__(self, output_tensors=(), error=None):
+            self.output_tensors, self._error = list(output_tensors), error
+
+        def has_error(self):
+            return self._error is not None
+
+    def engine_responses(streaming):
+        if not streaming:
+            yield Response([Tensor("output_ids", [[tokens + [0, 0]]]), Tensor("sequence_length", [[len(tokens)]])])
+            return
+        for start in range(0, len(tokens), 3):
+            chunk = tokens[start : start + 3]
+            yield Response([Tensor("output_ids", [[chunk]]), Tensor("sequence_length", [[len(chunk)]])])
+        yield Response()  # the final flag alone
+
+    class InferenceRequest:
+        def __init__(self, model_name, inputs, requested_output_names):
+            self.model, self.inputs = model_name, {t.name(): t for t in inputs}
+
+        def exec(self, decoupled=False):
+            if self.model.endswith("-pre"):
+                assert set(self.inputs) <= {"text_input", "chat_history", "max_tokens", "exclude_input_in_output"}
+                names = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id")
+                return Response([Tensor(n, [[1]]) for n in names])
+            assert decoupled and self.model.endswith("-trtllm") and "streaming" in self.inputs
+            return engine_responses(bool(self.inputs["streaming"].as_numpy().reshape(-1)[0]))
+
+    pb_utils = types.SimpleNamespace(
+        Tensor=Tensor,
+        InferenceRequest=InferenceRequest,
+        InferenceResponse=Response,
+        TritonError=str,
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
+        get_output_tensor_by_name=lambda r, n: next((t for t in r.output_tensors if t.name() == n), None),
+    )
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)
+    path = Path(__file__).resolve().parents[2] / "infra/triton/tensorrtllm/bls/1/model.py"
+    spec = importlib.util.spec_from_file_location("tensorrtllm_bls", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    config = {
+        "parameters": {
+            "preprocessing_model": {"string_value": "m-v1-pre"},
+            "tensorrt_llm_model": {"string_value": "m-v1-trtllm"},
+            "engine_decoupled": {"string_value": "true"},
+            "tokenizer_dir": {"string_value": str(tokenizer_dir)},
+        }
+    }
+    model.initialize({"model_config": __import__("json").dumps(config)})
+
+    for stream in (True, False):
+        sent: list[str | None] = []
+
+        class Sender:
+            def __init__(self, into):
+                self.into = into
+
+            def send(self, response=None, flags=0):
+                assert response is None or not response.has_error(), response._error
+                if response is not None:
+                    self.into.append(response.output_tensors[0].as_numpy().reshape(-1)[0].decode())
+                if flags:
+                    self.into.append(None)
+
+        request = types.SimpleNamespace(
+            inputs=lambda s=stream: [Tensor("text_input", [[b"q"]]), Tensor("stream", [[s]])],
+            get_response_sender=lambda into=sent: Sender(into),
+        )
+        model.generate(request)
+        assert sent[-1] is None and "".join(sent[:-1]) == answer, sent
+        assert not any("\ufffd" in piece for piece in sent[:-1])
+        assert len(sent) > 3 if stream else len(sent) == 2
+    model.finalize()
