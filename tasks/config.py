@@ -286,10 +286,18 @@ class GateSection(Section):
     max_quantization_accuracy_drop: float = Field(0.05, ge=0)
 
 
+# Stages that need the profile's accelerator; each may run on a deployment of its own (run.remote_stages).
+HeavyStage = Literal["train", "evaluate", "merge", "quantize", "build_engine"]
+HEAVY_STAGES: tuple[str, ...] = get_args(HeavyStage)
+
+
 class KubernetesSection(Section):
     """Job variables for the Kubernetes GPU work pool (infra/work-pools/kubernetes-gpu.json)."""
 
     image: str | None = None
+    # One image per heavy stage (infra/images/): LlamaFactory's environment for train, evaluate and merge,
+    # the NGC TensorRT-LLM image for quantize and build_engine; a stage not named here uses `image`.
+    stage_images: dict[HeavyStage, str] = {}
     namespace: str = "default"
     node_selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []
@@ -318,11 +326,6 @@ class HardwareSection(Section):
 
 class RegistrySection(Section):
     model_name: str = Field(min_length=1)
-
-
-# Stages that need the profile's accelerator; each may run on a deployment of its own (run.remote_stages).
-HeavyStage = Literal["train", "evaluate", "merge", "quantize", "build_engine"]
-HEAVY_STAGES: tuple[str, ...] = get_args(HeavyStage)
 
 
 class RunSection(Section):

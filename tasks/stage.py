@@ -213,13 +213,16 @@ def stage_task(fn: Callable, profile: Profile):
     )(on_deployment(fn, deployment) if deployment else fn)
 
 
-def job_variables(profile: Profile) -> dict:
-    """Job variables of the GPU pool's Kubernetes template (infra/work-pools/kubernetes-gpu.json)."""
+def job_variables(profile: Profile, stage: str | None = None) -> dict:
+    """Job variables of the GPU pool's Kubernetes template (infra/work-pools/kubernetes-gpu.json) for one
+    stage: its own image where the profile names one (`hardware.kubernetes.stage_images`)."""
     k8s = profile.hardware.kubernetes
-    if profile.hardware.accelerator != "cuda" or k8s.image is None:
+    images: dict[str, str] = {str(name): image for name, image in k8s.stage_images.items()}
+    image = images.get(stage, k8s.image) if stage else k8s.image
+    if profile.hardware.accelerator != "cuda" or image is None:
         return {}
     values = {
-        "image": k8s.image,
+        "image": image,
         "namespace": k8s.namespace,
         "gpu_count": profile.hardware.gpus,
         "node_selector": k8s.node_selector,
@@ -242,7 +245,7 @@ def on_deployment(fn: Callable, deployment: str) -> Callable:
         run: FlowRun = run_deployment(  # type: ignore[assignment]  # a sync call returns the FlowRun
             deployment,
             poll_interval=2,
-            job_variables=job_variables(ctx.profile) or None,
+            job_variables=job_variables(ctx.profile, fn.__name__) or None,
             flow_run_name=f"{fn.__name__}-{ctx.tracker.run_id[:8]}",
             parameters={
                 "stage": fn.__name__,

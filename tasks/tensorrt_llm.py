@@ -34,8 +34,8 @@ def installed_version() -> str:
         return version("tensorrt_llm")
     except PackageNotFoundError:
         raise BadInput(
-            "tensorrt_llm is not installed here: run the GPU stages in a TensorRT-LLM image with "
-            "`pip install .[gpu]` (see README, GPU path)"
+            "tensorrt_llm is not installed here: quantize and build_engine run in the TensorRT-LLM image "
+            "(infra/images/trtllm.Dockerfile; hardware.kubernetes.stage_images)"
         ) from None
 
 

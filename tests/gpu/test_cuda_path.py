@@ -1,7 +1,7 @@
 """GPU integration: QLoRA on CUDA and a TensorRT-LLM engine of the tiny model, through `llmops run`.
 
 Skipped, with the reason printed (pytest -ra), where there is no CUDA GPU or no TensorRT-LLM. Run them
-in a GPU image with `pip install .[gpu]` and a CUDA build of torch:
+in the GPU images of infra/images/ (a CUDA build of torch; tensorrt_llm in the TensorRT-LLM image):
     python -m pytest tests/gpu -ra
 """
 
