@@ -89,6 +89,7 @@ def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *arg
                 str(tls[0]),
                 "--tls-key",
                 str(tls[1]),
+                *args,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
