@@ -258,7 +258,7 @@ def test_training_resumes_from_the_stored_checkpoint_on_a_fresh_machine(stack, f
     import signal
     import time
 
-    args = release_args(stack, "--set", "train.num_train_epochs=20", "--set", "train.save_steps=40")
+    args = release_args(stack, "--set", "train.num_train_epochs=12", "--set", "train.save_steps=40")
     namespace = "llmops/records/checkpoints/train/"
     known = {k for k in bucket_keys(stack) if k.startswith(namespace)}
     home = tmp_path / "machine-1"
