@@ -20,6 +20,7 @@ from pathlib import Path
 import requests
 
 from tasks.errors import TransientError
+from tasks.lifetime import die_with
 from tasks.ports import free_port
 
 
@@ -60,6 +61,8 @@ class TemporaryPrefectAPI:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # a SIGKILLed `llmops run` leaves no API server behind (started from its main thread)
+                preexec_fn=die_with(os.getpid()),
             )
         self.log_path = log_path
 

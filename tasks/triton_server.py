@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.errors import BadInput, CheckFailed, TransientError
+from tasks.lifetime import die_with
 from tasks.ports import free_port
 from tasks.triton import CONTROL_HEADER, CONTROL_KEY_FILE, Triton, control_key
 
@@ -192,22 +193,6 @@ class TritonServer:
         if not self.log_path or not self.log_path.is_file():
             return ""
         return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
-
-
-def die_with(parent: int):
-    """A preexec function: the child gets SIGTERM when the thread that forked it ends (Linux
-    PR_SET_PDEATHSIG; tritonserver stops its models and exits on SIGTERM, and ignores SIGINT)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
-    def arm() -> None:
-        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
-            os._exit(127)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm
 
 
 def ensure_control_key(home: Path) -> str:

@@ -258,7 +258,9 @@ def test_training_resumes_from_the_stored_checkpoint_on_a_fresh_machine(stack, f
     import signal
     import time
 
-    args = release_args(stack, "--set", "train.num_train_epochs=12", "--set", "train.save_steps=40")
+    args = release_args(
+        stack, "--set", "train.num_train_epochs=12", "--set", "train.save_steps=40", "--set", "quantize.backend=none"
+    )
     namespace = "llmops/records/checkpoints/train/"
     known = {k for k in bucket_keys(stack) if k.startswith(namespace)}
     home = tmp_path / "machine-1"
@@ -297,7 +299,7 @@ def test_training_outlasts_a_storage_outage(stack, first_run, tmp_path):
     args = release_args(
         stack,
         *("--set", "train.num_train_epochs=35", "--set", "train.save_steps=100", "--set", "train.seed=23"),
-        *("--set", "run.storage_outage_s=180"),
+        *("--set", "run.storage_outage_s=180", "--set", "quantize.backend=none"),
     )
     namespace = "llmops/records/checkpoints/train/"
     known = {k for k in bucket_keys(stack) if k.startswith(namespace)}

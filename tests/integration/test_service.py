@@ -32,7 +32,7 @@ LLMOPS = str(Path(sys.executable).parent / "llmops")
 DATASET = ROOT / "profiles" / "data" / "antonyms.jsonl"
 MODEL = "tiny-qwen2-antonyms"
 RELEASE_TIMEOUT = 600
-SERVING_OVERRIDES = ["bench.request_count=16", "bench.concurrency=[2]"]
+SERVING_OVERRIDES = ["bench.request_count=16", "bench.concurrency=[2]", "quantize.backend=none"]
 
 
 @dataclass
@@ -304,7 +304,10 @@ def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(servi
         {
             "profile": "cpu-tiny",
             "data_source": "s3://datasets/sft/",
-            "overrides": ["serve.deploy=false", "train.seed=3", "run.remote_stages.train=run-stage/gpu"],
+            "overrides": [
+                *("serve.deploy=false", "train.seed=3", "train.num_train_epochs=1", "quantize.backend=none"),
+                "run.remote_stages.train=run-stage/gpu",
+            ],
         },
     )
     assert created.status_code == 201, created.text
