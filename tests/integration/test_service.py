@@ -305,7 +305,7 @@ def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(servi
             "profile": "cpu-tiny",
             "data_source": "s3://datasets/sft/",
             "overrides": [
-                *("serve.deploy=false", "train.seed=3", "train.num_train_epochs=1", "quantize.backend=none"),
+                *("serve.deploy=false", "train.seed=3", "quantize.backend=none"),
                 "run.remote_stages.train=run-stage/gpu",
             ],
         },
