@@ -34,3 +34,15 @@ def test_stop_sequences_cut_the_text_and_hold_back_a_partial_match():
     assert cut_at_stop("cold", []) == ("cold", False)
     assert held_back("cold\nUs", ["\nUser:"]) == 3  # "\nUs" may begin the stop sequence
     assert held_back("cold", ["\nUser:"]) == 0
+
+
+def test_serve_refuses_a_public_address_without_api_keys(tmp_path, monkeypatch):
+    """Before anything starts: clients from other machines would reach an endpoint open to anyone."""
+    from flows.serve import serve
+    from tasks.config import load_profile
+
+    monkeypatch.delenv("LLMOPS_API_KEYS", raising=False)
+    monkeypatch.delenv("LLMOPS_API_KEYS_FILE", raising=False)
+    with pytest.raises(BadInput, match=r"serve.listen.host 0.0.0.0: clients from other machines need API keys"):
+        serve(load_profile("cpu-tiny", ["serve.listen.host=0.0.0.0"]), tmp_path, None, None)
+    assert not (tmp_path / "triton").exists()  # nothing was started
