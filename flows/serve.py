@@ -172,10 +172,6 @@ class RunningGateway:
     def __init__(self, gateway: Gateway, server, thread: threading.Thread):
         self.gateway, self.server, self.thread = gateway, server, thread
 
-    @property
-    def config(self) -> GatewayConfig:
-        return self.gateway.config
-
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
