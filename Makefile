@@ -1,8 +1,12 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup test-tools run test test-unit lint format benchmark
+.PHONY: setup setup-vllm test-tools run test test-unit lint format benchmark
 
 setup:
 	bash infra/local/setup.sh
+
+# The vLLM serving environment (.venv-vllm) for serve.backend=vllm; CPU build, about 2.5 GB
+setup-vllm:
+	bash infra/local/setup-vllm.sh
 
 # Debian's chromium, postgresql and prometheus, which the integration tests start (installed when missing)
 test-tools:
@@ -11,7 +15,7 @@ test-tools:
 run: setup
 	.venv/bin/llmops run
 
-test: setup test-tools
+test: setup setup-vllm test-tools
 	.venv/bin/python -m pytest tests
 
 # ruff (lint and format check) and mypy, as configured in pyproject.toml; CI runs it before the tests.
@@ -27,7 +31,7 @@ format: setup
 test-unit: setup
 	.venv/bin/python -m pytest tests/unit
 
-benchmark: setup
+benchmark: setup setup-vllm
 	.venv/bin/python benchmarks/pipeline_overhead.py
 	.venv/bin/python benchmarks/serving_batching.py
 	.venv/bin/python benchmarks/service_latency.py

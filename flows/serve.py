@@ -117,7 +117,7 @@ def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str
 
 def start_serving(ctx: RunContext, home: Path, listen: ListenSection, ports: Ports) -> tuple[TritonServer, Served]:
     """Triton on the chosen ports with the champion behind the router, published for release runs."""
-    launcher, env = triton_launch(ctx.profile)
+    launcher, env = triton_launch(ctx.profile, home)
     server = TritonServer.start(
         home,
         ctx.profile.serve.triton_binary,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import requests
 
-from tasks import memory_plan, tensorrt_llm
+from tasks import memory_plan, tensorrt_llm, vllm_serving
 from tasks.config import Profile
 from tasks.contract import CONTRACT_FILE, load_contract, read_contract, require_same
 from tasks.errors import BadInput, CheckFailed
@@ -72,6 +73,17 @@ def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
         "torch_threads": serve.torch_threads,
         "device": "cuda" if profile.hardware.accelerator == "cuda" else "cpu",
     }
+
+
+def serving_model(profile: Profile, model_dir: Path, artifact_sha256: str) -> tuple[str, dict]:
+    """The template (infra/triton/<kind>) and values of a served version's Python-backend model."""
+    values = llm_values(profile, model_dir, artifact_sha256)
+    if profile.serve.backend != "vllm":
+        return "llm", values
+    # vLLM batches and schedules itself: no dynamic batcher, one engine per model, its own threads
+    for unused in ("max_queue_delay_us", "instance_count", "torch_threads", "device"):
+        del values[unused]
+    return "vllm", {**values, **vllm_serving.model_values(profile)}
 
 
 def tensorrtllm_models(
@@ -144,9 +156,11 @@ def load_rendered(triton: Triton, name: str, folder: Path, timeout: float) -> No
     triton.load(name, timeout=timeout, model_folder=None if triton.repository is not None else folder / name)
 
 
-def install_model(triton: Triton, profile: Profile, served: Served) -> None:
+def install_model(triton: Triton, profile: Profile, served: Served) -> float:
+    """Load a served version (and the models it calls) unless it is loaded; returns the seconds its load took
+    (0 when it was loaded already): a vLLM engine takes ~20 s on CPU, part of what a rollout costs."""
     if triton.is_ready(served.name):
-        return
+        return 0.0
     with model_folders(triton) as repository:
         if profile.serve.backend == "tensorrtllm":
             if served.engine_root is None:
@@ -179,18 +193,24 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> None:
         else:
             # No shared filesystem: the model's weights and tokenizer travel inside its folder (1/model).
             shipped = triton.repository is None
-            values = llm_values(profile, served.model_dir, served.artifact_sha256)
+            template, values = serving_model(profile, served.model_dir, served.artifact_sha256)
             folder = render_model(
-                "llm", repository, served.name, {**values, "model_dir": "model"} if shipped else values
+                template, repository, served.name, {**values, "model_dir": "model"} if shipped else values
             )
             if shipped:
                 shutil.copytree(served.model_dir, folder / "1" / "model")
+            if template == "vllm" and triton.is_local():
+                vllm_serving.require_room(profile, served.name)
         check_serving_contract(repository, profile, served)
         logger().info(
             f"canary: loading {served.name} on Triton {triton.url}"
             + (" (model files sent with the request)" if triton.repository is None else "")
         )
+        started = time.monotonic()
         load_rendered(triton, served.name, repository, profile.serve.load_timeout_s)
+        load_s = time.monotonic() - started
+        logger().info(f"canary: {served.name} loaded in {load_s:.1f}s ({profile.serve.backend} backend)")
+        return load_s
 
 
 def check_serving_contract(repository: Path, profile: Profile, served: Served) -> None:
@@ -243,13 +263,15 @@ def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, T
     serving = published(ctx.home)
     if serving is not None:
         return serving, None
-    launcher, env = triton_launch(ctx.profile)
+    launcher, env = triton_launch(ctx.profile, ctx.home)
     server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
     return server.client, server
 
 
-def triton_launch(profile: Profile) -> tuple[list[str], dict[str, str]]:
+def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, str]]:
     """The command prefix and environment tritonserver needs for this profile's models."""
+    if profile.serve.backend == "vllm":
+        return [], vllm_serving.triton_env(profile, home)
     if profile.serve.backend != "tensorrtllm":
         return [], {}
     checkpoint = profile.quantize.tensorrt_llm
@@ -304,7 +326,8 @@ def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton) -> De
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
         return Deployment(triton, service, candidate, champion)
     try:
-        install_model(triton, ctx.profile, candidate)
+        load_s = install_model(triton, ctx.profile, candidate)
+        ctx.tracker.log_metrics("canary", {"candidate_load_s": load_s})
     except CheckFailed:
         triton_unload_quietly(triton, candidate.name)
         raise

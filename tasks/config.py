@@ -30,8 +30,8 @@ class TinyModel(Section):
     vocab_size: int = Field(512, ge=64)
     hidden_size: int = Field(64, ge=8)
     num_hidden_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
+    num_attention_heads: int = Field(2, ge=1)
+    num_key_value_heads: int = Field(1, ge=1)
     intermediate_size: int = Field(128, ge=8)
     pretrain_steps: int = Field(300, ge=0)
     pretrain_learning_rate: float = Field(3e-3, gt=0)
@@ -162,6 +162,23 @@ class EngineSection(Section):
         return self
 
 
+class VllmServing(Section):
+    """vLLM engine settings (serve.backend vllm); names follow vLLM's AsyncEngineArgs."""
+
+    # The Python environment holding vLLM that tritonserver runs its Python models with: a venv folder.
+    # None: the repository's .venv-vllm, built CUDA-free by `make setup-vllm` (infra/local/setup-vllm.sh).
+    environment: str | None = None
+    # KV cache reserved per engine (vLLM's kv_cache_memory_bytes); the canary runs two engines side by side.
+    kv_cache_gb: float = Field(0.25, gt=0)
+    # Memory one engine takes besides its KV cache (weights, activations, its worker processes): with
+    # kv_cache_gb, what the canary checks is free before it loads a second engine. Measured on cpu-tiny:
+    # about 1.3 GB resident over three processes (README, "Choosing the serving engine").
+    engine_overhead_gb: float = Field(1.5, ge=0)
+    dtype: str = "auto"  # the checkpoint's own dtype (float32 for cpu-tiny); bfloat16/float16 on GPUs
+    # No torch.compile / CUDA graphs: starts in ~20 s instead of ~40 s on CPU; turn off on GPUs for speed.
+    enforce_eager: bool = True
+
+
 class TritonTensorRTLLM(Section):
     """The tensorrtllm backend's model parameters (Triton's inflight_batcher_llm layout)."""
 
@@ -213,9 +230,11 @@ class ServeSection(Section):
     # false: stop after registering the candidate (a training-only pipeline); no Triton, no gate.
     deploy: bool = True
     # python: the merged model in a Python-backend model (CPU, or CUDA with torch);
-    # tensorrtllm: the TensorRT-LLM engine behind preprocessing -> tensorrt_llm, entered through a BLS model.
-    backend: Literal["python", "tensorrtllm"] = "python"
+    # tensorrtllm: the TensorRT-LLM engine behind preprocessing -> tensorrt_llm, entered through a BLS model;
+    # vllm: the merged model in vLLM's async engine (continuous batching) inside a Python-backend model.
+    backend: Literal["python", "tensorrtllm", "vllm"] = "python"
     tensorrtllm: TritonTensorRTLLM = TritonTensorRTLLM()
+    vllm: VllmServing = VllmServing()
     # None: the nvidia-pytriton binary (CPU). A path or name: an NGC/system tritonserver.
     triton_binary: str | None = None
     artifact: Literal["merged"] = "merged"
@@ -372,6 +391,11 @@ class Profile(Section):
             raise ValueError(
                 "serve.backend tensorrtllm and quantize.backend tensorrt-llm go together "
                 "(the engine is what the tensorrtllm backend serves)"
+            )
+        if self.serve.backend == "vllm" and self.hardware.accelerator == "cuda" and not self.serve.vllm.environment:
+            raise ValueError(
+                "serve.backend vllm on cuda needs serve.vllm.environment: a venv with a CUDA build of vLLM "
+                "(make setup-vllm builds the CPU one)"
             )
         world = self.quantize.tensorrt_llm.tp_size * self.quantize.tensorrt_llm.pp_size
         if trt and world > self.hardware.gpus:

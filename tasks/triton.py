@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 
@@ -104,6 +105,10 @@ class Triton:
                 raise TransientError(f"Triton at {server.url}: not live after {timeout:.0f}s")
             time.sleep(0.3)
         return server
+
+    def is_local(self) -> bool:
+        """On this machine (its memory is this machine's): a loopback address."""
+        return urlsplit(self.url).hostname in ("127.0.0.1", "localhost", "::1")
 
     def is_live(self) -> bool:
         """/v2/health/live: an attached server with strict readiness reports "not ready" while any model

@@ -15,7 +15,11 @@ from tasks.contract import PROBES, read_contract, require_same
 from tasks.errors import CheckFailed
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVING_MODELS = ["infra/triton/llm/1/model.py", "infra/triton/tensorrtllm/preprocessing/1/model.py"]
+SERVING_MODELS = [
+    "infra/triton/llm/1/model.py",
+    "infra/triton/vllm/1/model.py",
+    "infra/triton/tensorrtllm/preprocessing/1/model.py",
+]
 CONVERSATIONS = PROBES  # English and Chinese, with and without a system prompt, multi-turn
 
 
@@ -116,7 +120,11 @@ def test_chinese_streams_whole_characters_even_when_tokens_split_them(tokenizer_
     assert any(p.endswith("\ufffd") for p in prefixes), "the test needs a character split over tokens"
     copies = [
         serving_copy(path).stream_delta
-        for path in ("infra/triton/llm/1/model.py", "infra/triton/tensorrtllm/bls/1/model.py")
+        for path in (
+            "infra/triton/llm/1/model.py",
+            "infra/triton/vllm/1/model.py",
+            "infra/triton/tensorrtllm/bls/1/model.py",
+        )
     ]
     for delta_of in (stream_delta, *copies):
         sent, pieces = "", []

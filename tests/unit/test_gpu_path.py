@@ -217,18 +217,18 @@ def test_an_ngc_tritonserver_runs_with_its_own_environment(monkeypatch):
     ("profile_name", "spans_gpus"),
     [("qwen2-14b-int4-tp2", True), ("qwen-7b-qlora-2xa10", True), ("llama3-8b-h100-fp8", False)],
 )
-def test_triton_starts_in_orchestrator_mode_where_models_span_gpus(profile_name, spans_gpus):
+def test_triton_starts_in_orchestrator_mode_where_models_span_gpus(profile_name, spans_gpus, tmp_path):
     """TP2 (one instance over "0,1") and two single-GPU instances ("0;1") need the backend's orchestrator
     mode: tritonserver as MPI rank 0 alone, model ranks spawned by the backend; one GPU needs nothing."""
     from tasks.canary import triton_launch
 
-    launcher, env = triton_launch(load_profile(profile_name))
+    launcher, env = triton_launch(load_profile(profile_name), tmp_path)
     if spans_gpus:
         assert launcher == ["mpirun", "--allow-run-as-root", "-n", "1"]
         assert env == {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
     else:
         assert (launcher, env) == ([], {})
-    assert triton_launch(load_profile("cpu-tiny")) == ([], {})
+    assert triton_launch(load_profile("cpu-tiny"), tmp_path) == ([], {})
 
 
 def test_an_engine_built_by_another_tensorrt_llm_is_refused_before_loading(tmp_path):

