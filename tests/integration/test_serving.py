@@ -1,8 +1,10 @@
-"""Canary, gate, promotion and rollback on a real Triton (nvidia-pytriton binary) with real genai-perf.
+"""Canary, gate, promotion and rollback on a real Triton (nvidia-pytriton binary) with real genai-perf,
+every version served by vLLM's engine (serve.backend vllm, from .venv-vllm) behind the router.
 
 One LLMOPS_HOME for the module: the first run releases v1 (no champion: deployed directly after
 the gate), `llmops serve` then keeps the champion served, and later runs roll candidates out on
-that server while a bounded client load runs through the router.
+that server while a bounded client load runs through the router. The Python-backend engine (the
+cpu-tiny default) serves in test_release, test_attach, test_service and test_quality_gate.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ FAST = [
 ]
 
 
+ENGINE = ["--set", "serve.backend=vllm"]  # for `llmops run` and `llmops serve` alike
+
+
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     return tmp_path_factory.mktemp("serving-home")
@@ -41,7 +46,7 @@ def run(home, cpu_tiny_store):
     """`llmops run ARGS` on this module's home, with the session's shared cpu-tiny artifact store."""
 
     def release(*args: str):
-        return llmops(home, "run", "--artifacts", str(cpu_tiny_store), *args, *FAST)
+        return llmops(home, "run", "--artifacts", str(cpu_tiny_store), *args, *FAST, *ENGINE)
 
     return release
 
@@ -93,6 +98,7 @@ def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *arg
                 str(tls[0]),
                 "--tls-key",
                 str(tls[1]),
+                *ENGINE,
                 *args,
             ],
             stdout=out,
@@ -201,6 +207,14 @@ def test_first_release_is_gated_and_promoted(home, first_release):
     assert run.data.metrics["benchmark/candidate_c2_request_count"] == 16
     artifacts = {a.path for a in registry(home).list_artifacts(run.info.run_id, "benchmark")}
     assert "benchmark/latency_throughput.png" in artifacts
+    assert run.data.metrics["canary/candidate_load_s"] > 1  # an engine start, part of what the rollout cost
+    assert "loaded in" in first_release.stdout + first_release.stderr
+
+
+def test_the_served_versions_are_vllm_engines(home, server):
+    config = served_by(home, server).model_config(f"{SERVICE}-v1")
+    assert {"kv_cache_memory_bytes", "max_num_seqs", "enforce_eager"} <= set(config["parameters"])
+    assert "dynamic_batching" not in config  # vLLM schedules; Triton's batcher stays out of its way
 
 
 def test_served_model_answers_generate_and_generate_stream(home, server):
@@ -229,7 +243,7 @@ def test_a_model_that_fails_to_load_leaves_the_champion_serving(home, server, tm
     triton = served_by(home, server)
     broken = Served("999", f"{SERVICE}-v999", tmp_path / "no-model-here")
     with pytest.raises(CheckFailed, match=f"model {SERVICE}-v999 failed to load"):
-        install_model(triton, load_profile("cpu-tiny"), broken)
+        install_model(triton, load_profile("cpu-tiny", ["serve.backend=vllm"]), broken)
     assert triton.generate(SERVICE, "What is the opposite of hot?", 4) == "cold"
     assert f"{SERVICE}-v999" not in triton.loaded_models()
 
@@ -394,14 +408,29 @@ def test_a_killed_serve_leaves_no_triton_behind(home, server, cpu_tiny_store, tl
     import psutil
 
     process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path)
+    engines = [
+        p
+        for p in psutil.Process(process.pid).children(recursive=True)
+        if " ".join(p.cmdline()).startswith("VLLM::EngineCore")
+    ]
+    assert engines, "no vLLM engine process under the serving Triton"
     process.kill()
     process.wait(10)
     gone, alive = psutil.wait_procs(tritons, timeout=60)
     assert not alive, f"tritonserver {alive[0].pid} outlived its llmops serve"
+    # vLLM's engine core is the Triton stub's child: the model's watcher kills it once Triton is gone
+    gone, alive = psutil.wait_procs(engines, timeout=30)
+    assert not alive, f"vLLM engine {alive[0].pid} outlived its Triton"
 
 
 def test_serve_exits_4_when_triton_keeps_dying(home, server, cpu_tiny_store, tls, tmp_path):
-    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path, "--set", "serve.listen.restart_limit=0")
+    process, tritons = second_service(
+        home,
+        cpu_tiny_store,
+        tls,
+        tmp_path,
+        *("--set", "serve.listen.restart_limit=0", "--set", "serve.backend=python"),  # the engine is beside the point
+    )
     tritons[0].kill()
     try:
         assert process.wait(60) == 4
@@ -495,7 +524,7 @@ def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, s
 def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run):
     before = champion(home)
     with Load(server["url"]) as load:
-        result = run("--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=0")
+        result = run("--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=-1")
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     # The one-epoch candidate's task metric collapses; on 2 shared cores its throughput ratio may fail too.
@@ -511,25 +540,68 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     assert gate.returncode == 10 and "FAIL  task metric drop vs champion" in gate.stdout
 
 
-def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, server, run):
-    """The gate passes (permissive thresholds) but the live check breaches at the first step."""
+PROMPTS = [f"What is the opposite of {word}?" for word in ("hot", "big", "fast", "open", "early", "full")]
+
+
+def answers_during_the_step(server: dict, tls, seen: dict, done: threading.Event) -> None:
+    """Once the router splits traffic 50/50 (its rendered config says so), ask each prompt through the
+    gateway with the openai client, non-streaming and streaming, until the run ends; record the answers."""
+    router = Path(server["repository"]) / SERVICE / "config.pbtxt"
+    while "=50," not in router.read_text():
+        if done.wait(0.2):
+            return
+    time.sleep(0.5)  # the router's reload
+    client = openai_client(server, tls)
+    try:
+        for _ in range(4):
+            for prompt in PROMPTS:
+                messages = [{"role": "user", "content": prompt}]
+                chat = client.chat.completions.create(model=SERVICE, messages=messages, max_tokens=8)
+                stream = client.chat.completions.create(model=SERVICE, messages=messages, max_tokens=8, stream=True)
+                streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                seen.setdefault(prompt, set()).update({chat.choices[0].message.content, streamed})
+            if done.is_set():
+                return
+    except Exception as exc:  # shown by the test's assertion on `seen`
+        seen["error"] = {repr(exc)}
+
+
+def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_openai_client_meets_both_versions(
+    home, server, run, tls
+):
+    """The gate passes (permissive thresholds) but the live check breaches at the 50% step. During that step
+    the openai client, through the gateway and the service's name, gets the champion's answers and the
+    one-epoch candidate's (different) answers: router weights apply to the OpenAI endpoint."""
     before = champion(home)
-    with Load(server["url"]) as load:
-        result = run(
-            "--set",
-            "train.num_train_epochs=1",
-            "--set",
-            "evaluate.min_improvement=0",
-            "--set",
-            "gate.max_task_metric_drop=1",
-            "--set",
-            "canary.max_mean_latency_ms=0.001",
+    client = openai_client(server, tls)
+    champions = {
+        prompt: client.chat.completions.create(
+            model=SERVICE, messages=[{"role": "user", "content": prompt}], max_tokens=8
         )
+        .choices[0]
+        .message.content
+        for prompt in PROMPTS
+    }
+    seen: dict = {}
+    done = threading.Event()
+    asker = threading.Thread(target=answers_during_the_step, args=(server, tls, seen, done))
+    asker.start()
+    try:
+        with Load(server["url"]) as load:
+            result = run(
+                *("--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=-1"),
+                *("--set", "gate.max_task_metric_drop=1", "--set", "canary.max_mean_latency_ms=0.001"),
+                *("--set", "canary.steps=[50,100]", "--set", "canary.window_s=6"),
+            )
+    finally:
+        done.set()
+        asker.join(120)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr
     tags = latest_release(home).data.tags
     assert (tags["gate.decision"], tags["release.outcome"]) == ("promote", "rolled_back")
-    assert "-> BREACH: candidate mean latency" in output and "canary: 50%" not in output  # stopped at 10%
+    assert "canary: 50% to " in output and "-> BREACH: candidate mean latency" in output
+    assert "canary: 100%" not in output  # stopped at 50%
     assert (
         result.stderr.strip().splitlines()[-1] == "llmops: rejected: candidate rolled back: canary breach (see the log)"
     )
@@ -537,6 +609,20 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request(home, ser
     expected = [SERVICE, f"{SERVICE}-v{before}"]
     assert ready_models(served_by(home, server), expected) == sorted(expected)
     assert load.failed == 0, load.errors[:5]
+    # Both versions answered the openai client during the step: the champion's answer to every prompt, and
+    # for some prompt another (the one-epoch candidate's; its task metric collapses).
+    assert len(seen) == len(PROMPTS), seen
+    assert all(champions[prompt] in answers for prompt, answers in seen.items()), (champions, seen)
+    assert any(answers - {champions[prompt]} for prompt, answers in seen.items()), (champions, seen)
+    # after the rollback the champion answers alone again
+    assert {
+        prompt: client.chat.completions.create(
+            model=SERVICE, messages=[{"role": "user", "content": prompt}], max_tokens=8
+        )
+        .choices[0]
+        .message.content
+        for prompt in PROMPTS
+    } == champions
 
 
 def test_a_candidate_served_with_a_broken_prompt_encoding_fails_parity_and_the_champion_keeps_serving(

@@ -25,6 +25,8 @@ import asyncio
 import json
 import locale
 import os
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -76,6 +78,36 @@ def encode_prompt(tokenizer, text, history, apply_chat_template):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+# vLLM's engine core runs in a child process that nothing ties to this stub's life: SIGKILL tritonserver
+# and the engine (with its worker and KV cache) outlives it as an orphan. The worker already dies with
+# the engine core (multiproc_executor.py's death pipe), so this watcher kills the engine core's tree as
+# soon as tritonserver or this stub is gone. A separate process, since nothing in a dead one can act.
+WATCHER = """
+import sys, time
+import psutil
+watched, victims = [int(p) for p in sys.argv[1].split(",")], [int(p) for p in sys.argv[2].split(",")]
+def alive(pid):  # a SIGKILLed tritonserver stays a zombie until its parent reaps it
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+while all(alive(pid) for pid in watched):
+    time.sleep(0.5)
+for pid in victims:
+    try:
+        psutil.Process(pid).kill()
+    except psutil.NoSuchProcess:
+        pass
+"""
+
+
+def engine_processes():
+    """This stub's child processes (vLLM's engine core, its workers, multiprocessing's resource tracker)."""
+    import psutil
+
+    return [child.pid for child in psutil.Process().children(recursive=True)]
+
+
 class TritonPythonModel:
     def initialize(self, args):
         # The stub's embedded Python starts with an ASCII locale whatever LANG says; importing vLLM
@@ -119,6 +151,9 @@ class TritonPythonModel:
 
         self.engine = asyncio.run_coroutine_threadsafe(create(), self.loop).result()
         self.context_tokens = self.engine.model_config.max_model_len
+        self.watcher = subprocess.Popen(
+            [sys.executable, "-c", WATCHER, f"{os.getppid()},{os.getpid()}", ",".join(map(str, engine_processes()))]
+        )
 
     def parse(self, request):
         text = scalar(request, "text_input", None)
@@ -191,6 +226,7 @@ class TritonPythonModel:
         sender.send(pb_utils.InferenceResponse(output_tensors=[output]), flags=flags)
 
     def finalize(self):
+        self.watcher.kill()
         self.engine.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=10)
