@@ -85,14 +85,25 @@ def test_a_release_by_url_promotes_without_writing_the_servers_repository(triton
 
 
 def test_a_bad_candidate_rolls_back_on_the_attached_triton(triton, release, attach_args):
+    """Offline the candidate is fine (every training stage is a cache hit); its serving config skips the chat
+    template, so what clients get differs from what was evaluated: the served scores catch it."""
     champion = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
     result = llmops(release, "run", *attach_args, "--set", "serve.apply_chat_template=false", *FAST)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     assert str(registry(release).get_model_version_by_alias(SERVICE, "champion").version) == champion
-    report = json.loads(Path(result.stdout.split("gate report: ")[1].split()[0]).read_text())
+    report_path = Path(result.stdout.split("gate report: ")[1].split()[0])
+    report = json.loads(report_path.read_text())
     assert report["decision"] == "reject"
+    checks = {c["name"]: c for c in report["checks"]}
+    parity = checks["serving parity: exact_match drop served vs offline"]
+    assert not parity["passed"] and parity["value"] > 0.2 and parity["samples"] >= 20  # measured: 0.33 of 39
+    assert checks["served artifact is the measured artifact"]["passed"]
+    challenger = registry(release).get_model_version_by_alias(SERVICE, "challenger")
+    assert report["served_artifact"] == report["measured_artifact"] == challenger.tags["artifact.merge.sha256"]
+    answers = json.loads((report_path.parent / "served_answers.json").read_text())
+    assert sum(a["served"] != a["offline"] for a in answers) >= parity["value"] * len(answers), report_path
     # Models loaded with their files are not in the server's repository index: ask each one.
-    rejected = str(registry(release).get_model_version_by_alias(SERVICE, "challenger").version)
+    rejected = str(challenger.version)
     client, deadline = triton.client, time.monotonic() + 60
     while client.is_ready(f"{SERVICE}-v{rejected}") and time.monotonic() < deadline:
         time.sleep(0.5)  # Triton unloads after the requests in flight

@@ -491,7 +491,8 @@ def triton_scraped(url: str) -> bool:
 def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server, run, prometheus):
     """The canary's live checks come from Prometheus here (`canary.prometheus_url`), as in production."""
     with Load(server["url"]) as load:
-        result = run("--set", "train.seed=7", "--set", f"canary.prometheus_url={prometheus}")
+        # the same weights under a new profile digest: a new version, and no training in this test's time
+        result = run("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert latest_release(home).data.tags["release.outcome"] == "promoted"
     new = champion(home)
@@ -623,46 +624,6 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
         .message.content
         for prompt in PROMPTS
     } == champions
-
-
-def test_a_candidate_served_with_a_broken_prompt_encoding_fails_parity_and_the_champion_keeps_serving(
-    home, server, run
-):
-    """Offline the candidate is fine (every training stage is a cache hit); its serving config skips the chat
-    template, so what clients get differs from what was evaluated: the served scores catch it."""
-    before = champion(home)
-    with Load(server["url"]) as load:
-        result = run("--set", "serve.apply_chat_template=false")
-    assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
-    rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
-    report = json.loads(Path(result.stdout.split("gate report: ")[1].split()[0]).read_text())
-    checks = {c["name"]: c for c in report["checks"]}
-    parity = checks["serving parity: exact_match drop served vs offline"]
-    assert not parity["passed"] and parity["value"] > 0.2 and parity["samples"] >= 20  # measured: 0.33 of 39
-    assert checks["served artifact is the measured artifact"]["passed"]
-    assert report["served_artifact"] == report["measured_artifact"] == rejected.tags["artifact.merge.sha256"]
-    answers = json.loads(
-        (
-            Path(report_path := result.stdout.split("gate report: ")[1].split()[0]).parent / "served_answers.json"
-        ).read_text()
-    )
-    assert sum(a["served"] != a["offline"] for a in answers) >= parity["value"] * len(answers), report_path
-    assert champion(home) == before and str(rejected.version) != before  # no alias moved
-    expected = [SERVICE, f"{SERVICE}-v{before}"]
-    assert ready_models(served_by(home, server), expected) == sorted(expected)  # candidate unloaded, champion serving
-    assert (
-        requests.post(
-            f"{server['url']}/v2/models/{SERVICE}/generate",
-            timeout=30,
-            json={
-                "text_input": "What is the opposite of hot?",
-                "max_tokens": 8,
-                "exclude_input_in_output": True,
-            },
-        ).json()["text_output"]
-        == "cold"
-    )
-    assert load.failed == 0, load.errors[:5]
 
 
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):

@@ -130,6 +130,10 @@ class TritonPythonModel:
         self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
         # A relative model_dir is inside this model's version folder: the weights came with the load request.
         model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
+        files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
+        if not any(name.endswith((".safetensors", ".bin")) for name in files):
+            # vLLM would say only "Engine core initialization failed" (the cause is in its child's log)
+            raise pb_utils.TritonModelException(f"vLLM: no model weights (*.safetensors, *.bin) in {model_dir}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.chat = params.get("apply_chat_template", "true") == "true"
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
@@ -149,7 +153,12 @@ class TritonPythonModel:
         async def create():
             return AsyncLLM.from_engine_args(engine_args)
 
-        self.engine = asyncio.run_coroutine_threadsafe(create(), self.loop).result()
+        try:
+            self.engine = asyncio.run_coroutine_threadsafe(create(), self.loop).result()
+        except Exception as exc:
+            raise pb_utils.TritonModelException(
+                f"vLLM engine for {model_dir} failed to start: {exc} (its engine core's error is in tritonserver's log)"
+            ) from exc
         self.context_tokens = self.engine.model_config.max_model_len
         self.watcher = subprocess.Popen(
             [sys.executable, "-c", WATCHER, f"{os.getppid()},{os.getpid()}", ",".join(map(str, engine_processes()))]
