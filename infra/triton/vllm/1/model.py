@@ -25,6 +25,7 @@ import asyncio
 import json
 import locale
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -101,6 +102,9 @@ for pid in victims:
 """
 
 
+CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
+
+
 def engine_processes():
     """This stub's child processes (vLLM's engine core, its workers, multiprocessing's resource tracker)."""
     import psutil
@@ -146,6 +150,9 @@ class TritonPythonModel:
             seed=0,
             disable_log_stats=True,
         )
+        self.responses = queue.Queue()
+        self.response_thread = threading.Thread(target=self.send_responses, name="vllm-responses", daemon=True)
+        self.response_thread.start()
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True)
         self.loop_thread.start()
@@ -207,12 +214,15 @@ class TritonPythonModel:
 
     async def generate(self, request, sender, ids, sampling, prompt, stream, echo):
         request_id = uuid.uuid4().hex
-        sent, finished = "", False
+        sent, finished, steps = "", False, 0
         try:
             async for output in self.engine.generate(self.TokensPrompt(prompt_token_ids=ids), sampling, request_id):
-                if request.is_cancelled():  # the client went away: free its batch slot and KV blocks
+                steps += 1
+                # the client went away: free its batch slot and KV blocks (asking Triton is a round trip, so
+                # not at every token)
+                if steps % CANCEL_CHECK_EVERY == 0 and request.is_cancelled():
                     await self.engine.abort(request_id)
-                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    self.responses.put((sender, None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
                     return
                 text, finished = output.outputs[0].text, output.finished
                 if stream:
@@ -224,18 +234,28 @@ class TritonPythonModel:
             if not finished:
                 raise RuntimeError("vLLM ended the request without a final output")
         except Exception as exc:
-            sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(f"vLLM: {exc}")),
-                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-            )
+            error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"vLLM: {exc}"))
+            self.responses.put((sender, error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
     def respond(self, sender, text, final):
         output = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        sender.send(pb_utils.InferenceResponse(output_tensors=[output]), flags=flags)
+        self.responses.put((sender, pb_utils.InferenceResponse(output_tensors=[output]), flags))
+
+    def send_responses(self):
+        """Sending a response is a blocking round trip to Triton: done here, off the engine's event loop, which
+        would otherwise stall every request's decoding while one is sent (Triton's vllm_backend does the same)."""
+        while (item := self.responses.get()) is not None:
+            sender, response, flags = item
+            try:
+                sender.send(response, flags=flags)
+            except Exception:  # a client that went away: its sender is closed
+                pass
 
     def finalize(self):
         self.watcher.kill()
         self.engine.shutdown()
+        self.responses.put(None)
+        self.response_thread.join(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=10)
