@@ -172,7 +172,8 @@ class VllmServing(Section):
     kv_cache_gb: float = Field(0.25, gt=0)
     # Memory one engine takes besides its KV cache (weights, activations, its worker processes): with
     # kv_cache_gb, what the canary checks is free before it loads a second engine. Measured on cpu-tiny:
-    # about 1.3 GB resident over three processes (README, "Choosing the serving engine").
+    # 1.55 GiB proportional set size over the stub, engine core and worker after a request, KV cache
+    # included as far as touched; 1.5 + 0.25 covers it (README, "Choosing the engine for cpu-tiny").
     engine_overhead_gb: float = Field(1.5, ge=0)
     dtype: str = "auto"  # the checkpoint's own dtype (float32 for cpu-tiny); bfloat16/float16 on GPUs
     # No torch.compile / CUDA graphs: starts in ~20 s instead of ~40 s on CPU; turn off on GPUs for speed.
