@@ -4,7 +4,7 @@
    on a fresh LLMOPS_HOME vs an immediate rerun (all cache hits, the candidate already the champion:
    no Triton is started). Goal: the rerun takes at most 10% of the full run.
 2. The train stage through the pipeline vs bare LlamaFactory on the same generated config
-   (`llamafactory-cli train cfg.yaml`, started through tasks/llamafactory_launch.py, the only way
+   (`llamafactory-cli train cfg.yaml`, started through tasks/runners/llamafactory_launch.py, the only way
    LlamaFactory imports on this CPU stack; see README) with a fresh output folder.
 
     .venv/bin/python benchmarks/pipeline_overhead.py [--keep]
@@ -51,7 +51,7 @@ def bare_llamafactory(home: Path, scratch: Path) -> tuple[float, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "tasks.llamafactory_launch", "train", str(bare)],
+        [sys.executable, "-m", "tasks.runners.llamafactory_launch", "train", str(bare)],
         check=True,
         env=env,
         cwd=scratch,

@@ -25,7 +25,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from flows.stack import API
+from tasks.platform.local_stack import API
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMOPS = str(Path(sys.executable).parent / "llmops")

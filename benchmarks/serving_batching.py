@@ -10,7 +10,7 @@ Same model, same prompts, same streaming client, in one run. Prints two tables:
      here with no serving around it (concurrency column = batch size; TTFT '-': the prompts of a batch
      do not arrive one by one);
    - llamafactory: `llamafactory-cli api` (OpenAI-compatible, HF engine) on 127.0.0.1, started through
-     tasks/llamafactory_launch.py (placeholder torchaudio), streaming /v1/chat/completions. It runs with its
+     tasks/runners/llamafactory_launch.py (placeholder torchaudio), streaming /v1/chat/completions. It runs with its
      defaults: MAX_CONCURRENT=1, i.e. one `generate` at a time, in arrival order;
    - triton-python: Triton with infra/triton/llm (dynamic batching, max_batch_size 32), streaming
      /v2/models/NAME/generate_stream (SSE);
@@ -77,12 +77,14 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import tasks.canary as canary  # noqa: E402
-from tasks.config import Profile, load_profile  # noqa: E402
-from tasks.ports import free_port  # noqa: E402
-from tasks.triton import Triton  # noqa: E402
-from tasks.triton_repository import render_model  # noqa: E402
-from tasks.triton_server import TritonServer  # noqa: E402
+import tasks.serving.models as served_models  # noqa: E402
+from tasks.platform.config import Profile, load_profile  # noqa: E402
+from tasks.platform.ports import free_port  # noqa: E402
+from tasks.serving.champion import triton_launch  # noqa: E402
+from tasks.serving.client import Triton  # noqa: E402
+from tasks.serving.models import serving_model  # noqa: E402
+from tasks.serving.repository import render_model  # noqa: E402
+from tasks.serving.server import TritonServer  # noqa: E402
 
 ENGINES = ("sequential", "ceiling", "llamafactory", "triton-python", "triton-vllm")
 IN_PROCESS = {"sequential": 1, "ceiling": 32}  # engine: batch size
@@ -201,8 +203,8 @@ def merged_model(home: Path) -> Path:
 def compute_model(home: Path) -> Path:
     """The compute-bound model, built once per shape with tasks/base_model.py's own functions."""
     from tasks.base_model import build_tiny_qwen2, corpus
-    from tasks.config import TinyModel
-    from tasks.data import read_data
+    from tasks.data.records import read_data
+    from tasks.platform.config import TinyModel
 
     profile = load_profile("cpu-tiny")
     shape = TinyModel(**{**profile.base_model.tiny.model_dump(), **COMPUTE_SHAPE})
@@ -405,7 +407,7 @@ def llamafactory_server(model_dir: Path, template: str, threads: int, log_path: 
         "OMP_NUM_THREADS": str(threads),  # torch's intra-op threads
     }
     command = [
-        *(sys.executable, "-m", "tasks.llamafactory_launch", "api"),
+        *(sys.executable, "-m", "tasks.runners.llamafactory_launch", "api"),
         *("--model_name_or_path", str(model_dir)),
         *("--template", template),
         *("--infer_backend", "huggingface"),
@@ -450,7 +452,7 @@ def llamafactory_endpoints(bench: Bench) -> Iterator[tuple[int, Endpoint]]:
 
 def serving_values(profile: Profile, model_dir: Path) -> tuple[str, dict]:
     """The Triton template and values of the profile's serving model, as the canary renders them."""
-    return canary.serving_model(profile, model_dir, "benchmark")
+    return serving_model(profile, model_dir, "benchmark")
 
 
 def triton_text(event: dict) -> str:
@@ -474,7 +476,7 @@ def triton_model(bench: Bench, overrides: list[str], name: str = "bench") -> Ite
     """A Triton started for the profile's serving backend, with the model loaded as `name`."""
     profile = load_profile("cpu-tiny", overrides)
     template, values = serving_values(profile, bench.model_dir)
-    launcher, env = canary.triton_launch(profile, bench.home)
+    launcher, env = triton_launch(profile, bench.home)
     server = TritonServer.start(bench.scratch, None, launcher=launcher, extra_env=env)
     try:
         bench.load_s[template] = install(server.client, template, name, values)
@@ -573,7 +575,7 @@ def print_rollout(bench: Bench) -> None:
         def info(self, *a):
             pass
 
-    canary.logger = lambda: Quiet()  # type: ignore[assignment,return-value]
+    served_models.logger = lambda: Quiet()  # type: ignore[assignment,return-value]
     profile = load_profile("cpu-tiny", python_serve(bench))
     template, values = serving_values(profile, bench.model_dir)
     print("bench: rollout on Triton ...", flush=True)
@@ -582,11 +584,11 @@ def print_rollout(bench: Bench) -> None:
         install(triton, template, "bench-b", values)
         timings = []
         started = time.perf_counter()
-        canary.set_routes(triton, profile, "bench", {"bench-a": 100})
+        served_models.set_routes(triton, profile, "bench", {"bench-a": 100})
         timings.append(("router reload (one canary step switch)", time.perf_counter() - started))
         started = time.perf_counter()
         for weight in profile.canary.steps:
-            canary.set_routes(triton, profile, "bench", {"bench-b": weight, "bench-a": 100 - weight})
+            served_models.set_routes(triton, profile, "bench", {"bench-b": weight, "bench-a": 100 - weight})
         triton.unload("bench-a")
         ramp = time.perf_counter() - started
         steps = profile.canary.steps
@@ -599,7 +601,7 @@ def print_rollout(bench: Bench) -> None:
         )
         install(triton, template, "bench-a", values)
         started = time.perf_counter()
-        canary.set_routes(triton, profile, "bench", {"bench-a": 100})
+        served_models.set_routes(triton, profile, "bench", {"bench-a": 100})
         triton.unload("bench-b")
         timings.append(("rollback after a breach (router back + unload)", time.perf_counter() - started))
     for template, seconds in sorted(bench.load_s.items()):

@@ -1,6 +1,6 @@
 """`llmops`: the command line of the release pipeline.
 
-Exit codes: tasks/errors.py's EXIT_CODES (also in --help and the README). The last line of a failed command is one `llmops: error: ...` line naming what to fix.
+Exit codes: tasks/platform/errors.py's EXIT_CODES (also in --help and the README). The last line of a failed command is one `llmops: error: ...` line naming what to fix.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from flows.prefect_api import TemporaryPrefectAPI
-from tasks.errors import REJECTED_EXIT_CODE, exit_codes_text
+from tasks.platform.errors import REJECTED_EXIT_CODE, exit_codes_text
+from tasks.platform.prefect_api import TemporaryPrefectAPI
 
 EXIT_CODES = exit_codes_text()
 
@@ -289,12 +289,12 @@ def summary(result) -> str:
 
 
 def command_run(args) -> str:
-    from tasks.config import check_machine, load_profile, local_stages
+    from tasks.platform.config import check_machine, load_profile, local_stages
 
     profile = load_profile(args.profile, args.overrides, args.data)  # bad input fails before anything is created
     check_machine(profile, local_stages(profile))
     validate_local_data(profile)
-    from tasks.triton import TritonTarget
+    from tasks.serving.client import TritonTarget
 
     TritonTarget.from_options(args.triton_url, args.triton_grpc_url, args.triton_metrics_url, args.triton_repository)
     home = Path(os.environ["LLMOPS_HOME"])
@@ -332,7 +332,7 @@ def command_run(args) -> str:
 def validate_local_data(profile) -> None:
     """Bad local data fails here, in a second or two, before Prefect's API server or any stage starts.
     (Data on S3 is validated by prepare_data, which retries S3 faults.)"""
-    from tasks.data import read_data
+    from tasks.data.records import read_data
 
     sources = [profile.data.source, profile.data.eval_source]
     if not any(source and source.startswith("s3://") for source in sources):
@@ -353,7 +353,7 @@ class Rejected(Exception):
 
 
 def command_serve(args) -> None:
-    from tasks.config import check_machine, load_profile
+    from tasks.platform.config import check_machine, load_profile
 
     listen = [
         f"serve.listen.{key}={getattr(args, key)}"
@@ -372,7 +372,7 @@ def command_serve(args) -> None:
 def command_gate(args) -> str:
     import json as jsonlib
 
-    from tasks.errors import BadInput
+    from tasks.platform.errors import BadInput
 
     path = Path(args.report)
     try:
@@ -394,7 +394,7 @@ def command_gate(args) -> str:
 
 
 def command_stack(args) -> str | None:
-    from flows.stack import Stack
+    from tasks.platform.local_stack import Stack
 
     stack = Stack(Path(os.environ["LLMOPS_HOME"]))
     if args.action == "up":
@@ -425,7 +425,7 @@ def command_stack(args) -> str | None:
     if args.action == "env":
         import shlex
 
-        from flows.stack import require_running
+        from tasks.platform.local_stack import require_running
 
         return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in require_running(stack.home).items())
     rows = stack.status()
@@ -441,7 +441,7 @@ def prefect_api_env() -> dict:
     """PREFECT_API_URL from the environment, else the local stack's; a clear error without either."""
     if os.environ.get("PREFECT_API_URL"):
         return {}
-    from flows.stack import require_running
+    from tasks.platform.local_stack import require_running
 
     return require_running(Path(os.environ["LLMOPS_HOME"]))
 
@@ -463,8 +463,8 @@ def command_data(args) -> str:
 
 
 def validate_data(args) -> str:
-    from tasks.config import load_profile
-    from tasks.data import read_data
+    from tasks.data.records import read_data
+    from tasks.platform.config import load_profile
 
     overrides = [f"data.eval_source={args.eval_source}"] if args.eval_source else []
     overrides += [f"data.format={args.format}"] if args.format else []
@@ -491,7 +491,7 @@ def validate_data(args) -> str:
 def command_profiles(args) -> None:
     import yaml
 
-    from tasks.config import available_profiles, load_profile
+    from tasks.platform.config import available_profiles, load_profile
 
     if args.action == "list":
         for name in available_profiles():
@@ -522,7 +522,7 @@ def stop_prefect_services() -> None:
 
 
 def describe_failure(exc: BaseException) -> tuple[int, str]:
-    from tasks.errors import LlmopsError, is_transient
+    from tasks.platform.errors import LlmopsError, is_transient
 
     if isinstance(exc, LlmopsError):
         return exc.exit_code, str(exc)

@@ -15,8 +15,9 @@ from pathlib import Path
 import requests
 
 from flows.retrain import DATA_EVENT
-from flows.stack import API, BIN, CPU_POOL, PROJECT_ROOT, ensure_process_pool
-from tasks.errors import BadInput, CheckFailed
+from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.local_stack import API, BIN, CPU_POOL, ensure_process_pool
+from tasks.platform.project import PROJECT_ROOT
 
 PREFECT_FILE = PROJECT_ROOT / "infra" / "prefect.yaml"
 GPU_POOL_TEMPLATE = PROJECT_ROOT / "infra" / "work-pools" / "kubernetes-gpu.json"
@@ -100,7 +101,7 @@ def push_data(source: str, destination: str) -> str:
         raise BadInput(f"dataset {source}: no files")
     base = path if path.is_dir() else path.parent
     if destination.startswith("s3://"):
-        from tasks.store import s3_client, split_s3_uri
+        from tasks.platform.store import s3_client, split_s3_uri
 
         bucket, prefix = split_s3_uri(destination)
         client = s3_client()

@@ -3,7 +3,7 @@
     prepare_data -> base_model -> train -> evaluate -> merge -> quantize [-> build_engine] -> register
       -> deploy_canary (Triton) -> benchmark (genai-perf) -> gate -> promote | rollback
 
-Each stage is a cached, retried Prefect task (tasks/stage.py); the flow only wires them.
+Each stage is a cached, retried Prefect task (tasks/platform/stage_cache.py); the flow only wires them.
 """
 
 from __future__ import annotations
@@ -16,23 +16,35 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
 
-from tasks import base_model, bench, canary, data, engine, evaluate, gate, merge, quantize, registry, rollout, train
-from tasks.config import Profile, ProfileName, load_profile
-from tasks.errors import CheckFailed
-from tasks.stage import RunContext, StageResult, stage_task
-from tasks.store import open_store
-from tasks.tracking import Tracker, default_tracking_uri, end_run, start_run
-from tasks.triton import TritonTarget
-from tasks.triton_server import TritonServer
+from tasks.base_model import base_model
+from tasks.benchmark import benchmark
+from tasks.build_engine import build_engine
+from tasks.deploy_canary import deploy_canary
+from tasks.evaluate import evaluate
+from tasks.gate import GateReport, gate
+from tasks.merge import merge
+from tasks.platform.config import Profile, ProfileName, load_profile
+from tasks.platform.errors import CheckFailed
+from tasks.platform.stage_cache import RunContext, StageResult, stage_task
+from tasks.platform.store import open_store
+from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, start_run
+from tasks.prepare_data import prepare_data
+from tasks.quantize import quantize
+from tasks.register import Registered, register
+from tasks.rollout import rollout
+from tasks.serving.champion import is_champion, open_triton
+from tasks.serving.client import TritonTarget
+from tasks.serving.server import TritonServer
+from tasks.train import train
 
 
 @dataclass
 class ReleaseResult:
     stages: list[StageResult]
-    registered: registry.Registered
+    registered: Registered
     tracker: Tracker
     outcome: str = "not deployed"
-    gate_report: gate.GateReport | None = None
+    gate_report: GateReport | None = None
     gate_report_path: Path | None = None
 
 
@@ -108,26 +120,26 @@ def release(
     target = TritonTarget.from_options(triton_url, triton_grpc_url, triton_metrics_url, triton_repository)
     ctx = open_context(config, tracking_uri, artifacts)
     server: TritonServer | None = None
-    report: gate.GateReport | None = None
+    report: GateReport | None = None
     try:
-        dataset = stage_task(data.prepare_data, config)(ctx)
-        base = stage_task(base_model.base_model, config)(ctx, dataset)
-        adapter = stage_task(train.train, config)(ctx, dataset, base)
-        evaluation = stage_task(evaluate.evaluate, config)(ctx, dataset, base, adapter)
-        merged = stage_task(merge.merge, config)(ctx, dataset, base, adapter)
-        quantized = stage_task(quantize.quantize, config)(ctx, dataset, merged)
+        dataset = stage_task(prepare_data, config)(ctx)
+        base = stage_task(base_model, config)(ctx, dataset)
+        adapter = stage_task(train, config)(ctx, dataset, base)
+        evaluation = stage_task(evaluate, config)(ctx, dataset, base, adapter)
+        merged = stage_task(merge, config)(ctx, dataset, base, adapter)
+        quantized = stage_task(quantize, config)(ctx, dataset, merged)
         stages = [dataset, base, adapter, evaluation, merged, quantized]
         if config.quantize.backend == "tensorrt-llm":
-            quantized = stage_task(engine.build_engine, config)(ctx, dataset, evaluation, quantized)
+            quantized = stage_task(build_engine, config)(ctx, dataset, evaluation, quantized)
             stages.append(quantized)
-        registered = stage_task(registry.register, config)(
+        registered = stage_task(register, config)(
             ctx, quantized, stages, dataset.metrics["fingerprint"], str(runtime.flow_run.id or "")
         )
         record_run(ctx, stages, registered)
         if not config.serve.deploy:
             end_run(ctx.tracker, "FINISHED")
             return ReleaseResult(stages, registered, ctx.tracker)
-        if target is None and canary.is_champion(ctx, registered):
+        if target is None and is_champion(ctx, registered):
             # Nothing new to roll out: no Triton to start, no lock to take (`llmops serve` keeps serving it).
             get_run_logger().info(
                 f"release: {registered.name} v{registered.version} already is the champion; nothing to roll out"
@@ -137,12 +149,12 @@ def release(
             return ReleaseResult(stages, registered, ctx.tracker, "unchanged")
 
         with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
-            triton, server = canary.open_triton(ctx, target)
-            deployment = stage_task(canary.deploy_canary, config)(ctx, registered, triton)
+            triton, server = open_triton(ctx, target)
+            deployment = stage_task(deploy_canary, config)(ctx, registered, triton)
             if not deployment.unchanged:
-                measured = stage_task(bench.benchmark, config)(ctx, deployment)
-                report = stage_task(gate.gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
-            outcome = stage_task(rollout.rollout, config)(
+                measured = stage_task(benchmark, config)(ctx, deployment)
+                report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
+            outcome = stage_task(rollout, config)(
                 ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset
             )
     except BaseException as exc:
@@ -197,7 +209,7 @@ def serving_lock(config: Profile, tracker: Tracker):
         ) from None
 
 
-def record_run(ctx: RunContext, stages: list[StageResult], registered: registry.Registered) -> None:
+def record_run(ctx: RunContext, stages: list[StageResult], registered: Registered) -> None:
     """Every artifact of the run, reachable from the MLflow run and from the Prefect UI."""
     from prefect.artifacts import create_table_artifact
 

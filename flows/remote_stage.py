@@ -12,18 +12,22 @@ from collections.abc import Callable
 from prefect import flow
 
 from flows.release import llmops_home
-from tasks import engine, evaluate, merge, quantize, train
-from tasks.config import Profile, check_machine
-from tasks.stage import RunContext, StageResult
-from tasks.store import open_store
-from tasks.tracking import Tracker
+from tasks.build_engine import build_engine
+from tasks.evaluate import evaluate
+from tasks.merge import merge
+from tasks.platform.config import Profile, check_machine
+from tasks.platform.stage_cache import RunContext, StageResult
+from tasks.platform.store import open_store
+from tasks.platform.tracking import Tracker
+from tasks.quantize import quantize
+from tasks.train import train
 
 STAGE_FUNCTIONS: dict[str, Callable[..., StageResult]] = {
-    "train": train.train,
-    "evaluate": evaluate.evaluate,
-    "merge": merge.merge,
-    "quantize": quantize.quantize,
-    "build_engine": engine.build_engine,
+    "train": train,
+    "evaluate": evaluate,
+    "merge": merge,
+    "quantize": quantize,
+    "build_engine": build_engine,
 }
 
 

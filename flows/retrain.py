@@ -17,9 +17,9 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from flows.release import default_services, llmops_home
-from tasks import data
-from tasks.config import Profile, ProfileName, load_profile
-from tasks.tracking import default_tracking_uri
+from tasks.data.records import read_data
+from tasks.platform.config import Profile, ProfileName, load_profile
+from tasks.platform.tracking import default_tracking_uri
 
 RELEASE_DEPLOYMENT = "release/release"
 DATA_EVENT = "llmops.data.landed"
@@ -38,7 +38,7 @@ def latest_release(tracking_uri: str, model_name: str) -> tuple[str, str] | None
 
 def data_fingerprint(config: Profile) -> tuple[str, int]:
     """The fingerprint prepare_data will compute (validated, de-duplicated records), and the record count."""
-    cleaned = data.read_data(config.data)
+    cleaned = read_data(config.data)
     return cleaned.fingerprint, len(cleaned.train) + len(cleaned.eval)
 
 

@@ -4,7 +4,7 @@
   `serve.listen.triton_*` ports, with the champion behind the router (the service's stable name),
   published in $LLMOPS_HOME/triton/server.json so that `llmops run` with the same LLMOPS_HOME rolls its
   candidates out on it.
-- The gateway clients call (tasks/gateway.py) on `serve.listen.host:port`: OpenAI-compatible /v1 and
+- The gateway clients call (tasks/serving/gateway.py) on `serve.listen.host:port`: OpenAI-compatible /v1 and
   Triton's generate API for the service name, API keys, TLS, request limits; /health/ready says
   whether the service name answers (a Kubernetes readiness probe), /health/live that the process does.
 - If Triton dies, it is started again on the same ports with backoff (1, 2, 4 ... 30 s), and the
@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.release import open_serving_context
-from tasks.canary import Served, serve_champion, triton_launch
-from tasks.config import ListenSection, Profile
-from tasks.errors import BadInput, TransientError
-from tasks.gateway import Gateway, GatewayConfig, read_api_keys
-from tasks.ports import free_port, port_in_use
-from tasks.stage import RunContext
-from tasks.triton_server import TritonServer, publish, unpublish
+from tasks.platform.config import ListenSection, Profile
+from tasks.platform.errors import BadInput, TransientError
+from tasks.platform.ports import free_port, port_in_use
+from tasks.platform.stage_cache import RunContext
+from tasks.serving.champion import serve_champion, triton_launch
+from tasks.serving.gateway import Gateway, GatewayConfig, read_api_keys
+from tasks.serving.models import Served
+from tasks.serving.server import TritonServer, publish, unpublish
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over

@@ -12,11 +12,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tasks.chat import Conversation
-from tasks.config import BaseModelSection, TinyModel
-from tasks.data import load_split
-from tasks.errors import BadInput
-from tasks.stage import RunContext, StageResult, logger, run_cached
+from tasks.data.splits import load_split
+from tasks.platform.config import BaseModelSection, TinyModel
+from tasks.platform.errors import BadInput
+from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.quality.chat import Conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML as Qwen2 uses it, without a default system prompt: matches LlamaFactory's `chatml` template.
@@ -115,7 +115,7 @@ def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path) -> dict:
 def copy_model(source: str, out_dir: Path) -> dict:
     """A named base: a local folder, an s3:// prefix, or a hub id (needs a reachable hub)."""
     if source.startswith("s3://"):
-        from tasks.store import s3_client, split_s3_uri
+        from tasks.platform.store import s3_client, split_s3_uri
 
         bucket, prefix = split_s3_uri(source)
         client = s3_client()

@@ -2,7 +2,7 @@
 
 - Serving: p99 request latency, p99 TTFT, request rate and error rate of the candidate (genai-perf);
   with a champion, the throughput ratio.
-- Task quality, scored where users are served (tasks/served_eval.py): the eval split goes through
+- Task quality, scored where users are served (tasks/quality/served_scoring.py): the eval split goes through
   the candidate's and the champion's served models on Triton. The task-metric drop vs the champion
   uses those served scores; the serving parity check compares the candidate served with the same
   model offline (evaluate), which catches a chat template, tokenizer or stop-token mismatch; a probe
@@ -21,12 +21,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.config import GateSection
-from tasks.stage import RunContext, StageResult, logger
-from tasks.stats import Difference
+from tasks.platform.config import GateSection
+from tasks.platform.stage_cache import RunContext, StageResult, logger
+from tasks.quality.stats import Difference
 
 if TYPE_CHECKING:
-    from tasks.canary import Deployment
+    from tasks.deploy_canary import Deployment
 
 
 @dataclass
@@ -225,10 +225,10 @@ def score_quality(
     ctx: RunContext, deployment: Deployment, data: StageResult, evaluation: StageResult, folder: Path
 ) -> Quality:
     """Score the eval split through the served candidate and champion; write their answers next to the report."""
-    from tasks.data import eval_conversations
-    from tasks.evaluate import gain, offline_scores, require_samples
-    from tasks.models import load_tokenizer
-    from tasks.served_eval import SERVED_ANSWERS_FILE, score_served, served_metric, stop_probe
+    from tasks.data.splits import eval_conversations
+    from tasks.quality.models import load_tokenizer
+    from tasks.quality.scoring import gain, offline_scores, require_samples
+    from tasks.quality.served_scoring import SERVED_ANSWERS_FILE, score_served, served_metric, stop_probe
 
     cfg = ctx.profile.evaluate
     conversations = eval_conversations(ctx, data, cfg.max_samples)

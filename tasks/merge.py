@@ -10,26 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.chat import Conversation, answer_ids, prompt_ids
-from tasks.contract import load_contract, read_contract, require_same, write_contract
-from tasks.data import eval_conversations
-from tasks.errors import CheckFailed
-from tasks.models import CPU_FP32, Compute, load_model, load_tokenizer
-from tasks.stage import RunContext, StageResult, logger, run_cached
-
-
-def probe_batch(tokenizer, conversations: list[Conversation]):
-    """Right-padded prompt+answer sequences and their attention mask."""
-    import torch
-
-    rows = [prompt_ids(tokenizer, c) + answer_ids(tokenizer, c) for c in conversations]
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = 1
-    return input_ids, mask
+from tasks.data.splits import eval_conversations
+from tasks.platform.errors import CheckFailed
+from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.quality.chat import Conversation
+from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
+from tasks.quality.models import CPU_FP32, Compute, load_model, load_tokenizer, probe_batch
 
 
 def logits(model, input_ids, mask):

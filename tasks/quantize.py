@@ -14,14 +14,13 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.chat import Conversation, prompt_ids
-from tasks.contract import load_contract, read_contract, require_same, write_contract
-from tasks.data import eval_conversations, load_split
-from tasks.errors import CheckFailed
-from tasks.evaluate import exact_match, generate_answers
-from tasks.merge import probe_batch
-from tasks.models import load_model, load_tokenizer
-from tasks.stage import RunContext, StageResult, logger, run_cached
+from tasks.data.splits import eval_conversations, load_split
+from tasks.platform.errors import CheckFailed
+from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.quality.chat import Conversation, prompt_ids
+from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
+from tasks.quality.models import load_model, load_tokenizer, probe_batch
+from tasks.quality.scoring import exact_match, generate_answers
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -216,8 +215,8 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
 
 def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
     """The GPU backend: a TensorRT-LLM checkpoint (quantized by ModelOpt where the format asks) next to
-    the tokenizer. Its accuracy is measured on the built engine (tasks/engine.py)."""
-    from tasks import tensorrt_llm
+    the tokenizer. Its accuracy is measured on the built engine (tasks/build_engine.py)."""
+    from tasks.serving import tensorrt_llm
 
     cfg = ctx.profile.quantize.tensorrt_llm
     key = {

@@ -13,11 +13,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tasks import prometheus
-from tasks.canary import Deployment, set_routes, triton_unload_quietly
-from tasks.data import eval_conversations
-from tasks.stage import RunContext, StageResult, logger
-from tasks.triton import Triton, parse_metric
+from tasks.data.splits import eval_conversations
+from tasks.deploy_canary import Deployment
+from tasks.platform.stage_cache import RunContext, StageResult, logger
+from tasks.serving import prometheus
+from tasks.serving.client import Triton, parse_metric
+from tasks.serving.models import set_routes, triton_unload_quietly
 
 
 @dataclass

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from tasks.config import HardwareSection, TrainSection
-from tasks.contract import read_contract, write_contract
-from tasks.errors import CheckFailed, is_transient
-from tasks.stage import RunContext, StageResult, logger, run_cached
-from tasks.store import Artifact, outlast_outage
+from tasks.platform.config import HardwareSection, TrainSection
+from tasks.platform.errors import CheckFailed, is_transient
+from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.platform.store import Artifact, outlast_outage
+from tasks.quality.contract import read_contract, write_contract
 
 POLL_SECONDS = 1.0
 # What of LlamaFactory's output_dir makes up the adapter artifact (checkpoints are stored apart).
@@ -72,7 +72,7 @@ def llamafactory_config(
 
 
 def launch_command(config_path: Path) -> list[str]:
-    return [sys.executable, "-m", "tasks.llamafactory_launch", "train", str(config_path)]
+    return [sys.executable, "-m", "tasks.runners.llamafactory_launch", "train", str(config_path)]
 
 
 def launch_env(hardware: HardwareSection) -> dict:
@@ -296,7 +296,7 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
     }
 
     def produce(out_dir: Path) -> dict:
-        from tasks.config import sha256_json
+        from tasks.platform.config import sha256_json
 
         checkpoint_key = sha256_json(key_inputs)
         work = out_dir.parent

@@ -10,9 +10,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows import stack as local_stack
-from flows.stack import Server
-from tasks.ports import free_port
+from tasks.platform import local_stack
+from tasks.platform.local_stack import Server
+from tasks.platform.ports import free_port
 
 S3_KEY, S3_SECRET = "llmops-test", "llmops-test-secret"
 __all__ = ["Stack", "free_port", "latest_release", "llmops", "llmops_env", "registry", "s3_env", "start_stack"]
@@ -36,7 +36,7 @@ def llmops(home: Path, *args: str, timeout: float = 900) -> subprocess.Completed
 def latest_release(home: Path):
     """The newest release run of a home's tracking store: its tags say what happened (stage.*, gate.decision,
     release.outcome)."""
-    from tasks.tracking import EXPERIMENT
+    from tasks.platform.tracking import EXPERIMENT
 
     client = registry(home)
     experiment = client.get_experiment_by_name(EXPERIMENT)

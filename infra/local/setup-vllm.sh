@@ -7,7 +7,7 @@
 #
 # Never pulls CUDA: every package is pinned in infra/constraints-vllm.txt and installed with
 # --no-deps. It must be the same Python minor version as .venv: tritonserver's Python-backend
-# stub is built per Python version (tasks/triton_server.py) and is copied from .venv's nvidia-pytriton.
+# stub is built per Python version (tasks/serving/server.py) and is copied from .venv's nvidia-pytriton.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tasks.triton_server import TritonServer
+from tasks.serving.server import TritonServer
 from tests.integration.test_serving import FAST
 from tests.servers import latest_release, llmops, registry
 

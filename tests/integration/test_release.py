@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from flows import stack as local_stack
+from tasks.platform import local_stack
 from tests.servers import S3_KEY, S3_SECRET, free_port, s3_env, start_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.stack import API
-from tasks.config import available_profiles, load_profile
-from tasks.data import clean_and_split, read_source
+from tasks.data.records import clean_and_split, read_source
+from tasks.platform.config import available_profiles, load_profile
+from tasks.platform.local_stack import API
 from tests.browser import start_run_from_form, ui_api_url
 from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow

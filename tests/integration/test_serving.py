@@ -129,7 +129,7 @@ def server(home, first_release, cpu_tiny_store, tls):
 
 def served_by(home: Path, server: dict):
     """A client of the Triton `llmops serve` runs for `home`, with its model-control key."""
-    from tasks.triton import Triton, control_key
+    from tasks.serving.client import Triton, control_key
 
     return Triton(
         server["url"], Path(server["repository"]), server["metrics_url"], server["grpc_url"], control_key(home)
@@ -236,9 +236,9 @@ def test_served_model_answers_generate_and_generate_stream(home, server):
 
 
 def test_a_model_that_fails_to_load_leaves_the_champion_serving(home, server, tmp_path):
-    from tasks.canary import Served, install_model
-    from tasks.config import load_profile
-    from tasks.errors import CheckFailed
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import CheckFailed
+    from tasks.serving.models import Served, install_model
 
     triton = served_by(home, server)
     broken = Served("999", f"{SERVICE}-v999", tmp_path / "no-model-here")
@@ -447,7 +447,7 @@ def prometheus(server, tmp_path_factory):
     every second (the shipped 5 s is too slow for this module's 1.5 s canary windows)."""
     import yaml
 
-    from tasks.ports import free_port
+    from tasks.platform.ports import free_port
 
     folder = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((ROOT / "infra" / "monitoring" / "prometheus.yml").read_text())

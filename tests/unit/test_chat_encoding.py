@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tasks.base_model import CHATML_TEMPLATE, train_tokenizer
-from tasks.chat import encode_prompt, prompt_ids, serving_request
-from tasks.contract import PROBES, read_contract, require_same
-from tasks.errors import CheckFailed
+from tasks.platform.errors import CheckFailed
+from tasks.quality.chat import encode_prompt, prompt_ids, serving_request
+from tasks.quality.contract import PROBES, read_contract, require_same
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_MODELS = [
@@ -42,7 +42,7 @@ def serving_copy(path: str):
 
 @pytest.mark.parametrize("path", SERVING_MODELS)
 def test_every_serving_copy_encodes_like_training(path, tokenizer_dir):
-    from tasks.models import load_tokenizer
+    from tasks.quality.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     model = serving_copy(path)
@@ -56,7 +56,7 @@ def test_every_serving_copy_encodes_like_training(path, tokenizer_dir):
 
 
 def test_the_system_prompt_reaches_the_prompt(tokenizer_dir):
-    from tasks.models import load_tokenizer
+    from tasks.quality.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     with_system = tokenizer.decode(prompt_ids(tokenizer, CONVERSATIONS[3]))
@@ -65,7 +65,7 @@ def test_the_system_prompt_reaches_the_prompt(tokenizer_dir):
 
 
 def changed(tokenizer_dir: Path, tmp_path: Path, edit) -> Path:
-    from tasks.models import load_tokenizer
+    from tasks.quality.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     edit(tokenizer)
@@ -108,10 +108,10 @@ def test_a_generation_config_stop_id_joins_the_contract(tokenizer_dir, tmp_path)
 
 def test_chinese_streams_whole_characters_even_when_tokens_split_them(tokenizer_dir):
     """A byte-level tokenizer that has not seen a character splits it over several tokens; decoding a prefix
-    of them gives U+FFFD. The streamed pieces (tasks/chat.py:stream_delta and the llm model's copy) never
+    of them gives U+FFFD. The streamed pieces (tasks/quality/chat.py:stream_delta and the llm model's copy) never
     carry a broken character and add up to the whole answer."""
-    from tasks.chat import stream_delta
-    from tasks.models import load_tokenizer
+    from tasks.quality.chat import stream_delta
+    from tasks.quality.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     answer = "利率下调，债券价格上涨。 Rates fell; bonds rose."

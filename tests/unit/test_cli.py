@@ -104,7 +104,14 @@ def test_deploy_against_an_unreachable_prefect_server_is_one_clear_line(tmp_path
 
 
 def test_one_exit_code_table_for_help_errors_and_readme():
-    from tasks.errors import EXIT_CODES, ArtifactMissing, BadInput, CheckFailed, TransientError, exit_codes_markdown
+    from tasks.platform.errors import (
+        EXIT_CODES,
+        ArtifactMissing,
+        BadInput,
+        CheckFailed,
+        TransientError,
+        exit_codes_markdown,
+    )
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert exit_codes_markdown() in readme

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks.config import available_profiles, load_profile
-from tasks.errors import BadInput
+from tasks.platform.config import available_profiles, load_profile
+from tasks.platform.errors import BadInput
 
 
 def test_every_shipped_profile_validates():

@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from tasks.config import DataSection
-from tasks.data import SourceFile, clean_and_split, dataset_info, normalize, read_source
-from tasks.errors import BadInput
+from tasks.data.records import SourceFile, clean_and_split, normalize, read_source
+from tasks.data.splits import dataset_info
+from tasks.platform.config import DataSection
+from tasks.platform.errors import BadInput
 
 CFG = DataSection(source="unused", eval_fraction=0.25)
 

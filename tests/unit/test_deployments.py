@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.stack import Server
-from tasks.config import HEAVY_STAGES, available_profiles, load_profile
-from tasks.errors import ArtifactMissing
-from tasks.stage import RunContext, StageResult, job_variables, run_cached
-from tasks.store import Artifact, LocalStore
-from tasks.tracking import Tracker
+from tasks.platform.config import HEAVY_STAGES, available_profiles, load_profile
+from tasks.platform.errors import ArtifactMissing
+from tasks.platform.local_stack import Server
+from tasks.platform.stage_cache import RunContext, StageResult, job_variables, run_cached
+from tasks.platform.store import Artifact, LocalStore
+from tasks.platform.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT_FILE = ROOT / "infra" / "prefect.yaml"
@@ -161,7 +161,7 @@ def test_stopping_a_service_also_stops_children_that_left_its_process_group(tmp_
     """A worker's flow run starts Triton in a session of its own; `stack down` must not orphan it."""
     import psutil
 
-    from flows.stack import start
+    from tasks.platform.local_stack import start
 
     script = (
         "import subprocess, sys, time; "

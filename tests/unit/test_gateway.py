@@ -3,8 +3,8 @@ sequences cut as OpenAI does. Requests against a real gateway are in tests/integ
 
 import pytest
 
-from tasks.errors import BadInput
-from tasks.gateway import cut_at_stop, held_back, read_api_keys
+from tasks.platform.errors import BadInput
+from tasks.serving.gateway import cut_at_stop, held_back, read_api_keys
 
 
 def test_api_keys_come_from_a_file_with_names_or_from_the_environment(tmp_path):
@@ -39,7 +39,7 @@ def test_stop_sequences_cut_the_text_and_hold_back_a_partial_match():
 def test_serve_refuses_a_public_address_without_api_keys(tmp_path, monkeypatch):
     """Before anything starts: clients from other machines would reach an endpoint open to anyone."""
     from flows.serve import serve
-    from tasks.config import load_profile
+    from tasks.platform.config import load_profile
 
     monkeypatch.delenv("LLMOPS_API_KEYS", raising=False)
     monkeypatch.delenv("LLMOPS_API_KEYS_FILE", raising=False)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks import tensorrt_llm
-from tasks.canary import tensorrtllm_models
-from tasks.config import PROFILES_DIR, available_profiles, load_profile
-from tasks.engine import engine_cache_key
-from tasks.errors import BadInput
-from tasks.triton_repository import render_model
+from tasks.build_engine import engine_cache_key
+from tasks.platform.config import PROFILES_DIR, available_profiles, load_profile
+from tasks.platform.errors import BadInput
+from tasks.serving import tensorrt_llm
+from tasks.serving.models import tensorrtllm_models
+from tasks.serving.repository import render_model
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GPU_PROFILES = [p for p in available_profiles() if load_profile(p).hardware.accelerator == "cuda"]
@@ -100,7 +100,7 @@ def test_golden_values_are_what_the_profiles_ask_for():
 
     qwen14b = (GOLDEN / "qwen2-14b-int4-tp2" / "commands.sh").read_text()
     assert "--qformat int4_awq" in qwen14b and "--tp_size 2" in qwen14b and "--awq_block_size 128" in qwen14b
-    assert "mpirun -n 2 --allow-run-as-root python -m tasks.tensorrt_llm_eval" in qwen14b
+    assert "mpirun -n 2 --allow-run-as-root python -m tasks.runners.tensorrt_llm_eval" in qwen14b
     trt14b = (GOLDEN / "qwen2-14b-int4-tp2" / "triton" / "qwen2-14b-sft-v3-trtllm" / "config.pbtxt").read_text()
     assert 'string_value: "0,1"' in trt14b and "count: 1" in trt14b  # one instance over both GPUs
 
@@ -170,7 +170,7 @@ def test_engine_eval_asks_the_runner_for_sequence_lengths_and_slices_the_answer(
     tensorrt_llm/runtime/model_runner_cpp.py `_fill_output`); lengths count prompt + generated tokens."""
     import torch
 
-    from tasks.tensorrt_llm_eval import generate_kwargs, new_tokens
+    from tasks.runners.tensorrt_llm_eval import generate_kwargs, new_tokens
 
     kwargs = generate_kwargs(64, end_id=2, pad_id=0)
     assert kwargs["output_sequence_lengths"] is True and kwargs["return_dict"] is True
@@ -205,7 +205,7 @@ def test_an_ngc_tritonserver_runs_with_its_own_environment(monkeypatch):
     must not need it (importing pytriton there would fail)."""
     import sys
 
-    from tasks.triton_server import server_env
+    from tasks.serving.server import server_env
 
     monkeypatch.setitem(sys.modules, "pytriton", None)  # as in an NGC image: not installed
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/tritonserver/lib")
@@ -220,7 +220,7 @@ def test_an_ngc_tritonserver_runs_with_its_own_environment(monkeypatch):
 def test_triton_starts_in_orchestrator_mode_where_models_span_gpus(profile_name, spans_gpus, tmp_path):
     """TP2 (one instance over "0,1") and two single-GPU instances ("0;1") need the backend's orchestrator
     mode: tritonserver as MPI rank 0 alone, model ranks spawned by the backend; one GPU needs nothing."""
-    from tasks.canary import triton_launch
+    from tasks.serving.champion import triton_launch
 
     launcher, env = triton_launch(load_profile(profile_name), tmp_path)
     if spans_gpus:
@@ -234,7 +234,7 @@ def test_triton_starts_in_orchestrator_mode_where_models_span_gpus(profile_name,
 def test_an_engine_built_by_another_tensorrt_llm_is_refused_before_loading(tmp_path):
     import json
 
-    from tasks.errors import CheckFailed
+    from tasks.platform.errors import CheckFailed
 
     engine = tmp_path / "qwen-7b-sft-v3" / "engine"
     engine.mkdir(parents=True)
@@ -293,7 +293,7 @@ def engine_like(profile, folder: Path, qformat: str | None = None) -> Path:
 
 @pytest.mark.parametrize("profile_name", GPU_PROFILES)
 def test_each_gpu_profile_fits_champion_and_candidate_on_its_gpus(profile_name, tmp_path):
-    from tasks import memory_plan
+    from tasks.serving import memory_plan
 
     profile = load_profile(profile_name)
     engine = memory_plan.footprint(engine_like(profile, tmp_path / "engine"))
@@ -305,7 +305,7 @@ def test_each_gpu_profile_fits_champion_and_candidate_on_its_gpus(profile_name, 
 
 def test_a_canary_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
     """Two fp16 7B engines on one 24 GB A10: 2 x 14.2 GiB of weights alone exceed the GPU."""
-    from tasks import memory_plan
+    from tasks.serving import memory_plan
 
     profile = load_profile("qwen-7b-qlora-2xa10")
     engine = memory_plan.footprint(engine_like(profile, tmp_path / "engine", qformat="full_prec"))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import HEAVY_STAGES, available_profiles, load_profile
-from tasks.stage import job_variables
+from tasks.platform.config import HEAVY_STAGES, available_profiles, load_profile
+from tasks.platform.stage_cache import job_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "infra" / "images"

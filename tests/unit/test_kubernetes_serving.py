@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from flows.cli import build_parser
-from tasks.gateway import API_KEYS_FILE_ENV
-from tasks.triton import CONTROL_KEY_ENV
+from tasks.serving.client import CONTROL_KEY_ENV
+from tasks.serving.gateway import API_KEYS_FILE_ENV
 
 MANIFEST = Path(__file__).resolve().parents[2] / "infra" / "kubernetes" / "serving.yaml"
 MODELS = {"Deployment": "V1Deployment", "Service": "V1Service", "NetworkPolicy": "V1NetworkPolicy"}

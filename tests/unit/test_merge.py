@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tasks.base_model import build_tiny_qwen2
-from tasks.config import TinyModel
-from tasks.merge import logits, merge_adapter, probe_batch
-from tasks.models import load_model, load_tokenizer
+from tasks.merge import logits, merge_adapter
+from tasks.platform.config import TinyModel
+from tasks.quality.models import load_model, load_tokenizer, probe_batch
 
 CONVERSATIONS = [
     [{"role": "user", "content": f"opposite of {a}?"}, {"role": "assistant", "content": b}]
@@ -60,8 +60,8 @@ def test_a_half_precision_merge_stays_within_the_gpu_profiles_tolerance(base_and
     """What the CUDA profiles do (hardware.compute_dtype), run here on the CPU: the merged weights are
     rounded to 16 bits, so base+adapter and merged differ by more than in float32, and by less than the
     tolerance the GPU profiles set; a wrong merge still stands out above it."""
-    from tasks.config import load_profile
-    from tasks.models import Compute
+    from tasks.platform.config import load_profile
+    from tasks.quality.models import Compute
 
     base, adapter, root = base_and_adapter
     gpu_profiles = [load_profile(p) for p in ("qwen-7b-qlora-2xa10", "qwen2-14b-int4-tp2", "llama3-8b-h100-fp8")]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tasks.metrics import bleu_4, exact_match, rouge, text_scores, words
-from tasks.stats import paired_difference
+from tasks.quality.metrics import bleu_4, exact_match, rouge, text_scores, words
+from tasks.quality.stats import paired_difference
 
 # "the cat sat on mat" vs "the cat lay on mat": 5 words each, 4 shared unigrams, bigrams shared:
 # (the cat), (on mat) of 4; longest common subsequence: the cat on mat (4).

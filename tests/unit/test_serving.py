@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.bench import parse_profile_export, summarize
-from tasks.config import GateSection, load_profile
-from tasks.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
+from tasks.benchmark import parse_profile_export, summarize
 from tasks.gate import Quality, decide
-from tasks.stats import Difference
-from tasks.triton_repository import TEMPLATES, render_model, render_template
-from tasks.triton_server import find_binary
+from tasks.platform.config import GateSection, load_profile
+from tasks.platform.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
+from tasks.quality.stats import Difference
+from tasks.serving.repository import TEMPLATES, render_model, render_template
+from tasks.serving.server import find_binary
 
 LLM_VALUES = dict(
     max_batch_size=8,
@@ -60,7 +60,7 @@ def test_every_template_renders_with_exactly_its_variables(tmp_path):
 def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_path):
     """serve.backend vllm: the same inputs as the llm model (router, genai-perf and /generate unchanged), one
     engine per model, the KV cache from the profile, and nothing of the static batcher's settings."""
-    from tasks.canary import serving_model
+    from tasks.serving.models import serving_model
 
     profile = load_profile("cpu-tiny", ["serve.backend=vllm", "serve.vllm.kv_cache_gb=0.5", "serve.max_batch_size=32"])
     template, values = serving_model(profile, Path("/m"), "a" * 64)
@@ -77,7 +77,7 @@ def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_
 
 
 def test_vllm_backend_without_its_environment_fails_with_what_to_run(tmp_path):
-    from tasks.canary import triton_launch
+    from tasks.serving.champion import triton_launch
 
     profile = load_profile("cpu-tiny", ["serve.backend=vllm", f"serve.vllm.environment={tmp_path / 'none'}"])
     with pytest.raises(BadInput, match=r"no vLLM environment at .*none.*make setup-vllm"):
@@ -87,7 +87,7 @@ def test_vllm_backend_without_its_environment_fails_with_what_to_run(tmp_path):
 def test_a_second_vllm_engine_that_does_not_fit_in_memory_is_refused_before_loading(monkeypatch):
     import psutil
 
-    from tasks import vllm_serving
+    from tasks.serving import vllm as vllm_serving
 
     profile = load_profile("cpu-tiny", ["serve.backend=vllm", "serve.vllm.kv_cache_gb=2"])
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 3 << 30})())
@@ -268,8 +268,8 @@ def test_the_control_key_is_made_once_private_and_shared_by_concurrent_starts(tm
     import stat
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.triton import control_key
-    from tasks.triton_server import ensure_control_key, restricted_api_flags
+    from tasks.serving.client import control_key
+    from tasks.serving.server import ensure_control_key, restricted_api_flags
 
     monkeypatch.delenv("LLMOPS_TRITON_CONTROL_KEY", raising=False)
     with ThreadPoolExecutor(8) as pool:

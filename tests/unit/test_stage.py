@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_profile
-from tasks.errors import BadInput, TransientError
-from tasks.stage import RunContext, run_cached, stage_task
-from tasks.store import LocalStore
-from tasks.tracking import start_run
+from tasks.platform.config import load_profile
+from tasks.platform.errors import BadInput, TransientError
+from tasks.platform.stage_cache import RunContext, run_cached, stage_task
+from tasks.platform.store import LocalStore
+from tasks.platform.tracking import start_run
 
 
 @pytest.fixture
@@ -81,20 +81,20 @@ def test_prefect_retries_transient_faults_only(ctx):
 
 
 STAGE_MODULES = [
-    "tasks.data",
+    "tasks.prepare_data",
     "tasks.base_model",
     "tasks.train",
     "tasks.evaluate",
     "tasks.merge",
     "tasks.quantize",
-    "tasks.engine",
+    "tasks.build_engine",
 ]
 
 
 def stage_code_versions(project: Path) -> dict[str, str]:
-    """Each stage's code version, computed by the copy of the project at `project` (its own tasks/stage.py)."""
+    """Each stage's code version, computed by the copy of the project at `project` (its own tasks/platform/stage_cache.py)."""
     script = (
-        "import json; from tasks.stage import module_code_version; "
+        "import json; from tasks.platform.stage_cache import module_code_version; "
         f"print(json.dumps({{m: module_code_version(m) for m in {STAGE_MODULES!r}}}))"
     )
     result = subprocess.run(
@@ -115,20 +115,24 @@ def test_editing_a_helper_reruns_only_the_stages_that_use_it(tmp_path):
         shutil.copytree(root / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__"))
     before = stage_code_versions(project)
 
-    metrics = project / "tasks" / "metrics.py"  # imported by evaluate; through it by quantize and build_engine
+    metrics = (
+        project / "tasks" / "quality" / "metrics.py"
+    )  # imported by evaluate; through it by quantize and build_engine
     metrics.write_text(metrics.read_text() + "\n\ndef new_helper() -> None:\n    pass\n")
     after_metrics = stage_code_versions(project)
     assert {m for m in STAGE_MODULES if before[m] != after_metrics[m]} == {
         "tasks.evaluate",
         "tasks.quantize",
-        "tasks.engine",
+        "tasks.build_engine",
     }
-    contract = project / "tasks" / "contract.py"  # the train/serve contract: recorded at train, checked after it
+    contract = (
+        project / "tasks" / "quality" / "contract.py"
+    )  # the train/serve contract: recorded at train, checked after it
     contract.write_text(contract.read_text() + "\n# an edit\n")
     after_contract = stage_code_versions(project)
     assert {m for m in STAGE_MODULES if after_metrics[m] != after_contract[m]} == {
         "tasks.train",
         "tasks.merge",
         "tasks.quantize",
-        "tasks.engine",
+        "tasks.build_engine",
     }

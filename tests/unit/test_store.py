@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks.errors import ArtifactMissing
-from tasks.store import LocalStore, open_store
+from tasks.platform.errors import ArtifactMissing
+from tasks.platform.store import LocalStore, open_store
 
 
 def make_folder(path, files):
@@ -80,7 +80,7 @@ def unreachable():
 
 
 def test_a_store_that_comes_back_within_the_outage_window_is_waited_for():
-    from tasks.store import outlast_outage
+    from tasks.platform.store import outlast_outage
 
     attempts, warnings, sleeps = [], [], []
 
@@ -98,7 +98,7 @@ def test_a_store_that_comes_back_within_the_outage_window_is_waited_for():
 
 
 def test_the_outage_window_ends_retries_and_bad_input_is_not_retried():
-    from tasks.store import outlast_outage
+    from tasks.platform.store import outlast_outage
 
     def down():
         raise unreachable()

@@ -5,7 +5,7 @@ import sys
 
 import yaml
 
-from tasks.config import HardwareSection, load_profile
+from tasks.platform.config import HardwareSection, load_profile
 from tasks.train import TrainingFollower, launch_command, launch_env, llamafactory_config
 
 
@@ -49,7 +49,7 @@ def test_resume_and_extra_args_pass_through():
 def test_launch_is_llamafactory_cli_and_multi_gpu_uses_torchrun():
     from pathlib import Path
 
-    assert launch_command(Path("c.yaml"))[:4] == [sys.executable, "-m", "tasks.llamafactory_launch", "train"]
+    assert launch_command(Path("c.yaml"))[:4] == [sys.executable, "-m", "tasks.runners.llamafactory_launch", "train"]
     assert "FORCE_TORCHRUN" not in launch_env(HardwareSection())
     env = launch_env(HardwareSection(accelerator="cuda", gpus=2))
     assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"

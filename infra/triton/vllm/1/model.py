@@ -43,7 +43,7 @@ def scalar(request, name, default):
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
 
-# A copy of tasks/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
+# A copy of tasks/quality/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
 def stream_delta(text, sent, final):
     """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
     answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first
@@ -66,7 +66,7 @@ def chat_history(text):
     return history
 
 
-# A copy of tasks/chat.py's encode_prompt (this folder is loaded by Triton on its own);
+# A copy of tasks/quality/chat.py's encode_prompt (this folder is loaded by Triton on its own);
 # tests/unit/test_chat_encoding.py pins it to the original.
 def encode_prompt(tokenizer, text, history, apply_chat_template):
     """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,

@@ -27,7 +27,7 @@ PASSED_TO_ENGINE = {
 }
 
 
-# A copy of tasks/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
+# A copy of tasks/quality/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
 def stream_delta(text, sent, final):
     """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
     answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first

@@ -24,7 +24,7 @@ def chat_history(text):
     return history
 
 
-# A copy of tasks/chat.py's encode_prompt (this folder is loaded by Triton on its own);
+# A copy of tasks/quality/chat.py's encode_prompt (this folder is loaded by Triton on its own);
 # tests/unit/test_chat_encoding.py pins it to the original.
 def encode_prompt(tokenizer, text, history, apply_chat_template):
     """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,

@@ -14,11 +14,11 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks import tensorrt_llm
-from tasks.contract import CONTRACT_FILE
-from tasks.data import eval_conversations
-from tasks.errors import CheckFailed
-from tasks.stage import RunContext, StageResult, logger, run_cached
+from tasks.data.splits import eval_conversations
+from tasks.platform.errors import CheckFailed
+from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.quality.contract import CONTRACT_FILE
+from tasks.serving import tensorrt_llm
 
 
 def engine_cache_key(
@@ -38,9 +38,9 @@ def engine_cache_key(
 def engine_exact_match(
     ctx: RunContext, data: StageResult, engine_dir: Path, tokenizer_dir: Path, scratch: Path
 ) -> float:
-    from tasks.chat import prompt_ids
-    from tasks.evaluate import exact_match
-    from tasks.models import load_tokenizer
+    from tasks.quality.chat import prompt_ids
+    from tasks.quality.models import load_tokenizer
+    from tasks.quality.scoring import exact_match
 
     cfg = ctx.profile.evaluate
     conversations = eval_conversations(ctx, data, cfg.max_samples)

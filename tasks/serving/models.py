@@ -1,12 +1,10 @@
-"""deploy_canary: the candidate next to the champion on one Triton, behind the service's router.
+"""The Triton models of one served version: rendering, loading (with the memory and contract checks before
+it), routing and unloading.
 
-Triton cannot load or unload one version of a model and does not split traffic, so each
-registered version is its own Triton model (`<service>-v<N>`), and the router model named
-`<service>` splits traffic by weight. Changing weights rewrites the router's config and loads
-it again; Triton swaps the router without failing requests in flight. The rollout policy that
-moves the weights (steps, live checks, promote, rollback) is tasks/rollout.py.
-
-Aliases: `challenger` when the candidate is deployed (here), `champion` when it is promoted.
+Triton cannot load or unload one version of a model and does not split traffic, so each registered
+version is its own Triton model (`<service>-v<N>`), and the router model named `<service>` splits
+traffic by weight. Changing weights rewrites the router's config and loads it again; Triton swaps
+the router without failing requests in flight.
 """
 
 from __future__ import annotations
@@ -17,20 +15,19 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-from tasks import memory_plan, tensorrt_llm, vllm_serving
-from tasks.config import Profile
-from tasks.contract import CONTRACT_FILE, load_contract, read_contract, require_same
-from tasks.errors import BadInput, CheckFailed
-from tasks.registry import Registered
-from tasks.stage import RunContext, logger
-from tasks.triton import Triton, TritonTarget, control_key
-from tasks.triton_repository import render_model
-from tasks.triton_server import TritonServer, published
+from tasks.platform.config import Profile
+from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.stage_cache import logger
+from tasks.quality.contract import CONTRACT_FILE, load_contract, read_contract, require_same
+from tasks.serving import memory_plan, tensorrt_llm
+from tasks.serving import vllm as vllm_serving
+from tasks.serving.client import Triton
+from tasks.serving.repository import render_model
 
 
 @dataclass
@@ -40,20 +37,6 @@ class Served:
     model_dir: Path  # the merged model: tokenizer for genai-perf, the champion's task score
     engine_root: Path | None = None  # build_engine's artifact (engine/, tokenizer/) on the GPU path
     artifact_sha256: str = ""  # the store artifact this model serves: the engine on the GPU path, else the merged model
-
-
-@dataclass
-class Deployment:
-    triton: Triton
-    service: str
-    candidate: Served
-    champion: Served | None
-    steps: list[dict] = field(default_factory=list)
-
-    @property
-    def unchanged(self) -> bool:
-        """The candidate already is the champion (a rerun with nothing new): nothing to roll out."""
-        return self.champion is not None and self.champion.version == self.candidate.version
 
 
 def model_name(service: str, version: str) -> str:
@@ -215,7 +198,7 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> float:
 
 def check_serving_contract(repository: Path, profile: Profile, served: Served) -> None:
     """The tokenizer the rendered serving config names (its chat template, EOS/pad ids: the end_id/pad_id the
-    tensorrtllm preprocessing sends) must keep the contract training recorded (tasks/contract.py)."""
+    tensorrtllm preprocessing sends) must keep the contract training recorded (tasks/quality/contract.py)."""
     if not (served.model_dir / CONTRACT_FILE).is_file():
         return  # registered before contracts were recorded
     model, key = (
@@ -242,101 +225,6 @@ def set_routes(triton: Triton, profile: Profile, service: str, weights: Mapping[
         render_model("router", repository, service, {"max_batch_size": profile.serve.max_batch_size, "routes": routes})
         load_rendered(triton, service, repository, profile.serve.load_timeout_s)
     logger().info(f"canary: router {service} -> {routes}")
-
-
-# --- where Triton runs ------------------------------------------------------------------------
-
-
-def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, TritonServer | None]:
-    """Attach to the target, or to the one `llmops serve` publishes for this LLMOPS_HOME, else start one
-    (returned as the second value: the caller stops it). The control key: LLMOPS_TRITON_CONTROL_KEY, else this
-    LLMOPS_HOME's key file."""
-    if target is not None:
-        triton = Triton.attach(
-            target.url,
-            Path(target.repository) if target.repository else None,
-            target.metrics_url,
-            target.grpc_url,
-            control_key(ctx.home),
-        )
-        return triton, None
-    serving = published(ctx.home)
-    if serving is not None:
-        return serving, None
-    launcher, env = triton_launch(ctx.profile, ctx.home)
-    server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
-    return server.client, server
-
-
-def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, str]]:
-    """The command prefix and environment tritonserver needs for this profile's models."""
-    if profile.serve.backend == "vllm":
-        return [], vllm_serving.triton_env(profile, home)
-    if profile.serve.backend != "tensorrtllm":
-        return [], {}
-    checkpoint = profile.quantize.tensorrt_llm
-    return tensorrt_llm.triton_launch(checkpoint.tp_size * checkpoint.pp_size, profile.serve.instance_count)
-
-
-def served_version(ctx: RunContext, service: str, version) -> Served:
-    engine = version.tags.get("artifact.build_engine.sha256")
-    merged = version.tags["artifact.merge.sha256"]
-    return Served(
-        str(version.version),
-        model_name(service, str(version.version)),
-        ctx.store.fetch(merged),
-        ctx.store.fetch(engine) if engine else None,
-        engine or merged,
-    )
-
-
-def champion_version(ctx: RunContext):
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return ctx.tracker.client.get_model_version_by_alias(ctx.profile.registry.model_name, "champion")
-    except MlflowException:
-        return None
-
-
-def is_champion(ctx: RunContext, registered: Registered) -> bool:
-    version = champion_version(ctx)
-    return version is not None and str(version.version) == registered.version
-
-
-def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
-    """Champion loaded and the router sending it everything (what `llmops serve` keeps running)."""
-    service = ctx.profile.registry.model_name
-    version = champion_version(ctx)
-    if version is None:
-        return None
-    champion = served_version(ctx, service, version)
-    install_model(triton, ctx.profile, champion)
-    if not triton.is_ready(service):
-        set_routes(triton, ctx.profile, service, {champion.name: 100})
-    return champion
-
-
-def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton) -> Deployment:
-    service = ctx.profile.registry.model_name
-    client = ctx.tracker.client
-    candidate = served_version(ctx, service, client.get_model_version(registered.name, registered.version))
-    champion = serve_champion(ctx, triton)
-    if champion is not None and champion.version == candidate.version:
-        logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
-        return Deployment(triton, service, candidate, champion)
-    try:
-        load_s = install_model(triton, ctx.profile, candidate)
-        ctx.tracker.log_metrics("canary", {"candidate_load_s": load_s})
-    except CheckFailed:
-        triton_unload_quietly(triton, candidate.name)
-        raise
-    client.set_registered_model_alias(registered.name, "challenger", registered.version)
-    logger().info(
-        f"canary: {candidate.name} ready next to "
-        f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}"
-    )
-    return Deployment(triton, service, candidate, champion)
 
 
 def triton_unload_quietly(triton: Triton, name: str) -> None:

@@ -14,9 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tasks.errors import BadInput
+from tasks.platform.errors import BadInput
+from tasks.platform.project import PROJECT_ROOT
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "infra" / "triton"
+TEMPLATES = PROJECT_ROOT / "infra" / "triton"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import requests
 
-from tasks.errors import TransientError
-from tasks.lifetime import die_with
-from tasks.ports import free_port
+from tasks.platform.errors import TransientError
+from tasks.platform.lifetime import die_with
+from tasks.platform.ports import free_port
 
 
 class TemporaryPrefectAPI:

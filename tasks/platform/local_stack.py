@@ -36,11 +36,10 @@ from pathlib import Path
 import psutil
 import requests
 
-from tasks.errors import BadInput, CheckFailed
-from tasks.ports import free_port, port_in_use
+from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.ports import free_port, port_in_use
 
 BIN = Path(sys.executable).parent
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CPU_POOL = "llmops-cpu"
 BUCKETS = ("artifacts", "mlflow", "datasets")
 DEFAULT_PORTS = {"postgres": 5432, "s3": 9000, "mlflow": 5000, "prefect": 4200}

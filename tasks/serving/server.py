@@ -34,10 +34,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.errors import BadInput, CheckFailed, TransientError
-from tasks.lifetime import die_with
-from tasks.ports import free_port
-from tasks.triton import CONTROL_HEADER, CONTROL_KEY_FILE, Triton, control_key
+from tasks.platform.errors import BadInput, CheckFailed, TransientError
+from tasks.platform.lifetime import die_with
+from tasks.platform.ports import free_port
+from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_FILE, Triton, control_key
 
 SERVER_FILE = "server.json"  # written while `llmops serve` runs: lets a run attach to the serving Triton
 
@@ -113,7 +113,7 @@ class TritonServer:
         """Start tritonserver; `ports` (HTTP, gRPC, metrics) default to free ones. `die_with_parent`: the
         kernel stops Triton when the thread that started it ends (a SIGKILLed `llmops serve` leaves no
         orphan); only for a thread that lives as long as the server, such as a program's main thread.
-        `launcher` and `extra_env`: what tensorrtllm models spanning GPUs need (tasks/tensorrt_llm.py:triton_launch)."""
+        `launcher` and `extra_env`: what tensorrtllm models spanning GPUs need (tasks/serving/tensorrt_llm.py:triton_launch)."""
         exe = find_binary(binary)
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)

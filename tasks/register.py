@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
-from tasks.contract import CONTRACT_FILE, load_contract
-from tasks.stage import RunContext, StageResult, logger
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from tasks.platform.project import PROJECT_ROOT
+from tasks.platform.stage_cache import RunContext, StageResult, logger
+from tasks.quality.contract import CONTRACT_FILE, load_contract
 
 
 @dataclass

@@ -6,7 +6,7 @@
   cannot be merged into a quantized model.
 - engine: `trtllm-build` on that checkpoint. Tensor/pipeline parallelism is fixed in the checkpoint.
 - accuracy: the built engine answers the eval split through `tensorrt_llm.runtime.ModelRunner`
-  (tasks/tensorrt_llm_eval.py), under `mpirun` when the engine spans several GPUs.
+  (tasks/runners/tensorrt_llm_eval.py), under `mpirun` when the engine spans several GPUs.
 
 Why subprocesses: TensorRT-LLM and ModelOpt pin their own torch/transformers and hold the GPU;
 running them out of process keeps the orchestrator's environment and memory clean, and the
@@ -20,8 +20,9 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from tasks.config import EngineSection, TensorRTLLMQuantize
-from tasks.errors import BadInput, CheckFailed
+from tasks.platform.config import EngineSection, TensorRTLLMQuantize
+from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.project import PROJECT_ROOT
 
 PINNED_VERSION = "0.20.0"  # the `gpu` extra in pyproject.toml pins the same release
 MODELOPT_FORMATS = {"fp8", "int4_awq", "w4a8_awq", "int8_sq"}  # these calibrate on data
@@ -185,7 +186,7 @@ def eval_command(
     command = [
         python,
         "-m",
-        "tasks.tensorrt_llm_eval",
+        "tasks.runners.tensorrt_llm_eval",
         "--engine_dir",
         str(engine_dir),
         "--tokenizer_dir",
@@ -211,7 +212,7 @@ def run_logged(command: list[str], log_file: Path, what: str, log) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=PROJECT_ROOT,
         )
         assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:

@@ -15,9 +15,10 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tasks.errors import BadInput
+from tasks.platform.errors import BadInput
+from tasks.platform.project import PROJECT_ROOT
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILES_DIR = PROJECT_ROOT / "profiles"
 
 
 class Section(BaseModel):
@@ -86,7 +87,7 @@ class TrainSection(Section):
 
 
 class EvaluateSection(Section):
-    """The task metric the gate decides on, and how sure it must be (tasks/metrics.py, tasks/stats.py)."""
+    """The task metric the gate decides on, and how sure it must be (tasks/quality/metrics.py, tasks/quality/stats.py)."""
 
     # exact_match, rouge_l, bleu_4 (higher is better) or answer_loss (lower is better); all are logged.
     metric: Literal["exact_match", "rouge_l", "bleu_4", "answer_loss"] = "exact_match"
@@ -330,7 +331,7 @@ class HardwareSection(Section):
     gpus: int = Field(0, ge=0)
     # e.g. "A10", "H100": documentation and the engine cache key's expected architecture
     gpu_type: str | None = None
-    # Memory of one GPU: the canary's memory plan (tasks/memory_plan.py) fits champion and candidate in it.
+    # Memory of one GPU: the canary's memory plan (tasks/serving/memory_plan.py) fits champion and candidate in it.
     gpu_memory_gb: float | None = Field(None, gt=0)
     # The dtype evaluate and merge run the model in, on the accelerator: float32 on CPU; bfloat16 (or
     # float16 where a GPU has no bf16) on CUDA, where a 7-14B model in fp32 would not fit or take hours.

@@ -36,8 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tasks.chat import encode_prompt
-from tasks.errors import BadInput
+from tasks.platform.errors import BadInput
+from tasks.quality.chat import encode_prompt
 
 API_KEYS_ENV = "LLMOPS_API_KEYS"  # comma-separated keys
 API_KEYS_FILE_ENV = "LLMOPS_API_KEYS_FILE"  # one key a line; `#` comments; a line `NAME: KEY` names its client

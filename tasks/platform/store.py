@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
 
-from tasks.config import sha256_json
-from tasks.errors import ArtifactMissing, BadInput, is_transient
+from tasks.platform.config import sha256_json
+from tasks.platform.errors import ArtifactMissing, BadInput, is_transient
 
 MANIFEST = "manifest.json"
 T = TypeVar("T")

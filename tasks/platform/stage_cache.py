@@ -20,10 +20,11 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
-from tasks.config import Profile, sha256_json
-from tasks.errors import ArtifactMissing, CheckFailed, TransientError, is_transient
-from tasks.store import Artifact, ArtifactStore, outlast_outage
-from tasks.tracking import Tracker
+from tasks.platform.config import Profile, sha256_json
+from tasks.platform.errors import ArtifactMissing, CheckFailed, TransientError, is_transient
+from tasks.platform.project import PROJECT_ROOT
+from tasks.platform.store import Artifact, ArtifactStore, outlast_outage
+from tasks.platform.tracking import Tracker
 
 
 @dataclass
@@ -71,8 +72,7 @@ def logger() -> logging.Logger | logging.LoggerAdapter:
 
 
 PROJECT_PACKAGES = ("tasks", "flows")
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE_DIRS = {"tasks.triton_repository": PROJECT_ROOT / "infra" / "triton"}  # what a module renders, by module
+TEMPLATE_DIRS = {"tasks.serving.repository": PROJECT_ROOT / "infra" / "triton"}  # what a module renders, by module
 
 
 def project_file(module: str) -> Path:
@@ -83,7 +83,7 @@ def project_file(module: str) -> Path:
 
 
 def module_file(module: str) -> Path | None:
-    """The source file of a project module (tasks.data -> tasks/data.py), or None when `module` is not one."""
+    """The source file of a project module (tasks.prepare_data -> tasks/prepare_data.py), or None when `module` is not one."""
     base = PROJECT_ROOT.joinpath(*module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if module.split(".")[0] in PROJECT_PACKAGES and path.is_file():
@@ -98,7 +98,7 @@ def project_imports(module: str) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from tasks import metrics` names a module; `from tasks.data import load_split` a module's member
+            # `from tasks import metrics` names a module; `from tasks.prepare_data import load_split` a module's member
             names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
         else:
             continue

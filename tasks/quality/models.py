@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.config import Profile
+from tasks.platform.config import Profile
+from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -43,3 +44,17 @@ def load_tokenizer(model_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def probe_batch(tokenizer, conversations: list[Conversation]):
+    """Right-padded prompt+answer sequences and their attention mask."""
+    import torch
+
+    rows = [prompt_ids(tokenizer, c) + answer_ids(tokenizer, c) for c in conversations]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return input_ids, mask

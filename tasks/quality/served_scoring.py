@@ -3,7 +3,7 @@
 Each eval question goes to `/v2/models/<candidate or champion>/generate` with the inputs a client
 sends (text_input, chat_history for a system prompt or earlier turns, max_tokens), so the answers
 pass through the serving model's own prompt encoding, tokenizer and stop tokens. They are scored
-with the same metrics as the offline answers (tasks/metrics.py).
+with the same metrics as the offline answers (tasks/quality/metrics.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tasks.chat import Conversation, serving_request
-from tasks.metrics import TEXT_METRICS, text_scores
-from tasks.triton import Triton
+from tasks.quality.chat import Conversation, serving_request
+from tasks.quality.metrics import TEXT_METRICS, text_scores
+from tasks.serving.client import Triton
 
 SERVED_ANSWERS_FILE = "served_answers.json"
 CONCURRENCY = 4  # a few requests in flight: the model batches them, as it does for clients

@@ -19,8 +19,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks.chat import Conversation, prompt_ids
-from tasks.errors import CheckFailed
+from tasks.platform.errors import CheckFailed
+from tasks.quality.chat import Conversation, prompt_ids
 
 CONTRACT_FILE = "contract.json"
 PROBES: list[Conversation] = [
@@ -70,7 +70,7 @@ class Contract:
 
 def read_contract(tokenizer_dir: Path, generation_config_dir: Path | None = None) -> Contract:
     """The contract a tokenizer folder (and the generation_config.json next to the weights, if any) implies."""
-    from tasks.models import load_tokenizer
+    from tasks.quality.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     encoded = [prompt_ids(tokenizer, conversation) for conversation in PROBES]

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.config import BenchSection
-from tasks.errors import BadInput, CheckFailed
-from tasks.stage import RunContext, logger
-from tasks.triton import parse_metric
+from tasks.platform.config import BenchSection
+from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.stage_cache import RunContext, logger
+from tasks.serving.client import parse_metric
 
 if TYPE_CHECKING:
-    from tasks.canary import Deployment
+    from tasks.deploy_canary import Deployment
 
 # (genai-perf key, statistic) -> our metric name; latencies in ms, throughputs per second.
 METRICS = {

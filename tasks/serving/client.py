@@ -1,11 +1,11 @@
 """A Triton Inference Server reached over HTTP: the model-control and inference calls the pipeline makes.
 
-Whoever started the server (tasks/triton_server.py, or someone else for an attached one), this is
+Whoever started the server (tasks/serving/server.py, or someone else for an attached one), this is
 how the canary, the gate and the benchmark talk to it.
 
 - The model-control APIs (model repository, model config) carry the control key in the
   `llmops-control-key` header when one is set: a Triton started here restricts them to it
-  (tasks/triton_server.py); inference and health need no key.
+  (tasks/serving/server.py); inference and health need no key.
 - Without a shared filesystem (`repository` None), a model goes with its load request: its config
   (as JSON) and every file of its folder, base64, in the request's parameters (Triton's model
   repository extension, "load with override files"); the server's own repository is never written.
@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from tasks.errors import BadInput, CheckFailed, TransientError
+from tasks.platform.errors import BadInput, CheckFailed, TransientError
 
 CONTROL_HEADER = "llmops-control-key"
 CONTROL_KEY_ENV = "LLMOPS_TRITON_CONTROL_KEY"

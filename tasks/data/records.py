@@ -1,9 +1,8 @@
-"""prepare_data: read, validate, clean, split and fingerprint an SFT dataset.
+"""Reading, validating, cleaning and splitting SFT records.
 
 Accepts JSONL or JSON in alpaca (instruction/input/output), sharegpt (conversations of
 from/value) or OpenAI messages (role/content) format, from a file, a folder or s3://.
-Every record is normalised to OpenAI-style messages and written in LlamaFactory's sharegpt
-layout with a `dataset_info.json`, so training reads exactly what was validated here.
+Every record is normalised to OpenAI-style messages.
 """
 
 from __future__ import annotations
@@ -13,10 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.chat import Conversation, Message
-from tasks.config import DataSection
-from tasks.errors import BadInput
-from tasks.stage import RunContext, StageResult, logger, run_cached
+from tasks.platform.config import DataSection
+from tasks.platform.errors import BadInput
+from tasks.quality.chat import Conversation, Message
 
 ROLES_SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 ROLES_OPENAI = {"user", "assistant", "system"}
@@ -45,7 +43,7 @@ def read_source(source: str) -> list[SourceFile]:
 
 
 def read_s3_source(uri: str) -> list[SourceFile]:
-    from tasks.store import s3_client, split_s3_uri
+    from tasks.platform.store import s3_client, split_s3_uri
 
     bucket, key = split_s3_uri(uri)
     client = s3_client()
@@ -245,90 +243,3 @@ def clean_and_split(files: list[SourceFile], cfg: DataSection, eval_files: list[
 def read_data(cfg: DataSection) -> CleanData:
     """What prepare_data will see for this data section (read, validated, cleaned, split)."""
     return clean_and_split(read_source(cfg.source), cfg, read_source(cfg.eval_source) if cfg.eval_source else None)
-
-
-def dataset_info() -> dict:
-    """LlamaFactory's dataset registry for the two splits, in its sharegpt/messages layout."""
-    columns = {"messages": "messages"}
-    tags = {
-        "role_tag": "role",
-        "content_tag": "content",
-        "user_tag": "user",
-        "assistant_tag": "assistant",
-        "system_tag": "system",
-    }
-    return {
-        split: {"file_name": f"{split}.json", "formatting": "sharegpt", "columns": columns, "tags": tags}
-        for split in ("train", "eval")
-    }
-
-
-def write_dataset(data: CleanData, out_dir: Path) -> None:
-    for split, rows in (("train", data.train), ("eval", data.eval)):
-        (out_dir / f"{split}.json").write_text(json.dumps([{"messages": m} for m in rows], ensure_ascii=False))
-    (out_dir / "dataset_info.json").write_text(json.dumps(dataset_info(), indent=2))
-    (out_dir / "stats.json").write_text(
-        json.dumps({**data.stats, "fingerprint": data.fingerprint, "eval_fingerprint": data.eval_fingerprint}, indent=2)
-    )
-
-
-def load_split(folder: Path, split: str) -> list[Conversation]:
-    return [row["messages"] for row in json.loads((folder / f"{split}.json").read_text())]
-
-
-def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[Conversation]:
-    """The held-out split of a prepared dataset artifact (verified on read)."""
-    return load_split(ctx.store.fetch(data.artifact.digest), "eval")[:limit]
-
-
-def prepare_data(ctx: RunContext) -> StageResult:
-    cfg = ctx.profile.data
-    files = read_source(cfg.source)
-    eval_files = read_source(cfg.eval_source) if cfg.eval_source else None
-
-    def produce(out_dir: Path) -> dict:
-        data = clean_and_split(files, cfg, eval_files)
-        write_dataset(data, out_dir)
-        log = logger()
-        log.info(
-            f"prepare_data: {data.stats['records_read']} read, {data.stats['duplicates_dropped']} duplicates and "
-            f"{data.stats['empty_answers_dropped']} empty answers dropped, "
-            f"{data.stats['train_records']} train / {data.stats['eval_records']} eval"
-        )
-        return data.stats
-
-    result = run_cached(
-        ctx,
-        "prepare_data",
-        {
-            "source": source_digest(files),
-            "eval_source": source_digest(eval_files) if eval_files else None,
-            "config": cfg.model_dump(exclude={"source", "eval_source"}),
-        },
-        produce,
-        headline=lambda m: f"{m['train_records']} train / {m['eval_records']} eval",
-    )
-    folder = ctx.store.fetch(result.artifact.digest)
-    stats = json.loads((folder / "stats.json").read_text())
-    result.metrics = {**result.metrics, "fingerprint": stats["fingerprint"]}
-    log_dataset_input(ctx, folder, cfg.source, stats["fingerprint"])
-    if stats.get("eval_fingerprint"):
-        ctx.tracker.set_tags({"data.eval_fingerprint": stats["eval_fingerprint"], "data.eval_source": cfg.eval_source})
-        result.metrics["eval_fingerprint"] = stats["eval_fingerprint"]
-    return result
-
-
-def log_dataset_input(ctx: RunContext, folder: Path, source: str, fingerprint: str) -> None:
-    """Record both splits as MLflow dataset inputs of the run (mlflow.data), with their counts."""
-    import pandas as pd
-    from mlflow.data.pandas_dataset import from_pandas
-    from mlflow.entities import DatasetInput, InputTag
-
-    inputs = []
-    for split in ("train", "eval"):
-        rows = load_split(folder, split)
-        frame = pd.DataFrame({"messages": [json.dumps(m, ensure_ascii=False) for m in rows]})
-        dataset = from_pandas(frame, source=source, name=f"sft-{split}", digest=fingerprint[:16])
-        inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", split)]))
-    ctx.tracker.client.log_inputs(ctx.tracker.run_id, datasets=inputs)
-    ctx.tracker.set_tags({"data.fingerprint": fingerprint, "data.source": source})

@@ -2,7 +2,7 @@
 
 vLLM's CPU build needs transformers and starlette releases that LlamaFactory's pins exclude, so it
 lives in an environment of its own (.venv-vllm, made by infra/local/setup-vllm.sh). tritonserver's
-Python backend runs its stub with the interpreter it finds first on PATH (tasks/triton_server.py),
+Python backend runs its stub with the interpreter it finds first on PATH (tasks/serving/server.py),
 so a Triton for vLLM models starts with that environment's bin first; the router model needs only
 numpy, which that environment has too.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import psutil
 
-from tasks.config import Profile
-from tasks.errors import BadInput, CheckFailed
+from tasks.platform.config import Profile
+from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.project import PROJECT_ROOT
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_ENVIRONMENT = REPO / ".venv-vllm"
+DEFAULT_ENVIRONMENT = PROJECT_ROOT / ".venv-vllm"
 GIB = 1 << 30
 
 
@@ -46,7 +46,7 @@ def triton_env(profile: Profile, home: Path) -> dict[str, str]:
 
 
 def model_values(profile: Profile) -> dict[str, object]:
-    """infra/triton/vllm's values beyond those every Python-backend LLM model takes (tasks/canary.py)."""
+    """infra/triton/vllm's values beyond those every Python-backend LLM model takes (tasks/deploy_canary.py)."""
     cfg = profile.serve.vllm
     return {
         "dtype": cfg.dtype,

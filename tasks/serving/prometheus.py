@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import requests
 
-from tasks.errors import TransientError
+from tasks.platform.errors import TransientError
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""Answer eval questions with a built TensorRT-LLM engine (GPU only; started by tasks/engine.py).
+"""Answer eval questions with a built TensorRT-LLM engine (GPU only; started by tasks/build_engine.py).
 
-    python -m tasks.tensorrt_llm_eval --engine_dir E --tokenizer_dir T --questions q.jsonl \
+    python -m tasks.runners.tensorrt_llm_eval --engine_dir E --tokenizer_dir T --questions q.jsonl \
         --answers out.jsonl --max_new_tokens 64        (under mpirun -n TP for a tensor-parallel engine)
 
 Runs as upstream's examples/run.py does: `ModelRunnerCpp` (the C++ executor the tensorrtllm backend

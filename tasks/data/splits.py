@@ -1,0 +1,44 @@
+"""The prepared dataset's layout: LlamaFactory's sharegpt/messages files for the train and eval splits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.data.records import CleanData
+from tasks.platform.stage_cache import RunContext, StageResult
+from tasks.quality.chat import Conversation
+
+
+def dataset_info() -> dict:
+    """LlamaFactory's dataset registry for the two splits, in its sharegpt/messages layout."""
+    columns = {"messages": "messages"}
+    tags = {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "system_tag": "system",
+    }
+    return {
+        split: {"file_name": f"{split}.json", "formatting": "sharegpt", "columns": columns, "tags": tags}
+        for split in ("train", "eval")
+    }
+
+
+def write_dataset(data: CleanData, out_dir: Path) -> None:
+    for split, rows in (("train", data.train), ("eval", data.eval)):
+        (out_dir / f"{split}.json").write_text(json.dumps([{"messages": m} for m in rows], ensure_ascii=False))
+    (out_dir / "dataset_info.json").write_text(json.dumps(dataset_info(), indent=2))
+    (out_dir / "stats.json").write_text(
+        json.dumps({**data.stats, "fingerprint": data.fingerprint, "eval_fingerprint": data.eval_fingerprint}, indent=2)
+    )
+
+
+def load_split(folder: Path, split: str) -> list[Conversation]:
+    return [row["messages"] for row in json.loads((folder / f"{split}.json").read_text())]
+
+
+def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[Conversation]:
+    """The held-out split of a prepared dataset artifact (verified on read)."""
+    return load_split(ctx.store.fetch(data.artifact.digest), "eval")[:limit]

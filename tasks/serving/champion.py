@@ -1,0 +1,87 @@
+"""Where Triton runs and what it serves now: attach or start one, and load the registry's champion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.platform.config import Profile
+from tasks.platform.stage_cache import RunContext
+from tasks.serving import tensorrt_llm
+from tasks.serving import vllm as vllm_serving
+from tasks.serving.client import Triton, TritonTarget, control_key
+from tasks.serving.models import Served, install_model, model_name, set_routes
+from tasks.serving.server import TritonServer, published
+
+if TYPE_CHECKING:
+    from tasks.register import Registered
+
+
+def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, TritonServer | None]:
+    """Attach to the target, or to the one `llmops serve` publishes for this LLMOPS_HOME, else start one
+    (returned as the second value: the caller stops it). The control key: LLMOPS_TRITON_CONTROL_KEY, else this
+    LLMOPS_HOME's key file."""
+    if target is not None:
+        triton = Triton.attach(
+            target.url,
+            Path(target.repository) if target.repository else None,
+            target.metrics_url,
+            target.grpc_url,
+            control_key(ctx.home),
+        )
+        return triton, None
+    serving = published(ctx.home)
+    if serving is not None:
+        return serving, None
+    launcher, env = triton_launch(ctx.profile, ctx.home)
+    server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
+    return server.client, server
+
+
+def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, str]]:
+    """The command prefix and environment tritonserver needs for this profile's models."""
+    if profile.serve.backend == "vllm":
+        return [], vllm_serving.triton_env(profile, home)
+    if profile.serve.backend != "tensorrtllm":
+        return [], {}
+    checkpoint = profile.quantize.tensorrt_llm
+    return tensorrt_llm.triton_launch(checkpoint.tp_size * checkpoint.pp_size, profile.serve.instance_count)
+
+
+def served_version(ctx: RunContext, service: str, version) -> Served:
+    engine = version.tags.get("artifact.build_engine.sha256")
+    merged = version.tags["artifact.merge.sha256"]
+    return Served(
+        str(version.version),
+        model_name(service, str(version.version)),
+        ctx.store.fetch(merged),
+        ctx.store.fetch(engine) if engine else None,
+        engine or merged,
+    )
+
+
+def champion_version(ctx: RunContext):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return ctx.tracker.client.get_model_version_by_alias(ctx.profile.registry.model_name, "champion")
+    except MlflowException:
+        return None
+
+
+def is_champion(ctx: RunContext, registered: Registered) -> bool:
+    version = champion_version(ctx)
+    return version is not None and str(version.version) == registered.version
+
+
+def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
+    """Champion loaded and the router sending it everything (what `llmops serve` keeps running)."""
+    service = ctx.profile.registry.model_name
+    version = champion_version(ctx)
+    if version is None:
+        return None
+    champion = served_version(ctx, service, version)
+    install_model(triton, ctx.profile, champion)
+    if not triton.is_ready(service):
+        set_routes(triton, ctx.profile, service, {champion.name: 100})
+    return champion
