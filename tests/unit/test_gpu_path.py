@@ -1,7 +1,8 @@
 """The GPU path on a CPU machine: every GPU profile validates, and what it renders (the TensorRT-LLM
 commands, the tensorrtllm Triton model repository) matches the reviewed golden files.
 
-Regenerate after a reviewed change:  LLMOPS_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_gpu_path.py
+Regenerate after a change:  LLMOPS_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_gpu_path.py (the run that
+rewrites fails; review the diff, then run again)
 """
 
 import os
@@ -16,18 +17,10 @@ from tasks.platform.errors import BadInput
 from tasks.serving import tensorrt_llm
 from tasks.serving.models import tensorrtllm_models
 from tasks.serving.repository import render_model
+from tests.goldens import matches_golden
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GPU_PROFILES = [p for p in available_profiles() if load_profile(p).hardware.accelerator == "cuda"]
-UPDATE = os.environ.get("LLMOPS_UPDATE_GOLDEN") == "1"
-
-
-def matches_golden(path: Path, text: str) -> None:
-    if UPDATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.is_file(), f"no golden file {path}; run with LLMOPS_UPDATE_GOLDEN=1 and review it"
-    assert text == path.read_text(), f"{path} differs from what is rendered now"
 
 
 def rendered_commands(profile_name: str) -> str:
