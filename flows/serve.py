@@ -61,9 +61,8 @@ def choose_ports(listen: ListenSection) -> Ports:
     return Ports(*chosen)
 
 
-def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str | None) -> None:
-    listen = profile.serve.listen
-    api_keys = read_api_keys(dict(os.environ))
+def check_listen(listen: ListenSection, api_keys: dict) -> None:
+    """Refuse an open service without API keys, and TLS files that are not there."""
     if not api_keys and listen.host not in LOOPBACK:
         raise BadInput(
             f"serve.listen.host {listen.host}: clients from other machines need API keys; "
@@ -73,6 +72,12 @@ def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str
         path = getattr(listen, name)
         if path is not None and not Path(path).is_file():
             raise BadInput(f"serve.listen.{name} {path}: no such file")
+
+
+def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str | None) -> None:
+    listen = profile.serve.listen
+    api_keys = read_api_keys(dict(os.environ))
+    check_listen(listen, api_keys)
     ports = choose_ports(listen)
     ctx = open_serving_context(profile, tracking_uri, artifacts)
     service = profile.registry.model_name
