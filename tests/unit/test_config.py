@@ -161,3 +161,13 @@ def test_every_name_imported_from_the_config_package_exists():
                     imported |= {alias.name for alias in node.names}
     assert "ProfileName" in imported and "HEAVY_STAGES" in imported
     assert not {name for name in imported if not hasattr(config, name)}
+
+
+def test_the_run_forms_overrides_field_points_to_the_reference():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.release import release
+
+    described = parameter_schema(release.fn).model_dump()["properties"]["overrides"]["description"]
+    assert "docs/reference/profiles.md" in described and "llmops profiles show" in described
+    assert (PROJECT_ROOT / "docs" / "reference" / "profiles.md").is_file()
