@@ -489,18 +489,14 @@ def validate_data(args) -> str:
 
 
 def command_profiles(args) -> None:
-    import yaml
-
-    from tasks.platform.config import available_profiles, load_profile
+    from tasks.platform.config import available_profiles, describe_profile, load_profile
 
     if args.action == "list":
         for name in available_profiles():
             profile = load_profile(name)
             print(f"{name:28} {profile.hardware.accelerator:5} {profile.description}")
     elif args.action == "show":
-        print(
-            yaml.safe_dump(load_profile(args.profile, args.overrides).model_dump(mode="json"), sort_keys=False), end=""
-        )
+        print(describe_profile(load_profile(args.profile, args.overrides)), end="")
     else:
         profile = load_profile(args.profile, args.overrides)
         print(f"profile {profile.name}: valid (digest {profile.digest[:12]})")

@@ -105,7 +105,8 @@ def release(
     Args:
         profile: run profile, one of profiles/ (a YAML path too, where the flow is called directly).
         data_source: dataset file, folder or s3:// URI; empty: the profile's data.source.
-        overrides: profile overrides as key=value, e.g. train.learning_rate=1e-4 or serve.deploy=false.
+        overrides: profile overrides as key=value, e.g. train.learning_rate=1e-4 or serve.deploy=false. Every
+            setting with its type, default and meaning: docs/reference/profiles.md, or `llmops profiles show NAME`.
         tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI of the worker, else sqlite under LLMOPS_HOME.
         artifacts: artifact store, a folder or s3://bucket/prefix; empty: LLMOPS_ARTIFACTS, else LLMOPS_HOME/store.
         triton_url: a running Triton to roll out on (HTTP URL); empty: LLMOPS_TRITON_URL, else the one `llmops serve`

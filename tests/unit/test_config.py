@@ -1,9 +1,17 @@
-"""Profiles: validation errors name the key path; overrides go through the same validation."""
+"""Profiles: validation errors name the key path; overrides go through the same validation; every setting
+is described, in `llmops profiles show` and the generated reference page."""
+
+import ast
+from pathlib import Path
 
 import pytest
+import yaml
 
-from tasks.platform.config import available_profiles, load_profile
+from tasks.platform import config
+from tasks.platform.config import Profile, Section, available_profiles, describe_profile, load_profile, sha256_json
+from tasks.platform.config.reference import render_reference
 from tasks.platform.errors import BadInput
+from tasks.platform.project import PROJECT_ROOT
 
 
 def test_every_shipped_profile_validates():
@@ -55,3 +63,111 @@ def test_profile_digest_changes_with_any_value():
     a = load_profile("cpu-tiny")
     assert a.digest == load_profile("cpu-tiny").digest
     assert a.digest != load_profile("cpu-tiny", ["evaluate.max_new_tokens=4"]).digest
+
+
+# Digests of the shipped profiles' resolved values at 7a2ae40, before the profiles stopped restating
+# the schema's defaults (data paths relative to the repository, so the pin holds in any checkout).
+# A change here changes every stage's cache key: only a deliberate change of a value may update it.
+RESOLVED_DIGESTS = {
+    "cpu-tiny": "e3a1072d9e54f2757d62d02437a4e07e261f2a6136db7154557aafc651367614",
+    "cpu-tiny-qa-zh": "5812a178d3b1c9aa8cbbd20928edb861ba56424016d3ce34d3acfa907f5847ed",
+    "llama3-8b-h100-fp8": "cc4829cd5a7b7b26f82705dab50abf3789d20733daa20cfa565622262e6cf4fb",
+    "qwen-7b-qlora-2xa10": "202d684d320d0668a4f6ae636206224b418f961c7baf9e986af78fa929f3329a",
+    "qwen2-14b-int4-tp2": "4eaf0ece462a1a1e7d3c96e53e726dafb07d703f10c294c0ecdfb3bdc0c8b9ef",
+}
+
+
+def checkout_independent_digest(profile: Profile) -> str:
+    values = profile.model_dump(mode="json")
+    for key in ("source", "eval_source"):
+        path = values["data"][key]
+        if isinstance(path, str) and path.startswith(str(PROJECT_ROOT)):
+            values["data"][key] = Path(path).relative_to(PROJECT_ROOT).as_posix()
+    return sha256_json(values)
+
+
+@pytest.mark.parametrize("name", sorted(RESOLVED_DIGESTS))
+def test_shipped_profiles_resolve_to_the_pinned_values(name):
+    assert checkout_independent_digest(load_profile(name)) == RESOLVED_DIGESTS[name]
+
+
+def test_the_pins_cover_every_shipped_profile():
+    assert set(available_profiles()) == set(RESOLVED_DIGESTS)
+
+
+def all_sections(cls: type[Section] = Profile, path: str = "") -> list[tuple[str, type[Section]]]:
+    found = [(path, cls)]
+    for name, field in cls.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Section):
+            found += all_sections(annotation, f"{path}.{name}".lstrip("."))
+    return found
+
+
+def test_every_setting_and_section_is_described():
+    undescribed = [
+        f"{path}.{name}".lstrip(".")
+        for path, cls in all_sections()
+        for name, field in cls.model_fields.items()
+        if not (field.description or (isinstance(field.annotation, type) and issubclass(field.annotation, Section)))
+    ]
+    assert not undescribed, f"settings without Field(description=...): {undescribed}"
+    assert all(cls.__doc__ for _, cls in all_sections()), "every section class needs a docstring"
+
+
+def test_the_committed_reference_page_is_current():
+    page = PROJECT_ROOT / "docs" / "reference" / "profiles.md"
+    assert page.read_text() == render_reference(), (
+        "docs/reference/profiles.md is stale: python -m tasks.platform.config.reference > docs/reference/profiles.md"
+    )
+
+
+def test_reference_lists_every_setting_with_its_type_and_default():
+    page = render_reference()
+    assert "| `lora_rank` | `int` (>= 1) | `8` | Rank of the LoRA matrices. |" in page
+    assert "| `model_name` | `str` (length >= 1) | required |" in page
+    assert "## serve.tensorrtllm" in page and "## hardware.kubernetes" in page
+    rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1)
+    assert page.count("\n| `") == rows
+
+
+def test_show_is_the_resolved_profile_as_commented_yaml():
+    profile = load_profile("cpu-tiny", ["train.lora_rank=4"])
+    shown = describe_profile(profile)
+    assert yaml.safe_load(shown) == profile.model_dump(mode="json")
+    lines = shown.splitlines()
+    at = lines.index("  lora_rank: 4")
+    assert lines[at - 1] == "  # Rank of the LoRA matrices. (default: 8)"
+    assert lines[lines.index("  stage: sft") - 1] == "  # LlamaFactory training stage; supervised fine-tuning only."
+
+
+@pytest.mark.parametrize("name", ["qwen 7b", "team/model", "models:prod", "-lead", ".hidden", ""])
+def test_model_name_must_fit_triton_and_mlflow(name):
+    with pytest.raises(BadInput, match=r"^profile cpu-tiny: registry\.model_name: ") as caught:
+        load_profile("cpu-tiny", [f"registry.model_name='{name}'"])
+    assert "\n" not in str(caught.value)
+
+
+def test_model_name_with_dots_dashes_and_underscores_is_accepted():
+    assert load_profile("cpu-tiny", ["registry.model_name=Qwen2.5-7b_sft"]).registry.model_name == "Qwen2.5-7b_sft"
+
+
+def test_every_name_imported_from_the_config_package_exists():
+    imported = set()
+    for folder in ("flows", "tasks", "tests", "benchmarks"):
+        for source in (PROJECT_ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "tasks.platform.config":
+                    imported |= {alias.name for alias in node.names}
+    assert "ProfileName" in imported and "HEAVY_STAGES" in imported
+    assert not {name for name in imported if not hasattr(config, name)}
+
+
+def test_the_run_forms_overrides_field_points_to_the_reference():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.release import release
+
+    described = parameter_schema(release.fn).model_dump()["properties"]["overrides"]["description"]
+    assert "docs/reference/profiles.md" in described and "llmops profiles show" in described
+    assert (PROJECT_ROOT / "docs" / "reference" / "profiles.md").is_file()

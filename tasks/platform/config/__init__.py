@@ -1,0 +1,76 @@
+"""Run profiles: YAML data validated by pydantic, overridable with `--set a.b=value`.
+
+The schema lives in sections by concern (training, quantize, serving, release, machines), the whole
+profile and its digest in profile, loading and overrides in loading, `llmops profiles show`'s rendering
+in describe, and the reference page docs/reference/profiles.md in reference (`python -m
+tasks.platform.config.reference > docs/reference/profiles.md` regenerates it).
+"""
+
+from tasks.platform.config.base import TRITON_NAME, Section, TritonName
+from tasks.platform.config.describe import describe_profile
+from tasks.platform.config.loading import (
+    PROFILES_DIR,
+    ProfileName,
+    apply_override,
+    available_profiles,
+    check_machine,
+    format_validation_error,
+    load_profile,
+    local_stages,
+    parse_override,
+    profile_path,
+)
+from tasks.platform.config.machines import HEAVY_STAGES, HardwareSection, HeavyStage, KubernetesSection, RunSection
+from tasks.platform.config.profile import Profile, sha256_json
+from tasks.platform.config.quantize import EngineSection, QuantizeSection, TensorRTLLMQuantize
+from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
+from tasks.platform.config.serving import ListenSection, ServeSection, TritonTensorRTLLM, VllmServing
+from tasks.platform.config.training import (
+    BaseModelSection,
+    DataSection,
+    EvaluateSection,
+    MergeSection,
+    TinyModel,
+    TrainSection,
+)
+
+__all__ = [
+    "HEAVY_STAGES",
+    "PROFILES_DIR",
+    "TRITON_NAME",
+    "BaseModelSection",
+    "BenchSection",
+    "CanarySection",
+    "DataSection",
+    "EngineSection",
+    "EvaluateSection",
+    "GateSection",
+    "HardwareSection",
+    "HeavyStage",
+    "KubernetesSection",
+    "ListenSection",
+    "MergeSection",
+    "Profile",
+    "ProfileName",
+    "QuantizeSection",
+    "RegistrySection",
+    "RunSection",
+    "Section",
+    "ServeSection",
+    "TensorRTLLMQuantize",
+    "TinyModel",
+    "TrainSection",
+    "TritonName",
+    "TritonTensorRTLLM",
+    "VllmServing",
+    "apply_override",
+    "available_profiles",
+    "check_machine",
+    "describe_profile",
+    "format_validation_error",
+    "load_profile",
+    "local_stages",
+    "parse_override",
+    "profile_path",
+    "sha256_json",
+]

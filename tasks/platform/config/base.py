@@ -1,0 +1,32 @@
+"""What every profile section shares: unknown keys are errors, and names other systems must accept.
+
+Every section forbids unknown keys so a typo (`lora_rnk`) is an error naming its path, not a silently
+ignored setting; every setting carries a `Field(description=...)` that `llmops profiles show` and the
+reference page (docs/reference/profiles.md) print.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+# Triton's model repository folder names as tasks/serving/repository.py renders them; also fits MLflow's
+# registered model names (no '/' or ':') and Prefect's concurrency limit names.
+TRITON_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _fits_triton(name: str) -> str:
+    if not TRITON_NAME.match(name):
+        raise ValueError(
+            f"{name!r} is not a Triton model name: start with a letter or digit, then letters, digits, '-', '_' or '.'"
+        )
+    return name
+
+
+TritonName = Annotated[str, AfterValidator(_fits_triton)]

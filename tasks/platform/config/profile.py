@@ -1,0 +1,74 @@
+"""The whole run profile: every section, the checks that span sections, and the digest stage caches key on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from tasks.platform.config.base import Section
+from tasks.platform.config.machines import HardwareSection, RunSection
+from tasks.platform.config.quantize import EngineSection, QuantizeSection
+from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
+from tasks.platform.config.serving import ServeSection
+from tasks.platform.config.training import (
+    BaseModelSection,
+    DataSection,
+    EvaluateSection,
+    MergeSection,
+    TrainSection,
+)
+
+
+class Profile(Section):
+    """A run profile: YAML in profiles/ validated by this schema, overridable with `--set a.b=value`."""
+
+    name: str = Field(description="The profile's name (its file name in profiles/); names the MLflow run release-NAME.")
+    description: str = Field("", description="One line that `llmops profiles list` shows.")
+    hardware: HardwareSection = HardwareSection()
+    base_model: BaseModelSection = BaseModelSection()
+    data: DataSection
+    train: TrainSection = TrainSection()
+    evaluate: EvaluateSection = EvaluateSection()
+    merge: MergeSection = MergeSection()
+    quantize: QuantizeSection = QuantizeSection()
+    engine: EngineSection = EngineSection()
+    serve: ServeSection = ServeSection()
+    canary: CanarySection = CanarySection()
+    bench: BenchSection = BenchSection()
+    gate: GateSection = GateSection()
+    registry: RegistrySection
+    run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _backends_fit(self) -> Profile:
+        trt = self.quantize.backend == "tensorrt-llm"
+        if trt and self.hardware.accelerator != "cuda":
+            raise ValueError("quantize.backend tensorrt-llm needs hardware.accelerator cuda")
+        if (self.serve.backend == "tensorrtllm") != trt:
+            raise ValueError(
+                "serve.backend tensorrtllm and quantize.backend tensorrt-llm go together "
+                "(the engine is what the tensorrtllm backend serves)"
+            )
+        if self.serve.backend == "vllm" and self.hardware.accelerator == "cuda" and not self.serve.vllm.environment:
+            raise ValueError(
+                "serve.backend vllm on cuda needs serve.vllm.environment: a venv with a CUDA build of vLLM "
+                "(make setup-vllm builds the CPU one)"
+            )
+        world = self.quantize.tensorrt_llm.tp_size * self.quantize.tensorrt_llm.pp_size
+        if trt and world > self.hardware.gpus:
+            raise ValueError(
+                f"quantize.tensorrt_llm tp_size x pp_size = {world} exceeds hardware.gpus {self.hardware.gpus}"
+            )
+        return self
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the resolved values (defaults included); descriptions are not part of it."""
+        return sha256_json(self.model_dump(mode="json"))
+
+
+def sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -1,0 +1,98 @@
+"""Profile sections that decide a release: the canary's traffic steps, the benchmark load, the gate's
+thresholds and the registered model's name."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from tasks.platform.config.base import Section, TritonName
+
+
+class CanarySection(Section):
+    """Traffic steps of the rollout; each step is watched for `window_s` before the next."""
+
+    steps: list[int] = Field(
+        [10, 50, 100], description="Percentages of the service's traffic on the candidate, rising, ending at 100."
+    )
+    window_s: float = Field(3.0, gt=0, description="Seconds each step is watched before the next.")
+    probe_concurrency: int = Field(4, ge=1, description="Concurrent probe requests sent through the router per step.")
+    max_error_rate: float = Field(
+        0.0, ge=0, le=1, description="Largest share of failed requests in a window (client side and the candidate's)."
+    )
+    max_mean_latency_ms: float = Field(
+        2000, gt=0, description="Largest mean latency of the candidate's requests in a window, in milliseconds."
+    )
+    prometheus_url: str | None = Field(
+        None,
+        description="A Prometheus that scrapes the serving Triton (infra/monitoring/prometheus.yml): the candidate's "
+        "requests, failures and latency are read from it instead of from Triton directly.",
+    )
+
+    @model_validator(mode="after")
+    def _steps_rise_to_100(self) -> CanarySection:
+        if (
+            not self.steps
+            or any(not 0 < s <= 100 for s in self.steps)
+            or self.steps != sorted(self.steps)
+            or self.steps[-1] != 100
+        ):
+            raise ValueError("steps must be rising percentages in (0, 100] ending at 100")
+        return self
+
+
+class BenchSection(Section):
+    """genai-perf load, the same for champion and candidate."""
+
+    concurrency: list[int] = Field([1, 4], description="Concurrency levels, one genai-perf run each.")
+    input_tokens: int = Field(16, ge=1, description="Tokens of each synthetic prompt (the model's own tokenizer).")
+    output_tokens: int = Field(8, ge=1, description="Tokens each request generates, exactly.")
+    request_count: int = Field(32, ge=1, description="Measured requests per concurrency level.")
+    warmup_request_count: int = Field(2, ge=0, description="Requests sent before measuring, per level.")
+
+    @model_validator(mode="after")
+    def _concurrency_positive(self) -> BenchSection:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("concurrency must list levels >= 1")
+        return self
+
+
+class GateSection(Section):
+    """Promotion thresholds; read by the benchmark gate. A null threshold is not checked."""
+
+    p99_request_latency_ms: float | None = Field(
+        None, gt=0, description="Largest P99 request latency of the candidate, in milliseconds."
+    )
+    p99_time_to_first_token_ms: float | None = Field(
+        None, gt=0, description="Largest P99 time to first token of the candidate, in milliseconds."
+    )
+    max_error_rate: float = Field(0.0, ge=0, le=1, description="Largest share of failed benchmark requests.")
+    min_requests_per_s: float | None = Field(
+        None, gt=0, description="Absolute request rate at the highest bench concurrency (e.g. a 120 QPS target)."
+    )
+    min_throughput_ratio: float | None = Field(
+        None, gt=0, description="Smallest candidate/champion output-token throughput ratio (with a champion only)."
+    )
+    max_task_metric_drop: float = Field(
+        0.02,
+        ge=0,
+        description="On evaluate.metric: how much worse than the champion the candidate may score (served scores).",
+    )
+    max_serving_parity_drop: float = Field(
+        0.05,
+        ge=0,
+        description="On evaluate.metric: how much worse the served candidate may score than the same model offline "
+        "(a chat template, tokenizer or stop-token mismatch shows here).",
+    )
+    max_quantization_accuracy_drop: float = Field(
+        0.05, ge=0, description="Largest task-metric drop from quantization, where the quantized artifact serves."
+    )
+
+
+class RegistrySection(Section):
+    """The MLflow registered model a release adds a version to; also the Triton service's name."""
+
+    model_name: TritonName = Field(
+        min_length=1,
+        description="MLflow registered model and Triton service name (its versions serve as NAME-vN): letters, "
+        "digits, '-', '_' or '.', starting with a letter or digit.",
+    )

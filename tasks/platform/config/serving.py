@@ -1,0 +1,141 @@
+"""Profile sections of Triton serving: the engine backends, where `llmops serve` listens, and the served model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tasks.platform.config.base import Section
+
+
+class VllmServing(Section):
+    """vLLM engine settings (serve.backend vllm); names follow vLLM's AsyncEngineArgs."""
+
+    environment: str | None = Field(
+        None,
+        description="The venv holding vLLM that tritonserver runs its Python models with; null: the repository's "
+        ".venv-vllm, built CUDA-free by `make setup-vllm` (infra/local/setup-vllm.sh).",
+    )
+    kv_cache_gb: float = Field(
+        0.25,
+        gt=0,
+        description="KV cache reserved per engine in GiB (vLLM's kv_cache_memory_bytes); the canary runs two engines "
+        "side by side.",
+    )
+    engine_overhead_gb: float = Field(
+        1.5,
+        ge=0,
+        description="GiB one engine takes besides its KV cache (weights, activations, worker processes); with "
+        "kv_cache_gb, what the canary checks is free before it loads a second engine (measured on cpu-tiny: 1.55 "
+        "GiB, README 'Choosing the engine for cpu-tiny').",
+    )
+    dtype: str = Field(
+        "auto", description="Model dtype; auto: the checkpoint's own (float32 for cpu-tiny); bfloat16/float16 on GPUs."
+    )
+    enforce_eager: bool = Field(
+        True,
+        description="No torch.compile or CUDA graphs: starts in ~20 s instead of ~40 s on CPU; turn off on GPUs for "
+        "speed.",
+    )
+
+
+class TritonTensorRTLLM(Section):
+    """The tensorrtllm backend's model parameters (Triton's inflight_batcher_llm layout)."""
+
+    batching_strategy: Literal["inflight_fused_batching", "V1"] = Field(
+        "inflight_fused_batching", description="In-flight batching (requests join and leave a running batch) or V1."
+    )
+    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
+        "guaranteed_no_evict",
+        description="max_utilization packs more requests and may pause some; guaranteed_no_evict reserves a "
+        "request's whole KV cache up front.",
+    )
+    kv_cache_free_gpu_mem_fraction: float = Field(
+        0.9, gt=0, le=1, description="Share of the GPU memory left free after loading that the KV cache takes."
+    )
+    enable_kv_cache_reuse: bool = Field(False, description="Reuse the KV cache of shared prompt prefixes.")
+    enable_chunked_context: bool = Field(False, description="Split long prompts into chunks run across steps.")
+    decoupled: bool = Field(True, description="Streaming responses; genai-perf --streaming needs it.")
+    max_queue_delay_us: int = Field(
+        0, ge=0, description="Microseconds Triton holds a request to batch it with others (tensorrt_llm model)."
+    )
+    preprocessing_instances: int = Field(1, ge=1, description="Instances of the tokenizing preprocessing model.")
+    bls_instances: int = Field(
+        1, ge=1, description="Instances of the entry model that detokenizes (infra/triton/tensorrtllm/bls)."
+    )
+    server_version: str = Field(
+        "0.20.0",
+        description="TensorRT-LLM release of the serving image's tensorrtllm backend (NGC tritonserver:25.06-trtllm-"
+        "python-py3 ships 0.20.0); each engine's build version is checked against it before anything loads.",
+    )
+
+
+class ListenSection(Section):
+    """Where `llmops serve` listens (flags of the same names override these). Port 0: any free port.
+    Release runs that start a Triton of their own use free ports on 127.0.0.1 whatever these say."""
+
+    host: str = Field(
+        "127.0.0.1",
+        description="Address of the gateway clients call: OpenAI-compatible /v1 and Triton's generate API, with API "
+        "keys and TLS.",
+    )
+    port: int = Field(8080, ge=0, le=65535, description="Port of the gateway.")
+    triton_host: str = Field(
+        "127.0.0.1",
+        description="Address of Triton itself: its HTTP port carries the locked control API and inference without "
+        "client keys, so it stays on 127.0.0.1 unless release jobs run elsewhere (Kubernetes).",
+    )
+    triton_http_port: int = Field(8000, ge=0, le=65535, description="Triton's HTTP port.")
+    triton_grpc_port: int = Field(8001, ge=0, le=65535, description="Triton's gRPC port.")
+    triton_metrics_port: int = Field(8002, ge=0, le=65535, description="Triton's Prometheus metrics port.")
+    tls_cert: str | None = Field(
+        None, description="PEM certificate file of the gateway's TLS; goes with tls_key (null: plain HTTP)."
+    )
+    tls_key: str | None = Field(
+        None, description="PEM private key file of the gateway's TLS (the path is no secret; the file's content is)."
+    )
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the gateway accepts, in bytes.")
+    restart_limit: int = Field(
+        5,
+        ge=0,
+        description="Triton deaths in a row (each within a minute of its start) before `llmops serve` gives up.",
+    )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ListenSection:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
+
+
+class ServeSection(Section):
+    """Triton serving of the candidate and the champion."""
+
+    deploy: bool = Field(
+        True, description="false: stop after registering the candidate (a training-only pipeline); no Triton, no gate."
+    )
+    backend: Literal["python", "tensorrtllm", "vllm"] = Field(
+        "python",
+        description="python: the merged model in a Python-backend model (CPU, or CUDA with torch); tensorrtllm: the "
+        "TensorRT-LLM engine behind preprocessing -> tensorrt_llm, entered through a BLS model; vllm: the merged "
+        "model in vLLM's async engine inside a Python-backend model.",
+    )
+    tensorrtllm: TritonTensorRTLLM = TritonTensorRTLLM()
+    vllm: VllmServing = VllmServing()
+    triton_binary: str | None = Field(
+        None, description="null: the nvidia-pytriton wheel's tritonserver (CPU); a path or name: an NGC/system one."
+    )
+    artifact: Literal["merged"] = Field("merged", description="The artifact served: the merged model.")
+    instance_count: int = Field(1, ge=1, description="Triton instances of the model (one per GPU on GPU profiles).")
+    max_batch_size: int = Field(8, ge=1, description="Most requests Triton batches into one model call.")
+    max_queue_delay_us: int = Field(
+        2000, ge=0, description="Microseconds Triton holds a request to fill a batch (dynamic batching)."
+    )
+    torch_threads: int = Field(1, ge=1, description="torch threads of each Python-backend instance.")
+    default_max_tokens: int = Field(16, ge=1, description="Tokens generated when a request does not say.")
+    apply_chat_template: bool = Field(
+        True, description="Encode prompts with the tokenizer's chat template, as training did."
+    )
+    load_timeout_s: float = Field(300, gt=0, description="Seconds a model may take to load in Triton.")
+    listen: ListenSection = ListenSection()

@@ -1,0 +1,147 @@
+"""Profile sections of the stages up to a merged model: base model, data, train, evaluate, merge."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tasks.platform.config.base import Section
+
+
+class TinyModel(Section):
+    """Shape of the locally made Qwen2 base used where no model hub is reachable (base_model.source tiny-qwen2)."""
+
+    vocab_size: int = Field(
+        512, ge=64, description="Tokenizer vocabulary size of the byte-level BPE trained on the data."
+    )
+    hidden_size: int = Field(64, ge=8, description="Width of the hidden states.")
+    num_hidden_layers: int = Field(2, ge=1, description="Number of transformer layers.")
+    num_attention_heads: int = Field(
+        2,
+        ge=1,
+        description="Attention heads; head_dim is hidden_size / heads (vLLM's CPU attention refuses a head_dim of 16).",
+    )
+    num_key_value_heads: int = Field(1, ge=1, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(128, ge=8, description="Width of the MLP's inner layer.")
+    pretrain_steps: int = Field(300, ge=0, description="Optimizer steps of the short pretraining on the data's text.")
+    pretrain_learning_rate: float = Field(3e-3, gt=0, description="Learning rate of that pretraining.")
+    pretrain_batch_size: int = Field(32, ge=1, description="Sequences per pretraining step.")
+    seed: int = Field(0, description="Seed of the initial weights and the pretraining order.")
+
+
+class BaseModelSection(Section):
+    """The model the release fine-tunes (base_model stage)."""
+
+    source: str = Field(
+        "tiny-qwen2",
+        description="tiny-qwen2 builds a small model here (base_model.tiny); anything else is a Hugging Face hub "
+        "id, a local folder or an s3:// URI.",
+    )
+    tiny: TinyModel = TinyModel()
+
+
+class DataSection(Section):
+    """The SFT records (prepare_data stage) and how they split into train and eval."""
+
+    source: str = Field(
+        description="Records to train on: a file, a folder or s3://; a relative path in a profile file is "
+        "relative to that file (`--data` overrides it)."
+    )
+    eval_source: str | None = Field(
+        None,
+        description="A fixed held-out set (file, folder or s3://) used as the eval split instead of the hash "
+        "split of `source`; records it shares with `source` are left out of training.",
+    )
+    format: Literal["auto", "alpaca", "sharegpt", "openai"] = Field(
+        "auto", description="Record format; auto detects it per record."
+    )
+    eval_fraction: float = Field(
+        0.15, gt=0, lt=1, description="Share of `source` records hashed into the eval split (without eval_source)."
+    )
+    split_salt: str = Field(
+        "v1", description="Salt of the record hash that assigns the split; change it to draw a different split."
+    )
+
+
+class TrainSection(Section):
+    """LlamaFactory SFT arguments, under LlamaFactory's own names (train stage)."""
+
+    stage: Literal["sft"] = Field("sft", description="LlamaFactory training stage; supervised fine-tuning only.")
+    finetuning_type: Literal["lora", "full", "freeze"] = Field(
+        "lora", description="LoRA adapters, all weights, or the last layers only (LlamaFactory's finetuning_type)."
+    )
+    template: str = Field(
+        "chatml", description="LlamaFactory chat template the prompts are encoded with (serving uses the same)."
+    )
+    lora_rank: int = Field(8, ge=1, description="Rank of the LoRA matrices.")
+    lora_alpha: int | None = Field(None, description="LoRA scaling numerator; null: LlamaFactory's default, 2 x rank.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    lora_target: str = Field(
+        "all", description="Modules that get adapters: all linear layers, or a comma list such as q_proj,v_proj."
+    )
+    quantization_bit: Literal[4, 8] | None = Field(
+        None, description="Quantize the frozen base to 4 or 8 bits while training (QLoRA); null: no quantization."
+    )
+    quantization_method: Literal["bnb", "hqq", "eetq"] = Field(
+        "bnb", description="Library that quantizes the base when quantization_bit is set (bnb: bitsandbytes)."
+    )
+    double_quantization: bool = Field(True, description="bitsandbytes double quantization of the 4-bit constants.")
+    cutoff_len: int = Field(128, ge=8, description="Longest tokenized sample in tokens; longer ones are cut.")
+    per_device_train_batch_size: int = Field(8, ge=1, description="Samples per step on each device.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Steps whose gradients add up before an update.")
+    learning_rate: float = Field(5e-3, gt=0, description="Peak learning rate of the optimizer.")
+    num_train_epochs: float = Field(3.0, gt=0, description="Passes over the train split (ignored when max_steps > 0).")
+    max_steps: int = Field(-1, description="Optimizer updates to run; -1: as many as num_train_epochs takes.")
+    lr_scheduler_type: str = Field("cosine", description="Learning-rate schedule (transformers' scheduler names).")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Share of the updates spent warming up the learning rate.")
+    logging_steps: int = Field(5, ge=1, description="Updates between logged losses (MLflow metrics).")
+    save_steps: int = Field(
+        50, ge=1, description="Updates between checkpoints (uploaded to the store; a rerun resumes)."
+    )
+    seed: int = Field(42, description="Seed of the adapter's initial weights and the data order.")
+    bf16: bool = Field(False, description="Train in bfloat16 mixed precision (GPUs that have it).")
+    fp16: bool = Field(False, description="Train in float16 mixed precision.")
+    deepspeed: str | None = Field(None, description="A DeepSpeed config file for LlamaFactory; null: no DeepSpeed.")
+    extra_args: dict[str, Any] = Field(
+        {}, description="Any further LlamaFactory argument, passed through as is (LlamaFactory validates it)."
+    )
+
+
+class EvaluateSection(Section):
+    """The task metric the gate decides on, and how sure it must be (tasks/quality/metrics.py, tasks/quality/stats.py)."""
+
+    metric: Literal["exact_match", "rouge_l", "bleu_4", "answer_loss"] = Field(
+        "exact_match",
+        description="The deciding metric: exact_match, rouge_l, bleu_4 (higher is better) or answer_loss (lower is "
+        "better); all are logged.",
+    )
+    max_new_tokens: int = Field(8, ge=1, description="Tokens generated per eval prompt.")
+    max_samples: int = Field(256, ge=1, description="Most eval records scored; the rest of the split is not used.")
+    min_improvement: float = Field(
+        0.2, description="How much the candidate must beat the base model by on the metric (in the metric's units)."
+    )
+    confidence: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="null: checks use the point difference. A level such as 0.9: they use the paired bootstrap "
+        "interval's bound (an improvement's lower bound, a drop's upper bound).",
+    )
+    bootstrap_resamples: int = Field(2000, ge=100, description="Resamples of the paired bootstrap (with confidence).")
+    seed: int = Field(0, description="Seed of the bootstrap resampling.")
+    min_samples: int = Field(
+        20, ge=1, description="Fewer eval samples than this: no decision, and a message saying to add data."
+    )
+
+
+class MergeSection(Section):
+    """Folding the adapter into the base (merge stage), checked against the unmerged model's logits."""
+
+    tolerance: float = Field(
+        1e-3,
+        ge=0,
+        description="Largest |logits(base+adapter) - logits(merged)| accepted: 1e-3 in float32; bfloat16 rounds the "
+        "merged weights to 8 mantissa bits, so the GPU profiles allow more (tests/unit/test_merge.py measures it).",
+    )
+    probe_samples: int = Field(16, ge=1, description="Eval prompts the logits are compared on.")
