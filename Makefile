@@ -1,5 +1,5 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup setup-vllm test-tools run test test-unit lint format benchmark
+.PHONY: setup setup-vllm test-tools run test test-unit lint format benchmark docs
 
 setup:
 	bash infra/local/setup.sh
@@ -35,3 +35,8 @@ benchmark: setup setup-vllm
 	.venv/bin/python benchmarks/pipeline_overhead.py
 	.venv/bin/python benchmarks/serving_batching.py
 	.venv/bin/python benchmarks/service_latency.py
+
+# The documentation site (mkdocs.yml, docs/): strict, so a page missing from the nav or a broken link fails.
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d build/site
