@@ -72,7 +72,10 @@ def logger() -> logging.Logger | logging.LoggerAdapter:
 
 
 PROJECT_PACKAGES = ("tasks", "flows")
-TEMPLATE_DIRS = {"tasks.serving.repository": PROJECT_ROOT / "infra" / "triton"}  # what a module renders, by module
+# What a module renders, by module name: the folder joins the code version of every stage whose closure has
+# that module. A name, not the module object: importing the module here would put it (and its templates) in
+# every stage's closure. template_dir fails every code version while a name names no project module.
+TEMPLATE_DIRS = {"tasks.serving.repository": PROJECT_ROOT / "infra" / "triton"}
 
 
 def project_file(module: str) -> Path:
@@ -106,6 +109,17 @@ def project_imports(module: str) -> set[str]:
     return found
 
 
+def template_dir(module: str) -> Path | None:
+    """The template folder `module` renders, None when it renders none. Every entry of TEMPLATE_DIRS is checked
+    first: a moved module or folder would otherwise drop its templates from the code versions silently."""
+    for name, folder in TEMPLATE_DIRS.items():
+        if module_file(name) is None:
+            raise ValueError(f"TEMPLATE_DIRS: {name} is not a module of this project (moved? update the key)")
+        if not folder.is_dir():
+            raise ValueError(f"TEMPLATE_DIRS: {name} renders {folder}, which is not a folder")
+    return TEMPLATE_DIRS.get(module)
+
+
 def module_closure(module: str) -> list[str]:
     """`module` and every project module it imports, transitively, sorted."""
     seen: set[str] = set()
@@ -125,12 +139,12 @@ def module_code_version(module: str) -> str:
     digest = hashlib.sha256()
     for name in module_closure(module):
         digest.update(name.encode() + b"\0" + project_file(name).read_bytes())
-        template_dir = TEMPLATE_DIRS.get(name)
-        if template_dir is None:
+        templates = template_dir(name)
+        if templates is None:
             continue
-        for path in sorted(template_dir.rglob("*")):
+        for path in sorted(templates.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts:
-                digest.update(str(path.relative_to(template_dir)).encode() + b"\0" + path.read_bytes())
+                digest.update(str(path.relative_to(templates)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

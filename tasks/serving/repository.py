@@ -1,7 +1,9 @@
 """Triton model repositories: one folder per model, rendered from infra/triton/<kind>/ templates.
 
 Rendering is strict (a missing, unknown or malformed `${variable}` fails at render time) and atomic
-(a temporary folder renamed into place), so a half-written model folder never exists.
+(a temporary folder renamed into place), so a half-written model folder never exists. Each Python-backend
+model (a template with 1/model.py) gets a copy of tasks/serving/model_text.py next to its model.py: the
+text helpers are written once, and a load request sends the copy with the folder's other files.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
+from tasks.serving import model_text
 
 TEMPLATES = PROJECT_ROOT / "infra" / "triton"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -50,6 +53,8 @@ def render_model(kind: str, repository: Path, name: str, values: dict[str, objec
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=repository))
     try:
         shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        if (staging / "1" / "model.py").is_file():
+            shutil.copyfile(model_text.__file__, staging / "1" / model_text.FILE_NAME)
         config = render_template(
             (source / "config.pbtxt").read_text(), {"model_name": name, **values}, str(source / "config.pbtxt")
         )

@@ -1,26 +1,82 @@
-"""One prompt encoding from training to serving: every copy of encode_prompt gives the same token ids,
-and the train/serve contract names each kind of mismatch."""
+"""One prompt encoding from training to serving: every served model runs the one copy of the text helpers
+(tasks/serving/model_text.py, copied into each rendered model folder) and encodes as training does, and the
+train/serve contract names each kind of mismatch."""
 
+import ast
+import base64
 import importlib.util
+import inspect
 import json
 import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tasks.base_model import CHATML_TEMPLATE, train_tokenizer
+from tasks.platform.config import load_profile
 from tasks.platform.errors import CheckFailed
-from tasks.quality.chat import encode_prompt, prompt_ids, serving_request
+from tasks.quality.chat import encode_prompt, prompt_ids, serving_request, stream_delta
 from tasks.quality.contract import PROBES, read_contract, require_same
+from tasks.serving import model_text
+from tasks.serving.client import load_parameters
+from tasks.serving.models import serving_model, tensorrtllm_models
+from tasks.serving.repository import render_model
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVING_MODELS = [
-    "infra/triton/llm/1/model.py",
-    "infra/triton/vllm/1/model.py",
-    "infra/triton/tensorrtllm/preprocessing/1/model.py",
-]
 CONVERSATIONS = PROBES  # English and Chinese, with and without a system prompt, multi-turn
+PROMPT_ENCODERS = ["llm", "vllm", "tensorrtllm/preprocessing"]  # the models that turn a request into token ids
+STREAMERS = ["llm", "vllm", "tensorrtllm/bls"]  # the models that detokenize a streamed answer
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, Path]:
+    """Every kind of served model, rendered as a release renders it: {template: rendered folder}."""
+    repository = tmp_path_factory.mktemp("repository")
+    models = {
+        "svc-v1": serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64),
+        "svc-v2": serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64),
+        "svc": ("router", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"}),
+        **tensorrtllm_models(load_profile("qwen-7b-qlora-2xa10"), "svc-v3", Path("/engines/v3"), "e" * 64, 40960),
+    }
+    return {template: render_model(template, repository, name, values) for name, (template, values) in models.items()}
+
+
+def served_model(folder: Path, monkeypatch) -> types.ModuleType:
+    """A rendered model's model.py imported as Triton's Python-backend stub imports it: with its version folder
+    on sys.path, where `model_text` must be found (pb_utils is a stand-in: only the text helpers run)."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.syspath_prepend(str(folder / "1"))
+    spec = importlib.util.spec_from_file_location(f"served_{folder.name}", folder / "1" / "model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.pop("model_text", None)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop("model_text", None)  # the next model imports its own folder's copy
+    return module
+
+
+def test_every_python_backend_model_carries_the_one_copy_of_the_text_helpers(rendered):
+    helper = Path(model_text.__file__).read_bytes()
+    python_models = {template for template, folder in rendered.items() if (folder / "1" / "model.py").is_file()}
+    assert python_models == {"llm", "vllm", "router", "tensorrtllm/preprocessing", "tensorrtllm/bls"}
+    for template in python_models:
+        folder = rendered[template]
+        assert (folder / "1" / model_text.FILE_NAME).read_bytes() == helper, template
+        # what a load request sends when the server has no shared repository (tasks/serving/client.py)
+        sent = load_parameters(folder)[f"file:1/{model_text.FILE_NAME}"]
+        assert base64.b64decode(sent) == helper
+    assert not (rendered["tensorrtllm/tensorrt_llm"] / "1" / model_text.FILE_NAME).exists()  # a C++ backend
+
+
+def test_the_text_helpers_import_only_the_standard_library():
+    """The copy runs in Triton's Python-backend stub, where neither this project nor its packages are."""
+    tree = ast.parse(Path(model_text.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported and {name.split(".")[0] for name in imported} <= sys.stdlib_module_names
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +87,13 @@ def tokenizer_dir(tmp_path_factory):
     return folder
 
 
-def serving_copy(path: str):
-    """A Triton model file imported outside Triton (its pb_utils import is a stand-in: only encode_prompt runs)."""
-    sys.modules.setdefault("triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-    spec = importlib.util.spec_from_file_location(f"serving_{Path(path).parent.parent.name}", ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("path", SERVING_MODELS)
-def test_every_serving_copy_encodes_like_training(path, tokenizer_dir):
+@pytest.mark.parametrize("template", PROMPT_ENCODERS)
+def test_every_served_model_encodes_like_training(template, rendered, tokenizer_dir, monkeypatch):
     from tasks.quality.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    model = serving_copy(path)
+    model = served_model(rendered[template], monkeypatch)
+    assert inspect.getfile(model.encode_prompt) == str(rendered[template] / "1" / model_text.FILE_NAME)
     for conversation in CONVERSATIONS:
         text, history = serving_request(conversation)
         served = model.encode_prompt(tokenizer, text, model.chat_history(json.dumps(history, ensure_ascii=False)), True)
@@ -53,6 +101,31 @@ def test_every_serving_copy_encodes_like_training(path, tokenizer_dir):
         assert model.encode_prompt(tokenizer, text, [], False) == encode_prompt(tokenizer, text, [], False)
     with pytest.raises(ValueError, match="chat_history must be a JSON list"):
         model.chat_history('{"role": "system"}')
+
+
+def test_a_request_input_is_its_value_or_the_default():
+    """input_value reads a request as pb_utils.get_input_tensor_by_name does (request.inputs(), tensor.name()):
+    a BYTES input as text, a numeric one as a Python number, a missing one as the default."""
+
+    class Tensor:  # the two methods of Triton's pb_utils.Tensor that input_value calls
+        def __init__(self, name, array):
+            self._name, self._array = name, array
+
+        def name(self):
+            return self._name
+
+        def as_numpy(self):
+            return self._array
+
+    given = [
+        Tensor("text_input", np.array([["利率".encode()]], dtype=np.object_)),
+        Tensor("max_tokens", np.array([[7]], dtype=np.int32)),
+    ]
+    request = types.SimpleNamespace(inputs=lambda: given)
+    assert model_text.input_value(request, "text_input", None) == "利率"
+    max_tokens = model_text.input_value(request, "max_tokens", 16)
+    assert max_tokens == 7 and type(max_tokens) is int
+    assert model_text.input_value(request, "chat_history", "") == ""
 
 
 def test_the_system_prompt_reaches_the_prompt(tokenizer_dir):
@@ -106,11 +179,10 @@ def test_a_generation_config_stop_id_joins_the_contract(tokenizer_dir, tmp_path)
         require_same(trained, read_contract(tokenizer_dir, tmp_path), "the merged model")
 
 
-def test_chinese_streams_whole_characters_even_when_tokens_split_them(tokenizer_dir):
+def test_chinese_streams_whole_characters_even_when_tokens_split_them(rendered, tokenizer_dir, monkeypatch):
     """A byte-level tokenizer that has not seen a character splits it over several tokens; decoding a prefix
-    of them gives U+FFFD. The streamed pieces (tasks/quality/chat.py:stream_delta and the llm model's copy) never
-    carry a broken character and add up to the whole answer."""
-    from tasks.quality.chat import stream_delta
+    of them gives U+FFFD. The streamed pieces (tasks/quality/chat.py:stream_delta and each streaming model's
+    rendered copy) never carry a broken character and add up to the whole answer."""
     from tasks.quality.models import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -118,14 +190,7 @@ def test_chinese_streams_whole_characters_even_when_tokens_split_them(tokenizer_
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     prefixes = [tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
     assert any(p.endswith("\ufffd") for p in prefixes), "the test needs a character split over tokens"
-    copies = [
-        serving_copy(path).stream_delta
-        for path in (
-            "infra/triton/llm/1/model.py",
-            "infra/triton/vllm/1/model.py",
-            "infra/triton/tensorrtllm/bls/1/model.py",
-        )
-    ]
+    copies = [served_model(rendered[template], monkeypatch).stream_delta for template in STREAMERS]
     for delta_of in (stream_delta, *copies):
         sent, pieces = "", []
         for n, text in enumerate(prefixes, 1):

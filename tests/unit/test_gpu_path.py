@@ -378,8 +378,12 @@ def test_the_tensorrtllm_entry_model_streams_whole_characters(tmp_path, monkeypa
         get_output_tensor_by_name=lambda r, n: next((t for t in r.output_tensors if t.name() == n), None),
     )
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)
-    path = Path(__file__).resolve().parents[2] / "infra/triton/tensorrtllm/bls/1/model.py"
-    spec = importlib.util.spec_from_file_location("tensorrtllm_bls", path)
+    profile = load_profile("qwen-7b-qlora-2xa10")
+    template, values = tensorrtllm_models(profile, "m-v1", tmp_path / "engine", "e" * 64, 40960)["m-v1"]
+    bls = render_model(template, tmp_path / "repository", "m-v1", values)  # with its model_text.py
+    monkeypatch.syspath_prepend(str(bls / "1"))
+    monkeypatch.delitem(sys.modules, "model_text", raising=False)
+    spec = importlib.util.spec_from_file_location("tensorrtllm_bls", bls / "1" / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()

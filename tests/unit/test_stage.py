@@ -136,3 +136,58 @@ def test_editing_a_helper_reruns_only_the_stages_that_use_it(tmp_path):
         "tasks.quantize",
         "tasks.build_engine",
     }
+
+
+RENDERING_STAGES = {"tasks.benchmark", "tasks.deploy_canary", "tasks.gate", "tasks.rollout"}  # render Triton models
+
+
+def test_every_template_dir_is_a_project_module_and_a_folder(monkeypatch):
+    from tasks.platform import stage_cache
+
+    for module, folder in stage_cache.TEMPLATE_DIRS.items():
+        assert stage_cache.module_file(module) is not None, module
+        assert folder.is_dir() and any(folder.iterdir()), folder
+        assert stage_cache.template_dir(module) == folder
+    # a module that moved away fails loudly instead of dropping its templates from every code version
+    monkeypatch.setitem(stage_cache.TEMPLATE_DIRS, "tasks.moved_away", stage_cache.PROJECT_ROOT / "infra" / "triton")
+    with pytest.raises(ValueError, match=r"^TEMPLATE_DIRS: tasks.moved_away is not a module of this project"):
+        stage_cache.template_dir("tasks.train")
+
+
+def code_versions(project: Path, modules: list[str]) -> dict[str, str]:
+    """Each module's code version, computed by the copy of the project at `project`."""
+    script = (
+        "import json; from tasks.platform.stage_cache import module_code_version; "
+        f"print(json.dumps({{m: module_code_version(m) for m in {modules!r}}}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=project, env={"PYTHONPATH": str(project)}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_editing_a_served_models_code_reruns_the_stages_that_render_models(tmp_path):
+    """The models' templates and the text helpers copied into them (tasks/serving/model_text.py) are part
+    of the code version of every stage that renders models, through tasks/serving/repository.py."""
+    from tasks.platform.stage_cache import module_closure
+
+    assert "tasks.serving.model_text" in module_closure("tasks.serving.repository")
+    root = Path(__file__).resolve().parents[2]
+    project = tmp_path / "project"
+    for folder in ("tasks", "flows", "infra/triton"):
+        shutil.copytree(root / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    stages = sorted(f"tasks.{path.stem}" for path in (root / "tasks").glob("*.py") if path.stem != "__init__")
+    before = code_versions(project, stages)
+
+    template = project / "infra" / "triton" / "llm" / "1" / "model.py"
+    template.write_text(template.read_text() + "\n# an edit\n")
+    after_template = code_versions(project, stages)
+    assert {m for m in stages if before[m] != after_template[m]} == RENDERING_STAGES
+
+    helper = project / "tasks" / "serving" / "model_text.py"
+    helper.write_text(helper.read_text() + "\n# an edit\n")
+    after_helper = code_versions(project, stages)
+    # the rendering stages through tasks/serving/repository.py, and every other stage through tasks/quality/chat.py:
+    # training and evaluation encode prompts with the same encode_prompt
+    assert {m for m in stages if after_template[m] != after_helper[m]} == set(stages) > RENDERING_STAGES

@@ -34,50 +34,8 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-
-def scalar(request, name, default):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return default
-    value = tensor.as_numpy().reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
-
-
-# A copy of tasks/quality/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
-def stream_delta(text, sent, final):
-    """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
-    answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first
-    bytes of a character whose other bytes are still to come (a Chinese character split over byte-level
-    tokens), so it is held back until the character is whole or the answer ends. Returns (delta, new sent)."""
-    if not final:
-        text = text.rstrip("\ufffd")
-    if not text.startswith(sent):  # the decoder revised what was sent (rare): never send a wrong delta
-        return "", sent
-    return text[len(sent) :], text
-
-
-def chat_history(text):
-    """The optional `chat_history` input: a JSON list of earlier {role, content} messages (a system prompt among them)."""
-    if not text:
-        return []
-    history = json.loads(text)
-    if not isinstance(history, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in history):
-        raise ValueError("chat_history must be a JSON list of {role, content} messages")
-    return history
-
-
-# A copy of tasks/quality/chat.py's encode_prompt (this folder is loaded by Triton on its own);
-# tests/unit/test_chat_encoding.py pins it to the original.
-def encode_prompt(tokenizer, text, history, apply_chat_template):
-    """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
-    through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
-    if not apply_chat_template:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(
-        [*history, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
+# model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
+from model_text import chat_history, encode_prompt, input_value, stream_delta
 
 # vLLM's engine core runs in a child process that nothing ties to this stub's life: SIGKILL tritonserver
 # and the engine (with its worker and KV cache) outlives it as an orphan. The worker already dies with
@@ -172,11 +130,11 @@ class TritonPythonModel:
         )
 
     def parse(self, request):
-        text = scalar(request, "text_input", None)
+        text = input_value(request, "text_input", None)
         if text is None:
             raise ValueError("text_input is required")
-        history = chat_history(scalar(request, "chat_history", ""))
-        max_tokens = int(scalar(request, "max_tokens", self.default_max_tokens))
+        history = chat_history(input_value(request, "chat_history", ""))
+        max_tokens = int(input_value(request, "max_tokens", self.default_max_tokens))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = encode_prompt(self.tokenizer, text, history, self.chat)
@@ -185,17 +143,17 @@ class TritonPythonModel:
                 f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "
                 f"{self.context_tokens} tokens; ask for at most {max(self.context_tokens - len(ids), 0)}"
             )
-        seed = scalar(request, "random_seed", None)
+        seed = input_value(request, "random_seed", None)
         sampling = self.SamplingParams(
             max_tokens=max_tokens,
-            min_tokens=min(int(scalar(request, "min_length", 0)), max_tokens),
-            temperature=max(float(scalar(request, "temperature", 0.0)), 0.0),
-            top_k=max(int(scalar(request, "top_k", 0)), 0),
+            min_tokens=min(int(input_value(request, "min_length", 0)), max_tokens),
+            temperature=max(float(input_value(request, "temperature", 0.0)), 0.0),
+            top_k=max(int(input_value(request, "top_k", 0)), 0),
             seed=int(seed) if seed is not None else None,
             skip_special_tokens=True,
         )
-        stream = bool(scalar(request, "stream", False))
-        echo = not bool(scalar(request, "exclude_input_in_output", False))
+        stream = bool(input_value(request, "stream", False))
+        echo = not bool(input_value(request, "exclude_input_in_output", False))
         return ids, sampling, text, stream, echo
 
     def execute(self, requests):

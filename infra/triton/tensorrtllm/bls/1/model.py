@@ -15,6 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+# model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
+from model_text import stream_delta
+
 PRE_INPUTS = ("text_input", "chat_history", "max_tokens", "exclude_input_in_output")
 PRE_OUTPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id")
 # request input -> tensorrt_llm input
@@ -25,19 +28,6 @@ PASSED_TO_ENGINE = {
     "top_k": "runtime_top_k",
     "random_seed": "random_seed",
 }
-
-
-# A copy of tasks/quality/chat.py's stream_delta; tests/unit/test_chat_encoding.py pins it to the original.
-def stream_delta(text, sent, final):
-    """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
-    answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first
-    bytes of a character whose other bytes are still to come (a Chinese character split over byte-level
-    tokens), so it is held back until the character is whole or the answer ends. Returns (delta, new sent)."""
-    if not final:
-        text = text.rstrip("\ufffd")
-    if not text.startswith(sent):  # the decoder revised what was sent (rare): never send a wrong delta
-        return "", sent
-    return text[len(sent) :], text
 
 
 def text_tensor(text):

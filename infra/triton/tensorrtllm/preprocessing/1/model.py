@@ -5,36 +5,8 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-
-def scalar(request, name, default):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return default
-    value = tensor.as_numpy().reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
-
-
-def chat_history(text):
-    """The optional `chat_history` input: a JSON list of earlier {role, content} messages (a system prompt among them)."""
-    if not text:
-        return []
-    history = json.loads(text)
-    if not isinstance(history, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in history):
-        raise ValueError("chat_history must be a JSON list of {role, content} messages")
-    return history
-
-
-# A copy of tasks/quality/chat.py's encode_prompt (this folder is loaded by Triton on its own);
-# tests/unit/test_chat_encoding.py pins it to the original.
-def encode_prompt(tokenizer, text, history, apply_chat_template):
-    """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
-    through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
-    if not apply_chat_template:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = tokenizer.apply_chat_template(
-        [*history, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+# model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
+from model_text import chat_history, encode_prompt, input_value
 
 
 class TritonPythonModel:
@@ -56,13 +28,15 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                text = scalar(request, "text_input", None)
+                text = input_value(request, "text_input", None)
                 if text is None:
                     raise ValueError("text_input is required")
-                max_tokens = int(scalar(request, "max_tokens", self.default_max_tokens))
+                max_tokens = int(input_value(request, "max_tokens", self.default_max_tokens))
                 if max_tokens < 1:
                     raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-                ids = encode_prompt(self.tokenizer, text, chat_history(scalar(request, "chat_history", "")), self.chat)
+                ids = encode_prompt(
+                    self.tokenizer, text, chat_history(input_value(request, "chat_history", "")), self.chat
+                )
                 outputs = [
                     pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
                     pb_utils.Tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32)),
