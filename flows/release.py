@@ -28,7 +28,7 @@ from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageResult, stage_task
 from tasks.platform.store import open_store
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, start_run
-from tasks.prepare_data import prepare_data
+from tasks.prepare_data import DatasetMetrics, prepare_data
 from tasks.quantize import quantize
 from tasks.register import Registered, register
 from tasks.rollout import rollout
@@ -134,7 +134,7 @@ def release(
             quantized = stage_task(build_engine, config)(ctx, dataset, evaluation, quantized)
             stages.append(quantized)
         registered = stage_task(register, config)(
-            ctx, quantized, stages, dataset.metrics["fingerprint"], str(runtime.flow_run.id or "")
+            ctx, quantized, stages, DatasetMetrics.of(dataset).fingerprint, str(runtime.flow_run.id or "")
         )
         record_run(ctx, stages, registered)
         if not config.serve.deploy:

@@ -10,13 +10,30 @@ learns under LoRA (the tied output layer is not a LoRA target), hence the pretra
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.data.splits import load_split
 from tasks.platform.config import BaseModelSection, TinyModel
 from tasks.platform.errors import BadInput
-from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation
+
+
+@dataclass
+class BaseModelMetrics(StageMetrics):
+    """What `tiny-qwen2` built and how its pretrain went; a copied base (hub, folder, s3://) reports none."""
+
+    STAGES = ("base_model",)
+
+    parameters: int | None = None
+    vocab_size: int | None = None
+    pretrain_loss_first: float | None = None
+    pretrain_loss_last: float | None = None
+
+    def headline(self) -> str:
+        return f"{'?' if self.parameters is None else self.parameters} params"
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML as Qwen2 uses it, without a default system prompt: matches LlamaFactory's `chatml` template.
@@ -79,7 +96,7 @@ def pretrain(model, tokenizer, texts: list[str], cfg: TinyModel) -> list[float]:
     return losses
 
 
-def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path) -> dict:
+def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path) -> BaseModelMetrics:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -104,15 +121,15 @@ def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path) -> dict:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "vocab_size": len(tokenizer),
-        "pretrain_loss_first": losses[0] if losses else 0.0,
-        "pretrain_loss_last": losses[-1] if losses else 0.0,
-    }
+    return BaseModelMetrics(
+        parameters=sum(p.numel() for p in model.parameters()),
+        vocab_size=len(tokenizer),
+        pretrain_loss_first=losses[0] if losses else 0.0,
+        pretrain_loss_last=losses[-1] if losses else 0.0,
+    )
 
 
-def copy_model(source: str, out_dir: Path) -> dict:
+def copy_model(source: str, out_dir: Path) -> BaseModelMetrics:
     """A named base: a local folder, an s3:// prefix, or a hub id (needs a reachable hub)."""
     if source.startswith("s3://"):
         from tasks.platform.store import s3_client, split_s3_uri
@@ -141,7 +158,7 @@ def copy_model(source: str, out_dir: Path) -> dict:
             ) from None
     if not (out_dir / "config.json").is_file():
         raise BadInput(f"base_model.source {source}: no config.json (not a Hugging Face model folder)")
-    return {}
+    return BaseModelMetrics()
 
 
 def base_model(ctx: RunContext, data: StageResult) -> StageResult:
@@ -151,11 +168,11 @@ def base_model(ctx: RunContext, data: StageResult) -> StageResult:
 
         def produce(out_dir: Path) -> dict:
             texts = corpus(load_split(ctx.store.fetch(data.artifact.digest), "train"))
-            return build_tiny_qwen2(texts, cfg.tiny, out_dir)
+            return build_tiny_qwen2(texts, cfg.tiny, out_dir).as_mlflow()
     else:
         key = {"source": cfg.source}
 
         def produce(out_dir: Path) -> dict:
-            return copy_model(cfg.source, out_dir)
+            return copy_model(cfg.source, out_dir).as_mlflow()
 
-    return run_cached(ctx, "base_model", key, produce, headline=lambda m: f"{m.get('parameters', '?')} params")
+    return run_cached(ctx, "base_model", key, produce, headline=lambda m: BaseModelMetrics.from_mlflow(m).headline())

@@ -3,7 +3,8 @@
 genai-perf drives perf_analyzer in kserve mode (TensorRT-LLM-style inputs, gRPC streaming) with
 synthetic prompts of `bench.input_tokens` tokens and exactly `bench.output_tokens` output tokens,
 counted with the model's own tokenizer from its local folder (no hub). One run per concurrency
-level; each level's `profile_export_genai_perf.json` is parsed into flat metrics.
+level; each level's `profile_export_genai_perf.json` is parsed into a LoadLevel, and each role's levels
+are summarized into what the gate reads (RoleBenchmark.summary).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,8 +24,9 @@ from tasks.serving.client import parse_metric
 
 if TYPE_CHECKING:
     from tasks.deploy_canary import Deployment
+    from tasks.serving.models import Served
 
-# (genai-perf key, statistic) -> our metric name; latencies in ms, throughputs per second.
+# (genai-perf key, statistic) -> LoadLevel's field; latencies in ms, throughputs per second.
 METRICS = {
     ("time_to_first_token", "p50"): "ttft_p50_ms",
     ("time_to_first_token", "p90"): "ttft_p90_ms",
@@ -39,13 +42,98 @@ METRICS = {
 }
 
 
-def parse_profile_export(path: Path) -> dict[str, float]:
-    """Flat metrics from genai-perf's JSON export; a missing or malformed file is a clear error."""
+@dataclass
+class LoadLevel:
+    """What genai-perf measured for one model at one concurrency level."""
+
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    itl_avg_ms: float
+    itl_p99_ms: float
+    latency_p50_ms: float
+    latency_p90_ms: float
+    latency_p99_ms: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    request_count: float
+
+
+@dataclass
+class ServingSummary:
+    """What the gate reads of one model: worst p99s over the levels, throughput at the highest
+    concurrency, and the share of its requests Triton counted as failed during the benchmark."""
+
+    latency_p99_ms: float
+    ttft_p99_ms: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    error_rate: float
+
+    @classmethod
+    def of(cls, levels: dict[int, LoadLevel], error_rate: float) -> ServingSummary:
+        top = levels[max(levels)]
+        return cls(
+            latency_p99_ms=max(level.latency_p99_ms for level in levels.values()),
+            ttft_p99_ms=max(level.ttft_p99_ms for level in levels.values()),
+            output_tokens_per_s=top.output_tokens_per_s,
+            requests_per_s=top.requests_per_s,
+            error_rate=error_rate,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"p99 {self.latency_p99_ms:.1f} ms, TTFT p99 {self.ttft_p99_ms:.1f} ms, "
+            f"{self.output_tokens_per_s:.0f} tok/s, errors {self.error_rate:.2%}"
+        )
+
+
+@dataclass
+class RoleBenchmark:
+    """One model (the candidate or the champion) under each concurrency level, and its summary."""
+
+    levels: dict[int, LoadLevel]
+    summary: ServingSummary
+
+    def as_mlflow(self, role: str) -> dict[str, float]:
+        """`<role>_c<level>_<metric>` per level, `<role>_<metric>` of the summary."""
+        per_level = {
+            f"{role}_c{concurrency}_{name}": value
+            for concurrency, level in self.levels.items()
+            for name, value in asdict(level).items()
+        }
+        return per_level | {f"{role}_{name}": value for name, value in asdict(self.summary).items()}
+
+
+@dataclass
+class BenchmarkResult:
+    """Champion and candidate under the same load; no champion on a first release."""
+
+    candidate: RoleBenchmark
+    champion: RoleBenchmark | None = None
+
+    @property
+    def roles(self) -> dict[str, RoleBenchmark]:
+        return {"candidate": self.candidate} | ({"champion": self.champion} if self.champion else {})
+
+    def as_json(self) -> dict:
+        """benchmark.json: {"levels": {role: {concurrency: metrics}}, "summary": {role: summary}}."""
+        return {
+            "levels": {
+                role: {str(c): asdict(level) for c, level in measured.levels.items()}
+                for role, measured in self.roles.items()
+            },
+            "summary": {role: asdict(measured.summary) for role, measured in self.roles.items()},
+        }
+
+
+def parse_profile_export(path: Path) -> LoadLevel:
+    """genai-perf's JSON export at one level; a missing or malformed file is a clear error."""
     if not path.is_file():
         raise CheckFailed(f"benchmark: genai-perf wrote no {path.name} (looked in {path.parent})")
     try:
         data = json.loads(path.read_text())
-        return {name: float(data[key][stat]) for (key, stat), name in METRICS.items()}
+        return LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CheckFailed(f"benchmark: {path}: malformed genai-perf export ({type(exc).__name__}: {exc})") from None
 
@@ -85,15 +173,17 @@ def genai_perf_command(
     ]
 
 
-def run_genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, out_dir: Path) -> dict:
-    """{concurrency: metrics} for one model; genai-perf's own files are kept under out_dir."""
+def run_genai_perf(
+    model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, out_dir: Path
+) -> dict[int, LoadLevel]:
+    """{concurrency: what genai-perf measured} for one model; genai-perf's own files are kept under out_dir."""
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
-    results = {}
+    results: dict[int, LoadLevel] = {}
     for level in cfg.concurrency:
         artifact_dir = out_dir / f"{model}-c{level}"
         command = genai_perf_command(model, grpc_url, tokenizer_dir, cfg, level, artifact_dir)
@@ -109,35 +199,19 @@ def run_genai_perf(model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSec
     return results
 
 
-def summarize(results: dict[int, dict]) -> dict[str, float]:
-    """What the gate reads: worst p99s over the levels, throughput at the highest concurrency."""
-    top = results[max(results)]
-    return {
-        "latency_p99_ms": max(r["latency_p99_ms"] for r in results.values()),
-        "ttft_p99_ms": max(r["ttft_p99_ms"] for r in results.values()),
-        "output_tokens_per_s": top["output_tokens_per_s"],
-        "requests_per_s": top["requests_per_s"],
-    }
-
-
-def flat_metrics(role: str, results: dict[int, dict]) -> dict[str, float]:
-    return {f"{role}_c{level}_{name}": value for level, metrics in results.items() for name, value in metrics.items()}
-
-
-def plot(results_by_role: dict[str, dict[int, dict]], path: Path) -> None:
+def plot(result: BenchmarkResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for role, results in results_by_role.items():
-        levels = sorted(results)
-        axes[0].plot(levels, [results[c]["latency_p99_ms"] for c in levels], marker="o", label=f"{role} p99")
-        axes[0].plot(
-            levels, [results[c]["ttft_p99_ms"] for c in levels], marker="x", linestyle="--", label=f"{role} TTFT p99"
-        )
-        axes[1].plot(levels, [results[c]["output_tokens_per_s"] for c in levels], marker="o", label=role)
+    for role, measured in result.roles.items():
+        levels = sorted(measured.levels)
+        at = [measured.levels[c] for c in levels]
+        axes[0].plot(levels, [m.latency_p99_ms for m in at], marker="o", label=f"{role} p99")
+        axes[0].plot(levels, [m.ttft_p99_ms for m in at], marker="x", linestyle="--", label=f"{role} TTFT p99")
+        axes[1].plot(levels, [m.output_tokens_per_s for m in at], marker="o", label=role)
     axes[0].set(xlabel="concurrency", ylabel="ms", title="latency")
     axes[1].set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
     for ax in axes:
@@ -153,51 +227,42 @@ def check_tokenizer(folder: Path) -> None:
         raise BadInput(f"benchmark: no tokenizer in {folder}")
 
 
-def benchmark(ctx: RunContext, deployment: Deployment) -> dict:
+def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
     """genai-perf on the candidate and, when one serves, the champion; same load for both."""
-    cfg = ctx.profile.bench
     out_dir = ctx.home / "work" / "benchmark" / ctx.tracker.run_id
     out_dir.mkdir(parents=True, exist_ok=True)
-    roles = {"candidate": deployment.candidate}
-    if deployment.champion is not None:
-        roles["champion"] = deployment.champion
     grpc_url = deployment.triton.grpc_url
     if grpc_url is None:
         raise CheckFailed(
             f"benchmark: Triton at {deployment.triton.url} has no gRPC endpoint for genai-perf "
             "(give --triton-grpc-url or LLMOPS_TRITON_GRPC_URL)"
         )
-    levels, summary = {}, {}
-    for role, served in roles.items():
-        check_tokenizer(served.model_dir)
-        before = deployment.triton.metrics()
-        levels[role] = run_genai_perf(served.name, grpc_url, served.model_dir, cfg, out_dir)
-        after = deployment.triton.metrics()
-        failures = parse_metric(after, "nv_inference_request_failure", served.name) - parse_metric(
-            before, "nv_inference_request_failure", served.name
-        )
-        successes = parse_metric(after, "nv_inference_request_success", served.name) - parse_metric(
-            before, "nv_inference_request_success", served.name
-        )
-        summary[role] = {
-            **summarize(levels[role]),
-            "error_rate": failures / (failures + successes) if failures + successes else 1.0,
-        }
-        ctx.tracker.log_metrics(
-            "benchmark", {**flat_metrics(role, levels[role]), **{f"{role}_{k}": v for k, v in summary[role].items()}}
-        )
-    plot(levels, out_dir / "latency_throughput.png")
+    candidate = measure(ctx, deployment, deployment.candidate, grpc_url, out_dir)
+    ctx.tracker.log_metrics("benchmark", candidate.as_mlflow("candidate"))
+    champion = None
+    if deployment.champion is not None:
+        champion = measure(ctx, deployment, deployment.champion, grpc_url, out_dir)
+        ctx.tracker.log_metrics("benchmark", champion.as_mlflow("champion"))
+    result = BenchmarkResult(candidate, champion)
+    plot(result, out_dir / "latency_throughput.png")
     ctx.tracker.log_file(out_dir / "latency_throughput.png", "benchmark")
-    ctx.tracker.log_json(
-        "benchmark.json",
-        {"levels": {r: {str(c): m for c, m in v.items()} for r, v in levels.items()}, "summary": summary},
-    )
+    ctx.tracker.log_json("benchmark.json", result.as_json())
     logger().info(
-        "benchmark: "
-        + "; ".join(
-            f"{role} p99 {s['latency_p99_ms']:.1f} ms, TTFT p99 {s['ttft_p99_ms']:.1f} ms, "
-            f"{s['output_tokens_per_s']:.0f} tok/s, errors {s['error_rate']:.2%}"
-            for role, s in summary.items()
-        )
+        "benchmark: " + "; ".join(f"{role} {measured.summary.describe()}" for role, measured in result.roles.items())
     )
-    return summary
+    return result
+
+
+def measure(ctx: RunContext, deployment: Deployment, served: Served, grpc_url: str, out_dir: Path) -> RoleBenchmark:
+    """genai-perf at every level on one served model, with its error rate from Triton's counters."""
+    check_tokenizer(served.model_dir)
+    before = deployment.triton.metrics()
+    levels = run_genai_perf(served.name, grpc_url, served.model_dir, ctx.profile.bench, out_dir)
+    after = deployment.triton.metrics()
+
+    def delta(metric: str) -> float:
+        return parse_metric(after, metric, served.name) - parse_metric(before, metric, served.name)
+
+    failures, successes = delta("nv_inference_request_failure"), delta("nv_inference_request_success")
+    error_rate = failures / (failures + successes) if failures + successes else 1.0
+    return RoleBenchmark(levels, ServingSummary.of(levels, error_rate))

@@ -14,15 +14,66 @@ its bootstrap interval's lower bound must reach `evaluate.min_improvement` (task
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.data.splits import eval_conversations
+from tasks.platform.config import EvaluateSection
 from tasks.platform.errors import CheckFailed
-from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality import metrics
+from tasks.quality.chat import Conversation
 from tasks.quality.metrics import higher_is_better
 from tasks.quality.models import Compute, load_model, load_tokenizer
-from tasks.quality.scoring import EVALUATION_FILE, describe, gain, require_samples, score
+from tasks.quality.scoring import EVALUATION_FILE, Scores, describe, gain, require_samples, score
+from tasks.quality.stats import Difference
+
+
+@dataclass
+class EvaluationMetrics(StageMetrics):
+    """Each metric's mean over the eval split for the base and the candidate ({metric: mean}, with the
+    perplexity), and the candidate's improvement on `evaluate.metric` with its interval's bounds."""
+
+    STAGES = ("evaluate",)
+
+    base: dict[str, float]
+    candidate: dict[str, float]
+    improvement: float
+    samples: int
+    improvement_low: float | None = None
+    improvement_high: float | None = None
+
+    @classmethod
+    def of_scores(cls, base: Scores, candidate: Scores, improvement: Difference) -> EvaluationMetrics:
+        samples = len(candidate.predictions)
+        return cls(base.summary(), candidate.summary(), improvement.value, samples, improvement.low, improvement.high)
+
+    def as_mlflow(self) -> dict[str, float | str]:
+        bounds = {"improvement_low": self.improvement_low, "improvement_high": self.improvement_high}
+        return {
+            **{f"base_{name}": value for name, value in self.base.items()},
+            **{f"candidate_{name}": value for name, value in self.candidate.items()},
+            "improvement": self.improvement,
+            "samples": self.samples,
+            **{name: value for name, value in bounds.items() if value is not None},
+        }
+
+    @classmethod
+    def from_mlflow(cls, values: dict) -> EvaluationMetrics:
+        def role(prefix: str) -> dict[str, float]:
+            return {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
+
+        return cls(
+            role("base_"),
+            role("candidate_"),
+            values["improvement"],
+            values["samples"],
+            values.get("improvement_low"),
+            values.get("improvement_high"),
+        )
+
+    def headline(self, metric: str) -> str:
+        return f"{metric} {self.base[metric]:.3f} -> {self.candidate[metric]:.3f}"
 
 
 def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageResult) -> StageResult:
@@ -45,66 +96,74 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
             load_model(base_dir, ctx.store.fetch(adapter.artifact.digest), compute), tokenizer, conversations, cfg
         )
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
-        result = {
-            **base_scores.as_metrics("base"),
-            **candidate_scores.as_metrics("candidate"),
-            "improvement": improvement.value,
-            "samples": len(conversations),
-        }
-        if improvement.low is not None and improvement.high is not None:
-            result |= {"improvement_low": improvement.low, "improvement_high": improvement.high}
-        samples = [
-            {
-                "prompt": c[:-1],
-                "expected": c[-1]["content"],
-                "base": b,
-                "candidate": p,
-                "scores": {
-                    "base": {m: v[i] for m, v in base_scores.per_sample.items()},
-                    "candidate": {m: v[i] for m, v in candidate_scores.per_sample.items()},
-                },
-            }
-            for i, (c, b, p) in enumerate(
-                zip(conversations, base_scores.predictions, candidate_scores.predictions, strict=True)
-            )
-        ]
-        (out_dir / EVALUATION_FILE).write_text(
-            json.dumps(
-                {
-                    "metric": cfg.metric,
-                    "higher_is_better": higher_is_better(cfg.metric),
-                    "metrics": result,
-                    "improvement": {
-                        "value": improvement.value,
-                        "interval": improvement.interval(),
-                        "confidence": improvement.confidence,
-                    },
-                    "samples": samples,
-                },
-                indent=1,
-                ensure_ascii=False,
-            )
+        result = EvaluationMetrics.of_scores(base_scores, candidate_scores, improvement)
+        write_evaluation(
+            out_dir / EVALUATION_FILE, cfg, result, improvement, conversations, base_scores, candidate_scores
         )
-        names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity"]
-        rows = [
-            f"  {label:<9} " + " ".join(f"{s[n]:>11.3f}" for n in names)
-            for label, s in (("base", base_scores.summary()), ("candidate", candidate_scores.summary()))
-        ]
-        logger().info("evaluate:\n  " + " " * 10 + " ".join(f"{n:>11}" for n in names) + "\n" + "\n".join(rows))
-        bound = improvement.low if improvement.low is not None else improvement.value
-        if bound < cfg.min_improvement:
-            which = "the lower bound of its improvement" if improvement.low is not None else "its improvement"
-            raise CheckFailed(
-                f"evaluate: candidate {cfg.metric} {candidate_scores.summary()[cfg.metric]:.3f} vs base "
-                f"{base_scores.summary()[cfg.metric]:.3f}: {which} {bound:.3f} < evaluate.min_improvement "
-                f"{cfg.min_improvement} (improvement {describe(improvement)})"
-            )
-        return result
+        logger().info("evaluate:\n" + score_table(result))
+        require_improvement(cfg, result, improvement)
+        return result.as_mlflow()
 
     return run_cached(
-        ctx,
-        "evaluate",
-        key,
-        produce,
-        headline=lambda m: f"{cfg.metric} {m[f'base_{cfg.metric}']:.3f} -> {m[f'candidate_{cfg.metric}']:.3f}",
+        ctx, "evaluate", key, produce, headline=lambda m: EvaluationMetrics.from_mlflow(m).headline(cfg.metric)
     )
+
+
+def write_evaluation(
+    path: Path,
+    cfg: EvaluateSection,
+    result: EvaluationMetrics,
+    improvement: Difference,
+    conversations: list[Conversation],
+    base: Scores,
+    candidate: Scores,
+) -> None:
+    """The stage's record (evaluation.json): the metrics, the improvement, and every sample's answers and scores."""
+    samples = [
+        {
+            "prompt": c[:-1],
+            "expected": c[-1]["content"],
+            "base": b,
+            "candidate": p,
+            "scores": {
+                "base": {m: v[i] for m, v in base.per_sample.items()},
+                "candidate": {m: v[i] for m, v in candidate.per_sample.items()},
+            },
+        }
+        for i, (c, b, p) in enumerate(zip(conversations, base.predictions, candidate.predictions, strict=True))
+    ]
+    record = {
+        "metric": cfg.metric,
+        "higher_is_better": higher_is_better(cfg.metric),
+        "metrics": result.as_mlflow(),
+        "improvement": {
+            "value": improvement.value,
+            "interval": improvement.interval(),
+            "confidence": improvement.confidence,
+        },
+        "samples": samples,
+    }
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False))
+
+
+def score_table(result: EvaluationMetrics) -> str:
+    """Base and candidate, one row each, every metric a column."""
+    names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity"]
+    header = "  " + " " * 10 + " ".join(f"{n:>11}" for n in names)
+    rows = [
+        f"  {label:<9} " + " ".join(f"{means[n]:>11.3f}" for n in names)
+        for label, means in (("base", result.base), ("candidate", result.candidate))
+    ]
+    return "\n".join([header, *rows])
+
+
+def require_improvement(cfg: EvaluateSection, result: EvaluationMetrics, improvement: Difference) -> None:
+    """The candidate must beat the base by evaluate.min_improvement (with an interval: its lower bound must)."""
+    bound = improvement.low if improvement.low is not None else improvement.value
+    if bound < cfg.min_improvement:
+        which = "the lower bound of its improvement" if improvement.low is not None else "its improvement"
+        raise CheckFailed(
+            f"evaluate: candidate {cfg.metric} {result.candidate[cfg.metric]:.3f} vs base "
+            f"{result.base[cfg.metric]:.3f}: {which} {bound:.3f} < evaluate.min_improvement "
+            f"{cfg.min_improvement} (improvement {describe(improvement)})"
+        )

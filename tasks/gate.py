@@ -21,11 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.build_engine import EngineMetrics
 from tasks.platform.config import GateSection
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.quality.stats import Difference
 
 if TYPE_CHECKING:
+    from tasks.benchmark import BenchmarkResult, ServingSummary
     from tasks.deploy_canary import Deployment
 
 
@@ -143,27 +145,24 @@ def decide(
     model: str,
     candidate_version: str,
     champion_version: str | None,
-    candidate: dict[str, float | None],
-    champion: dict[str, float] | None,
+    candidate: ServingSummary,
+    champion: ServingSummary | None,
     quality: Quality | None = None,
+    quantization_accuracy_drop: float | None = None,
 ) -> GateReport:
-    """`candidate`/`champion`: latency_p99_ms, ttft_p99_ms, requests_per_s, output_tokens_per_s, error_rate and, for
-    the candidate, quantization_accuracy_drop (None where the quantized artifact is not what serves)."""
+    """The benchmark's summaries of `candidate` and `champion`, the served `quality`, and the quantized
+    artifact's accuracy drop (None where the quantized artifact is not what serves)."""
     checks = []
     if cfg.p99_request_latency_ms is not None:
-        checks.append(at_most("p99 request latency (ms)", candidate["latency_p99_ms"], cfg.p99_request_latency_ms))
+        checks.append(at_most("p99 request latency (ms)", candidate.latency_p99_ms, cfg.p99_request_latency_ms))
     if cfg.p99_time_to_first_token_ms is not None:
-        checks.append(at_most("p99 time to first token (ms)", candidate["ttft_p99_ms"], cfg.p99_time_to_first_token_ms))
+        checks.append(at_most("p99 time to first token (ms)", candidate.ttft_p99_ms, cfg.p99_time_to_first_token_ms))
     if cfg.min_requests_per_s is not None:
-        checks.append(at_least("request throughput (req/s)", candidate.get("requests_per_s"), cfg.min_requests_per_s))
-    checks.append(at_most("error rate", candidate["error_rate"], cfg.max_error_rate))
-    if candidate.get("quantization_accuracy_drop") is not None:
+        checks.append(at_least("request throughput (req/s)", candidate.requests_per_s, cfg.min_requests_per_s))
+    checks.append(at_most("error rate", candidate.error_rate, cfg.max_error_rate))
+    if quantization_accuracy_drop is not None:
         checks.append(
-            at_most(
-                "quantization accuracy drop",
-                candidate["quantization_accuracy_drop"],
-                cfg.max_quantization_accuracy_drop,
-            )
+            at_most("quantization accuracy drop", quantization_accuracy_drop, cfg.max_quantization_accuracy_drop)
         )
     if quality is not None:
         checks.append(
@@ -185,12 +184,8 @@ def decide(
             checks.append(at_most("served stop probe: answer tokens", quality.probe_tokens, quality.max_tokens - 1))
     if champion is not None:
         if cfg.min_throughput_ratio is not None:
-            throughput = candidate["output_tokens_per_s"]
-            ratio = (
-                throughput / champion["output_tokens_per_s"]
-                if throughput is not None and champion["output_tokens_per_s"]
-                else None
-            )
+            throughput = champion.output_tokens_per_s
+            ratio = candidate.output_tokens_per_s / throughput if throughput else None
             checks.append(at_least("throughput ratio vs champion", ratio, cfg.min_throughput_ratio))
         if quality is not None and quality.drop_vs_champion is not None:
             checks.append(
@@ -302,7 +297,7 @@ def score_quality(
 def gate(
     ctx: RunContext,
     deployment: Deployment,
-    bench: dict,
+    bench: BenchmarkResult,
     data: StageResult,
     evaluation: StageResult,
     quantized: StageResult,
@@ -310,21 +305,15 @@ def gate(
     folder = ctx.home / "work" / "gate" / ctx.tracker.run_id
     folder.mkdir(parents=True, exist_ok=True)
     quality = score_quality(ctx, deployment, data, evaluation, folder)
-    # The quantized artifact's accuracy counts where it is what serves (the TensorRT-LLM engine); on CPU
-    # the merged model serves (README: "What serves on CPU") and the ONNX numbers are informational.
-    serves_quantized = ctx.profile.serve.backend == "tensorrtllm"
-    candidate = {
-        **bench["candidate"],
-        "quantization_accuracy_drop": quantized.metrics["accuracy_drop"] if serves_quantized else None,
-    }
     report = decide(
         ctx.profile.gate,
         deployment.service,
         deployment.candidate.version,
         deployment.champion.version if deployment.champion else None,
-        candidate,
-        bench["champion"] if deployment.champion is not None else None,
+        bench.candidate.summary,
+        bench.champion.summary if bench.champion is not None else None,
         quality,
+        serving_accuracy_drop(ctx, quantized),
     )
     json_path, md_path = report.write(folder)
     publish(ctx, report, json_path, md_path)
@@ -333,6 +322,14 @@ def gate(
         f"checks pass); report {json_path}"
     )
     return report
+
+
+def serving_accuracy_drop(ctx: RunContext, quantized: StageResult) -> float | None:
+    """The quantized artifact's accuracy drop where it is what serves: the TensorRT-LLM engine (build_engine's
+    result). On CPU the merged model serves (README: "What serves on CPU"); the ONNX numbers are informational."""
+    if ctx.profile.serve.backend != "tensorrtllm":
+        return None
+    return EngineMetrics.of(quantized).accuracy_drop
 
 
 def publish(ctx: RunContext, report: GateReport, json_path: Path, md_path: Path) -> None:

@@ -8,14 +8,28 @@ model as saved (reloaded from disk), against base + adapter unmerged, on a probe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.data.splits import eval_conversations
 from tasks.platform.errors import CheckFailed
-from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation
 from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
 from tasks.quality.models import CPU_FP32, Compute, load_model, load_tokenizer, probe_batch
+
+
+@dataclass
+class MergeMetrics(StageMetrics):
+    """How far the merged model's logits are from base + adapter's, on the probe batch."""
+
+    STAGES = ("merge",)
+
+    max_abs_logit_diff: float
+    probe_samples: int
+
+    def headline(self) -> str:
+        return f"max |dlogits| {self.max_abs_logit_diff:.1e}"
 
 
 def logits(model, input_ids, mask):
@@ -72,6 +86,6 @@ def merge(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageR
                 f"merge: max |logits(base+adapter) - logits(merged)| = {max_diff:.3e} exceeds "
                 f"merge.tolerance {cfg.tolerance:g} on {len(probe)} probe samples"
             )
-        return {"max_abs_logit_diff": max_diff, "probe_samples": len(probe)}
+        return MergeMetrics(max_diff, len(probe)).as_mlflow()
 
-    return run_cached(ctx, "merge", key, produce, headline=lambda m: f"max |dlogits| {m['max_abs_logit_diff']:.1e}")
+    return run_cached(ctx, "merge", key, produce, headline=lambda m: MergeMetrics.from_mlflow(m).headline())

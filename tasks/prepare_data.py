@@ -8,11 +8,37 @@ validated here.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.data.records import clean_and_split, read_source, source_digest
+from tasks.data.records import CleanData, clean_and_split, read_source, source_digest
 from tasks.data.splits import load_split, write_dataset
-from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
+
+
+@dataclass
+class DatasetMetrics(StageMetrics):
+    """What was read, dropped and split, and the fingerprints the run and the registry are tagged with."""
+
+    STAGES = ("prepare_data",)
+
+    records_read: int
+    duplicates_dropped: int
+    empty_answers_dropped: int
+    records: int
+    train_records: int
+    eval_records: int
+    fingerprint: str
+    eval_records_read: int | None = None  # with data.eval_source: the held-out set's records ...
+    eval_overlap_dropped: int | None = None  # ... and the training records dropped for being in it
+    eval_fingerprint: str | None = None
+
+    @classmethod
+    def of_data(cls, data: CleanData) -> DatasetMetrics:
+        return cls(**data.stats, fingerprint=data.fingerprint, eval_fingerprint=data.eval_fingerprint or None)
+
+    def headline(self) -> str:
+        return f"{self.train_records} train / {self.eval_records} eval"
 
 
 def prepare_data(ctx: RunContext) -> StageResult:
@@ -23,13 +49,12 @@ def prepare_data(ctx: RunContext) -> StageResult:
     def produce(out_dir: Path) -> dict:
         data = clean_and_split(files, cfg, eval_files)
         write_dataset(data, out_dir)
-        log = logger()
-        log.info(
-            f"prepare_data: {data.stats['records_read']} read, {data.stats['duplicates_dropped']} duplicates and "
-            f"{data.stats['empty_answers_dropped']} empty answers dropped, "
-            f"{data.stats['train_records']} train / {data.stats['eval_records']} eval"
+        metrics = DatasetMetrics.of_data(data)
+        logger().info(
+            f"prepare_data: {metrics.records_read} read, {metrics.duplicates_dropped} duplicates and "
+            f"{metrics.empty_answers_dropped} empty answers dropped, {metrics.headline()}"
         )
-        return data.stats
+        return metrics.as_mlflow()
 
     result = run_cached(
         ctx,
@@ -40,15 +65,12 @@ def prepare_data(ctx: RunContext) -> StageResult:
             "config": cfg.model_dump(exclude={"source", "eval_source"}),
         },
         produce,
-        headline=lambda m: f"{m['train_records']} train / {m['eval_records']} eval",
+        headline=lambda m: DatasetMetrics.from_mlflow(m).headline(),
     )
-    folder = ctx.store.fetch(result.artifact.digest)
-    stats = json.loads((folder / "stats.json").read_text())
-    result.metrics = {**result.metrics, "fingerprint": stats["fingerprint"]}
-    log_dataset_input(ctx, folder, cfg.source, stats["fingerprint"])
-    if stats.get("eval_fingerprint"):
-        ctx.tracker.set_tags({"data.eval_fingerprint": stats["eval_fingerprint"], "data.eval_source": cfg.eval_source})
-        result.metrics["eval_fingerprint"] = stats["eval_fingerprint"]
+    dataset = DatasetMetrics.of(result)
+    log_dataset_input(ctx, ctx.store.fetch(result.artifact.digest), cfg.source, dataset.fingerprint)
+    if dataset.eval_fingerprint:
+        ctx.tracker.set_tags({"data.eval_fingerprint": dataset.eval_fingerprint, "data.eval_source": cfg.eval_source})
     return result
 
 

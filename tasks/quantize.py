@@ -3,7 +3,8 @@
 CPU backend `onnx-int8`: torch.onnx (dynamo) export of the merged model's forward pass, then
 onnxruntime dynamic int8 quantization of the weights. Recorded: size before/after, latency
 per generated token (fp32 ONNX vs int8), and the accuracy delta against the merged model
-(task metric and top-1 agreement of next-token predictions). `none` passes the merged model
+(`evaluate.metric` scored as evaluate scores it, ROUGE-L for answer_loss, and top-1 agreement of
+next-token predictions). `none` passes the merged model
 through. The TensorRT-LLM backend belongs to the GPU path and is refused here until it exists.
 """
 
@@ -12,15 +13,16 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tasks.data.splits import eval_conversations, load_split
 from tasks.platform.errors import CheckFailed
-from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation, prompt_ids
 from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
 from tasks.quality.models import load_model, load_tokenizer, probe_batch
-from tasks.quality.scoring import exact_match, generate_answers
+from tasks.quality.scoring import answer_metric, answer_score, generate_answers, scored_metric
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -30,6 +32,48 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
+
+# The models the ONNX path scores on the eval split, as its metrics name them (`<model>_<metric>`).
+SCORED_MODELS = ("merged", "onnx_fp32", "quantized")
+
+
+@dataclass(kw_only=True)
+class QuantizeMetrics(StageMetrics):
+    """Sizes, and on the ONNX path the cost of quantization: each model's score on `metric` (a text metric:
+    evaluate.metric, ROUGE-L for answer_loss), top-1 agreement, ms/token, the accuracy drop merged -> int8.
+    On the TensorRT-LLM path only sizes: accuracy is measured on the engine (EngineMetrics).
+    Fields in the order quantization.json has always had them (its bytes are part of the artifact's digest)."""
+
+    STAGES = ("quantize",)
+
+    merged_bytes: int
+    onnx_fp32_bytes: int | None = None
+    quantized_bytes: int
+    metric: str | None = None
+    scores: dict[str, float] = field(default_factory=dict)  # {model: mean score}, models of SCORED_MODELS
+    top1_agreement: float | None = None
+    onnx_fp32_ms_per_token: float | None = None
+    quantized_ms_per_token: float | None = None
+    accuracy_drop: float | None = None
+
+    def as_mlflow(self) -> dict[str, float | str]:
+        flat: dict[str, float | str] = {}
+        for name, value in super().as_mlflow().items():
+            if name == "scores":  # the score keys name the metric
+                flat |= {f"{model}_{self.metric}": score for model, score in self.scores.items()}
+            elif name != "metric":
+                flat[name] = value
+        return flat
+
+    @classmethod
+    def from_mlflow(cls, values: dict) -> QuantizeMetrics:
+        metric = scored_metric(values, "quantized")
+        scores = {m: values[f"{m}_{metric}"] for m in SCORED_MODELS if f"{m}_{metric}" in values}
+        return replace(super().from_mlflow(values), metric=metric, scores=scores if metric else {})
+
+    def headline(self) -> str:
+        sizes = f"{self.onnx_fp32_bytes or self.merged_bytes:,} -> {self.quantized_bytes:,} bytes"
+        return sizes if self.accuracy_drop is None else f"{sizes}, accuracy drop {self.accuracy_drop:.3f}"
 
 
 def folder_bytes(folder: Path, pattern: str = "*") -> int:
@@ -121,8 +165,9 @@ def top1_agreement(reference, candidate, mask) -> float:
 
 
 def onnx_int8(
-    merged_dir: Path, out_dir: Path, conversations: list[Conversation], opset: int, max_new_tokens: int
-) -> dict:
+    merged_dir: Path, out_dir: Path, conversations: list[Conversation], opset: int, max_new_tokens: int, metric: str
+) -> QuantizeMetrics:
+    """The int8 ONNX model in out_dir, and what it cost against the merged model on `metric` (a text metric)."""
     log = logger()
     tokenizer = load_tokenizer(merged_dir)
     scratch = out_dir.parent / "onnx-fp32"
@@ -146,26 +191,29 @@ def onnx_int8(
 
     with torch.no_grad():
         reference = merged(input_ids=input_ids, attention_mask=mask).logits.numpy()
-    metrics = {
-        "merged_bytes": folder_bytes(merged_dir, "*.safetensors"),
-        "onnx_fp32_bytes": folder_bytes(scratch, "model.onnx*"),
-        "quantized_bytes": folder_bytes(out_dir, "model.onnx*"),
-        "merged_exact_match": exact_match(merged_answers, conversations),
-        "onnx_fp32_exact_match": exact_match(fp32_answers, conversations),
-        "quantized_exact_match": exact_match(int8_answers, conversations),
-        "top1_agreement": top1_agreement(reference, int8.logits(input_ids.numpy(), mask.numpy()), mask.numpy()),
-        "onnx_fp32_ms_per_token": fp32_s_per_token * 1000,
-        "quantized_ms_per_token": int8_s_per_token * 1000,
+    scores = {
+        model: answer_score(answers, conversations, metric)
+        for model, answers in zip(SCORED_MODELS, (merged_answers, fp32_answers, int8_answers), strict=True)
     }
-    metrics["accuracy_drop"] = metrics["merged_exact_match"] - metrics["quantized_exact_match"]
+    metrics = QuantizeMetrics(
+        merged_bytes=folder_bytes(merged_dir, "*.safetensors"),
+        quantized_bytes=folder_bytes(out_dir, "model.onnx*"),
+        accuracy_drop=scores["merged"] - scores["quantized"],  # text metrics: higher is better
+        onnx_fp32_bytes=folder_bytes(scratch, "model.onnx*"),
+        metric=metric,
+        scores=scores,
+        top1_agreement=top1_agreement(reference, int8.logits(input_ids.numpy(), mask.numpy()), mask.numpy()),
+        onnx_fp32_ms_per_token=fp32_s_per_token * 1000,
+        quantized_ms_per_token=int8_s_per_token * 1000,
+    )
     shutil.rmtree(scratch, ignore_errors=True)
     return metrics
 
 
-def passthrough(merged_dir: Path, out_dir: Path) -> dict:
+def passthrough(merged_dir: Path, out_dir: Path) -> QuantizeMetrics:
     shutil.copytree(merged_dir, out_dir, dirs_exist_ok=True)
     size = folder_bytes(merged_dir, "*.safetensors")
-    return {"merged_bytes": size, "quantized_bytes": size, "accuracy_drop": 0.0}
+    return QuantizeMetrics(merged_bytes=size, quantized_bytes=size, accuracy_drop=0.0)
 
 
 def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
@@ -185,32 +233,26 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
         if cfg.backend == "none":
             metrics = passthrough(merged_dir, out_dir)
         else:
-            conversations = eval_conversations(ctx, data, ctx.profile.evaluate.max_samples)
-            metrics = onnx_int8(merged_dir, out_dir, conversations, cfg.opset, ctx.profile.evaluate.max_new_tokens)
+            evaluate = ctx.profile.evaluate
+            conversations = eval_conversations(ctx, data, evaluate.max_samples)
+            metric = answer_metric(evaluate.metric)
+            metrics = onnx_int8(merged_dir, out_dir, conversations, cfg.opset, evaluate.max_new_tokens, metric)
         trained = load_contract(merged_dir)
         require_same(trained, read_contract(out_dir, merged_dir), f"the {cfg.backend} artifact's tokenizer")
         write_contract(trained, out_dir)
+        flat = metrics.as_mlflow()
         # Timings stay out of the artifact (they go to the record and MLflow): equal weights, equal digest.
-        stable = {k: v for k, v in metrics.items() if not k.endswith("_per_token")}
+        stable = {k: v for k, v in flat.items() if not k.endswith("_per_token")}
         (out_dir / "quantization.json").write_text(json.dumps({"backend": cfg.backend, **stable}, indent=2))
-        logger().info("quantize: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-        if metrics["accuracy_drop"] > cfg.max_accuracy_drop:
+        logger().info("quantize: " + ", ".join(f"{k} {v:.4g}" for k, v in flat.items()))
+        if metrics.accuracy_drop is not None and metrics.accuracy_drop > cfg.max_accuracy_drop:
             raise CheckFailed(
-                f"quantize: exact match drops by {metrics['accuracy_drop']:.3f} after {cfg.backend} "
+                f"quantize: {metrics.metric} drops by {metrics.accuracy_drop:.3f} after {cfg.backend} "
                 f"> quantize.max_accuracy_drop {cfg.max_accuracy_drop}"
             )
-        return metrics
+        return flat
 
-    return run_cached(
-        ctx,
-        "quantize",
-        key,
-        produce,
-        headline=lambda m: (
-            f"{m.get('onnx_fp32_bytes', m['merged_bytes']):,} -> "
-            f"{m['quantized_bytes']:,} bytes, accuracy drop {m['accuracy_drop']:.3f}"
-        ),
-    )
+    return run_cached(ctx, "quantize", key, produce, headline=lambda m: QuantizeMetrics.from_mlflow(m).headline())
 
 
 def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
@@ -253,15 +295,11 @@ def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageRes
         (out_dir / "quantization.json").write_text(
             json.dumps({"backend": "tensorrt-llm", **cfg.model_dump()}, indent=2)
         )
-        return {
-            "merged_bytes": folder_bytes(merged_dir, "*.safetensors"),
-            "quantized_bytes": folder_bytes(out_dir / "checkpoint", "*.safetensors"),
-        }
+        return QuantizeMetrics(
+            merged_bytes=folder_bytes(merged_dir, "*.safetensors"),
+            quantized_bytes=folder_bytes(out_dir / "checkpoint", "*.safetensors"),
+        ).as_mlflow()
 
     return run_cached(
-        ctx,
-        "quantize",
-        key,
-        produce,
-        headline=lambda m: f"{m['merged_bytes']:,} -> {m['quantized_bytes']:,} bytes ({cfg.qformat})",
+        ctx, "quantize", key, produce, headline=lambda m: f"{QuantizeMetrics.from_mlflow(m).headline()} ({cfg.qformat})"
     )

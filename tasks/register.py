@@ -12,8 +12,10 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 
+from tasks.evaluate import EvaluationMetrics
 from tasks.platform.project import PROJECT_ROOT
 from tasks.platform.stage_cache import RunContext, StageResult, logger
+from tasks.prepare_data import DatasetMetrics
 from tasks.quality.contract import CONTRACT_FILE, load_contract
 
 
@@ -57,9 +59,9 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
     for stage in stages:
         if stage.stage == "evaluate":
             metric = ctx.profile.evaluate.metric
-            tags[f"metric.{metric}"] = str(stage.metrics[f"candidate_{metric}"])
-        if stage.stage == "prepare_data" and stage.metrics.get("eval_fingerprint"):
-            tags["data.eval_fingerprint"] = stage.metrics["eval_fingerprint"]
+            tags[f"metric.{metric}"] = str(EvaluationMetrics.of(stage).candidate[metric])
+        if stage.stage == "prepare_data" and (eval_fingerprint := DatasetMetrics.of(stage).eval_fingerprint):
+            tags["data.eval_fingerprint"] = eval_fingerprint
             tags["data.eval_source"] = ctx.profile.data.eval_source or ""
         if stage.stage == "merge":
             contract = ctx.store.fetch(stage.artifact.digest) / CONTRACT_FILE

@@ -17,13 +17,14 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from tasks.platform.config import HardwareSection, TrainSection
 from tasks.platform.errors import CheckFailed, is_transient
-from tasks.platform.stage_cache import RunContext, StageResult, logger, run_cached
+from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.platform.store import Artifact, outlast_outage
 from tasks.quality.contract import read_contract, write_contract
 
@@ -38,6 +39,24 @@ ADAPTER_FILES = (
     "all_results.json",
     "trainer_state.json",
 )
+
+
+@dataclass
+class TrainMetrics(StageMetrics):
+    """The finished training run, from LlamaFactory's train_results.json and the follower."""
+
+    STAGES = ("train",)
+
+    final_loss: float
+    steps: int
+    samples_per_second: float
+    tokens_per_second: float  # real (unpadded) training tokens per second of the trainer's own runtime
+    runtime_s: float
+    wall_s: float
+    resumed_from_step: int  # 0: trained from the start
+
+    def headline(self) -> str:
+        return f"loss {self.final_loss:.3f}, {self.steps} steps"
 
 
 def llamafactory_config(
@@ -327,21 +346,18 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
         if (out_dir / "training_loss.png").is_file():
             ctx.tracker.log_file(out_dir / "training_loss.png", "train")
         results = json.loads((output_dir / "train_results.json").read_text())
-        return {
-            "final_loss": results.get("train_loss", float("nan")),
-            "steps": follower.last_step,
-            "samples_per_second": results.get("train_samples_per_second", 0.0),
-            # real (unpadded) training tokens per second of the trainer's own runtime
-            "tokens_per_second": results.get("num_input_tokens_seen", 0)
+        return TrainMetrics(
+            final_loss=results.get("train_loss", float("nan")),
+            steps=follower.last_step,
+            samples_per_second=results.get("train_samples_per_second", 0.0),
+            tokens_per_second=results.get("num_input_tokens_seen", 0)
             / max(results.get("train_runtime", seconds), 1e-9),
-            "runtime_s": results.get("train_runtime", seconds),
-            "wall_s": seconds,
-            "resumed_from_step": int(resume_from.name.split("-")[1]) if resume_from else 0,
-        }
+            runtime_s=results.get("train_runtime", seconds),
+            wall_s=seconds,
+            resumed_from_step=int(resume_from.name.split("-")[1]) if resume_from else 0,
+        ).as_mlflow()
 
-    return run_cached(
-        ctx, "train", key_inputs, produce, headline=lambda m: f"loss {m['final_loss']:.3f}, {m['steps']} steps"
-    )
+    return run_cached(ctx, "train", key_inputs, produce, headline=lambda m: TrainMetrics.from_mlflow(m).headline())
 
 
 def llamafactory_version() -> str:

@@ -16,9 +16,10 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
+from typing import ClassVar, Self
 
 from tasks.platform.config import Profile, sha256_json
 from tasks.platform.errors import ArtifactMissing, CheckFailed, TransientError, is_transient
@@ -45,6 +46,9 @@ class RunContext:
 
 @dataclass
 class StageResult:
+    """A stage's artifact and metrics. `metrics` is the flat dict the stage record stores and MLflow
+    gets; each stage reads another's through that stage's typed view (`QuantizeMetrics.of(result)`)."""
+
     stage: str
     artifact: Artifact
     metrics: dict = field(default_factory=dict)
@@ -59,6 +63,27 @@ class StageResult:
     @classmethod
     def from_dict(cls, value: dict) -> StageResult:
         return cls(**{**value, "artifact": Artifact(**value["artifact"])})
+
+
+@dataclass
+class StageMetrics:
+    """Base of a stage's metrics dataclass: flattened for MLflow and the stage record (`as_mlflow`), read
+    back from a StageResult (`of`). Fields that are None (not measured on this path) are left out."""
+
+    STAGES: ClassVar[tuple[str, ...]]  # the stages whose results these metrics describe
+
+    def as_mlflow(self) -> dict[str, float | str]:
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_mlflow(cls, values: dict) -> Self:
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+    @classmethod
+    def of(cls, result: StageResult) -> Self:
+        if result.stage not in cls.STAGES:
+            raise ValueError(f"{cls.__name__}: describes a result of {' or '.join(cls.STAGES)}, not of {result.stage}")
+        return cls.from_mlflow(result.metrics)
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:

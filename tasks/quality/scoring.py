@@ -90,13 +90,25 @@ def generate_answers(model, tokenizer, conversations: list[Conversation], max_ne
     return answers
 
 
-def exact_match(predictions: list[str], conversations: list[Conversation]) -> float:
-    """Share of answers equal to the reference (the quantize and engine stages' accuracy measure)."""
-    return mean([metrics.exact_match(p, c[-1]["content"]) for p, c in zip(predictions, conversations, strict=True)])
-
-
 def references(conversations: list[Conversation]) -> list[str]:
     return [c[-1]["content"] for c in conversations]
+
+
+def answer_metric(metric: str) -> str:
+    """The metric answers alone are scored on: `evaluate.metric`, or ROUGE-L for answer_loss (a likelihood
+    of the reference answer, which generated answers do not carry)."""
+    return metric if metric in metrics.TEXT_METRICS else "rouge_l"
+
+
+def answer_score(predictions: list[str], conversations: list[Conversation], metric: str) -> float:
+    """Mean `metric` (a text metric) of the answers against the references: the quantize and engine stages'
+    accuracy measure, scored as evaluate scores."""
+    return mean(text_scores(predictions, references(conversations))[metric])
+
+
+def scored_metric(values: dict, model: str) -> str | None:
+    """The text metric a stage's flat metrics score `model` on (the key `<model>_<metric>`), if any."""
+    return next((name for name in metrics.TEXT_METRICS if f"{model}_{name}" in values), None)
 
 
 def score(model, tokenizer, conversations: list[Conversation], cfg: EvaluateSection) -> Scores:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.benchmark import parse_profile_export, summarize
+from tasks.benchmark import BenchmarkResult, RoleBenchmark, ServingSummary, parse_profile_export
 from tasks.gate import Quality, decide
 from tasks.platform.config import GateSection, load_profile
 from tasks.platform.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
@@ -108,14 +108,12 @@ def test_missing_triton_binary_is_bad_input(monkeypatch):
         find_binary(None)
 
 
-CANDIDATE = {
-    "latency_p99_ms": 50.0,
-    "ttft_p99_ms": 10.0,
-    "output_tokens_per_s": 900.0,
-    "error_rate": 0.0,
-    "quantization_accuracy_drop": 0.0,
-}
-CHAMPION = {"latency_p99_ms": 45.0, "ttft_p99_ms": 9.0, "output_tokens_per_s": 1000.0, "error_rate": 0.0}
+CANDIDATE = ServingSummary(
+    latency_p99_ms=50.0, ttft_p99_ms=10.0, output_tokens_per_s=900.0, requests_per_s=20.0, error_rate=0.0
+)
+CHAMPION = ServingSummary(
+    latency_p99_ms=45.0, ttft_p99_ms=9.0, output_tokens_per_s=1000.0, requests_per_s=22.0, error_rate=0.0
+)
 GATE = GateSection(
     p99_request_latency_ms=100,
     p99_time_to_first_token_ms=20,
@@ -135,7 +133,7 @@ QUALITY = Quality(
 
 
 def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
-    report = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY)
+    report = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY, quantization_accuracy_drop=0.0)
     assert report.passed and report.decision == "promote"
     assert [c.name for c in report.checks] == [
         "p99 request latency (ms)",
@@ -176,7 +174,9 @@ def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
     ],
 )
 def test_gate_rejects_on_each_threshold(change, quality, failed):
-    report = decide(GATE, "svc", "2", "1", {**CANDIDATE, **change}, CHAMPION, replace(QUALITY, **quality))
+    drop = change.get("quantization_accuracy_drop", 0.0)
+    serving = {name: value for name, value in change.items() if name != "quantization_accuracy_drop"}
+    report = decide(GATE, "svc", "2", "1", replace(CANDIDATE, **serving), CHAMPION, replace(QUALITY, **quality), drop)
     assert not report.passed and [c.name for c in report.checks if not c.passed] == [failed]
     assert failed in report.summary()
 
@@ -187,7 +187,7 @@ def test_without_a_confidence_level_the_point_value_decides():
 
 
 def test_a_quantized_artifact_that_does_not_serve_is_not_gated_on():
-    report = decide(GATE, "svc", "2", "1", {**CANDIDATE, "quantization_accuracy_drop": None}, CHAMPION, QUALITY)
+    report = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY, quantization_accuracy_drop=None)
     assert report.passed and "quantization accuracy drop" not in [c.name for c in report.checks]
 
 
@@ -224,9 +224,39 @@ def export(**overrides):
 def test_genai_perf_export_is_parsed(tmp_path):
     path = tmp_path / "profile_export_genai_perf.json"
     path.write_text(json.dumps(export()))
-    metrics = parse_profile_export(path)
-    assert metrics["latency_p99_ms"] == 40 and metrics["ttft_p99_ms"] == 10 and metrics["output_tokens_per_s"] == 800
-    assert summarize({1: metrics, 4: {**metrics, "latency_p99_ms": 60.0}})["latency_p99_ms"] == 60.0
+    level = parse_profile_export(path)
+    assert level.latency_p99_ms == 40 and level.ttft_p99_ms == 10 and level.output_tokens_per_s == 800
+    summary = ServingSummary.of({1: level, 4: replace(level, latency_p99_ms=60.0, requests_per_s=70.0)}, 0.0)
+    assert summary.latency_p99_ms == 60.0 and summary.requests_per_s == 70.0  # worst p99, rate at the top level
+
+
+def test_benchmark_result_keeps_its_mlflow_keys_and_json(tmp_path):
+    path = tmp_path / "profile_export_genai_perf.json"
+    path.write_text(json.dumps(export()))
+    level = parse_profile_export(path)
+    candidate = RoleBenchmark({1: level, 4: level}, ServingSummary.of({1: level, 4: level}, 0.25))
+    flat = candidate.as_mlflow("candidate")
+    per_level = {
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "ttft_p99_ms",
+        "itl_avg_ms",
+        "itl_p99_ms",
+        "latency_p50_ms",
+        "latency_p90_ms",
+        "latency_p99_ms",
+        "output_tokens_per_s",
+        "requests_per_s",
+        "request_count",
+    }
+    summary = {"latency_p99_ms", "ttft_p99_ms", "output_tokens_per_s", "requests_per_s", "error_rate"}
+    assert set(flat) == {f"candidate_c{c}_{name}" for c in (1, 4) for name in per_level} | {
+        f"candidate_{name}" for name in summary
+    }
+    assert flat["candidate_c4_request_count"] == 32 and flat["candidate_error_rate"] == 0.25
+    written = BenchmarkResult(candidate).as_json()
+    assert set(written["levels"]["candidate"]) == {"1", "4"} and "champion" not in written["summary"]
+    assert written["summary"]["candidate"] == {name: flat[f"candidate_{name}"] for name in summary}
 
 
 def test_genai_perf_export_missing_or_malformed(tmp_path):
