@@ -4,7 +4,8 @@ sequences cut as OpenAI does. Requests against a real gateway are in tests/integ
 import pytest
 
 from tasks.platform.errors import BadInput
-from tasks.serving.gateway import cut_at_stop, held_back, read_api_keys
+from tasks.serving.gateway import read_api_keys
+from tasks.serving.gateway.stops import cut_at_stop, held_back
 
 
 def test_api_keys_come_from_a_file_with_names_or_from_the_environment(tmp_path):
