@@ -1,0 +1,160 @@
+"""The gateway's routes (Starlette): health probes, OpenAI's /v1 and Triton's /v2 generate API, each behind
+the API-key check, the body cap and JSON only, and each answering errors in its own API's shape."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tasks.serving.gateway.auth import authorize
+from tasks.serving.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    GenerateRequest,
+    RequestError,
+    parse,
+)
+from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens
+from tasks.serving.gateway.upstream import Triton
+
+
+@dataclass
+class GatewayConfig:
+    triton_url: str
+    service: str  # the router model: the name clients call
+    context_tokens: int  # the model's context (max_position_embeddings)
+    default_max_tokens: int = 64
+    max_body_bytes: int = 1 << 20
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> client name; empty: no key needed
+    tokenizer_dir: Path | None = None
+    apply_chat_template: bool = True  # as the served model does (serve.apply_chat_template)
+
+
+def openai_error(error: RequestError) -> JSONResponse:
+    return JSONResponse(
+        ErrorResponse.of(error).model_dump(),
+        status_code=error.status,
+        headers={"WWW-Authenticate": "Bearer"} if error.status == 401 else None,
+    )
+
+
+def triton_error(error: RequestError) -> JSONResponse:
+    """Triton's own error shape, {"error": "..."}, for the /v2 routes."""
+    return JSONResponse({"error": error.message}, status_code=error.status)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's JSON body, refused before it is read whole where it is not JSON or over the cap.
+
+    A declared length over the cap is refused at once; a chunked body (no length) is counted as it comes."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise RequestError(415, "Content-Type must be application/json")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(413, f"request body of {declared} bytes is over the limit of {max_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise RequestError(413, f"request body is over the limit of {max_bytes} bytes")
+    return bytes(body)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, transport: httpx.AsyncBaseTransport | None = None):
+        self.config = config
+        self.triton = Triton(config.triton_url, config.service, transport)
+        tokenizer = None
+        if config.tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
+        self.openai = OpenAIServing(
+            self.triton, config.context_tokens, config.default_max_tokens, tokenizer, config.apply_chat_template
+        )
+
+    def authorize(self, request: Request) -> str:
+        return authorize(self.config.api_keys, request.headers.get("authorization"))
+
+    async def body(self, request: Request) -> bytes:
+        return await read_body(request, self.config.max_body_bytes)
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"status": "live"})
+
+    async def ready(self, request: Request) -> Response:
+        """Ready when the service name answers on Triton (the router and the model behind it are loaded)."""
+        ready = await self.triton.ready()
+        return JSONResponse({"status": "ready" if ready else "not ready"}, status_code=200 if ready else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+        except RequestError as error:
+            return openai_error(error)
+        model = {"id": self.config.service, "object": "model", "created": 0, "owned_by": "llmops"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.openai_route(request, lambda body: self.openai.chat(parse(ChatCompletionRequest, body)))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.openai_route(request, lambda body: self.openai.completion(parse(CompletionRequest, body)))
+
+    async def openai_route(self, request: Request, answer: Callable[[bytes], Awaitable[Response]]) -> Response:
+        try:
+            self.authorize(request)
+            return await answer(await self.body(request))
+        except RequestError as error:
+            return openai_error(error)
+
+    async def triton_generate(self, request: Request) -> Response:
+        """Triton's own generate / generate_stream for the service name, with keys and limits."""
+        name, streaming = request.path_params["model"], request.url.path.endswith("_stream")
+        try:
+            self.authorize(request)
+            if name != self.config.service:
+                raise RequestError(404, f"model {name!r} is not served here; the service is {self.config.service!r}")
+            generate = parse(GenerateRequest, await self.body(request))
+            body = generate.model_dump()
+            body["max_tokens"] = bounded_max_tokens(
+                generate.max_tokens, "max_tokens", self.config.context_tokens, self.config.default_max_tokens
+            )
+            path = f"/v2/models/{name}/{'generate_stream' if streaming else 'generate'}"
+            if not streaming:
+                answer = await self.triton.forward(path, body)
+                media_type = answer.headers.get("content-type", "application/json")
+                return Response(answer.content, status_code=answer.status_code, media_type=media_type)
+            upstream, chunks = await self.triton.forward_stream(path, body)
+        except RequestError as error:
+            return triton_error(error)
+        media_type = upstream.headers.get("content-type", "text/event-stream")
+        return StreamingResponse(chunks, status_code=upstream.status_code, media_type=media_type)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        await self.triton.aclose()
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/health/live", self.live),
+                Route("/health/ready", self.ready),
+                Route("/v1/models", self.models),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v2/models/{model}/generate", self.triton_generate, methods=["POST"]),
+                Route("/v2/models/{model}/generate_stream", self.triton_generate, methods=["POST"]),
+            ],
+            lifespan=self.lifespan,
+        )

@@ -1,0 +1,204 @@
+"""The gateway's wire formats: the OpenAI requests and responses it speaks, Triton's generate request, and
+the error every refusal becomes.
+
+Requests are parsed from the raw body in pydantic's strict JSON mode, so a string is no number, a bool no
+integer and 1.0 no token count, as a hand-written check would have it; unknown fields are ignored, as
+OpenAI's own clients send more than this gateway uses. The first problem becomes a 400 naming its field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+Count = Annotated[int, Field(ge=1)]
+StopSequence = Annotated[str, Field(min_length=1)]
+
+
+class RequestError(Exception):
+    """A refused request: HTTP status, message, and (OpenAI) the parameter it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class OpenAIRequest(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: Count | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    seed: int | None = None
+    n: Literal[1] = 1  # one choice per request: the served model answers once
+    stop: Annotated[list[StopSequence], Field(max_length=4)] = []
+    stream: bool | None = False  # null too: some clients send every field
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def one_stop_is_a_list_of_one(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens; it wins where both are sent
+
+    @field_validator("messages")
+    @classmethod
+    def ends_with_the_users_question(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if messages[-1].role != "user":
+            raise PydanticCustomError("last_message", "the last message must be the user's")
+        return messages
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str
+
+
+class GenerateRequest(BaseModel):
+    """Triton's generate request on /v2: checked here, forwarded whole (its other inputs included)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text_input: str
+    max_tokens: Count | None = None
+
+
+class GenerateInputs(BaseModel):
+    """The Triton generate inputs an OpenAI request becomes."""
+
+    text_input: str
+    max_tokens: int
+    chat_history: str | None = None  # the earlier messages as JSON, as the served model reads them
+    temperature: float | None = None
+    random_seed: int | None = None
+    exclude_input_in_output: bool = True
+
+    def payload(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+
+def parse(model: type[RequestModel], body: bytes) -> RequestModel:
+    """The request in `body`, or a 400 RequestError naming the first field that is wrong."""
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        raise invalid(exc) from None
+
+
+def invalid(exc: ValidationError) -> RequestError:
+    first = exc.errors(include_url=False)[0]
+    location = first["loc"]
+    if first["type"] == "json_invalid":
+        return RequestError(400, f"request body is not JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not location:
+        return RequestError(400, "request body must be a JSON object")
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in location).lstrip(".")
+    return RequestError(400, f"{path}: {first['msg']}", param=str(location[0]))
+
+
+# --- responses --------------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role", "content"} first, {"content"} then, {} with the finish_reason
+    finish_reason: str | None = None
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+
+
+class StreamChunk(BaseModel):
+    """One server-sent event of a streamed completion; usage rides on the last."""
+
+    id: str
+    object: Literal["chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] | list[CompletionChunkChoice]
+    usage: UsageInfo | None = None
+
+    def event(self) -> bytes:
+        return f"data: {self.model_dump_json(exclude={'usage'} if self.usage is None else None)}\n\n".encode()
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, error: RequestError) -> ErrorResponse:
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            error.status, "invalid_request_error" if error.status < 500 else "server_error"
+        )
+        return cls(error=ErrorInfo(message=error.message, type=kind, param=error.param, code=error.code))

@@ -1,0 +1,196 @@
+"""OpenAI's chat and text completions on Triton's generate API: a request becomes generate inputs, the answer
+becomes a completion (or its server-sent events), with stop sequences, finish_reason and usage.
+
+Token counts (usage, and finish_reason "length") use the champion's tokenizer and encode the prompt as the
+served model does; without a tokenizer they are 0 and every answer finishes with "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tasks.quality.chat import encode_prompt
+from tasks.serving.gateway.protocol import (
+    AssistantMessage,
+    ChatChunkChoice,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunkChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    GenerateInputs,
+    RequestError,
+    StreamChunk,
+    UsageInfo,
+)
+from tasks.serving.gateway.stops import StopScanner, cut_at_stop
+from tasks.serving.gateway.upstream import Triton
+
+DONE = b"data: [DONE]\n\n"
+
+
+def bounded_max_tokens(value: int | None, name: str, context_tokens: int, default: int) -> int:
+    """The answer's token budget: as asked, never over the model's context; the default where none was asked."""
+    if value is None:
+        return min(default, context_tokens)
+    if value > context_tokens:
+        raise RequestError(
+            400,
+            f"{name} {value} is more than the model's context of {context_tokens} tokens",
+            param=name,
+            code="context_length_exceeded",
+        )
+    return value
+
+
+@dataclass
+class Reply:
+    """The completion being answered: its id, its kind (chat or text) and the shapes that kind sends."""
+
+    model: str
+    chat: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+    def whole(self, text: str, finish: str, usage: UsageInfo) -> dict[str, Any]:
+        response: ChatCompletionResponse | CompletionResponse
+        if self.chat:
+            choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=finish)
+            response = ChatCompletionResponse(
+                id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            )
+        else:
+            text_choice = CompletionChoice(text=text, finish_reason=finish)
+            response = CompletionResponse(
+                id=self.id, created=self.created, model=self.model, choices=[text_choice], usage=usage
+            )
+        return response.model_dump()
+
+    def chunk(self, delta: dict[str, str] | None, finish: str | None = None, usage: UsageInfo | None = None) -> bytes:
+        """One event; `delta` None is the last one's empty delta, which carries the finish_reason."""
+        choices: list[ChatChunkChoice] | list[CompletionChunkChoice]
+        if self.chat:
+            choices = [ChatChunkChoice(delta=delta or {}, finish_reason=finish)]
+        else:
+            choices = [CompletionChunkChoice(text=(delta or {}).get("content", ""), finish_reason=finish)]
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return StreamChunk(
+            id=self.id, object=kind, created=self.created, model=self.model, choices=choices, usage=usage
+        ).event()
+
+
+class OpenAIServing:
+    """The /v1 completions of the service's model, answered by Triton; `tokenizer` counts usage (may be None)."""
+
+    def __init__(
+        self, triton: Triton, context_tokens: int, default_max_tokens: int, tokenizer=None, apply_chat_template=True
+    ):
+        self.triton, self.context_tokens, self.default_max_tokens = triton, context_tokens, default_max_tokens
+        self.tokenizer, self.apply_chat_template = tokenizer, apply_chat_template
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, self.triton.model):
+            raise RequestError(404, f"model {model!r} is not served here; GET /v1/models lists it", "model")
+
+    def max_tokens(self, value: int | None, name: str) -> int:
+        return bounded_max_tokens(value, name, self.context_tokens, self.default_max_tokens)
+
+    async def chat(self, request: ChatCompletionRequest) -> Response:
+        self.check_model(request.model)
+        *earlier, question = request.messages
+        history = [m.model_dump() for m in earlier]
+        if request.max_completion_tokens is not None:
+            max_tokens = self.max_tokens(request.max_completion_tokens, "max_completion_tokens")
+        else:
+            max_tokens = self.max_tokens(request.max_tokens, "max_tokens")
+        inputs = GenerateInputs(
+            text_input=question.content,
+            chat_history=json.dumps(history, ensure_ascii=False) if history else None,
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            random_seed=request.seed,
+        )
+        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=True))
+
+    async def completion(self, request: CompletionRequest) -> Response:
+        self.check_model(request.model)
+        inputs = GenerateInputs(
+            text_input=request.prompt,
+            max_tokens=self.max_tokens(request.max_tokens, "max_tokens"),
+            temperature=request.temperature,
+            random_seed=request.seed,
+        )
+        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=False))
+
+    async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
+        if not stream:
+            text, stopped = cut_at_stop(await self.triton.generate(inputs.payload()), stop)
+            usage = self.usage(inputs, text)
+            return JSONResponse(reply.whole(text, self.finish_reason(stopped, usage, inputs), usage))
+        pieces = self.triton.generate_stream(inputs.payload())
+        first = await anext(pieces, None)  # errors before the first token still get a status code
+        return StreamingResponse(self.events(pieces, first, stop, reply, inputs), media_type="text/event-stream")
+
+    async def events(
+        self,
+        pieces: AsyncGenerator[str, None],
+        first: str | None,
+        stop: list[str],
+        reply: Reply,
+        inputs: GenerateInputs,
+    ) -> AsyncIterator[bytes]:
+        """The completion's server-sent events; a failure after the first piece ends them with an error event."""
+        if reply.chat:
+            yield reply.chunk({"role": "assistant", "content": ""})
+        scanner = StopScanner(stop)
+        try:
+            piece = first
+            while piece is not None:
+                if delta := scanner.feed(piece):
+                    yield reply.chunk({"content": delta})
+                if scanner.stopped:
+                    break
+                piece = await anext(pieces, None)
+        except RequestError as error:
+            failure = ErrorResponse(error=ErrorInfo(message=error.message, type="server_error"))
+            yield f"data: {failure.model_dump_json()}\n\n".encode()
+            return
+        finally:
+            await pieces.aclose()
+        if rest := scanner.flush():
+            yield reply.chunk({"content": rest})
+        usage = self.usage(inputs, scanner.text)
+        yield reply.chunk(None, self.finish_reason(scanner.stopped, usage, inputs), usage)
+        yield DONE
+
+    @staticmethod
+    def finish_reason(stopped: bool, usage: UsageInfo, inputs: GenerateInputs) -> str:
+        """ "length" where the answer used its whole token budget, "stop" where it ended on its own or at a stop."""
+        return "stop" if stopped or usage.completion_tokens < inputs.max_tokens else "length"
+
+    def usage(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
+        prompt_tokens, completion_tokens = 0, 0
+        if self.tokenizer is not None:
+            history = json.loads(inputs.chat_history or "[]")
+            prompt = encode_prompt(self.tokenizer, inputs.text_input, history, self.apply_chat_template)
+            prompt_tokens = len(prompt)
+            completion_tokens = len(self.tokenizer.encode(answer, add_special_tokens=False)) if answer else 0
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
