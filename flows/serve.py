@@ -4,7 +4,7 @@
   `serve.listen.triton_*` ports, with the champion behind the router (the service's stable name),
   published in $LLMOPS_HOME/triton/server.json so that `llmops run` with the same LLMOPS_HOME rolls its
   candidates out on it.
-- The gateway clients call (tasks/serving/gateway.py) on `serve.listen.host:port`: OpenAI-compatible /v1 and
+- The gateway clients call (tasks/serving/gateway/) on `serve.listen.host:port`: OpenAI-compatible /v1 and
   Triton's generate API for the service name, API keys, TLS, request limits; /health/ready says
   whether the service name answers (a Kubernetes readiness probe), /health/live that the process does.
 - If Triton dies, it is started again on the same ports with backoff (1, 2, 4 ... 30 s), and the
