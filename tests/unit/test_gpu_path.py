@@ -310,52 +310,45 @@ def test_a_canary_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
     assert "24 GB GPUs (hardware.gpu_memory_gb)" in message and "give the candidate GPUs of its own" in message
 
 
-def test_the_tensorrtllm_entry_model_streams_whole_characters(tmp_path, monkeypatch):
-    """The entry BLS's own logic (infra/triton/tensorrtllm/bls/1/model.py), run outside Triton: a stand-in
-    for Triton's pb_utils (the calls the router also makes on a real Triton) and an engine that streams a
-    Chinese answer a few byte-level tokens per response. The client gets whole characters that add up
-    to the answer, in streaming and in one response."""
-    import importlib.util
-    import sys
+class StubTensor:
+    """pb_utils.Tensor as the BLS uses it."""
+
+    def __init__(self, name, array):
+        import numpy as np
+
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class StubResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self.output_tensors, self._error = list(output_tensors), error
+
+    def has_error(self):
+        return self._error is not None
+
+
+def stub_engine_responses(tokens: list[int], streaming: bool):
+    """The engine model's responses: the answer a few byte-level tokens at a time, or whole."""
+    if not streaming:
+        yield StubResponse(
+            [StubTensor("output_ids", [[tokens + [0, 0]]]), StubTensor("sequence_length", [[len(tokens)]])]
+        )
+        return
+    for start in range(0, len(tokens), 3):
+        chunk = tokens[start : start + 3]
+        yield StubResponse([StubTensor("output_ids", [[chunk]]), StubTensor("sequence_length", [[len(chunk)]])])
+    yield StubResponse()  # the final flag alone
+
+
+def stub_pb_utils(tokens: list[int]):
+    """A stand-in for Triton's pb_utils: the calls the BLS makes, with the preprocessing and engine models."""
     import types
-
-    import numpy as np
-
-    from tasks.base_model import train_tokenizer
-
-    tokenizer_dir = tmp_path / "tokenizer"
-    train_tokenizer(["opposite of hot", "cold"] * 4, 300).save_pretrained(tokenizer_dir)
-    from transformers import AutoTokenizer
-
-    answer = "利率下调，债券价格上涨。"
-    tokens = AutoTokenizer.from_pretrained(tokenizer_dir)(answer, add_special_tokens=False)["input_ids"]
-    assert len(tokens) > len(answer)  # characters split over byte tokens
-
-    class Tensor:
-        def __init__(self, name, array):
-            self._name, self._array = name, np.asarray(array)
-
-        def name(self):
-            return self._name
-
-        def as_numpy(self):
-            return self._array
-
-    class Response:
-        def __init__(self, output_tensors=(), error=None):
-            self.output_tensors, self._error = list(output_tensors), error
-
-        def has_error(self):
-            return self._error is not None
-
-    def engine_responses(streaming):
-        if not streaming:
-            yield Response([Tensor("output_ids", [[tokens + [0, 0]]]), Tensor("sequence_length", [[len(tokens)]])])
-            return
-        for start in range(0, len(tokens), 3):
-            chunk = tokens[start : start + 3]
-            yield Response([Tensor("output_ids", [[chunk]]), Tensor("sequence_length", [[len(chunk)]])])
-        yield Response()  # the final flag alone
 
     class InferenceRequest:
         def __init__(self, model_name, inputs, requested_output_names):
@@ -365,22 +358,43 @@ def test_the_tensorrtllm_entry_model_streams_whole_characters(tmp_path, monkeypa
             if self.model.endswith("-pre"):
                 assert set(self.inputs) <= {"text_input", "chat_history", "max_tokens", "exclude_input_in_output"}
                 names = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id")
-                return Response([Tensor(n, [[1]]) for n in names])
+                return StubResponse([StubTensor(n, [[1]]) for n in names])
             assert decoupled and self.model.endswith("-trtllm") and "streaming" in self.inputs
-            return engine_responses(bool(self.inputs["streaming"].as_numpy().reshape(-1)[0]))
+            return stub_engine_responses(tokens, bool(self.inputs["streaming"].as_numpy().reshape(-1)[0]))
 
-    pb_utils = types.SimpleNamespace(
-        Tensor=Tensor,
+    return types.SimpleNamespace(
+        Tensor=StubTensor,
         InferenceRequest=InferenceRequest,
-        InferenceResponse=Response,
+        InferenceResponse=StubResponse,
         TritonError=str,
         TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
         get_output_tensor_by_name=lambda r, n: next((t for t in r.output_tensors if t.name() == n), None),
     )
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)
+
+
+class StubSender:
+    """A decoupled response sender that records each text piece, and None for the final flag."""
+
+    def __init__(self, into: list):
+        self.into = into
+
+    def send(self, response=None, flags=0):
+        assert response is None or not response.has_error(), response._error
+        if response is not None:
+            self.into.append(response.output_tensors[0].as_numpy().reshape(-1)[0].decode())
+        if flags:
+            self.into.append(None)
+
+
+def load_rendered_bls(tmp_path: Path, tokenizer_dir: Path, monkeypatch):
+    """The entry BLS rendered for a GPU profile (with its model_text.py), imported the way the stub does it."""
+    import importlib.util
+    import json
+    import sys
+
     profile = load_profile("qwen-7b-qlora-2xa10")
     template, values = tensorrtllm_models(profile, "m-v1", tmp_path / "engine", "e" * 64, 40960)["m-v1"]
-    bls = render_model(template, tmp_path / "repository", "m-v1", values)  # with its model_text.py
+    bls = render_model(template, tmp_path / "repository", "m-v1", values)
     monkeypatch.syspath_prepend(str(bls / "1"))
     monkeypatch.delitem(sys.modules, "model_text", raising=False)
     spec = importlib.util.spec_from_file_location("tensorrtllm_bls", bls / "1" / "model.py")
@@ -395,25 +409,35 @@ def test_the_tensorrtllm_entry_model_streams_whole_characters(tmp_path, monkeypa
             "tokenizer_dir": {"string_value": str(tokenizer_dir)},
         }
     }
-    model.initialize({"model_config": __import__("json").dumps(config)})
+    model.initialize({"model_config": json.dumps(config)})
+    return model
+
+
+def test_the_tensorrtllm_entry_model_streams_whole_characters(tmp_path, monkeypatch):
+    """The entry BLS's own logic (infra/triton/tensorrtllm/bls/1/model.py), run outside Triton: a stand-in
+    for Triton's pb_utils (the calls the router also makes on a real Triton) and an engine that streams a
+    Chinese answer a few byte-level tokens per response. The client gets whole characters that add up
+    to the answer, in streaming and in one response."""
+    import sys
+    import types
+
+    from transformers import AutoTokenizer
+
+    from tasks.base_model import train_tokenizer
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    train_tokenizer(["opposite of hot", "cold"] * 4, 300).save_pretrained(tokenizer_dir)
+    answer = "利率下调，债券价格上涨。"
+    tokens = AutoTokenizer.from_pretrained(tokenizer_dir)(answer, add_special_tokens=False)["input_ids"]
+    assert len(tokens) > len(answer)  # characters split over byte tokens
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub_pb_utils(tokens))
+    model = load_rendered_bls(tmp_path, tokenizer_dir, monkeypatch)
 
     for stream in (True, False):
         sent: list[str | None] = []
-
-        class Sender:
-            def __init__(self, into):
-                self.into = into
-
-            def send(self, response=None, flags=0):
-                assert response is None or not response.has_error(), response._error
-                if response is not None:
-                    self.into.append(response.output_tensors[0].as_numpy().reshape(-1)[0].decode())
-                if flags:
-                    self.into.append(None)
-
         request = types.SimpleNamespace(
-            inputs=lambda s=stream: [Tensor("text_input", [[b"q"]]), Tensor("stream", [[s]])],
-            get_response_sender=lambda into=sent: Sender(into),
+            inputs=lambda s=stream: [StubTensor("text_input", [[b"q"]]), StubTensor("stream", [[s]])],
+            get_response_sender=lambda into=sent: StubSender(into),
         )
         model.generate(request)
         assert sent[-1] is None and "".join(sent[:-1]) == answer, sent
