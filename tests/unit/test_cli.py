@@ -1,5 +1,6 @@
 """The llmops command: help everywhere, one-line errors with documented exit codes, fail fast."""
 
+import os
 import subprocess
 import sys
 import time
@@ -8,12 +9,17 @@ from pathlib import Path
 import pytest
 
 LLMOPS = Path(sys.executable).parent / "llmops"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli_env(home, **extra) -> dict:
+    """The environment of an `llmops` child: this checkout's code (the installed command may be another
+    checkout's editable install), its own LLMOPS_HOME."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "LLMOPS_HOME": str(home), **extra}
 
 
 def llmops(*args, env_home=None):
-    import os
-
-    env = {**os.environ, "LLMOPS_HOME": str(env_home or "/nonexistent/llmops-home")}
+    env = cli_env(env_home or "/nonexistent/llmops-home")
     return subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -76,25 +82,19 @@ def test_missing_data_file_is_bad_input(tmp_path):
 
 
 def test_service_commands_without_a_stack_say_what_to_do(tmp_path):
-    import os
-
     home = tmp_path / "home"
     status = llmops("stack", "status", env_home=home)
     assert status.returncode == 0 and "not started" in status.stdout and "llmops stack up" in status.stdout
     for args in (["stack", "env"], ["deploy"], ["data", "push", "profiles/data/antonyms.jsonl", "s3://datasets/sft/"]):
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        result = subprocess.run(
-            [str(LLMOPS), *args], capture_output=True, text=True, timeout=120, env={**env, "LLMOPS_HOME": str(home)}
-        )
+        env = {k: v for k, v in cli_env(home).items() if k != "PREFECT_API_URL"}
+        result = subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.strip().splitlines()[-1].startswith("llmops: error: local stack under ")
         assert "run `llmops stack up`" in result.stderr
 
 
 def test_deploy_against_an_unreachable_prefect_server_is_one_clear_line(tmp_path):
-    import os
-
-    env = {**os.environ, "LLMOPS_HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    env = cli_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api")
     result = subprocess.run([str(LLMOPS), "deploy"], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
@@ -113,7 +113,7 @@ def test_one_exit_code_table_for_help_errors_and_readme():
         exit_codes_markdown,
     )
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     assert exit_codes_markdown() in readme
     help_text = llmops("--help").stdout
     for code, meaning in EXIT_CODES.items():
@@ -122,7 +122,7 @@ def test_one_exit_code_table_for_help_errors_and_readme():
 
 
 def test_data_validate_prints_what_prepare_data_would_see(tmp_path):
-    dataset = Path(__file__).resolve().parents[2] / "profiles" / "data" / "finance_qa_zh.jsonl"
+    dataset = ROOT / "profiles" / "data" / "finance_qa_zh.jsonl"
     result = llmops("data", "validate", str(dataset), "--profile", "cpu-tiny-qa-zh")
     assert result.returncode == 0, result.stderr
     assert "records read           288" in result.stdout and "train / eval           241 / 47" in result.stdout
