@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flows.cli import data, deploy, gate, profiles, run, serve, stack
 from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected
+from tasks.platform.run_log import RunLog, exit_code
 
 COMMANDS = (run, serve, gate, stack, deploy, data, profiles)  # in --help's order
 
@@ -20,7 +21,11 @@ DESCRIPTION = (
     "Release pipeline for fine-tuned LLMs: data -> (Q)LoRA -> merge -> quantize -> Triton canary -> gate -> "
     "promote | rollback."
 )
-EPILOG = EXIT_CODES + "\nstate lives in $LLMOPS_HOME (default ./.llmops); a fresh folder is a fresh start."
+EPILOG = (
+    EXIT_CODES
+    + "\nstate lives in $LLMOPS_HOME (default ./.llmops); a fresh folder is a fresh start."
+    + "\nthe log of a command that runs a flow, tracebacks included: $LLMOPS_HOME/logs/<command>-<time>-<pid>.log"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the traceback of every failure in the terminal too (a run's log always has them)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
@@ -66,13 +76,14 @@ def run_command(args) -> Outcome:
 
 
 def describe_failure(exc: BaseException) -> tuple[int, str]:
-    from tasks.platform.errors import LlmopsError, is_transient
+    from tasks.platform.errors import LlmopsError
 
+    code = exit_code(exc)
     if isinstance(exc, LlmopsError):
-        return exc.exit_code, str(exc)
-    if is_transient(exc):
-        return 4, f"unreachable after retries: {type(exc).__name__}: {exc}"
-    return 1, f"{type(exc).__name__}: {exc}"
+        return code, str(exc)
+    if code != 1:  # a network fault that outlasted its retries
+        return code, f"unreachable after retries: {type(exc).__name__}: {exc}"
+    return code, f"{type(exc).__name__}: {exc}"
 
 
 def stop_prefect_services() -> None:
@@ -94,18 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     home = Path(os.environ.get("LLMOPS_HOME", ".llmops")).resolve()
     prepare_environment(home)
-    outcome = run_command(args)
-    stop_prefect_services()
-    while RUN_SERVICES:
-        RUN_SERVICES.pop().stop()
-    if outcome.epilogue and outcome.code in (0, Rejected.exit_code):
-        print(outcome.epilogue)
-    sys.stdout.flush()
-    if outcome.message:
-        print(
-            f"llmops: {'rejected' if outcome.code == Rejected.exit_code else 'error'}: {outcome.message}",
-            file=sys.stderr,
-        )
+    with RunLog(home / "logs", args.command, debug=args.debug) as run_log:
+        outcome = run_command(args)
+        stop_prefect_services()
+        while RUN_SERVICES:
+            RUN_SERVICES.pop().stop()
+        if outcome.epilogue and outcome.code in (0, Rejected.exit_code):
+            print(outcome.epilogue)
+        sys.stdout.flush()
+        if outcome.message:
+            line = f"llmops: {'rejected' if outcome.code == Rejected.exit_code else 'error'}: {outcome.message}"
+            if outcome.error is not None:
+                run_log.failed(outcome.error, line)
+            print(line, file=sys.stderr)
     return outcome.code
 
 

@@ -147,3 +147,103 @@ def test_run_on_bad_data_fails_before_anything_starts(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"llmops: error: data file {bad}: not UTF-8")
     assert not (tmp_path / "home").exists()  # no Prefect server, no store, no MLflow database
+
+
+def test_bad_input_is_one_line_and_debug_adds_its_traceback(tmp_path):
+    home = tmp_path / "home"
+    result = llmops("run", "--set", "train.bogus=1", env_home=home)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["llmops: error: profile cpu-tiny: train.bogus: unknown key"]
+    debug = llmops("--debug", "run", "--set", "train.bogus=1", env_home=home)
+    assert debug.returncode == 2
+    assert debug.stderr.startswith("Traceback (most recent call last)") and "raise BadInput" in debug.stderr
+    assert debug.stderr.splitlines()[-1] == result.stderr.strip()
+    assert not home.exists()  # no run log for a command that ran no flow
+
+
+# The real entry point with one more command, `llmops fail check|bug`: a release flow whose stage (the real
+# stage_task wrapper) fails the way evaluate refuses a candidate, or with a bug.
+FAILING_STAGE = """
+import sys
+from types import SimpleNamespace
+
+from flows.cli import app, entry
+from flows.cli.common import llmops_home
+from tasks.platform.errors import CheckFailed
+
+
+def release_with_a_failing_stage(args):
+    llmops_home().mkdir(parents=True, exist_ok=True)  # as `llmops run` does, before Prefect is imported
+    from prefect import flow
+
+    from tasks.platform.config import load_profile
+    from tasks.platform.stage_cache import stage_task
+
+    def evaluate():
+        if args.kind == "bug":
+            return 1 / 0
+        raise CheckFailed("evaluate: candidate exact_match 0.10 is below the champion's 0.50")
+
+    @flow(name="release")
+    def release():
+        return stage_task(evaluate, load_profile("cpu-tiny"))()
+
+    release()
+
+
+def register(commands):
+    command = commands.add_parser("fail")
+    command.add_argument("kind", choices=["check", "bug"])
+    command.set_defaults(handler=release_with_a_failing_stage)
+
+
+app.COMMANDS += (SimpleNamespace(register=register),)
+sys.argv[0] = "llmops"
+entry()
+"""
+REFUSAL = "llmops: error: evaluate: candidate exact_match 0.10 is below the champion's 0.50"
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """One Prefect API server for this module's flow runs (each would otherwise start its own)."""
+    from tasks.platform.prefect_api import TemporaryPrefectAPI
+
+    api = TemporaryPrefectAPI(tmp_path_factory.mktemp("prefect-api") / "api.log")
+    try:
+        api.wait_healthy(180)
+        yield api.url
+    finally:
+        api.stop()
+
+
+def failing_release(tmp_path, prefect_api, *args):
+    script = tmp_path / "llmops_with_a_failing_stage.py"
+    script.write_text(FAILING_STAGE)
+    env = cli_env(tmp_path / "home", PREFECT_API_URL=prefect_api)
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180
+    )
+
+
+def test_a_failed_check_in_a_flow_is_one_line_and_its_traceback_goes_to_the_run_log(tmp_path, prefect_api):
+    result = failing_release(tmp_path, prefect_api, "fail", "check")
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.splitlines()[-1] == REFUSAL
+    (log,) = (tmp_path / "home" / "logs").glob("fail-*.log")
+    (flow_failure,) = [line for line in result.stderr.splitlines() if "Encountered exception" in line]
+    assert "during execution: CheckFailed(" in flow_failure and flow_failure.endswith(f"(traceback in {log})")
+    text = log.read_text()
+    assert text.count("Traceback (most recent call last)") == 1 and 'raise CheckFailed("evaluate: ' in text
+    assert text.rstrip().endswith(f"ERROR   | llmops - {REFUSAL}")
+
+
+def test_debug_shows_a_failed_checks_traceback_and_a_bug_always_shows_its_own(tmp_path, prefect_api):
+    debug = failing_release(tmp_path, prefect_api, "--debug", "fail", "check")
+    assert debug.returncode == 3, debug.stderr
+    assert debug.stderr.count("Traceback (most recent call last)") == 1  # Prefect's; not printed twice
+    assert 'raise CheckFailed("evaluate: ' in debug.stderr and debug.stderr.splitlines()[-1] == REFUSAL
+    bug = failing_release(tmp_path, prefect_api, "fail", "bug")
+    assert bug.returncode == 1, bug.stderr
+    assert bug.stderr.count("Traceback (most recent call last)") == 1 and "return 1 / 0" in bug.stderr
+    assert bug.stderr.splitlines()[-1] == "llmops: error: ZeroDivisionError: division by zero"
