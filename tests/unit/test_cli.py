@@ -1,5 +1,6 @@
 """The llmops command: help everywhere, one-line errors with documented exit codes, fail fast."""
 
+import os
 import subprocess
 import sys
 import time
@@ -8,12 +9,17 @@ from pathlib import Path
 import pytest
 
 LLMOPS = Path(sys.executable).parent / "llmops"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli_env(home, **extra) -> dict:
+    """The environment of an `llmops` child: this checkout's code (the installed command may be another
+    checkout's editable install), its own LLMOPS_HOME."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "LLMOPS_HOME": str(home), **extra}
 
 
 def llmops(*args, env_home=None):
-    import os
-
-    env = {**os.environ, "LLMOPS_HOME": str(env_home or "/nonexistent/llmops-home")}
+    env = cli_env(env_home or "/nonexistent/llmops-home")
     return subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -76,25 +82,19 @@ def test_missing_data_file_is_bad_input(tmp_path):
 
 
 def test_service_commands_without_a_stack_say_what_to_do(tmp_path):
-    import os
-
     home = tmp_path / "home"
     status = llmops("stack", "status", env_home=home)
     assert status.returncode == 0 and "not started" in status.stdout and "llmops stack up" in status.stdout
     for args in (["stack", "env"], ["deploy"], ["data", "push", "profiles/data/antonyms.jsonl", "s3://datasets/sft/"]):
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        result = subprocess.run(
-            [str(LLMOPS), *args], capture_output=True, text=True, timeout=120, env={**env, "LLMOPS_HOME": str(home)}
-        )
+        env = {k: v for k, v in cli_env(home).items() if k != "PREFECT_API_URL"}
+        result = subprocess.run([str(LLMOPS), *args], capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.strip().splitlines()[-1].startswith("llmops: error: local stack under ")
         assert "run `llmops stack up`" in result.stderr
 
 
 def test_deploy_against_an_unreachable_prefect_server_is_one_clear_line(tmp_path):
-    import os
-
-    env = {**os.environ, "LLMOPS_HOME": str(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    env = cli_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:9/api")
     result = subprocess.run([str(LLMOPS), "deploy"], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
@@ -113,7 +113,7 @@ def test_one_exit_code_table_for_help_errors_and_readme():
         exit_codes_markdown,
     )
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     assert exit_codes_markdown() in readme
     help_text = llmops("--help").stdout
     for code, meaning in EXIT_CODES.items():
@@ -122,7 +122,7 @@ def test_one_exit_code_table_for_help_errors_and_readme():
 
 
 def test_data_validate_prints_what_prepare_data_would_see(tmp_path):
-    dataset = Path(__file__).resolve().parents[2] / "profiles" / "data" / "finance_qa_zh.jsonl"
+    dataset = ROOT / "profiles" / "data" / "finance_qa_zh.jsonl"
     result = llmops("data", "validate", str(dataset), "--profile", "cpu-tiny-qa-zh")
     assert result.returncode == 0, result.stderr
     assert "records read           288" in result.stdout and "train / eval           241 / 47" in result.stdout
@@ -147,3 +147,103 @@ def test_run_on_bad_data_fails_before_anything_starts(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"llmops: error: data file {bad}: not UTF-8")
     assert not (tmp_path / "home").exists()  # no Prefect server, no store, no MLflow database
+
+
+def test_bad_input_is_one_line_and_debug_adds_its_traceback(tmp_path):
+    home = tmp_path / "home"
+    result = llmops("run", "--set", "train.bogus=1", env_home=home)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["llmops: error: profile cpu-tiny: train.bogus: unknown key"]
+    debug = llmops("--debug", "run", "--set", "train.bogus=1", env_home=home)
+    assert debug.returncode == 2
+    assert debug.stderr.startswith("Traceback (most recent call last)") and "raise BadInput" in debug.stderr
+    assert debug.stderr.splitlines()[-1] == result.stderr.strip()
+    assert not home.exists()  # no run log for a command that ran no flow
+
+
+# The real entry point with one more command, `llmops fail check|bug`: a release flow whose stage (the real
+# stage_task wrapper) fails the way evaluate refuses a candidate, or with a bug.
+FAILING_STAGE = """
+import sys
+from types import SimpleNamespace
+
+from flows.cli import app, entry
+from flows.cli.common import llmops_home
+from tasks.platform.errors import CheckFailed
+
+
+def release_with_a_failing_stage(args):
+    llmops_home().mkdir(parents=True, exist_ok=True)  # as `llmops run` does, before Prefect is imported
+    from prefect import flow
+
+    from tasks.platform.config import load_profile
+    from tasks.platform.stage_cache import stage_task
+
+    def evaluate():
+        if args.kind == "bug":
+            return 1 / 0
+        raise CheckFailed("evaluate: candidate exact_match 0.10 is below the champion's 0.50")
+
+    @flow(name="release")
+    def release():
+        return stage_task(evaluate, load_profile("cpu-tiny"))()
+
+    release()
+
+
+def register(commands):
+    command = commands.add_parser("fail")
+    command.add_argument("kind", choices=["check", "bug"])
+    command.set_defaults(handler=release_with_a_failing_stage)
+
+
+app.COMMANDS += (SimpleNamespace(register=register),)
+sys.argv[0] = "llmops"
+entry()
+"""
+REFUSAL = "llmops: error: evaluate: candidate exact_match 0.10 is below the champion's 0.50"
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """One Prefect API server for this module's flow runs (each would otherwise start its own)."""
+    from tasks.platform.prefect_api import TemporaryPrefectAPI
+
+    api = TemporaryPrefectAPI(tmp_path_factory.mktemp("prefect-api") / "api.log")
+    try:
+        api.wait_healthy(180)
+        yield api.url
+    finally:
+        api.stop()
+
+
+def failing_release(tmp_path, prefect_api, *args):
+    script = tmp_path / "llmops_with_a_failing_stage.py"
+    script.write_text(FAILING_STAGE)
+    env = cli_env(tmp_path / "home", PREFECT_API_URL=prefect_api)
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180
+    )
+
+
+def test_a_failed_check_in_a_flow_is_one_line_and_its_traceback_goes_to_the_run_log(tmp_path, prefect_api):
+    result = failing_release(tmp_path, prefect_api, "fail", "check")
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.splitlines()[-1] == REFUSAL
+    (log,) = (tmp_path / "home" / "logs").glob("fail-*.log")
+    (flow_failure,) = [line for line in result.stderr.splitlines() if "Encountered exception" in line]
+    assert "during execution: CheckFailed(" in flow_failure and flow_failure.endswith(f"(traceback in {log})")
+    text = log.read_text()
+    assert text.count("Traceback (most recent call last)") == 1 and 'raise CheckFailed("evaluate: ' in text
+    assert text.rstrip().endswith(f"ERROR   | llmops - {REFUSAL}")
+
+
+def test_debug_shows_a_failed_checks_traceback_and_a_bug_always_shows_its_own(tmp_path, prefect_api):
+    debug = failing_release(tmp_path, prefect_api, "--debug", "fail", "check")
+    assert debug.returncode == 3, debug.stderr
+    assert debug.stderr.count("Traceback (most recent call last)") == 1  # Prefect's; not printed twice
+    assert 'raise CheckFailed("evaluate: ' in debug.stderr and debug.stderr.splitlines()[-1] == REFUSAL
+    bug = failing_release(tmp_path, prefect_api, "fail", "bug")
+    assert bug.returncode == 1, bug.stderr
+    assert bug.stderr.count("Traceback (most recent call last)") == 1 and "return 1 / 0" in bug.stderr
+    assert bug.stderr.splitlines()[-1] == "llmops: error: ZeroDivisionError: division by zero"

@@ -1,0 +1,44 @@
+"""`llmops profiles list|show|validate`: the run profiles of profiles/, without running anything."""
+
+from __future__ import annotations
+
+from flows.cli.common import add_overrides_flag
+
+
+def register(commands) -> None:
+    profiles = commands.add_parser(
+        "profiles", help="list, show or validate profiles", description="Inspect the run profiles in profiles/."
+    )
+    actions = profiles.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser(
+        "list", help="list the available profiles", description="List profiles with their descriptions."
+    ).set_defaults(handler=list_profiles)
+    for action, text, handler in (
+        ("show", "print a profile with every default filled in", show_profile),
+        ("validate", "check a profile (and overrides) without running anything", validate_profile),
+    ):
+        sub = actions.add_parser(action, help=text, description=text.capitalize() + ".")
+        sub.add_argument("profile", help="profile name or YAML path")
+        add_overrides_flag(sub, "override a profile value (repeatable)")
+        sub.set_defaults(handler=handler)
+
+
+def list_profiles(args) -> None:
+    from tasks.platform.config import available_profiles, load_profile
+
+    for name in available_profiles():
+        profile = load_profile(name)
+        print(f"{name:28} {profile.hardware.accelerator:5} {profile.description}")
+
+
+def show_profile(args) -> None:
+    from tasks.platform.config import describe_profile, load_profile
+
+    print(describe_profile(load_profile(args.profile, args.overrides)), end="")
+
+
+def validate_profile(args) -> None:
+    from tasks.platform.config import load_profile
+
+    profile = load_profile(args.profile, args.overrides)
+    print(f"profile {profile.name}: valid (digest {profile.digest[:12]})")

@@ -1,0 +1,155 @@
+"""`llmops run`: the release flow on a profile, with its summary table.
+
+Bad input (profile, machine, local data, Triton options) fails before anything is created; only then
+is Prefect's API server started and the pipeline imported, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected, add_overrides_flag, llmops_home
+from tasks.platform.prefect_api import TemporaryPrefectAPI
+
+EPILOG = (
+    EXIT_CODES
+    + """
+examples:
+  llmops run                                         # embedded default: cpu-tiny, no server needed
+  llmops run --set train.learning_rate=1e-3 --set evaluate.max_new_tokens=4
+  llmops run --data s3://datasets/sft/ --artifacts s3://artifacts/llmops --tracking-uri http://127.0.0.1:5000
+  (S3 endpoint/credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...; Prefect server: PREFECT_API_URL)"""
+)
+
+
+def register(commands) -> None:
+    run = commands.add_parser(
+        "run",
+        help="run the release flow on a profile",
+        description="Run the release DAG. Stages whose inputs did not change are cache hits.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "--profile", default="cpu-tiny", help="profile name in profiles/ or a YAML path (default: cpu-tiny)"
+    )
+    run.add_argument("--data", help="dataset file, folder or s3:// URI (overrides data.source)")
+    add_overrides_flag(run, "override a profile value, e.g. train.learning_rate=1e-4 (repeatable)")
+    run.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
+    run.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
+    add_triton_flags(run)
+    run.set_defaults(handler=command_run)
+
+
+def add_triton_flags(run: argparse.ArgumentParser) -> None:
+    run.add_argument(
+        "--triton-url",
+        help="attach to a running Triton (HTTP URL; or LLMOPS_TRITON_URL) instead of the one `llmops serve` runs or a "
+        "temporary one; its control key: LLMOPS_TRITON_CONTROL_KEY",
+    )
+    run.add_argument("--triton-grpc-url", help="that Triton's gRPC endpoint, host:port (or LLMOPS_TRITON_GRPC_URL)")
+    run.add_argument(
+        "--triton-metrics-url",
+        help="that Triton's metrics URL, http://host:port/metrics (or LLMOPS_TRITON_METRICS_URL)",
+    )
+    run.add_argument(
+        "--triton-repository",
+        help="that Triton's model repository folder, when this machine shares it "
+        "(or LLMOPS_TRITON_REPOSITORY); without it, models are sent with their load requests",
+    )
+
+
+def command_run(args) -> str:
+    check_inputs(args)
+    home = llmops_home()
+    home.mkdir(parents=True, exist_ok=True)
+    if not os.environ.get("PREFECT_API_URL"):
+        api = TemporaryPrefectAPI(home / "prefect" / "temporary-api.log")
+        RUN_SERVICES.append(api)
+        os.environ["PREFECT_API_URL"] = api.url
+    # While the API server starts: import Prefect, the pipeline, and what the first stage needs (MLflow and its
+    # dataset inputs, about 3 s together), instead of after it.
+    import mlflow.data.pandas_dataset  # noqa: F401
+
+    from flows.release import release
+
+    for service in RUN_SERVICES:
+        service.wait_healthy(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+    result = release(
+        profile=args.profile,
+        data_source=args.data,
+        overrides=args.overrides,
+        tracking_uri=args.tracking_uri,
+        artifacts=args.artifacts,
+        triton_url=args.triton_url,
+        triton_repository=args.triton_repository,
+        triton_grpc_url=args.triton_grpc_url,
+        triton_metrics_url=args.triton_metrics_url,
+    )
+    if result.outcome in ("rejected", "rolled_back"):
+        report = result.gate_report
+        reason = report.summary() if report is not None and not report.passed else "canary breach (see the log)"
+        raise Rejected(summary(result), f"candidate {result.outcome.replace('_', ' ')}: {reason}")
+    return summary(result)
+
+
+def check_inputs(args) -> None:
+    """Bad input fails here, before anything is created: profile, machine, local data, Triton options."""
+    from tasks.platform.config import check_machine, load_profile, local_stages
+
+    profile = load_profile(args.profile, args.overrides, args.data)
+    check_machine(profile, local_stages(profile))
+    validate_local_data(profile)
+    from tasks.serving.client import TritonTarget
+
+    TritonTarget.from_options(args.triton_url, args.triton_grpc_url, args.triton_metrics_url, args.triton_repository)
+
+
+def validate_local_data(profile) -> None:
+    """Bad local data fails here, in a second or two, before Prefect's API server or any stage starts.
+    (Data on S3 is validated by prepare_data, which retries S3 faults.)"""
+    from tasks.data.records import read_data
+
+    sources = [profile.data.source, profile.data.eval_source]
+    if not any(source and source.startswith("s3://") for source in sources):
+        read_data(profile.data)
+
+
+def summary(result) -> str:
+    """The stage table, then where to find the MLflow run, the model and the gate report."""
+    table = summary_table(summary_rows(result))
+    return "\n".join(
+        [
+            "",
+            *table,
+            "",
+            f"MLflow run: {result.tracker.url()}",
+            f"model: models:/{result.registered.name}/{result.registered.version}  source {result.registered.source}",
+            *([f"gate report: {result.gate_report_path}"] if result.gate_report_path else []),
+        ]
+    )
+
+
+def summary_rows(result) -> list[tuple[str, str, str, str]]:
+    rows = [(s.stage, "cached" if s.cached else "ran", f"{s.seconds:.1f}", s.headline) for s in result.stages]
+    rows.append(
+        (
+            "register",
+            "reused" if result.registered.reused else "new",
+            "",
+            f"{result.registered.name} v{result.registered.version}",
+        )
+    )
+    if result.gate_report is not None:
+        rows.append(("gate", result.gate_report.decision, "", result.gate_report.summary()[:60]))
+    rows.append(("rollout", result.outcome, "", ""))
+    return rows
+
+
+def summary_table(rows: list[tuple[str, str, str, str]]) -> list[str]:
+    header = ("stage", "result", "seconds", "key metric")
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(4)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    table = [line.format(*header), line.format(*("-" * w for w in widths))]
+    return table + [line.format(*row).rstrip() for row in rows]

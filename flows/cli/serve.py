@@ -1,0 +1,68 @@
+"""`llmops serve`: the champion behind Triton and the OpenAI-compatible gateway, until stopped."""
+
+from __future__ import annotations
+
+import argparse
+
+from flows.cli.common import add_overrides_flag, llmops_home
+
+# `llmops serve` flags that set serve.listen.* (flag, key, type, help)
+SERVE_LISTEN_FLAGS = (
+    ("--host", "host", str, "gateway bind address (default 127.0.0.1)"),
+    ("--port", "port", int, "gateway port (default 8080; 0: any free port)"),
+    ("--triton-host", "triton_host", str, "Triton's bind address (default 127.0.0.1)"),
+    ("--triton-http-port", "triton_http_port", int, "Triton HTTP port (default 8000)"),
+    ("--triton-grpc-port", "triton_grpc_port", int, "Triton gRPC port (default 8001)"),
+    ("--metrics-port", "triton_metrics_port", int, "Triton's Prometheus metrics port (default 8002)"),
+    ("--tls-cert", "tls_cert", str, "PEM certificate: the gateway speaks HTTPS"),
+    ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
+)
+
+DESCRIPTION = (
+    "Serve the registered champion: Triton with the champion behind the router (the service "
+    "name), and the gateway clients call (OpenAI-compatible /v1 and Triton's /v2/models/NAME/generate, with "
+    "API keys, TLS and request limits). Triton is restarted with backoff if it dies. `llmops run` with the "
+    "same LLMOPS_HOME rolls candidates out on this server. API keys: LLMOPS_API_KEYS_FILE (one a line) or "
+    "LLMOPS_API_KEYS (comma-separated); needed when --host is not a loopback address."
+)
+
+EPILOG = """examples:
+  llmops serve &                         # gateway :8080, Triton :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
+  curl -s localhost:8080/health/ready
+  curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "hot"}], "max_tokens": 8}'
+  LLMOPS_API_KEYS_FILE=/etc/llmops/api-keys llmops serve --host 0.0.0.0 --tls-cert c.pem --tls-key k.pem"""
+
+
+def register(commands) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve the champion (Triton + an OpenAI-compatible gateway) until stopped",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--profile", default="cpu-tiny", help="profile name or YAML path (default: cpu-tiny)")
+    add_overrides_flag(serve, "override a profile value (repeatable)")
+    serve.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
+    serve.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
+    for flag, key, kind, text in SERVE_LISTEN_FLAGS:
+        serve.add_argument(flag, dest=key, type=kind, help=f"{text} (serve.listen.{key})")
+    serve.set_defaults(handler=command_serve)
+
+
+def command_serve(args) -> None:
+    from tasks.platform.config import check_machine, load_profile
+
+    listen = [
+        f"serve.listen.{key}={getattr(args, key)}"
+        for _, key, _, _ in SERVE_LISTEN_FLAGS
+        if getattr(args, key) is not None
+    ]
+    profile = load_profile(args.profile, [*args.overrides, *listen])
+    check_machine(profile, ["serve"])
+    home = llmops_home()
+    home.mkdir(parents=True, exist_ok=True)
+    from flows.serve import serve
+
+    serve(profile, home, args.tracking_uri, args.artifacts)
