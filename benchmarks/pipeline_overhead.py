@@ -5,7 +5,7 @@
    no Triton is started). Goal: the rerun takes at most 10% of the full run.
 2. The train stage through the pipeline vs bare LlamaFactory on the same generated config
    (`llamafactory-cli train cfg.yaml`, started through tasks/runners/llamafactory_launch.py, the only way
-   LlamaFactory imports on this CPU stack; see README) with a fresh output folder.
+   LlamaFactory imports on this CPU stack; see docs/development.md) with a fresh output folder.
 
     .venv/bin/python benchmarks/pipeline_overhead.py [--keep]
 """

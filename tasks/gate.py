@@ -326,7 +326,7 @@ def gate(
 
 def serving_accuracy_drop(ctx: RunContext, quantized: StageResult) -> float | None:
     """The quantized artifact's accuracy drop where it is what serves: the TensorRT-LLM engine (build_engine's
-    result). On CPU the merged model serves (README: "What serves on CPU"); the ONNX numbers are informational."""
+    result). On CPU the merged model serves (docs/design.md: "What serves on CPU"); the ONNX numbers are informational."""
     if ctx.profile.serve.backend != "tensorrtllm":
         return None
     return EngineMetrics.of(quantized).accuracy_drop

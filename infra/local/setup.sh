@@ -44,7 +44,7 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda 
   exit 1
 fi
 
-# The only accepted `pip check` findings: llamafactory's torchvision/torchaudio requirements (README, "pip check").
+# The only accepted `pip check` findings: llamafactory's torchvision/torchaudio requirements (docs/development.md, "the pip check exception").
 problems=$("$VENV/bin/python" -m pip check 2>&1 | grep -vE '^llamafactory [0-9.]+ requires (torchvision|torchaudio), which is not installed\.$' | grep -v '^No broken requirements found' || true)
 if [ -n "$problems" ]; then
   echo "setup: error: pip check found broken requirements:" >&2

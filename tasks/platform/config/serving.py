@@ -28,7 +28,7 @@ class VllmServing(Section):
         ge=0,
         description="GiB one engine takes besides its KV cache (weights, activations, worker processes); with "
         "kv_cache_gb, what the canary checks is free before it loads a second engine (measured on cpu-tiny: 1.55 "
-        "GiB, README 'Choosing the engine for cpu-tiny').",
+        "GiB, docs/benchmarks.md, 'Choosing the engine for cpu-tiny').",
     )
     dtype: str = Field(
         "auto", description="Model dtype; auto: the checkpoint's own (float32 for cpu-tiny); bfloat16/float16 on GPUs."
