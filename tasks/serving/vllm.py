@@ -46,7 +46,7 @@ def triton_env(profile: Profile, home: Path) -> dict[str, str]:
 
 
 def model_values(profile: Profile) -> dict[str, object]:
-    """infra/triton/vllm's values beyond those every Python-backend LLM model takes (tasks/deploy_canary.py)."""
+    """infra/triton/vllm's values beyond those every Python-backend LLM model takes (tasks/serving/models.py)."""
     cfg = profile.serve.vllm
     return {
         "dtype": cfg.dtype,
