@@ -522,13 +522,20 @@ def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, s
     assert p99, "Triton exports no latency summaries (--metrics-config summary_latencies=true)"
 
 
+# A candidate that answers as the base model: a learning rate of 1e-9 leaves its LoRA adapter at zero. (A one-epoch
+# candidate often answered these prompts as the champion does.) One training for the two tests that use it.
+BASE_MODEL_CANDIDATE = [
+    *("--set", "train.num_train_epochs=1", "--set", "train.learning_rate=1e-9", "--set", "evaluate.min_improvement=-1")
+]
+
+
 def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run):
     before = champion(home)
     with Load(server["url"]) as load:
-        result = run("--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=-1")
+        result = run(*BASE_MODEL_CANDIDATE)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    # The one-epoch candidate's task metric collapses; on 2 shared cores its throughput ratio may fail too.
+    # The base model's task metric collapses; on 2 shared cores its throughput ratio may fail too.
     assert last.startswith("llmops: rejected: candidate rejected: ") and "task metric drop vs champion" in last
     assert champion(home) == before  # no alias moved
     rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
@@ -572,7 +579,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
 ):
     """The gate passes (permissive thresholds) but the live check breaches at the 50% step. During that step
     the openai client, through the gateway and the service's name, gets the champion's answers and the
-    one-epoch candidate's (different) answers: router weights apply to the OpenAI endpoint."""
+    candidate's (different: the base model's) answers: router weights apply to the OpenAI endpoint."""
     before = champion(home)
     client = openai_client(server, tls)
     champions = {
@@ -590,7 +597,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     try:
         with Load(server["url"]) as load:
             result = run(
-                *("--set", "train.num_train_epochs=1", "--set", "evaluate.min_improvement=-1"),
+                *BASE_MODEL_CANDIDATE,
                 *("--set", "gate.max_task_metric_drop=1", "--set", "canary.max_mean_latency_ms=0.001"),
                 *("--set", "canary.steps=[50,100]", "--set", "canary.window_s=6"),
             )
@@ -611,7 +618,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     assert ready_models(served_by(home, server), expected) == sorted(expected)
     assert load.failed == 0, load.errors[:5]
     # Both versions answered the openai client during the step: the champion's answer to every prompt, and
-    # for some prompt another (the one-epoch candidate's; its task metric collapses).
+    # for some prompt another (the base model's).
     assert len(seen) == len(PROMPTS), seen
     assert all(champions[prompt] in answers for prompt, answers in seen.items()), (champions, seen)
     assert any(answers - {champions[prompt]} for prompt, answers in seen.items()), (champions, seen)
