@@ -32,7 +32,7 @@ fi
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip==26.3"
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages for vLLM (CPU build, no dependency resolution)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+|triton|torchvision|torchaudio|torchcodec)==' || true)
 if [ -n "$cuda" ]; then

@@ -31,7 +31,7 @@ fi
 # A current pip: the 23.x that a fresh 3.11 venv ships is slow with large pinned sets.
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip==26.3"
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resolution, CPU only)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(nvidia-[a-z0-9-]+-cu[0-9]+|nvidia-(cublas|cudnn|cuda|nccl|cusparse|cufft|curand|cusolver|nvjitlink|nvtx)|cuda-|triton==)' || true)
