@@ -107,3 +107,34 @@ def test_a_scaled_rope_reads_the_same_under_both(tmp_path):
     served = read_with_transformers4(tmp_path)
     assert served["rope_theta"] == 500000.0
     assert served["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+
+
+def test_the_rewrite_is_idempotent_and_keeps_what_5x_reads(merged):
+    from tasks.serving.hf_compat import make_loadable_by_transformers4
+
+    before = {p.name: p.read_bytes() for p in merged.iterdir() if p.suffix == ".json"}
+    assert make_loadable_by_transformers4(merged) == []
+    assert {p.name: p.read_bytes() for p in merged.iterdir() if p.suffix == ".json"} == before
+    saved = json.loads((merged / "config.json").read_text())
+    assert saved["rope_parameters"] == {"rope_theta": QWEN2_ROPE_THETA, "rope_type": "default"}
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        (
+            "config.json",
+            {"layer_types": ["full_attention", "sliding_attention"], "rope_parameters": {"full_attention": {}}},
+            "config.json: per-layer rope_parameters",
+        ),
+        ("tokenizer_config.json", {"tokenizer_class": "SentencePieceBackend"}, "tokenizer_class SentencePieceBackend"),
+        ("tokenizer_config.json", "{not json", "tokenizer_config.json: not readable JSON"),
+    ],
+)
+def test_what_transformers4_cannot_read_is_named(tmp_path, name, content, message):
+    from tasks.platform.errors import BadInput
+    from tasks.serving.hf_compat import make_loadable_by_transformers4
+
+    (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(BadInput, match=message):
+        make_loadable_by_transformers4(tmp_path)
