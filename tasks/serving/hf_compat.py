@@ -1,8 +1,9 @@
 """Make a Hugging Face model folder saved by transformers 5 load the same under the serving images' transformers 4.
 
 We train and merge with transformers 5.6; the serving images read the folder with 4.x
-(TensorRT-LLM 1.2.1 in nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3 pins transformers==4.57.1,
-NVIDIA/TensorRT-LLM requirements.txt; vLLM's requirements/common.txt asks `transformers >= 4.56.0, < 5`).
+(TensorRT-LLM 1.2.1 in nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3 pins transformers==4.57.1:
+NVIDIA/TensorRT-LLM requirements.txt @000867d9, the CUDA 13 / torch<=2.9.0 line, not confirmed as the
+v1.2.1 tag; vLLM's requirements/common.txt @0073e449 asks `transformers >= 4.56.0, < 5`).
 What 5.x writes and 4.x misreads, and the 4.x spelling written next to it:
 
 - config.json: 5.x keeps the RoPE base only in `rope_parameters` (transformers 5.6
