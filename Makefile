@@ -1,5 +1,5 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup setup-vllm test-tools run test test-unit lint format benchmark docs
+.PHONY: setup setup-vllm setup-compat test-tools run test test-unit lint format benchmark docs
 
 setup:
 	bash infra/local/setup.sh
@@ -8,6 +8,10 @@ setup:
 setup-vllm:
 	bash infra/local/setup-vllm.sh
 
+# The serving images' transformers 4.x without torch (.venv-compat), for tests/unit/test_serving_compat.py; about 260 MB
+setup-compat:
+	bash infra/local/setup-compat.sh
+
 # Debian's chromium, postgresql and prometheus, which the integration tests start (installed when missing)
 test-tools:
 	bash infra/local/test-tools.sh
@@ -15,7 +19,7 @@ test-tools:
 run: setup
 	.venv/bin/llmops run
 
-test: setup setup-vllm test-tools
+test: setup setup-vllm setup-compat test-tools
 	.venv/bin/python -m pytest tests
 
 # ruff (lint and format check) and mypy, as configured in pyproject.toml; CI runs it before the tests.
@@ -28,7 +32,7 @@ format: setup
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
 
-test-unit: setup
+test-unit: setup setup-compat
 	.venv/bin/python -m pytest tests/unit
 
 benchmark: setup setup-vllm

@@ -18,6 +18,7 @@ from tasks.platform.config import BaseModelSection, TinyModel
 from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation
+from tasks.serving.hf_compat import make_loadable_by_transformers4
 
 
 @dataclass
@@ -121,6 +122,7 @@ def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path) -> BaseMod
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    make_loadable_by_transformers4(out_dir)
     return BaseModelMetrics(
         parameters=sum(p.numel() for p in model.parameters()),
         vocab_size=len(tokenizer),

@@ -3,7 +3,8 @@
 The merge always loads the base in full precision, also after QLoRA training: merging into a
 4-bit base is the known way to ship wrong weights ("Cannot merge adapters to a quantized
 model"), and re-quantization is the quantize stage's job. Exactness is checked on the merged
-model as saved (reloaded from disk), against base + adapter unmerged, on a probe batch.
+model as saved (reloaded from disk), against base + adapter unmerged, on a probe batch. The folder
+is saved in the spelling the serving images' transformers 4.x also reads (tasks/serving/hf_compat.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, lo
 from tasks.quality.chat import Conversation
 from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
 from tasks.quality.models import CPU_FP32, Compute, load_model, load_tokenizer, probe_batch
+from tasks.serving.hf_compat import make_loadable_by_transformers4
 
 
 @dataclass
@@ -52,6 +54,7 @@ def merge_adapter(
     merged = with_adapter.merge_and_unload()
     merged.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    make_loadable_by_transformers4(out_dir)  # the serving images read it with transformers 4.x
     del merged, with_adapter  # one copy of a 14B model on the GPU at a time
     reloaded = load_model(out_dir, compute=compute)
     return float((logits(reloaded, input_ids, mask) - expected).abs().max())

@@ -72,10 +72,15 @@ def read_contract(tokenizer_dir: Path, generation_config_dir: Path | None = None
     """The contract a tokenizer folder (and the generation_config.json next to the weights, if any) implies."""
     from tasks.quality.models import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_dir)
+    return tokenizer_contract(load_tokenizer(tokenizer_dir), generation_config_dir or tokenizer_dir)
+
+
+def tokenizer_contract(tokenizer, generation_config_dir: Path) -> Contract:
+    """The contract of a loaded tokenizer (whichever transformers loaded it) and the generation_config.json
+    in generation_config_dir, if any: tests/unit/test_serving_compat.py runs it under the serving images' 4.x."""
     encoded = [prompt_ids(tokenizer, conversation) for conversation in PROBES]
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    generation = (generation_config_dir or tokenizer_dir) / "generation_config.json"
+    generation = generation_config_dir / "generation_config.json"
     if generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id")
         stops |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
