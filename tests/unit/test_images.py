@@ -258,3 +258,20 @@ def test_genai_perf_comes_from_the_orchestrator_not_from_a_stage_image():
     assert not any("genai-perf" in r for extra in ("gpu", "gpu-train") for r in EXTRAS[extra])
     readme = (IMAGES / "README.md").read_text()
     assert "genai-perf" in readme and "-py3-sdk" in readme
+
+
+@pytest.mark.parametrize("name", ["train", "trtllm"])
+def test_the_build_context_leaves_the_checkouts_local_state_out(name):
+    """`COPY . /opt/llmops` from a used checkout would carry .llmops/ (the Triton control key, the local
+    stack's data) and the venvs into the image; each Dockerfile's own ignore file names all .gitignore does."""
+    ignored = {
+        line.strip()
+        for line in (IMAGES / f"{name}.Dockerfile.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert ".git" in ignored
+    for pattern in (ROOT / ".gitignore").read_text().splitlines():
+        pattern = pattern.split("#")[0].strip().rstrip("/")
+        if pattern:
+            assert {pattern, f"**/{pattern}"} & ignored, f"{name}.Dockerfile.dockerignore: {pattern}"
+    assert only(name, "COPY") == ". /opt/llmops"
