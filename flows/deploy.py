@@ -21,6 +21,18 @@ from tasks.platform.project import PROJECT_ROOT
 
 PREFECT_FILE = PROJECT_ROOT / "infra" / "prefect.yaml"
 GPU_POOL_TEMPLATE = PROJECT_ROOT / "infra" / "work-pools" / "kubernetes-gpu.json"
+IMAGE_PROJECT_DIR = "/opt/llmops"  # the stage images' copy of this project (WORKDIR of infra/images/*.Dockerfile)
+
+
+def deployment_variables(gpu_pool: str, gpu_pool_type: str) -> dict[str, str]:
+    """The variables infra/prefect.yaml reads. `prefect deploy` bakes them into each deployment's pull step,
+    so the stage deployment's runs start in the image's copy of the project on Kubernetes (a checkout's path
+    does not exist in a pod), and in this checkout on a process pool."""
+    return {
+        "LLMOPS_PROJECT_DIR": str(PROJECT_ROOT),
+        "LLMOPS_GPU_PROJECT_DIR": IMAGE_PROJECT_DIR if gpu_pool_type == "kubernetes" else str(PROJECT_ROOT),
+        "LLMOPS_GPU_POOL": gpu_pool,
+    }
 
 
 def ensure_gpu_pool(api_url: str, pool: str) -> str:
@@ -57,12 +69,10 @@ def deploy(gpu_pool: str, say: Callable[[str], None] = print) -> str:
     say(f"work pool {CPU_POOL}: ready (process)")
     if gpu_pool != CPU_POOL:
         say(ensure_gpu_pool(api_url, gpu_pool))
-    env = {
-        **os.environ,
-        "LLMOPS_PROJECT_DIR": str(PROJECT_ROOT),
-        "LLMOPS_GPU_POOL": gpu_pool,
-        "PREFECT_API_URL": api_url,
-    }
+    found = API.get(f"{api_url}/work_pools/{gpu_pool}", timeout=10)
+    if not found.ok:
+        raise CheckFailed(f"work pool {gpu_pool}: HTTP {found.status_code} {found.text[:300]}")
+    env = {**os.environ, **deployment_variables(gpu_pool, found.json()["type"]), "PREFECT_API_URL": api_url}
     command = [str(BIN / "prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_FILE)]
     say(f"deploy: {' '.join(command[1:])} (gpu pool {gpu_pool})")
     done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -4,8 +4,23 @@ FROM nvcr.io/nvidia/pytorch:25.06-py3
 
 WORKDIR /opt/llmops
 COPY . /opt/llmops
-# The image's torch (a CUDA build) stays: pip may not replace it with a PyPI wheel.
-RUN python -m pip freeze | grep -E '^(torch|torchvision|torchaudio)==' > /tmp/keep-torch.txt \
- && python -m pip install --no-cache-dir -c /tmp/keep-torch.txt '.[gpu-train]'
+# The image's torch family (CUDA builds) stays: pinned by name==version (`pip list --format=freeze`; `pip
+# freeze` writes `name @ file://...` for wheels installed from files, which a constraints file refuses).
+# LlamaFactory requires torchaudio, which this image may not have and PyPI's would drag in a PyPI torch:
+# LlamaFactory goes in without dependencies, then its other requirements and the project's
+# (requirements_without.py), then the project itself. The torch family must come out unchanged.
+RUN python -m pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio)==' > /tmp/keep-torch.txt \
+ && python -m pip install --no-cache-dir --no-deps -c /tmp/keep-torch.txt \
+      "$(python infra/images/requirements_without.py --extra gpu-train --pin llamafactory)" \
+ && python infra/images/requirements_without.py --extra gpu-train --without torchaudio > /tmp/requirements.txt \
+ && python -m pip install --no-cache-dir -c /tmp/keep-torch.txt -r /tmp/requirements.txt \
+ && python -m pip install --no-cache-dir --no-deps . \
+ && python -m pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio)==' | diff /tmp/keep-torch.txt - \
+ && { python -c 'import torchaudio' 2>/dev/null \
+      || cp -r infra/images/torchaudio-placeholder/torchaudio "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"; } \
+ && python -m tasks.runners.llamafactory_launch version
 ENV LLMOPS_HOME=/var/lib/llmops
-ENTRYPOINT ["llmops"]
+# Kubernetes starts ENTRYPOINT + the job's args (Prefect's `prefect flow-run execute`, infra/work-pools/
+# kubernetes-gpu.json): the entrypoint must run its arguments. NGC's own does (its /opt/nvidia/entrypoint.d
+# checks, then `exec "$@"`); it is restated here so that the image says so.
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh"]

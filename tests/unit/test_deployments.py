@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -105,6 +106,25 @@ def test_retrain_trigger_watches_its_own_data_location():
     assert trigger["expect"] == ["llmops.data.landed"]
     assert trigger["match"]["prefect.resource.id"] == f"llmops.data.{retrain['parameters']['data_source']}*"
     assert retrain["schedules"][0]["cron"]
+
+
+@pytest.mark.parametrize(("pool_type", "expected"), [("kubernetes", "/opt/llmops"), ("process", str(ROOT))])
+def test_stage_runs_start_where_their_worker_has_the_project(monkeypatch, pool_type, expected):
+    """`prefect deploy` bakes environment placeholders into the pull steps (prefect/cli/deploy/_core.py,
+    apply_values on pull_steps): on Kubernetes the deploying checkout's path would not exist in the pod."""
+    from prefect.utilities.templating import apply_values
+
+    from flows.deploy import deployment_variables
+
+    for name, value in deployment_variables("llmops-gpu", pool_type).items():
+        monkeypatch.setenv(name, value)
+    steps = apply_values(deployments()["gpu"]["pull"], {}, remove_notset=False)
+    assert steps == [{"prefect.deployments.steps.set_working_directory": {"directory": expected}}]
+    if pool_type == "kubernetes":  # each stage image holds the project there
+        for dockerfile in (ROOT / "infra" / "images").glob("*.Dockerfile"):
+            assert re.search(rf"^WORKDIR {expected}$", dockerfile.read_text(), re.M), dockerfile.name
+    release = apply_values(yaml.safe_load(PREFECT_FILE.read_text())["pull"], {}, remove_notset=False)
+    assert release == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
 
 
 def test_gpu_profiles_place_heavy_stages_on_the_deployed_stage_flow():
