@@ -5,10 +5,16 @@ lives in an environment of its own (.venv-vllm, made by infra/local/setup-vllm.s
 Python backend runs its stub with the interpreter it finds first on PATH (tasks/serving/server.py),
 so a Triton for vLLM models starts with that environment's bin first; the router model needs only
 numpy, which that environment has too.
+
+On cuda the serving image is NGC's tritonserver:26.07-vllm-python-py3 as it ships (infra/images/README.md): its
+own Python holds a CUDA build of vLLM 0.24.0 and the Python backend stub for it. Releases usually attach to that
+Triton (--triton-url); one started here with serve.vllm.environment null runs with this Python's vLLM. The KV budget of the two engines of a canary is vLLM's gpu_memory_utilization
+per engine (each engine stays within its share of every GPU); a CPU engine gets kv_cache_memory_bytes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -22,8 +28,17 @@ DEFAULT_ENVIRONMENT = PROJECT_ROOT / ".venv-vllm"
 GIB = 1 << 30
 
 
-def environment(profile: Profile) -> Path:
-    """The venv holding vLLM, checked: a missing one fails here with what to run, not as a Triton load error."""
+def environment(profile: Profile) -> Path | None:
+    """The venv holding vLLM, checked: a missing one fails here with what to run, not as a Triton load error.
+    None: vLLM is the serving image's own (cuda, serve.vllm.environment null), importable by this Python."""
+    if profile.serve.vllm.environment is None and profile.hardware.accelerator == "cuda":
+        if importlib.util.find_spec("vllm") is None:
+            raise BadInput(
+                "serve.backend vllm on cuda: vLLM is not importable by this Python; attach to a Triton of NGC's "
+                "tritonserver:26.07-vllm-python-py3 (--triton-url, infra/images/README.md) or name a venv with a "
+                "CUDA build of vLLM in serve.vllm.environment"
+            )
+        return None
     venv = Path(profile.serve.vllm.environment or DEFAULT_ENVIRONMENT)
     if not (venv / "bin" / "python").is_file() or not any(venv.glob("lib/python3*/site-packages/vllm/__init__.py")):
         raise BadInput(
@@ -36,9 +51,16 @@ def environment(profile: Profile) -> Path:
 def triton_env(profile: Profile, home: Path) -> dict[str, str]:
     """What tritonserver's environment needs for vLLM models: the vLLM venv's Python, vLLM's caches in LLMOPS_HOME."""
     venv = environment(profile)
+    python = (
+        {}
+        if venv is None
+        else {
+            "PATH": os.pathsep.join([str(venv / "bin"), os.environ.get("PATH", "")]),
+            "VIRTUAL_ENV": str(venv),
+        }
+    )
     return {
-        "PATH": os.pathsep.join([str(venv / "bin"), os.environ.get("PATH", "")]),
-        "VIRTUAL_ENV": str(venv),
+        **python,
         "VLLM_CACHE_ROOT": str(home / "vllm-cache"),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CONFIGURE_LOGGING": "0",  # Triton's log keeps vLLM's warnings without its per-request info lines
@@ -46,19 +68,29 @@ def triton_env(profile: Profile, home: Path) -> dict[str, str]:
 
 
 def model_values(profile: Profile) -> dict[str, object]:
-    """infra/triton/vllm's values beyond those every Python-backend LLM model takes (tasks/serving/models.py)."""
+    """infra/triton/vllm's values beyond those every Python-backend LLM model takes (tasks/serving/models.py).
+    An empty value is not passed to the engine (vLLM's default): on CPU the GPU settings, on cuda a KV cache
+    left to gpu_memory_utilization."""
     cfg = profile.serve.vllm
+    cuda = profile.hardware.accelerator == "cuda"
     return {
         "dtype": cfg.dtype,
-        "kv_cache_memory_bytes": int(cfg.kv_cache_gb * GIB),
+        "kv_cache_memory_bytes": "" if cfg.kv_cache_gb is None else int(cfg.kv_cache_gb * GIB),
         "enforce_eager": str(cfg.enforce_eager).lower(),
+        "gpu_memory_utilization": cfg.gpu_memory_utilization if cuda else "",
+        "tensor_parallel_size": cfg.tensor_parallel_size if cuda else "",
     }
 
 
 def require_room(profile: Profile, name: str) -> None:
     """A vLLM engine on this machine needs its KV cache and its overhead free before it loads: a canary that
-    would push the machine into the OOM killer (and take the serving champion with it) stops here instead."""
+    would push the machine into the OOM killer (and take the serving champion with it) stops here instead.
+    On cuda vLLM checks this itself before it allocates anything: an engine starts only when its
+    gpu_memory_utilization share of each GPU is free (vllm/v1/worker/utils.py:request_memory, l.405 at 0.24.0),
+    and the profile keeps that share below half, so champion and candidate fit."""
     cfg = profile.serve.vllm
+    if profile.hardware.accelerator == "cuda" or cfg.kv_cache_gb is None:
+        return
     needed = (cfg.kv_cache_gb + cfg.engine_overhead_gb) * GIB
     available = psutil.virtual_memory().available
     if available < needed:

@@ -68,12 +68,14 @@ def test_profile_digest_changes_with_any_value():
 # Digests of the shipped profiles' resolved values at 7a2ae40, before the profiles stopped restating
 # the schema's defaults (data paths relative to the repository, so the pin holds in any checkout).
 # A change here changes every stage's cache key: only a deliberate change of a value may update it.
+# Updated when serve.vllm gained gpu_memory_utilization and tensor_parallel_size (vLLM on cuda).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "e3a1072d9e54f2757d62d02437a4e07e261f2a6136db7154557aafc651367614",
-    "cpu-tiny-qa-zh": "5812a178d3b1c9aa8cbbd20928edb861ba56424016d3ce34d3acfa907f5847ed",
-    "llama3-8b-h100-fp8": "cc4829cd5a7b7b26f82705dab50abf3789d20733daa20cfa565622262e6cf4fb",
-    "qwen-7b-qlora-2xa10": "202d684d320d0668a4f6ae636206224b418f961c7baf9e986af78fa929f3329a",
-    "qwen2-14b-int4-tp2": "4eaf0ece462a1a1e7d3c96e53e726dafb07d703f10c294c0ecdfb3bdc0c8b9ef",
+    "cpu-tiny": "026376e0c43acfb258e58ab5b1e208b26a31b9f0c018a15b74aca85504a26845",
+    "cpu-tiny-qa-zh": "c2a99829fa8070c82aade4f9b551dd97ee0f428b8ac6b1579484a80421615bf2",
+    "llama3-8b-h100-fp8": "ebacc29a324e22fdfb46ce2ce6eb5c6da1b018720731a6aaadff7c0a2a36fb59",
+    "qwen-7b-qlora-2xa10": "34fe90de402f229120cbe70150f09183c249c49ad950dfc13f12ff336732d71f",
+    "qwen-7b-vllm-h100": "174743ec7e85995121b69a6a842ee32b010d0475e689c364078633aeeb374907",
+    "qwen2-14b-int4-tp2": "9b23b63a8007ac3cffb38273e9da937e42089ef8b37e1ad7adfdf689a337cc68",
 }
 
 

@@ -21,6 +21,7 @@ from tests.goldens import matches_golden
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GPU_PROFILES = [p for p in available_profiles() if load_profile(p).hardware.accelerator == "cuda"]
+ENGINE_PROFILES = [p for p in GPU_PROFILES if load_profile(p).serve.backend == "tensorrtllm"]  # vLLM: test_vllm_cuda
 
 
 def rendered_commands(profile_name: str) -> str:
@@ -59,12 +60,12 @@ def test_gpu_profile_header_shows_the_command_to_run_it(profile_name):
     assert any(f"llmops run --profile {profile_name}" in line for line in header)
 
 
-@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+@pytest.mark.parametrize("profile_name", ENGINE_PROFILES)
 def test_tensorrt_llm_commands_match_golden(profile_name):
     matches_golden(GOLDEN / profile_name / "commands.sh", rendered_commands(profile_name))
 
 
-@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+@pytest.mark.parametrize("profile_name", ENGINE_PROFILES)
 def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
     profile = load_profile(profile_name)
     models = tensorrtllm_models(profile, f"{profile.registry.model_name}-v3", Path("/engines/v3"), "e" * 64, 40960)

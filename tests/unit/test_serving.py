@@ -97,11 +97,6 @@ def test_a_second_vllm_engine_that_does_not_fit_in_memory_is_refused_before_load
     vllm_serving.require_room(profile, "svc-v2")
 
 
-def test_vllm_on_a_gpu_profile_needs_its_cuda_environment_named():
-    with pytest.raises(BadInput, match="serve.vllm.environment: a venv with a CUDA build of vLLM"):
-        load_profile("llama3-8b-h100-fp8", ["serve.backend=vllm", "quantize.backend=none"])
-
-
 def test_missing_triton_binary_is_bad_input(monkeypatch):
     monkeypatch.setenv("LLMOPS_TRITONSERVER", "/nonexistent/tritonserver")
     with pytest.raises(BadInput, match="tritonserver binary /nonexistent/tritonserver: not found"):

@@ -52,15 +52,26 @@ class Profile(Section):
                 "serve.backend tensorrtllm and quantize.backend tensorrt-llm go together "
                 "(the engine is what the tensorrtllm backend serves)"
             )
-        if self.serve.backend == "vllm" and self.hardware.accelerator == "cuda" and not self.serve.vllm.environment:
-            raise ValueError(
-                "serve.backend vllm on cuda needs serve.vllm.environment: a venv with a CUDA build of vLLM "
-                "(make setup-vllm builds the CPU one)"
-            )
         world = self.quantize.tensorrt_llm.tp_size * self.quantize.tensorrt_llm.pp_size
         if trt and world > self.hardware.gpus:
             raise ValueError(
                 f"quantize.tensorrt_llm tp_size x pp_size = {world} exceeds hardware.gpus {self.hardware.gpus}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_fits(self) -> Profile:
+        if self.serve.backend != "vllm":
+            return self
+        vllm = self.serve.vllm
+        if self.hardware.accelerator != "cuda":
+            if vllm.kv_cache_gb is None:
+                raise ValueError("serve.vllm.kv_cache_gb: vLLM on CPU needs its KV cache size (GiB)")
+            if vllm.tensor_parallel_size != 1:
+                raise ValueError("serve.vllm.tensor_parallel_size above 1 needs hardware.accelerator cuda")
+        elif vllm.tensor_parallel_size > self.hardware.gpus:
+            raise ValueError(
+                f"serve.vllm.tensor_parallel_size {vllm.tensor_parallel_size} exceeds hardware.gpus {self.hardware.gpus}"
             )
         return self
 

