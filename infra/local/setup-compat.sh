@@ -30,7 +30,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resolution, no torch)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
 
 problems=$("$VENV/bin/python" -m pip check 2>&1 | grep -v '^No broken requirements found' || true)
 if [ -n "$problems" ]; then
