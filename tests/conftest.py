@@ -22,6 +22,21 @@ def cpu_tiny_store(tmp_path_factory):
     return tmp_path_factory.mktemp("cpu-tiny-store")
 
 
+@pytest.fixture(scope="session")
+def shared_prefect(tmp_path_factory):
+    """One real Prefect server (sqlite) for the session's releases; see tests/servers.py SHARED_PREFECT."""
+    from tasks.platform.local_stack import start_prefect
+    from tasks.platform.ports import free_port
+    from tests.servers import SHARED_PREFECT
+
+    folder = tmp_path_factory.mktemp("prefect-server")
+    server = start_prefect(folder / "home", free_port(), folder)
+    SHARED_PREFECT["PREFECT_API_URL"] = server.url
+    yield server.url
+    SHARED_PREFECT.clear()
+    server.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_prefect_at_the_end():
     yield

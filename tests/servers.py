@@ -15,13 +15,31 @@ from tasks.platform.local_stack import Server
 from tasks.platform.ports import free_port
 
 S3_KEY, S3_SECRET = "llmops-test", "llmops-test-secret"
-__all__ = ["Stack", "free_port", "latest_release", "llmops", "llmops_env", "registry", "s3_env", "start_stack"]
+__all__ = [
+    "SHARED_PREFECT",
+    "TEMPORARY_PREFECT",
+    "Stack",
+    "free_port",
+    "latest_release",
+    "llmops",
+    "llmops_env",
+    "registry",
+    "s3_env",
+    "start_stack",
+]
 ROOT = Path(__file__).resolve().parent.parent
 LLMOPS = Path(sys.executable).parent / "llmops"
 
 
+# The session's Prefect server (tests/conftest.py `shared_prefect`), once a module asked for it: releases
+# then skip the temporary API server each `llmops run` starts without PREFECT_API_URL (about 4 s a run
+# here). The runs that test that default path pass PREFECT_API_URL="" (TEMPORARY_PREFECT).
+SHARED_PREFECT: dict[str, str] = {}
+TEMPORARY_PREFECT = {"PREFECT_API_URL": ""}
+
+
 def llmops_env(home: Path) -> dict:
-    env = {**os.environ, "LLMOPS_HOME": str(home)}
+    env = {**os.environ, **SHARED_PREFECT, "LLMOPS_HOME": str(home)}
     env.pop("PREFECT_HOME", None)
     return env
 

@@ -16,7 +16,7 @@ from tasks.serving.server import TritonServer
 from tests.integration.test_serving import FAST
 from tests.servers import latest_release, llmops, registry
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200), pytest.mark.usefixtures("shared_prefect")]
 
 SERVICE = "tiny-qwen2-antonyms"
 KEY = "test-control-key-4f1c9a"

@@ -11,7 +11,7 @@ import pytest
 from tests.integration.test_serving import FAST
 from tests.servers import llmops, registry
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200), pytest.mark.usefixtures("shared_prefect")]
 
 PROFILE = "cpu-tiny-qa-zh"
 MODEL = "tiny-qwen2-qa-zh"

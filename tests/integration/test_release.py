@@ -16,9 +16,9 @@ import pytest
 from mlflow import MlflowClient
 
 from tasks.platform import local_stack
-from tests.servers import S3_KEY, S3_SECRET, free_port, s3_env, start_stack
+from tests.servers import S3_KEY, S3_SECRET, SHARED_PREFECT, TEMPORARY_PREFECT, free_port, s3_env, start_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), pytest.mark.usefixtures("shared_prefect")]
 
 ROOT = Path(__file__).resolve().parents[2]
 LLMOPS = Path(sys.executable).parent / "llmops"
@@ -38,7 +38,7 @@ def stack(tmp_path_factory):
 
 def llmops(stack, *args: str, home: Path | None = None, env: dict | None = None, timeout: float = 600):
     home = home or Path(f"/tmp/llmops-it-{uuid.uuid4().hex[:8]}")
-    run_env = {**os.environ, **stack.env, "LLMOPS_HOME": str(home), **(env or {})}
+    run_env = {**os.environ, **SHARED_PREFECT, **stack.env, "LLMOPS_HOME": str(home), **(env or {})}
     run_env.pop("PREFECT_HOME", None)  # each run keeps Prefect's state in its own LLMOPS_HOME
     result = subprocess.run(
         [str(LLMOPS), *args], capture_output=True, text=True, env=run_env, timeout=timeout, cwd=ROOT
@@ -100,7 +100,8 @@ def assert_one_line_error(result, code: int, *phrases: str):
 
 @pytest.fixture(scope="module")
 def first_run(stack):
-    result = llmops(stack, *release_args(stack))
+    """The default path of `llmops run`: no PREFECT_API_URL, a temporary Prefect API of its own."""
+    result = llmops(stack, *release_args(stack), env=TEMPORARY_PREFECT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
@@ -267,7 +268,7 @@ def test_training_resumes_from_the_stored_checkpoint_on_a_fresh_machine(stack, f
     namespace = "llmops/records/checkpoints/train/"
     known = {k for k in bucket_keys(stack) if k.startswith(namespace)}
     home = tmp_path / "machine-1"
-    env = {**os.environ, **stack.env, "LLMOPS_HOME": str(home)}
+    env = {**os.environ, **SHARED_PREFECT, **stack.env, "LLMOPS_HOME": str(home)}
     env.pop("PREFECT_HOME", None)
     with open(tmp_path / "first.log", "w") as log:
         process = subprocess.Popen(
@@ -306,7 +307,7 @@ def test_training_outlasts_a_storage_outage(stack, first_run, tmp_path):
     )
     namespace = "llmops/records/checkpoints/train/"
     known = {k for k in bucket_keys(stack) if k.startswith(namespace)}
-    env = {**os.environ, **stack.env, "LLMOPS_HOME": str(tmp_path / "home")}
+    env = {**os.environ, **SHARED_PREFECT, **stack.env, "LLMOPS_HOME": str(tmp_path / "home")}
     env.pop("PREFECT_HOME", None)
     log_path = tmp_path / "run.log"
     with open(log_path, "w") as log:

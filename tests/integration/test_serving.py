@@ -22,7 +22,7 @@ import requests
 
 from tests.servers import LLMOPS, ROOT, latest_release, llmops, llmops_env, registry
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200), pytest.mark.usefixtures("shared_prefect")]
 
 SERVICE = "tiny-qwen2-antonyms"
 # Lighter load than the profile's defaults: the same code paths in less CI time. No ONNX int8 artifact: on
