@@ -66,14 +66,16 @@ def test_profile_digest_changes_with_any_value():
 
 
 # Digests of the shipped profiles' resolved values at 7a2ae40, before the profiles stopped restating
-# the schema's defaults (data paths relative to the repository, so the pin holds in any checkout).
+# the schema's defaults (data paths relative to the repository, so the pin holds in any checkout); updated
+# when quantize.tensorrt_llm (trtllm-build) gave way to quantize.modelopt and the engine section to LLM API
+# arguments (the CPU profiles' own values did not change; their quantize stage key leaves modelopt out).
 # A change here changes every stage's cache key: only a deliberate change of a value may update it.
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "e3a1072d9e54f2757d62d02437a4e07e261f2a6136db7154557aafc651367614",
-    "cpu-tiny-qa-zh": "5812a178d3b1c9aa8cbbd20928edb861ba56424016d3ce34d3acfa907f5847ed",
-    "llama3-8b-h100-fp8": "cc4829cd5a7b7b26f82705dab50abf3789d20733daa20cfa565622262e6cf4fb",
-    "qwen-7b-qlora-2xa10": "202d684d320d0668a4f6ae636206224b418f961c7baf9e986af78fa929f3329a",
-    "qwen2-14b-int4-tp2": "4eaf0ece462a1a1e7d3c96e53e726dafb07d703f10c294c0ecdfb3bdc0c8b9ef",
+    "cpu-tiny": "f4cd08238ff7df8f736e024eee6e00c5353c3f8b57ef39bf77cccdf4ca06c020",
+    "cpu-tiny-qa-zh": "1a1edb2d9fa457cd1567dd6e1447071444561672fd19465d7a4dce8f339d052e",
+    "llama3-8b-h100-fp8": "0f8f0119187a4cc8cd05293e3bb709959ee74a63f14265773077877ae57f4a42",
+    "qwen-7b-qlora-2xa10": "ae487b80773b6956a1b310c41f0c8806436f20e8970a0b977475f35a5084a187",
+    "qwen2-14b-int4-tp2": "abdbe0a6ffcac6489554c35e895c717320c2d0bf1a06b5ebda2b1cd6becca238",
 }
 
 
