@@ -9,7 +9,9 @@ then one `LLM.generate` over every question: a list of TokensPrompt dicts ({"pro
 tensorrt_llm/inputs/data.py; the caller encoded them with the chat template, as evaluate did) returns one
 RequestOutput per prompt, whose `outputs[0].text` is the answer alone (SamplingParams.exclude_input_from_output
 defaults to True) without special tokens (skip_special_tokens=True). The LLM API starts its own MPI workers
-for tensor parallelism, so this runs as one plain process (hence the __main__ guard).
+for tensor parallelism, so this runs as one plain process (hence the __main__ guard). `LLM.generate` with a
+list returns a list in the same order, and `LLM.shutdown()` stops the executor and MPI session
+(tensorrt_llm/llmapi/llm.py `generate`, `shutdown`).
 
 The report carries what was really loaded: `tensorrt_llm.__version__` as imported (not the version a
 profile or a package's metadata declares) and the GPU's compute capability. This module imports nothing

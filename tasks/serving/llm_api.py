@@ -34,7 +34,8 @@ def llm_args(profile: Profile) -> dict[str, Any]:
         "pipeline_parallel_size": engine.pipeline_parallel_size,  # BaseLlmArgs.pipeline_parallel_size: int = 1
         "max_batch_size": engine.max_batch_size,  # BaseLlmArgs.max_batch_size: Optional[int] = 2048
         "max_num_tokens": engine.max_num_tokens,  # BaseLlmArgs.max_num_tokens: Optional[int] = 8192
-        # BaseLlmArgs.max_input_len: Optional[int] = 1024 unless set: a 4096-token training cutoff needs it.
+        # BaseLlmArgs.max_input_len: Optional[int] = 1024 unless set: a 4096-token training cutoff needs it
+        # (llmapi/llm.py _build_model hands it to the PyTorch executor: update_executor_config(max_input_len=...)).
         "max_input_len": max_input_len(profile),
         # BaseLlmArgs.max_seq_len: Optional[int] = None (None: the model config's max_position_embeddings).
         "max_seq_len": max_input_len(profile) + engine.max_output_len,
