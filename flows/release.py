@@ -130,7 +130,7 @@ def release(
         merged = stage_task(merge, config)(ctx, dataset, base, adapter)
         quantized = stage_task(quantize, config)(ctx, dataset, merged)
         stages = [dataset, base, adapter, evaluation, merged, quantized]
-        if config.quantize.backend == "tensorrt-llm":
+        if config.serve.backend == "tensorrtllm":  # the check on the runtime that will serve
             quantized = stage_task(build_engine, config)(ctx, dataset, evaluation, quantized)
             stages.append(quantized)
         registered = stage_task(register, config)(

@@ -44,8 +44,7 @@ def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, st
         return [], vllm_serving.triton_env(profile, home)
     if profile.serve.backend != "tensorrtllm":
         return [], {}
-    checkpoint = profile.quantize.tensorrt_llm
-    return tensorrt_llm.triton_launch(checkpoint.tp_size * checkpoint.pp_size, profile.serve.instance_count)
+    return tensorrt_llm.triton_launch(profile.engine.world_size, profile.serve.instance_count)
 
 
 def served_version(ctx: RunContext, service: str, version) -> Served:

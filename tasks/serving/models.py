@@ -75,7 +75,7 @@ def tensorrtllm_models(
     """The four Triton models of one tensorrtllm candidate, {model name: (template, values)}; the
     composing models carry the candidate's name, and the engine path is this candidate's own."""
     serve, trt = profile.serve, profile.serve.tensorrtllm
-    world = profile.quantize.tensorrt_llm.tp_size * profile.quantize.tensorrt_llm.pp_size
+    world = profile.engine.world_size
     # instance i runs on GPUs [i*world, (i+1)*world): "0;1" two single-GPU instances, "0,1" one TP2 instance
     devices = ";".join(",".join(str(i * world + r) for r in range(world)) for i in range(serve.instance_count))
     tokenizer = str((engine_root / "tokenizer").resolve())

@@ -66,7 +66,9 @@ def test_profile_digest_changes_with_any_value():
 
 
 # Digests of the shipped profiles' resolved values at 7a2ae40, before the profiles stopped restating
-# the schema's defaults (data paths relative to the repository, so the pin holds in any checkout).
+# the schema's defaults (data paths relative to the repository, so the pin holds in any checkout); updated
+# when quantize.tensorrt_llm (trtllm-build) gave way to quantize.modelopt and the engine section to LLM API
+# arguments (the CPU profiles' own values did not change; their quantize stage key leaves modelopt out).
 # A change here changes every stage's cache key: only a deliberate change of a value may update it.
 # Updated when serve.vllm gained gpu_memory_utilization and tensor_parallel_size (vLLM on cuda).
 RESOLVED_DIGESTS = {

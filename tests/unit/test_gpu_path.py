@@ -1,20 +1,23 @@
-"""The GPU path on a CPU machine: every GPU profile validates, and what it renders (the TensorRT-LLM
-commands, the tensorrtllm Triton model repository) matches the reviewed golden files.
+"""The GPU path on a CPU machine: every GPU profile validates, and what it renders (the ModelOpt and
+TensorRT-LLM commands, the LLM API arguments, the tensorrtllm Triton model repository) matches the
+reviewed golden files.
 
 Regenerate after a change:  LLMOPS_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_gpu_path.py (the run that
 rewrites fails; review the diff, then run again)
 """
 
+import json
 import os
 import shlex
 from pathlib import Path
 
 import pytest
 
-from tasks.build_engine import engine_cache_key
+from tasks.build_engine import check_cache_key, require_gpu_for
 from tasks.platform.config import PROFILES_DIR, available_profiles, load_profile
 from tasks.platform.errors import BadInput
 from tasks.serving import tensorrt_llm
+from tasks.serving.llm_api import llm_args
 from tasks.serving.models import tensorrtllm_models
 from tasks.serving.repository import render_model
 from tests.goldens import matches_golden
@@ -26,27 +29,23 @@ ENGINE_PROFILES = [p for p in GPU_PROFILES if load_profile(p).serve.backend == "
 
 def rendered_commands(profile_name: str) -> str:
     profile = load_profile(profile_name)
-    checkpoint = tensorrt_llm.checkpoint_command(
-        profile.quantize.tensorrt_llm,
+    quantize = tensorrt_llm.quantize_command(
+        profile.quantize.modelopt,
         Path("/work/merged"),
-        Path("/work/calibration"),
+        Path("/work/calibration.jsonl"),
         Path("/work/checkpoint"),
         python="python",
     )
-    build = tensorrt_llm.build_command(profile.engine, Path("/work/checkpoint"), Path("/work/engine"))
-    world = profile.quantize.tensorrt_llm.tp_size * profile.quantize.tensorrt_llm.pp_size
-    evaluate = tensorrt_llm.eval_command(
-        Path("/work/engine"),
-        Path("/work/tokenizer"),
+    check = tensorrt_llm.check_command(
+        Path("/work/checkpoint"),
+        Path("/work/llm_args.json"),
         Path("/work/q.jsonl"),
-        Path("/work/a.jsonl"),
+        Path("/work/report.json"),
         profile.evaluate.max_new_tokens,
-        world,
         python="python",
     )
     return "".join(
-        f"# {stage}\n{shlex.join(command)}\n"
-        for stage, command in (("quantize", checkpoint), ("build_engine", build), ("engine eval", evaluate))
+        f"# {stage}\n{shlex.join(command)}\n" for stage, command in (("quantize", quantize), ("build_engine", check))
     )
 
 
@@ -60,12 +59,19 @@ def test_gpu_profile_header_shows_the_command_to_run_it(profile_name):
     assert any(f"llmops run --profile {profile_name}" in line for line in header)
 
 
-@pytest.mark.parametrize("profile_name", ENGINE_PROFILES)
-def test_tensorrt_llm_commands_match_golden(profile_name):
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_gpu_stage_commands_match_golden(profile_name):
     matches_golden(GOLDEN / profile_name / "commands.sh", rendered_commands(profile_name))
 
 
-@pytest.mark.parametrize("profile_name", ENGINE_PROFILES)
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_llm_api_arguments_match_golden(profile_name):
+    """What build_engine checks the checkpoint under, and Triton's llmapi model.yaml serves it with."""
+    rendered = json.dumps(llm_args(load_profile(profile_name)), indent=2, sort_keys=True) + "\n"
+    matches_golden(GOLDEN / profile_name / "llm_args.json", rendered)
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
 def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
     profile = load_profile(profile_name)
     models = tensorrtllm_models(profile, f"{profile.registry.model_name}-v3", Path("/engines/v3"), "e" * 64, 40960)
@@ -81,20 +87,28 @@ def test_triton_tensorrtllm_repository_matches_golden(profile_name, tmp_path):
 def test_golden_values_are_what_the_profiles_ask_for():
     """The reviewed facts behind the golden files, stated once in words."""
     qwen7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "commands.sh").read_text()
-    assert "--qformat int8_wo" in qwen7b and "--dtype float16" in qwen7b and "--calib_dataset" not in qwen7b
-    assert "--gemm_plugin float16 --gpt_attention_plugin float16 --kv_cache_type paged" in qwen7b
+    assert "--qformat int4_awq --dtype float16 --awq_block_size 128" in qwen7b and "--kv_cache_fp8" not in qwen7b
+    qwen7b_args = json.loads((GOLDEN / "qwen-7b-qlora-2xa10" / "llm_args.json").read_text())
+    assert qwen7b_args["max_input_len"] == 2048 and qwen7b_args["max_seq_len"] == 2048 + 512  # train.cutoff_len
+    assert qwen7b_args["tensor_parallel_size"] == 1 and qwen7b_args["backend"] == "pytorch"
     trt7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "triton" / "qwen-7b-sft-v3-trtllm" / "config.pbtxt").read_text()
     assert 'string_value: "0;1"' in trt7b and "count: 2" in trt7b  # two instances, one A10 each
     assert 'string_value: "/engines/v3/engine"' in trt7b and "decoupled: true" in trt7b
     assert 'string_value: "inflight_fused_batching"' in trt7b and 'string_value: "0.85"' in trt7b
 
     llama = (GOLDEN / "llama3-8b-h100-fp8" / "commands.sh").read_text()
-    assert "--qformat fp8 --output_dir" in llama and "--kv_cache_dtype fp8" in llama
-    assert "--calib_dataset /work/calibration --calib_size 512" in llama and "--use_fp8_context_fmha enable" in llama
+    assert "--qformat fp8 --dtype bfloat16 --kv_cache_fp8" in llama and "--awq_block_size" not in llama
+    assert "python -m tasks.runners.tensorrt_llm_check --model_dir /work/checkpoint" in llama
+    llama_args = json.loads((GOLDEN / "llama3-8b-h100-fp8" / "llm_args.json").read_text())
+    assert (llama_args["max_input_len"], llama_args["max_num_tokens"], llama_args["max_batch_size"]) == (
+        4096,
+        16384,
+        256,
+    )
 
     qwen14b = (GOLDEN / "qwen2-14b-int4-tp2" / "commands.sh").read_text()
-    assert "--qformat int4_awq" in qwen14b and "--tp_size 2" in qwen14b and "--awq_block_size 128" in qwen14b
-    assert "mpirun -n 2 --allow-run-as-root python -m tasks.runners.tensorrt_llm_eval" in qwen14b
+    assert "--qformat int4_awq --dtype bfloat16 --awq_block_size 128" in qwen14b and "mpirun" not in qwen14b
+    assert json.loads((GOLDEN / "qwen2-14b-int4-tp2" / "llm_args.json").read_text())["tensor_parallel_size"] == 2
     trt14b = (GOLDEN / "qwen2-14b-int4-tp2" / "triton" / "qwen2-14b-sft-v3-trtllm" / "config.pbtxt").read_text()
     assert 'string_value: "0,1"' in trt14b and "count: 1" in trt14b  # one instance over both GPUs
 
@@ -109,31 +123,65 @@ def test_each_candidate_gets_its_own_model_names_and_engine_path():
     assert v4["svc-v4-trtllm"][1]["engine_dir"].endswith("/engines/b/engine")
 
 
-def test_engine_cache_key_changes_with_each_of_its_inputs():
-    base = ("a" * 64, ["--max_batch_size", "64"], "0.20.0", "sm90 NVIDIA H100", "d" * 64, {"max_new_tokens": 8})
+def test_check_cache_key_changes_with_each_of_its_inputs():
+    base = ("a" * 64, {"max_batch_size": 64}, "1.2.1", "sm90 NVIDIA H100", "d" * 64, {"max_new_tokens": 8})
     variants = [
         ("b" * 64, *base[1:]),
-        (base[0], ["--max_batch_size", "128"], *base[2:]),
-        (*base[:2], "0.21.0", *base[3:]),
+        (base[0], {"max_batch_size": 128}, *base[2:]),
+        (*base[:2], "1.3.0", *base[3:]),
         (*base[:3], "sm86 NVIDIA A10", *base[4:]),
         (*base[:4], "e" * 64, base[5]),
         (*base[:5], {"max_new_tokens": 16}),
     ]
-    keys = {str(engine_cache_key(*v)) for v in [base, *variants]}
+    keys = {str(check_cache_key(*v)) for v in [base, *variants]}
     assert len(keys) == 7
 
 
 def test_profile_rules_for_the_gpu_backends():
-    with pytest.raises(BadInput, match="needs hardware.accelerator cuda"):
-        load_profile("cpu-tiny", ["quantize.backend=tensorrt-llm", "serve.backend=tensorrtllm"])
-    with pytest.raises(BadInput, match="go together"):
-        load_profile("qwen-7b-qlora-2xa10", ["serve.backend=python"])
-    with pytest.raises(BadInput, match="tp_size x pp_size = 4 exceeds hardware.gpus 2"):
-        load_profile("qwen2-14b-int4-tp2", ["quantize.tensorrt_llm.pp_size=2"])
-    with pytest.raises(BadInput, match="max_input_len must be below max_seq_len"):
-        load_profile("llama3-8b-h100-fp8", ["engine.max_input_len=4096"])
-    with pytest.raises(BadInput, match="quantize.tensorrt_llm.qformat"):
-        load_profile("llama3-8b-h100-fp8", ["quantize.tensorrt_llm.qformat=fp4"])
+    with pytest.raises(BadInput, match="quantize.backend modelopt needs hardware.accelerator cuda"):
+        load_profile("cpu-tiny", ["quantize.backend=modelopt"])
+    with pytest.raises(BadInput, match="loads Hugging Face checkpoints: quantize.backend modelopt or none"):
+        load_profile("qwen-7b-qlora-2xa10", ["quantize.backend=onnx-int8"])
+    with pytest.raises(BadInput, match="tensor_parallel_size x pipeline_parallel_size = 4 exceeds hardware.gpus 2"):
+        load_profile("qwen2-14b-int4-tp2", ["engine.pipeline_parallel_size=2"])
+    with pytest.raises(BadInput, match="engine.max_num_tokens 2048 is below train.cutoff_len 4096"):
+        load_profile("llama3-8b-h100-fp8", ["engine.max_num_tokens=2048"])
+    load_profile("llama3-8b-h100-fp8", ["engine.max_num_tokens=2048", "engine.enable_chunked_prefill=true"])
+    with pytest.raises(BadInput, match="quantize.modelopt.qformat"):
+        load_profile("llama3-8b-h100-fp8", ["quantize.modelopt.qformat=int8_wo"])
+
+
+def test_the_removed_engine_backend_is_refused_with_what_to_use_instead():
+    with pytest.raises(BadInput, match="tensorrt-llm .* was removed.*use quantize.backend modelopt"):
+        load_profile("llama3-8b-h100-fp8", ["quantize.backend=tensorrt-llm"])
+
+
+def test_nvfp4_is_a_config_error_unless_the_gpu_is_blackwell():
+    with pytest.raises(BadInput, match="nvfp4 needs a Blackwell GPU .* not H100: use fp8 or int4_awq"):
+        load_profile("llama3-8b-h100-fp8", ["quantize.modelopt.qformat=nvfp4"])
+    with pytest.raises(BadInput, match="nvfp4 needs a Blackwell GPU .* not None"):
+        load_profile("llama3-8b-h100-fp8", ["quantize.modelopt.qformat=nvfp4", "hardware.gpu_type=null"])
+    blackwell = load_profile("llama3-8b-h100-fp8", ["quantize.modelopt.qformat=nvfp4", "hardware.gpu_type=B200"])
+    assert "--qformat nvfp4" in shlex.join(
+        tensorrt_llm.quantize_command(blackwell.quantize.modelopt, Path("/m"), Path("/c"), Path("/o"))
+    )
+
+
+def test_an_nvfp4_checkpoint_is_refused_on_a_gpu_before_blackwell(tmp_path):
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    require_gpu_for(tmp_path, "sm100 NVIDIA B200")
+    with pytest.raises(BadInput, match=r"NVFP4 checkpoint needs a Blackwell GPU \(sm100\+\), this is sm90 NVIDIA H100"):
+        require_gpu_for(tmp_path, "sm90 NVIDIA H100")
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    require_gpu_for(tmp_path, "sm89 NVIDIA L40S")
+
+
+def test_llm_args_take_prompt_lengths_from_training_not_from_the_eval_split():
+    profile = load_profile("qwen-7b-qlora-2xa10", ["train.cutoff_len=3000", "engine.max_output_len=100"])
+    args = llm_args(profile)
+    assert (args["max_input_len"], args["max_seq_len"]) == (3000, 3100)
+    extra = llm_args(load_profile("qwen-7b-qlora-2xa10", ["engine.extra_args={enable_attention_dp: true}"]))
+    assert extra["enable_attention_dp"] is True
 
 
 def test_tensorrt_llm_stages_refuse_clearly_without_tensorrt_llm(tmp_path):
@@ -157,24 +205,6 @@ def test_qlora_config_for_two_gpus_launches_torchrun_with_4bit_base():
     assert config["fp16"] is True and config["include_num_input_tokens_seen"] == "non_padding"
     env = launch_env(profile.hardware)
     assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
-
-
-def test_engine_eval_asks_the_runner_for_sequence_lengths_and_slices_the_answer():
-    """ModelRunner(Cpp).generate returns `sequence_lengths` only with output_sequence_lengths=True (upstream
-    tensorrt_llm/runtime/model_runner_cpp.py `_fill_output`); lengths count prompt + generated tokens."""
-    import torch
-
-    from tasks.runners.tensorrt_llm_eval import generate_kwargs, new_tokens
-
-    kwargs = generate_kwargs(64, end_id=2, pad_id=0)
-    assert kwargs["output_sequence_lengths"] is True and kwargs["return_dict"] is True
-    assert kwargs["top_k"] == 1 and kwargs["num_beams"] == 1 and kwargs["end_id"] == 2
-    outputs = {
-        "output_ids": torch.tensor([[[5, 6, 7, 8, 2, 2]], [[5, 9, 2, 2, 2, 2]]]),  # prompt first, padded with end_id
-        "sequence_lengths": torch.tensor([[4], [2]]),
-    }
-    assert new_tokens(outputs, 0, prompt_length=2) == [7, 8]
-    assert new_tokens(outputs, 1, prompt_length=1) == [9]
 
 
 def test_gpu_profiles_name_models_that_exist_with_the_modules_they_target():
@@ -261,7 +291,7 @@ def engine_like(profile, folder: Path, qformat: str | None = None) -> Path:
     profile's model would be (sparse files: nothing is written)."""
     import json
 
-    checkpoint = profile.quantize.tensorrt_llm
+    checkpoint, ranks = profile.quantize.modelopt, profile.engine.world_size
     qformat = qformat or checkpoint.qformat
     layers, heads, kv_heads, hidden, params = SHAPES[profile.base_model.source]
     config = {
@@ -272,16 +302,19 @@ def engine_like(profile, folder: Path, qformat: str | None = None) -> Path:
             "num_key_value_heads": kv_heads,
             "hidden_size": hidden,
             "dtype": checkpoint.dtype,
-            "mapping": {"tp_size": checkpoint.tp_size, "pp_size": checkpoint.pp_size},
-            "quantization": {"kv_cache_quant_algo": "FP8" if checkpoint.kv_cache_dtype == "fp8" else None},
+            "mapping": {
+                "tp_size": profile.engine.tensor_parallel_size,
+                "pp_size": profile.engine.pipeline_parallel_size,
+            },
+            "quantization": {"kv_cache_quant_algo": "FP8" if checkpoint.kv_cache_fp8 else None},
         },
-        "build_config": {"max_seq_len": profile.engine.max_seq_len},
+        "build_config": {"max_seq_len": llm_args(profile)["max_seq_len"]},
     }
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
-    for rank in range(checkpoint.tp_size * checkpoint.pp_size):
+    for rank in range(ranks):
         with open(folder / f"rank{rank}.engine", "wb") as engine:
-            engine.truncate(int(params * WEIGHT_BYTES[qformat] / (checkpoint.tp_size * checkpoint.pp_size)))
+            engine.truncate(int(params * WEIGHT_BYTES[qformat] / ranks))
     return folder
 
 
@@ -294,7 +327,7 @@ def test_each_gpu_profile_fits_champion_and_candidate_on_its_gpus(profile_name, 
     tokens = memory_plan.kv_tokens_for_canary(engine, profile.hardware.gpu_memory_gb, profile_name)
     used = 2 * engine.weights_bytes + 2 * tokens * engine.kv_bytes_per_token
     assert used <= profile.hardware.gpu_memory_gb * memory_plan.GIB * (1 - memory_plan.HEADROOM)
-    assert tokens >= 4 * profile.engine.max_seq_len, tokens  # room for a few sequences each, not just one
+    assert tokens >= 4 * llm_args(profile)["max_seq_len"], tokens  # room for a few sequences each, not just one
 
 
 def test_a_canary_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
