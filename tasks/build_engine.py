@@ -9,7 +9,8 @@ what users get. The stage keeps its name (flows and caches know it by it).
 
 Cached by what determines the answers: the checkpoint's digest, the LLM arguments, the TensorRT-LLM version
 (the one the runner really imported must match) and the GPU architecture, plus the eval data and settings.
-The artifact is check.json (and the contract): it names the checkpoint digest, which serving loads as is.
+Its artifact, check.json (and the contract), is a record, not something served: release registers and serves
+the quantize stage's checkpoint, and the gate takes this stage's accuracy drop (flows/release.py).
 """
 
 from __future__ import annotations

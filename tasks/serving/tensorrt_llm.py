@@ -38,50 +38,6 @@ def installed_version() -> str:
         ) from None
 
 
-def engine_version(engine_dir: Path) -> str:
-    """The TensorRT-LLM release an engine was built with: the top-level "version" of its config.json
-    (tensorrt_llm/builder.py writes EngineConfig(model.config, build_config, __version__).to_dict())."""
-    import json
-
-    try:
-        version = json.loads((engine_dir / "config.json").read_text()).get("version")
-    except (OSError, ValueError) as exc:
-        raise CheckFailed(f"engine {engine_dir}: config.json unreadable ({exc})") from None
-    if not isinstance(version, str):
-        raise CheckFailed(f"engine {engine_dir}: config.json has no TensorRT-LLM version (built by the legacy API?)")
-    return version
-
-
-def require_serving_version(engine_dir: Path, server_version: str, server: str) -> None:
-    """Preflight before any load: an engine runs only on the TensorRT-LLM release that built it."""
-    built = engine_version(engine_dir)
-    if built != server_version:
-        raise CheckFailed(
-            f"engine {engine_dir.parent.name} was built with TensorRT-LLM {built}, but Triton at {server} serves "
-            f"TensorRT-LLM {server_version} (serve.tensorrtllm.server_version): rebuild the engine with "
-            f"{server_version} or serve it on a {built} image"
-        )
-
-
-def triton_launch(world_size: int, instances: int) -> tuple[list[str], dict[str, str]]:
-    """How tritonserver must start for tensorrtllm models that span GPUs: (command prefix, environment).
-
-    One GPU per model: a plain process. Tensor/pipeline parallel engines or several instances on their own
-    GPUs: the backend's orchestrator mode, where tritonserver is MPI rank 0 alone and the backend spawns
-    each model instance's ranks itself (MPI_Comm_spawn), so candidates can still be loaded and unloaded one
-    by one. Leader mode (`mpirun -n TP tritonserver`, ranks > 0 loading a fixed model list at start) could
-    not load a canary. Upstream: tensorrtllm_backend README "Orchestrator mode" (MPI world size 1, single
-    node) and docs/llama_multi_instance.md (`--multi-model` sets TRTLLM_ORCHESTRATOR=1; one `gpu_device_ids`
-    set per instance); scripts/launch_triton_server.py runs it as `mpirun --allow-run-as-root -n 1 tritonserver`.
-    """
-    if world_size == 1 and instances == 1:
-        return [], {}
-    return ["mpirun", "--allow-run-as-root", "-n", "1"], {
-        "TRTLLM_ORCHESTRATOR": "1",
-        "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1",
-    }
-
-
 def gpu_arch() -> str:
     """e.g. 'sm90 NVIDIA H100 80GB HBM3': kernels and quantized formats (FP8, NVFP4) depend on the architecture."""
     import torch

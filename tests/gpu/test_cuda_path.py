@@ -81,7 +81,7 @@ def test_a_modelopt_checkpoint_of_the_tiny_model_answers_on_tensorrt_llm_like_th
     done = llmops_run(
         tmp_path / "home",
         *("--set", "quantize.backend=modelopt", "--set", f"quantize.modelopt.qformat={qformat}"),
-        *("--set", "quantize.modelopt.awq_block_size=16", "--set", "serve.backend=tensorrtllm"),
+        *("--set", "quantize.modelopt.awq_block_size=16", "--set", "serve.backend=llmapi"),
         *(
             "--set",
             "engine.max_batch_size=8",

@@ -24,7 +24,7 @@ from tasks.platform.config.machines import HEAVY_STAGES, HardwareSection, HeavyS
 from tasks.platform.config.profile import Profile, sha256_json
 from tasks.platform.config.quantize import EngineSection, ModelOptQuantize, QuantizeSection
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
-from tasks.platform.config.serving import ListenSection, ServeSection, TritonTensorRTLLM, VllmServing
+from tasks.platform.config.serving import ListenSection, ServeSection, VllmServing
 from tasks.platform.config.training import (
     BaseModelSection,
     DataSection,
@@ -61,7 +61,6 @@ __all__ = [
     "TinyModel",
     "TrainSection",
     "TritonName",
-    "TritonTensorRTLLM",
     "VllmServing",
     "apply_override",
     "available_profiles",

@@ -46,29 +46,32 @@ class Profile(Section):
     def _backends_fit(self) -> Profile:
         if self.quantize.backend == "modelopt" and self.hardware.accelerator != "cuda":
             raise ValueError("quantize.backend modelopt needs hardware.accelerator cuda")
-        if self.serve.backend == "tensorrtllm" and self.hardware.accelerator != "cuda":
-            raise ValueError("serve.backend tensorrtllm needs hardware.accelerator cuda")
-        if self.serve.backend == "tensorrtllm" and self.quantize.backend == "onnx-int8":
-            raise ValueError(
-                "serve.backend tensorrtllm loads Hugging Face checkpoints: quantize.backend modelopt or none"
-            )
         nvfp4 = self.quantize.backend == "modelopt" and self.quantize.modelopt.qformat == "nvfp4"
         if nvfp4 and not is_blackwell(self.hardware.gpu_type):
             raise ValueError(
                 f"quantize.modelopt.qformat nvfp4 needs a Blackwell GPU (hardware.gpu_type one of "
                 f"{', '.join(BLACKWELL)}), not {self.hardware.gpu_type}: use fp8 or int4_awq"
             )
-        return self._engine_fits()
+        if self.serve.backend == "llmapi":
+            return self._llmapi_fits()
+        return self
 
-    def _engine_fits(self) -> Profile:
+    def _llmapi_fits(self) -> Profile:
+        """serve.backend llmapi: tensorrt_llm.LLM loads the quantize stage's checkpoint as it is."""
+        if self.hardware.accelerator != "cuda":
+            raise ValueError("serve.backend llmapi needs hardware.accelerator cuda")
+        if self.quantize.backend not in ("modelopt", "none"):
+            raise ValueError(
+                f"serve.backend llmapi loads a Hugging Face checkpoint: quantize.backend modelopt or none, "
+                f"not {self.quantize.backend}"
+            )
         engine = self.engine
-        if self.serve.backend == "tensorrtllm" and engine.world_size > self.hardware.gpus:
+        if engine.world_size > self.hardware.gpus:
             raise ValueError(
                 f"engine tensor_parallel_size x pipeline_parallel_size = {engine.world_size} exceeds "
                 f"hardware.gpus {self.hardware.gpus}"
             )
-        too_long = engine.max_num_tokens < self.train.cutoff_len and not engine.enable_chunked_prefill
-        if self.serve.backend == "tensorrtllm" and too_long:
+        if engine.max_num_tokens < self.train.cutoff_len and not engine.enable_chunked_prefill:
             raise ValueError(
                 f"engine.max_num_tokens {engine.max_num_tokens} is below train.cutoff_len {self.train.cutoff_len}: "
                 "a prompt as long as training allows would not fit one step (raise it, or enable_chunked_prefill)"
