@@ -1,14 +1,17 @@
 """The TensorRT-LLM LLM API arguments a profile serves with: one definition for the build_engine check
-(tasks/runners/tensorrt_llm_check.py calls `LLM(model=..., **llm_args(profile))`) and for the model.yaml of
-Triton's llmapi model (every key but triton_config goes to `LLM(**kwargs)`: tensorrtllm_backend README,
-"All keys in model.yaml map directly to LLM() constructor arguments"), so the check measures the runtime
-configuration users get.
+(tasks/runners/tensorrt_llm_check.py calls `LLM(model=..., **llm_args(profile))`) and for the served llmapi
+model (infra/triton/llmapi/1/model.py, rendered by tasks/serving/models.py:llmapi_values), so the check
+measures the runtime configuration users get. Upstream's own Triton llmapi model takes the same keys from its
+model.yaml (every key but triton_config goes to `LLM(**kwargs)`).
 
-Each key is a field of TensorRT-LLM's tensorrt_llm/llmapi/llm_args.py (1.2 line; the serving image,
-tritonserver 26.07-trtllm-python-py3, ships 1.2.1): BaseLlmArgs (`extra="forbid"`: an unknown key fails
-at LLM(), not silently) and its KvCacheConfig. The caller adds `model` (the checkpoint folder), which
-differs per machine, and may lower kv_cache_config.free_gpu_memory_fraction where the canary's memory plan
-shares the GPU; neither changes what the model computes.
+Each key is a field of TensorRT-LLM's tensorrt_llm/llmapi/llm_args.py: BaseLlmArgs (`extra="forbid"`: an
+unknown key fails at LLM(), not silently) and its KvCacheConfig. The serving image, tritonserver
+26.07-trtllm-python-py3, ships 1.2.1; the tag v1.2.1 could not be read here (the stored copy of
+NVIDIA/TensorRT-LLM holds tensorrt_llm/version.py only at b35ac1b64368513d215c57d2ed01d62d910df8da,
+__version__ "1.2.0rc2", the closest 1.2.x), so the field names below are those of the 1.2 line: re-check them
+at v1.2.1 when the repository can be read there. The caller adds `model` (the checkpoint folder), which differs
+per machine; the canary's memory plan adds only kv_cache_config.max_tokens (the smaller of it and
+free_gpu_memory_fraction applies); neither changes what the model computes.
 """
 
 from __future__ import annotations
