@@ -130,9 +130,10 @@ def release(
         merged = stage_task(merge, config)(ctx, dataset, base, adapter)
         quantized = stage_task(quantize, config)(ctx, dataset, merged)
         stages = [dataset, base, adapter, evaluation, merged, quantized]
-        if config.quantize.backend == "tensorrt-llm":
-            quantized = stage_task(build_engine, config)(ctx, dataset, evaluation, quantized)
-            stages.append(quantized)
+        checked = None  # llmapi: the checkpoint checked on the runtime that will serve it (a gate, not an artifact)
+        if config.serve.backend == "llmapi":
+            checked = stage_task(build_engine, config)(ctx, dataset, evaluation, quantized)
+            stages.append(checked)
         registered = stage_task(register, config)(
             ctx, quantized, stages, DatasetMetrics.of(dataset).fingerprint, str(runtime.flow_run.id or "")
         )
@@ -154,7 +155,7 @@ def release(
             deployment = stage_task(deploy_canary, config)(ctx, registered, triton)
             if not deployment.unchanged:
                 measured = stage_task(benchmark, config)(ctx, deployment)
-                report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, quantized)
+                report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked)
             outcome = stage_task(rollout, config)(
                 ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset
             )

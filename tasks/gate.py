@@ -9,8 +9,8 @@
   the model answers in a few tokens offline must stop before max_tokens when served. With
   evaluate.confidence the checks use the paired bootstrap bound, not the point value.
 - Served = measured: the artifact Triton loaded for the candidate (read back from the server) must
-  be the registered artifact that promotion will serve; on the TensorRT-LLM path the engine's
-  accuracy drop from the merged model is checked as well (on CPU the merged model is what serves).
+  be the registered artifact that promotion will serve; on the llmapi path the checkpoint's
+  accuracy drop on TensorRT-LLM (build_engine) from the merged model is checked as well (on CPU the merged model is what serves).
 The decision, with each check's value, interval, threshold and verdict, is written as JSON and markdown.
 """
 
@@ -211,8 +211,7 @@ def decide(
 def measured_artifact(deployment: Deployment) -> str:
     """The artifact Triton loaded for the candidate, from the configuration the server reports."""
     name = deployment.candidate.name
-    config_model = f"{name}-pre" if deployment.candidate.engine_root is not None else name
-    parameters = deployment.triton.model_config(config_model).get("parameters", {})
+    parameters = deployment.triton.model_config(name).get("parameters", {})
     return parameters.get("artifact_sha256", {}).get("string_value", "")
 
 
@@ -300,7 +299,7 @@ def gate(
     bench: BenchmarkResult,
     data: StageResult,
     evaluation: StageResult,
-    quantized: StageResult,
+    checked: StageResult | None,
 ) -> GateReport:
     folder = ctx.home / "work" / "gate" / ctx.tracker.run_id
     folder.mkdir(parents=True, exist_ok=True)
@@ -313,7 +312,7 @@ def gate(
         bench.candidate.summary,
         bench.champion.summary if bench.champion is not None else None,
         quality,
-        serving_accuracy_drop(ctx, quantized),
+        serving_accuracy_drop(checked),
     )
     json_path, md_path = report.write(folder)
     publish(ctx, report, json_path, md_path)
@@ -324,12 +323,10 @@ def gate(
     return report
 
 
-def serving_accuracy_drop(ctx: RunContext, quantized: StageResult) -> float | None:
-    """The quantized artifact's accuracy drop where it is what serves: the TensorRT-LLM engine (build_engine's
-    result). On CPU the merged model serves (docs/design.md: "What serves on CPU"); the ONNX numbers are informational."""
-    if ctx.profile.serve.backend != "tensorrtllm":
-        return None
-    return EngineMetrics.of(quantized).accuracy_drop
+def serving_accuracy_drop(checked: StageResult | None) -> float | None:
+    """The quantized checkpoint's accuracy drop on the runtime that serves it (build_engine's check, llmapi only).
+    On CPU the merged model serves (docs/design.md: "What serves on CPU"); the ONNX numbers are informational."""
+    return EngineMetrics.of(checked).accuracy_drop if checked is not None else None
 
 
 def publish(ctx: RunContext, report: GateReport, json_path: Path, md_path: Path) -> None:

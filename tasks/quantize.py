@@ -5,7 +5,9 @@ onnxruntime dynamic int8 quantization of the weights. Recorded: size before/afte
 per generated token (fp32 ONNX vs int8), and the accuracy delta against the merged model
 (`evaluate.metric` scored as evaluate scores it, ROUGE-L for answer_loss, and top-1 agreement of
 next-token predictions). `none` passes the merged model
-through. The TensorRT-LLM backend belongs to the GPU path and is refused here until it exists.
+through. GPU backend `modelopt`: NVIDIA ModelOpt post-training quantization (fp8, int4_awq, nvfp4; optional
+FP8 KV cache), calibrated on the training conversations under the chat template, exported as a Hugging
+Face checkpoint; its accuracy is measured on the serving runtime by build_engine.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from tasks.data.splits import eval_conversations, load_split
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
-from tasks.quality.chat import Conversation, prompt_ids
+from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
 from tasks.quality.models import load_model, load_tokenizer, probe_batch
 from tasks.quality.scoring import answer_metric, answer_score, generate_answers, scored_metric
@@ -41,7 +43,7 @@ SCORED_MODELS = ("merged", "onnx_fp32", "quantized")
 class QuantizeMetrics(StageMetrics):
     """Sizes, and on the ONNX path the cost of quantization: each model's score on `metric` (a text metric:
     evaluate.metric, ROUGE-L for answer_loss), top-1 agreement, ms/token, the accuracy drop merged -> int8.
-    On the TensorRT-LLM path only sizes: accuracy is measured on the engine (EngineMetrics).
+    On the ModelOpt path only sizes: accuracy is measured on the serving runtime (EngineMetrics).
     Fields in the order quantization.json has always had them (its bytes are part of the artifact's digest)."""
 
     STAGES = ("quantize",)
@@ -218,12 +220,12 @@ def passthrough(merged_dir: Path, out_dir: Path) -> QuantizeMetrics:
 
 def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
     cfg = ctx.profile.quantize
-    if cfg.backend == "tensorrt-llm":
-        return tensorrt_llm_checkpoint(ctx, data, merged)
+    if cfg.backend == "modelopt":
+        return modelopt_checkpoint(ctx, data, merged)
     key = {
         "merged": merged.artifact.digest,
         "data": data.artifact.digest,
-        "quantize": cfg.model_dump(),
+        "quantize": cfg.model_dump(exclude={"modelopt"}),  # the GPU backend's settings change nothing here
         "max_new_tokens": ctx.profile.evaluate.max_new_tokens,
         "eval_samples": ctx.profile.evaluate.max_samples,
     }
@@ -255,49 +257,44 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
     return run_cached(ctx, "quantize", key, produce, headline=lambda m: QuantizeMetrics.from_mlflow(m).headline())
 
 
-def tensorrt_llm_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
-    """The GPU backend: a TensorRT-LLM checkpoint (quantized by ModelOpt where the format asks) next to
-    the tokenizer. Its accuracy is measured on the built engine (tasks/build_engine.py)."""
+def calibration_ids(tokenizer, conversations: list[Conversation], max_length: int) -> list[list[int]]:
+    """Whole conversations as training encoded them (chat-templated prompt, answer, EOS), cut to max_length."""
+    return [(prompt_ids(tokenizer, c) + answer_ids(tokenizer, c))[:max_length] for c in conversations]
+
+
+def modelopt_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
+    """The GPU backend: an NVIDIA ModelOpt Hugging Face checkpoint (weights, hf_quant_config.json, tokenizer)
+    that TensorRT-LLM and vLLM load as is. Its accuracy is measured on the serving runtime (build_engine)."""
     from tasks.serving import tensorrt_llm
 
-    cfg = ctx.profile.quantize.tensorrt_llm
+    cfg = ctx.profile.quantize.modelopt
     key = {
         "merged": merged.artifact.digest,
         "data": data.artifact.digest,
-        "tensorrt_llm_quantize": cfg.model_dump(),
-        "tensorrt_llm": tensorrt_llm.installed_version(),
+        "modelopt": cfg.model_dump(),
+        "tensorrt_llm": tensorrt_llm.installed_version(),  # the image, and with it the ModelOpt it pins
     }
 
     def produce(out_dir: Path) -> dict:
         merged_dir = ctx.store.fetch(merged.artifact.digest)
-        calib_dir = out_dir.parent / "calibration"
-        calib_dir.mkdir(parents=True, exist_ok=True)
-        # The training split as {"text": ...} lines: quantize.py reads a local folder's train split, text column.
-        train = load_split(ctx.store.fetch(data.artifact.digest), "train")[: cfg.calib_size]
-        (calib_dir / "train.jsonl").write_text(
-            "".join(
-                json.dumps({"text": "\n".join(m["content"] for m in conversation)}) + "\n" for conversation in train
-            )
-        )
-        command = tensorrt_llm.checkpoint_command(cfg, merged_dir, calib_dir, out_dir / "checkpoint")
+        # The train split only: AWQ fits scales to its calibration data, and the eval split measures the drop.
+        conversations = load_split(ctx.store.fetch(data.artifact.digest), "train")[: cfg.calib_size]
+        calibration = out_dir.parent / "calibration.jsonl"
+        samples = calibration_ids(load_tokenizer(merged_dir), conversations, cfg.calib_max_seq_length)
+        calibration.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in samples))
+        command = tensorrt_llm.quantize_command(cfg, merged_dir, calibration, out_dir)
         tensorrt_llm.run_logged(command, out_dir.parent / "quantize.log", "quantize", logger())
-        shutil.copytree(
-            merged_dir,
-            out_dir / "tokenizer",
-            ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.pt", "*.index.json"),
-        )
-        shutil.rmtree(calib_dir, ignore_errors=True)
+        calibration.unlink()
+        for name in TOKENIZER_FILES:  # config.json is the export's own: it carries quantization_config
+            if name != "config.json" and (merged_dir / name).is_file():
+                shutil.copy2(merged_dir / name, out_dir / name)
         trained = load_contract(merged_dir)
-        require_same(
-            trained, read_contract(out_dir / "tokenizer", merged_dir), "the TensorRT-LLM checkpoint's tokenizer"
-        )
+        require_same(trained, read_contract(out_dir, merged_dir), "the ModelOpt checkpoint's tokenizer")
         write_contract(trained, out_dir)
-        (out_dir / "quantization.json").write_text(
-            json.dumps({"backend": "tensorrt-llm", **cfg.model_dump()}, indent=2)
-        )
+        (out_dir / "quantization.json").write_text(json.dumps({"backend": "modelopt", **cfg.model_dump()}, indent=2))
         return QuantizeMetrics(
             merged_bytes=folder_bytes(merged_dir, "*.safetensors"),
-            quantized_bytes=folder_bytes(out_dir / "checkpoint", "*.safetensors"),
+            quantized_bytes=folder_bytes(out_dir, "*.safetensors"),
         ).as_mlflow()
 
     return run_cached(

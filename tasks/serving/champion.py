@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from tasks.platform.config import Profile
 from tasks.platform.stage_cache import RunContext
-from tasks.serving import tensorrt_llm
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton, TritonTarget, control_key
 from tasks.serving.models import Served, install_model, model_name, set_routes
@@ -39,24 +38,25 @@ def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, T
 
 
 def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, str]]:
-    """The command prefix and environment tritonserver needs for this profile's models."""
+    """The command prefix and environment tritonserver needs for this profile's models. The llmapi model needs
+    neither: an LLM spanning GPUs spawns its own MPI workers (infra/triton/llmapi/1/model.py), so tritonserver runs
+    as one plain process, without mpirun or the C++ backend's orchestrator flags."""
     if profile.serve.backend == "vllm":
         return [], vllm_serving.triton_env(profile, home)
-    if profile.serve.backend != "tensorrtllm":
-        return [], {}
-    checkpoint = profile.quantize.tensorrt_llm
-    return tensorrt_llm.triton_launch(checkpoint.tp_size * checkpoint.pp_size, profile.serve.instance_count)
+    return [], {}
 
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
-    engine = version.tags.get("artifact.build_engine.sha256")
+    """What a registered version serves: the merged model, or on llmapi the quantize stage's checkpoint (the
+    registered artifact itself; build_engine only checked it)."""
     merged = version.tags["artifact.merge.sha256"]
+    checkpoint = version.tags["artifact.quantize.sha256"] if ctx.profile.serve.backend == "llmapi" else None
     return Served(
         str(version.version),
         model_name(service, str(version.version)),
         ctx.store.fetch(merged),
-        ctx.store.fetch(engine) if engine else None,
-        engine or merged,
+        ctx.store.fetch(checkpoint) if checkpoint else None,
+        checkpoint or merged,
     )
 
 

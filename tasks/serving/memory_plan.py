@@ -1,16 +1,27 @@
-"""GPU memory of a canary: champion and candidate TensorRT-LLM engines side by side on the same GPUs.
+"""GPU memory of a canary: champion and candidate LLM API models side by side on the same GPUs.
 
-The tensorrtllm backend sizes a model's KV cache from `kv_cache_free_gpu_mem_fraction` of the memory
-free *when that model loads*: with 0.9, the champion takes 90% of what is free and the candidate, loaded
-next, gets a KV cache too small to serve (or fails to load). So every engine is loaded with an absolute
-budget, `max_tokens_in_paged_kv_cache` (the backend uses the smaller of the two limits), planned so that
-two engines of its size fit at once:
+TensorRT-LLM's LLM API sizes a model's KV cache from `kv_cache_config.free_gpu_memory_fraction` of the memory
+free *when that model loads* (default 0.9): the champion would take 90% of what is free and the candidate,
+loaded next, would get a KV cache too small to serve, or fail to load. So each model also gets an absolute
+budget, `kv_cache_config.max_tokens` (KvCacheConfig: when both are set, the smaller applies), planned so
+that two models of this size fit at once:
 
-    per GPU:  2 x weights + 2 x tokens x KV bytes per token  <=  GPU memory x (1 - headroom)
+    per GPU:  2 x (weights + runtime reserve + activations) + 2 x tokens x KV bytes per token
+              <= GPU memory (real GiB) - fragmentation margin
 
-A layout where that leaves less than one full sequence (`max_seq_len` tokens) per engine is refused with
-what to change. The engine's sizes come from its own files: the rank*.engine files (weights, per GPU) and
-config.json (layers, KV heads, head size, KV cache dtype, parallel mapping).
+Everything besides weights and KV cache is written out rather than hidden in one percentage:
+- runtime reserve (RUNTIME_RESERVE_GIB per model per GPU): the worker process's CUDA context, cuBLAS and NCCL
+  workspaces, the CUDA graphs' memory pool and the PyTorch executor's buffers (sampler and decoder state);
+- activations: one layer's forward pass over `max_num_tokens` tokens (the PyTorch backend frees each layer's
+  tensors before the next), plus fp32 logits of `max_batch_size` sequences;
+- a FRAGMENTATION margin of the GPU: the caching allocator's free-but-split blocks.
+A layout that leaves less than one full sequence (`max_seq_len` tokens) per model is refused with what to change.
+
+GPU memory is what the GPU reports (nvidia-smi's total, in GiB), not the size it is sold under: an "80 GB"
+H100 has 79.6 GiB, a "24 GB" A10 22.5 GiB. Known types come from GPU_GIB; any other takes
+hardware.gpu_memory_gb as decimal GB converted to GiB (which is below what such a GPU reports).
+The checkpoint's sizes come from its own files: *.safetensors (weights), config.json (layers, KV heads, head
+size, dtype), hf_quant_config.json (ModelOpt's export: an FP8 KV cache).
 """
 
 from __future__ import annotations
@@ -18,55 +29,121 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput, CheckFailed
+from tasks.serving.llm_api import llm_args
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
-# Activations, CUDA context, the executor's buffers: kept out of the plan (upstream's default fraction
-# leaves 10% of free memory for the same reason).
-HEADROOM = 0.15
+# nvidia-smi's memory.total per GPU type, MiB / 1024 (what cudaMemGetInfo reports as total)
+GPU_GIB = {
+    "A10": 22.49,  # 23028 MiB
+    "A10G": 22.49,
+    "L4": 22.49,  # 23034 MiB
+    "L40S": 44.99,  # 46068 MiB
+    "L40": 44.99,
+    "H100": 79.65,  # 81559 MiB (SXM and PCIe 80GB)
+    "H200": 140.40,  # 143771 MiB
+}
+RUNTIME_RESERVE_GIB = 1.5
+FRAGMENTATION = 0.05
 
 
 @dataclass(frozen=True)
-class EngineFootprint:
-    weights_bytes: int  # per GPU: the largest rank's engine file
-    kv_bytes_per_token: int  # per GPU: K and V of every layer this rank holds
-    max_seq_len: int
+class ModelFootprint:
+    """What one served model takes per GPU, besides its KV cache."""
+
+    weights_bytes: int  # this GPU's share of the checkpoint's weights
+    activation_bytes: int
+    kv_bytes_per_token: int  # K and V of every layer this GPU holds
 
 
-def footprint(engine_dir: Path) -> EngineFootprint:
-    try:
-        config = json.loads((engine_dir / "config.json").read_text())
-        pretrained, build = config["pretrained_config"], config["build_config"]
-        mapping = pretrained.get("mapping", {})
-        tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
-        heads = int(pretrained["num_attention_heads"])
-        kv_heads = int(pretrained.get("num_key_value_heads") or heads)
-        head_size = int(pretrained.get("head_size") or pretrained["hidden_size"] // heads)
-        layers = int(pretrained["num_hidden_layers"])
-        kv_quant = (pretrained.get("quantization") or {}).get("kv_cache_quant_algo")
-        kv_dtype = "fp8" if kv_quant in ("FP8", "INT8") else str(pretrained.get("dtype", "float16"))
-        max_seq_len = int(build["max_seq_len"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckFailed(f"engine {engine_dir}: config.json lacks what the memory plan needs ({exc!r})") from None
-    ranks = list(engine_dir.glob("rank*.engine"))
-    if not ranks:
-        raise CheckFailed(f"engine {engine_dir}: no rank*.engine file")
-    per_gpu_kv_heads = max(kv_heads // tp, 1)
-    kv_bytes = 2 * -(-layers // pp) * per_gpu_kv_heads * head_size * DTYPE_BYTES.get(kv_dtype, 2)
-    return EngineFootprint(max(p.stat().st_size for p in ranks), kv_bytes, max_seq_len)
-
-
-def kv_tokens_for_canary(engine: EngineFootprint, gpu_memory_gb: float, where: str) -> int:
-    """The KV cache budget (tokens) that lets two engines of this size serve side by side on one GPU set."""
-    usable = gpu_memory_gb * GIB * (1 - HEADROOM) - 2 * engine.weights_bytes
-    tokens = int(usable / 2 // engine.kv_bytes_per_token) if usable > 0 else 0
-    if tokens < engine.max_seq_len:
+def gpu_gib(gpu_type: str | None, gpu_memory_gb: float | None, where: str) -> float:
+    """The memory one GPU really has, in GiB."""
+    if gpu_type and gpu_type.upper() in GPU_GIB:
+        return GPU_GIB[gpu_type.upper()]
+    if gpu_memory_gb is None:
         raise BadInput(
-            f"{where}: champion and candidate engines ({engine.weights_bytes / GIB:.1f} GiB of weights per GPU each) "
-            f"do not fit side by side on {gpu_memory_gb:g} GB GPUs (hardware.gpu_memory_gb) with a KV cache for "
-            f"one {engine.max_seq_len}-token sequence each ({tokens} tokens left): quantize further, shorten "
-            "engine.max_seq_len, or give the candidate GPUs of its own"
+            f"{where}: hardware.gpu_type {gpu_type!r} is not one of {', '.join(GPU_GIB)} and hardware.gpu_memory_gb "
+            "is not set: the canary's memory plan needs one GPU's memory"
+        )
+    return gpu_memory_gb * 1e9 / GIB
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckFailed(f"checkpoint {path.parent}: {path.name} unreadable ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckFailed(f"checkpoint {path.parent}: {path.name} is not a JSON object")
+    return value
+
+
+def kv_dtype_bytes(checkpoint_dir: Path, config: dict[str, Any]) -> int:
+    """ModelOpt's export names a quantized KV cache in hf_quant_config.json (quantization.kv_cache_quant_algo);
+    otherwise the KV cache is in the model's dtype."""
+    quant_file = checkpoint_dir / "hf_quant_config.json"
+    if quant_file.is_file():
+        algo = (read_json(quant_file).get("quantization") or {}).get("kv_cache_quant_algo")
+        if algo in ("FP8", "INT8", "NVFP4"):
+            return 1
+    return DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), 2)
+
+
+def footprint(
+    checkpoint_dir: Path, tensor_parallel: int, pipeline_parallel: int, max_num_tokens: int, max_batch_size: int
+) -> ModelFootprint:
+    config = read_json(checkpoint_dir / "config.json")
+    try:
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        hidden = int(config["hidden_size"])
+        head_size = int(config.get("head_dim") or hidden // heads)
+        layers = int(config["num_hidden_layers"])
+        intermediate = int(config.get("intermediate_size") or 4 * hidden)
+        vocab = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckFailed(
+            f"checkpoint {checkpoint_dir}: config.json lacks what the memory plan needs ({exc!r})"
+        ) from None
+    shards = list(checkpoint_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckFailed(f"checkpoint {checkpoint_dir}: no *.safetensors file")
+    gpus = tensor_parallel * pipeline_parallel
+    weights = -(-sum(p.stat().st_size for p in shards) // gpus)
+    kv = 2 * -(-layers // pipeline_parallel) * max(kv_heads // tensor_parallel, 1) * head_size
+    activations = max_num_tokens * (2 * intermediate // tensor_parallel + 4 * hidden) * 2 + max_batch_size * vocab * 4
+    return ModelFootprint(weights, activations, kv * kv_dtype_bytes(checkpoint_dir, config))
+
+
+def kv_tokens_for_canary(model: ModelFootprint, gpu_memory_gib: float, max_seq_len: int, where: str) -> int:
+    """The KV cache budget (tokens) that lets two models of this size serve side by side on one GPU set."""
+    per_model = model.weights_bytes + model.activation_bytes + RUNTIME_RESERVE_GIB * GIB
+    usable = gpu_memory_gib * GIB * (1 - FRAGMENTATION) - 2 * per_model
+    tokens = int(usable / 2 // model.kv_bytes_per_token) if usable > 0 else 0
+    if tokens < max_seq_len:
+        raise BadInput(
+            f"{where}: champion and candidate ({model.weights_bytes / GIB:.1f} GiB of weights, "
+            f"{model.activation_bytes / GIB:.1f} GiB of activations and {RUNTIME_RESERVE_GIB} GiB of runtime per GPU "
+            f"each) do not fit side by side on {gpu_memory_gib:.1f} GiB GPUs with a KV cache for one "
+            f"{max_seq_len}-token sequence each ({tokens} tokens left): quantize further, lower train.cutoff_len, engine.max_output_len or "
+            "engine.max_num_tokens, or give the candidate GPUs of its own"
         )
     return tokens
+
+
+def canary_kv_tokens(profile: Profile, checkpoint_dir: Path, where: str) -> int:
+    """kv_cache_config.max_tokens for one of the canary's two models of this profile's checkpoint."""
+    args = llm_args(profile)
+    model = footprint(
+        checkpoint_dir,
+        args["tensor_parallel_size"],
+        args["pipeline_parallel_size"],
+        args["max_num_tokens"],
+        args["max_batch_size"],
+    )
+    memory = gpu_gib(profile.hardware.gpu_type, profile.hardware.gpu_memory_gb, f"profile {profile.name}")
+    return kv_tokens_for_canary(model, memory, args["max_seq_len"], where)

@@ -9,6 +9,7 @@ the router without failing requests in flight.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tempfile
@@ -21,12 +22,13 @@ from pathlib import Path
 import requests
 
 from tasks.platform.config import Profile
-from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import logger
 from tasks.quality.contract import CONTRACT_FILE, load_contract, read_contract, require_same
-from tasks.serving import memory_plan, tensorrt_llm
+from tasks.serving import memory_plan
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton
+from tasks.serving.llm_api import llm_args
 from tasks.serving.repository import render_model
 
 
@@ -35,8 +37,13 @@ class Served:
     version: str
     name: str
     model_dir: Path  # the merged model: tokenizer for genai-perf, the champion's task score
-    engine_root: Path | None = None  # build_engine's artifact (engine/, tokenizer/) on the GPU path
-    artifact_sha256: str = ""  # the store artifact this model serves: the engine on the GPU path, else the merged model
+    checkpoint_dir: Path | None = None  # llmapi: the quantize stage's checkpoint, which the llmapi model loads
+    artifact_sha256: str = ""  # the store artifact this model serves: that checkpoint on llmapi, else the merged model
+
+    @property
+    def serves(self) -> Path:
+        """The folder the served model loads (weights and tokenizer)."""
+        return self.checkpoint_dir or self.model_dir
 
 
 def model_name(service: str, version: str) -> str:
@@ -58,70 +65,39 @@ def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
     }
 
 
-def serving_model(profile: Profile, model_dir: Path, artifact_sha256: str) -> tuple[str, dict]:
-    """The template (infra/triton/<kind>) and values of a served version's Python-backend model."""
-    values = llm_values(profile, model_dir, artifact_sha256)
-    if profile.serve.backend != "vllm":
-        return "llm", values
-    # vLLM batches and schedules itself: no dynamic batcher, one engine per model, its own threads
-    for unused in ("max_queue_delay_us", "instance_count", "torch_threads", "device"):
-        del values[unused]
-    return "vllm", {**values, **vllm_serving.model_values(profile)}
+def pbtxt_string(text: str) -> str:
+    """`text` inside a protobuf text-format string literal ("...")."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def tensorrtllm_models(
-    profile: Profile, name: str, engine_root: Path, artifact_sha256: str, kv_tokens: int
-) -> dict[str, tuple[str, dict]]:
-    """The four Triton models of one tensorrtllm candidate, {model name: (template, values)}; the
-    composing models carry the candidate's name, and the engine path is this candidate's own."""
-    serve, trt = profile.serve, profile.serve.tensorrtllm
-    world = profile.quantize.tensorrt_llm.tp_size * profile.quantize.tensorrt_llm.pp_size
+def llmapi_values(profile: Profile, kv_tokens: int | None) -> dict[str, object]:
+    """infra/triton/llmapi's values beyond those every Python-backend LLM model takes: the LLM() arguments
+    build_engine checked the checkpoint under (tasks/serving/llm_api.py), with the canary's KV budget
+    (kv_cache_config.max_tokens, tasks/serving/memory_plan.py) as the only addition, and each instance's GPUs."""
+    args = llm_args(profile)
+    if kv_tokens is not None:
+        args["kv_cache_config"] = {**args["kv_cache_config"], "max_tokens": kv_tokens}
+    world = args["tensor_parallel_size"] * args["pipeline_parallel_size"]
     # instance i runs on GPUs [i*world, (i+1)*world): "0;1" two single-GPU instances, "0,1" one TP2 instance
-    devices = ";".join(",".join(str(i * world + r) for r in range(world)) for i in range(serve.instance_count))
-    tokenizer = str((engine_root / "tokenizer").resolve())
-    names = {"pre": f"{name}-pre", "trtllm": f"{name}-trtllm"}
-    return {
-        names["pre"]: (
-            "tensorrtllm/preprocessing",
-            {
-                "max_batch_size": serve.max_batch_size,
-                "instance_count": trt.preprocessing_instances,
-                "tokenizer_dir": tokenizer,
-                "apply_chat_template": str(serve.apply_chat_template).lower(),
-                "artifact_sha256": artifact_sha256,
-                "default_max_tokens": serve.default_max_tokens,
-            },
-        ),
-        names["trtllm"]: (
-            "tensorrtllm/tensorrt_llm",
-            {
-                "max_batch_size": serve.max_batch_size,
-                "decoupled": str(trt.decoupled).lower(),
-                "max_queue_delay_us": trt.max_queue_delay_us,
-                "instance_count": serve.instance_count,
-                "batching_strategy": trt.batching_strategy,
-                "engine_dir": str((engine_root / "engine").resolve()),
-                "batch_scheduler_policy": trt.batch_scheduler_policy,
-                "kv_cache_free_gpu_mem_fraction": trt.kv_cache_free_gpu_mem_fraction,
-                "max_tokens_in_paged_kv_cache": kv_tokens,
-                "enable_kv_cache_reuse": str(trt.enable_kv_cache_reuse).lower(),
-                "enable_chunked_context": str(trt.enable_chunked_context).lower(),
-                "max_beam_width": profile.engine.max_beam_width,
-                "gpu_device_ids": devices,
-            },
-        ),
-        name: (
-            "tensorrtllm/bls",
-            {
-                "max_batch_size": serve.max_batch_size,
-                "instance_count": trt.bls_instances,
-                "preprocessing_model": names["pre"],
-                "tensorrt_llm_model": names["trtllm"],
-                "engine_decoupled": str(trt.decoupled).lower(),
-                "tokenizer_dir": tokenizer,
-            },
-        ),
-    }
+    devices = ";".join(",".join(str(i * world + r) for r in range(world)) for i in range(profile.serve.instance_count))
+    return {"gpu_device_ids": devices, "llm_args": pbtxt_string(json.dumps(args, sort_keys=True))}
+
+
+def serving_model(
+    profile: Profile, model_dir: Path, artifact_sha256: str, kv_tokens: int | None = None
+) -> tuple[str, dict]:
+    """The template (infra/triton/<kind>) and values of a served version's Python-backend model; `kv_tokens`:
+    the llmapi model's planned KV cache (tasks/serving/memory_plan.py)."""
+    values = llm_values(profile, model_dir, artifact_sha256)
+    if profile.serve.backend == "python":
+        return "llm", values
+    # vLLM and the LLM API batch and schedule themselves: no dynamic batcher, their own threads
+    for unused in ("max_queue_delay_us", "torch_threads", "device"):
+        del values[unused]
+    if profile.serve.backend == "llmapi":
+        return "llmapi", {**values, **llmapi_values(profile, kv_tokens)}
+    del values["instance_count"]  # one vLLM engine per model
+    return "vllm", {**values, **vllm_serving.model_values(profile)}
 
 
 @contextmanager
@@ -145,45 +121,20 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> float:
     if triton.is_ready(served.name):
         return 0.0
     with model_folders(triton) as repository:
-        if profile.serve.backend == "tensorrtllm":
-            if served.engine_root is None:
-                raise CheckFailed(
-                    f"{served.name}: serve.backend tensorrtllm, but the version has no build_engine artifact"
-                )
-            if triton.repository is None:
-                raise BadInput(
-                    f"Triton at {triton.url}: a tensorrtllm model needs the server's model repository "
-                    "(--triton-repository on a shared filesystem): engines are not sent with load requests"
-                )
-            engine_dir = served.engine_root / "engine"
-            tensorrt_llm.require_serving_version(engine_dir, profile.serve.tensorrtllm.server_version, triton.url)
-            if profile.hardware.gpu_memory_gb is None:
-                raise BadInput(
-                    f"profile {profile.name}: hardware.gpu_memory_gb is needed to plan the canary's GPU memory"
-                )
-            kv_tokens = memory_plan.kv_tokens_for_canary(
-                memory_plan.footprint(engine_dir), profile.hardware.gpu_memory_gb, served.name
-            )
-            logger().info(f"canary: {served.name} gets a KV cache of {kv_tokens} tokens (room for a second engine)")
-            # The models the entry BLS calls are loaded first, by name: Triton loads an ensemble's
-            # composing models with it, but not the models a BLS calls.
-            for model, (template, values) in tensorrtllm_models(
-                profile, served.name, served.engine_root, served.artifact_sha256, kv_tokens
-            ).items():
-                render_model(template, repository, model, values)
-                if model != served.name:
-                    load_rendered(triton, model, repository, profile.serve.load_timeout_s)
-        else:
-            # No shared filesystem: the model's weights and tokenizer travel inside its folder (1/model).
-            shipped = triton.repository is None
-            template, values = serving_model(profile, served.model_dir, served.artifact_sha256)
-            folder = render_model(
-                template, repository, served.name, {**values, "model_dir": "model"} if shipped else values
-            )
-            if shipped:
-                shutil.copytree(served.model_dir, folder / "1" / "model")
-            if template == "vllm" and triton.is_local():
-                vllm_serving.require_room(profile, served.name)
+        # No shared filesystem: the model's weights and tokenizer travel inside its folder (1/model).
+        shipped = triton.repository is None
+        kv_tokens = None
+        if profile.serve.backend == "llmapi":
+            kv_tokens = memory_plan.canary_kv_tokens(profile, served.serves, served.name)
+            logger().info(f"canary: {served.name} gets a KV cache of {kv_tokens} tokens (room for a second model)")
+        template, values = serving_model(profile, served.serves, served.artifact_sha256, kv_tokens)
+        folder = render_model(
+            template, repository, served.name, {**values, "model_dir": "model"} if shipped else values
+        )
+        if shipped:
+            shutil.copytree(served.serves, folder / "1" / "model")
+        if template == "vllm" and triton.is_local():
+            vllm_serving.require_room(profile, served.name)
         check_serving_contract(repository, profile, served)
         logger().info(
             f"canary: loading {served.name} on Triton {triton.url}"
@@ -197,15 +148,11 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> float:
 
 
 def check_serving_contract(repository: Path, profile: Profile, served: Served) -> None:
-    """The tokenizer the rendered serving config names (its chat template, EOS/pad ids: the end_id/pad_id the
-    tensorrtllm preprocessing sends) must keep the contract training recorded (tasks/quality/contract.py)."""
+    """The tokenizer the rendered serving config names (its chat template, EOS/pad ids) must keep the contract
+    training recorded (tasks/quality/contract.py): on the GPU path, the checkpoint must carry training's tokenizer."""
     if not (served.model_dir / CONTRACT_FILE).is_file():
         return  # registered before contracts were recorded
-    model, key = (
-        (f"{served.name}-pre", "tokenizer_dir")
-        if profile.serve.backend == "tensorrtllm"
-        else (served.name, "model_dir")
-    )
+    model, key = served.name, "model_dir"
     config = repository / model / "config.pbtxt"
     found = re.search(rf'key: "{key}", value: {{ string_value: "([^"]*)" }}', config.read_text())
     if found is None:
@@ -228,11 +175,8 @@ def set_routes(triton: Triton, profile: Profile, service: str, weights: Mapping[
 
 
 def triton_unload_quietly(triton: Triton, name: str) -> None:
-    """Unload a served version, and the models its tensorrtllm entry BLS calls (not dependents to Triton)."""
-    for model in (name, f"{name}-pre", f"{name}-trtllm"):
-        if model != name and not triton.is_ready(model):
-            continue
-        try:
-            triton.unload(model)
-        except requests.RequestException:
-            pass
+    """Unload a served version."""
+    try:
+        triton.unload(name)
+    except requests.RequestException:
+        pass

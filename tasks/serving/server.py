@@ -113,7 +113,7 @@ class TritonServer:
         """Start tritonserver; `ports` (HTTP, gRPC, metrics) default to free ones. `die_with_parent`: the
         kernel stops Triton when the thread that started it ends (a SIGKILLed `llmops serve` leaves no
         orphan); only for a thread that lives as long as the server, such as a program's main thread.
-        `launcher` and `extra_env`: what tensorrtllm models spanning GPUs need (tasks/serving/tensorrt_llm.py:triton_launch)."""
+        `launcher` and `extra_env`: what the profile's models need (tasks/serving/champion.py:triton_launch)."""
         exe = find_binary(binary)
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-"""GPU integration: QLoRA on CUDA and a TensorRT-LLM engine of the tiny model, through `llmops run`.
+"""GPU integration: QLoRA on CUDA, and a ModelOpt checkpoint of the tiny model checked on TensorRT-LLM,
+through `llmops run`.
 
 Skipped, with the reason printed (pytest -ra), where there is no CUDA GPU or no TensorRT-LLM. Run them
-in the GPU images of infra/images/ (a CUDA build of torch; tensorrt_llm in the TensorRT-LLM image):
+in the GPU images of infra/images/ (a CUDA build of torch; tensorrt_llm and ModelOpt in the TensorRT-LLM image):
     python -m pytest tests/gpu -ra
 """
 
@@ -26,12 +27,17 @@ def cuda_gpus() -> int:
 
 
 needs_cuda = pytest.mark.skipif(cuda_gpus() < 1, reason="no CUDA GPU visible to torch on this machine")
-TRTLLM_EXAMPLES = os.environ.get("TRTLLM_EXAMPLES_DIR", "/app/tensorrt_llm/examples")
 needs_tensorrt_llm = pytest.mark.skipif(
-    importlib.util.find_spec("tensorrt_llm") is None
-    or not Path(TRTLLM_EXAMPLES, "quantization", "quantize.py").is_file(),
-    reason=f"tensorrt_llm not installed or its examples not at {TRTLLM_EXAMPLES} (TRTLLM_EXAMPLES_DIR)",
+    importlib.util.find_spec("tensorrt_llm") is None or importlib.util.find_spec("modelopt") is None,
+    reason="tensorrt_llm or nvidia-modelopt not installed (run in the TensorRT-LLM image)",
 )
+
+
+def has_fp8() -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(0) >= (8, 9)  # Ada, Hopper, Blackwell
+
 
 ON_ONE_GPU = ["--set", "hardware.accelerator=cuda", "--set", "hardware.gpus=1", "--set", "serve.deploy=false"]
 
@@ -68,25 +74,24 @@ def test_qlora_on_cuda_logs_tokens_per_second_and_gpu_memory(tmp_path):
 
 @needs_cuda
 @needs_tensorrt_llm
-def test_tensorrt_llm_engine_of_the_tiny_model_answers_like_the_merged_model(tmp_path):
+def test_a_modelopt_checkpoint_of_the_tiny_model_answers_on_tensorrt_llm_like_the_merged_model(tmp_path):
+    """quantize (ModelOpt, FP8 where the GPU has it, else int4 AWQ) then build_engine: the checkpoint loaded
+    by the LLM API under the serving arguments answers the eval split within quantize.max_accuracy_drop."""
+    qformat = "fp8" if has_fp8() else "int4_awq"
     done = llmops_run(
         tmp_path / "home",
-        "--set",
-        "quantize.backend=tensorrt-llm",
-        "--set",
-        "serve.backend=tensorrtllm",
-        "--set",
-        f"quantize.tensorrt_llm.examples_dir={TRTLLM_EXAMPLES}",
-        "--set",
-        "engine.max_batch_size=8",
-        "--set",
-        "engine.max_input_len=96",
-        "--set",
-        "engine.max_seq_len=128",
-        "--set",
-        "engine.max_num_tokens=1024",
+        *("--set", "quantize.backend=modelopt", "--set", f"quantize.modelopt.qformat={qformat}"),
+        *("--set", "quantize.modelopt.awq_block_size=16", "--set", "serve.backend=llmapi"),
+        *(
+            "--set",
+            "engine.max_batch_size=8",
+            "--set",
+            "engine.max_num_tokens=1024",
+            "--set",
+            "engine.max_output_len=32",
+        ),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = mlflow_metrics(tmp_path / "home")
-    assert metrics["build_engine/engine_bytes"] > 0
+    assert metrics["build_engine/checkpoint_bytes"] > 0 and metrics["build_engine/load_s"] > 0
     assert metrics["build_engine/accuracy_drop"] <= 0.05

@@ -21,12 +21,12 @@ from tasks.quality.chat import encode_prompt, prompt_ids, serving_request, strea
 from tasks.quality.contract import PROBES, read_contract, require_same
 from tasks.serving import model_text
 from tasks.serving.client import load_parameters
-from tasks.serving.models import serving_model, tensorrtllm_models
+from tasks.serving.models import serving_model
 from tasks.serving.repository import render_model
 
 CONVERSATIONS = PROBES  # English and Chinese, with and without a system prompt, multi-turn
-PROMPT_ENCODERS = ["llm", "vllm", "tensorrtllm/preprocessing"]  # the models that turn a request into token ids
-STREAMERS = ["llm", "vllm", "tensorrtllm/bls"]  # the models that detokenize a streamed answer
+PROMPT_ENCODERS = ["llm", "vllm", "llmapi"]  # the models that turn a request into token ids
+STREAMERS = ["llm", "vllm", "llmapi"]  # the models that detokenize a streamed answer
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
         "svc-v1": serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64),
         "svc-v2": serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64),
         "svc": ("router", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"}),
-        **tensorrtllm_models(load_profile("qwen-7b-qlora-2xa10"), "svc-v3", Path("/engines/v3"), "e" * 64, 40960),
+        "svc-v3": serving_model(load_profile("qwen-7b-qlora-2xa10"), Path("/checkpoints/v3"), "e" * 64, 40960),
     }
     return {template: render_model(template, repository, name, values) for name, (template, values) in models.items()}
 
@@ -61,14 +61,13 @@ def served_model(folder: Path, monkeypatch) -> types.ModuleType:
 def test_every_python_backend_model_carries_the_one_copy_of_the_text_helpers(rendered):
     helper = Path(model_text.__file__).read_bytes()
     python_models = {template for template, folder in rendered.items() if (folder / "1" / "model.py").is_file()}
-    assert python_models == {"llm", "vllm", "router", "tensorrtllm/preprocessing", "tensorrtllm/bls"}
+    assert python_models == {"llm", "vllm", "router", "llmapi"}
     for template in python_models:
         folder = rendered[template]
         assert (folder / "1" / model_text.FILE_NAME).read_bytes() == helper, template
         # what a load request sends when the server has no shared repository (tasks/serving/client.py)
         sent = load_parameters(folder)[f"file:1/{model_text.FILE_NAME}"]
         assert base64.b64decode(sent) == helper
-    assert not (rendered["tensorrtllm/tensorrt_llm"] / "1" / model_text.FILE_NAME).exists()  # a C++ backend
 
 
 def test_the_text_helpers_import_only_the_standard_library():

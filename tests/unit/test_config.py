@@ -66,16 +66,20 @@ def test_profile_digest_changes_with_any_value():
 
 
 # Digests of the shipped profiles' resolved values at 7a2ae40, before the profiles stopped restating
-# the schema's defaults (data paths relative to the repository, so the pin holds in any checkout).
+# the schema's defaults (data paths relative to the repository, so the pin holds in any checkout); updated
+# when quantize.tensorrt_llm (trtllm-build) gave way to quantize.modelopt and the engine section to LLM API
+# arguments (the CPU profiles' own values did not change; their quantize stage key leaves modelopt out).
 # A change here changes every stage's cache key: only a deliberate change of a value may update it.
-# Updated when serve.vllm gained gpu_memory_utilization and tensor_parallel_size (vLLM on cuda).
+# Updated when serve.vllm gained gpu_memory_utilization and tensor_parallel_size (vLLM on cuda), and when
+# serve.tensorrtllm gave way to serve.backend llmapi (the GPU profiles' serving settings moved into engine,
+# the vLLM profile lost its unused build_engine stage; the CPU profiles' own values did not change).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "026376e0c43acfb258e58ab5b1e208b26a31b9f0c018a15b74aca85504a26845",
-    "cpu-tiny-qa-zh": "c2a99829fa8070c82aade4f9b551dd97ee0f428b8ac6b1579484a80421615bf2",
-    "llama3-8b-h100-fp8": "ebacc29a324e22fdfb46ce2ce6eb5c6da1b018720731a6aaadff7c0a2a36fb59",
-    "qwen-7b-qlora-2xa10": "34fe90de402f229120cbe70150f09183c249c49ad950dfc13f12ff336732d71f",
-    "qwen-7b-vllm-h100": "174743ec7e85995121b69a6a842ee32b010d0475e689c364078633aeeb374907",
-    "qwen2-14b-int4-tp2": "9b23b63a8007ac3cffb38273e9da937e42089ef8b37e1ad7adfdf689a337cc68",
+    "cpu-tiny": "8cc6a20f4341ca3b8c6989393fe11639cf551c84e98dc8d381467b1ec56482ff",
+    "cpu-tiny-qa-zh": "eff81939cc290bc73661dcf93cffec54f4675cdb62e3c06616b8b726c8d2c076",
+    "llama3-8b-h100-fp8": "b107f97523506de89b0b21f4429471ba945445beb1f11be5ff70c9894edb2cd9",
+    "qwen-7b-qlora-2xa10": "6fc5d952d7a525f4ba6743bd68fd501edadb2a18652bfc0e974ff8f7bc4d10e8",
+    "qwen-7b-vllm-h100": "8512ff12a16c75cb016ce84f46af0f3a6e927ec10b918427773aee48ea486a66",
+    "qwen2-14b-int4-tp2": "145725ac8dcec02b9302c35eff273f5f09b21ea570ffd92ca68a296e190a65aa",
 }
 
 
@@ -128,7 +132,7 @@ def test_reference_lists_every_setting_with_its_type_and_default():
     page = render_reference()
     assert "| `lora_rank` | `int` (>= 1) | `8` | Rank of the LoRA matrices. |" in page
     assert "| `model_name` | `str` (length >= 1) | required |" in page
-    assert "## serve.tensorrtllm" in page and "## hardware.kubernetes" in page
+    assert "## serve.vllm" in page and "## hardware.kubernetes" in page
     rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1)
     assert page.count("\n| `") == rows
 

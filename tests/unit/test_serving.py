@@ -49,7 +49,7 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
 
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):
-    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "router", "tensorrtllm", "vllm"]
+    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "llmapi", "router", "vllm"]
     render_model("router", tmp_path, "svc", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"})
     with pytest.raises(BadInput, match="no value"):
         render_model("router", tmp_path, "svc", {"max_batch_size": 8})
@@ -74,6 +74,28 @@ def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_
     inputs = lambda text: text.split("input [")[1].split("]\noutput")[0]  # noqa: E731
     assert inputs(config) == inputs(llm)
     assert serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64)[0] == "llm"
+
+
+def test_llmapi_model_has_the_llm_interface_and_passes_the_llm_args_as_json(tmp_path):
+    """serve.backend llmapi: the llm model's inputs (router, genai-perf, served scoring unchanged), no dynamic
+    batcher, and LLM() arguments that survive the config's string literal as the JSON llm_args renders."""
+    from tasks.serving.llm_api import llm_args
+    from tasks.serving.models import serving_model
+
+    profile = load_profile("qwen2-14b-int4-tp2")
+    template, values = serving_model(profile, Path("/ckpt/v3"), "e" * 64, 40960)
+    config = (render_model(template, tmp_path, "svc-v3", values) / "config.pbtxt").read_text()
+    llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
+    inputs = lambda text: text.split("input [")[1].split("]\noutput")[0]  # noqa: E731
+    assert template == "llmapi" and inputs(config) == inputs(llm)
+    assert "dynamic_batching" not in config and "decoupled: true" in config and "count: 1" in config
+    literal = config.split('key: "llm_args", value: { string_value: "')[1].split('" } }')[0]
+    rendered = json.loads(literal.encode().decode("unicode_escape"))  # protobuf text-format unescaping
+    assert rendered == {
+        **llm_args(profile),
+        "kv_cache_config": {"enable_block_reuse": True, "free_gpu_memory_fraction": 0.9, "max_tokens": 40960},
+    }
+    assert rendered["tensor_parallel_size"] == 2 and 'string_value: "0,1"' in config
 
 
 def test_vllm_backend_without_its_environment_fails_with_what_to_run(tmp_path):

@@ -16,7 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Modules the images run: the engine evaluation (TensorRT-LLM image), and what it and the Triton models share.
-STAGE_SIDE = ["tasks.runners.tensorrt_llm_eval", "tasks.platform.errors", "tasks.quality.chat"]
+STAGE_SIDE = [
+    "tasks.runners.tensorrt_llm_check",
+    "tasks.runners.modelopt_quantize",
+    "tasks.platform.errors",
+    "tasks.quality.chat",
+]
 ORCHESTRATOR = ("prefect", "mlflow", "llamafactory", "flows")
 
 

@@ -104,7 +104,7 @@ KEYS_BEFORE = [
         {"merged_bytes", "quantized_bytes", "accuracy_drop"},
     ),
     (QuantizeMetrics(merged_bytes=5, quantized_bytes=2), {"merged_bytes", "quantized_bytes"}),
-    (ENGINE, {"build_s", "engine_bytes", "merged_exact_match", "engine_exact_match", "accuracy_drop"}),
+    (ENGINE, {"load_s", "checkpoint_bytes", "merged_exact_match", "engine_exact_match", "accuracy_drop"}),
 ]
 
 
@@ -127,7 +127,7 @@ def test_scores_on_another_metric_are_named_by_it():
     assert {"merged_rouge_l", "quantized_rouge_l"} <= set(rouge_l.as_mlflow())
     assert QuantizeMetrics.from_mlflow(rouge_l.as_mlflow()) == rouge_l
     engine = EngineMetrics(1.0, 10, "bleu_4", 0.5, 0.4, 0.1)
-    assert set(engine.as_mlflow()) == {"build_s", "engine_bytes", "merged_bleu_4", "engine_bleu_4", "accuracy_drop"}
+    assert set(engine.as_mlflow()) == {"load_s", "checkpoint_bytes", "merged_bleu_4", "engine_bleu_4", "accuracy_drop"}
     assert EngineMetrics.from_mlflow(engine.as_mlflow()) == engine
 
 

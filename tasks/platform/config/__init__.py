@@ -22,9 +22,9 @@ from tasks.platform.config.loading import (
 )
 from tasks.platform.config.machines import HEAVY_STAGES, HardwareSection, HeavyStage, KubernetesSection, RunSection
 from tasks.platform.config.profile import Profile, sha256_json
-from tasks.platform.config.quantize import EngineSection, QuantizeSection, TensorRTLLMQuantize
+from tasks.platform.config.quantize import EngineSection, ModelOptQuantize, QuantizeSection
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
-from tasks.platform.config.serving import ListenSection, ServeSection, TritonTensorRTLLM, VllmServing
+from tasks.platform.config.serving import ListenSection, ServeSection, VllmServing
 from tasks.platform.config.training import (
     BaseModelSection,
     DataSection,
@@ -50,6 +50,7 @@ __all__ = [
     "KubernetesSection",
     "ListenSection",
     "MergeSection",
+    "ModelOptQuantize",
     "Profile",
     "ProfileName",
     "QuantizeSection",
@@ -57,11 +58,9 @@ __all__ = [
     "RunSection",
     "Section",
     "ServeSection",
-    "TensorRTLLMQuantize",
     "TinyModel",
     "TrainSection",
     "TritonName",
-    "TritonTensorRTLLM",
     "VllmServing",
     "apply_override",
     "available_profiles",

@@ -40,8 +40,9 @@ class HardwareSection(Section):
     gpu_memory_gb: float | None = Field(
         None,
         gt=0,
-        description="Memory of one GPU in GB: the canary's memory plan (tasks/serving/memory_plan.py) fits champion "
-        "and candidate in it.",
+        description="Memory of one GPU as sold, in decimal GB: the canary's memory plan (tasks/serving/memory_plan.py) "
+        "uses it, converted to GiB, only for a gpu_type it does not know (it knows what A10, L4, L40S, H100 and H200 "
+        "really report).",
     )
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",

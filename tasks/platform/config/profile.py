@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from tasks.platform.config.base import Section
 from tasks.platform.config.machines import HardwareSection, RunSection
-from tasks.platform.config.quantize import EngineSection, QuantizeSection
+from tasks.platform.config.quantize import BLACKWELL, EngineSection, QuantizeSection, is_blackwell
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
 from tasks.platform.config.serving import ServeSection
 from tasks.platform.config.training import (
@@ -44,18 +44,37 @@ class Profile(Section):
 
     @model_validator(mode="after")
     def _backends_fit(self) -> Profile:
-        trt = self.quantize.backend == "tensorrt-llm"
-        if trt and self.hardware.accelerator != "cuda":
-            raise ValueError("quantize.backend tensorrt-llm needs hardware.accelerator cuda")
-        if (self.serve.backend == "tensorrtllm") != trt:
+        if self.quantize.backend == "modelopt" and self.hardware.accelerator != "cuda":
+            raise ValueError("quantize.backend modelopt needs hardware.accelerator cuda")
+        nvfp4 = self.quantize.backend == "modelopt" and self.quantize.modelopt.qformat == "nvfp4"
+        if nvfp4 and not is_blackwell(self.hardware.gpu_type):
             raise ValueError(
-                "serve.backend tensorrtllm and quantize.backend tensorrt-llm go together "
-                "(the engine is what the tensorrtllm backend serves)"
+                f"quantize.modelopt.qformat nvfp4 needs a Blackwell GPU (hardware.gpu_type one of "
+                f"{', '.join(BLACKWELL)}), not {self.hardware.gpu_type}: use fp8 or int4_awq"
             )
-        world = self.quantize.tensorrt_llm.tp_size * self.quantize.tensorrt_llm.pp_size
-        if trt and world > self.hardware.gpus:
+        if self.serve.backend == "llmapi":
+            return self._llmapi_fits()
+        return self
+
+    def _llmapi_fits(self) -> Profile:
+        """serve.backend llmapi: tensorrt_llm.LLM loads the quantize stage's checkpoint as it is."""
+        if self.hardware.accelerator != "cuda":
+            raise ValueError("serve.backend llmapi needs hardware.accelerator cuda")
+        if self.quantize.backend not in ("modelopt", "none"):
             raise ValueError(
-                f"quantize.tensorrt_llm tp_size x pp_size = {world} exceeds hardware.gpus {self.hardware.gpus}"
+                f"serve.backend llmapi loads a Hugging Face checkpoint: quantize.backend modelopt or none, "
+                f"not {self.quantize.backend}"
+            )
+        engine = self.engine
+        if engine.world_size > self.hardware.gpus:
+            raise ValueError(
+                f"engine tensor_parallel_size x pipeline_parallel_size = {engine.world_size} exceeds "
+                f"hardware.gpus {self.hardware.gpus}"
+            )
+        if engine.max_num_tokens < self.train.cutoff_len and not engine.enable_chunked_prefill:
+            raise ValueError(
+                f"engine.max_num_tokens {engine.max_num_tokens} is below train.cutoff_len {self.train.cutoff_len}: "
+                "a prompt as long as training allows would not fit one step (raise it, or enable_chunked_prefill)"
             )
         return self
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.platform.config.base import Section
 
@@ -54,37 +54,6 @@ class VllmServing(Section):
     )
 
 
-class TritonTensorRTLLM(Section):
-    """The tensorrtllm backend's model parameters (Triton's inflight_batcher_llm layout)."""
-
-    batching_strategy: Literal["inflight_fused_batching", "V1"] = Field(
-        "inflight_fused_batching", description="In-flight batching (requests join and leave a running batch) or V1."
-    )
-    batch_scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
-        "guaranteed_no_evict",
-        description="max_utilization packs more requests and may pause some; guaranteed_no_evict reserves a "
-        "request's whole KV cache up front.",
-    )
-    kv_cache_free_gpu_mem_fraction: float = Field(
-        0.9, gt=0, le=1, description="Share of the GPU memory left free after loading that the KV cache takes."
-    )
-    enable_kv_cache_reuse: bool = Field(False, description="Reuse the KV cache of shared prompt prefixes.")
-    enable_chunked_context: bool = Field(False, description="Split long prompts into chunks run across steps.")
-    decoupled: bool = Field(True, description="Streaming responses; genai-perf --streaming needs it.")
-    max_queue_delay_us: int = Field(
-        0, ge=0, description="Microseconds Triton holds a request to batch it with others (tensorrt_llm model)."
-    )
-    preprocessing_instances: int = Field(1, ge=1, description="Instances of the tokenizing preprocessing model.")
-    bls_instances: int = Field(
-        1, ge=1, description="Instances of the entry model that detokenizes (infra/triton/tensorrtllm/bls)."
-    )
-    server_version: str = Field(
-        "0.20.0",
-        description="TensorRT-LLM release of the serving image's tensorrtllm backend (NGC tritonserver:25.06-trtllm-"
-        "python-py3 ships 0.20.0); each engine's build version is checked against it before anything loads.",
-    )
-
-
 class ListenSection(Section):
     """Where `llmops serve` listens (flags of the same names override these). Port 0: any free port.
     Release runs that start a Triton of their own use free ports on 127.0.0.1 whatever these say."""
@@ -129,18 +98,21 @@ class ServeSection(Section):
     deploy: bool = Field(
         True, description="false: stop after registering the candidate (a training-only pipeline); no Triton, no gate."
     )
-    backend: Literal["python", "tensorrtllm", "vllm"] = Field(
+    backend: Literal["python", "llmapi", "vllm"] = Field(
         "python",
-        description="python: the merged model in a Python-backend model (CPU, or CUDA with torch); tensorrtllm: the "
-        "TensorRT-LLM engine behind preprocessing -> tensorrt_llm, entered through a BLS model; vllm: the merged "
-        "model in vLLM's async engine inside a Python-backend model.",
+        description="python: the merged model in a Python-backend model (CPU, or CUDA with torch); llmapi: the "
+        "quantized Hugging Face checkpoint in TensorRT-LLM's LLM API (PyTorch backend) inside a Python-backend "
+        "model (infra/triton/llmapi); vllm: the merged model in vLLM's async engine inside a Python-backend model.",
     )
-    tensorrtllm: TritonTensorRTLLM = TritonTensorRTLLM()
     vllm: VllmServing = VllmServing()
     triton_binary: str | None = Field(
         None, description="null: the nvidia-pytriton wheel's tritonserver (CPU); a path or name: an NGC/system one."
     )
-    artifact: Literal["merged"] = Field("merged", description="The artifact served: the merged model.")
+    artifact: Literal["merged"] = Field(
+        "merged",
+        description="The artifact served: the merged model (python, vllm); llmapi serves the quantize stage's "
+        "checkpoint (ModelOpt's, or the merged model passed through by quantize.backend none).",
+    )
     instance_count: int = Field(1, ge=1, description="Triton instances of the model (one per GPU on GPU profiles).")
     max_batch_size: int = Field(8, ge=1, description="Most requests Triton batches into one model call.")
     max_queue_delay_us: int = Field(
@@ -153,3 +125,23 @@ class ServeSection(Section):
     )
     load_timeout_s: float = Field(300, gt=0, description="Seconds a model may take to load in Triton.")
     listen: ListenSection = ListenSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_sections(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "tensorrtllm" in values:
+            raise ValueError(
+                "serve.tensorrtllm was removed: serve.backend llmapi takes its tensorrt_llm.LLM() arguments from the "
+                "engine section (enable_block_reuse, enable_chunked_prefill, free_gpu_memory_fraction)"
+            )
+        return values
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _legacy_backend(cls, value: object) -> object:
+        if value == "tensorrtllm":
+            raise ValueError(
+                "tensorrtllm (the C++ backend serving TensorRT engines) was removed: use serve.backend llmapi "
+                "(TensorRT-LLM's LLM API serving the quantized checkpoint)"
+            )
+        return value

@@ -1,0 +1,186 @@
+"""serve.backend llmapi without a GPU: the canary's memory plan on each GPU profile, the rendered model's own
+logic (infra/triton/llmapi/1/model.py) with a stand-in LLM, and a plain tritonserver process for it."""
+
+import asyncio
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.platform.config import available_profiles, load_profile
+from tasks.platform.errors import BadInput
+from tasks.serving import memory_plan
+from tasks.serving.llm_api import llm_args
+from tasks.serving.models import serving_model
+from tasks.serving.repository import render_model
+
+GPU_PROFILES = [p for p in available_profiles() if load_profile(p).serve.backend == "llmapi"]
+# Public model shapes (their config.json on the hub): layers, heads, KV heads, hidden, intermediate, vocab, parameters
+SHAPES = {
+    "Qwen/Qwen2.5-7B-Instruct": (28, 28, 4, 3584, 18944, 152064, 7.62e9),
+    "Qwen/Qwen2.5-14B-Instruct": (48, 40, 8, 5120, 13824, 152064, 14.8e9),
+    "meta-llama/Meta-Llama-3-8B-Instruct": (32, 32, 8, 4096, 14336, 128256, 8.03e9),
+}
+WEIGHT_BYTES = {"none": 2, "fp8": 1, "int4_awq": 0.5, "nvfp4": 0.5}  # per parameter; none: bf16/fp16
+
+
+def checkpoint_like(profile, folder: Path, qformat: str | None = None) -> Path:
+    """A Hugging Face checkpoint folder as ModelOpt's export writes it (config.json, hf_quant_config.json,
+    *.safetensors), sized as this profile's model would be (a sparse file: nothing is written)."""
+    quantize = profile.quantize.modelopt
+    layers, heads, kv_heads, hidden, intermediate, vocab, params = SHAPES[profile.base_model.source]
+    folder.mkdir(parents=True)
+    config = {
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "vocab_size": vocab,
+        "torch_dtype": quantize.dtype,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    kv_algo = "FP8" if quantize.kv_cache_fp8 else None
+    (folder / "hf_quant_config.json").write_text(json.dumps({"quantization": {"kv_cache_quant_algo": kv_algo}}))
+    with open(folder / "model.safetensors", "wb") as weights:
+        weights.truncate(int(params * WEIGHT_BYTES[qformat or quantize.qformat]))
+    return folder
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_each_gpu_profile_fits_champion_and_candidate_on_its_gpus(profile_name, tmp_path):
+    profile = load_profile(profile_name)
+    args = llm_args(profile)
+    tokens = memory_plan.canary_kv_tokens(profile, checkpoint_like(profile, tmp_path / "ckpt"), profile_name)
+    model = memory_plan.footprint(
+        tmp_path / "ckpt", args["tensor_parallel_size"], 1, args["max_num_tokens"], args["max_batch_size"]
+    )
+    per_model = model.weights_bytes + model.activation_bytes + memory_plan.RUNTIME_RESERVE_GIB * memory_plan.GIB
+    real = memory_plan.GPU_GIB[profile.hardware.gpu_type] * memory_plan.GIB
+    assert 2 * per_model + 2 * tokens * model.kv_bytes_per_token <= real * (1 - memory_plan.FRAGMENTATION)
+    assert tokens >= 4 * args["max_seq_len"], tokens  # room for a few sequences each, not just one
+
+
+def test_gpu_memory_is_what_the_gpu_reports_not_what_it_is_sold_as():
+    assert memory_plan.gpu_gib("A10", 24, "p") == pytest.approx(22.49)  # not 24
+    assert memory_plan.gpu_gib("h100", 80, "p") == pytest.approx(79.65)
+    assert memory_plan.gpu_gib("B200", 180, "p") == pytest.approx(180e9 / 2**30)  # unknown type: GB -> GiB
+    with pytest.raises(BadInput, match="hardware.gpu_memory_gb is not set"):
+        memory_plan.gpu_gib("B200", None, "profile p")
+
+
+def test_a_canary_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
+    """Two bf16 7B checkpoints on one A10 (22.5 GiB): 2 x 14.2 GiB of weights alone exceed the GPU."""
+    profile = load_profile("qwen-7b-qlora-2xa10")
+    ckpt = checkpoint_like(profile, tmp_path / "ckpt", qformat="none")
+    model = memory_plan.footprint(ckpt, 1, 1, profile.engine.max_num_tokens, profile.engine.max_batch_size)
+    assert model.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, fp16
+    with pytest.raises(BadInput) as refused:
+        memory_plan.canary_kv_tokens(profile, ckpt, "qwen-7b-sft-v4")
+    message = str(refused.value)
+    assert message.startswith("qwen-7b-sft-v4: champion and candidate (14.2 GiB of weights")
+    assert "on 22.5 GiB GPUs" in message and "give the candidate GPUs of its own" in message
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_triton_for_llmapi_is_a_plain_process(profile_name, tmp_path):
+    """No mpirun, no orchestrator flags: an LLM spanning GPUs spawns its own MPI workers."""
+    from tasks.serving.champion import triton_launch
+
+    assert triton_launch(load_profile(profile_name), tmp_path) == ([], {})
+
+
+class Tensor:
+    def __init__(self, name, value):
+        self._name, self._array = name, np.asarray(value)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class StubLLM:
+    """tensorrt_llm.LLM.generate_async's result as the model uses it: async-iterable RequestOutputs whose
+    outputs[0].text is the whole answer so far (one more token decoded each step)."""
+
+    def __init__(self, prefixes):
+        self.prefixes, self.calls = prefixes, []
+
+    def generate_async(self, inputs, sampling_params, streaming=False):
+        self.calls.append((inputs, sampling_params, streaming))
+        prefixes = self.prefixes
+
+        class Outputs:
+            def abort(self):
+                pass
+
+            async def __aiter__(self):
+                for n, text in enumerate(prefixes, 1):
+                    completion = types.SimpleNamespace(text=text)
+                    yield types.SimpleNamespace(outputs=[completion], finished=n == len(prefixes))
+
+        return Outputs()
+
+
+def llmapi_model(tmp_path, tokenizer, prefixes, monkeypatch):
+    """The rendered llmapi model.py, imported as the stub imports it, with its engine replaced by StubLLM."""
+    stub = types.SimpleNamespace(
+        Tensor=Tensor,
+        InferenceResponse=lambda output_tensors=(), error=None: (list(output_tensors), error),
+        TritonError=str,
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
+    )
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
+    template, values = serving_model(load_profile("qwen-7b-qlora-2xa10"), tmp_path, "e" * 64, 40960)
+    folder = render_model(template, tmp_path / "repository", "m-v1", values)
+    monkeypatch.syspath_prepend(str(folder / "1"))
+    monkeypatch.delitem(sys.modules, "model_text", raising=False)
+    spec = importlib.util.spec_from_file_location("llmapi_model", folder / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model.tokenizer, model.chat, model.default_max_tokens, model.context_tokens = tokenizer, True, 16, 4096
+    model.SamplingParams = lambda **kwargs: kwargs
+    model.llm = StubLLM(prefixes)
+    model.responses = __import__("queue").Queue()
+    return module, model
+
+
+def test_the_llmapi_model_encodes_like_training_and_streams_whole_characters(tmp_path, monkeypatch):
+    from tasks.base_model import train_tokenizer
+    from tasks.quality.chat import encode_prompt
+    from tasks.quality.models import load_tokenizer
+
+    train_tokenizer(["opposite of hot", "cold"] * 4, 300).save_pretrained(tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    answer = "利率下调，债券价格上涨。"
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    prefixes = [tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
+    assert any(p.endswith("\ufffd") for p in prefixes)  # characters split over byte tokens
+    module, model = llmapi_model(tmp_path, tokenizer, prefixes, monkeypatch)
+    assert module.instance_gpus("0;1", "m-v1_0_1") == "1" and module.instance_gpus("0,1", "m-v1_0_0") == "0,1"
+
+    for stream in (True, False):
+        inputs = [Tensor("text_input", [[b"q"]]), Tensor("stream", [[stream]]), Tensor("max_tokens", [[8]])]
+        request = types.SimpleNamespace(inputs=lambda inputs=inputs: inputs, is_cancelled=lambda: False)
+        job = model.parse(request)
+        assert job[0] == encode_prompt(tokenizer, "q", [], True)  # the chat template, as training
+        assert job[1] == {"max_tokens": 8, "min_tokens": None, "temperature": 0.0, "top_k": None, "seed": None}
+        asyncio.run(model.generate(request, None, *job))
+        pieces = []
+        while not model.responses.empty():
+            _, (tensors, error), flags = model.responses.get()
+            assert error is None
+            pieces.append(tensors[0].as_numpy().reshape(-1)[0].decode())
+        assert flags == 1 and not any("\ufffd" in p for p in pieces)
+        if stream:
+            assert "".join(pieces) == answer and len(pieces) > 3
+        else:
+            assert pieces == [f"q{answer}"]  # one response, the prompt echoed as the llm model does
+    assert model.llm.calls[0][2] is True  # streaming from the LLM either way: cancellation every few steps
