@@ -46,7 +46,7 @@ def add_triton_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--triton-url",
         help="attach to a running Triton (HTTP URL; or LLMOPS_TRITON_URL) instead of the one `llmops serve` runs or a "
-        "temporary one; its control key: --triton-control-key-file only (never this home's own key)",
+        "temporary one; its control key: only one given for it (--triton-control-key-file), never this home's",
     )
     run.add_argument(
         "--triton-control-key-file",
