@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.platform.child_env import child_env
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import BadInput, CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
@@ -177,12 +178,13 @@ def run_genai_perf(
     model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, out_dir: Path
 ) -> dict[int, LoadLevel]:
     """{concurrency: what genai-perf measured} for one model; genai-perf's own files are kept under out_dir."""
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-    }
+    env = child_env(  # genai-perf needs none of this process's secrets
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        }
+    )
     results: dict[int, LoadLevel] = {}
     for level in cfg.concurrency:
         artifact_dir = out_dir / f"{model}-c{level}"

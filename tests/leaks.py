@@ -1,8 +1,10 @@
-"""Where a secret must never appear: the files a run leaves, MLflow's params, tags and registry tags, and
-Prefect's flow-run parameters, logs and artifacts. Each finder returns `(where, secret name)` pairs."""
+"""Where a secret must never appear: the files a run leaves, MLflow's params, tags and registry tags,
+Prefect's flow-run parameters, logs and artifacts, and the command line and environment of every process
+this user runs. Each finder returns `(where, secret name)` pairs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import requests
@@ -58,3 +60,24 @@ def in_prefect(secrets: dict[str, str], api: str) -> list[tuple[str, str]]:
     variables = requests.post(f"{api}/variables/filter", json={"limit": 200}, timeout=30).json()
     texts += [(f"variable {v['name']}", str(v.get("value"))) for v in variables]
     return [(where, name) for where, text in texts for name, value in secrets.items() if value in text]
+
+
+def in_processes(secrets: dict[str, str], skip: frozenset[int] = frozenset()) -> list[tuple[str, str]]:
+    """/proc/<pid>/cmdline and /proc/<pid>/environ of every process of this user but the pids in `skip`;
+    where is `pid N argv|environ: program`."""
+    found = []
+    needles = {name: value.encode() for name, value in secrets.items()}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in skip:
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            texts = {part: (entry / part).read_bytes() for part in ("cmdline", "environ")}
+        except OSError:  # gone meanwhile, or not readable
+            continue
+        program = texts["cmdline"].split(b"\0", 1)[0].decode(errors="replace")
+        for part, text in texts.items():
+            where = f"pid {entry.name} {'argv' if part == 'cmdline' else part}: {program}"
+            found += [(where, name) for name, needle in needles.items() if needle in text]
+    return found

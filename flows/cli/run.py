@@ -46,7 +46,19 @@ def add_triton_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--triton-url",
         help="attach to a running Triton (HTTP URL; or LLMOPS_TRITON_URL) instead of the one `llmops serve` runs or a "
-        "temporary one; its control key: LLMOPS_TRITON_CONTROL_KEY",
+        "temporary one; its control key: only one given for it (--triton-control-key-file), never this home's",
+    )
+    run.add_argument(
+        "--triton-control-key-file",
+        metavar="PATH",
+        help="with --triton-url: the file holding that Triton's control key (or LLMOPS_TRITON_CONTROL_KEY_FILE; "
+        "LLMOPS_TRITON_CONTROL_KEY gives the key itself); without one its model-control API refuses the run",
+    )
+    run.add_argument(
+        "--allow-plain-http",
+        action="store_true",
+        help="with --triton-url: allow an http:// URL to another machine, which sends the control key in clear "
+        "(or LLMOPS_TRITON_ALLOW_PLAIN_HTTP=1); loopback and https:// need no flag",
     )
     run.add_argument("--triton-grpc-url", help="that Triton's gRPC endpoint, host:port (or LLMOPS_TRITON_GRPC_URL)")
     run.add_argument(
@@ -61,6 +73,7 @@ def add_triton_flags(run: argparse.ArgumentParser) -> None:
 
 
 def command_run(args) -> str:
+    take_attach_options(args)
     check_inputs(args)
     home = llmops_home()
     home.mkdir(parents=True, exist_ok=True)
@@ -104,6 +117,19 @@ def check_inputs(args) -> None:
     from tasks.serving.client import TritonTarget
 
     TritonTarget.from_options(args.triton_url, args.triton_grpc_url, args.triton_metrics_url, args.triton_repository)
+
+
+def take_attach_options(args) -> None:
+    """The attach key and the plain-HTTP consent go to the release flow through this process's environment, not
+    its parameters: a run parameter from the Prefect API must not pick a file to read or a URL to send it to."""
+    from pathlib import Path
+
+    from tasks.serving.client import ALLOW_PLAIN_HTTP_ENV, ATTACH_KEY_FILE_ENV
+
+    if args.triton_control_key_file:
+        os.environ[ATTACH_KEY_FILE_ENV] = str(Path(args.triton_control_key_file).resolve())
+    if args.allow_plain_http:
+        os.environ[ALLOW_PLAIN_HTTP_ENV] = "1"
 
 
 def validate_local_data(profile) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import requests
 
+from tasks.platform.child_env import child_env
 from tasks.platform.errors import TransientError
 from tasks.platform.lifetime import die_with
 from tasks.platform.ports import free_port
@@ -52,12 +53,9 @@ class TemporaryPrefectAPI:
                     "--lifespan",
                     "on",
                 ],
-                env={
-                    **os.environ,
-                    "PREFECT_UI_ENABLED": "0",
-                    "PREFECT__SERVER_EPHEMERAL": "1",
-                    "PREFECT__SERVER_FINAL": "1",
-                },
+                env=child_env(
+                    {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+                ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tasks.platform.config import Profile
 from tasks.platform.stage_cache import RunContext
 from tasks.serving import vllm as vllm_serving
-from tasks.serving.client import Triton, TritonTarget, control_key
+from tasks.serving.client import Triton, TritonTarget
 from tasks.serving.models import Served, install_model, model_name, set_routes
 from tasks.serving.server import TritonServer, published
 
@@ -18,15 +18,15 @@ if TYPE_CHECKING:
 
 def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, TritonServer | None]:
     """Attach to the target, or to the one `llmops serve` publishes for this LLMOPS_HOME, else start one
-    (returned as the second value: the caller stops it). The control key: LLMOPS_TRITON_CONTROL_KEY, else this
-    LLMOPS_HOME's key file."""
+    (returned as the second value: the caller stops it). The control key: for a target only the one given
+    for it (TritonTarget); for `llmops serve`'s Triton the key file it publishes; a started one makes its own."""
     if target is not None:
         triton = Triton.attach(
             target.url,
             Path(target.repository) if target.repository else None,
             target.metrics_url,
             target.grpc_url,
-            control_key(ctx.home),
+            target.control_key,
         )
         return triton, None
     serving = published(ctx.home)

@@ -29,11 +29,15 @@ from tasks.platform.errors import BadInput, CheckFailed, TransientError
 
 CONTROL_HEADER = "llmops-control-key"
 CONTROL_KEY_ENV = "LLMOPS_TRITON_CONTROL_KEY"
-CONTROL_KEY_FILE = "control.key"  # under $LLMOPS_HOME/triton/, mode 600, made when this project starts a Triton
+CONTROL_KEY_FILE = "control.key"  # under $LLMOPS_HOME/triton/, mode 600, while `llmops serve` keeps its Triton
+ATTACH_KEY_FILE_ENV = "LLMOPS_TRITON_CONTROL_KEY_FILE"  # the key of a Triton this home did not start
+ALLOW_PLAIN_HTTP_ENV = "LLMOPS_TRITON_ALLOW_PLAIN_HTTP"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def control_key(home: Path) -> str | None:
-    """The model-control key: LLMOPS_TRITON_CONTROL_KEY, else the key file of this LLMOPS_HOME's Triton."""
+    """The key of the Triton `llmops serve` keeps for this LLMOPS_HOME: LLMOPS_TRITON_CONTROL_KEY, else its
+    key file (present while that Triton lives)."""
     if os.environ.get(CONTROL_KEY_ENV):
         return os.environ[CONTROL_KEY_ENV]
     path = home / "triton" / CONTROL_KEY_FILE
@@ -43,12 +47,18 @@ def control_key(home: Path) -> str | None:
 @dataclass(frozen=True)
 class TritonTarget:
     """A Triton to roll out on that this run does not start: its endpoints, given by flags or the environment
-    (LLMOPS_TRITON_URL, LLMOPS_TRITON_GRPC_URL, LLMOPS_TRITON_METRICS_URL, LLMOPS_TRITON_REPOSITORY)."""
+    (LLMOPS_TRITON_URL, LLMOPS_TRITON_GRPC_URL, LLMOPS_TRITON_METRICS_URL, LLMOPS_TRITON_REPOSITORY), and
+    the control key given for it explicitly: the file LLMOPS_TRITON_CONTROL_KEY_FILE (`llmops run
+    --triton-control-key-file`), else LLMOPS_TRITON_CONTROL_KEY; never this home's own key, which would go
+    to whatever URL a run parameter names. Both come from the environment of the process, never from a
+    run parameter. Plain http:// is refused off loopback (the key would cross the network in clear) unless
+    LLMOPS_TRITON_ALLOW_PLAIN_HTTP=1 (`--allow-plain-http`)."""
 
     url: str
     grpc_url: str
     metrics_url: str
     repository: str | None = None  # its model repository on a filesystem this machine shares; None: send models
+    control_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_options(
@@ -74,7 +84,32 @@ class TritonTarget:
                 "LLMOPS_TRITON_METRICS_URL"
             )
         assert grpc_url is not None and metrics_url is not None
-        return cls(url, grpc_url, metrics_url, repository or env.get("LLMOPS_TRITON_REPOSITORY") or None)
+        refuse_plain_http(url)
+        repository = repository or env.get("LLMOPS_TRITON_REPOSITORY") or None
+        return cls(url, grpc_url, metrics_url, repository, attach_control_key())
+
+
+def refuse_plain_http(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme == "http" and parts.hostname not in LOOPBACK and os.environ.get(ALLOW_PLAIN_HTTP_ENV) != "1":
+        raise BadInput(
+            f"Triton at {url}: plain http:// to another machine sends the control key in clear; "
+            f"use https://, or pass --allow-plain-http ({ALLOW_PLAIN_HTTP_ENV}=1) on a network you trust"
+        )
+
+
+def attach_control_key() -> str | None:
+    """The key given for an attached Triton (see TritonTarget), or None: its control API then refuses us."""
+    path = os.environ.get(ATTACH_KEY_FILE_ENV)
+    if not path:
+        return os.environ.get(CONTROL_KEY_ENV) or None
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise BadInput(f"{ATTACH_KEY_FILE_ENV} {path}: cannot read the control key ({exc.strerror})") from None
+    if not key:
+        raise BadInput(f"{ATTACH_KEY_FILE_ENV} {path}: the file is empty")
+    return key
 
 
 @dataclass
@@ -108,7 +143,7 @@ class Triton:
 
     def is_local(self) -> bool:
         """On this machine (its memory is this machine's): a loopback address."""
-        return urlsplit(self.url).hostname in ("127.0.0.1", "localhost", "::1")
+        return urlsplit(self.url).hostname in LOOPBACK
 
     def is_live(self) -> bool:
         """/v2/health/live: an attached server with strict readiness reports "not ready" while any model

@@ -5,8 +5,13 @@ Its control plane is locked: Triton's own `--http-restricted-api` / `--grpc-rest
 the model-repository, model-config (HTTP) and shared-memory APIs to requests carrying the control key
 in the `llmops-control-key` header, so a client that reaches the port can infer but cannot load or
 unload models (Triton's secure-deployment guide: dynamic model loading can run arbitrary code).
-The key comes from LLMOPS_TRITON_CONTROL_KEY, else `$LLMOPS_HOME/triton/control.key` (made once,
-mode 600); it never goes into a profile, a log or MLflow. gRPC model-config stays open: genai-perf
+The key is fresh for every Triton start (a restart by `llmops serve` too) unless LLMOPS_TRITON_CONTROL_KEY
+gives one; it never goes into a profile, a log or MLflow. The process that starts Triton holds it in memory;
+`llmops serve` hands it to the release runs that roll out on its Triton through
+`$LLMOPS_HOME/triton/control.key` (mode 600 from its creation), written when it publishes that Triton and
+removed when it stops or restarts it. Triton 2.51 takes the restricted-API key only on its command line
+(`tritonserver --help`: `--http-restricted-api=<apis>:<key>=<value>`, no option file, no environment
+variable), so the key is in tritonserver's argv, readable by `ps`, for the life of that one process. gRPC model-config stays open: genai-perf
 (perf_analyzer) reads the model config over gRPC, and a key on its command line would land in its
 artifacts; reading a config controls nothing.
 
@@ -29,15 +34,15 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.platform.child_env import child_env, write_secret
 from tasks.platform.errors import BadInput, CheckFailed, TransientError
 from tasks.platform.lifetime import die_with
 from tasks.platform.ports import free_port
-from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_FILE, Triton, control_key
+from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_ENV, CONTROL_KEY_FILE, Triton, control_key
 
 SERVER_FILE = "server.json"  # written while `llmops serve` runs: lets a run attach to the serving Triton
 
@@ -80,8 +85,9 @@ def python_backend_dir(home: Path) -> Path:
 def server_env(bundled: bool) -> dict:
     """The environment of tritonserver. Only the nvidia-pytriton binary needs this venv's libraries and
     Python; an NGC or system tritonserver has its own (/opt/tritonserver/lib, the image's Python), which
-    these must not shadow, and an image without nvidia-pytriton could not import it at all."""
-    env = dict(os.environ)
+    these must not shadow, and an image without nvidia-pytriton could not import it at all. Neither it nor
+    the model stubs it spawns get this process's secrets (tasks/platform/child_env.py)."""
+    env = child_env()
     if not bundled:
         return env
     libs = [str(pytriton_root().parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
@@ -118,7 +124,7 @@ class TritonServer:
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)
         log_path = home / "triton" / "tritonserver.log"
-        key = ensure_control_key(home)
+        key = new_control_key()
         http, grpc, metrics = ports or (free_port(), free_port(), free_port())
         command = [
             *(launcher or []),
@@ -195,23 +201,9 @@ class TritonServer:
         return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-lines:])
 
 
-def ensure_control_key(home: Path) -> str:
-    """The control key (see the module doc), made and stored once per LLMOPS_HOME when none is given."""
-    key = control_key(home)
-    if key is None:
-        path = home / "triton" / CONTROL_KEY_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        key = secrets.token_urlsafe(32)
-        fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 600
-        with os.fdopen(fd, "w") as out:
-            out.write(key)
-        try:
-            os.link(staged, path)  # atomic and never replaces: two runs starting at once agree on the first key
-        except FileExistsError:
-            key = path.read_text().strip()
-        finally:
-            os.unlink(staged)
-    return key
+def new_control_key() -> str:
+    """The key of the Triton about to start: LLMOPS_TRITON_CONTROL_KEY when the user gives one, else fresh."""
+    return os.environ.get(CONTROL_KEY_ENV) or secrets.token_urlsafe(32)
 
 
 def restricted_api_flags(key: str) -> list[str]:
@@ -227,7 +219,11 @@ def publish(home: Path, server: TritonServer, gateway_url: str | None = None) ->
     this machine find the gateway there."""
     state = home / "triton" / SERVER_FILE
     client = server.client
-    state.write_text(
+    state.parent.mkdir(parents=True, exist_ok=True)
+    if client.control_key:
+        write_secret(home / "triton" / CONTROL_KEY_FILE, client.control_key)
+    write_secret(
+        state,
         json.dumps(
             {
                 "url": client.url,
@@ -237,13 +233,25 @@ def publish(home: Path, server: TritonServer, gateway_url: str | None = None) ->
                 "gateway_url": gateway_url,
                 "pid": os.getpid(),
             }
-        )
+        ),
     )
     return state
 
 
 def unpublish(home: Path) -> None:
+    """Before its Triton stops: the server file, and the key that dies with that Triton."""
     (home / "triton" / SERVER_FILE).unlink(missing_ok=True)
+    (home / "triton" / CONTROL_KEY_FILE).unlink(missing_ok=True)
+
+
+def serving_process(pid: int) -> bool:
+    """Whether `pid` is alive and is an llmops or tritonserver process (a stale server.json names a dead pid,
+    which the system may since have given to anything)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"llmops" in command or b"tritonserver" in command
 
 
 def published(home: Path) -> Triton | None:
@@ -252,5 +260,7 @@ def published(home: Path) -> Triton | None:
     if not state.is_file():
         return None
     info = json.loads(state.read_text())
+    if not serving_process(int(info.get("pid", 0))):
+        return None
     triton = Triton(info["url"], Path(info["repository"]), info["metrics_url"], info["grpc_url"], control_key(home))
     return triton if triton.is_live() else None

@@ -23,27 +23,27 @@ KEY = "test-control-key-4f1c9a"
 
 
 @pytest.fixture(scope="module")
-def triton(tmp_path_factory, monkeypatch_module):
-    """A Triton started apart from the pipeline: its own home and repository, locked with KEY."""
-    monkeypatch_module.setenv("LLMOPS_TRITON_CONTROL_KEY", KEY)
-    server = TritonServer.start(tmp_path_factory.mktemp("triton-elsewhere"))
+def triton(tmp_path_factory):
+    """A Triton started apart from the pipeline: its own home and repository, locked with KEY (given only to
+    its start: the runs below get it from --triton-control-key-file alone)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLMOPS_TRITON_CONTROL_KEY", KEY)
+        server = TritonServer.start(tmp_path_factory.mktemp("triton-elsewhere"))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
-@pytest.fixture(scope="module")
-def attach_args(triton: TritonServer, cpu_tiny_store) -> list[str]:
-    """Roll out on `triton` by URL only (no repository), with the session's shared cpu-tiny artifact store."""
+def attach_args(triton: TritonServer, cpu_tiny_store, tmp_path_factory) -> list[str]:
+    """Roll out on `triton` by URL only (no repository) with its key from a file, and the session's shared
+    cpu-tiny artifact store."""
     client = triton.client
     assert client.grpc_url and client.metrics_url
+    key_file = tmp_path_factory.mktemp("operator") / "triton-control.key"
+    key_file.write_text(KEY)
     endpoints = ["--triton-url", client.url, "--triton-grpc-url", client.grpc_url]
-    return [*endpoints, "--triton-metrics-url", client.metrics_url, "--artifacts", str(cpu_tiny_store)]
+    endpoints += ["--triton-metrics-url", client.metrics_url, "--triton-control-key-file", str(key_file)]
+    return [*endpoints, "--artifacts", str(cpu_tiny_store)]
 
 
 def curl(*args: str) -> str:

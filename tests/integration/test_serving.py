@@ -125,6 +125,7 @@ def server(home, first_release, cpu_tiny_store, tls):
     os.killpg(process.pid, signal.SIGTERM)
     process.wait(60)
     assert not (home / "triton" / "server.json").exists()  # serve cleans up after itself
+    assert not (home / "triton" / "control.key").exists()  # the key lived as long as its Triton
 
 
 def served_by(home: Path, server: dict):
@@ -649,13 +650,21 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
 
 
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):
-    """After every release and request of this module: the clients' API keys and Triton's control key are
-    in no file of the home but the mode-600 ones that keep them (serve's log, Triton's log, gate reports,
-    genai-perf's artifacts, server.json) and in no MLflow param or tag."""
-    from tests.leaks import in_files, in_mlflow
+    """After every release and request of this module, while the serve runs: the clients' API keys and Triton's
+    control key are in no file of the home but the mode-600 ones that keep them (serve's log, Triton's log, gate
+    reports, genai-perf's artifacts, server.json), no MLflow param or tag, and no process's command line or
+    environment but tritonserver's argv (Triton 2.51 takes the key nowhere else; tasks/serving/server.py)."""
+    from tests.leaks import in_files, in_mlflow, in_processes
 
     control_key = home / "triton" / "control.key"
+    assert control_key.stat().st_mode & 0o077 == 0
     secrets = {**{f"API key of {name}": key for name, key in API_KEYS.items()}, "control key": control_key.read_text()}
     kept_on_purpose = {home / "api-keys", control_key}
     leaks = in_files(secrets, home, kept_on_purpose) + in_mlflow(secrets, f"sqlite:///{home / 'mlflow.db'}")
     assert not leaks, leaks[:10]
+    leaks_in_processes = in_processes(secrets)
+    assert len(leaks_in_processes) == 1, (
+        leaks_in_processes
+    )  # the one place: the live tritonserver's argv, not its environment
+    where, name = leaks_in_processes[0]
+    assert name == "control key" and " argv: " in where and where.endswith("tritonserver"), where

@@ -308,25 +308,3 @@ def test_llmops_gate_exit_codes(tmp_path):
     assert rejected.stderr.strip().splitlines()[-1].startswith("llmops: rejected: gate rejected svc v3")
     (tmp_path / "junk.json").write_text("[]")
     assert subprocess.run([llmops, "gate", str(tmp_path / "junk.json")], capture_output=True).returncode == 2
-
-
-def test_the_control_key_is_made_once_private_and_shared_by_concurrent_starts(tmp_path, monkeypatch):
-    import os
-    import stat
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tasks.serving.client import control_key
-    from tasks.serving.server import ensure_control_key, restricted_api_flags
-
-    monkeypatch.delenv("LLMOPS_TRITON_CONTROL_KEY", raising=False)
-    with ThreadPoolExecutor(8) as pool:
-        keys = set(pool.map(lambda _: ensure_control_key(tmp_path), range(8)))
-    path = tmp_path / "triton" / "control.key"
-    assert len(keys) == 1 and control_key(tmp_path) == keys.pop() and len(path.read_text()) >= 40
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and sorted(os.listdir(path.parent)) == ["control.key"]
-    monkeypatch.setenv("LLMOPS_TRITON_CONTROL_KEY", "from-the-environment")
-    assert ensure_control_key(tmp_path) == "from-the-environment"
-    assert restricted_api_flags("k") == [
-        "--http-restricted-api=model-repository,model-config,shared-memory:llmops-control-key=k",
-        "--grpc-restricted-protocol=model-repository,shared-memory:llmops-control-key=k",
-    ]

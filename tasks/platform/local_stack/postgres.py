@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tasks.platform.child_env import write_secret
 from tasks.platform.errors import BadInput, CheckFailed
 from tasks.platform.local_stack.process import Server, start
 
@@ -55,8 +56,7 @@ def prepare_postgres(data_dir: Path, passfile: Path, log_dir: Path) -> None:
     password = secrets.token_urlsafe(24)
     data_dir.mkdir(parents=True, exist_ok=True)
     pwfile = data_dir.parent / f".{data_dir.name}.pw"
-    pwfile.write_text(password + "\n")
-    pwfile.chmod(0o600)
+    write_secret(pwfile, password + "\n")
     if account:
         for path in (data_dir.parent, data_dir, pwfile):
             shutil.chown(path, account, account)
@@ -90,8 +90,7 @@ def prepare_postgres(data_dir: Path, passfile: Path, log_dir: Path) -> None:
         shutil.rmtree(data_dir, ignore_errors=True)
         raise CheckFailed(f"postgres: initdb failed; see {log_dir / 'postgres-initdb.log'}")
     passfile.parent.mkdir(parents=True, exist_ok=True)
-    passfile.write_text(f"127.0.0.1:*:*:{DB_USER}:{password}\n")
-    passfile.chmod(0o600)
+    write_secret(passfile, f"127.0.0.1:*:*:{DB_USER}:{password}\n")
 
 
 def start_postgres(data_dir: Path, passfile: Path, port: int, log_dir: Path) -> Server:

@@ -88,6 +88,8 @@ def start_worker(
         # flow runs from this worker find the project's modules and the venv's executables
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONUNBUFFERED": "1",
+        # a key the user gave for attaching runs to a Triton (tasks/serving/client.py:TritonTarget)
+        **{name: os.environ[name] for name in ("LLMOPS_TRITON_CONTROL_KEY",) if os.environ.get(name)},
     }
     return start(
         "worker",

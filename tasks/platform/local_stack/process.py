@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+from tasks.platform.child_env import child_env
 from tasks.platform.errors import CheckFailed
 
 BIN = Path(sys.executable).parent
@@ -96,6 +97,7 @@ def start(
     user: str | None = None,
 ) -> Server:
     """Start `command` in its own session, logging to log_dir/<name>.log; return once `ready()` is true.
+    Its environment: this one without its secrets, plus `env` (what it needs; tasks/platform/child_env.py).
     `user`: the account to run it as (root only)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
@@ -105,7 +107,7 @@ def start(
             stdout=handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env=child_env(env),
             start_new_session=True,
             user=user,
             group=user,

