@@ -23,7 +23,7 @@ from tasks.deploy_canary import deploy_canary
 from tasks.evaluate import evaluate
 from tasks.gate import GateReport, gate
 from tasks.merge import merge
-from tasks.platform.config import Profile, ProfileName, load_profile
+from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageResult, stage_task
 from tasks.platform.store import open_store
@@ -103,10 +103,13 @@ def release(
     """Data -> (Q)LoRA adapter -> evaluated, merged, quantized candidate -> canary on Triton -> gate -> promote | rollback.
 
     Args:
-        profile: run profile, one of profiles/ (a YAML path too, where the flow is called directly).
+        profile: run profile, one of profiles/ (a YAML path too, where the flow is called directly; a run started
+            through the API takes one under LLMOPS_PROFILES_DIR only: docs/security.md).
         data_source: dataset file, folder or s3:// URI; empty: the profile's data.source.
         overrides: profile overrides as key=value, e.g. train.learning_rate=1e-4 or serve.deploy=false. Every
             setting with its type, default and meaning: docs/reference/profiles.md, or `llmops profiles show NAME`.
+            Settings that run code (executables, environments, images, pass-through arguments) come only from
+            profile files and are refused here.
         tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI of the worker, else sqlite under LLMOPS_HOME.
         artifacts: artifact store, a folder or s3://bucket/prefix; empty: LLMOPS_ARTIFACTS, else LLMOPS_HOME/store.
         triton_url: a running Triton to roll out on (HTTP URL); empty: LLMOPS_TRITON_URL, else the one `llmops serve`
@@ -117,6 +120,8 @@ def release(
         triton_metrics_url: that Triton's Prometheus metrics URL, for the canary's live checks; or
             LLMOPS_TRITON_METRICS_URL.
     """
+    if runtime.deployment.id:  # started through the Prefect API (UI, schedule, retrain): shipped profiles only
+        check_api_profile(profile)
     config = load_profile(profile, overrides or [], data_source)
     target = TritonTarget.from_options(triton_url, triton_grpc_url, triton_metrics_url, triton_repository)
     ctx = open_context(config, tracking_uri, artifacts)

@@ -2,7 +2,8 @@
 
 The release flow starts it with Prefect's `run_deployment` when the profile places a stage there
 (`run.remote_stages: {train: run-stage/gpu}`), waits, and reads the result from the shared
-artifact store. Metrics go to the release's MLflow run.
+artifact store. Metrics go to the release's MLflow run. The profile comes whole as a parameter; its
+settings that run code are checked against this worker's profile file of the same name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flows.release import llmops_home
 from tasks.build_engine import build_engine
 from tasks.evaluate import evaluate
 from tasks.merge import merge
-from tasks.platform.config import Profile, check_machine
+from tasks.platform.config import Profile, check_machine, check_received_profile
 from tasks.platform.stage_cache import RunContext, StageResult
 from tasks.platform.store import open_store
 from tasks.platform.tracking import Tracker
@@ -45,7 +46,8 @@ def run_stage(
 
     Args:
         stage: the stage to run (train, evaluate, merge, quantize, build_engine).
-        profile: the release run's validated profile, in full.
+        profile: the release run's validated profile, in full; its settings that run code must equal those of
+            the profile file of its name on this worker (anyone who reaches the Prefect API can start this flow).
         artifacts: the artifact store the release run uses (s3:// for a cluster).
         tracking_uri: the MLflow tracking server.
         mlflow_run_id: the release run's MLflow run; the stage's metrics go there.
@@ -55,6 +57,7 @@ def run_stage(
     if stage not in STAGE_FUNCTIONS:
         raise ValueError(f"stage {stage!r}: not a heavy stage (one of {', '.join(STAGE_FUNCTIONS)})")
     config = Profile.model_validate(profile)
+    check_received_profile(config)
     check_machine(config, [stage])
     ctx = RunContext(
         config, open_store(artifacts, llmops_home()), Tracker(tracking_uri, mlflow_run_id, experiment_id), llmops_home()

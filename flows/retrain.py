@@ -12,13 +12,13 @@ The same data never starts two release runs:
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, runtime
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
 from flows.release import default_services, llmops_home
 from tasks.data.records import read_data
-from tasks.platform.config import Profile, ProfileName, load_profile
+from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.tracking import default_tracking_uri
 
 RELEASE_DEPLOYMENT = "release/release"
@@ -59,6 +59,8 @@ def retrain(
     """
     log = get_run_logger()
     overrides = list(overrides or [])
+    if runtime.deployment.id:  # started through the Prefect API: shipped profiles only (docs/security.md)
+        check_api_profile(profile)
     config = load_profile(profile, overrides, data_source)
     fingerprint, records = data_fingerprint(config)
     tracking_uri, _ = default_services(None, None)

@@ -142,8 +142,8 @@ def test_llm_args_take_prompt_lengths_from_training_not_from_the_eval_split():
     profile = load_profile("qwen-7b-qlora-2xa10", ["train.cutoff_len=3000", "engine.max_output_len=100"])
     args = llm_args(profile)
     assert (args["max_input_len"], args["max_seq_len"]) == (3000, 3100)
-    extra = llm_args(load_profile("qwen-7b-qlora-2xa10", ["engine.extra_args={enable_attention_dp: true}"]))
-    assert extra["enable_attention_dp"] is True
+    profile.engine.extra_args = {"enable_attention_dp": True}  # a profile file's setting (no --set may set it)
+    assert llm_args(profile)["enable_attention_dp"] is True
 
 
 def test_tensorrt_llm_stages_refuse_clearly_without_tensorrt_llm(tmp_path):

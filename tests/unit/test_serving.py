@@ -101,7 +101,8 @@ def test_llmapi_model_has_the_llm_interface_and_passes_the_llm_args_as_json(tmp_
 def test_vllm_backend_without_its_environment_fails_with_what_to_run(tmp_path):
     from tasks.serving.champion import triton_launch
 
-    profile = load_profile("cpu-tiny", ["serve.backend=vllm", f"serve.vllm.environment={tmp_path / 'none'}"])
+    profile = load_profile("cpu-tiny", ["serve.backend=vllm"])
+    profile.serve.vllm.environment = str(tmp_path / "none")  # a profile file's setting (no --set may set it)
     with pytest.raises(BadInput, match=r"no vLLM environment at .*none.*make setup-vllm"):
         triton_launch(profile, tmp_path)
 

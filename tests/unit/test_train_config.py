@@ -41,7 +41,9 @@ def test_full_finetuning_drops_lora_keys():
 def test_resume_and_extra_args_pass_through():
     from pathlib import Path
 
-    args = render("train.extra_args={neftune_noise_alpha: 5}", resume=Path("/w/out/checkpoint-50"))
+    cfg = load_profile("cpu-tiny").train
+    cfg.extra_args = {"neftune_noise_alpha": 5}  # a profile file's setting (no --set may set it)
+    args = llamafactory_config(cfg, Path("/w/base"), Path("/w/data"), Path("/w/out"), Path("/w/out/checkpoint-50"))
     assert args["resume_from_checkpoint"] == "/w/out/checkpoint-50"
     assert args["neftune_noise_alpha"] == 5
 

@@ -9,18 +9,23 @@ tasks.platform.config.reference > docs/reference/profiles.md` regenerates it).
 from tasks.platform.config.base import TRITON_NAME, Section, TritonName
 from tasks.platform.config.describe import describe_profile
 from tasks.platform.config.loading import (
+    OPERATOR_PROFILES_ENV,
     PROFILES_DIR,
     ProfileName,
     apply_override,
     available_profiles,
+    check_api_profile,
     check_machine,
+    check_received_profile,
     format_validation_error,
     load_profile,
     local_stages,
+    on_disk_profile,
     parse_override,
     profile_path,
 )
 from tasks.platform.config.machines import HEAVY_STAGES, HardwareSection, HeavyStage, KubernetesSection, RunSection
+from tasks.platform.config.policy import file_only_settings, refuse_file_only
 from tasks.platform.config.profile import Profile, sha256_json
 from tasks.platform.config.quantize import EngineSection, ModelOptQuantize, QuantizeSection
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
@@ -36,6 +41,7 @@ from tasks.platform.config.training import (
 
 __all__ = [
     "HEAVY_STAGES",
+    "OPERATOR_PROFILES_ENV",
     "PROFILES_DIR",
     "TRITON_NAME",
     "BaseModelSection",
@@ -64,12 +70,17 @@ __all__ = [
     "VllmServing",
     "apply_override",
     "available_profiles",
+    "check_api_profile",
     "check_machine",
+    "check_received_profile",
     "describe_profile",
+    "file_only_settings",
     "format_validation_error",
     "load_profile",
     "local_stages",
+    "on_disk_profile",
     "parse_override",
     "profile_path",
+    "refuse_file_only",
     "sha256_json",
 ]

@@ -2,7 +2,8 @@
 
 Every section forbids unknown keys so a typo (`lora_rnk`) is an error naming its path, not a silently
 ignored setting; every setting carries a `Field(description=...)` that `llmops profiles show` and the
-reference page (docs/reference/profiles.md) print.
+reference page (docs/reference/profiles.md) print. A setting that names code to run carries FILE_ONLY:
+only a profile file on disk sets it, never an override or a run parameter (tasks/platform/config/policy.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,23 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, JsonValue
+from pydantic.fields import FieldInfo
 
 # Triton's model repository folder names as tasks/serving/repository.py renders them; also fits MLflow's
 # registered model names (no '/' or ':') and Prefect's concurrency limit names.
 TRITON_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+# `Field(json_schema_extra=FILE_ONLY)`: the setting names an executable, an environment, a script, an image or
+# arguments passed through to another program, so it runs code; `--set`, a flow's overrides and the remote
+# stage's profile parameter may not set it (tasks/platform/config/policy.py).
+FILE_ONLY: dict[str, JsonValue] = {"profile_file_only": True}
+
+
+def is_file_only(field: FieldInfo) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("profile_file_only") is True
 
 
 class Section(BaseModel):

@@ -1,8 +1,14 @@
 """Loading a profile: a shipped name or a YAML path, `--set` overrides typed like YAML, one-line errors
-naming the key path, and the check that this machine has the GPUs the profile needs."""
+naming the key path, and the check that this machine has the GPUs the profile needs.
+
+Runs started through the Prefect API are held to the profile files on the worker's disk: `check_api_profile`
+for the profile they name, `check_received_profile` for a whole profile a remote stage receives.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,11 +17,15 @@ import yaml
 from pydantic import Field, ValidationError
 
 from tasks.platform.config.machines import HEAVY_STAGES
+from tasks.platform.config.policy import file_only_values, non_default_file_only, refuse_file_only
 from tasks.platform.config.profile import Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
 
 PROFILES_DIR = PROJECT_ROOT / "profiles"
+# The operator's own profiles, which runs started through the Prefect API may name besides the shipped ones.
+OPERATOR_PROFILES_ENV = "LLMOPS_PROFILES_DIR"
+PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a name, never a path (no '/', no leading '.')
 
 
 def available_profiles() -> list[str]:
@@ -34,8 +44,8 @@ def profile_path(name_or_path: str) -> Path:
         if not candidate.is_file():
             raise BadInput(f"profile file {name_or_path}: not found")
         return candidate
-    named = PROFILES_DIR / f"{name_or_path}.yaml"
-    if not named.is_file():
+    named = on_disk_profile(name_or_path)
+    if named is None:
         raise BadInput(f"profile {name_or_path}: not found (available: {', '.join(available_profiles())})")
     return named
 
@@ -87,6 +97,7 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), 
             section[field] = str((path.parent / value).resolve())
     for text in overrides:
         keys, value = parse_override(text)
+        refuse_file_only(keys, value, text)
         apply_override(raw, keys, value, text)
     if data:
         raw.setdefault("data", {})["source"] = data
@@ -94,6 +105,56 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), 
         return Profile.model_validate(raw)
     except ValidationError as err:
         raise BadInput(format_validation_error(label, err)) from None
+
+
+def operator_profiles_dir() -> Path | None:
+    folder = os.environ.get(OPERATOR_PROFILES_ENV)
+    return Path(folder).resolve() if folder else None
+
+
+def on_disk_profile(name: str) -> Path | None:
+    """The profile file NAME.yaml of profiles/, else of LLMOPS_PROFILES_DIR; None when neither has it."""
+    if not PROFILE_NAME.match(name):
+        return None
+    folders = [PROFILES_DIR, operator_profiles_dir()]
+    return next((f / f"{name}.yaml" for f in folders if f is not None and (f / f"{name}.yaml").is_file()), None)
+
+
+def check_api_profile(name_or_path: str) -> None:
+    """A run started through the Prefect API names a shipped profile, or a profile of LLMOPS_PROFILES_DIR by
+    name or path; never another path, which could be a file the caller wrote with settings that run code."""
+    if on_disk_profile(name_or_path) is not None:
+        return
+    folder = operator_profiles_dir()
+    candidate = Path(name_or_path)
+    if folder is not None and candidate.suffix in (".yaml", ".yml") and candidate.resolve().is_relative_to(folder):
+        return
+    raise BadInput(
+        f"profile {name_or_path}: a run started through the Prefect API takes a profile of profiles/ "
+        f"({', '.join(available_profiles())}) or of {OPERATOR_PROFILES_ENV} "
+        f"({folder or 'not set on this worker'}); run other files with `llmops run --profile PATH` on their machine"
+    )
+
+
+def check_received_profile(received: Profile) -> None:
+    """A profile passed whole as a run parameter (the remote stage's) sets code-running settings only where
+    the profile file of its name on this worker's disk sets the same; defaults run nothing and pass."""
+    claimed = non_default_file_only(received)
+    if not claimed:
+        return
+    path = on_disk_profile(received.name)
+    if path is None:
+        raise BadInput(
+            f"profile {received.name}: sets {', '.join(claimed)}, which only a profile file may set, and this "
+            f"worker has no profile file {received.name}.yaml (profiles/ or {OPERATOR_PROFILES_ENV}) that does"
+        )
+    on_disk = file_only_values(load_profile(str(path)))
+    differ = [name for name, value in file_only_values(received).items() if value != on_disk[name]]
+    if differ:
+        raise BadInput(
+            f"profile {received.name}: {', '.join(differ)} differ(s) from {path} on this worker; settings that "
+            f"run code come only from profile files on disk"
+        )
 
 
 def local_stages(profile: Profile) -> list[str]:

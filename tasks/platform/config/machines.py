@@ -6,7 +6,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from tasks.platform.config.base import Section
+from tasks.platform.config.base import FILE_ONLY, Section
 
 # Stages that need the profile's accelerator; each may run on a deployment of its own (run.remote_stages).
 HeavyStage = Literal["train", "evaluate", "merge", "quantize", "build_engine"]
@@ -16,13 +16,20 @@ HEAVY_STAGES: tuple[str, ...] = get_args(HeavyStage)
 class KubernetesSection(Section):
     """Job variables for the Kubernetes GPU work pool (infra/work-pools/kubernetes-gpu.json)."""
 
-    image: str | None = Field(None, description="Image of the stage jobs that stage_images does not name.")
+    image: str | None = Field(
+        None, description="Image of the stage jobs that stage_images does not name.", json_schema_extra=FILE_ONLY
+    )
     stage_images: dict[HeavyStage, str] = Field(
         {},
         description="One image per heavy stage (infra/images/): LlamaFactory's for train, evaluate and merge, the "
         "NGC TensorRT-LLM image for quantize and build_engine; a stage not named here uses `image`.",
+        json_schema_extra=FILE_ONLY,
     )
-    namespace: str = Field("default", description="Kubernetes namespace of the jobs.")
+    namespace: str = Field(
+        "default",
+        description="Kubernetes namespace of the jobs (its service accounts and secrets are theirs).",
+        json_schema_extra=FILE_ONLY,
+    )
     node_selector: dict[str, str] = Field({}, description="Node labels the jobs' pods must match.")
     tolerations: list[dict[str, Any]] = Field([], description="Pod tolerations, e.g. of the GPU nodes' taint.")
     cpu_request: str | None = Field(None, description="CPU request of a job's pod (Kubernetes quantity).")

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from tasks.platform.config.base import Section
+from tasks.platform.config.base import FILE_ONLY, Section
 
 # Data-center Blackwell GPUs (compute capability 10.x: NVFP4 tensor cores), as hardware.gpu_type names them.
 BLACKWELL = ("B100", "B200", "B300", "GB200", "GB300")
@@ -80,7 +80,9 @@ class EngineSection(Section):
     enable_block_reuse: bool = Field(True, description="Reuse the KV cache of prompt prefixes shared by requests.")
     enable_chunked_prefill: bool = Field(False, description="Split long prompts over several scheduler steps.")
     extra_args: dict[str, Any] = Field(
-        {}, description="Any further LLM() argument, e.g. {enable_attention_dp: true}; the LLM API validates it."
+        {},
+        description="Any further LLM() argument, e.g. {enable_attention_dp: true}; the LLM API validates it.",
+        json_schema_extra=FILE_ONLY,
     )
 
     @property

@@ -18,7 +18,7 @@ import annotated_types
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from tasks.platform.config.base import Section
+from tasks.platform.config.base import Section, is_file_only
 from tasks.platform.config.describe import default_of, section_class, section_doc, yaml_value
 from tasks.platform.config.profile import Profile
 
@@ -69,13 +69,17 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+FILE_ONLY_NOTE = "**Profile file only.**"
+
+
 def setting_row(name: str, field: FieldInfo) -> str:
     kind = f"`{type_label(field.annotation)}`"
     if bounds := constraints(field):
         kind += f" ({bounds})"
     default = default_of(field)
     shown = "required" if default is PydanticUndefined else f"`{yaml_value(default)}`"
-    return f"| `{name}` | {cell(kind)} | {cell(shown)} | {cell(field.description or '')} |"
+    described = (field.description or "") + (f" {FILE_ONLY_NOTE}" if is_file_only(field) else "")
+    return f"| `{name}` | {cell(kind)} | {cell(shown)} | {cell(described)} |"
 
 
 def render_reference() -> str:
@@ -87,6 +91,10 @@ def render_reference() -> str:
         "",
         f"{section_doc(Profile)} A profile lists only what differs from these defaults; "
         "`llmops profiles show NAME` prints a profile with every setting resolved and described.",
+        "",
+        f"A setting marked {FILE_ONLY_NOTE} runs code (an executable, environment, image or arguments passed "
+        "through to another program): only a profile file on disk sets it; `--set`, a flow's `overrides` and the "
+        "remote stage's profile parameter are refused ([Security](../security.md#the-trust-boundary)).",
     ]
     for path, cls in sections(Profile, ""):
         rows = [setting_row(name, field) for name, field in cls.model_fields.items() if section_class(field) is None]

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.platform.config.base import Section
+from tasks.platform.config.base import FILE_ONLY, Section
 
 
 class VllmServing(Section):
@@ -18,6 +18,7 @@ class VllmServing(Section):
         "repository's .venv-vllm, built CUDA-free by `make setup-vllm` (infra/local/setup-vllm.sh); on cuda the "
         "Python running llmops, as in NGC's tritonserver:26.07-vllm-python-py3 (vLLM 0.24.0; infra/images/README.md)."
         " Unused with an attached Triton (--triton-url).",
+        json_schema_extra=FILE_ONLY,
     )
     kv_cache_gb: float | None = Field(
         0.25,
@@ -106,7 +107,9 @@ class ServeSection(Section):
     )
     vllm: VllmServing = VllmServing()
     triton_binary: str | None = Field(
-        None, description="null: the nvidia-pytriton wheel's tritonserver (CPU); a path or name: an NGC/system one."
+        None,
+        description="null: the nvidia-pytriton wheel's tritonserver (CPU); a path or name: an NGC/system one.",
+        json_schema_extra=FILE_ONLY,
     )
     artifact: Literal["merged"] = Field(
         "merged",

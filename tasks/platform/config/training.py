@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tasks.platform.config.base import Section
+from tasks.platform.config.base import FILE_ONLY, Section
 
 
 class TinyModel(Section):
@@ -102,9 +102,13 @@ class TrainSection(Section):
     seed: int = Field(42, description="Seed of the adapter's initial weights and the data order.")
     bf16: bool = Field(False, description="Train in bfloat16 mixed precision (GPUs that have it).")
     fp16: bool = Field(False, description="Train in float16 mixed precision.")
-    deepspeed: str | None = Field(None, description="A DeepSpeed config file for LlamaFactory; null: no DeepSpeed.")
+    deepspeed: str | None = Field(
+        None, description="A DeepSpeed config file for LlamaFactory; null: no DeepSpeed.", json_schema_extra=FILE_ONLY
+    )
     extra_args: dict[str, Any] = Field(
-        {}, description="Any further LlamaFactory argument, passed through as is (LlamaFactory validates it)."
+        {},
+        description="Any further LlamaFactory argument, passed through as is (LlamaFactory validates it).",
+        json_schema_extra=FILE_ONLY,
     )
 
 
