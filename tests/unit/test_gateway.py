@@ -53,13 +53,8 @@ def gateway():
     clients: list[TestClient] = []
 
     def start(triton: Callable[[httpx.Request], httpx.Response], **config) -> TestClient:
-        settings = GatewayConfig(
-            triton_url="http://triton.test:8000",
-            service=SERVICE,
-            context_tokens=512,
-            api_keys={KEY: "team-a"},
-            **config,
-        )
+        config = {"api_keys": {KEY: "team-a"}, **config}
+        settings = GatewayConfig(triton_url="http://triton.test:8000", service=SERVICE, context_tokens=512, **config)
         app = Gateway(settings, transport=httpx.MockTransport(triton)).app()
         client = TestClient(app, headers=AUTH, raise_server_exceptions=False)
         clients.append(client.__enter__())
