@@ -87,6 +87,7 @@ def test_each_request_is_one_access_log_line_and_counted_per_client_on_metrics(g
     caplog.set_level(logging.INFO, "llmops.gateway.access")
     client = gateway(FakeTriton(), api_keys=KEYS)
     assert client.post(CHAT, json={"messages": QUESTION, "max_tokens": 8}).status_code == 200
+    assert client.get("/health/live").status_code == 200  # probes leave no line
     assert (
         client.post(GENERATE, json={"text_input": "hot"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
     )

@@ -28,6 +28,7 @@ from tasks.serving.gateway.protocol import ErrorResponse, RequestError
 ACCESS_LOG = logging.getLogger("llmops.gateway.access")
 ERROR_LOG = logging.getLogger("llmops.gateway")
 GUARDED = ("/v1/", "/v2/")  # the API routes: probes and /metrics are neither capped nor counted per client
+QUIET = ("/health/", "/metrics")  # polled every few seconds by probes and Prometheus: no access-log line
 
 
 @dataclass
@@ -158,4 +159,5 @@ class Guard:
             "tokens": record.tokens,
             "latency_ms": round((time.perf_counter() - started) * 1000, 1),
         }
-        ACCESS_LOG.info(json.dumps(line))
+        if not str(scope["path"]).startswith(QUIET):
+            ACCESS_LOG.info(json.dumps(line))
