@@ -62,11 +62,24 @@ def choose_ports(listen: ListenSection) -> Ports:
 
 
 def check_listen(listen: ListenSection, api_keys: dict) -> None:
-    """Refuse an open service without API keys, and TLS files that are not there."""
-    if not api_keys and listen.host not in LOOPBACK:
+    """Refuse an open service off loopback (no API keys, or keys in cleartext), a Triton whose ports clients
+    could reach (it answers inference without keys), and TLS files that are not there."""
+    if listen.host not in LOOPBACK:
+        if not api_keys:
+            raise BadInput(
+                f"serve.listen.host {listen.host}: clients from other machines need API keys; "
+                "set LLMOPS_API_KEYS_FILE (one key a line) or LLMOPS_API_KEYS"
+            )
+        if listen.tls_cert is None and not listen.behind_tls_proxy:
+            raise BadInput(
+                f"serve.listen.host {listen.host}: keys from other machines would cross in cleartext; give "
+                "--tls-cert and --tls-key, or --behind-tls-proxy where a proxy in front terminates TLS"
+            )
+    if listen.triton_host not in LOOPBACK and not listen.triton_ports_firewalled:
         raise BadInput(
-            f"serve.listen.host {listen.host}: clients from other machines need API keys; "
-            "set LLMOPS_API_KEYS_FILE (one key a line) or LLMOPS_API_KEYS"
+            f"serve.listen.triton_host {listen.triton_host}: Triton answers inference there without API keys; "
+            "keep it on 127.0.0.1, or close its ports to clients (a NetworkPolicy, a firewall) and say so with "
+            "--triton-ports-firewalled"
         )
     for name in ("tls_cert", "tls_key"):
         path = getattr(listen, name)
@@ -172,6 +185,20 @@ def restart(
     )
 
 
+def show_access_log() -> None:
+    """The gateway's access log (one JSON line a request) and its fault log on stderr, beside serve's own lines."""
+    import logging
+
+    for name in ("llmops.gateway", "llmops.gateway.access"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+
+
 class RunningGateway:
     """The gateway's uvicorn server, in a thread of this process."""
 
@@ -201,8 +228,12 @@ def start_gateway(
             api_keys=api_keys,
             tokenizer_dir=champion.model_dir,
             apply_chat_template=ctx.profile.serve.apply_chat_template,
+            requests_per_second=ctx.profile.serve.limits.requests_per_second,
+            tokens_per_minute=ctx.profile.serve.limits.tokens_per_minute,
+            max_in_flight=ctx.profile.serve.limits.max_in_flight,
         )
     )
+    show_access_log()
     config = uvicorn.Config(
         gateway.app(),
         host=listen.host,

@@ -17,13 +17,23 @@ SERVE_LISTEN_FLAGS = (
     ("--tls-cert", "tls_cert", str, "PEM certificate: the gateway speaks HTTPS"),
     ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
 )
+# `llmops serve` switches that set serve.listen.* to true (flag, key, help)
+SERVE_LISTEN_SWITCHES = (
+    ("--behind-tls-proxy", "behind_tls_proxy", "a proxy in front terminates TLS: plain HTTP off loopback"),
+    (
+        "--triton-ports-firewalled",
+        "triton_ports_firewalled",
+        "Triton's ports are closed to clients by other means (NetworkPolicy, firewall): --triton-host off loopback",
+    ),
+)
 
 DESCRIPTION = (
     "Serve the registered champion: Triton with the champion behind the router (the service "
     "name), and the gateway clients call (OpenAI-compatible /v1 and Triton's /v2/models/NAME/generate, with "
     "API keys, TLS and request limits). Triton is restarted with backoff if it dies. `llmops run` with the "
     "same LLMOPS_HOME rolls candidates out on this server. API keys: LLMOPS_API_KEYS_FILE (one a line) or "
-    "LLMOPS_API_KEYS (comma-separated); needed when --host is not a loopback address."
+    "LLMOPS_API_KEYS (comma-separated); needed when --host is not a loopback address, and so is TLS "
+    "(--tls-cert/--tls-key, or --behind-tls-proxy). Limits per key and overall: the profile's serve.limits."
 )
 
 EPILOG = """examples:
@@ -48,18 +58,25 @@ def register(commands) -> None:
     serve.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
     for flag, key, kind, text in SERVE_LISTEN_FLAGS:
         serve.add_argument(flag, dest=key, type=kind, help=f"{text} (serve.listen.{key})")
+    for flag, key, text in SERVE_LISTEN_SWITCHES:
+        serve.add_argument(flag, dest=key, action="store_true", help=f"{text} (serve.listen.{key})")
     serve.set_defaults(handler=command_serve)
+
+
+def listen_overrides(args) -> list[str]:
+    """The serve.listen.* values the flags set."""
+    values = [
+        f"serve.listen.{key}={getattr(args, key)}"
+        for _, key, _, _ in SERVE_LISTEN_FLAGS
+        if getattr(args, key) is not None
+    ]
+    return values + [f"serve.listen.{key}=true" for _, key, _ in SERVE_LISTEN_SWITCHES if getattr(args, key)]
 
 
 def command_serve(args) -> None:
     from tasks.platform.config import check_machine, load_profile
 
-    listen = [
-        f"serve.listen.{key}={getattr(args, key)}"
-        for _, key, _, _ in SERVE_LISTEN_FLAGS
-        if getattr(args, key) is not None
-    ]
-    profile = load_profile(args.profile, [*args.overrides, *listen])
+    profile = load_profile(args.profile, [*args.overrides, *listen_overrides(args)])
     check_machine(profile, ["serve"])
     home = llmops_home()
     home.mkdir(parents=True, exist_ok=True)

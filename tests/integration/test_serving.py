@@ -378,6 +378,35 @@ def test_the_gateway_refuses_bad_requests_in_each_apis_own_shape(server, tls, tm
     assert plain.returncode != 0 or "200" not in plain.stdout  # no plain HTTP on the TLS port
 
 
+def test_abuse_gets_an_answer_in_each_apis_shape_and_metrics_count_it_per_client(server, tls, tmp_path):
+    """A handful of abuse cases (issue 22) against the running gateway; rate limits are in the unit tests."""
+    as_json = ["-H", "Content-Type: application/json"]
+    key = ["-H", f"Authorization: Bearer {API_KEYS['team-a']}"]
+    generate = f"/v2/models/{SERVICE}/generate"
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"messages": [{"role": "user", "content": "x"}], "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    surrogate = '{"messages": [{"role": "user", "content": "\\ud800"}]}'
+    openai_cases = [
+        (404, "/v1/nowhere", key),
+        (405, "/v1/chat/completions", key),  # GET
+        (400, "/v1/chat/completions", [*as_json, *key, "--data-binary", f"@{deep}"]),
+        (400, "/v1/chat/completions", [*as_json, *key, "-d", surrogate]),
+    ]
+    for status, path, args in openai_cases:
+        answer, body = curl(server, tls, path, *args)
+        assert answer == status and set(body["error"]) == {"message", "type", "param", "code"}, (path, body)
+    triton_cases = [
+        (405, generate, key),  # GET
+        (400, generate, [*as_json, *key, "-d", json.dumps({"text_input": "hot", "parameters": {"x": 1}})]),
+    ]
+    for status, path, args in triton_cases:
+        answer, body = curl(server, tls, path, *args)
+        assert answer == status and isinstance(body["error"], str), (path, body)
+    answer, metrics = curl(server, tls, "/metrics")  # no key needed, none shown
+    assert answer == 200 and 'llmops_gateway_requests_total{client="team-a"' in metrics, metrics
+    assert all(secret not in metrics for secret in API_KEYS.values())
+
+
 def test_triton_that_dies_is_restarted_with_the_champion(home, server, tls):
     import psutil
 

@@ -74,12 +74,12 @@ def test_profile_digest_changes_with_any_value():
 # serve.tensorrtllm gave way to serve.backend llmapi (the GPU profiles' serving settings moved into engine,
 # the vLLM profile lost its unused build_engine stage; the CPU profiles' own values did not change).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "8cc6a20f4341ca3b8c6989393fe11639cf551c84e98dc8d381467b1ec56482ff",
-    "cpu-tiny-qa-zh": "eff81939cc290bc73661dcf93cffec54f4675cdb62e3c06616b8b726c8d2c076",
-    "llama3-8b-h100-fp8": "b107f97523506de89b0b21f4429471ba945445beb1f11be5ff70c9894edb2cd9",
-    "qwen-7b-qlora-2xa10": "6fc5d952d7a525f4ba6743bd68fd501edadb2a18652bfc0e974ff8f7bc4d10e8",
-    "qwen-7b-vllm-h100": "8512ff12a16c75cb016ce84f46af0f3a6e927ec10b918427773aee48ea486a66",
-    "qwen2-14b-int4-tp2": "145725ac8dcec02b9302c35eff273f5f09b21ea570ffd92ca68a296e190a65aa",
+    "cpu-tiny": "42d9941968de510de698f44d7432508a1ea9f0ec8f845d053f242e1ec96c774f",
+    "cpu-tiny-qa-zh": "cdfd7c3ca9ebf78f13f16ba02258a0a65a9627c0ee66d23010208bb16ecc949a",
+    "llama3-8b-h100-fp8": "9e0bf9eeb23a03e02f391bc5d2a34db33a2d5f80fc86935fe11f2ff8303b0ecd",
+    "qwen-7b-qlora-2xa10": "44365d55b934e36f1bfc5c0a380315bca35d837a943dcb043f1913bb9119335c",
+    "qwen-7b-vllm-h100": "48c93e175b2037d4de26874e00bf87ce612f3c0977b92d3e83290484119fc69c",
+    "qwen2-14b-int4-tp2": "c54f3d960a6c530b69620ad870d6d1fedae5412cb42a76dd3de4967b2b169693",
 }
 
 

@@ -79,6 +79,17 @@ class ListenSection(Section):
     tls_key: str | None = Field(
         None, description="PEM private key file of the gateway's TLS (the path is no secret; the file's content is)."
     )
+    behind_tls_proxy: bool = Field(
+        False,
+        description="A proxy in front (an ingress, a load balancer) terminates TLS: a host off loopback may then "
+        "serve plain HTTP (--behind-tls-proxy). Otherwise such a host needs tls_cert and tls_key.",
+    )
+    triton_ports_firewalled: bool = Field(
+        False,
+        description="Triton's ports are closed to clients by other means (a Kubernetes NetworkPolicy, a firewall "
+        "that admits only release jobs and Prometheus): needed for a triton_host off loopback, as Triton answers "
+        "inference there without keys (--triton-ports-firewalled).",
+    )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the gateway accepts, in bytes.")
     restart_limit: int = Field(
         5,
@@ -91,6 +102,29 @@ class ListenSection(Section):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         return self
+
+
+class LimitsSection(Section):
+    """How much the gateway of `llmops serve` takes from each client (API key; without keys, all clients are one,
+    "anonymous") and from all together. Over a client's limit: 429 with Retry-After; over the cap in flight: 503
+    with Retry-After. 0 turns a limit off."""
+
+    requests_per_second: float = Field(
+        50, ge=0, description="Requests per second per API key (a token bucket: bursts up to one second's worth)."
+    )
+    tokens_per_minute: int = Field(
+        100_000,
+        ge=0,
+        description="Tokens per minute per API key: prompt + completion as the champion's tokenizer counts them "
+        "(on /v2, which reports no counts, the request's max_tokens); charged once the answer is done, so a "
+        "request is admitted while the key's budget is not in debt.",
+    )
+    max_in_flight: int = Field(
+        128,
+        ge=0,
+        description="Requests the gateway answers at once, all clients together; more get 503 at once rather "
+        "than a place in Triton's queue.",
+    )
 
 
 class ServeSection(Section):
@@ -128,6 +162,7 @@ class ServeSection(Section):
     )
     load_timeout_s: float = Field(300, gt=0, description="Seconds a model may take to load in Triton.")
     listen: ListenSection = ListenSection()
+    limits: LimitsSection = LimitsSection()
 
     @model_validator(mode="before")
     @classmethod

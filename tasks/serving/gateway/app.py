@@ -1,5 +1,6 @@
-"""The gateway's routes (Starlette): health probes, OpenAI's /v1 and Triton's /v2 generate API, each behind
-the API-key check, the body cap and JSON only, and each answering errors in its own API's shape."""
+"""The gateway's routes (Starlette): health probes, /metrics, OpenAI's /v1 and Triton's /v2 generate API, each
+behind the API-key check, the client's rate limits, the body cap and JSON only, and each answering errors
+(unknown paths and wrong methods too) in its own API's shape."""
 
 from __future__ import annotations
 
@@ -10,21 +11,24 @@ from pathlib import Path
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tasks.serving.gateway.access import GatewayMetrics, Guard, current, openai_error, shaped_error, triton_error
 from tasks.serving.gateway.auth import authorize
+from tasks.serving.gateway.limits import ClientLimits
 from tasks.serving.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     GenerateRequest,
     RequestError,
     parse,
 )
 from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens
-from tasks.serving.gateway.upstream import Triton
+from tasks.serving.gateway.upstream import Triton, upstream_error
 
 
 @dataclass
@@ -37,19 +41,9 @@ class GatewayConfig:
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> client name; empty: no key needed
     tokenizer_dir: Path | None = None
     apply_chat_template: bool = True  # as the served model does (serve.apply_chat_template)
-
-
-def openai_error(error: RequestError) -> JSONResponse:
-    return JSONResponse(
-        ErrorResponse.of(error).model_dump(),
-        status_code=error.status,
-        headers={"WWW-Authenticate": "Bearer"} if error.status == 401 else None,
-    )
-
-
-def triton_error(error: RequestError) -> JSONResponse:
-    """Triton's own error shape, {"error": "..."}, for the /v2 routes."""
-    return JSONResponse({"error": error.message}, status_code=error.status)
+    requests_per_second: float = 0  # per client (API key); 0: no limit (serve.limits)
+    tokens_per_minute: int = 0  # per client; 0: no limit
+    max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -81,9 +75,15 @@ class Gateway:
         self.openai = OpenAIServing(
             self.triton, config.context_tokens, config.default_max_tokens, tokenizer, config.apply_chat_template
         )
+        self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute)
+        self.metrics = GatewayMetrics()
 
     def authorize(self, request: Request) -> str:
-        return authorize(self.config.api_keys, request.headers.get("authorization"))
+        """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
+        client = authorize(self.config.api_keys, request.headers.get("authorization"))
+        current().client = client
+        self.limits.admit(client)
+        return client
 
     async def body(self, request: Request) -> bytes:
         return await read_body(request, self.config.max_body_bytes)
@@ -95,6 +95,19 @@ class Gateway:
         """Ready when the service name answers on Triton (the router and the model behind it are loaded)."""
         ready = await self.triton.ready()
         return JSONResponse({"status": "ready" if ready else "not ready"}, status_code=200 if ready else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        """The per-client counters, for Prometheus: no key needed, none shown (clients by name only)."""
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def not_routed(self, request: Request, exc: Exception) -> Response:
+        """Starlette's 404 (no such path) and 405 (wrong method), in the API's own shape."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        if status == 405:
+            response = shaped_error(request.url.path, RequestError(405, f"method {request.method} is not allowed"))
+            response.headers.update(getattr(exc, "headers", None) or {})  # Allow: the methods that are
+            return response
+        return shaped_error(request.url.path, RequestError(status, f"no route {request.url.path} here"))
 
     async def models(self, request: Request) -> Response:
         try:
@@ -125,13 +138,18 @@ class Gateway:
             if name != self.config.service:
                 raise RequestError(404, f"model {name!r} is not served here; the service is {self.config.service!r}")
             generate = parse(GenerateRequest, await self.body(request))
-            body = generate.model_dump()
+            body = generate.model_dump(exclude_none=True)
             body["max_tokens"] = bounded_max_tokens(
                 generate.max_tokens, "max_tokens", self.config.context_tokens, self.config.default_max_tokens
             )
+            if generate.min_length is not None:
+                bounded_max_tokens(generate.min_length, "min_length", body["max_tokens"], 0)
+            current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
             path = f"/v2/models/{name}/{'generate_stream' if streaming else 'generate'}"
             if not streaming:
                 answer = await self.triton.forward(path, body)
+                if answer.status_code != 200:
+                    raise upstream_error(answer)
                 media_type = answer.headers.get("content-type", "application/json")
                 return Response(answer.content, status_code=answer.status_code, media_type=media_type)
             upstream, chunks = await self.triton.forward_stream(path, body)
@@ -146,15 +164,22 @@ class Gateway:
         await self.triton.aclose()
 
     def app(self) -> Starlette:
+        routes = [
+            Route("/health/live", self.live),
+            Route("/health/ready", self.ready),
+            Route("/metrics", self.prometheus),
+            Route("/v1/models", self.models),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v2/models/{model}/generate", self.triton_generate, methods=["POST"]),
+            Route("/v2/models/{model}/generate_stream", self.triton_generate, methods=["POST"]),
+        ]
+        guard = Middleware(
+            Guard, routes=routes, limits=self.limits, metrics=self.metrics, max_in_flight=self.config.max_in_flight
+        )
         return Starlette(
-            routes=[
-                Route("/health/live", self.live),
-                Route("/health/ready", self.ready),
-                Route("/v1/models", self.models),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v2/models/{model}/generate", self.triton_generate, methods=["POST"]),
-                Route("/v2/models/{model}/generate_stream", self.triton_generate, methods=["POST"]),
-            ],
+            routes=routes,
+            middleware=[guard],
+            exception_handlers={HTTPException: self.not_routed},
             lifespan=self.lifespan,
         )

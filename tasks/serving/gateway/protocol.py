@@ -2,8 +2,11 @@
 the error every refusal becomes.
 
 Requests are parsed from the raw body in pydantic's strict JSON mode, so a string is no number, a bool no
-integer and 1.0 no token count, as a hand-written check would have it; unknown fields are ignored, as
-OpenAI's own clients send more than this gateway uses. The first problem becomes a 400 naming its field.
+integer and 1.0 no token count, as a hand-written check would have it; unknown fields are ignored on /v1, as
+OpenAI's own clients send more than this gateway uses, and refused on /v2, which Triton would pass to the
+model. The first problem becomes a 400 naming its field. Bodies nested deeper than pydantic's JSON parser
+allows, and broken escapes such as a lone surrogate ("\\ud800"), are a 400 there too: parsed with `json.loads`
+they had been a RecursionError, or a string that later failed to encode (UnicodeEncodeError), each a 500.
 """
 
 from __future__ import annotations
@@ -20,9 +23,17 @@ StopSequence = Annotated[str, Field(min_length=1)]
 class RequestError(Exception):
     """A refused request: HTTP status, message, and (OpenAI) the parameter it is about."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,  # seconds, sent as Retry-After (429, 503)
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
 
 
 class ChatMessage(BaseModel):
@@ -68,12 +79,20 @@ class CompletionRequest(OpenAIRequest):
 
 
 class GenerateRequest(BaseModel):
-    """Triton's generate request on /v2: checked here, forwarded whole (its other inputs included)."""
+    """Triton's generate request on /v2: the `llm` model's inputs only (infra/triton/llm/config.pbtxt), each
+    bounded; any other field is refused, as Triton would forward it to the model unchecked."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     text_input: str
+    chat_history: str | None = None
     max_tokens: Count | None = None
+    min_length: Annotated[int, Field(ge=0)] | None = None
+    stream: bool | None = None
+    exclude_input_in_output: bool | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
+    random_seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None  # TYPE_UINT64
 
 
 class GenerateInputs(BaseModel):
@@ -198,7 +217,7 @@ class ErrorResponse(BaseModel):
 
     @classmethod
     def of(cls, error: RequestError) -> ErrorResponse:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
             error.status, "invalid_request_error" if error.status < 500 else "server_error"
         )
         return cls(error=ErrorInfo(message=error.message, type=kind, param=error.param, code=error.code))

@@ -17,6 +17,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tasks.quality.chat import encode_prompt
+from tasks.serving.gateway.access import current
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
     ChatChunkChoice,
@@ -140,6 +141,7 @@ class OpenAIServing:
         if not stream:
             text, stopped = cut_at_stop(await self.triton.generate(inputs.payload()), stop)
             usage = self.usage(inputs, text)
+            current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
             return JSONResponse(reply.whole(text, self.finish_reason(stopped, usage, inputs), usage))
         pieces = self.triton.generate_stream(inputs.payload())
         first = await anext(pieces, None)  # errors before the first token still get a status code
@@ -174,6 +176,7 @@ class OpenAIServing:
         if rest := scanner.flush():
             yield reply.chunk({"content": rest})
         usage = self.usage(inputs, scanner.text)
+        current().tokens = usage.total_tokens or inputs.max_tokens
         yield reply.chunk(None, self.finish_reason(scanner.stopped, usage, inputs), usage)
         yield DONE
 

@@ -1,27 +1,50 @@
 """The Triton behind the gateway, over its HTTP generate API (httpx), and how its failures reach clients.
 
 Triton answers a model's refusal (bad input, a prompt over the context) with 400: that goes back as it is.
-Its own faults become 502, a Triton that cannot be reached 503 and one that does not answer in time 504,
-so a client can tell its mistakes from the service's. The transport can be given (httpx.MockTransport
-in the unit tests).
+A Triton that cannot be reached, does not know the service's model (it is loading it again after a restart:
+the gateway checked the name) or fails is 503 with Retry-After, one that does not answer in time 504, one
+whose answer breaks off 502, so a client can tell its mistakes from the service's. A 5xx never carries
+Triton's or the model's own message (paths, library errors): that goes to the log under the request id the
+client gets. The transport can be given (httpx.MockTransport in the unit tests).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
 
+from tasks.serving.gateway.access import ERROR_LOG, current
 from tasks.serving.gateway.protocol import RequestError
 
 TIMEOUT = httpx.Timeout(300, connect=5)  # a long answer on a CPU takes minutes; a Triton that is there answers at once
 
 
-def upstream_status(status: int) -> int:
-    """Triton answers a model's refusal (bad input, context exceeded) with 400; its own faults stay 5xx."""
-    return status if status in (400, 404) else 502
+# Triton's words for a model it is (re)loading: "Request for unknown model: 'x' has no available versions",
+# "... is not ready"; with the name checked here, the service's model is only ever not loaded *yet*.
+NOT_LOADED = re.compile(r"unknown model|not ready|no available versions|not loaded", re.IGNORECASE)
+RETRY_AFTER_S = 2  # Triton restarts with backoff from 1 s; a retry sooner would only find it down again
+
+
+def server_fault(status: int, detail: str) -> RequestError:
+    """A 5xx for the client, with its request id; what went wrong (Triton's own words) only in the log."""
+    request_id = current().id
+    ERROR_LOG.warning("request %s: model server fault (%s): %s", request_id, status, detail[:2000])
+    if status == 503:
+        message = f"the model server is not available; try again shortly (request id {request_id})"
+        return RequestError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_S)
+    return RequestError(status, f"the model server failed to answer (request id {request_id})", code="server_error")
+
+
+def upstream_error(response: httpx.Response) -> RequestError:
+    """Triton's refusal (400) as it is; its not knowing the service's model, or its own fault, a 503."""
+    message = upstream_message(response)
+    if response.status_code == 400 and not NOT_LOADED.search(message):
+        return RequestError(400, message)
+    return server_fault(503, f"HTTP {response.status_code}: {message}")
 
 
 def upstream_message(response: httpx.Response) -> str:
@@ -41,10 +64,10 @@ class Triton:
     def unreachable(self, exc: httpx.HTTPError) -> RequestError:
         """The error a client gets when Triton could not be asked or did not answer."""
         if isinstance(exc, httpx.ConnectError):
-            return RequestError(503, f"the model server is not reachable ({exc}); try again shortly")
+            return server_fault(503, f"not reachable: {exc}")
         if isinstance(exc, httpx.TimeoutException):
-            return RequestError(504, "the model server did not answer in time")
-        return RequestError(502, f"the model server's answer broke off ({type(exc).__name__}: {exc})")
+            return RequestError(504, "the model server did not answer in time", code="timeout")
+        return server_fault(502, f"its answer broke off: {type(exc).__name__}: {exc}")
 
     async def ready(self) -> bool:
         try:
@@ -59,7 +82,7 @@ class Triton:
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         if response.status_code != 200:
-            raise RequestError(upstream_status(response.status_code), upstream_message(response))
+            raise upstream_error(response)
         return str(response.json()["text_output"])
 
     async def generate_stream(self, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
@@ -75,10 +98,10 @@ class Triton:
         try:
             if response.status_code != 200:
                 await response.aread()
-                raise RequestError(upstream_status(response.status_code), upstream_message(response))
+                raise upstream_error(response)
             async for event in self.events(response):
                 if "error" in event:
-                    raise RequestError(400, str(event["error"]))
+                    raise server_fault(502, f"error event: {event['error']}")
                 yield str(event.get("text_output", ""))
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
@@ -93,7 +116,7 @@ class Triton:
             try:
                 yield json.loads(line[5:])
             except ValueError:
-                raise RequestError(502, f"the model server sent an event that is not JSON: {line[:200]!r}") from None
+                raise server_fault(502, f"an event that is not JSON: {line[:200]!r}") from None
 
     async def forward(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """Triton's answer to a /v2 request, read whole."""
@@ -107,6 +130,10 @@ class Triton:
         they come; a connection that breaks off ends the stream with an error event in Triton's shape."""
         try:
             response = await self.client.send(self.client.build_request("POST", path, json=body), stream=True)
+            if response.status_code != 200:
+                await response.aread()
+                await response.aclose()
+                raise upstream_error(response)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
 

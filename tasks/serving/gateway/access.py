@@ -1,0 +1,163 @@
+"""What every request to the gateway passes through and leaves behind: a request id, the cap on requests in
+flight overall (503), errors in the caller's API's shape whatever failed (a 500 says only its request id; the
+traceback goes to the log), one structured access-log line (client, route, status, tokens, latency; never the
+prompt nor the key) and the per-client Prometheus counters of /metrics.
+
+The route handlers fill in the RequestRecord of the request (the client authorize() named, the tokens the
+answer used); a contextvar carries it, as a streamed answer ends in a task of its own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tasks.serving.gateway.limits import ClientLimits
+from tasks.serving.gateway.protocol import ErrorResponse, RequestError
+
+ACCESS_LOG = logging.getLogger("llmops.gateway.access")
+ERROR_LOG = logging.getLogger("llmops.gateway")
+GUARDED = ("/v1/", "/v2/")  # the API routes: probes and /metrics are neither capped nor counted per client
+QUIET = ("/health/", "/metrics")  # polled every few seconds by probes and Prometheus: no access-log line
+
+
+@dataclass
+class RequestRecord:
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    client: str = "-"  # the name authorize() gave; "-" before (or without) a key check
+    tokens: int = 0
+
+
+CURRENT = contextvars.ContextVar[RequestRecord]("gateway_request")
+
+
+def current() -> RequestRecord:
+    """The record of the request being answered (a fresh one outside a request: unit tests of parts)."""
+    try:
+        return CURRENT.get()
+    except LookupError:
+        return RequestRecord()
+
+
+def openai_error(error: RequestError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    return JSONResponse(ErrorResponse.of(error).model_dump(), status_code=error.status, headers=headers)
+
+
+def triton_error(error: RequestError) -> JSONResponse:
+    """Triton's own error shape, {"error": "..."}, for the /v2 routes."""
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse({"error": error.message}, status_code=error.status, headers=headers)
+
+
+def shaped_error(path: str, error: RequestError) -> JSONResponse:
+    """The error in the shape of the API `path` belongs to: Triton's on /v2, OpenAI's elsewhere."""
+    return triton_error(error) if path.startswith("/v2/") else openai_error(error)
+
+
+class GatewayMetrics:
+    """Per-client counters in a registry of their own (one gateway, one registry: tests stay apart)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "llmops_gateway_requests",
+            "Requests answered by the gateway, by client (API key name), route and HTTP status.",
+            ["client", "route", "status"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "llmops_gateway_tokens",
+            "Tokens of the answered requests by client (prompt + completion where counted, else the budget).",
+            ["client"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Guard:
+    """The ASGI middleware around the routes (inside Starlette's own error middleware, which it pre-empts)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        routes: Sequence[BaseRoute],
+        limits: ClientLimits,
+        metrics: GatewayMetrics,
+        max_in_flight: int,
+    ):
+        self.app, self.routes, self.limits, self.metrics = app, routes, limits, metrics
+        self.max_in_flight, self.in_flight = max_in_flight, 0
+
+    def route(self, scope: Scope) -> str:
+        """The route's template (bounded label values: never the raw path)."""
+        for route in self.routes:
+            if route.matches(scope)[0] != Match.NONE:
+                return str(getattr(route, "path", "other"))
+        return "unmatched"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        record, path, started = RequestRecord(), scope["path"], time.perf_counter()
+        guarded = path.startswith(GUARDED)
+        token = CURRENT.set(record)
+        status = 0
+
+        async def noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if guarded and self.max_in_flight and self.in_flight >= self.max_in_flight:
+                busy = RequestError(
+                    503, "the service is at its limit of requests in flight; retry shortly", retry_after=1
+                )
+                return await shaped_error(path, busy)(scope, receive, noting_status)
+            self.in_flight += guarded
+            try:
+                await self.app(scope, receive, noting_status)
+            finally:
+                self.in_flight -= guarded
+        except Exception:
+            ERROR_LOG.exception("request %s %s %s failed", record.id, scope["method"], path)
+            if not status:  # else the answer was on its way: the connection just ends
+                failed = RequestError(500, f"internal error; request id {record.id}", code="internal_error")
+                await shaped_error(path, failed)(scope, receive, noting_status)
+        finally:
+            CURRENT.reset(token)
+            self.account(scope, record, status or 500, started)
+
+    def account(self, scope: Scope, record: RequestRecord, status: int, started: float) -> None:
+        route = self.route(scope)
+        if record.client != "-":
+            self.limits.charge_tokens(record.client, record.tokens)
+            self.metrics.tokens.labels(record.client).inc(record.tokens)
+        self.metrics.requests.labels(record.client, route, str(status)).inc()
+        line = {
+            "request_id": record.id,
+            "client": record.client,
+            "method": scope["method"],
+            "route": route,
+            "status": status,
+            "tokens": record.tokens,
+            "latency_ms": round((time.perf_counter() - started) * 1000, 1),
+        }
+        if not str(scope["path"]).startswith(QUIET):
+            ACCESS_LOG.info(json.dumps(line))
