@@ -147,21 +147,32 @@ def ready_models(triton, expected: list[str], timeout: float = 60) -> list[str]:
         time.sleep(0.5)
 
 
-class Load:
-    """A bounded client load on the router: fixed number of requests, stops by itself. It starts once the
-    candidate's model folder appears in the serving Triton's repository (the rollout's first step): the
-    rollout is what it tests, and on 2 cores a load during training only slows the training down."""
+LIVE_STATES = ("LOADING", "READY")  # Triton's repository index states of a model being or done loading
 
-    def __init__(self, server: dict, requests_total: int = 4000, concurrency: int = 3):
+
+class Load:
+    """A bounded client load on the router: fixed number of requests, stops by itself. It starts when Triton
+    begins loading the candidate (the rollout's first step) and runs through benchmark, gate, canary and
+    promotion or rollback: the rollout is what it tests. On 2 cores a load from the run's start only slowed
+    training and the run's first torch import down (one took 50 s), and three clients without a pause
+    spent their 4000 requests within a minute while making the candidate's benchmark four times slower."""
+
+    def __init__(self, server: dict, triton, requests_total: int = 4000, concurrency: int = 2):
         self.url, self.left, self.lock = server["url"], requests_total, threading.Lock()
         self.ok, self.failed, self.errors = 0, 0, []
         self.threads = [threading.Thread(target=self.client) for _ in range(concurrency)]
         self.stop = threading.Event()
-        self.repository = Path(server["repository"])
-        self.served_before = set(self.repository.glob(f"{SERVICE}-v*"))
+        self.triton = triton
+        self.served_before = self.versions_loading_or_ready()
+
+    def versions_loading_or_ready(self) -> set[str]:
+        index = requests.post(
+            f"{self.triton.url}/v2/repository/index", json={}, headers=self.triton.control_headers(), timeout=10
+        ).json()
+        return {m["name"] for m in index if m["name"].startswith(f"{SERVICE}-v") and m.get("state") in LIVE_STATES}
 
     def rollout_started(self) -> bool:
-        while not set(self.repository.glob(f"{SERVICE}-v*")) - self.served_before:
+        while not self.versions_loading_or_ready() - self.served_before:
             if self.stop.wait(0.2):
                 return False
         return True
@@ -188,7 +199,7 @@ class Load:
                 self.failed += not good
                 if not good:
                     self.errors.append(str(getattr(response, "text", response))[:200])
-            time.sleep(0.02)
+            time.sleep(0.1)  # about 15 requests/s: steady through the rollout, not a benchmark of its own
 
     def __enter__(self):
         for t in self.threads:
@@ -532,7 +543,7 @@ def triton_scraped(url: str) -> bool:
 
 def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server, run, prometheus):
     """The canary's live checks come from Prometheus here (`canary.prometheus_url`), as in production."""
-    with Load(server) as load:
+    with Load(server, served_by(home, server)) as load:
         # the same weights under a new profile digest: a new version, and no training in this test's time
         result = run("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -573,7 +584,7 @@ BASE_MODEL_CANDIDATE = [
 
 def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run):
     before = champion(home)
-    with Load(server) as load:
+    with Load(server, served_by(home, server)) as load:
         result = run(*BASE_MODEL_CANDIDATE)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
@@ -638,7 +649,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     asker = threading.Thread(target=answers_during_the_step, args=(server, tls, seen, done))
     asker.start()
     try:
-        with Load(server) as load:
+        with Load(server, served_by(home, server)) as load:
             result = run(
                 *BASE_MODEL_CANDIDATE,
                 *("--set", "gate.max_task_metric_drop=1", "--set", "gate.min_throughput_ratio=null"),
