@@ -151,13 +151,14 @@ LIVE_STATES = ("LOADING", "READY")  # Triton's repository index states of a mode
 
 
 class Load:
-    """A bounded client load on the router: fixed number of requests, stops by itself. It starts when Triton
-    begins loading the candidate (the rollout's first step) and runs through benchmark, gate, canary and
-    promotion or rollback: the rollout is what it tests. On 2 cores a load from the run's start only slowed
-    training and the run's first torch import down (one took 50 s), and three clients without a pause
-    spent their 4000 requests within a minute while making the candidate's benchmark four times slower."""
+    """A bounded client load on the router: 2000 requests, about half a minute here. It starts when Triton
+    begins loading the candidate next to the champion, the heaviest moment of a rollout on a shared machine.
+    The weight steps that follow are checked by the canary's own probes (every step logs its requests and
+    failures) and, in the breach test, by the openai client. Started with the run, it only slowed training
+    and the run's first torch import (52 s once); still running during genai-perf, it made the candidate's
+    benchmark 4 to 20 times slower than the champion's (a continuously busy vLLM on 2 cores)."""
 
-    def __init__(self, server: dict, triton, requests_total: int = 4000, concurrency: int = 2):
+    def __init__(self, server: dict, triton, requests_total: int = 2000, concurrency: int = 3):
         self.url, self.left, self.lock = server["url"], requests_total, threading.Lock()
         self.ok, self.failed, self.errors = 0, 0, []
         self.threads = [threading.Thread(target=self.client) for _ in range(concurrency)]
@@ -199,7 +200,7 @@ class Load:
                 self.failed += not good
                 if not good:
                     self.errors.append(str(getattr(response, "text", response))[:200])
-            time.sleep(0.1)  # about 15 requests/s: steady through the rollout, not a benchmark of its own
+            time.sleep(0.02)
 
     def __enter__(self):
         for t in self.threads:
