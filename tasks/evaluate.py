@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.data.splits import eval_conversations
+from tasks.data.splits import eval_conversations, require_samples
 from tasks.platform.config import EvaluateSection
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
@@ -25,7 +25,7 @@ from tasks.quality import metrics
 from tasks.quality.chat import Conversation
 from tasks.quality.metrics import higher_is_better
 from tasks.quality.models import Compute, load_model, load_tokenizer
-from tasks.quality.scoring import EVALUATION_FILE, Scores, describe, gain, require_samples, score
+from tasks.quality.scoring import EVALUATION_FILE, Scores, describe, gain, score
 from tasks.quality.stats import Difference
 
 

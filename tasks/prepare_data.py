@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.data.records import CleanData, clean_and_split, read_source, source_digest
-from tasks.data.splits import load_split, write_dataset
+from tasks.data.splits import load_split, require_samples, write_dataset
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 
 
@@ -68,6 +68,8 @@ def prepare_data(ctx: RunContext) -> StageResult:
         headline=lambda m: DatasetMetrics.from_mlflow(m).headline(),
     )
     dataset = DatasetMetrics.of(result)
+    # Refused now rather than by evaluate after training: the split's size is known here.
+    require_samples(min(dataset.eval_records, ctx.profile.evaluate.max_samples), ctx.profile.evaluate, "prepare_data")
     log_dataset_input(ctx, ctx.store.fetch(result.artifact.digest), cfg.source, dataset.fingerprint)
     if dataset.eval_fingerprint:
         ctx.tracker.set_tags({"data.eval_fingerprint": dataset.eval_fingerprint, "data.eval_source": cfg.eval_source})

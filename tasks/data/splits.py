@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from tasks.data.records import CleanData
+from tasks.platform.config import EvaluateSection
+from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageResult
 from tasks.quality.chat import Conversation
 
@@ -42,3 +44,12 @@ def load_split(folder: Path, split: str) -> list[Conversation]:
 def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[Conversation]:
     """The held-out split of a prepared dataset artifact (verified on read)."""
     return load_split(ctx.store.fetch(data.artifact.digest), "eval")[:limit]
+
+
+def require_samples(count: int, cfg: EvaluateSection, where: str) -> None:
+    """A decision on a handful of samples is noise: refuse it, saying what to do."""
+    if count < cfg.min_samples:
+        raise CheckFailed(
+            f"{where}: the eval split has {count} samples, fewer than evaluate.min_samples {cfg.min_samples}: too few "
+            "to decide on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source"
+        )

@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 from tasks.platform.config import EvaluateSection
-from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageResult
 from tasks.quality import metrics
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
@@ -118,15 +117,6 @@ def score(model, tokenizer, conversations: list[Conversation], cfg: EvaluateSect
         "answer_loss": answer_losses(model, tokenizer, conversations),
     }
     return Scores(per_sample, predictions)
-
-
-def require_samples(count: int, cfg: EvaluateSection, where: str) -> None:
-    """A decision on a handful of samples is noise: refuse it, saying what to do."""
-    if count < cfg.min_samples:
-        raise CheckFailed(
-            f"{where}: the eval split has {count} samples, fewer than evaluate.min_samples {cfg.min_samples}: too few "
-            "to decide on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source"
-        )
 
 
 def gain(candidate: list[float], reference: list[float], cfg: EvaluateSection) -> Difference:

@@ -66,10 +66,14 @@ def test_exact_match_on_the_same_data_is_refused_with_the_reason(home, release):
     assert "90% interval" in last
 
 
-def test_an_eval_split_too_small_to_decide_says_so(home, release):
-    result = llmops(home, "run", "--profile", PROFILE, "--set", "evaluate.max_samples=5", "--set", "serve.deploy=false")
+def test_an_eval_split_too_small_to_decide_says_so_before_training(home, release):
+    result = llmops(
+        home, "run", "--profile", PROFILE, "--set", "evaluate.max_samples=5", "--set", "train.learning_rate=3e-4"
+    )
     assert result.returncode == 3
+    # refused by prepare_data: the training a new learning rate asks for never started
+    assert "Task run 'train" not in result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        "llmops: error: evaluate: the eval split has 5 samples, fewer than evaluate.min_samples 20: too few to decide "
+        "llmops: error: prepare_data: the eval split has 5 samples, fewer than evaluate.min_samples 20: too few to decide "
         "on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source"
     )
