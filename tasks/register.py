@@ -9,6 +9,7 @@ Aliases (`challenger`, `champion`) are moved by the canary and the gate, not her
 
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
         "data.fingerprint": fingerprint,
         "profile.name": ctx.profile.name,
         "profile.digest": ctx.profile.digest,
+        "serve.model_settings": json.dumps(ctx.profile.serve.model_settings(), sort_keys=True),
         "code.version": code_version(),
         "prefect.flow_run_id": flow_run_id,
         "mlflow.run_id": ctx.tracker.run_id,

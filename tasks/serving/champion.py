@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,17 @@ def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
     if version is None:
         return None
     champion = served_version(ctx, service, version)
-    install_model(triton, ctx.profile, champion)
+    install_model(triton, released_profile(ctx.profile, version), champion)
     if not triton.is_ready(service):
         set_routes(triton, ctx.profile, service, {champion.name: 100})
     return champion
+
+
+def released_profile(profile: Profile, version) -> Profile:
+    """`profile` with the serve settings `version` was released with (its `serve.model_settings` tag), so the
+    champion serves as it was gated, not with a candidate's settings; versions registered before the tag
+    serve with `profile`'s."""
+    recorded = version.tags.get("serve.model_settings")
+    if not recorded:
+        return profile
+    return profile.model_copy(update={"serve": profile.serve.with_model_settings(json.loads(recorded))})

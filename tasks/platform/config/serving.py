@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -163,6 +163,27 @@ class ServeSection(Section):
     load_timeout_s: float = Field(300, gt=0, description="Seconds a model may take to load in Triton.")
     listen: ListenSection = ListenSection()
     limits: LimitsSection = LimitsSection()
+
+    # What shapes how a version serves (its rendered Triton model), recorded at register so that a later run
+    # serves the champion as it was released rather than with the candidate's settings. The backend and
+    # the vLLM environment belong to the machine and the Triton this run starts, so they stay this run's.
+    MODEL_SETTINGS: ClassVar[tuple[str, ...]] = (
+        *("instance_count", "max_batch_size", "max_queue_delay_us", "torch_threads", "default_max_tokens"),
+        "apply_chat_template",
+    )
+
+    def model_settings(self) -> dict[str, Any]:
+        """The settings of MODEL_SETTINGS and the vLLM engine's, as JSON-ready data."""
+        return self.model_dump(mode="json", include=set(self.MODEL_SETTINGS)) | {
+            "vllm": self.vllm.model_dump(mode="json", exclude={"environment"})
+        }
+
+    def with_model_settings(self, recorded: dict[str, Any]) -> ServeSection:
+        """This section with a version's recorded model settings in place of its own."""
+        values = self.model_dump()
+        values |= {key: recorded[key] for key in self.MODEL_SETTINGS if key in recorded}
+        values["vllm"] |= recorded.get("vllm", {})
+        return type(self).model_validate(values)
 
     @model_validator(mode="before")
     @classmethod
