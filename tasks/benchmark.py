@@ -1,83 +1,57 @@
 """benchmark: genai-perf against Triton, champion and candidate under the same load.
 
-genai-perf drives perf_analyzer in kserve mode (TensorRT-LLM-style inputs, gRPC streaming) with
-synthetic prompts of `bench.input_tokens` tokens and exactly `bench.output_tokens` output tokens,
-counted with the model's own tokenizer from its local folder (no hub). One run per concurrency
-level; each level's `profile_export_genai_perf.json` is parsed into a LoadLevel, and each role's levels
-are summarized into what the gate reads (RoleBenchmark.summary).
+Every level below the highest is measured once per model. With a champion, the highest level is measured in rounds, interleaved and in alternating order (champion,
+candidate; candidate, champion; ...), so drift of a shared machine hits both models alike; each round
+gives a candidate/champion ratio and the gate reads their interval (tasks/quality/stats.py). While
+the throughput interval straddles gate.min_throughput_ratio, rounds continue up to bench.max_rounds.
+
+Why the ratio is of requests/s and not of genai-perf's output tokens/s: genai-perf counts output
+tokens by re-tokenizing the streamed text, and two models generating the same 8 tokens count 10 to
+14 (a replacement character for a partial byte sequence tokenizes into several): the token ratio
+carried up to 17% of text, not speed. Every request generates exactly `output_tokens`, so requests/s
+times `output_tokens` is the throughput in generated tokens.
+
+genai-perf's command line, runs and export: tasks/serving/genai_perf.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.platform.child_env import child_env
 from tasks.platform.config import BenchSection
-from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
+from tasks.quality.stats import RatioInterval, ratio_interval
 from tasks.serving.client import parse_metric
+from tasks.serving.genai_perf import GenaiPerf, LoadLevel, check_tokenizer
 
 if TYPE_CHECKING:
     from tasks.deploy_canary import Deployment
+    from tasks.platform.config import Profile
     from tasks.serving.models import Served
-
-# (genai-perf key, statistic) -> LoadLevel's field; latencies in ms, throughputs per second.
-METRICS = {
-    ("time_to_first_token", "p50"): "ttft_p50_ms",
-    ("time_to_first_token", "p90"): "ttft_p90_ms",
-    ("time_to_first_token", "p99"): "ttft_p99_ms",
-    ("inter_token_latency", "avg"): "itl_avg_ms",
-    ("inter_token_latency", "p99"): "itl_p99_ms",
-    ("request_latency", "p50"): "latency_p50_ms",
-    ("request_latency", "p90"): "latency_p90_ms",
-    ("request_latency", "p99"): "latency_p99_ms",
-    ("output_token_throughput", "avg"): "output_tokens_per_s",
-    ("request_throughput", "avg"): "requests_per_s",
-    ("request_count", "avg"): "request_count",
-}
-
-
-@dataclass
-class LoadLevel:
-    """What genai-perf measured for one model at one concurrency level."""
-
-    ttft_p50_ms: float
-    ttft_p90_ms: float
-    ttft_p99_ms: float
-    itl_avg_ms: float
-    itl_p99_ms: float
-    latency_p50_ms: float
-    latency_p90_ms: float
-    latency_p99_ms: float
-    output_tokens_per_s: float
-    requests_per_s: float
-    request_count: float
 
 
 @dataclass
 class ServingSummary:
     """What the gate reads of one model: worst p99s over the levels, throughput at the highest
-    concurrency, and the share of its requests Triton counted as failed during the benchmark."""
+    concurrency (the rounds' median there), and the share of its requests Triton counted as failed."""
 
     latency_p99_ms: float
     ttft_p99_ms: float
-    output_tokens_per_s: float
+    output_tokens_per_s: float  # generated tokens: requests/s times bench.output_tokens
     requests_per_s: float
     error_rate: float
 
     @classmethod
-    def of(cls, levels: dict[int, LoadLevel], error_rate: float) -> ServingSummary:
+    def of(cls, levels: dict[int, LoadLevel], error_rate: float, output_tokens: int) -> ServingSummary:
         top = levels[max(levels)]
         return cls(
             latency_p99_ms=max(level.latency_p99_ms for level in levels.values()),
             ttft_p99_ms=max(level.ttft_p99_ms for level in levels.values()),
-            output_tokens_per_s=top.output_tokens_per_s,
+            output_tokens_per_s=top.requests_per_s * output_tokens,
             requests_per_s=top.requests_per_s,
             error_rate=error_rate,
         )
@@ -85,16 +59,18 @@ class ServingSummary:
     def describe(self) -> str:
         return (
             f"p99 {self.latency_p99_ms:.1f} ms, TTFT p99 {self.ttft_p99_ms:.1f} ms, "
-            f"{self.output_tokens_per_s:.0f} tok/s, errors {self.error_rate:.2%}"
+            f"{self.requests_per_s:.1f} req/s ({self.output_tokens_per_s:.0f} tok/s), errors {self.error_rate:.2%}"
         )
 
 
 @dataclass
 class RoleBenchmark:
-    """One model (the candidate or the champion) under each concurrency level, and its summary."""
+    """One model (the candidate or the champion) under each concurrency level, and its summary; at the
+    highest level, the median of its rounds (`rounds`, in the order measured)."""
 
     levels: dict[int, LoadLevel]
     summary: ServingSummary
+    rounds: list[LoadLevel] = field(default_factory=list)
 
     def as_mlflow(self, role: str) -> dict[str, float]:
         """`<role>_c<level>_<metric>` per level, `<role>_<metric>` of the summary."""
@@ -107,98 +83,79 @@ class RoleBenchmark:
 
 
 @dataclass
+class Comparison:
+    """Candidate/champion ratios at the highest concurrency, one per interleaved round, with intervals."""
+
+    concurrency: int
+    throughput: RatioInterval  # of requests/s (each request generates exactly bench.output_tokens)
+    latency_p99: RatioInterval
+    ttft_p99: RatioInterval
+    planned_rounds: int  # bench.rounds; more were measured when the throughput verdict was inconclusive
+
+    @classmethod
+    def of(cls, pairs: list[tuple[LoadLevel, LoadLevel]], concurrency: int, cfg: BenchSection) -> Comparison:
+        """`pairs`: (champion, candidate) per round."""
+
+        def ratios(metric: str) -> RatioInterval:
+            values = [getattr(candidate, metric) / getattr(champion, metric) for champion, candidate in pairs]
+            return ratio_interval(values, cfg.confidence)
+
+        return cls(concurrency, ratios("requests_per_s"), ratios("latency_p99_ms"), ratios("ttft_p99_ms"), cfg.rounds)
+
+    @property
+    def rounds(self) -> int:
+        return self.throughput.rounds
+
+    def as_mlflow(self) -> dict[str, float]:
+        """`ratio_<name>`, `ratio_<name>_low`, `ratio_<name>_high`, and `ratio_rounds`."""
+        metrics = {"ratio_rounds": float(self.rounds)}
+        for name, ratio in (
+            ("throughput", self.throughput),
+            ("latency_p99", self.latency_p99),
+            ("ttft_p99", self.ttft_p99),
+        ):
+            metrics[f"ratio_{name}"] = ratio.value
+            if ratio.low is not None and ratio.high is not None:
+                metrics |= {f"ratio_{name}_low": ratio.low, f"ratio_{name}_high": ratio.high}
+        return metrics
+
+    def describe(self) -> str:
+        t = self.throughput
+        interval = (
+            f"{t.confidence:.0%} interval {t.low:.3f}..{t.high:.3f}"
+            if t.low is not None and t.high is not None
+            else "no interval"
+        )
+        return (
+            f"candidate/champion throughput {t.value:.3f} ({interval}, "
+            f"{self.rounds} round{'s' if self.rounds > 1 else ''} at concurrency {self.concurrency})"
+        )
+
+
+@dataclass
 class BenchmarkResult:
-    """Champion and candidate under the same load; no champion on a first release."""
+    """Champion and candidate under the same load, and their comparison; no champion on a first release."""
 
     candidate: RoleBenchmark
     champion: RoleBenchmark | None = None
+    comparison: Comparison | None = None
 
     @property
     def roles(self) -> dict[str, RoleBenchmark]:
         return {"candidate": self.candidate} | ({"champion": self.champion} if self.champion else {})
 
     def as_json(self) -> dict:
-        """benchmark.json: {"levels": {role: {concurrency: metrics}}, "summary": {role: summary}}."""
+        """benchmark.json: {"levels": {role: {concurrency: metrics}}, "summary": {role: summary},
+        "rounds": {role: [metrics per round]}, "comparison": {...} or null}."""
         return {
             "levels": {
                 role: {str(c): asdict(level) for c, level in measured.levels.items()}
                 for role, measured in self.roles.items()
             },
             "summary": {role: asdict(measured.summary) for role, measured in self.roles.items()},
+            "rounds": {role: [asdict(level) for level in measured.rounds] for role, measured in self.roles.items()},
+            "comparison": asdict(self.comparison) if self.comparison else None,
         }
-
-
-def parse_profile_export(path: Path) -> LoadLevel:
-    """genai-perf's JSON export at one level; a missing or malformed file is a clear error."""
-    if not path.is_file():
-        raise CheckFailed(f"benchmark: genai-perf wrote no {path.name} (looked in {path.parent})")
-    try:
-        data = json.loads(path.read_text())
-        return LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise CheckFailed(f"benchmark: {path}: malformed genai-perf export ({type(exc).__name__}: {exc})") from None
-
-
-def genai_perf_command(
-    model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, concurrency: int, artifact_dir: Path
-) -> list[str]:
-    return [
-        str(Path(sys.executable).parent / "genai-perf"),
-        "profile",
-        "-m",
-        model,
-        "--endpoint-type",
-        "kserve",
-        "--backend",
-        "tensorrtllm",
-        "--streaming",
-        "-u",
-        grpc_url,
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--synthetic-input-tokens-mean",
-        str(cfg.input_tokens),
-        "--synthetic-input-tokens-stddev",
-        "0",
-        "--output-tokens-mean",
-        str(cfg.output_tokens),
-        "--output-tokens-mean-deterministic",
-        "--concurrency",
-        str(concurrency),
-        "--request-count",
-        str(cfg.request_count),
-        "--warmup-request-count",
-        str(cfg.warmup_request_count),
-        "--artifact-dir",
-        str(artifact_dir),
-    ]
-
-
-def run_genai_perf(
-    model: str, grpc_url: str, tokenizer_dir: Path, cfg: BenchSection, out_dir: Path
-) -> dict[int, LoadLevel]:
-    """{concurrency: what genai-perf measured} for one model; genai-perf's own files are kept under out_dir."""
-    env = child_env(  # genai-perf needs none of this process's secrets
-        {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        }
-    )
-    results: dict[int, LoadLevel] = {}
-    for level in cfg.concurrency:
-        artifact_dir = out_dir / f"{model}-c{level}"
-        command = genai_perf_command(model, grpc_url, tokenizer_dir, cfg, level, artifact_dir)
-        logger().info(f"benchmark: {model} at concurrency {level} ({cfg.request_count} requests)")
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            raise CheckFailed(f"benchmark: genai-perf on {model} exited with {done.returncode}: {tail[0][:300]}")
-        exports = sorted(artifact_dir.rglob("profile_export_genai_perf.json"))
-        results[level] = parse_profile_export(
-            exports[0] if exports else artifact_dir / "profile_export_genai_perf.json"
-        )
-    return results
 
 
 def plot(result: BenchmarkResult, path: Path) -> None:
@@ -224,13 +181,9 @@ def plot(result: BenchmarkResult, path: Path) -> None:
     plt.close(fig)
 
 
-def check_tokenizer(folder: Path) -> None:
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
-        raise BadInput(f"benchmark: no tokenizer in {folder}")
-
-
 def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
-    """genai-perf on the candidate and, when one serves, the champion; same load for both."""
+    """genai-perf on the candidate and, when one serves, the champion, interleaved; same load for both."""
+    cfg = ctx.profile.bench
     out_dir = ctx.home / "work" / "benchmark" / ctx.tracker.run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     grpc_url = deployment.triton.grpc_url
@@ -239,15 +192,39 @@ def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
             f"benchmark: Triton at {deployment.triton.url} has no gRPC endpoint for genai-perf "
             "(give --triton-grpc-url or LLMOPS_TRITON_GRPC_URL)"
         )
-    candidate = measure(ctx, deployment, deployment.candidate, grpc_url, out_dir)
-    ctx.tracker.log_metrics("benchmark", candidate.as_mlflow("candidate"))
-    champion = None
-    if deployment.champion is not None:
-        champion = measure(ctx, deployment, deployment.champion, grpc_url, out_dir)
-        ctx.tracker.log_metrics("benchmark", champion.as_mlflow("champion"))
-    result = BenchmarkResult(candidate, champion)
+    champion, candidate = deployment.champion, deployment.candidate
+    models = [champion, candidate] if champion is not None else [candidate]
+    for served in models:
+        check_tokenizer(served.model_dir)
+    genai_perf = GenaiPerf(grpc_url, cfg, out_dir)
+    counters_before = deployment.triton.metrics()
+    *lower, top = sorted(set(cfg.concurrency))
+    levels: dict[str, dict[int, LoadLevel]] = {served.name: {} for served in models}
+    for concurrency in lower:  # also the warm-up: both models, the same requests, before any round
+        for served in models:
+            logger().info(f"benchmark: {served.name} at concurrency {concurrency} ({cfg.request_count} requests)")
+            levels[served.name][concurrency] = genai_perf.measure(served, concurrency)
+    comparison = None
+    if champion is None:
+        logger().info(f"benchmark: {candidate.name} at concurrency {top} ({cfg.request_count} requests)")
+        rounds = {candidate.name: [genai_perf.measure(candidate, top)]}
+    else:
+        rounds, comparison = compare_in_rounds(genai_perf, champion, candidate, top, ctx.profile)
+    counters_after = deployment.triton.metrics()
+
+    def role(served: Served) -> RoleBenchmark:
+        at = levels[served.name] | {top: LoadLevel.median(rounds[served.name])}
+        error_rate = failed_share(counters_before, counters_after, served.name)
+        return RoleBenchmark(at, ServingSummary.of(at, error_rate, cfg.output_tokens), rounds[served.name])
+
+    result = BenchmarkResult(role(candidate), role(champion) if champion is not None else None, comparison)
+    for name, measured in result.roles.items():
+        ctx.tracker.log_metrics("benchmark", measured.as_mlflow(name))
+    if comparison is not None:
+        ctx.tracker.log_metrics("benchmark", comparison.as_mlflow())
     plot(result, out_dir / "latency_throughput.png")
     ctx.tracker.log_file(out_dir / "latency_throughput.png", "benchmark")
+    (out_dir / "benchmark.json").write_text(json.dumps(result.as_json(), indent=2))
     ctx.tracker.log_json("benchmark.json", result.as_json())
     logger().info(
         "benchmark: " + "; ".join(f"{role} {measured.summary.describe()}" for role, measured in result.roles.items())
@@ -255,16 +232,43 @@ def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
     return result
 
 
-def measure(ctx: RunContext, deployment: Deployment, served: Served, grpc_url: str, out_dir: Path) -> RoleBenchmark:
-    """genai-perf at every level on one served model, with its error rate from Triton's counters."""
-    check_tokenizer(served.model_dir)
-    before = deployment.triton.metrics()
-    levels = run_genai_perf(served.name, grpc_url, served.model_dir, ctx.profile.bench, out_dir)
-    after = deployment.triton.metrics()
+def compare_in_rounds(
+    genai_perf: GenaiPerf, champion: Served, candidate: Served, concurrency: int, profile: Profile
+) -> tuple[dict[str, list[LoadLevel]], Comparison]:
+    """bench.rounds rounds at `concurrency`, champion first in odd rounds and candidate first in even
+    ones; then one more at a time while the throughput ratio's interval straddles
+    gate.min_throughput_ratio, up to bench.max_rounds."""
+    cfg, threshold = profile.bench, profile.gate.min_throughput_ratio
+    rounds: dict[str, list[LoadLevel]] = {champion.name: [], candidate.name: []}
+    while True:
+        number = len(rounds[champion.name]) + 1
+        order = (champion, candidate) if number % 2 else (candidate, champion)
+        logger().info(
+            f"benchmark: round {number} at concurrency {concurrency}: {order[0].name}, then {order[1].name} "
+            f"({cfg.request_count} requests each)"
+        )
+        for served in order:
+            rounds[served.name].append(genai_perf.measure(served, concurrency, f"-round{number}"))
+        if number < cfg.rounds:
+            continue
+        comparison = Comparison.of(
+            list(zip(rounds[champion.name], rounds[candidate.name], strict=True)), concurrency, cfg
+        )
+        undecided = threshold is not None and comparison.throughput.verdict(threshold, ">=") == "inconclusive"
+        logger().info(
+            f"benchmark: round {number}: {comparison.describe()}"
+            + (f"; straddles gate.min_throughput_ratio {threshold:g}" if undecided else "")
+        )
+        if not undecided or number >= cfg.max_rounds:
+            return rounds, comparison
+        logger().info(f"benchmark: one more round (at most {cfg.max_rounds})")
+
+
+def failed_share(before: str, after: str, model: str) -> float:
+    """The share of `model`'s requests Triton counted as failed between two reads of its metrics."""
 
     def delta(metric: str) -> float:
-        return parse_metric(after, metric, served.name) - parse_metric(before, metric, served.name)
+        return parse_metric(after, metric, model) - parse_metric(before, metric, model)
 
     failures, successes = delta("nv_inference_request_failure"), delta("nv_inference_request_success")
-    error_rate = failures / (failures + successes) if failures + successes else 1.0
-    return RoleBenchmark(levels, ServingSummary.of(levels, error_rate))
+    return failures / (failures + successes) if failures + successes else 1.0

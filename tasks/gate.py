@@ -1,7 +1,9 @@
 """gate: promote or reject the candidate on thresholds from the profile, on what users will get.
 
 - Serving: p99 request latency, p99 TTFT, request rate and error rate of the candidate (genai-perf);
-  with a champion, the throughput ratio.
+  with a champion, the throughput ratio (and optionally the p99 latency ratio) on its interval over the
+  benchmark's interleaved rounds: pass when the interval clears the threshold, fail when it is entirely
+  past it, inconclusive (which rejects, saying so) when the rounds up to bench.max_rounds could not tell.
 - Task quality, scored where users are served (tasks/quality/served_scoring.py): the eval split goes through
   the candidate's and the champion's served models on Triton. The task-metric drop vs the champion
   uses those served scores; the serving parity check compares the candidate served with the same
@@ -19,15 +21,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from tasks.build_engine import EngineMetrics
 from tasks.platform.config import GateSection
 from tasks.platform.stage_cache import RunContext, StageResult, logger
-from tasks.quality.stats import Difference
+from tasks.quality.stats import Difference, RatioInterval
 
 if TYPE_CHECKING:
-    from tasks.benchmark import BenchmarkResult, ServingSummary
+    from tasks.benchmark import BenchmarkResult, Comparison, ServingSummary
     from tasks.deploy_canary import Deployment
 
 
@@ -38,8 +40,13 @@ class Check:
     threshold: float
     comparison: str  # "<=" or ">="
     passed: bool
-    interval: list[float] | None = None  # the bootstrap interval the verdict used (its bound), if any
-    samples: int | None = None
+    interval: list[float] | None = None  # the interval the verdict used (its bound), if any
+    samples: int | None = None  # paired samples, or benchmark rounds, behind the interval
+    inconclusive: bool = False  # the interval straddles the threshold (a failed check: the gate cannot tell)
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "INCONCLUSIVE" if self.inconclusive else "FAIL"
 
 
 @dataclass
@@ -75,6 +82,7 @@ class GateReport:
             f"{c.name} {c.value if c.value is None else round(c.value, 4)}"
             + (f" (interval {c.interval[0]:.4g}..{c.interval[1]:.4g})" if c.interval else "")
             + f" (needs {c.comparison} {c.threshold:g})"
+            + (f" inconclusive after {c.samples} rounds" if c.inconclusive else "")
             for c in self.checks
             if not c.passed
         ]
@@ -87,7 +95,7 @@ class GateReport:
         """One paragraph for the registry's version page: the decision and its headline numbers."""
         numbers = "; ".join(
             f"{c.name} {'n/a' if c.value is None else format(c.value, '.4g')} "
-            f"({'pass' if c.passed else 'FAIL'}, {c.comparison} {c.threshold:g})"
+            f"({c.verdict.lower()}, {c.comparison} {c.threshold:g})"
             for c in self.checks
         )
         against = f"v{self.champion_version}" if self.champion_version else "no champion (first release)"
@@ -108,10 +116,7 @@ class GateReport:
         for c in self.checks:
             value = "n/a" if c.value is None else f"{c.value:.4g}"
             interval = f"{c.interval[0]:.4g}..{c.interval[1]:.4g}" if c.interval else ""
-            lines.append(
-                f"| {c.name} | {value} | {interval} | {c.comparison} {c.threshold:g} | "
-                f"{'pass' if c.passed else 'FAIL'} |"
-            )
+            lines.append(f"| {c.name} | {value} | {interval} | {c.comparison} {c.threshold:g} | {c.verdict} |")
         return "\n".join(lines) + "\n"
 
     def write(self, folder: Path) -> tuple[Path, Path]:
@@ -140,62 +145,52 @@ def at_least(name: str, value: float | None, threshold: float) -> Check:
     return Check(name, value, threshold, ">=", value is not None and value >= threshold)
 
 
+def ratio_check(name: str, ratio: RatioInterval, threshold: float, comparison: Literal[">=", "<="]) -> Check:
+    """A candidate/champion ratio over the benchmark's rounds, decided on its interval."""
+    verdict = ratio.verdict(threshold, comparison)
+    return Check(
+        name,
+        ratio.value,
+        threshold,
+        comparison,
+        verdict == "pass",
+        ratio.interval(),
+        ratio.rounds,
+        verdict == "inconclusive",
+    )
+
+
 def decide(
     cfg: GateSection,
     model: str,
     candidate_version: str,
     champion_version: str | None,
     candidate: ServingSummary,
-    champion: ServingSummary | None,
+    comparison: Comparison | None,
     quality: Quality | None = None,
     quantization_accuracy_drop: float | None = None,
 ) -> GateReport:
-    """The benchmark's summaries of `candidate` and `champion`, the served `quality`, and the quantized
-    artifact's accuracy drop (None where the quantized artifact is not what serves)."""
-    checks = []
-    if cfg.p99_request_latency_ms is not None:
-        checks.append(at_most("p99 request latency (ms)", candidate.latency_p99_ms, cfg.p99_request_latency_ms))
-    if cfg.p99_time_to_first_token_ms is not None:
-        checks.append(at_most("p99 time to first token (ms)", candidate.ttft_p99_ms, cfg.p99_time_to_first_token_ms))
-    if cfg.min_requests_per_s is not None:
-        checks.append(at_least("request throughput (req/s)", candidate.requests_per_s, cfg.min_requests_per_s))
-    checks.append(at_most("error rate", candidate.error_rate, cfg.max_error_rate))
+    """The benchmark's summary of `candidate` and its `comparison` with the champion (None without one),
+    the served `quality`, and the quantized artifact's accuracy drop (None where the quantized artifact is
+    not what serves)."""
+    checks = serving_checks(cfg, candidate)
     if quantization_accuracy_drop is not None:
         checks.append(
             at_most("quantization accuracy drop", quantization_accuracy_drop, cfg.max_quantization_accuracy_drop)
         )
     if quality is not None:
-        checks.append(
-            at_least(
-                "served artifact is the measured artifact",
-                float(quality.served_artifact == quality.measured_artifact),
-                1,
-            )
-        )
+        checks += served_quality_checks(cfg, quality)
+    if comparison is not None:
+        checks += comparison_checks(cfg, comparison)
+    if champion_version is not None and quality is not None and quality.drop_vs_champion is not None:
         checks.append(
             at_most(
-                f"serving parity: {quality.metric} drop served vs offline",
-                quality.parity.value,
-                cfg.max_serving_parity_drop,
-                quality.parity,
+                f"task metric drop vs champion ({quality.metric}, served)",
+                quality.drop_vs_champion.value,
+                cfg.max_task_metric_drop,
+                quality.drop_vs_champion,
             )
         )
-        if quality.probe_tokens is not None:
-            checks.append(at_most("served stop probe: answer tokens", quality.probe_tokens, quality.max_tokens - 1))
-    if champion is not None:
-        if cfg.min_throughput_ratio is not None:
-            throughput = champion.output_tokens_per_s
-            ratio = candidate.output_tokens_per_s / throughput if throughput else None
-            checks.append(at_least("throughput ratio vs champion", ratio, cfg.min_throughput_ratio))
-        if quality is not None and quality.drop_vs_champion is not None:
-            checks.append(
-                at_most(
-                    f"task metric drop vs champion ({quality.metric}, served)",
-                    quality.drop_vs_champion.value,
-                    cfg.max_task_metric_drop,
-                    quality.drop_vs_champion,
-                )
-            )
     return GateReport(
         model,
         candidate_version,
@@ -206,6 +201,49 @@ def decide(
         quality.served_artifact if quality else "",
         quality.measured_artifact if quality else "",
     )
+
+
+def serving_checks(cfg: GateSection, candidate: ServingSummary) -> list[Check]:
+    """The candidate's own latency, rate and errors under the benchmark's load."""
+    checks = []
+    if cfg.p99_request_latency_ms is not None:
+        checks.append(at_most("p99 request latency (ms)", candidate.latency_p99_ms, cfg.p99_request_latency_ms))
+    if cfg.p99_time_to_first_token_ms is not None:
+        checks.append(at_most("p99 time to first token (ms)", candidate.ttft_p99_ms, cfg.p99_time_to_first_token_ms))
+    if cfg.min_requests_per_s is not None:
+        checks.append(at_least("request throughput (req/s)", candidate.requests_per_s, cfg.min_requests_per_s))
+    checks.append(at_most("error rate", candidate.error_rate, cfg.max_error_rate))
+    return checks
+
+
+def served_quality_checks(cfg: GateSection, quality: Quality) -> list[Check]:
+    """What is served is what was measured, and answers as it did offline."""
+    checks = [
+        at_least(
+            "served artifact is the measured artifact", float(quality.served_artifact == quality.measured_artifact), 1
+        ),
+        at_most(
+            f"serving parity: {quality.metric} drop served vs offline",
+            quality.parity.value,
+            cfg.max_serving_parity_drop,
+            quality.parity,
+        ),
+    ]
+    if quality.probe_tokens is not None:
+        checks.append(at_most("served stop probe: answer tokens", quality.probe_tokens, quality.max_tokens - 1))
+    return checks
+
+
+def comparison_checks(cfg: GateSection, comparison: Comparison) -> list[Check]:
+    """Candidate/champion ratios over the benchmark's rounds, each decided on its interval."""
+    checks = []
+    if cfg.min_throughput_ratio is not None:
+        checks.append(
+            ratio_check("throughput ratio vs champion", comparison.throughput, cfg.min_throughput_ratio, ">=")
+        )
+    if cfg.max_latency_ratio is not None:
+        checks.append(ratio_check("p99 latency ratio vs champion", comparison.latency_p99, cfg.max_latency_ratio, "<="))
+    return checks
 
 
 def measured_artifact(deployment: Deployment) -> str:
@@ -219,9 +257,9 @@ def score_quality(
     ctx: RunContext, deployment: Deployment, data: StageResult, evaluation: StageResult, folder: Path
 ) -> Quality:
     """Score the eval split through the served candidate and champion; write their answers next to the report."""
-    from tasks.data.splits import eval_conversations
+    from tasks.data.splits import eval_conversations, require_samples
     from tasks.quality.models import load_tokenizer
-    from tasks.quality.scoring import gain, offline_scores, require_samples
+    from tasks.quality.scoring import gain, offline_scores
     from tasks.quality.served_scoring import SERVED_ANSWERS_FILE, score_served, served_metric, stop_probe
 
     cfg = ctx.profile.evaluate
@@ -310,7 +348,7 @@ def gate(
         deployment.candidate.version,
         deployment.champion.version if deployment.champion else None,
         bench.candidate.summary,
-        bench.champion.summary if bench.champion is not None else None,
+        bench.comparison,
         quality,
         serving_accuracy_drop(checked),
     )

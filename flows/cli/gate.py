@@ -33,10 +33,17 @@ def command_gate(args) -> str:
         raise BadInput(f"gate report {path}: not a gate report ({type(exc).__name__}: {exc})") from None
     lines = [f"gate: {decision} {report['model']} v{report['candidate_version']} ({path})"]
     lines += [
-        f"  {'pass' if c['passed'] else 'FAIL'}  {c['name']}: {c['value']} {c['comparison']} {c['threshold']}"
+        f"  {verdict(c)}  {c['name']}: {c['value']} {c['comparison']} {c['threshold']}"
+        + (f" (interval {c['interval'][0]:.4g}..{c['interval'][1]:.4g})" if c.get("interval") else "")
         for c in checks
     ]
     if decision != "promote":
         failed = "; ".join(c["name"] for c in checks if not c["passed"])
         raise Rejected("\n".join(lines), f"gate rejected {report['model']} v{report['candidate_version']}: {failed}")
     return "\n".join(lines)
+
+
+def verdict(check: dict) -> str:
+    """pass, FAIL, or INCONCLUSIVE (a ratio whose interval straddles its threshold; reports before the
+    benchmark's rounds have no `inconclusive` field)."""
+    return "pass" if check["passed"] else "INCONCLUSIVE" if check.get("inconclusive") else "FAIL"

@@ -1,14 +1,23 @@
-"""Paired comparisons of two models scored on the same samples, with bootstrap confidence intervals.
+"""Paired comparisons of two models, with confidence intervals.
 
-The gate compares candidate vs base and candidate vs champion on one eval split: the same
-questions answered by both, so the samples are paired and the interval is that of the mean
-per-sample difference (scipy.stats.bootstrap, paired, percentile method). The resampling is seeded,
-so a rerun on the same scores gives the same interval.
+- Quality: the gate compares candidate vs base and candidate vs champion on one eval split: the same
+  questions answered by both, so the samples are paired and the interval is that of the mean
+  per-sample difference (scipy.stats.bootstrap, paired, percentile method). The resampling is seeded,
+  so a rerun on the same scores gives the same interval.
+- Performance: the benchmark measures both models in interleaved rounds; each round gives one
+  candidate/champion ratio, and the interval is Student's t on the mean log ratio (`RatioInterval`).
+  A handful of rounds is too few for a bootstrap (8 rounds have 6,435 distinct resamples, most of
+  them repeats of one extreme round), and a ratio is symmetric on the log scale: 0.5 and 2 are as
+  far from 1.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
+
+Verdict = Literal["pass", "fail", "inconclusive"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +66,42 @@ def paired_difference(
     return Difference(
         value, float(result.confidence_interval.low), float(result.confidence_interval.high), confidence, len(first)
     )
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """The geometric mean of paired ratios (candidate/champion, one per round) and its t interval;
+    one round measures no spread, so it has no interval (and decides no check)."""
+
+    value: float
+    low: float | None
+    high: float | None
+    confidence: float
+    rounds: int
+
+    def verdict(self, threshold: float, comparison: Literal[">=", "<="]) -> Verdict:
+        """pass when the whole interval is on the right side of the threshold, fail when it is entirely
+        on the wrong side, inconclusive when it straddles it (more rounds may decide it)."""
+        if self.low is None or self.high is None:
+            return "inconclusive"
+        if comparison == ">=":
+            return "pass" if self.low >= threshold else "fail" if self.high < threshold else "inconclusive"
+        return "pass" if self.high <= threshold else "fail" if self.low > threshold else "inconclusive"
+
+    def interval(self) -> list[float] | None:
+        return None if self.low is None or self.high is None else [self.low, self.high]
+
+
+def ratio_interval(ratios: list[float], confidence: float) -> RatioInterval:
+    """exp(mean(log r) +- t * sd(log r) / sqrt(n)) over the rounds' ratios."""
+    from scipy.stats import t
+
+    if not ratios or min(ratios) <= 0:
+        raise ValueError(f"ratios must be positive: {ratios}")
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return RatioInterval(math.exp(mean), None, None, confidence, len(logs))
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    half = float(t.ppf((1 + confidence) / 2, len(logs) - 1)) * sd / math.sqrt(len(logs))
+    return RatioInterval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), confidence, len(logs))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -27,8 +28,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200), pytest.mark.us
 SERVICE = "tiny-qwen2-antonyms"
 # Lighter load than the profile's defaults: the same code paths in less CI time. No ONNX int8 artifact: on
 # CPU the merged model is what serves (the quantize stage has its own tests in test_release.py).
+# One benchmark round and no throughput-ratio check: one round has no interval to decide on, and the
+# check's verdicts are pinned in tests/unit/test_serving.py; the good candidate's test runs it on rounds.
 FAST = [
     *("--set", "bench.concurrency=[2]", "--set", "bench.request_count=16", "--set", "canary.window_s=1.5"),
+    *("--set", "bench.rounds=1", "--set", "bench.max_rounds=1", "--set", "gate.min_throughput_ratio=null"),
     *("--set", "quantize.backend=none"),
 ]
 
@@ -546,14 +550,26 @@ def triton_scraped(url: str) -> bool:
 
 def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server, run, prometheus):
     """The canary's live checks come from Prometheus here (`canary.prometheus_url`), as in production."""
+    before = champion(home)
     with Load(server, served_by(home, server)) as load:
         # the same weights under a new profile digest: a new version, and no training in this test's time
-        result = run("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}")
+        result = run(
+            *("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}"),
+            *("--set", "gate.min_throughput_ratio=0.2", "--set", "bench.rounds=2", "--set", "bench.max_rounds=3"),
+        )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert latest_release(home).data.tags["release.outcome"] == "promoted"
     new = champion(home)
     assert new != "1"
     output = result.stdout + result.stderr
+    # champion and candidate interleaved, in alternating order; the ratio decided on its interval
+    rounds = re.findall(r"benchmark: round (\d) at concurrency 2: (\S+), then (\S+)", output)
+    old, candidate = f"{SERVICE}-v{before}", f"{SERVICE}-v{new}"
+    assert [r[1:] for r in rounds[:2]] == [(old, candidate), (candidate, old)]
+    report = json.loads(Path(output.split("gate report: ")[1].split()[0]).read_text())
+    ratio = next(c for c in report["checks"] if c["name"] == "throughput ratio vs champion")
+    assert ratio["passed"] and ratio["samples"] == len(rounds) >= 2
+    assert ratio["interval"][0] >= 0.2 and ratio["interval"][0] <= ratio["value"] <= ratio["interval"][1]
     for weight in (10, 50, 100):
         step = next(line for line in output.splitlines() if f"canary: {weight}% to {SERVICE}-v{new}" in line)
         assert step.rstrip().endswith("(from Prometheus)"), step

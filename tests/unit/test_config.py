@@ -72,14 +72,16 @@ def test_profile_digest_changes_with_any_value():
 # A change here changes every stage's cache key: only a deliberate change of a value may update it.
 # Updated when serve.vllm gained gpu_memory_utilization and tensor_parallel_size (vLLM on cuda), and when
 # serve.tensorrtllm gave way to serve.backend llmapi (the GPU profiles' serving settings moved into engine,
-# the vLLM profile lost its unused build_engine stage; the CPU profiles' own values did not change).
+# the vLLM profile lost its unused build_engine stage; the CPU profiles' own values did not change), and when the
+# benchmark measured in interleaved rounds (bench.rounds, max_rounds, confidence; request_count 32 -> 128,
+# warmup_request_count 2 -> 4; gate.max_latency_ratio; cpu-tiny's gate.min_throughput_ratio 0.5 -> 0.8).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "42d9941968de510de698f44d7432508a1ea9f0ec8f845d053f242e1ec96c774f",
-    "cpu-tiny-qa-zh": "cdfd7c3ca9ebf78f13f16ba02258a0a65a9627c0ee66d23010208bb16ecc949a",
-    "llama3-8b-h100-fp8": "9e0bf9eeb23a03e02f391bc5d2a34db33a2d5f80fc86935fe11f2ff8303b0ecd",
-    "qwen-7b-qlora-2xa10": "44365d55b934e36f1bfc5c0a380315bca35d837a943dcb043f1913bb9119335c",
-    "qwen-7b-vllm-h100": "48c93e175b2037d4de26874e00bf87ce612f3c0977b92d3e83290484119fc69c",
-    "qwen2-14b-int4-tp2": "c54f3d960a6c530b69620ad870d6d1fedae5412cb42a76dd3de4967b2b169693",
+    "cpu-tiny": "76ed71966abb97b0dca8b6c10a05be92336620423c0ddb32dbd94ae7fb6a5816",
+    "cpu-tiny-qa-zh": "9d5fff40b46624abb761b794b91fd832217d7a3a691052ffcd040d5bf89c97d9",
+    "llama3-8b-h100-fp8": "2cb5b011552d42a3dc16653bafeb96107027e81d52cc5f31bedea915a8923989",
+    "qwen-7b-qlora-2xa10": "6586b949d38dc0ee74bf71ee6f8831ee7a0262b64dc3798a948978f2f99696dc",
+    "qwen-7b-vllm-h100": "e7d7d18ef56dfe2a1fd17a1e9bcd838552e7be08865dc8535fbe81460784843b",
+    "qwen2-14b-int4-tp2": "f62dd01b6b52814dc6725deb90f1761d08874b7ce01166364ae0cfd4ec6957b4",
 }
 
 

@@ -1,6 +1,7 @@
 """Serving pieces that need no server: strict templates, the gate's decision, genai-perf parsing, CLI gate."""
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -8,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.benchmark import BenchmarkResult, RoleBenchmark, ServingSummary, parse_profile_export
+from tasks.benchmark import BenchmarkResult, Comparison, RoleBenchmark, ServingSummary
 from tasks.gate import Quality, decide
-from tasks.platform.config import GateSection, load_profile
+from tasks.platform.config import BenchSection, GateSection, load_profile
 from tasks.platform.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
-from tasks.quality.stats import Difference
+from tasks.quality.stats import Difference, ratio_interval
+from tasks.serving.genai_perf import LoadLevel, parse_profile_export
 from tasks.serving.repository import TEMPLATES, render_model, render_template
 from tasks.serving.server import find_binary
 
@@ -129,9 +131,16 @@ def test_missing_triton_binary_is_bad_input(monkeypatch):
 CANDIDATE = ServingSummary(
     latency_p99_ms=50.0, ttft_p99_ms=10.0, output_tokens_per_s=900.0, requests_per_s=20.0, error_rate=0.0
 )
-CHAMPION = ServingSummary(
-    latency_p99_ms=45.0, ttft_p99_ms=9.0, output_tokens_per_s=1000.0, requests_per_s=22.0, error_rate=0.0
-)
+
+
+def rounds_of(*throughput_ratios: float) -> Comparison:
+    """A comparison whose rounds measured these candidate/champion request-rate ratios (latency equal)."""
+    champion = LoadLevel(5, 5, 5, 1, 1, 40, 40, 45, 900, 100, 128)
+    pairs = [(champion, replace(champion, requests_per_s=100 * ratio)) for ratio in throughput_ratios]
+    return Comparison.of(pairs, 4, BenchSection(rounds=2))
+
+
+COMPARISON = rounds_of(0.9, 0.92, 0.88, 0.9)
 GATE = GateSection(
     p99_request_latency_ms=100,
     p99_time_to_first_token_ms=20,
@@ -151,7 +160,7 @@ QUALITY = Quality(
 
 
 def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
-    report = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY, quantization_accuracy_drop=0.0)
+    report = decide(GATE, "svc", "2", "1", CANDIDATE, COMPARISON, QUALITY, quantization_accuracy_drop=0.0)
     assert report.passed and report.decision == "promote"
     assert [c.name for c in report.checks] == [
         "p99 request latency (ms)",
@@ -169,7 +178,9 @@ def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
     assert written["decision"] == "promote" and written["metric"] == "rouge_l"
     drop = next(c for c in written["checks"] if c["name"].startswith("task metric drop"))
     assert drop["interval"] == [-0.02, 0.015] and drop["samples"] == 40 and drop["passed"]
-    assert "| throughput ratio vs champion | 0.9 |  | >= 0.8 | pass |" in md_path.read_text()
+    ratio = next(c for c in written["checks"] if c["name"] == "throughput ratio vs champion")
+    assert ratio["samples"] == 4 and 0.85 < ratio["interval"][0] < 0.9 < ratio["interval"][1] < 0.95
+    assert "| throughput ratio vs champion | 0.8999 | 0.8" in md_path.read_text()
     assert "Gate: promote against v1" in report.description()
 
 
@@ -178,7 +189,6 @@ def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
     [
         ({"latency_p99_ms": 150.0}, {}, "p99 request latency (ms)"),
         ({"error_rate": 0.01}, {}, "error rate"),
-        ({"output_tokens_per_s": 500.0}, {}, "throughput ratio vs champion"),
         ({"quantization_accuracy_drop": 0.2}, {}, "quantization accuracy drop"),
         # the point drop passes (0.01 <= 0.02), the interval's upper bound does not
         (
@@ -194,18 +204,63 @@ def test_gate_passes_a_good_candidate_and_reports_every_check(tmp_path):
 def test_gate_rejects_on_each_threshold(change, quality, failed):
     drop = change.get("quantization_accuracy_drop", 0.0)
     serving = {name: value for name, value in change.items() if name != "quantization_accuracy_drop"}
-    report = decide(GATE, "svc", "2", "1", replace(CANDIDATE, **serving), CHAMPION, replace(QUALITY, **quality), drop)
+    report = decide(GATE, "svc", "2", "1", replace(CANDIDATE, **serving), COMPARISON, replace(QUALITY, **quality), drop)
     assert not report.passed and [c.name for c in report.checks if not c.passed] == [failed]
     assert failed in report.summary()
 
 
+@pytest.mark.parametrize(
+    "ratios,verdict",
+    [
+        ((0.5, 0.52, 0.48, 0.5), "FAIL"),  # half the champion's throughput, the whole interval below 0.8
+        ((0.95, 1.05, 0.99, 1.02), "pass"),  # equal: the interval holds 1.0 and clears 0.8
+        ((0.6, 1.1, 0.7, 1.0), "INCONCLUSIVE"),  # too noisy to tell: the interval straddles 0.8
+    ],
+)
+def test_the_throughput_ratio_is_decided_on_its_interval_over_the_rounds(ratios, verdict):
+    report = decide(GATE, "svc", "2", "1", CANDIDATE, rounds_of(*ratios), QUALITY)
+    check = next(c for c in report.checks if c.name == "throughput ratio vs champion")
+    assert check.verdict == verdict and report.passed == (verdict == "pass")
+    if verdict == "INCONCLUSIVE":
+        assert "inconclusive after 4 rounds" in report.summary()
+        assert "| INCONCLUSIVE |" in report.markdown()
+
+
+def test_the_latency_ratio_is_checked_on_its_upper_bound():
+    champion = LoadLevel(5, 5, 5, 1, 1, 40, 40, 45, 900, 100, 128)
+    slower = [(champion, replace(champion, latency_p99_ms=45 * r)) for r in (1.3, 1.25, 1.35)]
+    gate = GATE.model_copy(update={"max_latency_ratio": 1.2})
+    report = decide(gate, "svc", "2", "1", CANDIDATE, Comparison.of(slower, 4, BenchSection(rounds=2)), QUALITY)
+    assert [c.name for c in report.checks if not c.passed] == ["p99 latency ratio vs champion"]
+
+
+def test_ratio_intervals_are_t_intervals_on_the_log_scale():
+    equal = ratio_interval([1.0, 1.0, 1.0], 0.9)
+    assert (equal.value, equal.low, equal.high) == (1.0, 1.0, 1.0)
+    spread = ratio_interval([0.5, 2.0], 0.9)  # symmetric on the log scale: the geometric mean is 1
+    assert spread.value == pytest.approx(1.0) and spread.low == pytest.approx(1 / spread.high)
+    # t(0.95, 3) = 2.353: sd of log(1.1), log(1/1.1), ... over 4 rounds
+    four = ratio_interval([1.1, 1 / 1.1, 1.1, 1 / 1.1], 0.9)
+    half = 2.3534 * math.log(1.1) * math.sqrt(4 / 3) / 2
+    assert four.high == pytest.approx(math.exp(half), rel=1e-3)
+    one = ratio_interval([0.9], 0.9)  # one round measures no spread
+    assert one.interval() is None and one.verdict(0.5, ">=") == "inconclusive"
+    with pytest.raises(ValueError, match="ratios must be positive"):
+        ratio_interval([1.0, 0.0], 0.9)
+
+
+def test_bench_rounds_must_fit_the_budget():
+    with pytest.raises(BadInput, match=r"max_rounds \(3\) must be at least rounds \(4\)"):
+        load_profile("cpu-tiny", ["bench.max_rounds=3"])
+
+
 def test_without_a_confidence_level_the_point_value_decides():
     point = replace(QUALITY, drop_vs_champion=Difference(0.01, None, None, None, 40))
-    assert decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, point).passed
+    assert decide(GATE, "svc", "2", "1", CANDIDATE, COMPARISON, point).passed
 
 
 def test_a_quantized_artifact_that_does_not_serve_is_not_gated_on():
-    report = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY, quantization_accuracy_drop=None)
+    report = decide(GATE, "svc", "2", "1", CANDIDATE, COMPARISON, QUALITY, quantization_accuracy_drop=None)
     assert report.passed and "quantization accuracy drop" not in [c.name for c in report.checks]
 
 
@@ -244,15 +299,24 @@ def test_genai_perf_export_is_parsed(tmp_path):
     path.write_text(json.dumps(export()))
     level = parse_profile_export(path)
     assert level.latency_p99_ms == 40 and level.ttft_p99_ms == 10 and level.output_tokens_per_s == 800
-    summary = ServingSummary.of({1: level, 4: replace(level, latency_p99_ms=60.0, requests_per_s=70.0)}, 0.0)
+    summary = ServingSummary.of({1: level, 4: replace(level, latency_p99_ms=60.0, requests_per_s=70.0)}, 0.0, 8)
     assert summary.latency_p99_ms == 60.0 and summary.requests_per_s == 70.0  # worst p99, rate at the top level
+    assert summary.output_tokens_per_s == 560.0  # generated tokens: 8 a request, not genai-perf's re-tokenized 800
+
+
+def test_the_top_level_is_the_median_of_the_rounds(tmp_path):
+    path = tmp_path / "profile_export_genai_perf.json"
+    path.write_text(json.dumps(export()))
+    level = parse_profile_export(path)
+    rounds = [replace(level, requests_per_s=r, latency_p99_ms=p) for r, p in ((40, 30), (90, 10), (50, 20))]
+    assert LoadLevel.median(rounds) == replace(level, requests_per_s=50, latency_p99_ms=20)
 
 
 def test_benchmark_result_keeps_its_mlflow_keys_and_json(tmp_path):
     path = tmp_path / "profile_export_genai_perf.json"
     path.write_text(json.dumps(export()))
     level = parse_profile_export(path)
-    candidate = RoleBenchmark({1: level, 4: level}, ServingSummary.of({1: level, 4: level}, 0.25))
+    candidate = RoleBenchmark({1: level, 4: level}, ServingSummary.of({1: level, 4: level}, 0.25, 8), [level])
     flat = candidate.as_mlflow("candidate")
     per_level = {
         "ttft_p50_ms",
@@ -274,6 +338,12 @@ def test_benchmark_result_keeps_its_mlflow_keys_and_json(tmp_path):
     assert flat["candidate_c4_request_count"] == 32 and flat["candidate_error_rate"] == 0.25
     written = BenchmarkResult(candidate).as_json()
     assert set(written["levels"]["candidate"]) == {"1", "4"} and "champion" not in written["summary"]
+    assert len(written["rounds"]["candidate"]) == 1 and written["comparison"] is None
+    compared = BenchmarkResult(candidate, candidate, COMPARISON)
+    assert compared.as_json()["comparison"]["throughput"]["rounds"] == 4
+    assert set(COMPARISON.as_mlflow()) == {"ratio_rounds"} | {
+        f"ratio_{name}{bound}" for name in ("throughput", "latency_p99", "ttft_p99") for bound in ("", "_low", "_high")
+    }
     assert written["summary"]["candidate"] == {name: flat[f"candidate_{name}"] for name in summary}
 
 
@@ -293,14 +363,14 @@ def test_genai_perf_export_missing_or_malformed(tmp_path):
 
 def test_llmops_gate_exit_codes(tmp_path):
     llmops = Path(sys.executable).parent / "llmops"
-    good = decide(GATE, "svc", "2", "1", CANDIDATE, CHAMPION, QUALITY).write(tmp_path / "good")[0]
+    good = decide(GATE, "svc", "2", "1", CANDIDATE, COMPARISON, QUALITY).write(tmp_path / "good")[0]
     bad = decide(
         GATE,
         "svc",
         "3",
         "1",
         CANDIDATE,
-        CHAMPION,
+        COMPARISON,
         replace(QUALITY, drop_vs_champion=Difference(0.5, 0.4, 0.6, 0.9, 40)),
     ).write(tmp_path / "bad")[0]
     assert subprocess.run([llmops, "gate", str(good)], capture_output=True).returncode == 0
@@ -309,3 +379,17 @@ def test_llmops_gate_exit_codes(tmp_path):
     assert rejected.stderr.strip().splitlines()[-1].startswith("llmops: rejected: gate rejected svc v3")
     (tmp_path / "junk.json").write_text("[]")
     assert subprocess.run([llmops, "gate", str(tmp_path / "junk.json")], capture_output=True).returncode == 2
+
+
+def test_the_champion_serves_with_the_settings_it_was_released_with():
+    from types import SimpleNamespace
+
+    from tasks.serving.champion import released_profile
+
+    released = load_profile("cpu-tiny", ["serve.max_queue_delay_us=20000", "serve.torch_threads=2"])
+    version = SimpleNamespace(tags={"serve.model_settings": json.dumps(released.serve.model_settings())})
+    candidate_run = load_profile("cpu-tiny", ["serve.max_batch_size=4", "serve.load_timeout_s=60"])
+    served = released_profile(candidate_run, version).serve
+    assert (served.max_queue_delay_us, served.torch_threads, served.max_batch_size) == (20000, 2, 8)
+    assert served.load_timeout_s == 60  # not a setting of the model: this run's
+    assert released_profile(candidate_run, SimpleNamespace(tags={})) is candidate_run  # registered before the tag

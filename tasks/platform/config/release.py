@@ -41,18 +41,40 @@ class CanarySection(Section):
 
 
 class BenchSection(Section):
-    """genai-perf load, the same for champion and candidate."""
+    """genai-perf load, the same for champion and candidate. With a champion, the highest concurrency is
+    measured in interleaved rounds (champion, candidate, then candidate, champion, ...) and the gate
+    reads the interval of the candidate/champion ratio over the rounds."""
 
-    concurrency: list[int] = Field([1, 4], description="Concurrency levels, one genai-perf run each.")
+    concurrency: list[int] = Field(
+        [1, 4], description="Concurrency levels, one genai-perf run each (the highest: one per round)."
+    )
     input_tokens: int = Field(16, ge=1, description="Tokens of each synthetic prompt (the model's own tokenizer).")
     output_tokens: int = Field(8, ge=1, description="Tokens each request generates, exactly.")
-    request_count: int = Field(32, ge=1, description="Measured requests per concurrency level.")
-    warmup_request_count: int = Field(2, ge=0, description="Requests sent before measuring, per level.")
+    request_count: int = Field(
+        128, ge=1, description="Measured requests per genai-perf run (32 on cpu-tiny is 0.1 s of load: mostly noise)."
+    )
+    warmup_request_count: int = Field(4, ge=0, description="Requests sent before measuring, per genai-perf run.")
+    rounds: int = Field(
+        4,
+        ge=1,
+        description="Interleaved rounds at the highest concurrency when a champion serves; each pairs one "
+        "measurement of each model, in alternating order, so drift of the machine hits both. One round gives "
+        "no interval: a ratio check on it is inconclusive.",
+    )
+    max_rounds: int = Field(
+        8,
+        ge=1,
+        description="While the throughput ratio's interval straddles gate.min_throughput_ratio, more rounds "
+        "up to this many; still undecided, the check is inconclusive and the gate rejects.",
+    )
+    confidence: float = Field(0.9, gt=0, lt=1, description="Two-sided confidence of the ratios' intervals.")
 
     @model_validator(mode="after")
     def _concurrency_positive(self) -> BenchSection:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("concurrency must list levels >= 1")
+        if self.max_rounds < self.rounds:
+            raise ValueError(f"max_rounds ({self.max_rounds}) must be at least rounds ({self.rounds})")
         return self
 
 
@@ -70,7 +92,16 @@ class GateSection(Section):
         None, gt=0, description="Absolute request rate at the highest bench concurrency (e.g. a 120 QPS target)."
     )
     min_throughput_ratio: float | None = Field(
-        None, gt=0, description="Smallest candidate/champion output-token throughput ratio (with a champion only)."
+        None,
+        gt=0,
+        description="Smallest candidate/champion throughput ratio at the highest bench concurrency, on its interval "
+        "over the rounds: passes when the lower bound clears it (with a champion only).",
+    )
+    max_latency_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="Largest candidate/champion P99 request latency ratio at the highest bench concurrency, on its "
+        "interval over the rounds: passes when the upper bound is within it (with a champion only).",
     )
     max_task_metric_drop: float = Field(
         0.02,

@@ -1,0 +1,170 @@
+"""genai-perf, the load generator of the benchmark stage: its command line, one run on one served model,
+its export parsed into a LoadLevel, and the prompts of a first run kept for every later one.
+
+genai-perf drives perf_analyzer in kserve mode (TensorRT-LLM-style inputs, gRPC streaming) with
+prompts of `bench.input_tokens` tokens and exactly `bench.output_tokens` output tokens per request
+(`min_length` = `max_tokens`), counted with the model's own tokenizer from its local folder (no hub).
+The prompts are synthesized once (the first run) and every later run reads them back with
+`--input-file`: both models get the same prompts, and each run skips the 3 s of synthesis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.platform.child_env import child_env
+from tasks.platform.config import BenchSection
+from tasks.platform.errors import BadInput, CheckFailed
+
+if TYPE_CHECKING:
+    from tasks.serving.models import Served
+
+# (genai-perf key, statistic) -> LoadLevel's field; latencies in ms, throughputs per second.
+METRICS = {
+    ("time_to_first_token", "p50"): "ttft_p50_ms",
+    ("time_to_first_token", "p90"): "ttft_p90_ms",
+    ("time_to_first_token", "p99"): "ttft_p99_ms",
+    ("inter_token_latency", "avg"): "itl_avg_ms",
+    ("inter_token_latency", "p99"): "itl_p99_ms",
+    ("request_latency", "p50"): "latency_p50_ms",
+    ("request_latency", "p90"): "latency_p90_ms",
+    ("request_latency", "p99"): "latency_p99_ms",
+    ("output_token_throughput", "avg"): "output_tokens_per_s",
+    ("request_throughput", "avg"): "requests_per_s",
+    ("request_count", "avg"): "request_count",
+}
+
+
+@dataclass
+class LoadLevel:
+    """What genai-perf measured for one model at one concurrency level."""
+
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    itl_avg_ms: float
+    itl_p99_ms: float
+    latency_p50_ms: float
+    latency_p90_ms: float
+    latency_p99_ms: float
+    output_tokens_per_s: float  # genai-perf's count: the streamed text re-tokenized (see the module's docstring)
+    requests_per_s: float
+    request_count: float
+
+    @classmethod
+    def median(cls, measured: list[LoadLevel]) -> LoadLevel:
+        """Each statistic's median over repeated measurements (the rounds)."""
+        return cls(**{name: statistics.median(getattr(m, name) for m in measured) for name in asdict(measured[0])})
+
+
+def parse_profile_export(path: Path) -> LoadLevel:
+    """genai-perf's JSON export at one level; a missing or malformed file is a clear error."""
+    if not path.is_file():
+        raise CheckFailed(f"benchmark: genai-perf wrote no {path.name} (looked in {path.parent})")
+    try:
+        data = json.loads(path.read_text())
+        return LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckFailed(f"benchmark: {path}: malformed genai-perf export ({type(exc).__name__}: {exc})") from None
+
+
+def genai_perf_command(
+    model: str,
+    grpc_url: str,
+    tokenizer_dir: Path,
+    cfg: BenchSection,
+    concurrency: int,
+    artifact_dir: Path,
+    prompts: Path | None = None,
+) -> list[str]:
+    """One genai-perf run; with `prompts` (JSONL of {"text": ...}) it reads them instead of synthesizing."""
+    inputs = (
+        ["--input-file", str(prompts)]
+        if prompts is not None
+        else ["--synthetic-input-tokens-mean", str(cfg.input_tokens), "--synthetic-input-tokens-stddev", "0"]
+    )
+    return [
+        str(Path(sys.executable).parent / "genai-perf"),
+        "profile",
+        "-m",
+        model,
+        "--endpoint-type",
+        "kserve",
+        "--backend",
+        "tensorrtllm",
+        "--streaming",
+        "-u",
+        grpc_url,
+        "--tokenizer",
+        str(tokenizer_dir),
+        *inputs,
+        "--output-tokens-mean",
+        str(cfg.output_tokens),
+        "--output-tokens-mean-deterministic",
+        "--concurrency",
+        str(concurrency),
+        "--request-count",
+        str(cfg.request_count),
+        "--warmup-request-count",
+        str(cfg.warmup_request_count),
+        "--artifact-dir",
+        str(artifact_dir),
+    ]
+
+
+@dataclass
+class GenaiPerf:
+    """genai-perf runs against one Triton, its files kept under `out_dir`; after the first run, every
+    run sends the prompts that run synthesized (`prompts`)."""
+
+    grpc_url: str
+    cfg: BenchSection
+    out_dir: Path
+    prompts: Path | None = None
+
+    def measure(self, served: Served, concurrency: int, label: str = "") -> LoadLevel:
+        """One genai-perf run on one served model at one concurrency level."""
+        artifact_dir = self.out_dir / f"{served.name}-c{concurrency}{label}"
+        command = genai_perf_command(
+            served.name, self.grpc_url, served.model_dir, self.cfg, concurrency, artifact_dir, self.prompts
+        )
+        env = child_env(  # genai-perf needs none of this process's secrets
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            }
+        )
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise CheckFailed(f"benchmark: genai-perf on {served.name} exited with {done.returncode}: {tail[0][:300]}")
+        exports = sorted(artifact_dir.rglob("profile_export_genai_perf.json"))
+        measured = parse_profile_export(exports[0] if exports else artifact_dir / "profile_export_genai_perf.json")
+        if self.prompts is None:
+            self.prompts = write_prompts(exports[0].parent / "inputs.json", self.out_dir / "prompts.jsonl")
+        return measured
+
+
+def write_prompts(inputs_json: Path, prompts: Path) -> Path:
+    """genai-perf's synthesized requests (inputs.json, kserve/tensorrtllm shape) as the JSONL its
+    `--input-file` reads: {"text": prompt} a line."""
+    try:
+        requests = json.loads(inputs_json.read_text())["data"]
+        lines = [json.dumps({"text": request["text_input"][0]}) for request in requests]
+    except (OSError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise CheckFailed(f"benchmark: {inputs_json}: no prompts to reuse ({type(exc).__name__}: {exc})") from None
+    prompts.write_text("\n".join(lines) + "\n")
+    return prompts
+
+
+def check_tokenizer(folder: Path) -> None:
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise BadInput(f"benchmark: no tokenizer in {folder}")
