@@ -28,7 +28,7 @@ from tasks.platform.errors import BadInput, TransientError
 from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.stage_cache import RunContext
 from tasks.serving.champion import serve_champion, triton_launch
-from tasks.serving.gateway import Gateway, GatewayConfig, read_api_keys
+from tasks.serving.gateway import Gateway, GatewayConfig, KeyRing
 from tasks.serving.models import Served
 from tasks.serving.server import TritonServer, publish, unpublish
 
@@ -89,8 +89,8 @@ def check_listen(listen: ListenSection, api_keys: dict) -> None:
 
 def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str | None) -> None:
     listen = profile.serve.listen
-    api_keys = read_api_keys(dict(os.environ))
-    check_listen(listen, api_keys)
+    api_keys = KeyRing(os.environ)  # follows LLMOPS_API_KEYS_FILE: a key removed there stops working, no restart
+    check_listen(listen, api_keys.keys)
     ports = choose_ports(listen)
     ctx = open_serving_context(profile, tracking_uri, artifacts)
     service = profile.registry.model_name
@@ -107,7 +107,7 @@ def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str
         print(
             f"serving {service} (champion v{champion.version}) at {scheme}://{listen.host}:{ports.gateway}/v1 "
             f"(OpenAI) and /v2/models/{service}/generate; "
-            f"{len(api_keys) or 'no'} API key{'' if len(api_keys) == 1 else 's'}; Triton {server.client.url} "
+            f"{len(api_keys.keys) or 'no'} API key{'' if len(api_keys.keys) == 1 else 's'}; Triton {server.client.url} "
             f"(gRPC {server.client.grpc_url}, metrics {server.client.metrics_url}); Ctrl-C stops",
             flush=True,
         )
@@ -211,7 +211,7 @@ class RunningGateway:
 
 
 def start_gateway(
-    ctx: RunContext, server: TritonServer, champion: Served, listen: ListenSection, ports: Ports, api_keys: dict
+    ctx: RunContext, server: TritonServer, champion: Served, listen: ListenSection, ports: Ports, api_keys: KeyRing
 ) -> RunningGateway:
     import json
 

@@ -204,3 +204,25 @@ def test_a_tls_proxy_or_firewalled_triton_ports_are_said_with_a_flag():
     profile = load_profile("cpu-tiny", listen_overrides(args))
     assert profile.serve.listen.behind_tls_proxy and profile.serve.listen.triton_ports_firewalled
     check_listen(profile.serve.listen, {"cccccccccccccccccccc": "client-1"})  # refuses nothing
+
+
+def test_a_key_removed_from_the_key_file_stops_working_without_a_restart(gateway, tmp_path, monkeypatch, caplog):
+    from tasks.serving.gateway import KeyRing, auth
+
+    monkeypatch.setattr(auth, "RELOAD_CHECK_S", 0.0)  # look at the file on every request
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"team-a: {KEY}\nteam-b: {OTHER_KEY}\n")
+    client = gateway(FakeTriton(), api_keys=KeyRing({"LLMOPS_API_KEYS_FILE": str(key_file)}))
+    other, no_key = {"Authorization": f"Bearer {OTHER_KEY}"}, {"Authorization": ""}
+    assert client.post(CHAT, json={"messages": QUESTION}, headers=other).status_code == 200
+    key_file.write_text(f"team-a: {KEY}\n")  # team-b's key revoked
+    assert client.post(CHAT, json={"messages": QUESTION}, headers=other).status_code == 401
+    assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200  # team-a's still works
+    with caplog.at_level(logging.WARNING, logger="llmops.gateway"):
+        key_file.write_text("")  # a half-saved edit: no key at all would open the service; team-a's stays
+        assert client.post(CHAT, json={"messages": QUESTION}, headers=no_key).status_code == 401
+        key_file.write_text("team-c: short\n")  # a bad edit: refused, the key in force stays
+        assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200
+    assert "now holds none" in caplog.text and "at least 16 characters" in caplog.text
+    key_file.write_text(f"team-a: {KEY}\nteam-b: {OTHER_KEY}\n")  # the next good edit is taken
+    assert client.post(CHAT, json={"messages": QUESTION}, headers=other).status_code == 200

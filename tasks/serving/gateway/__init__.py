@@ -23,6 +23,6 @@ app (the routes and the Gateway that `flows/serve.py` runs under uvicorn).
 """
 
 from tasks.serving.gateway.app import Gateway, GatewayConfig
-from tasks.serving.gateway.auth import API_KEYS_ENV, API_KEYS_FILE_ENV, read_api_keys
+from tasks.serving.gateway.auth import API_KEYS_ENV, API_KEYS_FILE_ENV, KeyRing, read_api_keys
 
-__all__ = ["API_KEYS_ENV", "API_KEYS_FILE_ENV", "Gateway", "GatewayConfig", "read_api_keys"]
+__all__ = ["API_KEYS_ENV", "API_KEYS_FILE_ENV", "Gateway", "GatewayConfig", "KeyRing", "read_api_keys"]

@@ -5,7 +5,7 @@ behind the API-key check, the client's rate limits, the body cap and JSON only, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tasks.serving.gateway.access import GatewayMetrics, Guard, current, openai_error, shaped_error, triton_error
-from tasks.serving.gateway.auth import authorize
+from tasks.serving.gateway.auth import KeyRing, authorize
 from tasks.serving.gateway.limits import ClientLimits
 from tasks.serving.gateway.protocol import (
     ChatCompletionRequest,
@@ -38,7 +38,7 @@ class GatewayConfig:
     context_tokens: int  # the model's context (max_position_embeddings)
     default_max_tokens: int = 64
     max_body_bytes: int = 1 << 20
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> client name; empty: no key needed
+    api_keys: Mapping[str, str] | KeyRing = field(default_factory=dict)  # key -> client; empty: no key needed
     tokenizer_dir: Path | None = None
     apply_chat_template: bool = True  # as the served model does (serve.apply_chat_template)
     requests_per_second: float = 0  # per client (API key); 0: no limit (serve.limits)
@@ -75,12 +75,13 @@ class Gateway:
         self.openai = OpenAIServing(
             self.triton, config.context_tokens, config.default_max_tokens, tokenizer, config.apply_chat_template
         )
+        self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute)
         self.metrics = GatewayMetrics()
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
-        client = authorize(self.config.api_keys, request.headers.get("authorization"))
+        client = authorize(self.keys.current(), request.headers.get("authorization"))
         current().client = client
         self.limits.admit(client)
         return client

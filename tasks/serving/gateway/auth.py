@@ -4,7 +4,9 @@ every /v1 and /v2 request passes. Each client has a key of its own, so one can l
 from __future__ import annotations
 
 import hmac
+import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,8 @@ API_KEYS_ENV = "LLMOPS_API_KEYS"  # comma-separated keys
 API_KEYS_FILE_ENV = "LLMOPS_API_KEYS_FILE"  # one key a line; `#` comments; a line `NAME: KEY` names its client
 MIN_KEY_LENGTH = 16
 ANONYMOUS = "anonymous"
+RELOAD_CHECK_S = 1.0  # how often the key file's stat is looked at, at most
+LOG = logging.getLogger("llmops.gateway")
 COMMENT = re.compile(r"(?:^|\s)#.*$")  # `#` at a line's start or after a space: a key may hold `#` itself
 
 
@@ -80,3 +84,52 @@ def authorize(api_keys: Mapping[str, str], authorization: str | None) -> str:
         if hmac.compare_digest(given.strip().encode(), key.encode()):
             return name
     raise RequestError(401, "invalid API key", code="invalid_api_key")
+
+
+class KeyRing:
+    """The API keys in force, re-read when the key file changes: a key deleted from LLMOPS_API_KEYS_FILE stops
+    working within RELOAD_CHECK_S, without a restart, and a key added starts. An edit that does not read (a
+    bad line, a half-written file) or that would leave no key at all (the service would open to anyone) keeps
+    the keys in force and logs why; the next good edit is taken."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self.environ = {name: environ[name] for name in (API_KEYS_ENV, API_KEYS_FILE_ENV) if name in environ}
+        self.path = Path(self.environ[API_KEYS_FILE_ENV]) if API_KEYS_FILE_ENV in self.environ else None
+        self.keys = read_api_keys(self.environ)
+        self.stamp = self.file_stamp()
+        self.checked = time.monotonic()
+
+    @classmethod
+    def fixed(cls, keys: Mapping[str, str]) -> KeyRing:
+        """Keys given directly (no file to follow)."""
+        ring = cls({})
+        ring.keys = dict(keys)
+        return ring
+
+    def file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            stat = self.path.stat() if self.path is not None else None
+        except OSError:
+            return None
+        return (stat.st_mtime_ns, stat.st_size, stat.st_ino) if stat is not None else None
+
+    def current(self) -> dict[str, str]:
+        """The keys (key -> client name), re-read first where the file changed since the last look."""
+        if self.path is None or time.monotonic() - self.checked < RELOAD_CHECK_S:
+            return self.keys
+        self.checked = time.monotonic()
+        stamp = self.file_stamp()
+        if stamp == self.stamp:
+            return self.keys
+        self.stamp = stamp
+        try:
+            keys = read_api_keys(self.environ)
+        except BadInput as exc:
+            LOG.warning(f"API keys not reloaded, the {len(self.keys)} in force stay: {exc}")
+            return self.keys
+        if self.keys and not keys:
+            LOG.warning(f"API keys not reloaded: {self.path} now holds none, which would open the service to anyone")
+            return self.keys
+        LOG.info(f"API keys reloaded from {self.path}: {len(keys)} in force")
+        self.keys = keys
+        return self.keys

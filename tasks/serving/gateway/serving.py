@@ -7,7 +7,9 @@ served model does; without a tokenizer they are 0 and every answer finishes with
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -102,6 +104,7 @@ class OpenAIServing:
     ):
         self.triton, self.context_tokens, self.default_max_tokens = triton, context_tokens, default_max_tokens
         self.tokenizer, self.apply_chat_template = tokenizer, apply_chat_template
+        self.tokenizer_lock = threading.Lock()
 
     def check_model(self, model: str | None) -> None:
         if model not in (None, self.triton.model):
@@ -140,7 +143,7 @@ class OpenAIServing:
     async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
         if not stream:
             text, stopped = cut_at_stop(await self.triton.generate(inputs.payload()), stop)
-            usage = self.usage(inputs, text)
+            usage = await self.usage(inputs, text)
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
             return JSONResponse(reply.whole(text, self.finish_reason(stopped, usage, inputs), usage))
         pieces = self.triton.generate_stream(inputs.payload())
@@ -175,7 +178,7 @@ class OpenAIServing:
             await pieces.aclose()
         if rest := scanner.flush():
             yield reply.chunk({"content": rest})
-        usage = self.usage(inputs, scanner.text)
+        usage = await self.usage(inputs, scanner.text)
         current().tokens = usage.total_tokens or inputs.max_tokens
         yield reply.chunk(None, self.finish_reason(scanner.stopped, usage, inputs), usage)
         yield DONE
@@ -185,7 +188,19 @@ class OpenAIServing:
         """ "length" where the answer used its whole token budget, "stop" where it ended on its own or at a stop."""
         return "stop" if stopped or usage.completion_tokens < inputs.max_tokens else "length"
 
-    def usage(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
+    async def usage(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
+        """Token counts, in a worker thread: a long chat's tokenization would hold every other client's
+        request on the event loop meanwhile. One at a time: a fast tokenizer used from two threads at once
+        can fail with "Already borrowed"."""
+        if self.tokenizer is None:
+            return UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        return await asyncio.to_thread(self.count_tokens, inputs, answer)
+
+    def count_tokens(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
+        with self.tokenizer_lock:
+            return self.count_tokens_now(inputs, answer)
+
+    def count_tokens_now(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
         prompt_tokens, completion_tokens = 0, 0
         if self.tokenizer is not None:
             history = json.loads(inputs.chat_history or "[]")
