@@ -64,6 +64,8 @@ def start_run_from_form(
             page.keyboard.press("ArrowDown")
             listbox = page.get_by_role("listbox")
             expect(listbox).to_be_visible()
+            # all_inner_texts() does not wait: read the options once the one to pick is shown (CI7 read none)
+            expect(listbox.get_by_role("option", name=profile, exact=True)).to_be_visible()
             offered = listbox.get_by_role("option").all_inner_texts()
             listbox.get_by_role("option", name=profile, exact=True).click()
             expect(parameter("profile").locator(".p-select-button__value")).to_have_text(profile)
