@@ -197,15 +197,9 @@ class OpenAIServing:
         return await asyncio.to_thread(self.count_tokens, inputs, answer)
 
     def count_tokens(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
+        history = json.loads(inputs.chat_history or "[]")
         with self.tokenizer_lock:
-            return self.count_tokens_now(inputs, answer)
-
-    def count_tokens_now(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
-        prompt_tokens, completion_tokens = 0, 0
-        if self.tokenizer is not None:
-            history = json.loads(inputs.chat_history or "[]")
-            prompt = encode_prompt(self.tokenizer, inputs.text_input, history, self.apply_chat_template)
-            prompt_tokens = len(prompt)
+            prompt_tokens = len(encode_prompt(self.tokenizer, inputs.text_input, history, self.apply_chat_template))
             completion_tokens = len(self.tokenizer.encode(answer, add_special_tokens=False)) if answer else 0
         return UsageInfo(
             prompt_tokens=prompt_tokens,
