@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -186,10 +187,20 @@ def test_children_do_not_inherit_secrets_they_do_not_need(tmp_path, monkeypatch)
 
     child = start("sleeper", ["sleep", "30"], "", lambda: True, tmp_path, {"MINE": "1"})
     try:
-        environ = Path(f"/proc/{child.pid}/environ").read_bytes()
+        environ = child_environ(child.pid)
         assert SECRET.encode() not in environ and b"MINE=1" in environ
     finally:
         child.stop()
+
+
+def child_environ(pid: int) -> bytes:
+    """The environment of a child just started. Popen returns once the exec has closed its error pipe, but the
+    kernel sets the new image's argument and environment bounds a little later (create_elf_tables, after
+    begin_new_exec), and until then /proc/PID/cmdline and environ read empty: CI read b"" once."""
+    deadline = time.monotonic() + 5
+    while not Path(f"/proc/{pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return Path(f"/proc/{pid}/environ").read_bytes()
 
 
 def test_the_process_scanner_finds_a_secret_in_a_childs_argv_or_environment():
@@ -198,6 +209,8 @@ def test_the_process_scanner_finds_a_secret_in_a_childs_argv_or_environment():
     with_env = subprocess.Popen(sleeper, env={"TOKEN": SECRET})
     without = subprocess.Popen(sleeper, env={"TOKEN": "nothing"})
     try:
+        for child in (with_argv, with_env, without):
+            child_environ(child.pid)
         found = in_processes({"the secret": SECRET})
         assert sorted(found) == [
             (f"pid {with_argv.pid} argv: {sys.executable}", "the secret"),
