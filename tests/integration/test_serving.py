@@ -157,16 +157,20 @@ LIVE_STATES = ("LOADING", "READY")  # Triton's repository index states of a mode
 
 
 class Load:
-    """A bounded client load on the router: 2000 requests, about half a minute here. It starts when Triton
-    begins loading the candidate next to the champion, the heaviest moment of a rollout on a shared machine.
-    The weight steps that follow are checked by the canary's own probes (every step logs its requests and
-    failures) and, in the breach test, by the openai client. Started with the run, it only slowed training
-    and the run's first torch import (52 s once); still running during genai-perf, it made the candidate's
-    benchmark 4 to 20 times slower than the champion's (a continuously busy vLLM on 2 cores)."""
+    """A bounded client load on the router: 600 requests at a steady 15 per second from 3 clients, about 40
+    seconds. It starts when Triton begins loading the candidate next to the champion, the heaviest moment of a
+    rollout on a shared machine, and lasts into the gate's benchmark. The weight steps that follow are checked by
+    the canary's own probes (every step logs its requests and failures) and, in the breach test, by the openai
+    client. Started with the run, it only slowed training and the run's first torch import (52 s once). Paced,
+    not a closed loop: 3 clients sending as fast as answers came (about 2000 requests in 30 s) next to genai-perf
+    starved the router's Python stub of the 2 cores for over a second once, and Triton then failed 42 requests
+    with "Stub process is not healthy" (python_backend fails a request whose message to the stub waits 1 s
+    while the stub's health thread has not run)."""
 
-    def __init__(self, server: dict, triton, requests_total: int = 2000, concurrency: int = 3):
+    def __init__(self, server: dict, triton, requests_total: int = 600, concurrency: int = 3, per_s: float = 15):
         self.url, self.left, self.lock = server["url"], requests_total, threading.Lock()
         self.ok, self.failed, self.errors = 0, 0, []
+        self.interval_s = concurrency / per_s
         self.threads = [threading.Thread(target=self.client) for _ in range(concurrency)]
         self.stop = threading.Event()
         self.triton = triton
@@ -187,7 +191,9 @@ class Load:
     def client(self):
         if not self.rollout_started():
             return
-        while not self.stop.is_set():
+        next_at = time.monotonic()
+        while not self.stop.wait(max(0.0, next_at - time.monotonic())):
+            next_at += self.interval_s
             with self.lock:
                 if self.left == 0:
                     return
@@ -206,7 +212,6 @@ class Load:
                 self.failed += not good
                 if not good:
                     self.errors.append(str(getattr(response, "text", response))[:200])
-            time.sleep(0.02)
 
     def __enter__(self):
         for t in self.threads:
