@@ -1,7 +1,7 @@
 """The release DAG as a Prefect flow.
 
     prepare_data -> base_model -> train -> evaluate -> merge -> quantize [-> build_engine] -> register
-      -> deploy_canary (Triton) -> benchmark (genai-perf) -> gate -> promote | rollback
+      -> deploy_canary (Triton) -> benchmark (genai-perf) -> gate [-> approve (a person)] -> promote | rollback
 
 Each stage is a cached, retried Prefect task (tasks/platform/stage_cache.py); the flow only wires them.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
 
+from tasks.approve import Approval, approve
 from tasks.base_model import base_model
 from tasks.benchmark import benchmark
 from tasks.build_engine import build_engine
@@ -46,6 +47,7 @@ class ReleaseResult:
     outcome: str = "not deployed"
     gate_report: GateReport | None = None
     gate_report_path: Path | None = None
+    approval: Approval | None = None
 
 
 def llmops_home() -> Path:
@@ -127,6 +129,7 @@ def release(
     ctx = open_context(config, tracking_uri, artifacts)
     server: TritonServer | None = None
     report: GateReport | None = None
+    approval: Approval | None = None
     try:
         dataset = stage_task(prepare_data, config)(ctx)
         base = stage_task(base_model, config)(ctx, dataset)
@@ -158,12 +161,15 @@ def release(
         with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
             triton, server = open_triton(ctx, target)
             deployment = stage_task(deploy_canary, config)(ctx, registered, triton)
+            approved, rejection = True, ""
             if not deployment.unchanged:
                 measured = stage_task(benchmark, config)(ctx, deployment)
                 report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked)
-            outcome = stage_task(rollout, config)(
-                ctx, deployment, report.passed if report else True, report.summary() if report else "", dataset
-            )
+                approved, rejection = report.passed, f"gate rejected: {report.summary()}"
+                if report.passed and config.gate.approval == "required":  # a person's decision is never cached
+                    approval = approve(ctx, report, str(runtime.flow_run.id))
+                    approved, rejection = approval.approved, approval.summary()
+            outcome = stage_task(rollout, config)(ctx, deployment, approved, rejection, dataset)
     except BaseException as exc:
         ctx.tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
         end_run(ctx.tracker, "FAILED")
@@ -173,7 +179,7 @@ def release(
             server.stop()
     end_run(ctx.tracker, "FINISHED")
     report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
-    return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path)
+    return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval)
 
 
 @contextmanager

@@ -161,12 +161,13 @@ def eval_prompts(ctx: RunContext, data: StageResult) -> list[str]:
     return [c[-2]["content"] for c in eval_conversations(ctx, data)]
 
 
-def rollout(ctx: RunContext, deployment: Deployment, gate_passed: bool, gate_summary: str, data: StageResult) -> str:
-    """promote | rollback: walk the canary steps after a passed gate; any breach rolls back."""
+def rollout(ctx: RunContext, deployment: Deployment, approved: bool, rejection: str, data: StageResult) -> str:
+    """promote | rollback: walk the canary steps after a passed gate (and a person's approval, where required);
+    any breach rolls back. `rejection`: why a candidate that is not approved rolls back."""
     if deployment.unchanged:
         outcome = "unchanged"
-    elif not gate_passed:
-        rollback(ctx, deployment, f"gate rejected: {gate_summary}")
+    elif not approved:
+        rollback(ctx, deployment, rejection)
         outcome = "rejected"
     else:
         problem = ramp(ctx, deployment, eval_prompts(ctx, data))

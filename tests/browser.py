@@ -8,6 +8,7 @@ import json
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Flags for a closed network: without the background-networking ones Chromium keeps trying to reach Google.
@@ -50,25 +51,11 @@ def start_run_from_form(
             page.goto(f"{ui_url}/deployments/deployment/{deployment_id}/run")
 
             def parameter(name: str):
-                # Labels read "profile (Optional)"; their `for` points at nothing get_by_label can use.
-                return page.locator(".schema-form-property").filter(
-                    has=page.locator(".schema-form-property__label", has_text=f"{name} (")
-                )
+                return form_property(page, f"{name} (")  # labels read "profile (Optional)"
 
             expect(page.get_by_role("heading", name="Parameters")).to_be_visible()
             expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
-            choice = parameter("profile").locator("button.p-select-button__control")
-            expect(choice).to_be_visible()
-            # Prefect's select is no <select>; a click toggles it open and shut at once, the keyboard does not.
-            choice.focus()
-            page.keyboard.press("ArrowDown")
-            listbox = page.get_by_role("listbox")
-            expect(listbox).to_be_visible()
-            # all_inner_texts() does not wait: read the options once the one to pick is shown (CI7 read none)
-            expect(listbox.get_by_role("option", name=profile, exact=True)).to_be_visible()
-            offered = listbox.get_by_role("option").all_inner_texts()
-            listbox.get_by_role("option", name=profile, exact=True).click()
-            expect(parameter("profile").locator(".p-select-button__value")).to_have_text(profile)
+            offered = choose(page, parameter("profile"), profile)
 
             # `str | None` and `list[str] | None` are a type toggle; None is preselected.
             source = parameter("data_source")
@@ -81,17 +68,7 @@ def start_run_from_form(
                 box = listed.locator(".p-draggable-list__item textarea").nth(index)
                 box.fill(value)
                 expect(box).to_have_value(value)
-            # No half-faded picture: wait for the page's finite animations (a spinner's never ends), 3 s at most.
-            page.evaluate(
-                """Promise.race([
-                    Promise.all(document.getAnimations()
-                        .filter(a => a.effect && a.effect.getComputedTiming().iterations !== Infinity)
-                        .map(a => a.finished.catch(() => null))),
-                    new Promise(resolve => setTimeout(resolve, 3000)),
-                ])"""
-            )
-            screenshot = screenshots / "run-form.png"
-            page.screenshot(path=str(screenshot), full_page=True)
+            screenshot = settled_screenshot(page, screenshots / "run-form.png")
 
             with page.expect_response(
                 lambda r: r.request.method == "POST" and r.url.endswith(f"/deployments/{deployment_id}/create_flow_run")
@@ -106,3 +83,91 @@ def start_run_from_form(
             return FormRun(flow_run, offered, screenshot)
         finally:
             browser.close()
+
+
+@dataclass
+class Decision:
+    report: str  # the gate report as the Resume form showed it
+    artifacts: list[str]  # the artifact keys the run page listed
+    screenshot: Path
+
+
+def decide_paused_run(
+    ui_url: str, flow_run_id: str, decision: str, reason: str, decided_by: str, screenshots: Path
+) -> Decision:
+    """Open a release paused for approval, read its artifacts and the gate report on the Resume form, fill the
+    form (decision, reason, name) and press Submit, as a release manager does."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.set_default_timeout(30_000)
+            page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}")
+            expect(page.get_by_text("Paused", exact=True).first).to_be_visible()
+            page.locator("li.p-tab#artifacts").click()  # tabs are <li>s without role="tab"
+            expect(page.get_by_text("gate-report").first).to_be_visible()
+            artifacts = [key for key in ("gate-report", "release-summary") if page.get_by_text(key).count()]
+            page.get_by_role("button", name="Resume").first.click()
+            dialog = page.get_by_role("dialog")
+            expect(dialog).to_contain_text("Resume Flow Run")
+            report = dialog.locator("article.markdown-renderer").first
+            expect(report).to_contain_text("Gate: PROMOTE")
+            report_text = report.inner_text()
+            choose(page, form_property(dialog, "Decision"), decision)
+            form_property(dialog, "Reason").locator("textarea, input").first.fill(reason)
+            form_property(dialog, "Decided By").locator("textarea, input").first.fill(decided_by)
+            screenshot = settled_screenshot(page, screenshots / "approval-form.png")
+            with page.expect_response(
+                lambda r: r.request.method == "POST" and r.url.endswith(f"/flow_runs/{flow_run_id}/resume")
+            ) as resumed:
+                dialog.get_by_role("button", name="Submit", exact=True).click()
+            response = resumed.value
+            assert response.ok, (response.status, response.text())
+            assert response.json()["status"] == "ACCEPT", response.text()
+            expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
+            return Decision(report_text, artifacts, screenshot)
+        finally:
+            browser.close()
+
+
+def form_property(scope: Any, label: str) -> Any:
+    """One field of a Prefect schema form (a run's parameters, a pause's input), by the start of its label."""
+    page = getattr(scope, "page", scope)  # `has` takes a locator of the page, matched inside each candidate
+    return scope.locator(".schema-form-property").filter(
+        has=page.locator(".schema-form-property__label", has_text=label)
+    )
+
+
+def choose(page: Any, field: Any, option: str) -> list[str]:
+    """Pick `option` in a field's select; return every option it offered."""
+    from playwright.sync_api import expect
+
+    control = field.locator("button.p-select-button__control")
+    expect(control).to_be_visible()
+    # Prefect's select is no <select>; a click toggles it open and shut at once, the keyboard does not.
+    control.focus()
+    page.keyboard.press("ArrowDown")
+    listbox = page.get_by_role("listbox")
+    expect(listbox).to_be_visible()
+    # all_inner_texts() does not wait: read the options once the one to pick is shown (CI7 read none)
+    expect(listbox.get_by_role("option", name=option, exact=True)).to_be_visible()
+    offered = listbox.get_by_role("option").all_inner_texts()
+    listbox.get_by_role("option", name=option, exact=True).click()
+    expect(field.locator(".p-select-button__value")).to_have_text(option)
+    return offered
+
+
+def settled_screenshot(page: Any, path: Path) -> Path:
+    """No half-faded picture: wait for the page's finite animations (a spinner's never ends), 3 s at most."""
+    page.evaluate(
+        """Promise.race([
+            Promise.all(document.getAnimations()
+                .filter(a => a.effect && a.effect.getComputedTiming().iterations !== Infinity)
+                .map(a => a.finished.catch(() => null))),
+            new Promise(resolve => setTimeout(resolve, 3000)),
+        ])"""
+    )
+    page.screenshot(path=str(path), full_page=True)
+    return path

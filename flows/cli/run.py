@@ -101,8 +101,13 @@ def command_run(args) -> str:
         triton_metrics_url=args.triton_metrics_url,
     )
     if result.outcome in ("rejected", "rolled_back"):
-        report = result.gate_report
-        reason = report.summary() if report is not None and not report.passed else "canary breach (see the log)"
+        report, approval = result.gate_report, result.approval
+        if report is not None and not report.passed:
+            reason = report.summary()
+        elif approval is not None and not approval.approved:
+            reason = approval.summary()
+        else:
+            reason = "canary breach (see the log)"
         raise Rejected(summary(result), f"candidate {result.outcome.replace('_', ' ')}: {reason}")
     return summary(result)
 

@@ -18,7 +18,7 @@ EXIT_CODES: dict[int, str] = {
     "contract, a model that fails to load)",
     4: "a service (S3, MLflow, Prefect, Triton) stayed unreachable after retries",
     5: "an artifact is missing or does not match its sha256",
-    REJECTED_EXIT_CODE: "the gate rejected the candidate, or the canary rolled it back (the champion keeps serving)",
+    REJECTED_EXIT_CODE: "the gate or a person rejected the candidate, or the canary rolled it back (the champion keeps serving)",
     130: "interrupted (Ctrl-C)",
 }
 

@@ -20,7 +20,7 @@ import pytest
 from tasks.data.records import clean_and_split, read_source
 from tasks.platform.config import available_profiles, load_profile
 from tasks.platform.local_stack import API
-from tests.browser import start_run_from_form, ui_api_url
+from tests.browser import decide_paused_run, start_run_from_form, ui_api_url
 from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow
 from tests.leaks import in_prefect as leaks_in_prefect
@@ -199,7 +199,8 @@ def first_release(service, tmp_path_factory):
         service.deployment_id("release/release"),
         profile="cpu-tiny",
         data_source="s3://datasets/sft/",
-        overrides=[*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2"],  # a new version
+        # a new version, which a person approves on its run page once the gate passed
+        overrides=[*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2", "gate.approval=required"],
         screenshots=tmp_path_factory.mktemp("browser"),
     )
     print(f"release run {form.flow_run['name']} started from the UI's run form in {time.monotonic() - started:.1f}s")
@@ -256,10 +257,27 @@ def test_new_data_starts_one_release_run_that_becomes_champion(service, first_re
     assert version.source.startswith("s3://artifacts/llmops/objects/")
 
 
-def test_a_release_started_from_the_ui_waits_for_the_serving_lock_and_promotes(service, first_release):
+def test_a_release_started_from_the_ui_waits_for_the_serving_lock_is_approved_in_the_ui_and_promotes(
+    service, first_release, tmp_path
+):
     from mlflow import MlflowClient
 
     release, second = first_release
+    state = wait_for(
+        lambda: (
+            (state := service.get(f"/flow_runs/{second['id']}")["state_type"])
+            in ("PAUSED", "COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+            and state
+        ),
+        RELEASE_TIMEOUT,
+        "the UI's release paused for approval after its gate",
+        interval=2,
+    )
+    assert state == "PAUSED", service.logs(second["id"])[-3000:]
+    decided = decide_paused_run(
+        service.api.removesuffix("/api"), second["id"], "approve", "answers match v1's", "release manager", tmp_path
+    )
+    assert "Gate: PROMOTE tiny-qwen2-antonyms v" in decided.report and "gate-report" in decided.artifacts
     final = service.wait_final(second["id"])
     assert final["state_type"] == "COMPLETED", service.logs(second["id"])[-3000:]
     first_run, second_run = service.mlflow_run(release["id"]), service.mlflow_run(second["id"])
@@ -279,8 +297,13 @@ def test_a_release_started_from_the_ui_waits_for_the_serving_lock_and_promotes(s
     service.wait_log(second["id"], "serving lock llmops-serving-tiny-qwen2-antonyms: acquiring")
     # The same weights under a new profile digest: the gate finds no drop, the canary walks, it promotes.
     assert second_run.data.tags["release.outcome"] == "promoted", second_run.data.tags.get("gate.reasons")
+    assert (second_run.data.tags["approval.by"], second_run.data.tags["approval.reason"]) == (
+        "release manager",
+        "answers match v1's",
+    )
     champion = MlflowClient(service.tracking_uri).get_model_version_by_alias(MODEL, "champion")
     assert champion.version == second_run.data.tags["registered_version"]
+    assert "Approval: approved by release manager at " in champion.description
 
 
 def test_the_same_data_again_starts_no_release_run(service, first_release):

@@ -672,22 +672,34 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     done = threading.Event()
     asker = threading.Thread(target=answers_during_the_step, args=(server, tls, seen, done))
     asker.start()
+    approvals: list[subprocess.CompletedProcess] = []
+    approver = threading.Thread(target=approve_when_waiting, args=(home, approvals, done))
+    approver.start()
     try:
         with Load(server, served_by(home, server)) as load:
             result = run(
                 *BASE_MODEL_CANDIDATE,
                 *("--set", "gate.max_task_metric_drop=1", "--set", "gate.min_throughput_ratio=null"),
                 *("--set", "gate.p99_request_latency_ms=null", "--set", "gate.p99_time_to_first_token_ms=null"),
-                *("--set", "canary.max_mean_latency_ms=0.001"),
+                *("--set", "canary.max_mean_latency_ms=0.001", "--set", "gate.approval=required"),
                 *("--set", "canary.steps=[50,100]", "--set", "canary.window_s=6"),
             )
     finally:
         done.set()
         asker.join(120)
+        approver.join(60)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr
-    tags = latest_release(home).data.tags
+    # A person approved from a terminal after the gate passed; the canary then breached on its own.
+    assert [a.returncode for a in approvals] == [0], [a.stdout + a.stderr for a in approvals]
+    release_run = latest_release(home)
+    tags = release_run.data.tags
     assert (tags["gate.decision"], tags["release.outcome"]) == ("promote", "rolled_back")
+    assert (tags["approval.decision"], tags["approval.by"]) == ("approved", "release-manager")
+    assert tags["approval.reason"] == "served answers look right"
+    version = registry(home).get_model_version(SERVICE, tags["registered_version"])
+    assert version.tags["approval.by"] == "release-manager"
+    assert "Approval: approved by release-manager at " in version.description
     assert "canary: 50% to " in output and "-> BREACH: candidate mean latency" in output
     assert "canary: 100%" not in output  # stopped at 50%
     assert (
@@ -713,6 +725,17 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
         .message.content
         for prompt in PROMPTS
     } == champions
+
+
+def approve_when_waiting(home: Path, approvals: list, done: threading.Event) -> None:
+    """`llmops approve` from another terminal, once the release waits for a person (its pending record)."""
+    while not done.wait(0.5):
+        for record in (home / "approvals").glob("*.json"):
+            run_id = json.loads(record.read_text())["flow_run_id"]
+            approvals.append(
+                llmops(home, "approve", run_id, "--reason", "served answers look right", "--by", "release-manager")
+            )
+            return
 
 
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):

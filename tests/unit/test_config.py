@@ -74,14 +74,15 @@ def test_profile_digest_changes_with_any_value():
 # serve.tensorrtllm gave way to serve.backend llmapi (the GPU profiles' serving settings moved into engine,
 # the vLLM profile lost its unused build_engine stage; the CPU profiles' own values did not change), and when the
 # benchmark measured in interleaved rounds (bench.rounds, max_rounds, confidence; request_count 32 -> 128,
-# warmup_request_count 2 -> 4; gate.max_latency_ratio; cpu-tiny's gate.min_throughput_ratio 0.5 -> 0.8).
+# warmup_request_count 2 -> 4; gate.max_latency_ratio; cpu-tiny's gate.min_throughput_ratio 0.5 -> 0.8), and when
+# the gate gained a person's approval (gate.approval, approval_timeout_s; required on the GPU profiles).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "76ed71966abb97b0dca8b6c10a05be92336620423c0ddb32dbd94ae7fb6a5816",
-    "cpu-tiny-qa-zh": "9d5fff40b46624abb761b794b91fd832217d7a3a691052ffcd040d5bf89c97d9",
-    "llama3-8b-h100-fp8": "2cb5b011552d42a3dc16653bafeb96107027e81d52cc5f31bedea915a8923989",
-    "qwen-7b-qlora-2xa10": "6586b949d38dc0ee74bf71ee6f8831ee7a0262b64dc3798a948978f2f99696dc",
-    "qwen-7b-vllm-h100": "e7d7d18ef56dfe2a1fd17a1e9bcd838552e7be08865dc8535fbe81460784843b",
-    "qwen2-14b-int4-tp2": "f62dd01b6b52814dc6725deb90f1761d08874b7ce01166364ae0cfd4ec6957b4",
+    "cpu-tiny": "2e5137de04a8f5f408014d645e54771c7baf23b90eb9189a82de6f93e83ac37f",
+    "cpu-tiny-qa-zh": "b63b5dea84a18d8815d29bc32fc3c58e21ef1f7f93135e0d24a8736a8aa9c2bc",
+    "llama3-8b-h100-fp8": "2a61728f2f3eced20c069e4dc84fa069a323af54fdec73ee9426071daa91a584",
+    "qwen-7b-qlora-2xa10": "3dce33a43a597b77e75460ee28b4f0a54af44b188614cc8e071e57f8311f547e",
+    "qwen-7b-vllm-h100": "86d3db48550b049b2d2e19801d108f0f7f772cfec6a8b0c1734e49a11d801cc3",
+    "qwen2-14b-int4-tp2": "26d99425045d26f63342c37eb7b1e642ef9d9e9bf9f49cd78d94464cbd6e1c6d",
 }
 
 

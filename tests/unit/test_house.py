@@ -17,6 +17,7 @@ STAGES = {
     "deploy_canary",
     "benchmark",
     "gate",
+    "approve",
     "rollout",
 }
 MAX_MODULE_LINES = 400

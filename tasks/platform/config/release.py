@@ -3,6 +3,8 @@ thresholds and the registered model's name."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from tasks.platform.config.base import Section, TritonName
@@ -116,6 +118,17 @@ class GateSection(Section):
     )
     max_quantization_accuracy_drop: float = Field(
         0.05, ge=0, description="Largest task-metric drop from quantization, where the quantized artifact serves."
+    )
+    approval: Literal["none", "required"] = Field(
+        "none",
+        description="required: after the automatic checks pass, the release waits for a person to approve or reject "
+        "it (the run's Resume form in the Prefect UI, or `llmops approve|reject RUN_ID --reason ...`).",
+    )
+    approval_timeout_s: float = Field(
+        86400,
+        gt=0,
+        description="With approval required: no decision within this many seconds rejects the candidate. The waiting "
+        "run holds its worker and the serving lock.",
     )
 
 

@@ -1,0 +1,113 @@
+"""`llmops approve` / `llmops reject`: decide a release paused for approval (`gate.approval: required`), as the
+Resume form on the run's page in the Prefect UI does; `llmops approve` without a run lists the waiting ones."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from uuid import UUID
+
+from flows.cli.common import llmops_home, prefect_api_env
+from tasks.platform.errors import BadInput
+
+EPILOG = """examples:
+  llmops approve                                       # the releases of this home waiting for a decision
+  llmops approve 0f1c...-flow-run-id --reason "answers read well; latency as v3"
+  llmops reject 0f1c...-flow-run-id --reason "tone is off for support tickets" --by alice
+The run's id is in its log line `approval: ... waits ...` and on its page in the Prefect UI."""
+
+
+def register(commands) -> None:
+    for decision, help_text in (
+        ("approve", "approve a release waiting for a person's decision; it rolls out"),
+        ("reject", "reject a release waiting for a person's decision; it rolls back"),
+    ):
+        parser = commands.add_parser(
+            decision,
+            help=help_text,
+            description=f"{help_text.capitalize()} (profile setting gate.approval: required).",
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        parser.add_argument("flow_run_id", nargs="?" if decision == "approve" else None, help="the paused run's id")
+        parser.add_argument("--reason", required=decision == "reject", help="why, for the record (MLflow, registry)")
+        parser.add_argument("--by", help="who decides (default: USER@HOST)")
+        parser.set_defaults(handler=command_decide, decision=decision)
+
+
+def command_decide(args) -> str:
+    home = llmops_home()
+    if args.flow_run_id is None:
+        return waiting_list(home)
+    try:
+        UUID(args.flow_run_id)
+    except ValueError:
+        raise BadInput(f"flow run id {args.flow_run_id!r}: not a Prefect flow run id (a UUID)") from None
+    if not args.reason:
+        raise BadInput(f"llmops {args.decision}: --reason is required (it is recorded with the decision)")
+    api_url = api_for(home, args.flow_run_id)
+    decided_by = args.by or f"{getpass.getuser()}@{socket.gethostname()}"
+    resume(api_url, args.flow_run_id, {"decision": args.decision, "reason": args.reason, "decided_by": decided_by})
+    return f"{args.decision}d release run {args.flow_run_id} as {decided_by}; it goes on now"
+
+
+def waiting_list(home: Path) -> str:
+    from tasks.approve import pending_folder
+
+    lines = []
+    for path in sorted(pending_folder(home).glob("*.json")):
+        try:
+            waiting = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # decided meanwhile, or half written
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(waiting.get("waiting_since", 0)))
+        mlflow_run = f", MLflow run {waiting['mlflow_run_id']}" if waiting.get("mlflow_run_id") else ""
+        lines.append(
+            f"{waiting['flow_run_id']}  {waiting.get('model', '?')} v{waiting.get('candidate_version', '?')}  "
+            f"(waiting since {since}{mlflow_run})"
+        )
+    return "\n".join(lines) or f"no release of {home} waits for approval"
+
+
+def api_for(home: Path, flow_run_id: str) -> str:
+    """The Prefect API holding the run: the one it wrote down while waiting, else PREFECT_API_URL or the stack's."""
+    from tasks.approve import pending_folder
+
+    pending = pending_folder(home) / f"{flow_run_id}.json"
+    if pending.is_file() and (recorded := json.loads(pending.read_text()).get("api_url")):
+        return recorded
+    try:
+        os.environ.update(prefect_api_env())
+    except BadInput as exc:
+        raise BadInput(
+            f"flow run {flow_run_id}: no release of {home} waits for approval under this id (`llmops approve` lists "
+            f"them), and no Prefect API to ask ({exc}; or set PREFECT_API_URL)"
+        ) from None
+    return os.environ["PREFECT_API_URL"]
+
+
+def resume(api_url: str, flow_run_id: str, run_input: dict) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    run_id = UUID(flow_run_id)
+    # Prefect reads PREFECT_API_URL once, when it is imported; the run's API is known only now.
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        try:
+            flow_run = client.read_flow_run(run_id)
+        except ObjectNotFound:
+            raise BadInput(f"flow run {flow_run_id}: not found on the Prefect API at {api_url}") from None
+        if not flow_run.state or not flow_run.state.is_paused():
+            state = flow_run.state.name if flow_run.state else "no state"
+            raise BadInput(f"flow run {flow_run_id} is not waiting for approval (its state: {state})")
+        response = client.resume_flow_run(run_id, run_input=run_input)
+    if response.status != SetStateStatus.ACCEPT:
+        reason = getattr(response.details, "reason", None) or response.status.value
+        raise BadInput(f"flow run {flow_run_id}: Prefect refused the decision: {reason}")
