@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,22 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+
+
+@contextmanager
+def browser_page(url: str) -> Iterator[Any]:
+    """Headless Chromium on one page at `url`; closed on the way out."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.set_default_timeout(30_000)
+            page.goto(url)
+            yield page
+        finally:
+            browser.close()
 
 
 @dataclass
@@ -41,48 +59,37 @@ def start_run_from_form(
 ) -> FormRun:
     """Open the deployment's run page, choose the profile, type the data source and overrides, press
     Submit; return the run the UI created (read from the UI's own create_flow_run response)."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.set_default_timeout(30_000)
-            page.goto(f"{ui_url}/deployments/deployment/{deployment_id}/run")
+    with browser_page(f"{ui_url}/deployments/deployment/{deployment_id}/run") as page:
 
-            def parameter(name: str):
-                return form_property(page, f"{name} (")  # labels read "profile (Optional)"
+        def parameter(name: str):
+            return form_property(page, f"{name} (")  # labels read "profile (Optional)"
 
-            expect(page.get_by_role("heading", name="Parameters")).to_be_visible()
-            expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
-            offered = choose(page, parameter("profile"), profile)
+        expect(page.get_by_role("heading", name="Parameters")).to_be_visible()
+        expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
+        offered = choose(page, parameter("profile"), profile)
 
-            # `str | None` and `list[str] | None` are a type toggle; None is preselected.
-            source = parameter("data_source")
-            source.get_by_role("button", name="str", exact=True).click()
-            source.locator("input, textarea").first.fill(data_source)
-            listed = parameter("overrides")
-            listed.get_by_role("button", name="list", exact=True).click()
-            for index, value in enumerate(overrides):
-                listed.get_by_role("button", name="Add item").click()
-                box = listed.locator(".p-draggable-list__item textarea").nth(index)
-                box.fill(value)
-                expect(box).to_have_value(value)
-            screenshot = settled_screenshot(page, screenshots / "run-form.png")
+        # `str | None` and `list[str] | None` are a type toggle; None is preselected.
+        source = parameter("data_source")
+        source.get_by_role("button", name="str", exact=True).click()
+        source.locator("input, textarea").first.fill(data_source)
+        listed = parameter("overrides")
+        listed.get_by_role("button", name="list", exact=True).click()
+        for index, value in enumerate(overrides):
+            listed.get_by_role("button", name="Add item").click()
+            box = listed.locator(".p-draggable-list__item textarea").nth(index)
+            box.fill(value)
+            expect(box).to_have_value(value)
+        screenshot = settled_screenshot(page, screenshots / "run-form.png")
 
-            with page.expect_response(
-                lambda r: r.request.method == "POST" and r.url.endswith(f"/deployments/{deployment_id}/create_flow_run")
-            ) as created:
-                page.get_by_role("button", name="Submit", exact=True).click()
-            response = created.value
-            assert response.status == 201, (response.status, response.text())
-            flow_run = response.json()
-            # The UI goes back to the deployment and says the run is scheduled.
-            expect(page.locator(".toast-flow-run-create__message", has_text=flow_run["name"]).first).to_be_visible()
-            expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
-            return FormRun(flow_run, offered, screenshot)
-        finally:
-            browser.close()
+        response = submit(page, page, f"/deployments/{deployment_id}/create_flow_run")
+        assert response.status == 201, (response.status, response.text())
+        flow_run = response.json()
+        # The UI goes back to the deployment and says the run is scheduled.
+        expect(page.locator(".toast-flow-run-create__message", has_text=flow_run["name"]).first).to_be_visible()
+        expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
+        return FormRun(flow_run, offered, screenshot)
 
 
 @dataclass
@@ -97,39 +104,35 @@ def decide_paused_run(
 ) -> Decision:
     """Open a release paused for approval, read its artifacts and the gate report on the Resume form, fill the
     form (decision, reason, name) and press Submit, as a release manager does."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.set_default_timeout(30_000)
-            page.goto(f"{ui_url}/runs/flow-run/{flow_run_id}")
-            expect(page.get_by_text("Paused", exact=True).first).to_be_visible()
-            page.locator("li.p-tab#artifacts").click()  # tabs are <li>s without role="tab"
-            expect(page.get_by_text("gate-report").first).to_be_visible()
-            artifacts = [key for key in ("gate-report", "release-summary") if page.get_by_text(key).count()]
-            page.get_by_role("button", name="Resume").first.click()
-            dialog = page.get_by_role("dialog")
-            expect(dialog).to_contain_text("Resume Flow Run")
-            report = dialog.locator("article.markdown-renderer").first
-            expect(report).to_contain_text("Gate: PROMOTE")
-            report_text = report.inner_text()
-            choose(page, form_property(dialog, "Decision"), decision)
-            form_property(dialog, "Reason").locator("textarea, input").first.fill(reason)
-            form_property(dialog, "Decided By").locator("textarea, input").first.fill(decided_by)
-            screenshot = settled_screenshot(page, screenshots / "approval-form.png")
-            with page.expect_response(
-                lambda r: r.request.method == "POST" and r.url.endswith(f"/flow_runs/{flow_run_id}/resume")
-            ) as resumed:
-                dialog.get_by_role("button", name="Submit", exact=True).click()
-            response = resumed.value
-            assert response.ok, (response.status, response.text())
-            assert response.json()["status"] == "ACCEPT", response.text()
-            expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
-            return Decision(report_text, artifacts, screenshot)
-        finally:
-            browser.close()
+    with browser_page(f"{ui_url}/runs/flow-run/{flow_run_id}") as page:
+        expect(page.get_by_text("Paused", exact=True).first).to_be_visible()
+        page.locator("li.p-tab#artifacts").click()  # tabs are <li>s without role="tab"
+        expect(page.get_by_text("gate-report").first).to_be_visible()
+        artifacts = [key for key in ("gate-report", "release-summary") if page.get_by_text(key).count()]
+        page.get_by_role("button", name="Resume").first.click()
+        dialog = page.get_by_role("dialog")
+        expect(dialog).to_contain_text("Resume Flow Run")
+        report = dialog.locator("article.markdown-renderer").first
+        expect(report).to_contain_text("Gate: PROMOTE")
+        report_text = report.inner_text()
+        choose(page, form_property(dialog, "Decision"), decision)
+        form_property(dialog, "Reason").locator("textarea, input").first.fill(reason)
+        form_property(dialog, "Decided By").locator("textarea, input").first.fill(decided_by)
+        screenshot = settled_screenshot(page, screenshots / "approval-form.png")
+        response = submit(page, dialog, f"/flow_runs/{flow_run_id}/resume")
+        assert response.ok, (response.status, response.text())
+        assert response.json()["status"] == "ACCEPT", response.text()
+        expect(page.get_by_text("Oops. Something went wrong")).to_have_count(0)
+        return Decision(report_text, artifacts, screenshot)
+
+
+def submit(page: Any, form: Any, api_path: str) -> Any:
+    """Press the form's Submit button; the response of the API call it makes (a POST to a path ending api_path)."""
+    with page.expect_response(lambda r: r.request.method == "POST" and r.url.endswith(api_path)) as answered:
+        form.get_by_role("button", name="Submit", exact=True).click()
+    return answered.value
 
 
 def form_property(scope: Any, label: str) -> Any:
