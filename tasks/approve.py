@@ -56,6 +56,20 @@ def pending_folder(home: Path) -> Path:
     return home / "approvals"
 
 
+def waiting_record(path: Path) -> dict | None:
+    """A waiting run's record (flow_run_id, api_url, model, candidate_version, waiting_since, ...); None once the
+    run was decided (the record is removed) or when it does not read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def waiting_records(home: Path) -> list[dict]:
+    """The records of this home's releases that wait for a decision, oldest name first."""
+    return [r for p in sorted(pending_folder(home).glob("*.json")) if (r := waiting_record(p)) is not None]
+
+
 def wait_for_decision(home: Path, flow_run_id: str, report_markdown: str, timeout_s: float, subject: dict) -> Approval:
     """Pause the current flow run until a person decides, or timeout_s passes (a rejection)."""
     from prefect.exceptions import FlowPauseTimeout

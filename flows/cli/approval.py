@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import os
 import socket
 import time
@@ -57,14 +56,10 @@ def command_decide(args) -> str:
 
 
 def waiting_list(home: Path) -> str:
-    from tasks.approve import pending_folder
+    from tasks.approve import waiting_records
 
     lines = []
-    for path in sorted(pending_folder(home).glob("*.json")):
-        try:
-            waiting = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # decided meanwhile, or half written
+    for waiting in waiting_records(home):
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(waiting.get("waiting_since", 0)))
         mlflow_run = f", MLflow run {waiting['mlflow_run_id']}" if waiting.get("mlflow_run_id") else ""
         lines.append(
@@ -76,11 +71,11 @@ def waiting_list(home: Path) -> str:
 
 def api_for(home: Path, flow_run_id: str) -> str:
     """The Prefect API holding the run: the one it wrote down while waiting, else PREFECT_API_URL or the stack's."""
-    from tasks.approve import pending_folder
+    from tasks.approve import pending_folder, waiting_record
 
-    pending = pending_folder(home) / f"{flow_run_id}.json"
-    if pending.is_file() and (recorded := json.loads(pending.read_text()).get("api_url")):
-        return recorded
+    recorded = waiting_record(pending_folder(home) / f"{flow_run_id}.json")
+    if recorded and recorded.get("api_url"):
+        return recorded["api_url"]
     try:
         os.environ.update(prefect_api_env())
     except BadInput as exc:
