@@ -196,7 +196,7 @@ def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
     models = [champion, candidate] if champion is not None else [candidate]
     for served in models:
         check_tokenizer(served.model_dir)
-    genai_perf = GenaiPerf(grpc_url, cfg, out_dir)
+    genai_perf = GenaiPerf(grpc_url, cfg, out_dir, prompts_cache=ctx.home / "cache" / "genai-perf-prompts")
     counters_before = deployment.triton.metrics()
     *lower, top = sorted(set(cfg.concurrency))
     levels: dict[str, dict[int, LoadLevel]] = {served.name: {} for served in models}

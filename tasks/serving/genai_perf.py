@@ -5,13 +5,21 @@ genai-perf drives perf_analyzer in kserve mode (TensorRT-LLM-style inputs, gRPC 
 prompts of `bench.input_tokens` tokens and exactly `bench.output_tokens` output tokens per request
 (`min_length` = `max_tokens`), counted with the model's own tokenizer from its local folder (no hub).
 The prompts are synthesized once (the first run) and every later run reads them back with
-`--input-file`: both models get the same prompts, and each run skips the 3 s of synthesis.
+`--input-file`: both models get the same prompts, and each run skips the synthesis. The synthesis
+tokenizes genai-perf's whole 142,719-line corpus (inputs/retrievers/synthetic_prompt_generator.py,
+`_initialize_corpus`) before it writes a prompt: 2.7 s with cpu-tiny's tokenizer on an idle 2-core
+machine, more with a large vocabulary. Its output depends only on the tokenizer and the prompt settings
+(fixed seed), so it is also kept in `$LLMOPS_HOME/cache/genai-perf-prompts/` for the next release with the
+same tokenizer, which then skips it too and runs on the same prompts as the releases before it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,18 +127,50 @@ def genai_perf_command(
     ]
 
 
+# What genai-perf reads of a tokenizer folder (transformers' AutoTokenizer files): the prompts' cache key.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+def prompts_key(tokenizer_dir: Path, cfg: BenchSection) -> str:
+    """What the synthesized prompts depend on: the tokenizer's files, the prompt settings, genai-perf's release."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(
+        json.dumps([version("genai-perf"), cfg.input_tokens, cfg.request_count, cfg.warmup_request_count]).encode()
+    )
+    for name in TOKENIZER_FILES:
+        path = tokenizer_dir / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:32]
+
+
 @dataclass
 class GenaiPerf:
-    """genai-perf runs against one Triton, its files kept under `out_dir`; after the first run, every
-    run sends the prompts that run synthesized (`prompts`)."""
+    """genai-perf runs against one Triton, its files kept under `out_dir`; every run sends the prompts the
+    first run synthesized (`prompts`), or, where `prompts_cache` holds them, those of an earlier release."""
 
     grpc_url: str
     cfg: BenchSection
     out_dir: Path
     prompts: Path | None = None
+    prompts_cache: Path | None = None  # a folder; None: no reuse across releases
 
     def measure(self, served: Served, concurrency: int, label: str = "") -> LoadLevel:
         """One genai-perf run on one served model at one concurrency level."""
+        cached = None
+        if self.prompts is None and self.prompts_cache is not None:
+            cached = self.prompts_cache / f"{prompts_key(served.model_dir, self.cfg)}.jsonl"
+            if cached.is_file():
+                self.prompts = Path(shutil.copyfile(cached, self.out_dir / "prompts.jsonl"))
         artifact_dir = self.out_dir / f"{served.name}-c{concurrency}{label}"
         command = genai_perf_command(
             served.name, self.grpc_url, served.model_dir, self.cfg, concurrency, artifact_dir, self.prompts
@@ -150,7 +190,17 @@ class GenaiPerf:
         measured = parse_profile_export(exports[0] if exports else artifact_dir / "profile_export_genai_perf.json")
         if self.prompts is None:
             self.prompts = write_prompts(exports[0].parent / "inputs.json", self.out_dir / "prompts.jsonl")
+            if cached is not None:
+                keep(self.prompts, cached)
         return measured
+
+
+def keep(prompts: Path, cached: Path) -> None:
+    """A copy of `prompts` at `cached`, whole or not at all (two releases may write it at once)."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staged = cached.with_name(f"{cached.name}.{secrets.token_hex(6)}.partial")
+    shutil.copyfile(prompts, staged)
+    os.replace(staged, cached)
 
 
 def write_prompts(inputs_json: Path, prompts: Path) -> Path:

@@ -563,7 +563,12 @@ def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, s
             *("--set", "gate.min_throughput_ratio=0.2", "--set", "bench.rounds=2", "--set", "bench.max_rounds=3"),
         )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert latest_release(home).data.tags["release.outcome"] == "promoted"
+    release_run = latest_release(home)
+    assert release_run.data.tags["release.outcome"] == "promoted"
+    # genai-perf synthesized its prompts in the first release only; this one sent the same prompts
+    (cached,) = (home / "cache" / "genai-perf-prompts").glob("*.jsonl")
+    sent = home / "work" / "benchmark" / release_run.info.run_id / "prompts.jsonl"
+    assert sent.read_text() == cached.read_text() and len(cached.read_text().splitlines()) >= 16
     new = champion(home)
     assert new != "1"
     output = result.stdout + result.stderr

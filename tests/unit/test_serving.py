@@ -14,7 +14,7 @@ from tasks.gate import Quality, decide
 from tasks.platform.config import BenchSection, GateSection, load_profile
 from tasks.platform.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
 from tasks.quality.stats import Difference, ratio_interval
-from tasks.serving.genai_perf import LoadLevel, parse_profile_export
+from tasks.serving.genai_perf import LoadLevel, parse_profile_export, prompts_key
 from tasks.serving.repository import TEMPLATES, render_model, render_template
 from tasks.serving.server import find_binary
 
@@ -345,6 +345,22 @@ def test_benchmark_result_keeps_its_mlflow_keys_and_json(tmp_path):
         f"ratio_{name}{bound}" for name in ("throughput", "latency_p99", "ttft_p99") for bound in ("", "_low", "_high")
     }
     assert written["summary"]["candidate"] == {name: flat[f"candidate_{name}"] for name in summary}
+
+
+def test_synthesized_prompts_are_reused_only_for_the_same_tokenizer_and_prompt_settings(tmp_path):
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"model": "a"}')
+    (tokenizer / "config.json").write_text("{}")
+    bench = load_profile("cpu-tiny").bench
+    key = prompts_key(tokenizer, bench)
+    (tokenizer / "config.json").write_text('{"weights": "other"}')  # not a tokenizer file: same prompts
+    assert prompts_key(tokenizer, bench) == key
+    assert prompts_key(tokenizer, bench.model_copy(update={"concurrency": [7]})) == key
+    assert prompts_key(tokenizer, bench.model_copy(update={"input_tokens": bench.input_tokens + 1})) != key
+    assert prompts_key(tokenizer, bench.model_copy(update={"request_count": bench.request_count + 1})) != key
+    (tokenizer / "tokenizer.json").write_text('{"model": "b"}')
+    assert prompts_key(tokenizer, bench) != key
 
 
 def test_genai_perf_export_missing_or_malformed(tmp_path):
