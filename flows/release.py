@@ -1,7 +1,8 @@
 """The release DAG as a Prefect flow.
 
     prepare_data -> base_model -> train -> evaluate -> merge -> quantize [-> build_engine] -> register
-      -> deploy_canary (Triton) -> benchmark (genai-perf) -> gate [-> approve (a person)] -> promote | rollback
+      -> deploy_canary (Triton) [-> shadow (live traffic copied)] -> benchmark (genai-perf) -> gate [-> approve (a person)]
+      -> promote | rollback
 
 Each stage is a cached, retried Prefect task (tasks/platform/stage_cache.py); the flow only wires them.
 """
@@ -36,6 +37,7 @@ from tasks.rollout import rollout
 from tasks.serving.champion import is_champion, open_triton
 from tasks.serving.client import TritonTarget
 from tasks.serving.server import TritonServer
+from tasks.shadow import shadow
 from tasks.train import train
 
 
@@ -163,8 +165,9 @@ def release(
             deployment = stage_task(deploy_canary, config)(ctx, registered, triton)
             approved, rejection = True, ""
             if not deployment.unchanged:
+                shadowed = stage_task(shadow, config)(ctx, deployment)  # None unless canary.shadow_s
                 measured = stage_task(benchmark, config)(ctx, deployment)
-                report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked)
+                report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
                 if report.passed and config.gate.approval == "required":  # a person's decision is never cached
                     approval = approve(ctx, report, str(runtime.flow_run.id))

@@ -28,12 +28,14 @@ from tasks.platform.errors import BadInput, TransientError
 from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.stage_cache import RunContext
 from tasks.serving.champion import serve_champion, triton_launch
+from tasks.serving.client import control_key
 from tasks.serving.gateway import Gateway, GatewayConfig, KeyRing
 from tasks.serving.models import Served
 from tasks.serving.server import TritonServer, publish, unpublish
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
+SHADOW_POLL_S = 1.0  # how often the gateway reads the router's shadow parameter (one config GET on loopback)
 
 
 @dataclass
@@ -231,6 +233,9 @@ def start_gateway(
             requests_per_second=ctx.profile.serve.limits.requests_per_second,
             tokens_per_minute=ctx.profile.serve.limits.tokens_per_minute,
             max_in_flight=ctx.profile.serve.limits.max_in_flight,
+            shadow_poll_s=SHADOW_POLL_S,
+            control_key=lambda: control_key(ctx.home),  # the published one: it changes when Triton restarts
+            shadow_records=ctx.home / "shadow",
         )
     )
     show_access_log()

@@ -31,6 +31,7 @@ from tasks.quality.stats import Difference, RatioInterval
 if TYPE_CHECKING:
     from tasks.benchmark import BenchmarkResult, Comparison, ServingSummary
     from tasks.deploy_canary import Deployment
+    from tasks.shadow import ShadowResult
 
 
 @dataclass
@@ -82,7 +83,7 @@ class GateReport:
             f"{c.name} {c.value if c.value is None else round(c.value, 4)}"
             + (f" (interval {c.interval[0]:.4g}..{c.interval[1]:.4g})" if c.interval else "")
             + f" (needs {c.comparison} {c.threshold:g})"
-            + (f" inconclusive after {c.samples} rounds" if c.inconclusive else "")
+            + ((f" inconclusive after {c.samples} rounds" if c.samples else " inconclusive") if c.inconclusive else "")
             for c in self.checks
             if not c.passed
         ]
@@ -169,6 +170,7 @@ def decide(
     comparison: Comparison | None,
     quality: Quality | None = None,
     quantization_accuracy_drop: float | None = None,
+    shadowed: ShadowResult | None = None,
 ) -> GateReport:
     """The benchmark's summary of `candidate` and its `comparison` with the champion (None without one),
     the served `quality`, and the quantized artifact's accuracy drop (None where the quantized artifact is
@@ -182,6 +184,10 @@ def decide(
         checks += served_quality_checks(cfg, quality)
     if comparison is not None:
         checks += comparison_checks(cfg, comparison)
+    if shadowed is not None:
+        from tasks.shadow import shadow_checks  # tasks/shadow.py builds its checks from this module's
+
+        checks += shadow_checks(cfg, shadowed)
     if champion_version is not None and quality is not None and quality.drop_vs_champion is not None:
         checks.append(
             at_most(
@@ -338,6 +344,7 @@ def gate(
     data: StageResult,
     evaluation: StageResult,
     checked: StageResult | None,
+    shadowed: ShadowResult | None = None,
 ) -> GateReport:
     folder = ctx.home / "work" / "gate" / ctx.tracker.run_id
     folder.mkdir(parents=True, exist_ok=True)
@@ -351,6 +358,7 @@ def gate(
         bench.comparison,
         quality,
         serving_accuracy_drop(checked),
+        shadowed,
     )
     json_path, md_path = report.write(folder)
     publish(ctx, report, json_path, md_path)

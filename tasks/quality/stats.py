@@ -105,3 +105,13 @@ def ratio_interval(ratios: list[float], confidence: float) -> RatioInterval:
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
     half = float(t.ppf((1 + confidence) / 2, len(logs) - 1)) * sd / math.sqrt(len(logs))
     return RatioInterval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), confidence, len(logs))
+
+
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (scipy's binomtest); (0, 1) without trials."""
+    from scipy.stats import binomtest
+
+    if trials == 0:
+        return 0.0, 1.0
+    interval = binomtest(successes, trials).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(interval.low), float(interval.high)

@@ -166,12 +166,22 @@ def check_serving_contract(repository: Path, profile: Profile, served: Served) -
     )
 
 
-def set_routes(triton: Triton, profile: Profile, service: str, weights: Mapping[str, float]) -> None:
+def set_routes(
+    triton: Triton,
+    profile: Profile,
+    service: str,
+    weights: Mapping[str, float],
+    shadow: tuple[str, float] | None = None,
+) -> None:
+    """Load the service's router with these weights; `shadow` (MODEL, FRACTION): copy that share of the requests
+    to MODEL after their answers went out (infra/triton/router/1/model.py)."""
     routes = ",".join(f"{name}={weight:g}" for name, weight in weights.items() if weight > 0)
+    mirror = f"{shadow[0]}={shadow[1]:g}" if shadow else ""
+    values = {"max_batch_size": profile.serve.max_batch_size, "routes": routes, "shadow": mirror}
     with model_folders(triton) as repository:
-        render_model("router", repository, service, {"max_batch_size": profile.serve.max_batch_size, "routes": routes})
+        render_model("router", repository, service, values)
         load_rendered(triton, service, repository, profile.serve.load_timeout_s)
-    logger().info(f"canary: router {service} -> {routes}")
+    logger().info(f"canary: router {service} -> {routes}" + (f"; shadow {mirror}" if shadow else ""))
 
 
 def triton_unload_quietly(triton: Triton, name: str) -> None:

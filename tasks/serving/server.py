@@ -254,6 +254,15 @@ def serving_process(pid: int) -> bool:
     return b"llmops" in command or b"tritonserver" in command
 
 
+def serving_gateway(home: Path) -> str | None:
+    """The URL of the gateway of the `llmops serve` running for this LLMOPS_HOME, if one runs."""
+    state = home / "triton" / SERVER_FILE
+    if not state.is_file():
+        return None
+    info = json.loads(state.read_text())
+    return info.get("gateway_url") if serving_process(int(info.get("pid", 0))) else None
+
+
 def published(home: Path) -> Triton | None:
     """The client of the Triton `llmops serve` publishes for this LLMOPS_HOME, if it answers."""
     state = home / "triton" / SERVER_FILE

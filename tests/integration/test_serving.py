@@ -9,6 +9,7 @@ cpu-tiny default) serves in test_release, test_attach, test_service and test_qua
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -167,9 +168,24 @@ class Load:
     with "Stub process is not healthy" (python_backend fails a request whose message to the stub waits 1 s
     while the stub's health thread has not run)."""
 
-    def __init__(self, server: dict, triton, requests_total: int = 600, concurrency: int = 3, per_s: float = 15):
+    def __init__(
+        self,
+        server: dict,
+        triton,
+        requests_total: int = 600,
+        concurrency: int = 3,
+        per_s: float = 15,
+        gateway_tls: tuple[Path, Path] | None = None,
+    ):
+        """`gateway_tls`: send through the gateway (the service's own clients' way; a shadow window copies only
+        what it answers) instead of to Triton directly."""
         self.url, self.left, self.lock = server["url"], requests_total, threading.Lock()
+        self.request: dict = {}
+        if gateway_tls is not None:
+            self.url = server["gateway_url"]
+            self.request = {"verify": str(gateway_tls[0]), "headers": {"Authorization": f"Bearer {API_KEYS['team-b']}"}}
         self.ok, self.failed, self.errors = 0, 0, []
+        self.answers: collections.Counter[str] = collections.Counter()  # what the clients got
         self.interval_s = concurrency / per_s
         self.threads = [threading.Thread(target=self.client) for _ in range(concurrency)]
         self.stop = threading.Event()
@@ -203,11 +219,14 @@ class Load:
                     f"{self.url}/v2/models/{SERVICE}/generate",
                     timeout=30,
                     json={"text_input": "What is the opposite of hot?", "max_tokens": 4},
+                    **self.request,
                 )
                 good = response.status_code == 200 and "text_output" in response.json()
             except requests.RequestException as exc:
                 good, response = False, exc
             with self.lock:
+                if good:
+                    self.answers[response.json()["text_output"]] += 1
                 self.ok += good
                 self.failed += not good
                 if not good:
@@ -611,14 +630,32 @@ BASE_MODEL_CANDIDATE = [
 ]
 
 
-def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run):
+def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run, tls, tmp_path):
+    """Before any user sees it, the candidate answers a copy of the gateway's live traffic in a shadow window; it
+    answers unlike the champion, and the gate rejects it for that too. The clients only ever got the champion's
+    answer."""
     before = champion(home)
-    with Load(server, served_by(home, server)) as load:
-        result = run(*BASE_MODEL_CANDIDATE)
+    with Load(server, served_by(home, server), gateway_tls=tls) as load:
+        result = run(*BASE_MODEL_CANDIDATE, *("--set", "canary.shadow_s=4", "--set", "gate.min_shadow_agreement=0.5"))
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     # The base model's task metric collapses; on 2 shared cores its throughput ratio may fail too.
     assert last.startswith("llmops: rejected: candidate rejected: ") and "task metric drop vs champion" in last
+    assert "shadow: answers vs the champion's (exact_match)" in last
+    release_run = latest_release(home)
+    shadowed = release_run.data.metrics
+    assert shadowed["shadow/requests"] >= 20 and shadowed["shadow/errors"] == 0, shadowed
+    assert shadowed["shadow/compared"] == shadowed["shadow/requests"] and shadowed["shadow/agreement"] < 0.5
+    assert 0 < shadowed["shadow/latency_ratio"] < 100
+    # every copy's record, with both answers, went to MLflow with the run
+    (logged,) = registry(home).list_artifacts(release_run.info.run_id, "shadow")
+    downloaded = Path(registry(home).download_artifacts(release_run.info.run_id, logged.path, str(tmp_path)))
+    records = [json.loads(line) for line in downloaded.read_text().splitlines()]
+    assert len(records) == shadowed["shadow/requests"]
+    assert {r["champion"] for r in records} == set(load.answers) and any(
+        r["candidate"] != r["champion"] for r in records
+    )
+    assert len(load.answers) == 1, load.answers  # greedy: the champion's answer, never the copy's
     assert champion(home) == before  # no alias moved
     rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
     assert str(rejected.version) != before and rejected.tags["gate.decision"] == "reject"

@@ -36,7 +36,7 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
     models = {
         "svc-v1": serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64),
         "svc-v2": serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64),
-        "svc": ("router", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"}),
+        "svc": ("router", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10", "shadow": ""}),
         "svc-v3": serving_model(load_profile("qwen-7b-qlora-2xa10"), Path("/checkpoints/v3"), "e" * 64, 40960),
     }
     return {template: render_model(template, repository, name, values) for name, (template, values) in models.items()}

@@ -75,14 +75,15 @@ def test_profile_digest_changes_with_any_value():
 # the vLLM profile lost its unused build_engine stage; the CPU profiles' own values did not change), and when the
 # benchmark measured in interleaved rounds (bench.rounds, max_rounds, confidence; request_count 32 -> 128,
 # warmup_request_count 2 -> 4; gate.max_latency_ratio; cpu-tiny's gate.min_throughput_ratio 0.5 -> 0.8), and when
-# the gate gained a person's approval (gate.approval, approval_timeout_s; required on the GPU profiles).
+# the gate gained a person's approval (gate.approval, approval_timeout_s; required on the GPU profiles), and when
+# the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "2e5137de04a8f5f408014d645e54771c7baf23b90eb9189a82de6f93e83ac37f",
-    "cpu-tiny-qa-zh": "b63b5dea84a18d8815d29bc32fc3c58e21ef1f7f93135e0d24a8736a8aa9c2bc",
-    "llama3-8b-h100-fp8": "2a61728f2f3eced20c069e4dc84fa069a323af54fdec73ee9426071daa91a584",
-    "qwen-7b-qlora-2xa10": "3dce33a43a597b77e75460ee28b4f0a54af44b188614cc8e071e57f8311f547e",
-    "qwen-7b-vllm-h100": "86d3db48550b049b2d2e19801d108f0f7f772cfec6a8b0c1734e49a11d801cc3",
-    "qwen2-14b-int4-tp2": "26d99425045d26f63342c37eb7b1e642ef9d9e9bf9f49cd78d94464cbd6e1c6d",
+    "cpu-tiny": "1eaa1554843add48c54fc352a9e9b431290e98f40a776df36478f137bfabf14c",
+    "cpu-tiny-qa-zh": "50c50119fa941b193a4639018531586d813f638f8ec60d12fd1c1533c80b31d1",
+    "llama3-8b-h100-fp8": "789a18605442fa181021b2d7408348dc18c8b368d5e9047748773a630d139c86",
+    "qwen-7b-qlora-2xa10": "b20c37f6ca4846c56e93c06ad9121c31d088717ca4abfdbc32aa684d7a5ea881",
+    "qwen-7b-vllm-h100": "4c154ff746601072eefedcaefe8b51500c1d4df37c4d1649d72ef35227e11ac5",
+    "qwen2-14b-int4-tp2": "b98e47d02b57f95aa0923f811c8735a4707f59882807f2441106ca832adb6c2a",
 }
 
 

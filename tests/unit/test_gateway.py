@@ -346,3 +346,109 @@ def test_stop_sequences_cut_the_text_and_hold_back_a_partial_match():
     assert cut_at_stop("cold", []) == ("cold", False)
     assert held_back("cold\nUs", ["\nUser:"]) == 3  # "\nUs" may begin the stop sequence
     assert held_back("cold", ["\nUser:"]) == 0
+
+
+# --- shadow copies ------------------------------------------------------------------------------------------
+
+
+class ShadowedTriton(FakeTriton):
+    """A router whose config names a shadow target, and that target's own answers (`candidate`: text by prompt)."""
+
+    def __init__(self, shadow: str, candidate: dict[str, str], failing: bool = False):
+        super().__init__("cold")
+        self.shadow, self.candidate, self.failing = shadow, candidate, failing
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == f"/v2/models/{SERVICE}/config":
+            self.requests.append((path, {"key": request.headers.get("llmops-control-key")}))
+            return httpx.Response(200, json={"parameters": {"shadow": {"string_value": self.shadow}}})
+        if path == f"/v2/models/{SERVICE}-v2/generate":
+            body = json.loads(request.content)
+            self.requests.append((path, body))
+            if self.failing:
+                return httpx.Response(500, json={"error": "engine died"})
+            return httpx.Response(200, json={"text_output": self.candidate[body["text_input"]]})
+        return super().__call__(request)
+
+
+def shadow_counters(client: TestClient) -> dict[str, float]:
+    lines = client.get("/metrics").text.splitlines()
+    return {
+        line.split("{")[0].removeprefix("llmops_shadow_").removesuffix("_total"): float(line.split()[-1])
+        for line in lines
+        if line.startswith("llmops_shadow_") and '_total{model="demo-v2"}' in line
+    }
+
+
+def wait_for_copies(client: TestClient, requests: float) -> dict[str, float]:
+    for _ in range(200):
+        counters = shadow_counters(client)
+        if counters.get("requests", 0) >= requests:
+            return counters
+        anyio.run(anyio.sleep, 0.02)
+    raise AssertionError(f"copies never finished: {shadow_counters(client)}")
+
+
+def wait_for_the_target(triton: ShadowedTriton) -> None:
+    """The gateway's first read of the router's config, and a moment to take it in."""
+    for _ in range(100):
+        if any(path.endswith("/config") for path, _ in triton.requests):
+            break
+        anyio.run(anyio.sleep, 0.01)
+    anyio.run(anyio.sleep, 0.05)
+
+
+def test_answered_requests_are_copied_to_the_router_s_shadow_target_and_recorded(gateway, tmp_path):
+    """Clients get the router's answers; each answered request goes again to the shadow target, and its record has
+    the inputs, both answers (the copy's cut at the client's stop sequences) and both latencies."""
+    triton = ShadowedTriton(f"{SERVICE}-v2=1", {"hot": "cold", "big": "large. and more", "up": "warm"})
+    client = gateway(triton, shadow_poll_s=0.01, control_key=lambda: "the-control-key", shadow_records=tmp_path)
+    wait_for_the_target(triton)
+    assert ("/v2/models/demo/config", {"key": "the-control-key"}) in triton.requests
+    triton.answer = "large"
+    chat = client.post(CHAT, json={"messages": [{"role": "user", "content": "big"}], "stop": ["."]})
+    assert chat.json()["choices"][0]["message"]["content"] == "large"  # the client's answer: the router's
+    streamed = client.post(CHAT, json={"messages": [{"role": "user", "content": "hot"}], "stream": True})
+    triton.answer = "cold"
+    assert streamed_text(events(streamed)) == "cold"
+    v2 = client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "up"})
+    assert v2.json()["text_output"] == "cold"
+    sampled = client.post(CHAT, json={"messages": [{"role": "user", "content": "up"}], "temperature": 0.7})
+    assert sampled.status_code == 200 and "shadow" not in sampled.text
+    counters = wait_for_copies(client, 4)
+    assert (counters["requests"], counters["errors"], counters["dropped"]) == (4, 0, 0)
+    assert counters["primary_seconds"] > 0 and counters["shadow_seconds"] > 0
+    records = [json.loads(line) for line in (tmp_path / "demo-v2.jsonl").read_text().splitlines()]
+    assert [(r["inputs"]["text_input"], r["champion"], r["candidate"]) for r in records] == [
+        ("big", "large", "large"),
+        ("hot", "cold", "cold"),
+        ("up", "cold", "warm"),
+        ("up", "cold", "warm"),
+    ]
+    assert records[3]["inputs"]["temperature"] == 0.7 and records[0]["inputs"]["max_tokens"] == 64
+    assert all(r["error"] is None and r["champion_s"] > 0 and r["candidate_s"] > 0 for r in records)
+    assert (tmp_path / "demo-v2.jsonl").stat().st_mode & 0o777 == 0o600  # live prompts and answers
+    copies = [body for path, body in triton.requests if path.endswith("-v2/generate")]
+    assert [c["text_input"] for c in copies] == ["big", "hot", "up", "up"] and not any(c["stream"] for c in copies)
+
+
+def test_a_failing_shadow_target_is_recorded_and_never_reaches_the_client(gateway, tmp_path):
+    triton = ShadowedTriton(f"{SERVICE}-v2=1", {}, failing=True)
+    client = gateway(triton, shadow_poll_s=0.01, shadow_records=tmp_path)
+    wait_for_the_target(triton)
+    response = client.post(CHAT, json={"messages": QUESTION})
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "cold"
+    assert wait_for_copies(client, 1)["errors"] == 1
+    (record,) = [json.loads(line) for line in (tmp_path / "demo-v2.jsonl").read_text().splitlines()]
+    assert record["candidate"] is None and record["error"].startswith("HTTP 500")
+
+
+@pytest.mark.parametrize("shadow", ["", "demo-v2", "demo-v2=0", "demo-v2=2", "=0.5", "demo-v2=half"])
+def test_no_copies_without_a_valid_shadow_parameter(gateway, shadow):
+    triton = ShadowedTriton(shadow, {})
+    client = gateway(triton, shadow_poll_s=0.01)
+    anyio.run(anyio.sleep, 0.1)
+    assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200
+    anyio.run(anyio.sleep, 0.1)
+    assert not [path for path, _ in triton.requests if path.endswith("-v2/generate")]

@@ -52,11 +52,11 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):
     assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "llmapi", "router", "vllm"]
-    render_model("router", tmp_path, "svc", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10"})
+    render_model("router", tmp_path, "svc", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10", "shadow": ""})
     with pytest.raises(BadInput, match="no value"):
         render_model("router", tmp_path, "svc", {"max_batch_size": 8})
     with pytest.raises(BadInput, match="model name"):
-        render_model("router", tmp_path, "bad name", {"max_batch_size": 8, "routes": "a=1"})
+        render_model("router", tmp_path, "bad name", {"max_batch_size": 8, "routes": "a=1", "shadow": ""})
 
 
 def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_path):
@@ -232,6 +232,73 @@ def test_the_latency_ratio_is_checked_on_its_upper_bound():
     gate = GATE.model_copy(update={"max_latency_ratio": 1.2})
     report = decide(gate, "svc", "2", "1", CANDIDATE, Comparison.of(slower, 4, BenchSection(rounds=2)), QUALITY)
     assert [c.name for c in report.checks if not c.passed] == ["p99 latency ratio vs champion"]
+
+
+def shadow_records(agreeing: int, disagreeing: int, failed: int = 0, sampled: int = 0) -> list[dict]:
+    """Records as the gateway writes them: the champion answers "cold" in 20 ms, the candidate in 21 ms."""
+
+    def record(candidate: str | None, temperature: float | None = None) -> dict:
+        inputs = {"text_input": "hot", "max_tokens": 4} | ({"temperature": temperature} if temperature else {})
+        error = None if candidate is not None else "HTTP 500: engine died"
+        latencies = {"champion_s": 0.020, "candidate_s": 0.021}
+        return {"inputs": inputs, "champion": "cold", "candidate": candidate, "error": error, **latencies}
+
+    return (
+        [record("cold")] * agreeing
+        + [record("warm")] * disagreeing
+        + [record(None)] * failed
+        + [record("icy", temperature=0.8)] * sampled
+    )
+
+
+@pytest.mark.parametrize(
+    "records,failed,inconclusive",
+    [
+        (shadow_records(60, 0, sampled=5), [], False),  # answers as the champion does; sampled ones not compared
+        (shadow_records(3, 57), ["shadow: answers vs the champion's (exact_match)"], False),
+        (shadow_records(50, 10), ["shadow: answers vs the champion's (exact_match)"], True),
+        (shadow_records(54, 0, failed=6), ["shadow: candidate error rate"], False),
+        (shadow_records(5, 0), ["shadow: copies answered (too little traffic to judge)"], True),
+    ],
+)
+def test_the_shadow_window_is_checked_on_agreement_errors_and_traffic(records, failed, inconclusive):
+    """Agreement is decided on its interval: 60 of 60 passes 0.8, 3 of 60 fails it, 50 of 60 (0.83; Wilson's
+    interval about 0.74..0.90 at 90%) cannot tell."""
+    from tasks.shadow import score
+
+    profile = load_profile("cpu-tiny", ["canary.shadow_min_requests=20", "bench.confidence=0.9"])
+    shadowed = score(records, profile, seconds=5)
+    gate = GATE.model_copy(update={"min_shadow_agreement": 0.8, "max_latency_ratio": 1.5})
+    report = decide(gate, "svc", "2", "1", CANDIDATE, COMPARISON, QUALITY, shadowed=shadowed)
+    assert [c.name for c in report.checks if not c.passed] == failed
+    shadow_checks = [c for c in report.checks if c.name.startswith("shadow")]
+    assert any(c.verdict == "INCONCLUSIVE" for c in shadow_checks) == inconclusive
+    if len(records) == 65:
+        assert (shadowed.requests, shadowed.compared, shadowed.agreement) == (65, 60, 1.0)
+        agreement = next(c for c in shadow_checks if c.name.startswith("shadow: answers"))
+        low, high = agreement.interval
+        assert agreement.samples == 60 and 0.95 < low < high == 1.0
+        latency = next(c for c in shadow_checks if c.name == "shadow: mean latency ratio vs champion")
+        assert latency.value == pytest.approx(1.05)
+
+
+def test_shadow_agreement_is_scored_with_the_profiles_metric():
+    """rouge_l gives partial credit where exact match gives none; its interval is the bootstrap's."""
+    from tasks.shadow import score
+
+    records = shadow_records(0, 0)
+    for answer in ("the cold one", "cold", "very cold indeed", "cold"):
+        records.append(
+            {"inputs": {"text_input": "hot"}, "champion": "cold", "candidate": answer, "error": None}
+            | {"champion_s": 0.02, "candidate_s": 0.02}
+        )
+    records.append({"at": 0, "dropped": True})
+    rouge = score(records, load_profile("cpu-tiny", ["evaluate.metric=rouge_l"]), 1)
+    exact = score(records, load_profile("cpu-tiny"), 1)
+    assert (exact.metric, exact.agreement) == ("exact_match", 0.5)
+    assert rouge.metric == "rouge_l" and 0.5 < rouge.agreement < 1 and rouge.dropped == 1 and rouge.requests == 4
+    low, high = rouge.agreement_interval
+    assert low <= rouge.agreement <= high
 
 
 def test_ratio_intervals_are_t_intervals_on_the_log_scale():

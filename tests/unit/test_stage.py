@@ -139,7 +139,9 @@ def test_editing_a_helper_reruns_only_the_stages_that_use_it(tmp_path):
 
 
 # Render Triton models; and approve, which reads the gate's report (it is never cached: a person decides each time)
-RENDERING_STAGES = {"tasks.benchmark", "tasks.deploy_canary", "tasks.gate", "tasks.approve", "tasks.rollout"}
+RENDERING_STAGES = {
+    *("tasks.benchmark", "tasks.deploy_canary", "tasks.shadow", "tasks.gate", "tasks.approve", "tasks.rollout")
+}
 
 
 def test_every_template_dir_is_a_project_module_and_a_folder(monkeypatch):

@@ -29,6 +29,22 @@ class CanarySection(Section):
         description="A Prometheus that scrapes the serving Triton (infra/monitoring/prometheus.yml): the candidate's "
         "requests, failures and latency are read from it instead of from Triton directly.",
     )
+    shadow_s: float = Field(
+        0,
+        ge=0,
+        description="Before the benchmark and the first live step: seconds during which `llmops serve`'s gateway "
+        "copies the service's answered requests to the candidate, whose answers reach no client; the gate compares "
+        "them with the champion's. 0: no shadow.",
+    )
+    shadow_fraction: float = Field(
+        1.0, gt=0, le=1, description="Share of the answered requests copied to the candidate during the shadow window."
+    )
+    shadow_min_requests: int = Field(
+        20,
+        ge=1,
+        description="Fewer copies than this answered in the window (too little live traffic): the shadow checks "
+        "are inconclusive, a reject that says so.",
+    )
 
     @model_validator(mode="after")
     def _steps_rise_to_100(self) -> CanarySection:
@@ -118,6 +134,14 @@ class GateSection(Section):
     )
     max_quantization_accuracy_drop: float = Field(
         0.05, ge=0, description="Largest task-metric drop from quantization, where the quantized artifact serves."
+    )
+    min_shadow_agreement: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="With canary.shadow_s: smallest mean score (evaluate.metric) of the candidate's answers against "
+        "the champion's on the copied greedy requests, decided on its interval (a fine-tune that should change "
+        "answers needs a low value or none).",
     )
     approval: Literal["none", "required"] = Field(
         "none",

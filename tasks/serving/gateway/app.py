@@ -4,7 +4,9 @@ behind the API-key check, the client's rate limits, the body cap and JSON only, 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from tasks.serving.gateway.protocol import (
     parse,
 )
 from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens
+from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.upstream import Triton, upstream_error
 
 
@@ -44,6 +47,11 @@ class GatewayConfig:
     requests_per_second: float = 0  # per client (API key); 0: no limit (serve.limits)
     tokens_per_minute: int = 0  # per client; 0: no limit
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
+    # Shadow copies (tasks/serving/gateway/shadow.py): how often the router's `shadow` parameter is read (0: never,
+    # no copies), with Triton's control key as it is now (it changes when Triton restarts).
+    shadow_poll_s: float = 0
+    control_key: Callable[[], str | None] = lambda: None
+    shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -67,17 +75,25 @@ class Gateway:
     def __init__(self, config: GatewayConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
         self.triton = Triton(config.triton_url, config.service, transport)
+        self.metrics = GatewayMetrics()
+        self.shadow = Shadow(
+            self.triton.client, config.service, self.metrics.registry, config.control_key, config.shadow_records
+        )
         tokenizer = None
         if config.tokenizer_dir is not None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
         self.openai = OpenAIServing(
-            self.triton, config.context_tokens, config.default_max_tokens, tokenizer, config.apply_chat_template
+            self.triton,
+            config.context_tokens,
+            config.default_max_tokens,
+            tokenizer,
+            config.apply_chat_template,
+            self.shadow,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute)
-        self.metrics = GatewayMetrics()
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
@@ -148,9 +164,11 @@ class Gateway:
             current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
             path = f"/v2/models/{name}/{'generate_stream' if streaming else 'generate'}"
             if not streaming:
+                started = time.perf_counter()
                 answer = await self.triton.forward(path, body)
                 if answer.status_code != 200:
                     raise upstream_error(answer)
+                self.shadow.copy_answer(body, answer, time.perf_counter() - started)
                 media_type = answer.headers.get("content-type", "application/json")
                 return Response(answer.content, status_code=answer.status_code, media_type=media_type)
             upstream, chunks = await self.triton.forward_stream(path, body)
@@ -161,7 +179,13 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        watcher = (
+            asyncio.create_task(self.shadow.watch(self.config.shadow_poll_s)) if self.config.shadow_poll_s else None
+        )
         yield
+        if watcher is not None:
+            watcher.cancel()
+        await self.shadow.aclose()
         await self.triton.aclose()
 
     def app(self) -> Starlette:

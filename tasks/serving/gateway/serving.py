@@ -37,6 +37,7 @@ from tasks.serving.gateway.protocol import (
     StreamChunk,
     UsageInfo,
 )
+from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.stops import StopScanner, cut_at_stop
 from tasks.serving.gateway.upstream import Triton
 
@@ -100,10 +101,16 @@ class OpenAIServing:
     """The /v1 completions of the service's model, answered by Triton; `tokenizer` counts usage (may be None)."""
 
     def __init__(
-        self, triton: Triton, context_tokens: int, default_max_tokens: int, tokenizer=None, apply_chat_template=True
+        self,
+        triton: Triton,
+        context_tokens: int,
+        default_max_tokens: int,
+        tokenizer=None,
+        apply_chat_template=True,
+        shadow: Shadow | None = None,
     ):
         self.triton, self.context_tokens, self.default_max_tokens = triton, context_tokens, default_max_tokens
-        self.tokenizer, self.apply_chat_template = tokenizer, apply_chat_template
+        self.tokenizer, self.apply_chat_template, self.shadow = tokenizer, apply_chat_template, shadow
         self.tokenizer_lock = threading.Lock()
 
     def check_model(self, model: str | None) -> None:
@@ -141,14 +148,21 @@ class OpenAIServing:
         return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=False))
 
     async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
+        started = time.perf_counter()
         if not stream:
             text, stopped = cut_at_stop(await self.triton.generate(inputs.payload()), stop)
+            self.copy_to_shadow(inputs, text, stop, started)
             usage = await self.usage(inputs, text)
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
             return JSONResponse(reply.whole(text, self.finish_reason(stopped, usage, inputs), usage))
         pieces = self.triton.generate_stream(inputs.payload())
         first = await anext(pieces, None)  # errors before the first token still get a status code
-        return StreamingResponse(self.events(pieces, first, stop, reply, inputs), media_type="text/event-stream")
+        events = self.events(pieces, first, stop, reply, inputs, started)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    def copy_to_shadow(self, inputs: GenerateInputs, answer: str, stop: list[str], started: float) -> None:
+        if self.shadow is not None:
+            self.shadow.copy(inputs.payload(), answer, stop, time.perf_counter() - started)
 
     async def events(
         self,
@@ -157,6 +171,7 @@ class OpenAIServing:
         stop: list[str],
         reply: Reply,
         inputs: GenerateInputs,
+        started: float,
     ) -> AsyncIterator[bytes]:
         """The completion's server-sent events; a failure after the first piece ends them with an error event."""
         if reply.chat:
@@ -178,6 +193,7 @@ class OpenAIServing:
             await pieces.aclose()
         if rest := scanner.flush():
             yield reply.chunk({"content": rest})
+        self.copy_to_shadow(inputs, scanner.text, stop, started)
         usage = await self.usage(inputs, scanner.text)
         current().tokens = usage.total_tokens or inputs.max_tokens
         yield reply.chunk(None, self.finish_reason(scanner.stopped, usage, inputs), usage)

@@ -1,0 +1,166 @@
+"""shadow: the candidate answers a copy of live traffic before any user sees it (`canary.shadow_s`).
+
+After deploy_canary, with the candidate loaded at 0%, this stage loads the service's router with a `shadow`
+parameter (candidate=`canary.shadow_fraction`). The gateway of `llmops serve` reads it and copies that share of
+the requests it answers to the candidate, after each answer reached its client: clients only ever get the
+champion's answers and never wait for a copy (tasks/serving/gateway/shadow.py). Each copy leaves a record: the
+inputs, both answers, both latencies. After `canary.shadow_s` the router is loaded again without the copy, and
+this stage scores the records: the candidate's answers against the champion's with the profile's metric
+(`evaluate.metric`; exact_match where that is answer_loss, which needs a reference answer's tokens), on greedy
+requests only (a sampled answer differs by chance), and its errors and latencies. The records go to MLflow with
+the run: they hold live prompts and answers, for whoever approves the release to read.
+
+The gateway is the one `llmops serve` publishes for this LLMOPS_HOME (server.json); a release attached to another
+Triton by URL has no gateway of ours to copy, and a shadow window there is refused before it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tasks.deploy_canary import Deployment
+from tasks.gate import Check, at_most
+from tasks.platform.config import GateSection, Profile
+from tasks.platform.errors import BadInput
+from tasks.platform.stage_cache import RunContext, logger
+from tasks.quality.metrics import TEXT_METRICS, text_scores
+from tasks.quality.stats import paired_difference, wilson_interval
+from tasks.serving.gateway.shadow import records_file
+from tasks.serving.models import set_routes
+from tasks.serving.server import serving_gateway
+
+SETTLE_S = 2.0  # after the router is loaded without the copy: the gateway sees it (1 s poll), copies in flight end
+
+
+@dataclass
+class ShadowResult:
+    requests: int  # copies that finished (answered or failed)
+    errors: int
+    dropped: int  # not sent: the gateway had too many copies in flight
+    metric: str  # what agreement is scored with
+    compared: int  # answered copies of greedy requests
+    agreement: float | None  # mean score of the candidate's answers against the champion's, over `compared`
+    agreement_interval: list[float] | None  # at `bench.confidence`
+    primary_seconds: float  # latency of the clients' answers, summed over the answered copies
+    shadow_seconds: float  # the candidate's latency, summed likewise
+    seconds: float
+    min_requests: int  # canary.shadow_min_requests: fewer answered copies, and the checks cannot tell
+
+    @property
+    def answered(self) -> int:
+        return self.requests - self.errors
+
+    @property
+    def latency_ratio(self) -> float | None:
+        return self.shadow_seconds / self.primary_seconds if self.answered and self.primary_seconds > 0 else None
+
+
+def read_records(path: Path) -> list[dict]:
+    """The gateway's records of one window; a line cut short (the gateway stopped mid-write) is left out."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def score(records: list[dict], profile: Profile, seconds: float) -> ShadowResult:
+    """The window's result from its records: counts, latencies, agreement with its interval."""
+    copies = [r for r in records if not r.get("dropped")]
+    answered = [r for r in copies if r.get("candidate") is not None]
+    greedy = [r for r in answered if not r["inputs"].get("temperature")]
+    metric = profile.evaluate.metric if profile.evaluate.metric in TEXT_METRICS else "exact_match"
+    scores = text_scores([r["candidate"] for r in greedy], [r["champion"] for r in greedy])[metric]
+    agreement, interval = None, None
+    if scores:
+        agreement = sum(scores) / len(scores)
+        if metric == "exact_match":  # a proportion: Wilson's interval holds near 0 and 1, where a bootstrap collapses
+            interval = list(wilson_interval(int(sum(scores)), len(scores), profile.bench.confidence))
+        else:
+            interval = paired_difference(scores, [0.0] * len(scores), profile.bench.confidence).interval()
+    return ShadowResult(
+        requests=len(copies),
+        errors=len(copies) - len(answered),
+        dropped=len(records) - len(copies),
+        metric=metric,
+        compared=len(scores),
+        agreement=agreement,
+        agreement_interval=interval,
+        primary_seconds=sum(r["champion_s"] for r in answered),
+        shadow_seconds=sum(r["candidate_s"] for r in answered),
+        seconds=seconds,
+        min_requests=profile.canary.shadow_min_requests,
+    )
+
+
+def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
+    """Copy live requests to the candidate for canary.shadow_s; None without a shadow window or a champion."""
+    cfg = ctx.profile.canary
+    if cfg.shadow_s <= 0 or deployment.champion is None or deployment.unchanged:
+        return None
+    if serving_gateway(ctx.home) is None:
+        raise BadInput(
+            f"canary.shadow_s: the copies are made by `llmops serve`'s gateway, and none serves Triton "
+            f"{deployment.triton.url} for this LLMOPS_HOME; set canary.shadow_s=0 or release on `llmops serve`"
+        )
+    triton, service = deployment.triton, deployment.service
+    champion, candidate = deployment.champion.name, deployment.candidate.name
+    records = records_file(ctx.home / "shadow", candidate)
+    records.unlink(missing_ok=True)  # an earlier attempt's window
+    started = time.monotonic()
+    set_routes(triton, ctx.profile, service, {champion: 100}, shadow=(candidate, cfg.shadow_fraction))
+    try:
+        logger().info(f"shadow: {cfg.shadow_fraction:.0%} of the gateway's answered requests also go to {candidate}")
+        time.sleep(cfg.shadow_s)
+    finally:
+        set_routes(triton, ctx.profile, service, {champion: 100})
+    time.sleep(SETTLE_S)
+    result = score(read_records(records), ctx.profile, time.monotonic() - started)
+    if records.is_file():
+        ctx.tracker.log_file(records, "shadow")
+    numbers = {k: v for k, v in asdict(result).items() if isinstance(v, (int, float)) and k != "min_requests"}
+    ctx.tracker.log_metrics(
+        "shadow", numbers | ({"latency_ratio": result.latency_ratio} if result.latency_ratio else {})
+    )
+    agreement = "n/a" if result.agreement is None else f"{result.metric} {result.agreement:.3f} over {result.compared}"
+    logger().info(
+        f"shadow: {result.requests} copies in {result.seconds:.1f}s, {result.errors} failed, {result.dropped} "
+        f"dropped; the candidate against the champion's answers: {agreement}"
+    )
+    return result
+
+
+def shadow_checks(cfg: GateSection, result: ShadowResult) -> list[Check]:
+    """The gate's checks of a shadow window: errors, agreement with the champion, latency ratio."""
+    if result.answered < result.min_requests:
+        return [
+            Check(
+                "shadow: copies answered (too little traffic to judge)",
+                result.answered,
+                result.min_requests,
+                ">=",
+                False,
+                inconclusive=True,
+            )
+        ]
+    checks = [at_most("shadow: candidate error rate", result.errors / result.requests, cfg.max_error_rate)]
+    if cfg.min_shadow_agreement is not None:
+        # decided on the interval, as the benchmark's ratios: pass above it, fail below, inconclusive across
+        threshold, interval = cfg.min_shadow_agreement, result.agreement_interval
+        verdict = "inconclusive"
+        if interval is not None:
+            verdict = "pass" if interval[0] >= threshold else "fail" if interval[1] < threshold else "inconclusive"
+        name = f"shadow: answers vs the champion's ({result.metric})"
+        check = Check(name, result.agreement, threshold, ">=", verdict == "pass", interval, result.compared)
+        check.inconclusive = verdict == "inconclusive"
+        checks.append(check)
+    if cfg.max_latency_ratio is not None and result.latency_ratio is not None:
+        checks.append(at_most("shadow: mean latency ratio vs champion", result.latency_ratio, cfg.max_latency_ratio))
+    return checks
