@@ -37,7 +37,7 @@ from tasks.rollout import rollout
 from tasks.serving.champion import is_champion, open_triton
 from tasks.serving.client import TritonTarget
 from tasks.serving.server import TritonServer
-from tasks.shadow import shadow
+from tasks.shadow import refuse_shadow_without_gateway, shadow
 from tasks.train import train
 
 
@@ -133,6 +133,7 @@ def release(
     report: GateReport | None = None
     approval: Approval | None = None
     try:
+        refuse_shadow_without_gateway(config, target, ctx.home)  # before training, not after it
         dataset = stage_task(prepare_data, config)(ctx)
         base = stage_task(base_model, config)(ctx, dataset)
         adapter = stage_task(train, config)(ctx, dataset, base)

@@ -28,6 +28,7 @@ from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.metrics import TEXT_METRICS, text_scores
 from tasks.quality.stats import paired_difference, wilson_interval
+from tasks.serving.client import TritonTarget
 from tasks.serving.gateway.shadow import records_file
 from tasks.serving.models import set_routes
 from tasks.serving.server import serving_gateway
@@ -100,16 +101,29 @@ def score(records: list[dict], profile: Profile, seconds: float) -> ShadowResult
     )
 
 
+def refuse_shadow_without_gateway(profile: Profile, target: TritonTarget | None, home: Path) -> None:
+    """A shadow window needs the gateway of `llmops serve` for this LLMOPS_HOME: a release attached to a Triton by
+    URL, or one that starts its own, has none to copy its traffic."""
+    if profile.canary.shadow_s <= 0:
+        return
+    if target is not None:
+        raise BadInput(
+            f"canary.shadow_s: the copies are made by `llmops serve`'s gateway, which a release attached to "
+            f"{target.url} does not have; set canary.shadow_s=0"
+        )
+    if serving_gateway(home) is None:
+        raise BadInput(
+            f"canary.shadow_s: the copies are made by `llmops serve`'s gateway, and none runs for LLMOPS_HOME {home}; "
+            "start `llmops serve` first, or set canary.shadow_s=0"
+        )
+
+
 def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
     """Copy live requests to the candidate for canary.shadow_s; None without a shadow window or a champion."""
     cfg = ctx.profile.canary
     if cfg.shadow_s <= 0 or deployment.champion is None or deployment.unchanged:
         return None
-    if serving_gateway(ctx.home) is None:
-        raise BadInput(
-            f"canary.shadow_s: the copies are made by `llmops serve`'s gateway, and none serves Triton "
-            f"{deployment.triton.url} for this LLMOPS_HOME; set canary.shadow_s=0 or release on `llmops serve`"
-        )
+    refuse_shadow_without_gateway(ctx.profile, None, ctx.home)  # `llmops serve` may have stopped since the start
     triton, service = deployment.triton, deployment.service
     champion, candidate = deployment.champion.name, deployment.candidate.name
     records = records_file(ctx.home / "shadow", candidate)

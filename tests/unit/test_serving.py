@@ -476,3 +476,20 @@ def test_the_champion_serves_with_the_settings_it_was_released_with():
     assert (served.max_queue_delay_us, served.torch_threads, served.max_batch_size) == (20000, 2, 8)
     assert served.load_timeout_s == 60  # not a setting of the model: this run's
     assert released_profile(candidate_run, SimpleNamespace(tags={})) is candidate_run  # registered before the tag
+
+
+def test_a_shadow_window_without_the_gateway_of_llmops_serve_is_refused_before_training(tmp_path):
+    from tasks.serving.client import TritonTarget
+    from tasks.shadow import refuse_shadow_without_gateway
+
+    shadowed = load_profile("cpu-tiny", ["canary.shadow_s=30"])
+    refuse_shadow_without_gateway(load_profile("cpu-tiny"), None, tmp_path)  # no window: nothing to refuse
+    with pytest.raises(BadInput, match=r"^canary.shadow_s: .* none runs for LLMOPS_HOME .*start `llmops serve` first"):
+        refuse_shadow_without_gateway(shadowed, None, tmp_path)
+    attached = TritonTarget("http://127.0.0.1:8000", None, None, None)
+    with pytest.raises(BadInput, match=r"^canary.shadow_s: .*a release attached to http://127.0.0.1:8000"):
+        refuse_shadow_without_gateway(shadowed, attached, tmp_path)
+    (tmp_path / "triton").mkdir()  # a server.json whose process is gone: no gateway either
+    (tmp_path / "triton" / "server.json").write_text(json.dumps({"gateway_url": "https://127.0.0.1:1", "pid": 999999}))
+    with pytest.raises(BadInput, match="none runs for LLMOPS_HOME"):
+        refuse_shadow_without_gateway(shadowed, None, tmp_path)
