@@ -10,7 +10,6 @@ the pipeline, and the client never imports the server. A cached rerun is mostly 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import requests
 
 from tasks.platform.child_env import child_env
 from tasks.platform.errors import TransientError
-from tasks.platform.lifetime import die_with
+from tasks.platform.lifetime import dying_with_this_thread
 from tasks.platform.ports import free_port
 
 
@@ -35,7 +34,8 @@ class TemporaryPrefectAPI:
         prefect_dir = Path(spec.origin).parent.parent
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(
+            # a SIGKILLed `llmops run` leaves no API server behind (started from its main thread)
+            command = dying_with_this_thread(
                 [
                     sys.executable,
                     "-m",
@@ -52,15 +52,16 @@ class TemporaryPrefectAPI:
                     "error",
                     "--lifespan",
                     "on",
-                ],
+                ]
+            )
+            self.process = subprocess.Popen(
+                command,
                 env=child_env(
                     {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
                 ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                # a SIGKILLed `llmops run` leaves no API server behind (started from its main thread)
-                preexec_fn=die_with(os.getpid()),
             )
         self.log_path = log_path
 

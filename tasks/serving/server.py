@@ -40,7 +40,7 @@ from pathlib import Path
 
 from tasks.platform.child_env import child_env, write_secret
 from tasks.platform.errors import BadInput, CheckFailed, TransientError
-from tasks.platform.lifetime import die_with
+from tasks.platform.lifetime import dying_with_this_thread
 from tasks.platform.ports import free_port
 from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_ENV, CONTROL_KEY_FILE, Triton, control_key
 
@@ -152,12 +152,11 @@ class TritonServer:
             command.append(f"--backend-directory={python_backend_dir(home)}")
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                command,
+                dying_with_this_thread(command) if die_with_parent else command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**server_env(bundled), **(extra_env or {})},
                 start_new_session=True,
-                preexec_fn=die_with(os.getpid()) if die_with_parent else None,
             )
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         client = Triton(
