@@ -55,6 +55,7 @@ def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
     return {
         "max_batch_size": serve.max_batch_size,
         "max_queue_delay_us": serve.max_queue_delay_us,
+        "max_queue_size": serve.max_queue_size,
         "instance_count": serve.instance_count,
         "model_dir": model_dir.resolve(),
         "artifact_sha256": artifact_sha256,
@@ -92,7 +93,7 @@ def serving_model(
     if profile.serve.backend == "python":
         return "llm", values
     # vLLM and the LLM API batch and schedule themselves: no dynamic batcher, their own threads
-    for unused in ("max_queue_delay_us", "torch_threads", "device"):
+    for unused in ("max_queue_delay_us", "max_queue_size", "torch_threads", "device"):
         del values[unused]
     if profile.serve.backend == "llmapi":
         return "llmapi", {**values, **llmapi_values(profile, kv_tokens)}
@@ -177,7 +178,12 @@ def set_routes(
     to MODEL after their answers went out (infra/triton/router/1/model.py)."""
     routes = ",".join(f"{name}={weight:g}" for name, weight in weights.items() if weight > 0)
     mirror = f"{shadow[0]}={shadow[1]:g}" if shadow else ""
-    values = {"max_batch_size": profile.serve.max_batch_size, "routes": routes, "shadow": mirror}
+    values = {
+        "max_batch_size": profile.serve.max_batch_size,
+        "max_in_flight": profile.serve.max_queue_size,
+        "routes": routes,
+        "shadow": mirror,
+    }
     with model_folders(triton) as repository:
         render_model("router", repository, service, values)
         load_rendered(triton, service, repository, profile.serve.load_timeout_s)

@@ -119,3 +119,48 @@ def test_attaching_without_the_grpc_and_metrics_endpoints_is_one_clear_line(tmp_
         f"llmops: error: Triton at {triton.client.url}: attaching needs --triton-grpc-url (genai-perf's endpoint) "
         "and --triton-metrics-url (the canary's live checks), or LLMOPS_TRITON_GRPC_URL / LLMOPS_TRITON_METRICS_URL"
     )
+
+
+def test_past_its_bound_a_served_model_and_the_router_refuse_at_once_with_503(
+    triton, release, cpu_tiny_store, tmp_path
+):
+    """serve.max_queue_size bounds what Triton holds: the python backend model's dynamic-batcher queue and the
+    router's requests in flight. Flooded far past them, some requests are answered and the rest refused at once
+    (never a 500, never an unbounded wait), each in its own words."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.platform.config import load_profile
+    from tasks.serving.models import serving_model
+    from tasks.serving.repository import render_model
+
+    merged = registry(release).get_model_version_by_alias(SERVICE, "champion").tags["artifact.merge.sha256"]
+    profile = load_profile("cpu-tiny", ["serve.max_queue_size=1", "serve.max_batch_size=1"])
+    template, values = serving_model(profile, cpu_tiny_store / "objects" / merged / "files", merged)
+    render_model(template, tmp_path, "queued", values)
+    router = {"max_batch_size": 1, "max_in_flight": 2, "routes": "queued=100", "shadow": ""}
+    render_model("router", tmp_path, "queued-router", router)
+    client = triton.client
+    for name in ("queued", "queued-router"):
+        client.load(name, model_folder=tmp_path / name)
+
+    def ask(model: str) -> tuple[int, str]:
+        body = {"text_input": "What is the opposite of hot?", "max_tokens": 16, "min_length": 16}
+        answer = requests.post(f"{client.url}/v2/models/{model}/generate", json=body, timeout=60)
+        return answer.status_code, answer.text
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            direct = list(pool.map(lambda _: ask("queued"), range(48)))
+            routed = list(pool.map(lambda _: ask("queued-router"), range(48)))
+    finally:
+        for name in ("queued-router", "queued"):
+            client.unload(name)
+    # The router's refusal is a 400 on Triton's own API: Triton 2.51 drops the Python backend's error code
+    # (UNAVAILABLE) on a decoupled model's response; the gateway turns it into 503 (tests/unit/test_gateway.py).
+    # Behind the router the model's own bound may refuse too (the router's count drops as it sends the last piece).
+    full, busy = "Exceeds maximum queue size", "requests in flight; retry shortly"
+    assert {status for status, _ in direct} == {200, 503}, direct
+    assert all(full in text for status, text in direct if status == 503), direct
+    assert {status for status, _ in routed} == {200, 400}, routed
+    assert all(full in text or busy in text for status, text in routed if status == 400), routed
+    assert any(busy in text for _, text in routed), routed

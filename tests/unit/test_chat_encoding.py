@@ -36,7 +36,7 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
     models = {
         "svc-v1": serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64),
         "svc-v2": serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64),
-        "svc": ("router", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10", "shadow": ""}),
+        "svc": ("router", {"max_batch_size": 8, "max_in_flight": 64, "routes": "svc-v1=90,svc-v2=10", "shadow": ""}),
         "svc-v3": serving_model(load_profile("qwen-7b-qlora-2xa10"), Path("/checkpoints/v3"), "e" * 64, 40960),
     }
     return {template: render_model(template, repository, name, values) for name, (template, values) in models.items()}
@@ -198,3 +198,43 @@ def test_chinese_streams_whole_characters_even_when_tokens_split_them(rendered, 
         assert "".join(pieces) == answer and not any("\ufffd" in p for p in pieces)
         naive = [prefixes[0]] + [b[len(a) :] for a, b in zip(prefixes, prefixes[1:], strict=False)]
         assert "".join(naive) != answer  # what slicing the text without holding back sends
+
+
+def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, monkeypatch):
+    """Past max_in_flight requests being forwarded, the router answers the next one at once with UNAVAILABLE
+    (Triton's HTTP 503) instead of queueing it in its worker pool; a finished request frees its place. pb_utils
+    is a stand-in for the calls that decide this; the router on a real Triton: tests/integration/test_serving.py."""
+    import json
+    import threading
+    import time
+
+    stand_in = types.SimpleNamespace(
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
+        TritonError=type(
+            "TritonError", (), {"UNAVAILABLE": 14, "__init__": lambda self, m, c: vars(self).update(m=m, c=c)}
+        ),
+        InferenceResponse=lambda error: error,
+    )
+    router = served_model(rendered["router"], monkeypatch)
+    monkeypatch.setattr(router, "pb_utils", stand_in)
+    model = router.TritonPythonModel()
+    parameters = {"routes": "svc-v1=100", "max_in_flight": "2"}
+    model.initialize(
+        {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})}
+    )
+    release, refused = threading.Event(), []
+    monkeypatch.setattr(model, "route", lambda request: release.wait(10))
+
+    class Request:
+        def get_response_sender(self):
+            return types.SimpleNamespace(send=lambda response, flags: refused.append((response.c, response.m, flags)))
+
+    model.execute([Request(), Request(), Request()])
+    assert refused == [(14, "the service has 2 requests in flight; retry shortly", 1)]
+    release.set()
+    deadline = time.monotonic() + 10
+    while model.in_flight and time.monotonic() < deadline:  # the two forwarded requests finish
+        time.sleep(0.01)
+    model.execute([Request(), Request()])  # their places are free again
+    model.finalize()  # waits for the requests in flight
+    assert model.in_flight == 0 and len(refused) == 1

@@ -76,14 +76,15 @@ def test_profile_digest_changes_with_any_value():
 # benchmark measured in interleaved rounds (bench.rounds, max_rounds, confidence; request_count 32 -> 128,
 # warmup_request_count 2 -> 4; gate.max_latency_ratio; cpu-tiny's gate.min_throughput_ratio 0.5 -> 0.8), and when
 # the gate gained a person's approval (gate.approval, approval_timeout_s; required on the GPU profiles), and when
-# the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement).
+# the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
+# and when the served models' queues got a bound (serve.max_queue_size).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "1eaa1554843add48c54fc352a9e9b431290e98f40a776df36478f137bfabf14c",
-    "cpu-tiny-qa-zh": "50c50119fa941b193a4639018531586d813f638f8ec60d12fd1c1533c80b31d1",
-    "llama3-8b-h100-fp8": "789a18605442fa181021b2d7408348dc18c8b368d5e9047748773a630d139c86",
-    "qwen-7b-qlora-2xa10": "b20c37f6ca4846c56e93c06ad9121c31d088717ca4abfdbc32aa684d7a5ea881",
-    "qwen-7b-vllm-h100": "4c154ff746601072eefedcaefe8b51500c1d4df37c4d1649d72ef35227e11ac5",
-    "qwen2-14b-int4-tp2": "b98e47d02b57f95aa0923f811c8735a4707f59882807f2441106ca832adb6c2a",
+    "cpu-tiny": "e8697c2760ec9d8ab4430ad875686d09e8f0424ba2851c79664b234f8c355fb3",
+    "cpu-tiny-qa-zh": "18ead49db4529e627bf09d95325b1d0bb1ac2e893494a94dc784df6b1acea308",
+    "llama3-8b-h100-fp8": "122c362b0850773da05149558e9dbd19abd8f6735b5a28a6c575213777fe881c",
+    "qwen-7b-qlora-2xa10": "ab1be919df84b73274ae1b80da2e76fe6d62903733c3a8f00057d5583eaac324",
+    "qwen-7b-vllm-h100": "76f2b000936754265df361d352e476da979fcd907a311aa2c3b199b24e2c3efa",
+    "qwen2-14b-int4-tp2": "87aeb45bce0786239b7a2cfd508b5d31a0c550a569385a050233f9ecc1b1015f",
 }
 
 

@@ -117,6 +117,24 @@ def test_triton_down_restarting_or_failing_is_503_with_retry_after_and_none_of_i
     assert ready.status_code == 503
 
 
+@pytest.mark.parametrize(
+    "status, message",
+    [
+        (503, "Exceeds maximum queue size"),  # the python model's batcher (serve.max_queue_size)
+        (400, "the service has 256 requests in flight; retry shortly"),  # the router, whose error code Triton drops
+    ],
+)
+def test_a_full_queue_in_triton_is_503_with_retry_after_in_each_apis_shape(gateway, status, message):
+    client = gateway(lambda request: httpx.Response(status, json={"error": message}))
+    answers = [client.post(CHAT, json={"messages": QUESTION, "stream": stream}) for stream in (False, True)]
+    answers += [client.post(path, json={"text_input": "hot"}) for path in (GENERATE, GENERATE + "_stream")]
+    for response in answers:
+        assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+        assert "at its limit of requests" in response.text
+    assert openai_shaped(answers[0].json())["message"] == "the service is at its limit of requests; retry shortly"
+    assert answers[2].json() == {"error": "the service is at its limit of requests; retry shortly"}
+
+
 def test_tritons_refusal_of_a_request_keeps_its_400_and_its_message(gateway):
     message = "input token count 600 exceeds the model's context of 512 tokens"
     client = gateway(lambda request: httpx.Response(400, json={"error": message}))

@@ -21,6 +21,7 @@ from tasks.serving.server import find_binary
 LLM_VALUES = dict(
     max_batch_size=8,
     max_queue_delay_us=100,
+    max_queue_size=32,
     instance_count=2,
     model_dir="/m",
     apply_chat_template="true",
@@ -46,17 +47,25 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
     config = (folder / "config.pbtxt").read_text()
     assert 'name: "svc-v3"' in config and "max_batch_size: 8" in config and "count: 2" in config
     assert "decoupled: true" in config and "exclude_input_in_output" in config
+    assert "default_queue_policy { max_queue_size: 32 }" in config
     assert "${" not in config and (folder / "1" / "model.py").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["svc-v3"]  # no staging folder left behind
 
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):
     assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "llmapi", "router", "vllm"]
-    render_model("router", tmp_path, "svc", {"max_batch_size": 8, "routes": "svc-v1=90,svc-v2=10", "shadow": ""})
+    render_model(
+        "router",
+        tmp_path,
+        "svc",
+        {"max_batch_size": 8, "max_in_flight": 64, "routes": "svc-v1=90,svc-v2=10", "shadow": ""},
+    )
     with pytest.raises(BadInput, match="no value"):
         render_model("router", tmp_path, "svc", {"max_batch_size": 8})
     with pytest.raises(BadInput, match="model name"):
-        render_model("router", tmp_path, "bad name", {"max_batch_size": 8, "routes": "a=1", "shadow": ""})
+        render_model(
+            "router", tmp_path, "bad name", {"max_batch_size": 8, "max_in_flight": 64, "routes": "a=1", "shadow": ""}
+        )
 
 
 def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_path):

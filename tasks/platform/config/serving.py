@@ -155,6 +155,14 @@ class ServeSection(Section):
     max_queue_delay_us: int = Field(
         2000, ge=0, description="Microseconds Triton holds a request to fill a batch (dynamic batching)."
     )
+    max_queue_size: int = Field(
+        256,
+        ge=1,
+        description="Requests a served model holds at once beyond those it computes: Triton's dynamic batcher "
+        "queue of the python backend's model, and the requests the router forwards at once. More are refused at "
+        "once (503, Retry-After through the gateway) instead of queueing without bound; the gateway's own "
+        "limits.max_in_flight (128) comes first for its clients.",
+    )
     torch_threads: int = Field(1, ge=1, description="torch threads of each Python-backend instance.")
     default_max_tokens: int = Field(16, ge=1, description="Tokens generated when a request does not say.")
     apply_chat_template: bool = Field(
@@ -168,8 +176,8 @@ class ServeSection(Section):
     # serves the champion as it was released rather than with the candidate's settings. The backend and
     # the vLLM environment belong to the machine and the Triton this run starts, so they stay this run's.
     MODEL_SETTINGS: ClassVar[tuple[str, ...]] = (
-        *("instance_count", "max_batch_size", "max_queue_delay_us", "torch_threads", "default_max_tokens"),
-        "apply_chat_template",
+        *("instance_count", "max_batch_size", "max_queue_delay_us", "max_queue_size", "torch_threads"),
+        *("default_max_tokens", "apply_chat_template"),
     )
 
     def model_settings(self) -> dict[str, Any]:

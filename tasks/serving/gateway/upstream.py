@@ -26,6 +26,9 @@ TIMEOUT = httpx.Timeout(300, connect=5)  # a long answer on a CPU takes minutes;
 # Triton's words for a model it is (re)loading: "Request for unknown model: 'x' has no available versions",
 # "... is not ready"; with the name checked here, the service's model is only ever not loaded *yet*.
 NOT_LOADED = re.compile(r"unknown model|not ready|no available versions|not loaded", re.IGNORECASE)
+# A full queue (serve.max_queue_size): the python model's batcher says so with 503 itself; the router's refusal
+# comes as 400, because Triton 2.51 drops a Python-backend error's code on a decoupled model's response.
+BUSY = re.compile(r"Exceeds maximum queue size|requests in flight; retry shortly")
 RETRY_AFTER_S = 2  # Triton restarts with backoff from 1 s; a retry sooner would only find it down again
 
 
@@ -42,6 +45,8 @@ def server_fault(status: int, detail: str) -> RequestError:
 def upstream_error(response: httpx.Response) -> RequestError:
     """Triton's refusal (400) as it is; its not knowing the service's model, or its own fault, a 503."""
     message = upstream_message(response)
+    if BUSY.search(message):
+        return RequestError(503, "the service is at its limit of requests; retry shortly", retry_after=1)
     if response.status_code == 400 and not NOT_LOADED.search(message):
         return RequestError(400, message)
     return server_fault(503, f"HTTP {response.status_code}: {message}")

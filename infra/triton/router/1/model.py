@@ -8,6 +8,7 @@ over a decoupled BLS response stream in this Triton release; iterating it would 
 
 import json
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
@@ -29,6 +30,9 @@ class TritonPythonModel:
         self.routes = parse_routes(config["parameters"]["routes"]["string_value"])
         self.random = random.Random()
         self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="route")
+        # requests forwarded and not yet answered; past max_in_flight a request is refused in execute
+        self.max_in_flight = int(config["parameters"]["max_in_flight"]["string_value"])
+        self.in_flight, self.count_lock = 0, threading.Lock()
 
     def pick(self):
         names, weights = zip(*self.routes, strict=True)
@@ -36,10 +40,29 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            self.workers.submit(self.forward, request)
+            with self.count_lock:
+                admitted = self.in_flight < self.max_in_flight
+                self.in_flight += admitted
+            if admitted:
+                self.workers.submit(self.forward, request)
+            else:
+                busy = pb_utils.TritonError(
+                    f"the service has {self.max_in_flight} requests in flight; retry shortly",
+                    pb_utils.TritonError.UNAVAILABLE,
+                )
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=busy), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+                )
         return None
 
     def forward(self, request):
+        try:
+            self.route(request)
+        finally:
+            with self.count_lock:
+                self.in_flight -= 1
+
+    def route(self, request):
         sender = request.get_response_sender()
         try:
             call = pb_utils.InferenceRequest(
