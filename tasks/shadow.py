@@ -26,7 +26,7 @@ from tasks.gate import Check, at_most
 from tasks.platform.config import GateSection, Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, logger
-from tasks.quality.metrics import TEXT_METRICS, text_scores
+from tasks.quality.metrics import TEXT_METRICS, metric_score
 from tasks.quality.stats import paired_difference, wilson_interval
 from tasks.serving.client import TritonTarget
 from tasks.serving.gateway.shadow import records_file
@@ -78,7 +78,7 @@ def score(records: list[dict], profile: Profile, seconds: float) -> ShadowResult
     answered = [r for r in copies if r.get("candidate") is not None]
     greedy = [r for r in answered if not r["inputs"].get("temperature")]
     metric = profile.evaluate.metric if profile.evaluate.metric in TEXT_METRICS else "exact_match"
-    scores = text_scores([r["candidate"] for r in greedy], [r["champion"] for r in greedy])[metric]
+    scores = [metric_score(metric, r["candidate"], r["champion"]) for r in greedy]
     agreement, interval = None, None
     if scores:
         agreement = sum(scores) / len(scores)

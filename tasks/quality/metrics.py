@@ -75,5 +75,14 @@ def text_scores(predictions: list[str], references: list[str]) -> dict[str, list
     return scores
 
 
+def metric_score(metric: str, prediction: str, reference: str) -> float:
+    """One text metric of one answer, where text_scores computes every one (the shadow window needs one)."""
+    if metric == "exact_match":
+        return exact_match(prediction, reference)
+    if metric == "bleu_4":
+        return bleu_4(prediction, reference)
+    return rouge(prediction, reference)[metric]
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0

@@ -8,7 +8,7 @@ The prompts are synthesized once (the first run) and every later run reads them 
 `--input-file`: both models get the same prompts, and each run skips the synthesis. The synthesis
 tokenizes genai-perf's whole 142,719-line corpus (inputs/retrievers/synthetic_prompt_generator.py,
 `_initialize_corpus`) before it writes a prompt: 2.7 s with cpu-tiny's tokenizer on an idle 2-core
-machine, more with a large vocabulary. Its output depends only on the tokenizer and the prompt settings
+machine. Its output depends only on the tokenizer and the prompt settings
 (fixed seed), so it is also kept in `$LLMOPS_HOME/cache/genai-perf-prompts/` for the next release with the
 same tokenizer, which then skips it too and runs on the same prompts as the releases before it.
 """

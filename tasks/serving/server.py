@@ -253,22 +253,25 @@ def serving_process(pid: int) -> bool:
     return b"llmops" in command or b"tritonserver" in command
 
 
-def serving_gateway(home: Path) -> str | None:
-    """The URL of the gateway of the `llmops serve` running for this LLMOPS_HOME, if one runs."""
+def published_state(home: Path) -> dict | None:
+    """server.json of the `llmops serve` running for this LLMOPS_HOME; None without one, or when its process is gone."""
     state = home / "triton" / SERVER_FILE
     if not state.is_file():
         return None
     info = json.loads(state.read_text())
-    return info.get("gateway_url") if serving_process(int(info.get("pid", 0))) else None
+    return info if serving_process(int(info.get("pid", 0))) else None
+
+
+def serving_gateway(home: Path) -> str | None:
+    """The URL of the gateway of the `llmops serve` running for this LLMOPS_HOME, if one runs."""
+    info = published_state(home)
+    return info.get("gateway_url") if info else None
 
 
 def published(home: Path) -> Triton | None:
     """The client of the Triton `llmops serve` publishes for this LLMOPS_HOME, if it answers."""
-    state = home / "triton" / SERVER_FILE
-    if not state.is_file():
-        return None
-    info = json.loads(state.read_text())
-    if not serving_process(int(info.get("pid", 0))):
+    info = published_state(home)
+    if info is None:
         return None
     triton = Triton(info["url"], Path(info["repository"]), info["metrics_url"], info["grpc_url"], control_key(home))
     return triton if triton.is_live() else None
