@@ -23,6 +23,12 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python"
   exit 0
 fi
 
+# pip unpacks every wheel under TMPDIR: on the repository's disk, not a /tmp that may be small (CI once
+# ran out of space there with the three setups side by side). Removed when the setup ends.
+export TMPDIR="$PWD/build/tmp/venv-compat"
+mkdir -p "$TMPDIR"
+trap 'rm -rf "$TMPDIR"' EXIT
+
 if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
   echo "setup-compat: error: $PYTHON is not Python 3.11 (set PYTHON=/path/to/python3.11)" >&2
   exit 2
