@@ -25,7 +25,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from tasks.platform.local_stack import API
+from tasks.platform.local_stack import prefect_session
 
 ROOT = Path(__file__).resolve().parent.parent
 LLMOPS = str(Path(sys.executable).parent / "llmops")
@@ -90,14 +90,15 @@ def timestamp(value: str | None) -> float | None:
 
 
 def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
-    release_id = API.get(f"{api}/deployments/name/release/release", timeout=10).json()["id"]
+    http = prefect_session(env)  # the stack's Prefect asks for its auth string
+    release_id = http.get(f"{api}/deployments/name/release/release", timeout=10).json()["id"]
     lines = DATASET.read_text().splitlines()
     results = []
     for trial in range(trials):
         dataset = work / f"trial-{trial}" / "antonyms.jsonl"
         dataset.parent.mkdir(parents=True)
         dataset.write_text("\n".join(lines[:trial] + lines[trial + 1 :]) + "\n")  # new data: one record fewer
-        known = {r["id"] for r in API.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()}
+        known = {r["id"] for r in http.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()}
         pushed_at = time.time()
         pushed = subprocess.run(
             [LLMOPS, "data", "push", str(dataset), "s3://datasets/sft/"],
@@ -112,7 +113,7 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
         run = None
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            runs = API.post(
+            runs = http.post(
                 f"{api}/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [release_id]}}}, timeout=10
             ).json()
             run = next((r for r in runs if r["id"] not in known and r["start_time"]), None)
@@ -123,10 +124,10 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
             sys.exit("no release run started within 300 s")
         retrain = next(
             r
-            for r in API.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()
+            for r in http.post(f"{api}/flow_runs/filter", json={}, timeout=10).json()
             if r["id"] not in known and r["id"] != run["id"]
         )
-        API.post(
+        http.post(
             f"{api}/flow_runs/{run['id']}/set_state",
             timeout=10,
             json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True},
@@ -139,14 +140,14 @@ def data_to_release(env: dict, api: str, trials: int, work: Path) -> list[dict]:
                 "release_running_s": timestamp(run["start_time"]) - pushed_at,
             }
         )
-        wait_cancelled(api, run["id"])
+        wait_cancelled(http, api, run["id"])
     return results
 
 
-def wait_cancelled(api: str, flow_run_id: str) -> None:
+def wait_cancelled(http, api: str, flow_run_id: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"] in (
+        if http.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state_type"] in (
             "CANCELLED",
             "COMPLETED",
             "FAILED",

@@ -18,16 +18,14 @@ clients is CPU taken from the requests that follow, which the later requests' la
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from gateway_process import start_gateway
 from serving_batching import (  # this script's folder is first on sys.path
     Bench,
     Endpoint,
@@ -75,39 +73,6 @@ def measure(endpoint: Endpoint, concurrency: int, requests: int) -> dict:
     }
 
 
-GATEWAY = """
-import os, sys
-from pathlib import Path
-import uvicorn
-from tasks.serving.gateway import Gateway, GatewayConfig
-config = GatewayConfig(
-    triton_url=sys.argv[1],
-    service="svc",
-    context_tokens=512,
-    shadow_poll_s=0.2,
-    control_key=lambda: os.environ.get("BENCH_CONTROL_KEY"),
-    shadow_records=Path(sys.argv[3]),
-)
-uvicorn.run(Gateway(config).app(), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
-"""
-
-
-def start_gateway(triton_url: str, control_key: str | None, port: int, records: Path) -> subprocess.Popen:
-    """The gateway in a process of its own, as `llmops serve` runs it: not sharing this client's interpreter (and
-    its GIL) with the requests it measures. The control key goes in the environment, never on a command line."""
-    env = {**os.environ, "BENCH_CONTROL_KEY": control_key or ""}
-    process = subprocess.Popen([sys.executable, "-c", GATEWAY, triton_url, str(port), str(records)], env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/live", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the gateway did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--home", type=Path, help="LLMOPS_HOME with a cpu-tiny run (else one is made)")
@@ -127,7 +92,16 @@ def main() -> None:
             install(triton, template, "svc-b", values)
             served_models.set_routes(triton, profile, "svc", {"svc-a": 100})
             records, port = scratch / "shadow", free_port()
-            gateway = start_gateway(triton.url, triton.control_key, port, records)
+            gateway = start_gateway(
+                port,
+                scratch / "access.log",
+                triton.control_key,
+                triton_url=triton.url,
+                service="svc",
+                context_tokens=512,
+                shadow_poll_s=0.2,
+                shadow_records=records,
+            )
             endpoint = Endpoint(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
                 lambda text, n: {"messages": [{"role": "user", "content": text}], "max_tokens": n, "stream": True},

@@ -16,7 +16,7 @@ import requests
 
 from flows.retrain import DATA_EVENT
 from tasks.platform.errors import BadInput, CheckFailed
-from tasks.platform.local_stack import API, BIN, CPU_POOL, ensure_process_pool
+from tasks.platform.local_stack import BIN, CPU_POOL, ensure_process_pool, prefect_session
 from tasks.platform.project import PROJECT_ROOT
 
 PREFECT_FILE = PROJECT_ROOT / "infra" / "prefect.yaml"
@@ -37,11 +37,12 @@ def deployment_variables(gpu_pool: str, gpu_pool_type: str) -> dict[str, str]:
 
 def ensure_gpu_pool(api_url: str, pool: str) -> str:
     """The Kubernetes GPU pool with our job template; an existing pool is left as it is."""
-    found = API.get(f"{api_url}/work_pools/{pool}", timeout=10)
+    api = prefect_session(os.environ)
+    found = api.get(f"{api_url}/work_pools/{pool}", timeout=10)
     if found.ok:
         return f"work pool {pool}: exists ({found.json()['type']})"
     template = json.loads(GPU_POOL_TEMPLATE.read_text())
-    response = API.post(
+    response = api.post(
         f"{api_url}/work_pools/",
         timeout=10,
         json={
@@ -65,11 +66,12 @@ def deploy(gpu_pool: str, say: Callable[[str], None] = print) -> str:
             f"PREFECT_API_URL {api_url}: no Prefect server answers ({type(exc).__name__}); "
             f"run `llmops stack up` or fix the URL"
         ) from None
-    ensure_process_pool(api_url, CPU_POOL)
+    api = prefect_session(os.environ)
+    ensure_process_pool(api_url, CPU_POOL, api)
     say(f"work pool {CPU_POOL}: ready (process)")
     if gpu_pool != CPU_POOL:
         say(ensure_gpu_pool(api_url, gpu_pool))
-    found = API.get(f"{api_url}/work_pools/{gpu_pool}", timeout=10)
+    found = api.get(f"{api_url}/work_pools/{gpu_pool}", timeout=10)
     if not found.ok:
         raise CheckFailed(f"work pool {gpu_pool}: HTTP {found.status_code} {found.text[:300]}")
     env = {**os.environ, **deployment_variables(gpu_pool, found.json()["type"]), "PREFECT_API_URL": api_url}
@@ -91,11 +93,12 @@ def deploy(gpu_pool: str, say: Callable[[str], None] = print) -> str:
 
 
 def deployment_names(api_url: str) -> list[str]:
-    response = API.post(
+    api = prefect_session(os.environ)
+    response = api.post(
         f"{api_url}/deployments/filter", json={"deployments": {"tags": {"all_": ["llmops"]}}}, timeout=10
     )
     response.raise_for_status()
-    flows = {f["id"]: f["name"] for f in API.post(f"{api_url}/flows/filter", json={}, timeout=10).json()}
+    flows = {f["id"]: f["name"] for f in api.post(f"{api_url}/flows/filter", json={}, timeout=10).json()}
     return sorted(f"{flows.get(d['flow_id'], '?')}/{d['name']}  (pool {d['work_pool_name']})" for d in response.json())
 
 

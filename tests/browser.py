@@ -5,6 +5,7 @@ deployment's "Custom run" form as a person does, and to look at what the page sh
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,9 +27,10 @@ CHROMIUM_ARGS = [
 
 
 @contextmanager
-def browser_page(url: str) -> Iterator[Any]:
-    """Headless Chromium on one page at `url`; closed on the way out."""
-    from playwright.sync_api import sync_playwright
+def browser_page(url: str, auth_string: str | None = None) -> Iterator[Any]:
+    """Headless Chromium on one page at `url`; closed on the way out. `auth_string`: the server asks for one, and
+    it is typed into the UI's login page as a person does (the UI keeps it for the browser's session)."""
+    from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
@@ -36,6 +38,12 @@ def browser_page(url: str) -> Iterator[Any]:
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             page.set_default_timeout(30_000)
             page.goto(url)
+            if auth_string:
+                login = page.get_by_placeholder("admin:pass")
+                login.fill(auth_string)
+                login.press("Enter")
+                expect(page).not_to_have_url(re.compile(r"/login"))
+                page.goto(url)
             yield page
         finally:
             browser.close()
@@ -55,13 +63,19 @@ def ui_api_url(ui_url: str) -> str:
 
 
 def start_run_from_form(
-    ui_url: str, deployment_id: str, profile: str, data_source: str, overrides: list[str], screenshots: Path
+    ui_url: str,
+    deployment_id: str,
+    profile: str,
+    data_source: str,
+    overrides: list[str],
+    screenshots: Path,
+    auth_string: str | None = None,
 ) -> FormRun:
     """Open the deployment's run page, choose the profile, type the data source and overrides, press
     Submit; return the run the UI created (read from the UI's own create_flow_run response)."""
     from playwright.sync_api import expect
 
-    with browser_page(f"{ui_url}/deployments/deployment/{deployment_id}/run") as page:
+    with browser_page(f"{ui_url}/deployments/deployment/{deployment_id}/run", auth_string) as page:
 
         def parameter(name: str):
             return form_property(page, f"{name} (")  # labels read "profile (Optional)"
@@ -100,13 +114,19 @@ class Decision:
 
 
 def decide_paused_run(
-    ui_url: str, flow_run_id: str, decision: str, reason: str, decided_by: str, screenshots: Path
+    ui_url: str,
+    flow_run_id: str,
+    decision: str,
+    reason: str,
+    decided_by: str,
+    screenshots: Path,
+    auth_string: str | None = None,
 ) -> Decision:
     """Open a release paused for approval, read its artifacts and the gate report on the Resume form, fill the
     form (decision, reason, name) and press Submit, as a release manager does."""
     from playwright.sync_api import expect
 
-    with browser_page(f"{ui_url}/runs/flow-run/{flow_run_id}") as page:
+    with browser_page(f"{ui_url}/runs/flow-run/{flow_run_id}", auth_string) as page:
         expect(page.get_by_text("Paused", exact=True).first).to_be_visible()
         page.locator("li.p-tab#artifacts").click()  # tabs are <li>s without role="tab"
         expect(page.get_by_text("gate-report").first).to_be_visible()

@@ -43,21 +43,22 @@ def in_mlflow(secrets: dict[str, str], tracking_uri: str) -> list[tuple[str, str
     return [(where, name) for where, text in texts for name, value in secrets.items() if value in text]
 
 
-def in_prefect(secrets: dict[str, str], api: str) -> list[tuple[str, str]]:
+def in_prefect(secrets: dict[str, str], api: str, http=requests) -> list[tuple[str, str]]:
+    """`http`: requests, or a session carrying the API's auth (tasks/platform/local_stack: prefect_session)."""
     texts: list[tuple[str, str]] = []
     for offset in range(0, 10_000, 200):
-        runs = requests.post(f"{api}/flow_runs/filter", json={"limit": 200, "offset": offset}, timeout=30).json()
+        runs = http.post(f"{api}/flow_runs/filter", json={"limit": 200, "offset": offset}, timeout=30).json()
         texts += [(f"flow run {r['name']} parameters", str(r["parameters"])) for r in runs]
         if len(runs) < 200:
             break
     for offset in range(0, 100_000, 200):
-        logs = requests.post(f"{api}/logs/filter", json={"limit": 200, "offset": offset}, timeout=30).json()
+        logs = http.post(f"{api}/logs/filter", json={"limit": 200, "offset": offset}, timeout=30).json()
         texts += [(f"log of flow run {line['flow_run_id']}", line["message"]) for line in logs]
         if len(logs) < 200:
             break
-    artifacts = requests.post(f"{api}/artifacts/filter", json={"limit": 200}, timeout=30).json()
+    artifacts = http.post(f"{api}/artifacts/filter", json={"limit": 200}, timeout=30).json()
     texts += [(f"artifact {a['key']}", f"{a.get('data')} {a.get('description')}") for a in artifacts]
-    variables = requests.post(f"{api}/variables/filter", json={"limit": 200}, timeout=30).json()
+    variables = http.post(f"{api}/variables/filter", json={"limit": 200}, timeout=30).json()
     texts += [(f"variable {v['name']}", str(v.get("value"))) for v in variables]
     return [(where, name) for where, text in texts for name, value in secrets.items() if value in text]
 

@@ -51,7 +51,12 @@ def command_decide(args) -> str:
         raise BadInput(f"llmops {args.decision}: --reason is required (it is recorded with the decision)")
     api_url = api_for(home, args.flow_run_id)
     decided_by = args.by or f"{getpass.getuser()}@{socket.gethostname()}"
-    resume(api_url, args.flow_run_id, {"decision": args.decision, "reason": args.reason, "decided_by": decided_by})
+    resume(
+        api_url,
+        auth_for(home, api_url),
+        args.flow_run_id,
+        {"decision": args.decision, "reason": args.reason, "decided_by": decided_by},
+    )
     return f"{args.decision}d release run {args.flow_run_id} as {decided_by}; it goes on now"
 
 
@@ -86,15 +91,31 @@ def api_for(home: Path, flow_run_id: str) -> str:
     return os.environ["PREFECT_API_URL"]
 
 
-def resume(api_url: str, flow_run_id: str, run_input: dict) -> None:
+def auth_for(home: Path, api_url: str) -> str | None:
+    """The Prefect auth string for `api_url`: PREFECT_API_AUTH_STRING where set, else the local stack's when the
+    run waits on the stack's API (the stack's Prefect asks for one; a temporary API of `llmops run` does not)."""
+    from tasks.platform.local_stack import require_running
+    from tasks.platform.local_stack.prefect_server import AUTH_ENV
+
+    if os.environ.get(AUTH_ENV):
+        return os.environ[AUTH_ENV]
+    try:
+        stack = require_running(home)
+    except BadInput:
+        return None
+    return stack.get(AUTH_ENV) if stack["PREFECT_API_URL"] == api_url else None
+
+
+def resume(api_url: str, auth_string: str | None, flow_run_id: str, run_input: dict) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.responses import SetStateStatus
     from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     run_id = UUID(flow_run_id)
-    # Prefect reads PREFECT_API_URL once, when it is imported; the run's API is known only now.
-    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+    # Prefect reads its settings once, when it is imported; the run's API is known only now.
+    settings = {PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: auth_string} if auth_string else {})}
+    with temporary_settings(settings), get_client(sync_client=True) as client:
         try:
             flow_run = client.read_flow_run(run_id)
         except ObjectNotFound:

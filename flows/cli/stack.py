@@ -84,7 +84,8 @@ def stack_up(args) -> str:
     env = stack.client_env(state)
     return "\n".join(
         [
-            f"Prefect UI:  {env['PREFECT_API_URL'].removesuffix('/api')}",
+            f"Prefect UI:  {env['PREFECT_API_URL'].removesuffix('/api')} (it asks once for the PREFECT_API_AUTH_STRING "
+            "that `llmops stack env` exports)",
             f"MLflow UI:   {env['MLFLOW_TRACKING_URI']}",
             f"S3:          {env['AWS_ENDPOINT_URL']}",
             f"database:    {state['db']}"

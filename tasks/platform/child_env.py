@@ -1,7 +1,7 @@
 """The environment a child process starts with: this process's, less the secrets it does not need.
 
 `os.environ` of an `llmops` process may hold the gateway's API keys, Triton's control key and S3
-credentials; a child that inherits them (tritonserver and the Python-backend stubs it spawns,
+credentials, and the Prefect and MLflow logins of the local stack; a child that inherits them (tritonserver and the Python-backend stubs it spawns,
 genai-perf, rclone, MLflow, Prefect) keeps them in /proc/<pid>/environ, where its logs, crash dumps
 and anything it runs can read them. Each place that starts a child builds its environment here and
 adds back by name only what that child needs.
@@ -20,6 +20,9 @@ SECRETS = (
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
     "RCLONE_AUTH_KEY",
+    "PREFECT_API_AUTH_STRING",
+    "PREFECT_SERVER_API_AUTH_STRING",
+    "MLFLOW_TRACKING_PASSWORD",
 )
 
 

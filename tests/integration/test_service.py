@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from tasks.data.records import clean_and_split, read_source
 from tasks.platform.config import available_profiles, load_profile
-from tasks.platform.local_stack import API
+from tasks.platform.local_stack import prefect_api, prefect_session
 from tests.browser import decide_paused_run, start_run_from_form, ui_api_url
 from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow
@@ -47,16 +48,21 @@ class Service:
     api: str
     tracking_uri: str
 
+    @property
+    def http(self):
+        """The stack's Prefect API over HTTP, with the stack's auth string (`llmops stack env` exports it)."""
+        return prefect_session(self.env)
+
     def llmops(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run([LLMOPS, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def get(self, path: str) -> dict:
-        response = API.get(f"{self.api}{path}", timeout=10)
+        response = self.http.get(f"{self.api}{path}", timeout=10)
         response.raise_for_status()
         return response.json()
 
     def flow_runs(self, **flow_run_filter) -> list[dict]:
-        response = API.post(
+        response = self.http.post(
             f"{self.api}/flow_runs/filter", json={"flow_runs": flow_run_filter, "sort": "START_TIME_ASC"}, timeout=10
         )
         response.raise_for_status()
@@ -67,7 +73,7 @@ class Service:
 
     def create_run(self, deployment: str, parameters: dict):
         """What the UI's "Custom run" form does."""
-        return API.post(
+        return self.http.post(
             f"{self.api}/deployments/{self.deployment_id(deployment)}/create_flow_run",
             json={"parameters": parameters},
             timeout=10,
@@ -85,7 +91,7 @@ class Service:
         )
 
     def logs(self, flow_run_id: str) -> str:
-        response = API.post(
+        response = self.http.post(
             f"{self.api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=10
         )
         return "\n".join(line["message"] for line in response.json())
@@ -147,11 +153,14 @@ def service(tmp_path_factory):
             key, _, value = line.removeprefix("export ").partition("=")
             env[key] = value.strip("'")
         svc = Service(home, env, env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"])
+        # this process's MlflowClient logs in as every client of the stack does (mlflow/utils/credentials.py)
+        logged_in = {name: env[name] for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+        os.environ.update(logged_in)
         deployed = svc.llmops("deploy", "--gpu-pool", "llmops-cpu")
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert "release/release" in deployed.stdout and "retrain/retrain" in deployed.stdout
         # Lighter serving checks for the releases the retrain deployment starts (as a user edits them in the UI).
-        patched = API.patch(
+        patched = svc.http.patch(
             f"{svc.api}/deployments/{svc.deployment_id('retrain/retrain')}",
             timeout=10,
             json={
@@ -165,6 +174,8 @@ def service(tmp_path_factory):
         assert patched.status_code == 204, patched.text
         yield svc
     finally:
+        for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            os.environ.pop(name, None)
         down = subprocess.run([LLMOPS, "stack", "down"], env=env, capture_output=True, text=True, timeout=120)
         assert down.returncode == 0, down.stderr
         state = json.loads((home / "stack" / "stack.json").read_text())
@@ -202,6 +213,7 @@ def first_release(service, tmp_path_factory):
         # a new version, which a person approves on its run page once the gate passed
         overrides=[*SERVING_OVERRIDES, "canary.window_s=1", "canary.probe_concurrency=2", "gate.approval=required"],
         screenshots=tmp_path_factory.mktemp("browser"),
+        auth_string=service.env["PREFECT_API_AUTH_STRING"],  # the stack's Prefect asks for it
     )
     print(f"release run {form.flow_run['name']} started from the UI's run form in {time.monotonic() - started:.1f}s")
     assert form.offered_profiles == available_profiles()
@@ -236,6 +248,26 @@ def test_prefect_and_mlflow_keep_their_records_in_postgresql(service, first_rele
         connection.close()
     assert counts["prefect"] >= len(service.release_runs()) >= 1
     assert counts["mlflow"] >= 1  # the release run of first_release, tracked through the MLflow server
+    # each server's records belong to its own role, which cannot enter the other's database
+    for database, other in (("prefect", "mlflow"), ("mlflow", "prefect")):
+        connection = psycopg2.connect(
+            host="127.0.0.1", port=state["ports"]["postgres"], user=database, dbname=database, passfile=str(passfile)
+        )
+        with connection, connection.cursor() as cursor:
+            cursor.execute("SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'public'")
+            assert [row[0] for row in cursor.fetchall()] == [database]
+            cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            assert cursor.fetchone()[0] is False
+        connection.close()
+        password = next(line for line in passfile.read_text().split() if f":{database}:{database}:" in line)
+        with pytest.raises(psycopg2.OperationalError, match="permission denied"):
+            psycopg2.connect(
+                host="127.0.0.1",
+                port=state["ports"]["postgres"],
+                user=database,
+                dbname=other,
+                password=password.rsplit(":", 1)[1],
+            )
 
 
 def test_new_data_starts_one_release_run_that_becomes_champion(service, first_release):
@@ -275,7 +307,13 @@ def test_a_release_started_from_the_ui_waits_for_the_serving_lock_is_approved_in
     )
     assert state == "PAUSED", service.logs(second["id"])[-3000:]
     decided = decide_paused_run(
-        service.api.removesuffix("/api"), second["id"], "approve", "answers match v1's", "release manager", tmp_path
+        service.api.removesuffix("/api"),
+        second["id"],
+        "approve",
+        "answers match v1's",
+        "release manager",
+        tmp_path,
+        service.env["PREFECT_API_AUTH_STRING"],
     )
     assert "Gate: PROMOTE tiny-qwen2-antonyms v" in decided.report and "gate-report" in decided.artifacts
     final = service.wait_final(second["id"])
@@ -368,7 +406,7 @@ def test_bad_parameters_reach_the_caller_as_clear_messages(service, first_releas
 
 
 def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
-    """After every release of this module: the S3 secret and the PostgreSQL password are in no file of the home
+    """After every release of this module: the S3 secret, the PostgreSQL password, Prefect's auth string and MLflow's login are in no file of the home
     but the mode-600 ones that keep them, no MLflow param or tag (runs and registry), and no Prefect flow-run
     parameter, log line, artifact or variable. Each release's Triton had its own key, kept in that run's memory
     only (test_serving.py checks the key of `llmops serve`'s Triton)."""
@@ -377,7 +415,13 @@ def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
     assert not (service.home / "triton" / "control.key").exists()  # no key outlives its Triton
     secrets = {
         "S3 secret": state["s3_credentials"]["secret"],
-        "PostgreSQL password": (stack_dir / "postgres.pgpass").read_text().strip().rsplit(":", 1)[1],
+        **{
+            f"PostgreSQL password of {line.split(':')[3]}": line.rsplit(":", 1)[1]
+            for line in (stack_dir / "postgres.pgpass").read_text().split()
+        },
+        "Prefect auth string": state["prefect_auth"].partition(":")[2],
+        "MLflow password": state["mlflow_login"]["password"],
+        "MLflow secret key": state["mlflow_login"]["secret_key"],
     }
     assert all(len(value) >= 24 for value in secrets.values())
     kept_on_purpose = {stack_dir / "stack.json", stack_dir / "postgres.pgpass"}
@@ -385,7 +429,7 @@ def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
     leaks = (
         leaks_in_files(secrets, service.home, kept_on_purpose)
         + leaks_in_mlflow(secrets, service.tracking_uri)
-        + leaks_in_prefect(secrets, service.api)
+        + leaks_in_prefect(secrets, service.api, service.http)
     )
     assert not leaks, leaks[:10]
     # rclone takes the S3 secret from its environment, MLflow and the worker need it there; no command line has it
@@ -410,6 +454,17 @@ def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
         assert (tmp_path / "home" / "stack" / "mlflow.db").is_file()
         api = f"http://127.0.0.1:{state['ports']['prefect']}/api"
         assert ui_api_url(api.removesuffix("/api")) == api
+        # Prefect answers only with the stack's auth string (other local users reach the port too)
+        assert prefect_api().post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
+        assert prefect_api("llmops:wrong").post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
+        assert (
+            prefect_api(state["prefect_auth"]).post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 200
+        )
+        # and MLflow only with its login
+        tracking = f"http://127.0.0.1:{state['ports']['mlflow']}/api/2.0/mlflow/experiments/search"
+        assert requests.get(tracking, params={"max_results": 1}, timeout=10).status_code == 401
+        login = ("llmops", state["mlflow_login"]["password"])
+        assert requests.get(tracking, params={"max_results": 1}, auth=login, timeout=10).status_code == 200
         switched = stack("up", "--db", "postgres")
         assert switched.returncode == 2
         assert "--db postgres: the stack runs on sqlite; `llmops stack down` first" in switched.stderr

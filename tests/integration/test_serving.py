@@ -451,16 +451,70 @@ def test_abuse_gets_an_answer_in_each_apis_shape_and_metrics_count_it_per_client
     assert all(secret not in metrics for secret in API_KEYS.values())
 
 
-def test_triton_that_dies_is_restarted_with_the_champion(home, server, tls):
+class ThroughTheGateway:
+    """Clients of the gateway's two APIs, one request each every 0.2 s, keeping every status and body: what
+    they meet while Triton is killed and restarted (issue 22: only answers or 503s in the API's shape)."""
+
+    def __init__(self, server: dict, tls):
+        self.server, self.tls, self.stop = server, tls, threading.Event()
+        self.seen: list[tuple[str, int, object]] = []
+        self.threads = [threading.Thread(target=self.client, args=(path,)) for path in self.bodies]
+
+    bodies = {
+        f"/v2/models/{SERVICE}/generate": {"text_input": "What is the opposite of hot?", "max_tokens": 4},
+        "/v1/chat/completions": {"model": SERVICE, "messages": QUESTION, "max_tokens": 4},
+    }
+
+    def client(self, path: str):
+        while not self.stop.wait(0.2):
+            try:
+                response = requests.post(
+                    f"{self.server['gateway_url']}{path}",
+                    json=self.bodies[path],
+                    headers={"Authorization": f"Bearer {API_KEYS['team-b']}"},
+                    verify=str(self.tls[0]),
+                    timeout=30,
+                )
+                body = response.json() if "json" in response.headers.get("content-type", "") else response.text
+                self.seen.append((path, response.status_code, body))
+            except requests.RequestException as exc:
+                self.seen.append((path, 0, str(exc)))
+
+    def __enter__(self):
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+def in_the_apis_shape(path: str, body) -> bool:
+    if path.startswith("/v1/"):
+        return isinstance(body, dict) and set(body.get("error", {})) == {"message", "type", "param", "code"}
+    return isinstance(body, dict) and isinstance(body.get("error"), str)
+
+
+def test_triton_killed_under_load_gives_clients_only_503s_until_it_is_restarted_with_the_champion(home, server, tls):
     import psutil
 
     tritons = [p for p in psutil.Process(server["serve_pid"]).children(recursive=True) if p.name() == "tritonserver"]
     assert len(tritons) == 1
-    tritons[0].kill()
-    deadline = time.monotonic() + 180
-    while "Triton restarted" not in (home / "serve.log").read_text():
-        assert time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
-        time.sleep(0.5)
+    with ThroughTheGateway(server, tls) as clients:
+        time.sleep(1)  # answered before the kill
+        tritons[0].kill()
+        deadline = time.monotonic() + 180
+        while "Triton restarted" not in (home / "serve.log").read_text():
+            assert time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(1)  # answered again after the restart
+    statuses = collections.Counter(status for _, status, _ in clients.seen)
+    print("while Triton was killed and restarted:", dict(statuses))
+    assert set(statuses) <= {200, 503} and statuses[503] > 0, statuses
+    assert all(in_the_apis_shape(path, body) for path, status, body in clients.seen if status == 503)
+    assert [status for _, status, _ in clients.seen[-2:]] == [200, 200] and clients.seen[0][1] == 200
     assert curl(server, tls, "/health/ready")[0] == 200
     assert served_by(home, server).generate(SERVICE, "What is the opposite of hot?", 4) == "cold"  # same ports
     assert (

@@ -1,4 +1,4 @@
-"""The stack's MLflow tracking server, its artifacts stored in the stack's S3."""
+"""The stack's MLflow tracking server, its artifacts stored in the stack's S3, behind MLflow's own basic auth."""
 
 from __future__ import annotations
 
@@ -6,12 +6,65 @@ from pathlib import Path
 
 import requests
 
+from tasks.platform.child_env import write_secret
 from tasks.platform.local_stack.process import BIN, Server, start
 
+ADMIN = "llmops"  # the stack's one MLflow account: every client of the stack logs in as it
 
-def start_mlflow(backend_store_uri: str, port: int, s3: dict, log_dir: Path, db_env: dict | None = None) -> Server:
-    """MLflow server: sqlite or PostgreSQL backend, artifacts proxied into the S3 server's `mlflow` bucket."""
+
+def auth_config(folder: Path) -> Path:
+    """MLflow's basic-auth settings (mlflow/server/auth/basic_auth.ini at 3.17.2): its users in a sqlite file of the
+    stack, no permission for an account that is not the admin, and a password check cached for 10 minutes: uncached,
+    each request of a release (hundreds) pays a PBKDF2 hash (the ini's own note: about 3x the throughput cached).
+    The admin's password is not in it: MLflow takes it from its environment the first time it starts."""
+    path = folder / "mlflow-auth.ini"
+    write_secret(
+        path,
+        "\n".join(
+            [
+                "[mlflow]",
+                "default_permission = NO_PERMISSIONS",
+                f"database_uri = sqlite:///{folder / 'mlflow-auth.db'}",
+                f"admin_username = {ADMIN}",
+                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
+                "grant_default_workspace_access = false",
+                "auth_cache_ttl_seconds = 600",
+                "",
+            ]
+        ),
+    )
+    return path
+
+
+def login_env(password: str) -> dict:
+    """What an MLflow client needs to log in (mlflow/utils/credentials.py reads these two)."""
+    return {"MLFLOW_TRACKING_USERNAME": ADMIN, "MLFLOW_TRACKING_PASSWORD": password}
+
+
+def start_mlflow(
+    backend_store_uri: str,
+    port: int,
+    s3: dict,
+    log_dir: Path,
+    db_env: dict | None = None,
+    login: dict | None = None,
+) -> Server:
+    """MLflow server: sqlite or PostgreSQL backend, artifacts proxied into the S3 server's `mlflow` bucket.
+
+    `login` ({"password", "secret_key", "folder"}): `--app-name basic-auth`, so that every call but /health needs
+    the stack's login (401 without it); the admin account is made on the first start with `password` (the only time
+    MLflow reads it) and `secret_key` signs its CSRF tokens."""
     url = f"http://127.0.0.1:{port}"
+    auth_args: list[str] = []
+    auth_env: dict = {}
+    if login is not None:
+        auth_args = ["--app-name", "basic-auth"]
+        auth_env = {
+            "MLFLOW_AUTH_CONFIG_PATH": str(auth_config(Path(login["folder"]))),
+            "MLFLOW_AUTH_ADMIN_USERNAME": ADMIN,
+            "MLFLOW_AUTH_ADMIN_PASSWORD": login["password"],
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": login["secret_key"],
+        }
     return start(
         "mlflow",
         [
@@ -27,10 +80,11 @@ def start_mlflow(backend_store_uri: str, port: int, s3: dict, log_dir: Path, db_
             backend_store_uri,
             "--artifacts-destination",
             "s3://mlflow/artifacts",
+            *auth_args,
         ],
         url,
         lambda: requests.get(f"{url}/health", timeout=2).ok,
         log_dir,
-        env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"], **(db_env or {})},
+        env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"], **(db_env or {}), **auth_env},
         timeout=180,
     )

@@ -1,6 +1,7 @@
 """PostgreSQL for `llmops stack up --db postgres`: Debian's server programs, a cluster initialized once
 with a password-protected `llmops` superuser, listening on 127.0.0.1 only, holding the `prefect` and
-`mlflow` databases."""
+`mlflow` databases, each owned by a login role of its own name: Prefect's server cannot read or change
+MLflow's records, nor the other way round, and neither is a superuser."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tasks.platform.child_env import write_secret
 from tasks.platform.errors import BadInput, CheckFailed
 from tasks.platform.local_stack.process import Server, start
 
-DB_USER = "llmops"
+DB_USER = "llmops"  # the superuser: makes the databases and roles, serves no client
+OWNED_DATABASES = ("prefect", "mlflow")  # each owned by the login role of the same name
 
 
 def postgres_program(name: str) -> str:
@@ -107,11 +109,7 @@ def start_postgres(data_dir: Path, passfile: Path, port: int, log_dir: Path) -> 
         try:
             connection.autocommit = True  # CREATE DATABASE runs outside a transaction
             with connection.cursor() as cursor:
-                cursor.execute("SELECT datname FROM pg_database")
-                existing = {row[0] for row in cursor.fetchall()}
-                for database in ("prefect", "mlflow"):
-                    if database not in existing:
-                        cursor.execute(f"CREATE DATABASE {database}")
+                database_owners(cursor, passfile)
         finally:
             connection.close()
         return True
@@ -134,3 +132,59 @@ def start_postgres(data_dir: Path, passfile: Path, port: int, log_dir: Path) -> 
         log_dir,
         user=postgres_account(),
     )
+
+
+def database_owners(cursor, passfile: Path) -> None:
+    """Each of OWNED_DATABASES owned by its own login role, with a password of its own in the passfile; no other
+    role but the superuser may connect to it. A database made before the roles existed (owned by the superuser,
+    its tables too) is handed over whole: the database, its public schema and every table, sequence, view and
+    type in it."""
+    cursor.execute("SELECT rolname FROM pg_roles")
+    roles = {row[0] for row in cursor.fetchall()}
+    cursor.execute("SELECT datname, pg_get_userbyid(datdba) FROM pg_database")
+    owners = dict(cursor.fetchall())
+    for database in OWNED_DATABASES:
+        if database not in roles:
+            password = secrets.token_urlsafe(24)
+            cursor.execute(f"CREATE ROLE {database} LOGIN PASSWORD %s", (password,))
+            lines = [line for line in passfile.read_text().splitlines() if not line.endswith(f":{database}:{database}")]
+            # libpq takes the first line that matches: the role's own before the superuser's
+            write_secret(passfile, "\n".join([f"127.0.0.1:*:{database}:{database}:{password}", *lines]) + "\n")
+        if database not in owners:
+            cursor.execute(f"CREATE DATABASE {database} OWNER {database}")
+        elif owners[database] != database:
+            hand_over(cursor.connection, database, passfile)
+        cursor.execute(f"REVOKE CONNECT, TEMPORARY ON DATABASE {database} FROM PUBLIC")
+
+
+def hand_over(admin, database: str, passfile: Path) -> None:
+    """Give `database` and everything in its public schema to the role `database` (REASSIGN OWNED cannot: the
+    superuser made by initdb also owns the system's objects)."""
+    import psycopg2
+
+    info = admin.get_dsn_parameters()
+    with admin.cursor() as cursor:
+        cursor.execute(f"ALTER DATABASE {database} OWNER TO {database}")
+    inside = psycopg2.connect(
+        host=info["host"], port=info["port"], user=DB_USER, dbname=database, passfile=str(passfile), connect_timeout=5
+    )
+    try:
+        with inside, inside.cursor() as cursor:
+            cursor.execute(f"ALTER SCHEMA public OWNER TO {database}")
+            cursor.execute(
+                """SELECT c.relkind, quote_ident(c.relname) FROM pg_class c
+                   JOIN pg_namespace n ON n.oid = c.relnamespace
+                   WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'S')
+                   AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = c.oid AND d.deptype IN ('a', 'i'))"""
+            )  # a sequence a column owns follows its table
+            kinds = {"r": "TABLE", "p": "TABLE", "v": "VIEW", "m": "MATERIALIZED VIEW", "S": "SEQUENCE"}
+            for kind, name in cursor.fetchall():
+                cursor.execute(f"ALTER {kinds[kind]} public.{name} OWNER TO {database}")
+            cursor.execute(
+                """SELECT quote_ident(t.typname) FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+                   WHERE n.nspname = 'public' AND t.typtype IN ('e', 'd') """
+            )
+            for (name,) in cursor.fetchall():
+                cursor.execute(f"ALTER TYPE public.{name} OWNER TO {database}")
+    finally:
+        inside.close()

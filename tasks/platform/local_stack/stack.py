@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tasks.platform.child_env import write_secret
 from tasks.platform.errors import BadInput
-from tasks.platform.local_stack.mlflow_server import start_mlflow
-from tasks.platform.local_stack.postgres import DB_USER, postgres_client_env, postgres_data_dir, start_postgres
-from tasks.platform.local_stack.prefect_server import start_prefect, start_worker
+from tasks.platform.local_stack.mlflow_server import login_env, start_mlflow
+from tasks.platform.local_stack.postgres import postgres_client_env, postgres_data_dir, start_postgres
+from tasks.platform.local_stack.prefect_server import AUTH_ENV, start_prefect, start_worker
 from tasks.platform.local_stack.process import Server
 from tasks.platform.local_stack.s3 import s3_env, start_s3
 from tasks.platform.ports import free_port, port_in_use
@@ -76,6 +76,8 @@ class Stack:
             "PREFECT_API_URL": f"http://127.0.0.1:{ports['prefect']}/api",
             "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{ports['mlflow']}",
             "LLMOPS_ARTIFACTS": "s3://artifacts/llmops",
+            **({AUTH_ENV: state["prefect_auth"]} if "prefect_auth" in state else {}),
+            **(login_env(state["mlflow_login"]["password"]) if "mlflow_login" in state else {}),
             **s3_env(f"http://127.0.0.1:{ports['s3']}", creds["key"], creds["secret"]),
         }
 
@@ -87,10 +89,10 @@ class Stack:
         """The backend store URIs of MLflow and Prefect, and the environment their servers need."""
         if state.get("db", "sqlite") == "sqlite":
             return f"sqlite:///{self.root / 'mlflow.db'}", "", {}
-        base = f"{DB_USER}@127.0.0.1:{state['ports']['postgres']}"
-        return (
-            f"postgresql+psycopg2://{base}/mlflow",
-            f"postgresql+asyncpg://{base}/prefect",
+        server = f"127.0.0.1:{state['ports']['postgres']}"
+        return (  # each as the role that owns its database (postgres.py): no superuser serves a client
+            f"postgresql+psycopg2://mlflow@{server}/mlflow",
+            f"postgresql+asyncpg://prefect@{server}/prefect",
             postgres_client_env(self.passfile),
         )
 
@@ -102,6 +104,10 @@ class Stack:
         state["db"] = self._database_kind(state, db, running)
         state["ports"] = self._ports(state, ports, running)
         state.setdefault("s3_credentials", {"key": "llmops", "secret": secrets.token_urlsafe(24)})
+        state.setdefault("prefect_auth", f"llmops:{secrets.token_urlsafe(24)}")
+        state.setdefault(
+            "mlflow_login", {"password": secrets.token_urlsafe(24), "secret_key": secrets.token_urlsafe(32)}
+        )
         state["services"] = {n: s.record() for n, s in running.items()}
         starters = self._starters(state)
         for group in start_groups(state["db"]):
@@ -154,8 +160,11 @@ class Stack:
                 s3_env(env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
                 logs,
                 db_env,
+                {**state["mlflow_login"], "folder": str(self.root)},
             ),
-            "prefect": lambda: start_prefect(self.root / "prefect-server", chosen["prefect"], logs, prefect_db_env),
+            "prefect": lambda: start_prefect(
+                self.root / "prefect-server", chosen["prefect"], logs, prefect_db_env, state["prefect_auth"]
+            ),
             "worker": lambda: start_worker(
                 env["PREFECT_API_URL"], {**env, "PREFECT_HOME": str(self.home / "prefect")}, logs
             ),

@@ -1,0 +1,225 @@
+"""What the gateway costs its clients, and what a burst over one key's rate limit costs the others.
+
+One Triton serves the cpu-tiny merged model (`svc-a`) behind the router `svc`, as a release serves it; the gateway of
+`llmops serve` runs in front in a process of its own (benchmarks/gateway_process.py), with API keys, every limit
+switched on (requests/s and tokens/min per key, requests in flight) and its access log written, as `llmops serve`
+runs it. The client is one asyncio process (aiohttp), the same for every row.
+
+1. overhead: the same non-streaming requests to `/v2/models/svc/generate` (8 tokens each, forced with min_length),
+   direct to Triton and through the gateway, at each concurrency (closed loop), in rounds that alternate which
+   goes first. The limits are set far above the load, so that they are checked on every request but refuse none.
+   Prints requests/s, latency p50/p99 and the gateway's requests/s as a share of Triton's.
+2. burst: two keys, each limited to --rate requests/s. For --seconds, both send at their rate (the baseline); then
+   for as long, `steady` sends at its rate while `bursty` sends 10 times its rate. Prints per key and phase what was
+   sent, answered (200) and refused (429), and the answered requests' p50/p99, with p99 against the baseline.
+
+    .venv/bin/python benchmarks/gateway_overhead.py [--home LLMOPS_HOME] [--concurrency 1,8,32] [--requests 256]
+        [--rounds 2] [--rate 10] [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from gateway_process import start_gateway  # this script's folder is first on sys.path
+from serving_batching import Bench, int_list, merged_model, percentile, prompts, python_serve, triton_model
+
+from tasks.platform.config import load_profile
+from tasks.platform.ports import free_port
+from tasks.serving import models as served_models
+
+TOKENS = 8  # cpu-tiny's bench.output_tokens
+KEYS = {"steady": "bench-steady-key-0123456789abcdef", "bursty": "bench-bursty-key-0123456789abcdef"}
+BURST = 10  # times the key's rate
+
+
+@dataclass
+class Sent:
+    statuses: Counter[int] = field(default_factory=Counter)
+    answered_ms: list[float] = field(default_factory=list)  # latency of the 200s
+
+    def row(self) -> dict:
+        return {
+            "sent": sum(self.statuses.values()),
+            "200": self.statuses[200],
+            "429": self.statuses[429],
+            "other": sum(n for status, n in self.statuses.items() if status not in (200, 429)),
+            "p50": percentile(self.answered_ms, 50),
+            "p99": percentile(self.answered_ms, 99),
+        }
+
+
+async def send(session: aiohttp.ClientSession, url: str, text: str, key: str | None, sent: Sent) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"text_input": text, "max_tokens": TOKENS, "min_length": TOKENS}
+    started = time.perf_counter()
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            await response.read()
+            status = response.status
+    except aiohttp.ClientError:
+        status = 0
+    sent.statuses[status] += 1
+    if status == 200:
+        sent.answered_ms.append((time.perf_counter() - started) * 1000)
+
+
+async def closed_loop(url: str, key: str | None, concurrency: int, requests: int) -> tuple[float, Sent]:
+    """`requests` requests from `concurrency` workers, each sending its next once answered; (seconds, results)."""
+    texts, sent = prompts(requests), Sent()
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await send(session, url, texts[0], key, Sent())  # warm-up: a connection and the model's first answer
+        queue = iter(texts)
+
+        async def worker() -> None:
+            for text in queue:
+                await send(session, url, text, key, sent)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - started, sent
+
+
+async def paced(session: aiohttp.ClientSession, url: str, key: str, per_s: float, seconds: float) -> Sent:
+    """An open loop: a request every 1/per_s seconds for `seconds`, whether or not the last was answered."""
+    sent, tasks, texts = Sent(), [], prompts(int(per_s * seconds) + 1)
+    started = time.perf_counter()
+    for index, text in enumerate(texts):
+        await asyncio.sleep(max(0.0, started + index / per_s - time.perf_counter()))
+        tasks.append(asyncio.create_task(send(session, url, text, key, sent)))
+    await asyncio.gather(*tasks)
+    return sent
+
+
+async def burst_phases(url: str, rate: float, seconds: float) -> dict[str, dict[str, Sent]]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await send(session, url, "warm-up", KEYS["steady"], Sent())
+        await asyncio.sleep(1)  # the warm-up's token back in the bucket
+        phases = {}
+        for phase, bursty_rate in (("baseline", rate), ("burst", rate * BURST)):
+            print(f"bench: burst, {phase} ({seconds:g} s) ...", flush=True)
+            steady, bursty = await asyncio.gather(
+                paced(session, url, KEYS["steady"], rate, seconds),
+                paced(session, url, KEYS["bursty"], bursty_rate, seconds),
+            )
+            phases[phase] = {"steady": steady, "bursty": bursty}
+            await asyncio.sleep(2)  # both buckets full again
+        return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--home", type=Path, help="LLMOPS_HOME with a cpu-tiny run (else one is made)")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 8, 32])
+    parser.add_argument("--requests", type=int, default=256, help="requests per overhead run")
+    parser.add_argument("--rounds", type=int, default=2, help="overhead runs per concurrency and path")
+    parser.add_argument("--rate", type=float, default=10, help="each key's requests/s limit in the burst part")
+    parser.add_argument("--seconds", type=float, default=20, help="length of each burst phase")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="llmops-gateway-bench-"))
+    home = (args.home or scratch / "home").resolve()
+    try:
+        model_dir = merged_model(home).resolve()
+        bench = Bench(model_dir, home, scratch, None, "", [TOKENS], args.concurrency, args.requests, 1)
+        profile = load_profile("cpu-tiny", python_serve(bench))
+        with triton_model(bench, python_serve(bench), "svc-a") as server:
+            triton = server.client
+            served_models.set_routes(triton, profile, "svc", {"svc-a": 100})
+            common = {"triton_url": triton.url, "service": "svc", "context_tokens": 512}
+            keys = {key: name for name, key in KEYS.items()}
+            port = free_port()
+            gateway = start_gateway(
+                port,
+                scratch / "access.log",
+                **common,
+                api_keys=keys,
+                requests_per_second=100_000,
+                tokens_per_minute=100_000_000,
+                max_in_flight=256,
+            )
+            paths = {
+                "Triton": (f"{triton.url}/v2/models/svc/generate", None),
+                "gateway": (f"http://127.0.0.1:{port}/v2/models/svc/generate", KEYS["steady"]),
+            }
+            overhead: dict[tuple[str, int], list[tuple[float, Sent]]] = {}
+            for concurrency in args.concurrency:
+                for round_index in range(args.rounds):
+                    for path in list(paths) if round_index % 2 == 0 else list(reversed(paths)):
+                        print(f"bench: {path} at concurrency {concurrency}, round {round_index + 1} ...", flush=True)
+                        url, key = paths[path]
+                        result = asyncio.run(closed_loop(url, key, concurrency, args.requests))
+                        overhead.setdefault((path, concurrency), []).append(result)
+            gateway.terminate()
+            gateway.wait(30)
+            port = free_port()
+            gateway = start_gateway(
+                port, scratch / "access-burst.log", **common, api_keys=keys, requests_per_second=args.rate
+            )
+            phases = asyncio.run(
+                burst_phases(f"http://127.0.0.1:{port}/v2/models/svc/generate", args.rate, args.seconds)
+            )
+            gateway.terminate()
+            gateway.wait(30)
+        print_overhead(args, overhead)
+        print_burst(args, phases)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list[tuple[float, Sent]]]) -> None:
+    print(
+        f"\n1. overhead: cpu-tiny behind the router, {args.requests} non-streaming generate requests of {TOKENS} "
+        f"tokens per run, median of {args.rounds} runs per cell\n"
+    )
+    print(
+        f"{'concurrency':>11}  {'path':8} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'failed':>6} {'req/s vs Triton':>16}"
+    )
+    for concurrency in args.concurrency:
+        cells = {}
+        for path in ("Triton", "gateway"):
+            runs = results[(path, concurrency)]
+            rows = [sent.row() for _, sent in runs]
+            cells[path] = {
+                "req_s": percentile([sent.row()["200"] / seconds for seconds, sent in runs], 50),
+                "p50": percentile([r["p50"] for r in rows if r["p50"] is not None], 50),
+                "p99": percentile([r["p99"] for r in rows if r["p99"] is not None], 50),
+                "failed": sum(r["sent"] - r["200"] for r in rows),
+            }
+        for path, cell in cells.items():
+            share = cell["req_s"] / cells["Triton"]["req_s"]
+            print(
+                f"{concurrency:>11}  {path:8} {cell['req_s']:7.1f} {cell['p50']:8.1f} {cell['p99']:8.1f} "
+                f"{cell['failed']:6d} {share:15.2f}x"
+            )
+
+
+def print_burst(args: argparse.Namespace, phases: dict[str, dict[str, Sent]]) -> None:
+    print(
+        f"\n2. burst: two keys limited to {args.rate:g} requests/s each through the gateway; {args.seconds:g} s "
+        f"with both at their rate, then {args.seconds:g} s with `bursty` at {BURST}x its rate\n"
+    )
+    print(
+        f"{'phase':9} {'key':7} {'sent':>5} {'200':>5} {'429':>5} {'other':>5} {'p50 ms':>8} {'p99 ms':>8} {'p99 vs baseline':>16}"
+    )
+    for phase in ("baseline", "burst"):
+        for key in ("steady", "bursty"):
+            row, base = phases[phase][key].row(), phases["baseline"][key].row()
+            against = row["p99"] / base["p99"] if row["p99"] and base["p99"] else float("nan")
+            print(
+                f"{phase:9} {key:7} {row['sent']:5d} {row['200']:5d} {row['429']:5d} {row['other']:5d} "
+                f"{row['p50'] or float('nan'):8.1f} {row['p99'] or float('nan'):8.1f} {against:15.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The gateway of `llmops serve` (tasks/serving/gateway/) in a process of its own, for the benchmarks that send
+load through it: not sharing the load generator's interpreter (and its GIL) with the requests it measures.
+
+It runs as under `llmops serve`: the same app, uvicorn with the same options, the access log on (to a file).
+Its settings come as JSON in the environment (`BENCH_GATEWAY`), API keys and the control key included, never on
+a command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+GATEWAY = """
+import json, logging, os
+from pathlib import Path
+import uvicorn
+from tasks.serving.gateway import Gateway, GatewayConfig
+settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
+port, access_log, control_key = settings.pop("port"), settings.pop("access_log"), settings.pop("control_key")
+if settings.get("shadow_records"):
+    settings["shadow_records"] = Path(settings["shadow_records"])
+access = logging.getLogger("llmops.gateway.access")
+access.addHandler(logging.FileHandler(access_log))
+access.setLevel(logging.INFO)
+access.propagate = False
+config = GatewayConfig(**settings, control_key=lambda: control_key)
+uvicorn.run(Gateway(config).app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+"""
+
+
+def start_gateway(port: int, access_log: Path, control_key: str | None = None, **settings: Any) -> subprocess.Popen:
+    """The gateway on 127.0.0.1:`port` with GatewayConfig(**settings); returns once it answers."""
+    env = {
+        **os.environ,
+        "BENCH_GATEWAY": json.dumps(
+            {**settings, "port": port, "access_log": str(access_log), "control_key": control_key}, default=str
+        ),
+    }
+    process = subprocess.Popen([sys.executable, "-c", GATEWAY], env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/live", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the gateway did not start")
