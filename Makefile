@@ -45,6 +45,7 @@ benchmark: setup setup-vllm
 	.venv/bin/python benchmarks/serving_batching.py
 	.venv/bin/python benchmarks/service_latency.py
 	.venv/bin/python benchmarks/shadow_overhead.py
+	.venv/bin/python benchmarks/gateway_overhead.py
 
 # The documentation site (mkdocs.yml, docs/): strict, so a page missing from the nav or a broken link fails.
 # NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build
