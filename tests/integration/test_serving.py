@@ -502,6 +502,8 @@ def test_triton_killed_under_load_gives_clients_only_503s_until_it_is_restarted_
 
     tritons = [p for p in psutil.Process(server["serve_pid"]).children(recursive=True) if p.name() == "tritonserver"]
     assert len(tritons) == 1
+    engines = [p for p in tritons[0].children(recursive=True) if " ".join(p.cmdline()).startswith("VLLM::EngineCore")]
+    assert engines, "no vLLM engine process under the serving Triton"
     with ThroughTheGateway(server, tls) as clients:
         time.sleep(1)  # answered before the kill
         tritons[0].kill()
@@ -516,6 +518,9 @@ def test_triton_killed_under_load_gives_clients_only_503s_until_it_is_restarted_
     assert all(in_the_apis_shape(path, body) for path, status, body in clients.seen if status == 503)
     assert [status for _, status, _ in clients.seen[-2:]] == [200, 200] and clients.seen[0][1] == 200
     assert curl(server, tls, "/health/ready")[0] == 200
+    # vLLM's engine core is the Triton stub's child: the model's watcher killed it once its Triton was gone
+    gone, alive = psutil.wait_procs(engines, timeout=30)
+    assert not alive, f"vLLM engine {alive[0].pid} outlived its Triton"
     assert served_by(home, server).generate(SERVICE, "What is the opposite of hot?", 4) == "cold"  # same ports
     assert (
         openai_client(server, tls)
@@ -544,23 +549,15 @@ def second_service(home: Path, store: Path, tls, folder: Path, *args: str) -> tu
 
 
 def test_a_killed_serve_leaves_no_triton_behind(home, server, cpu_tiny_store, tls, tmp_path):
-    """SIGKILL gives `llmops serve` no chance to clean up: the kernel stops its Triton (PR_SET_PDEATHSIG)."""
+    """SIGKILL gives `llmops serve` no chance to clean up: the kernel stops its Triton (PR_SET_PDEATHSIG). On the
+    python backend: that a vLLM engine dies with its Triton is checked where Triton is killed under load."""
     import psutil
 
-    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path)
-    engines = [
-        p
-        for p in psutil.Process(process.pid).children(recursive=True)
-        if " ".join(p.cmdline()).startswith("VLLM::EngineCore")
-    ]
-    assert engines, "no vLLM engine process under the serving Triton"
+    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path, "--set", "serve.backend=python")
     process.kill()
     process.wait(10)
     gone, alive = psutil.wait_procs(tritons, timeout=60)
     assert not alive, f"tritonserver {alive[0].pid} outlived its llmops serve"
-    # vLLM's engine core is the Triton stub's child: the model's watcher kills it once Triton is gone
-    gone, alive = psutil.wait_procs(engines, timeout=30)
-    assert not alive, f"vLLM engine {alive[0].pid} outlived its Triton"
 
 
 def test_serve_exits_4_when_triton_keeps_dying(home, server, cpu_tiny_store, tls, tmp_path):
