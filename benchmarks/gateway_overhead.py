@@ -8,7 +8,8 @@ runs it. The client is one asyncio process (aiohttp), the same for every row.
 1. overhead: the same non-streaming requests to `/v2/models/svc/generate` (8 tokens each, forced with min_length),
    direct to Triton and through the gateway, at each concurrency (closed loop), in rounds that alternate which
    goes first. The limits are set far above the load, so that they are checked on every request but refuse none.
-   Prints requests/s, latency p50/p99 and the gateway's requests/s as a share of Triton's.
+   Prints requests/s, latency p50/p99 and the gateway's requests/s as a share of Triton's; `gw-h11` is the same
+   gateway on httpx's own transport to Triton (pure-Python h11) instead of aiohttp's, as it was before.
 2. burst: two keys, each limited to --rate requests/s. For --seconds, both send at their rate (the baseline); then
    for as long, `steady` sends at its rate while `bursty` sends 10 times its rate. Prints per key and phase what was
    sent, answered (200) and refused (429), and the answered requests' p50/p99, with p99 against the baseline.
@@ -39,6 +40,7 @@ from tasks.serving import models as served_models
 TOKENS = 8  # cpu-tiny's bench.output_tokens
 KEYS = {"steady": "bench-steady-key-0123456789abcdef", "bursty": "bench-bursty-key-0123456789abcdef"}
 BURST = 10  # times the key's rate
+PATHS = ("Triton", "gateway", "gw-h11")  # gw-h11: the gateway on httpx's own transport, as before httpx-aiohttp
 
 
 @dataclass
@@ -147,20 +149,33 @@ def main() -> None:
                 tokens_per_minute=100_000_000,
                 max_in_flight=256,
             )
+            baseline_port = free_port()  # the same gateway on httpx's own transport (h11) to Triton
+            baseline = start_gateway(
+                baseline_port,
+                scratch / "access-httpx.log",
+                **common,
+                api_keys=keys,
+                requests_per_second=100_000,
+                tokens_per_minute=100_000_000,
+                max_in_flight=256,
+                httpx_transport=True,
+            )
             paths = {
                 "Triton": (f"{triton.url}/v2/models/svc/generate", None),
                 "gateway": (f"http://127.0.0.1:{port}/v2/models/svc/generate", KEYS["steady"]),
+                "gw-h11": (f"http://127.0.0.1:{baseline_port}/v2/models/svc/generate", KEYS["steady"]),
             }
             overhead: dict[tuple[str, int], list[tuple[float, Sent]]] = {}
             for concurrency in args.concurrency:
                 for round_index in range(args.rounds):
-                    for path in list(paths) if round_index % 2 == 0 else list(reversed(paths)):
+                    for path in list(paths) if round_index % 2 == 0 else list(reversed(paths)):  # ABC, CBA, ...
                         print(f"bench: {path} at concurrency {concurrency}, round {round_index + 1} ...", flush=True)
                         url, key = paths[path]
                         result = asyncio.run(closed_loop(url, key, concurrency, args.requests))
                         overhead.setdefault((path, concurrency), []).append(result)
-            gateway.terminate()
-            gateway.wait(30)
+            for process in (gateway, baseline):
+                process.terminate()
+                process.wait(30)
             port = free_port()
             gateway = start_gateway(
                 port, scratch / "access-burst.log", **common, api_keys=keys, requests_per_second=args.rate
@@ -186,7 +201,7 @@ def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list
     )
     for concurrency in args.concurrency:
         cells = {}
-        for path in ("Triton", "gateway"):
+        for path in PATHS:
             runs = results[(path, concurrency)]
             rows = [sent.row() for _, sent in runs]
             cells[path] = {

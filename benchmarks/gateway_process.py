@@ -2,6 +2,8 @@
 load through it: not sharing the load generator's interpreter (and its GIL) with the requests it measures.
 
 It runs as under `llmops serve`: the same app, uvicorn with the same options, the access log on (to a file).
+`httpx_transport=True` gives it httpx's own transport to Triton (h11) instead of aiohttp's: the gateway before
+httpx-aiohttp, as a baseline.
 Its settings come as JSON in the environment (`BENCH_GATEWAY`), API keys and the control key included, never on
 a command line.
 """
@@ -23,8 +25,10 @@ import json, logging, os
 from pathlib import Path
 import uvicorn
 from tasks.serving.gateway import Gateway, GatewayConfig
+import httpx
 settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
 port, access_log, control_key = settings.pop("port"), settings.pop("access_log"), settings.pop("control_key")
+transport = httpx.AsyncHTTPTransport() if settings.pop("httpx_transport", False) else None
 if settings.get("shadow_records"):
     settings["shadow_records"] = Path(settings["shadow_records"])
 access = logging.getLogger("llmops.gateway.access")
@@ -32,7 +36,7 @@ access.addHandler(logging.FileHandler(access_log))
 access.setLevel(logging.INFO)
 access.propagate = False
 config = GatewayConfig(**settings, control_key=lambda: control_key)
-uvicorn.run(Gateway(config).app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+uvicorn.run(Gateway(config, transport).app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 """
 
 

@@ -23,7 +23,8 @@ from tasks.serving.gateway.protocol import RequestError
 
 # httpx's API on aiohttp's connections (httpx-aiohttp, the openai SDK's own aiohttp option): httpx's default
 # transport parses HTTP in pure Python (h11), which a profile of the gateway found in 49% of its busy samples at
-# concurrency 1; aiohttp's parser is C (benchmarks/gateway_overhead.py: 0.86x of Triton's requests/s, now 0.92x).
+# concurrency 1; aiohttp's parser is C (benchmarks/gateway_overhead.py, one run: 0.88x -> 0.91x of Triton's
+# requests/s at concurrency 1, 0.30x -> 0.53x at 32).
 # Tests give a transport of their own (httpx.MockTransport).
 TIMEOUT = httpx.Timeout(300, connect=5)  # a long answer on a CPU takes minutes; a Triton that is there answers at once
 
