@@ -12,7 +12,8 @@ runs it. The client is one asyncio process (aiohttp), the same for every row.
    gateway on httpx's own transport to Triton (pure-Python h11) instead of aiohttp's, as it was before.
 2. burst: two keys, each limited to --rate requests/s. For --seconds, both send at their rate (the baseline); then
    for as long, `steady` sends at its rate while `bursty` sends 10 times its rate. Prints per key and phase what was
-   sent, answered (200) and refused (429), and the answered requests' p50/p99, with p99 against the baseline.
+   sent, answered (200) and refused (429), and the answered requests' p50/p99, with p99 against the baseline; once
+   with the default bucket (serve.limits.burst_s 1: one second of the rate at once) and once with 0.1.
 
     .venv/bin/python benchmarks/gateway_overhead.py [--home LLMOPS_HOME] [--concurrency 1,8,32] [--requests 256]
         [--rounds 2] [--rate 10] [--seconds 20]
@@ -23,23 +24,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from gateway_process import start_gateway  # this script's folder is first on sys.path
-from serving_batching import Bench, int_list, merged_model, percentile, prompts, python_serve, triton_model
+from gateway_process import cpu_tiny_bench, start_gateway  # this script's folder is first on sys.path
+from serving_batching import int_list, percentile, prompts, python_serve, triton_model
 
-from tasks.platform.config import load_profile
 from tasks.platform.ports import free_port
 from tasks.serving import models as served_models
 
 TOKENS = 8  # cpu-tiny's bench.output_tokens
 KEYS = {"steady": "bench-steady-key-0123456789abcdef", "bursty": "bench-bursty-key-0123456789abcdef"}
 BURST = 10  # times the key's rate
+BURST_S = (1.0, 0.1)  # serve.limits.burst_s: the default, and a bucket of one request at 10/s
 PATHS = ("Triton", "gateway", "gw-h11")  # gw-h11: the gateway on httpx's own transport, as before httpx-aiohttp
 
 
@@ -128,12 +128,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=10, help="each key's requests/s limit in the burst part")
     parser.add_argument("--seconds", type=float, default=20, help="length of each burst phase")
     args = parser.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="llmops-gateway-bench-"))
-    home = (args.home or scratch / "home").resolve()
+    scratch, bench, profile = cpu_tiny_bench(
+        args.home, TOKENS, args.concurrency, args.requests, "llmops-gateway-bench-"
+    )
     try:
-        model_dir = merged_model(home).resolve()
-        bench = Bench(model_dir, home, scratch, None, "", [TOKENS], args.concurrency, args.requests, 1)
-        profile = load_profile("cpu-tiny", python_serve(bench))
         with triton_model(bench, python_serve(bench), "svc-a") as server:
             triton = server.client
             served_models.set_routes(triton, profile, "svc", {"svc-a": 100})
@@ -176,15 +174,21 @@ def main() -> None:
             for process in (gateway, baseline):
                 process.terminate()
                 process.wait(30)
-            port = free_port()
-            gateway = start_gateway(
-                port, scratch / "access-burst.log", **common, api_keys=keys, requests_per_second=args.rate
-            )
-            phases = asyncio.run(
-                burst_phases(f"http://127.0.0.1:{port}/v2/models/svc/generate", args.rate, args.seconds)
-            )
-            gateway.terminate()
-            gateway.wait(30)
+            phases = {}
+            for burst_s in BURST_S:
+                port = free_port()
+                gateway = start_gateway(
+                    port,
+                    scratch / f"access-burst-{burst_s}.log",
+                    **common,
+                    api_keys=keys,
+                    requests_per_second=args.rate,
+                    request_burst_s=burst_s,
+                )
+                url = f"http://127.0.0.1:{port}/v2/models/svc/generate"
+                phases[burst_s] = asyncio.run(burst_phases(url, args.rate, args.seconds))
+                gateway.terminate()
+                gateway.wait(30)
         print_overhead(args, overhead)
         print_burst(args, phases)
     finally:
@@ -218,22 +222,26 @@ def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list
             )
 
 
-def print_burst(args: argparse.Namespace, phases: dict[str, dict[str, Sent]]) -> None:
+def print_burst(args: argparse.Namespace, by_burst_s: dict[float, dict[str, dict[str, Sent]]]) -> None:
     print(
         f"\n2. burst: two keys limited to {args.rate:g} requests/s each through the gateway; {args.seconds:g} s "
-        f"with both at their rate, then {args.seconds:g} s with `bursty` at {BURST}x its rate\n"
+        f"with both at their rate, then {args.seconds:g} s with `bursty` at {BURST}x its rate; per "
+        "serve.limits.burst_s (the key's bucket: seconds of its rate it may send at once)\n"
     )
     print(
-        f"{'phase':9} {'key':7} {'sent':>5} {'200':>5} {'429':>5} {'other':>5} {'p50 ms':>8} {'p99 ms':>8} {'p99 vs baseline':>16}"
+        f"{'burst_s':>7} {'phase':9} {'key':7} {'sent':>5} {'200':>5} {'429':>5} {'other':>5} {'p50 ms':>8} "
+        f"{'p99 ms':>8} {'p99 vs baseline':>16}"
     )
-    for phase in ("baseline", "burst"):
-        for key in ("steady", "bursty"):
-            row, base = phases[phase][key].row(), phases["baseline"][key].row()
-            against = row["p99"] / base["p99"] if row["p99"] and base["p99"] else float("nan")
-            print(
-                f"{phase:9} {key:7} {row['sent']:5d} {row['200']:5d} {row['429']:5d} {row['other']:5d} "
-                f"{row['p50'] or float('nan'):8.1f} {row['p99'] or float('nan'):8.1f} {against:15.2f}x"
-            )
+    for burst_s, phases in by_burst_s.items():
+        for phase in ("baseline", "burst"):
+            for key in ("steady", "bursty"):
+                row, base = phases[phase][key].row(), phases["baseline"][key].row()
+                against = row["p99"] / base["p99"] if row["p99"] and base["p99"] else float("nan")
+                print(
+                    f"{burst_s:7g} {phase:9} {key:7} {row['sent']:5d} {row['200']:5d} {row['429']:5d} "
+                    f"{row['other']:5d} {row['p50'] or float('nan'):8.1f} {row['p99'] or float('nan'):8.1f} "
+                    f"{against:15.2f}x"
+                )
 
 
 if __name__ == "__main__":

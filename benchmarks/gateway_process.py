@@ -14,11 +14,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serving_batching import Bench, merged_model, python_serve  # this script's folder is first on sys.path
+
+from tasks.platform.config import Profile, load_profile
 
 GATEWAY = """
 import json, logging, os
@@ -58,3 +62,14 @@ def start_gateway(port: int, access_log: Path, control_key: str | None = None, *
             time.sleep(0.2)
     process.kill()
     raise RuntimeError("the gateway did not start")
+
+
+def cpu_tiny_bench(home: Path | None, tokens: int, concurrency: list[int], requests: int, prefix: str):
+    """The scratch folder (the caller removes it), the Bench of the cpu-tiny merged model of `home` (made by
+    `llmops run` where it has none) with one torch thread, and cpu-tiny's profile for the python backend."""
+    scratch = Path(tempfile.mkdtemp(prefix=prefix))
+    home = (home or scratch / "home").resolve()
+    model_dir = merged_model(home).resolve()
+    bench = Bench(model_dir, home, scratch, None, "", [tokens], concurrency, requests, 1)
+    profile: Profile = load_profile("cpu-tiny", python_serve(bench))
+    return scratch, bench, profile

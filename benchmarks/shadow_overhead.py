@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from gateway_process import start_gateway
+from gateway_process import cpu_tiny_bench, start_gateway
 from serving_batching import (  # this script's folder is first on sys.path
-    Bench,
     Endpoint,
     Timed,
     install,
     int_list,
-    merged_model,
     percentile,
     prompts,
     python_serve,
@@ -41,7 +38,6 @@ from serving_batching import (  # this script's folder is first on sys.path
     triton_model,
 )
 
-from tasks.platform.config import load_profile
 from tasks.platform.ports import free_port
 from tasks.serving import models as served_models
 from tasks.serving.gateway.shadow import records_file
@@ -80,12 +76,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds per concurrency (each: both modes)")
     args = parser.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="llmops-shadow-bench-"))
-    home = (args.home or scratch / "home").resolve()
+    scratch, bench, profile = cpu_tiny_bench(args.home, TOKENS, args.concurrency, args.requests, "llmops-shadow-bench-")
+    model_dir = bench.model_dir
     try:
-        model_dir = merged_model(home).resolve()
-        bench = Bench(model_dir, home, scratch, None, "", [TOKENS], args.concurrency, args.requests, 1)
-        profile = load_profile("cpu-tiny", python_serve(bench))
         template, values = serving_values(profile, model_dir)
         with triton_model(bench, python_serve(bench), "svc-a") as server:
             triton = server.client

@@ -231,6 +231,7 @@ def start_gateway(
             tokenizer_dir=champion.model_dir,
             apply_chat_template=ctx.profile.serve.apply_chat_template,
             requests_per_second=ctx.profile.serve.limits.requests_per_second,
+            request_burst_s=ctx.profile.serve.limits.burst_s,
             tokens_per_minute=ctx.profile.serve.limits.tokens_per_minute,
             max_in_flight=ctx.profile.serve.limits.max_in_flight,
             shadow_poll_s=SHADOW_POLL_S,

@@ -79,12 +79,12 @@ def test_profile_digest_changes_with_any_value():
 # the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
 # and when the served models' queues got a bound (serve.max_queue_size).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "e8697c2760ec9d8ab4430ad875686d09e8f0424ba2851c79664b234f8c355fb3",
-    "cpu-tiny-qa-zh": "18ead49db4529e627bf09d95325b1d0bb1ac2e893494a94dc784df6b1acea308",
-    "llama3-8b-h100-fp8": "122c362b0850773da05149558e9dbd19abd8f6735b5a28a6c575213777fe881c",
-    "qwen-7b-qlora-2xa10": "ab1be919df84b73274ae1b80da2e76fe6d62903733c3a8f00057d5583eaac324",
-    "qwen-7b-vllm-h100": "76f2b000936754265df361d352e476da979fcd907a311aa2c3b199b24e2c3efa",
-    "qwen2-14b-int4-tp2": "87aeb45bce0786239b7a2cfd508b5d31a0c550a569385a050233f9ecc1b1015f",
+    "cpu-tiny": "bc6d1aed89ee08d47d11275d94031c636db6cb8d8ed6b3ace4ac3f37c3bdbc70",
+    "cpu-tiny-qa-zh": "bcf3f883982c108433f0018436af4c5070eb60ae6bd9aa46ca957e86a040c9c7",
+    "llama3-8b-h100-fp8": "29a09fb227c01007617e614c8813cdc3a6a382109557baa8221887d5fc8f24b1",
+    "qwen-7b-qlora-2xa10": "3063cc0ecf2bdfcab4c2680fe5d706cf6a1e9c5b8793815923046c704faf09a2",
+    "qwen-7b-vllm-h100": "b899512ced84ea8304f39b471d3f5e6a7c0bad7d446f0cc07d1838b725a161f7",
+    "qwen2-14b-int4-tp2": "a462a815be453d6190cad3edf8701f8a7b70045a3dbe29fe6dc413b190658c66",
 }
 
 

@@ -38,6 +38,24 @@ def test_a_key_over_its_requests_per_second_gets_429_with_retry_after_and_other_
     assert client.post(CHAT, json={"messages": QUESTION}, headers=other).status_code == 200
 
 
+@pytest.mark.parametrize(("burst_s", "admitted_at_once"), [(1.0, 10), (0.1, 1), (0.5, 5)])
+def test_a_key_may_send_burst_s_seconds_of_its_rate_at_once(burst_s, admitted_at_once):
+    from tasks.serving.gateway.limits import ClientLimits
+
+    now = [100.0]
+    limits = ClientLimits(requests_per_second=10, tokens_per_minute=0, burst_s=burst_s, clock=lambda: now[0])
+    admitted = 0
+    for _ in range(20):  # all at the same instant
+        try:
+            limits.admit("team-a")
+            admitted += 1
+        except Exception as refused:
+            assert getattr(refused, "status", None) == 429
+    assert admitted == admitted_at_once
+    now[0] += 0.15  # over one request's worth of the rate later (0.1 s is a hair under it in floating point)
+    limits.admit("team-a")
+
+
 def test_a_key_that_used_its_tokens_per_minute_waits_until_they_refill(gateway):
     client = gateway(FakeTriton(), api_keys=KEYS, tokens_per_minute=30)
     # No tokenizer here: an answer counts its budget, max_tokens 40, 10 over the minute's 30.

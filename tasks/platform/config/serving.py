@@ -110,7 +110,14 @@ class LimitsSection(Section):
     with Retry-After. 0 turns a limit off."""
 
     requests_per_second: float = Field(
-        50, ge=0, description="Requests per second per API key (a token bucket: bursts up to one second's worth)."
+        50, ge=0, description="Requests per second per API key (a token bucket: bursts up to burst_s seconds' worth)."
+    )
+    burst_s: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds of requests_per_second a key may send at once (the bucket's size; at least one "
+        "request). Larger forgives a client's uneven pacing; smaller spreads a bursting client's admitted requests, "
+        "so they do not queue together at Triton (docs/benchmarks.md, the gateway's cost).",
     )
     tokens_per_minute: int = Field(
         100_000,

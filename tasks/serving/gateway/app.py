@@ -45,6 +45,7 @@ class GatewayConfig:
     tokenizer_dir: Path | None = None
     apply_chat_template: bool = True  # as the served model does (serve.apply_chat_template)
     requests_per_second: float = 0  # per client (API key); 0: no limit (serve.limits)
+    request_burst_s: float = 1.0  # seconds of that rate a client may send at once (serve.limits.burst_s)
     tokens_per_minute: int = 0  # per client; 0: no limit
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
     # Shadow copies (tasks/serving/gateway/shadow.py): how often the router's `shadow` parameter is read (0: never,
@@ -93,7 +94,7 @@ class Gateway:
             self.shadow,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
-        self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute)
+        self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute, config.request_burst_s)
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""

@@ -47,6 +47,7 @@ class ClientLimits:
 
     requests_per_second: float
     tokens_per_minute: int
+    burst_s: float = 1.0  # the request bucket holds this many seconds of the rate (at least one request)
     clock: Callable[[], float] = time.monotonic
     requests: dict[str, TokenBucket] = field(default_factory=dict)
     tokens: dict[str, TokenBucket] = field(default_factory=dict)
@@ -57,7 +58,7 @@ class ClientLimits:
         waits = []
         if self.requests_per_second:
             rate = self.requests_per_second
-            bucket = self.requests.setdefault(client, TokenBucket(rate, burst=max(1.0, rate)))
+            bucket = self.requests.setdefault(client, TokenBucket(rate, burst=max(1.0, rate * self.burst_s)))
             waits.append(("requests per second", rate, bucket.wait_s(1, now)))
         if self.tokens_per_minute:
             budget = self.tokens_per_minute
