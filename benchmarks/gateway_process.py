@@ -35,6 +35,11 @@ port, access_log, control_key = settings.pop("port"), settings.pop("access_log")
 transport = httpx.AsyncHTTPTransport() if settings.pop("httpx_transport", False) else None
 if settings.get("shadow_records"):
     settings["shadow_records"] = Path(settings["shadow_records"])
+if settings.get("capture"):  # {"location": ..., other CaptureSettings fields}: serve.capture as flows/serve.py builds it
+    from tasks.data.exchanges import open_exchange_log
+    from tasks.serving.gateway.capture import CaptureSettings
+    capture = settings["capture"]
+    settings["capture"] = CaptureSettings(log=open_exchange_log(capture.pop("location")), service=settings["service"], **capture)
 access = logging.getLogger("llmops.gateway.access")
 access.addHandler(logging.FileHandler(access_log))
 access.setLevel(logging.INFO)

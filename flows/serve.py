@@ -30,6 +30,7 @@ from tasks.platform.stage_cache import RunContext
 from tasks.serving.champion import serve_champion, triton_launch
 from tasks.serving.client import control_key
 from tasks.serving.gateway import Gateway, GatewayConfig, KeyRing
+from tasks.serving.gateway.capture import CaptureSettings
 from tasks.serving.models import Served
 from tasks.serving.server import TritonServer, publish, unpublish
 
@@ -201,6 +202,29 @@ def show_access_log() -> None:
             logger.propagate = False
 
 
+def capture_settings(ctx: RunContext) -> CaptureSettings | None:
+    """serve.capture as the gateway takes it; None where capture is off."""
+    from datetime import timedelta
+
+    from tasks.data.exchanges import default_location, open_exchange_log
+    from tasks.data.redact import Redactor
+
+    capture = ctx.profile.serve.capture
+    if not capture.enabled:
+        return None
+    location = capture.location or default_location(ctx.store.uri)
+    print(f"capture: {capture.sample_rate:.0%} of exchanges and all feedback kept in {location}", flush=True)
+    return CaptureSettings(
+        log=open_exchange_log(location),
+        service=ctx.profile.registry.model_name,
+        sample_rate=capture.sample_rate,
+        redactor=Redactor.with_patterns(capture.redact),
+        retention=timedelta(days=capture.retention_days),
+        flush_s=capture.flush_s,
+        max_pending=capture.max_pending,
+    )
+
+
 class RunningGateway:
     """The gateway's uvicorn server, in a thread of this process."""
 
@@ -237,6 +261,7 @@ def start_gateway(
             shadow_poll_s=SHADOW_POLL_S,
             control_key=lambda: control_key(ctx.home),  # the published one: it changes when Triton restarts
             shadow_records=ctx.home / "shadow",
+            capture=capture_settings(ctx),
         )
     )
     show_access_log()

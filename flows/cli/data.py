@@ -1,4 +1,5 @@
-"""`llmops data push|validate`: land a dataset where a retrain deployment watches, or check one first."""
+"""`llmops data push|validate|harvest`: land a dataset where a retrain deployment watches, check one first, or
+build one from what the service served (serve.capture) and how its clients judged it."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def register(commands) -> None:
     push.add_argument("destination", help="s3://bucket/prefix/ or a folder: the location a retrain deployment watches")
     push.set_defaults(handler=push_data)
     register_validate(actions)
+    register_harvest(actions)
 
 
 def register_validate(actions) -> None:
@@ -62,6 +64,62 @@ def register_validate(actions) -> None:
         help="profile whose data settings (eval_fraction, split_salt) apply (default: cpu-tiny)",
     )
     validate.set_defaults(handler=validate_data)
+
+
+HARVEST_DESCRIPTION = (
+    "Build a training set from the exchanges the service's gateway captured (serve.capture) and the feedback its "
+    "clients sent (POST /v1/feedback): corrected answers first, well-rated answers next, answers rated bad out; "
+    "near-duplicates, prompts of the held-out eval set and records the data already holds are dropped and counted. "
+    "Writes harvest-SERVICE-TIME.jsonl under --out (push it with `llmops data push`) and prints a report: counts, "
+    "languages, lengths and the shift from the previous data."
+)
+HARVEST_EPILOG = (
+    "examples:\n  llmops data harvest --service tiny-qwen2-antonyms --since 24h --out harvested/\n"
+    "  llmops data push harvested/ s3://datasets/sft/\n"
+    "  llmops data harvest --profile cpu-tiny --data s3://datasets/sft/ --since 2026-11-24T00:00 "
+    "--min-rating none --out s3://datasets/harvest/ --report report.json"
+)
+
+
+def register_harvest(actions) -> None:
+    harvest = actions.add_parser(
+        "harvest",
+        help="build a training set from captured exchanges and feedback",
+        description=HARVEST_DESCRIPTION,
+        epilog=HARVEST_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    harvest.add_argument("--out", required=True, help="folder or s3:// prefix the dataset is written to")
+    harvest.add_argument("--service", help="the served model's name (default: the profile's registry.model_name)")
+    harvest.add_argument("--since", default="24h", help="a span back from now (90m, 24h, 7d) or an ISO time (24h)")
+    harvest.add_argument(
+        "--min-rating",
+        choices=["good", "none"],
+        default="good",
+        help="good: corrected and well-rated answers only (default); none: unrated answers too",
+    )
+    harvest.add_argument(
+        "--profile", default="cpu-tiny", help="profile of the service: its model name, capture and data settings"
+    )
+    harvest.add_argument("--data", help="the data the last release trained on (default: the profile's data.source)")
+    harvest.add_argument("--capture", help="capture location (default: serve.capture.location, else the store's)")
+    harvest.add_argument("--report", help="also write the report as JSON to this file")
+    harvest.set_defaults(handler=harvest_data)
+
+
+def harvest_data(args) -> str:
+    import json
+
+    from flows.harvest import describe, harvest_dataset, parse_since
+    from tasks.platform.config import load_profile
+
+    config = load_profile(args.profile, [], args.data)
+    service = args.service or config.registry.model_name
+    harvested = harvest_dataset(config, parse_since(args.since), args.out, args.min_rating, args.capture, service)
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as stream:
+            json.dump(harvested.report, stream, indent=1, ensure_ascii=False)
+    return describe(harvested)
 
 
 def push_data(args) -> str:

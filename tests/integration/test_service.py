@@ -9,6 +9,7 @@ its scheduler and triggers, a process worker, Triton and genai-perf inside the r
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -403,6 +404,145 @@ def test_bad_parameters_reach_the_caller_as_clear_messages(service, first_releas
     final = service.wait_final(unknown_key.json()["id"], 180)
     assert final["state_type"] == "FAILED"
     assert "profile cpu-tiny: train.lora_rnk: unknown key" in final["state"]["message"]
+
+
+# The flywheel's prompts: pairs the data does not hold, each phrasing in the train split (records.is_eval).
+CORRECTIONS = {
+    f"{phrasing} {word}{end}": antonym
+    for word, antonym in (("guilty", "innocent"), ("victory", "defeat"), ("generous", "selfish"))
+    for phrasing, end in (("What is the opposite of", "?"), ("Antonym of", ":"))
+}
+EMAIL = "jane.doe@example.com"
+
+
+def captured_text(env: dict) -> str:
+    """Every object under the stack's capture location, as S3 holds it."""
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
+    listed = s3.list_objects_v2(Bucket="artifacts", Prefix="llmops/capture/").get("Contents", [])
+    return "".join(s3.get_object(Bucket="artifacts", Key=o["Key"])["Body"].read().decode() for o in listed)
+
+
+def mlflow_runs(tracking_uri: str, experiment: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+def served_answer(client, prompt: str, **extra) -> tuple[str, str]:
+    """(response id, answer) of one chat completion through the gateway."""
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0, **extra
+    )
+    return completion.id, completion.choices[0].message.content
+
+
+def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_champion(
+    service, first_release, tmp_path
+):
+    """Capture on: clients ask, rate and correct answers; `llmops data harvest` builds a dataset (corrections in,
+    redacted values and held-out prompts out); `llmops data push` starts a retrain whose release passes the gate
+    on the served Triton, and the new champion answers with the corrections."""
+    import httpx
+    import openai
+
+    log = tmp_path / "serve.log"
+    ports = ["--port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0", "--metrics-port", "0"]
+    capture = ["--set", "serve.capture.enabled=true", "--set", "serve.capture.flush_s=0.5"]
+    with open(log, "w") as out:
+        serving = subprocess.Popen(
+            [LLMOPS, "serve", *ports, *capture],
+            env=service.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        state = wait_for(
+            lambda: (
+                (service.home / "triton" / "server.json").is_file()
+                and json.loads((service.home / "triton" / "server.json").read_text())
+            ),
+            180,
+            f"llmops serve publishing its gateway ({log})",
+        )
+        gateway = state["gateway_url"]
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
+        held_out = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).eval[0]
+        asked = {prompt: served_answer(client, prompt) for prompt in CORRECTIONS}
+        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL}")
+        held_out_id, _ = served_answer(client, held_out[0]["content"])
+        bad_id, _ = served_answer(client, "What is the opposite of never?")
+        served_answer(client, "Call 13812345678: opposite of up?", extra_headers={"X-LLMOps-Capture": "off"})
+        judged = [
+            *({"id": asked[p][0], "rating": "bad", "correction": c} for p, c in CORRECTIONS.items()),
+            {"id": email_id, "rating": "good"},
+            {"id": held_out_id, "rating": "good"},
+            {"id": bad_id, "rating": "bad"},
+        ]
+        for feedback in judged:
+            assert httpx.post(f"{gateway}/v1/feedback", json=feedback, timeout=10).status_code == 200
+        wait_for(
+            lambda: 'llmops_capture_records_total{kind="feedback"} 9.0' in httpx.get(f"{gateway}/metrics").text,
+            30,
+            "the gateway writing what it kept",
+            interval=0.5,
+        )
+        out, report_file = tmp_path / "harvested", tmp_path / "report.json"
+        harvested = service.llmops(
+            *("data", "harvest", "--data", "s3://datasets/sft/", "--since", "1h"),
+            *("--out", str(out), "--report", str(report_file)),
+        )
+        assert harvested.returncode == 0, harvested.stdout + harvested.stderr
+        print(f"\n{harvested.stdout}")
+        report = json.loads(report_file.read_text())
+        counts = report["counts"]
+        assert (counts["exchanges"], counts["feedback"], counts["records"]) == (9, 9, 7), counts
+        assert (counts["corrected"], counts["good"]) == (6, 1), counts
+        assert counts["eval_overlap_dropped"] == counts["bad_dropped"] == 1, counts
+        (dataset,) = out.glob("harvest-*.jsonl")
+        records = [json.loads(line)["messages"] for line in dataset.read_text().splitlines()]
+        assert {r[0]["content"]: r[1]["content"] for r in records[:6]} == CORRECTIONS
+        assert records[6][0]["content"] == "What is the opposite of hot? Write to [EMAIL]"
+        bucket_text = captured_text(service.env)
+        assert EMAIL not in bucket_text + dataset.read_text() and "13812345678" not in bucket_text
+        assert bucket_text.count('"rating"') == 9
+        assert all(k.startswith(("exchanges/", "feedback/")) for k in report["captured_objects"])
+
+        # The flywheel deployment harvests the same and pushes it where the retrain deployment watches
+        releases_before = {r["id"] for r in service.release_runs()}
+        flywheel = service.create_run("flywheel/flywheel", {"since_hours": 1, "min_new_records": 5})
+        assert flywheel.status_code == 201, flywheel.text
+        turned = service.wait_final(flywheel.json()["id"], 180)
+        assert turned["state_type"] == "COMPLETED", service.logs(flywheel.json()["id"])[-3000:]
+        service.wait_log(flywheel.json()["id"], "7 new records: pushed 1 file(s) to s3://datasets/sft/")
+        tracked = mlflow_runs(service.tracking_uri, "llm-flywheel")
+        assert [r.data.metrics["harvest.corrected"] for r in tracked] == [6.0]
+        assert tracked[0].data.tags["harvest.dataset"].startswith("s3://datasets/sft/harvest-tiny-qwen2-antonyms-")
+        release = wait_for(
+            lambda: [r for r in service.release_runs() if r["id"] not in releases_before],
+            120,
+            "the release run the harvested data started",
+        )[0]
+        final = service.wait_final(release["id"])
+        assert final["state_type"] == "COMPLETED", service.logs(release["id"])[-3000:]
+        run = service.mlflow_run(release["id"])
+        assert run.data.tags["release.outcome"] == "promoted", run.data.tags.get("gate.reasons")
+        served = {prompt: served_answer(client, prompt)[1].strip() for prompt in CORRECTIONS}
+        print(f"the new champion v{run.data.tags['registered_version']} answers: {served}")
+        assert served == CORRECTIONS
+    finally:
+        os.killpg(serving.pid, signal.SIGTERM)
+        serving.wait(60)
 
 
 def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):

@@ -79,12 +79,12 @@ def test_profile_digest_changes_with_any_value():
 # the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
 # and when the served models' queues got a bound (serve.max_queue_size).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "bc6d1aed89ee08d47d11275d94031c636db6cb8d8ed6b3ace4ac3f37c3bdbc70",
-    "cpu-tiny-qa-zh": "bcf3f883982c108433f0018436af4c5070eb60ae6bd9aa46ca957e86a040c9c7",
-    "llama3-8b-h100-fp8": "29a09fb227c01007617e614c8813cdc3a6a382109557baa8221887d5fc8f24b1",
-    "qwen-7b-qlora-2xa10": "3063cc0ecf2bdfcab4c2680fe5d706cf6a1e9c5b8793815923046c704faf09a2",
-    "qwen-7b-vllm-h100": "b899512ced84ea8304f39b471d3f5e6a7c0bad7d446f0cc07d1838b725a161f7",
-    "qwen2-14b-int4-tp2": "a462a815be453d6190cad3edf8701f8a7b70045a3dbe29fe6dc413b190658c66",
+    "cpu-tiny": "2b35dd0aa4d6820ceed50949dd24e272d0f6c4504e87ad19c3b6553fb8e0c9b1",
+    "cpu-tiny-qa-zh": "0882be8d414aed977017199833df20da17646eaf474286584210d8d9a8b819bb",
+    "llama3-8b-h100-fp8": "50be0bb2011e1c586469b94999f629d41a6041ce87e7cd153b226c3aca019fb5",
+    "qwen-7b-qlora-2xa10": "124c987ad0909cdd9a86f048e14539416d281f49b7d5cd13e47cfee41476ed4d",
+    "qwen-7b-vllm-h100": "28593f4d2ea25ccf662edba82536c9628c53a88ca081786b27d6c89271a9c0d0",
+    "qwen2-14b-int4-tp2": "eafe2124181c685757a4b599b9a2f5ca0b686aec537850aee274dcd30b6a4a30",
 }
 
 

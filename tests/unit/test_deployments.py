@@ -108,6 +108,13 @@ def test_retrain_trigger_watches_its_own_data_location():
     assert retrain["schedules"][0]["cron"]
 
 
+def test_the_flywheel_pushes_its_harvest_where_the_retrain_deployment_watches():
+    flywheel, retrain = deployments()["flywheel"], deployments()["retrain"]
+    assert flywheel["parameters"]["data_destination"] == retrain["parameters"]["data_source"]
+    assert flywheel["parameters"]["profile"] == retrain["parameters"]["profile"]
+    assert flywheel["schedules"][0]["cron"]
+
+
 @pytest.mark.parametrize(("pool_type", "expected"), [("kubernetes", "/opt/llmops"), ("process", str(ROOT))])
 def test_stage_runs_start_where_their_worker_has_the_project(monkeypatch, pool_type, expected):
     """`prefect deploy` bakes environment placeholders into the pull steps (prefect/cli/deploy/_core.py,

@@ -134,6 +134,49 @@ class LimitsSection(Section):
     )
 
 
+class CaptureSection(Section):
+    """What the gateway of `llmops serve` keeps of the exchanges it serves, for the next release's data (`llmops data
+    harvest`): off by default. Kept: request and response ids, time, client name, the routes serving then, the
+    conversation, the answer, token counts, latency and finish reason, after redaction (tasks/data/redact.py), as
+    JSONL partitions by service and hour (tasks/data/exchanges.py); feedback (`POST /v1/feedback`) next to them.
+    A request with the header `X-LLMOps-Capture: off` is not kept."""
+
+    enabled: bool = Field(False, description="Keep served exchanges and accept feedback on them.")
+    location: str | None = Field(
+        None,
+        description="s3://bucket/prefix, file:// or a folder; null: capture/ in the run's artifact store.",
+        json_schema_extra=FILE_ONLY,
+    )
+    sample_rate: float = Field(1.0, ge=0, le=1, description="Share of exchanges kept (feedback is always kept).")
+    redact: list[str] = Field(
+        default_factory=list,
+        description="Regular expressions replaced by [REDACTED] before anything is written, besides the built-in "
+        "patterns (e-mail, phone numbers, card numbers, Chinese ID numbers, US SSNs).",
+    )
+    retention_days: float = Field(
+        30, gt=0, description="Hours older than this are deleted (by the gateway, once an hour, and at its start)."
+    )
+    flush_s: float = Field(2.0, gt=0, description="Seconds between writes of the kept records, off the request path.")
+    max_pending: int = Field(
+        10_000,
+        ge=1,
+        description="Records held while the store is slow or down; more are dropped and counted "
+        "(llmops_capture_dropped_total), never queued without bound nor failing a request.",
+    )
+
+    @field_validator("redact")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        import re
+
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {pattern!r} is not a regular expression: {exc}") from None
+        return patterns
+
+
 class ServeSection(Section):
     """Triton serving of the candidate and the champion."""
 
@@ -178,6 +221,7 @@ class ServeSection(Section):
     load_timeout_s: float = Field(300, gt=0, description="Seconds a model may take to load in Triton.")
     listen: ListenSection = ListenSection()
     limits: LimitsSection = LimitsSection()
+    capture: CaptureSection = CaptureSection()
 
     # What shapes how a version serves (its rendered Triton model), recorded at register so that a later run
     # serves the champion as it was released rather than with the candidate's settings. The backend and

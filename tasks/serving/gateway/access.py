@@ -36,6 +36,7 @@ class RequestRecord:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     client: str = "-"  # the name authorize() gave; "-" before (or without) a key check
     tokens: int = 0
+    capture: bool = True  # false: the client asked that this exchange is not kept (X-LLMOps-Capture: off)
 
 
 CURRENT = contextvars.ContextVar[RequestRecord]("gateway_request")
@@ -122,6 +123,8 @@ class Guard:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if guarded:  # the id a client quotes: in feedback on a /v2 answer, or asking about a failure
+                    message["headers"] = [*message.get("headers", []), (b"x-request-id", record.id.encode())]
             await send(message)
 
         try:

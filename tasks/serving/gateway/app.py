@@ -21,15 +21,18 @@ from starlette.routing import Route
 
 from tasks.serving.gateway.access import GatewayMetrics, Guard, current, openai_error, shaped_error, triton_error
 from tasks.serving.gateway.auth import KeyRing, authorize
+from tasks.serving.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
 from tasks.serving.gateway.limits import ClientLimits
 from tasks.serving.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    FeedbackRequest,
+    FeedbackResponse,
     GenerateRequest,
     RequestError,
     parse,
 )
-from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens
+from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.upstream import Triton, upstream_error
 
@@ -53,6 +56,7 @@ class GatewayConfig:
     shadow_poll_s: float = 0
     control_key: Callable[[], str | None] = lambda: None
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
+    capture: CaptureSettings | None = None  # serve.capture: exchanges and feedback kept; None: neither
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -80,6 +84,7 @@ class Gateway:
         self.shadow = Shadow(
             self.triton.client, config.service, self.metrics.registry, config.control_key, config.shadow_records
         )
+        self.capture = Capture(config.capture, self.metrics.registry) if config.capture else None
         tokenizer = None
         if config.tokenizer_dir is not None:
             from transformers import AutoTokenizer
@@ -92,6 +97,7 @@ class Gateway:
             tokenizer,
             config.apply_chat_template,
             self.shadow,
+            self.capture,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute, config.request_burst_s)
@@ -100,6 +106,7 @@ class Gateway:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
         client = authorize(self.keys.current(), request.headers.get("authorization"))
         current().client = client
+        current().capture = request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
         self.limits.admit(client)
         return client
 
@@ -148,6 +155,20 @@ class Gateway:
         except RequestError as error:
             return openai_error(error)
 
+    async def feedback(self, request: Request) -> Response:
+        """A client's rating of an answer it got, kept next to the captured exchanges (serve.capture)."""
+        try:
+            client = self.authorize(request)
+            if self.capture is None:
+                raise RequestError(404, "feedback is not collected by this service (serve.capture.enabled is false)")
+            judged = parse(FeedbackRequest, await self.body(request))
+            record = {"at": time.time(), "client": client, **judged.model_dump(exclude_none=True)}
+            if not self.capture.feedback(record):
+                raise RequestError(503, "feedback is not being kept right now; retry shortly", retry_after=5)
+        except RequestError as error:
+            return openai_error(error)
+        return JSONResponse(FeedbackResponse(id=judged.id).model_dump())
+
     async def triton_generate(self, request: Request) -> Response:
         """Triton's own generate / generate_stream for the service name, with keys and limits."""
         name, streaming = request.path_params["model"], request.url.path.endswith("_stream")
@@ -170,6 +191,7 @@ class Gateway:
                 if answer.status_code != 200:
                     raise upstream_error(answer)
                 self.shadow.copy_answer(body, answer, time.perf_counter() - started)
+                self.keep_generate(generate, answer, started)
                 media_type = answer.headers.get("content-type", "application/json")
                 return Response(answer.content, status_code=answer.status_code, media_type=media_type)
             upstream, chunks = await self.triton.forward_stream(path, body)
@@ -178,14 +200,41 @@ class Gateway:
         media_type = upstream.headers.get("content-type", "text/event-stream")
         return StreamingResponse(chunks, status_code=upstream.status_code, media_type=media_type)
 
+    def keep_generate(self, generate: GenerateRequest, answer: httpx.Response, started: float) -> None:
+        """A /v2 generate exchange, for capture; its id is the request id the client got (X-Request-Id)."""
+        request = current()
+        if self.capture is None or not request.capture:
+            if self.capture is not None:
+                self.capture.opted_out()
+            return
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            self.capture.exchange(
+                {
+                    "id": request.id,
+                    "request_id": request.id,
+                    "at": time.time(),
+                    "client": request.client,
+                    "api": "generate",
+                    "routes": self.shadow.routes,
+                    "messages": conversation(generate),
+                    "answer": str(answer.json()["text_output"]),
+                    "latency_s": round(time.perf_counter() - started, 6),
+                }
+            )
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         watcher = (
             asyncio.create_task(self.shadow.watch(self.config.shadow_poll_s)) if self.config.shadow_poll_s else None
         )
+        writer = asyncio.create_task(self.capture.run()) if self.capture is not None else None
         yield
         if watcher is not None:
             watcher.cancel()
+        if writer is not None:  # what is buffered is written before the gateway ends
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
         await self.shadow.aclose()
         await self.triton.aclose()
 
@@ -197,6 +246,7 @@ class Gateway:
             Route("/v1/models", self.models),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/feedback", self.feedback, methods=["POST"]),
             Route("/v2/models/{model}/generate", self.triton_generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.triton_generate, methods=["POST"]),
         ]

@@ -95,6 +95,24 @@ class GenerateRequest(BaseModel):
     random_seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None  # TYPE_UINT64
 
 
+class FeedbackRequest(BaseModel):
+    """`POST /v1/feedback`: a client's judgement of an answer it got, by the answer's id (the completion's `id`,
+    or the `X-Request-Id` of a /v2 answer); a correction is the answer it should have been."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_-]+$")]
+    rating: Literal["good", "bad"]
+    correction: Annotated[str, Field(min_length=1, max_length=32_768)] | None = None
+    comment: Annotated[str, Field(max_length=4096)] | None = None
+
+
+class FeedbackResponse(BaseModel):
+    id: str
+    object: Literal["feedback"] = "feedback"
+    recorded: bool = True
+
+
 class GenerateInputs(BaseModel):
     """The Triton generate inputs an OpenAI request becomes."""
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tasks.quality.chat import encode_prompt
 from tasks.serving.gateway.access import current
+from tasks.serving.gateway.capture import Capture
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
     ChatChunkChoice,
@@ -33,6 +34,7 @@ from tasks.serving.gateway.protocol import (
     ErrorInfo,
     ErrorResponse,
     GenerateInputs,
+    GenerateRequest,
     RequestError,
     StreamChunk,
     UsageInfo,
@@ -56,6 +58,11 @@ def bounded_max_tokens(value: int | None, name: str, context_tokens: int, defaul
             code="context_length_exceeded",
         )
     return value
+
+
+def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str]]:
+    """The messages a generate request carries: its earlier turns (chat_history), then the question."""
+    return [*json.loads(inputs.chat_history or "[]"), {"role": "user", "content": inputs.text_input}]
 
 
 @dataclass
@@ -108,9 +115,11 @@ class OpenAIServing:
         tokenizer=None,
         apply_chat_template=True,
         shadow: Shadow | None = None,
+        capture: Capture | None = None,
     ):
         self.triton, self.context_tokens, self.default_max_tokens = triton, context_tokens, default_max_tokens
         self.tokenizer, self.apply_chat_template, self.shadow = tokenizer, apply_chat_template, shadow
+        self.capture = capture
         self.tokenizer_lock = threading.Lock()
 
     def check_model(self, model: str | None) -> None:
@@ -154,7 +163,9 @@ class OpenAIServing:
             self.copy_to_shadow(inputs, text, stop, started)
             usage = await self.usage(inputs, text)
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
-            return JSONResponse(reply.whole(text, self.finish_reason(stopped, usage, inputs), usage))
+            finish = self.finish_reason(stopped, usage, inputs)
+            self.keep_exchange(inputs, text, reply, usage, finish, started)
+            return JSONResponse(reply.whole(text, finish, usage))
         pieces = self.triton.generate_stream(inputs.payload())
         first = await anext(pieces, None)  # errors before the first token still get a status code
         events = self.events(pieces, first, stop, reply, inputs, started)
@@ -196,8 +207,37 @@ class OpenAIServing:
         self.copy_to_shadow(inputs, scanner.text, stop, started)
         usage = await self.usage(inputs, scanner.text)
         current().tokens = usage.total_tokens or inputs.max_tokens
-        yield reply.chunk(None, self.finish_reason(scanner.stopped, usage, inputs), usage)
+        finish = self.finish_reason(scanner.stopped, usage, inputs)
+        self.keep_exchange(inputs, scanner.text, reply, usage, finish, started)
+        yield reply.chunk(None, finish, usage)
         yield DONE
+
+    def keep_exchange(
+        self, inputs: GenerateInputs, answer: str, reply: Reply, usage: UsageInfo, finish: str, started: float
+    ) -> None:
+        """The exchange, for capture (serve.capture), unless capture is off or the client opted out."""
+        if self.capture is None:
+            return
+        request = current()
+        if not request.capture:
+            self.capture.opted_out()
+            return
+        self.capture.exchange(
+            {
+                "id": reply.id,
+                "request_id": request.id,
+                "at": time.time(),
+                "client": request.client,
+                "api": "chat" if reply.chat else "text",
+                "routes": self.shadow.routes if self.shadow is not None else "",
+                "messages": conversation(inputs),
+                "answer": answer,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "latency_s": round(time.perf_counter() - started, 6),
+                "finish_reason": finish,
+            }
+        )
 
     @staticmethod
     def finish_reason(stopped: bool, usage: UsageInfo, inputs: GenerateInputs) -> str:

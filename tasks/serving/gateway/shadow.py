@@ -94,6 +94,7 @@ class Shadow:
         self.records, self.max_in_flight = records, max_in_flight
         self.metrics = ShadowMetrics(registry)
         self.target: ShadowTarget | None = None
+        self.routes = ""  # the router's routes as last read (MODEL=WEIGHT,...): which versions answer, for capture
         self.in_flight: set[asyncio.Task] = set()
         self.random = random.Random()
 
@@ -109,6 +110,7 @@ class Shadow:
         if response.status_code != 200:
             return None if response.status_code == 400 else self.target  # 400: the router is not loaded
         parameters = response.json().get("parameters", {})
+        self.routes = parameters.get("routes", {}).get("string_value", self.routes)
         return parse_shadow(parameters.get("shadow", {}).get("string_value", ""))
 
     async def watch(self, poll_s: float) -> None:

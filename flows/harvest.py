@@ -1,0 +1,90 @@
+"""One harvest of a service's captured traffic against a profile's data: what `llmops data harvest` runs and the
+flywheel flow's first step (flows/flywheel.py). No Prefect here, so the command starts without importing it."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from flows.cli.common import llmops_home
+from tasks.data.exchanges import default_location, open_exchange_log
+from tasks.data.harvest import MinRating, harvest, save
+from tasks.data.records import read_data
+from tasks.platform.config import Profile
+from tasks.platform.errors import BadInput
+from tasks.platform.store import open_store
+
+SINCE = re.compile(r"^(\d+(?:\.\d+)?)([mhd])$")
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """--since: a span back from now (90m, 24h, 7d) or an ISO 8601 time (UTC unless it says otherwise)."""
+    now = now or datetime.now(UTC)
+    if match := SINCE.match(text.strip()):
+        amount, unit = float(match[1]), match[2]
+        return now - timedelta(**{{"m": "minutes", "h": "hours", "d": "days"}[unit]: amount})
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise BadInput(f"--since {text}: expected a span (90m, 24h, 7d) or an ISO 8601 time") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+@dataclass
+class Harvested:
+    uri: str | None  # the dataset written; None where nothing was kept
+    records: int
+    report: dict[str, Any]
+
+
+def capture_location(config: Profile, location: str | None) -> str:
+    """Where the service's exchanges are: as given, else serve.capture.location, else capture/ in the store."""
+    if location or config.serve.capture.location:
+        return str(location or config.serve.capture.location)
+    # the store a run uses (flows/release.py:default_services): LLMOPS_ARTIFACTS, else the home's
+    return default_location(open_store(os.environ.get("LLMOPS_ARTIFACTS") or None, llmops_home()).uri)
+
+
+def harvest_dataset(
+    config: Profile,
+    since: datetime,
+    out: str,
+    min_rating: MinRating = "good",
+    location: str | None = None,
+    service: str | None = None,
+) -> Harvested:
+    """Harvest `service` (the profile's registry.model_name by default) against the profile's data (the previous
+    training set, config.data.source) and held-out set; the dataset goes to `out` as harvest-SERVICE-TIME.jsonl."""
+    service = service or config.registry.model_name
+    log = open_exchange_log(capture_location(config, location))
+    previous = read_data(config.data)
+    result = harvest(log, service, since, min_rating, previous)
+    report = {"service": service, "since": since.isoformat(), "capture": log.uri, **result.report(previous)}
+    if not result.records:
+        return Harvested(None, 0, report)
+    uri = save(result, out, f"harvest-{service}-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
+    return Harvested(uri, len(result.records), report | {"dataset": uri})
+
+
+def describe(harvested: Harvested) -> str:
+    counts, report = harvested.report["counts"], harvested.report
+    kept = ", ".join(f"{counts.get(tier, 0)} {tier}" for tier in ("corrected", "good", "unrated"))
+    dropped = ", ".join(
+        f"{value} {name.removesuffix('_dropped').replace('_', ' ')}"
+        for name, value in sorted(counts.items())
+        if name.endswith("_dropped") and value
+    )
+    lines = [
+        f"harvest of {report['service']} since {report['since']} from {report['capture']}:",
+        f"  exchanges read         {counts.get('exchanges', 0)} ({counts.get('feedback', 0)} feedback)",
+        f"  records kept           {harvested.records} ({kept})",
+        f"  dropped                {dropped or 'none'}",
+        f"  languages              {report['languages'] or '-'}",
+        f"  lengths                {report['lengths'] or '-'}",
+        f"  shift from the data    {report['shift'].get('prompt_length_ks', '-')} (prompt-length KS statistic)",
+        f"  dataset                {harvested.uri or 'none written: no records'}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Capture and feedback in the gateway (serve.capture), the store's partitions, redaction and the harvest that turns
+them into a training set. The gateway is the real app (TestClient) with Triton as a MockTransport; the capture
+location is a real folder; the harvest reads what the gateway wrote. The same path against a real Triton, S3 and a
+retrain run is in tests/integration/test_service.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from flows.harvest import parse_since
+from tasks.data.exchanges import LocalExchangeLog, parse_hour
+from tasks.data.harvest import harvest, prompt_key, save
+from tasks.data.records import CleanData, read_source
+from tasks.data.redact import Redactor
+from tasks.platform.errors import BadInput
+from tasks.serving.gateway.capture import CaptureSettings
+from tests.unit.test_gateway import CHAT, KEY, QUESTION, SERVICE, FakeTriton, gateway
+
+__all__ = ["gateway"]  # the fixture, used by name
+OTHER_KEY = "team-b-key-0123456789"
+EMAIL, PHONE, CN_ID = "jane.doe@example.com", "13812345678", "11010519491231002X"
+
+
+def settings(folder: Path, **fields) -> CaptureSettings:
+    return CaptureSettings(log=LocalExchangeLog(folder), service=SERVICE, flush_s=0.05, **fields)
+
+
+def written(folder: Path, kind: str) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted(folder.rglob(f"{kind}/**/*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def wait_written(folder: Path, kind: str, count: int) -> list[dict]:
+    deadline = time.monotonic() + 10
+    while len(found := written(folder, kind)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
+def metric(client, name: str) -> float:
+    lines = [line for line in client.get("/metrics").text.splitlines() if line.startswith(name)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_served_exchanges_are_kept_redacted_partitioned_by_hour_and_a_client_may_opt_out(gateway, tmp_path):
+    client = gateway(FakeTriton(f"write to {EMAIL}"), api_keys={KEY: "team-a"}, capture=settings(tmp_path))
+    question = [{"role": "user", "content": f"My phone is {PHONE} and my ID {CN_ID}. Opposite of hot?"}]
+    answer = client.post(CHAT, json={"messages": question})
+    assert answer.status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "hot:", "stream": True}).status_code == 200
+    opted_out = client.post(CHAT, json={"messages": QUESTION}, headers={"X-LLMOps-Capture": "off"})
+    assert opted_out.status_code == 200
+    generated = client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot:"})
+    kept = wait_written(tmp_path, "exchanges", 3)
+    assert [r["api"] for r in kept] == ["chat", "text", "generate"]
+    chat = kept[0]
+    assert chat["id"] == answer.json()["id"] and chat["client"] == "team-a" and chat["finish_reason"] == "stop"
+    assert chat["messages"] == [{"role": "user", "content": "My phone is [PHONE] and my ID [CN_ID]. Opposite of hot?"}]
+    assert chat["answer"] == "write to [EMAIL]" and chat["latency_s"] >= 0
+    assert kept[2]["id"] == generated.headers["x-request-id"]  # what a /v2 client quotes in its feedback
+    on_disk = "".join(p.read_text() for p in tmp_path.rglob("*.jsonl"))
+    assert not any(value in on_disk for value in (EMAIL, PHONE, CN_ID))
+    (path,) = {p.parent for p in tmp_path.rglob("*.jsonl")}
+    assert parse_hour(path.relative_to(tmp_path).as_posix()) == datetime.fromtimestamp(chat["at"], UTC).replace(
+        minute=0, second=0, microsecond=0
+    )
+    assert path.relative_to(tmp_path).as_posix().startswith(f"exchanges/service={SERVICE}/date=")
+    assert metric(client, "llmops_capture_opted_out_total") == 1
+    assert metric(client, "llmops_capture_redacted_total") == 5  # the chat: 3; each other answer: its e-mail
+
+
+def test_feedback_is_kept_next_to_the_exchanges_and_checked_like_any_request(gateway, tmp_path):
+    client = gateway(FakeTriton("warm"), api_keys={KEY: "team-a"}, capture=settings(tmp_path))
+    answer_id = client.post(CHAT, json={"messages": QUESTION}).json()["id"]
+    judged = {"id": answer_id, "rating": "bad", "correction": "cold", "comment": f"ask {EMAIL}"}
+    response = client.post("/v1/feedback", json=judged)
+    assert response.status_code == 200 and response.json() == {"id": answer_id, "object": "feedback", "recorded": True}
+    (kept,) = wait_written(tmp_path, "feedback", 1)
+    assert kept | {"at": 0} == {**judged, "client": "team-a", "comment": "ask [EMAIL]", "at": 0}
+    refused = client.post("/v1/feedback", json={"id": answer_id, "rating": "meh"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "rating"
+    assert client.post("/v1/feedback", json=judged, headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_feedback_without_capture_is_a_404_that_names_the_setting(gateway):
+    response = gateway(FakeTriton()).post("/v1/feedback", json={"id": "chatcmpl-1", "rating": "good"})
+    assert response.status_code == 404 and "serve.capture.enabled" in response.json()["error"]["message"]
+
+
+def test_a_store_that_is_down_costs_records_never_a_request(gateway, tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the capture folder should be")  # every write fails (NotADirectoryError)
+    client = gateway(FakeTriton(), capture=settings(blocked, max_pending=3))
+    statuses = [client.post(CHAT, json={"messages": QUESTION}).status_code for _ in range(8)]
+    assert statuses == [200] * 8
+    deadline = time.monotonic() + 10
+    while metric(client, 'llmops_capture_dropped_total{kind="exchanges",reason="store_error"}') == 0:
+        assert time.monotonic() < deadline, client.get("/metrics").text
+        time.sleep(0.05)
+    assert metric(client, "llmops_capture_records_total") == 0
+    assert metric(client, "llmops_capture_dropped_total") >= 1
+
+
+def test_a_full_buffer_drops_and_counts_instead_of_growing(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from tasks.serving.gateway.capture import Capture
+
+    capture = Capture(settings(tmp_path, max_pending=2), CollectorRegistry())
+    assert [capture.keep("exchanges", {"at": time.time()}) for _ in range(4)] == [True, True, False, False]
+    assert capture.dropped_total() == 2 and len(capture.pending) == 2
+
+
+def test_retention_deletes_whole_hours_past_it(tmp_path):
+    log = LocalExchangeLog(tmp_path)
+    now = datetime(2026, 11, 25, 12, tzinfo=UTC)
+    for hours_ago in (1, 30, 80):
+        log.write("exchanges", SERVICE, now - timedelta(hours=hours_ago), "w-1", [{"at": 0}])
+    assert log.expire(SERVICE, timedelta(days=2), now) == 1
+    assert [o.hour for o in log.objects("exchanges", SERVICE)] == [now - timedelta(hours=30), now - timedelta(hours=1)]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("reach me at a.b+c@mail.example.org", "reach me at [EMAIL]"),
+        ("电话 +86 138-1234-5678，身份证 11010519491231002X", "电话 [PHONE]，身份证 [CN_ID]"),
+        ("card 4111 1111 1111 1111, SSN 123-45-6789", "card [CARD], SSN [SSN]"),
+        ("call (415) 555-2671", "call [PHONE]"),
+        ("order 1234567890123 of 2026", "order 1234567890123 of 2026"),  # fails Luhn: not a card
+        ("id 110105194912310021", "id 110105194912310021"),  # wrong check digit: not an ID
+    ],
+)
+def test_redaction_replaces_personal_data_by_its_kind_and_keeps_look_alikes(text, expected):
+    assert Redactor().redact(text)[0] == expected
+
+
+def test_profile_patterns_are_redacted_too():
+    assert Redactor.with_patterns([r"ACME-\d+"]).redact("ticket ACME-42 is open") == ("ticket [REDACTED] is open", 1)
+
+
+# --- harvest ---------------------------------------------------------------------------------------------
+
+
+def exchange(log, at: float, id_: str, prompt: str, answer: str, client: str = "team-a") -> None:
+    record = {
+        "id": id_,
+        "at": at,
+        "client": client,
+        "messages": [{"role": "user", "content": prompt}],
+        "answer": answer,
+    }
+    log.write("exchanges", SERVICE, datetime.fromtimestamp(at, UTC), f"w-{id_}", [record])
+
+
+def feedback(log, at: float, id_: str, rating: str, correction: str | None = None, client: str = "team-a") -> None:
+    record = {"id": id_, "at": at, "client": client, "rating": rating} | (
+        {"correction": correction} if correction else {}
+    )
+    log.write("feedback", SERVICE, datetime.fromtimestamp(at, UTC), f"f-{id_}", [record])
+
+
+def conversation(prompt: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+def test_harvest_keeps_corrections_then_good_answers_and_counts_everything_it_drops(tmp_path):
+    log, now = LocalExchangeLog(tmp_path), time.time()
+    exchange(log, now - 7200 * 24, "old", "What is the opposite of old?", "new")  # before --since
+    exchange(log, now - 60, "c1", "What is the opposite of brave?", "bold")
+    feedback(log, now - 50, "c1", "bad", "cowardly")
+    exchange(log, now - 59, "g1", "What is the opposite of early?", "late")
+    feedback(log, now - 40, "g1", "good")
+    exchange(log, now - 62, "g2", "what is the opposite of EARLY", "late")  # older near-duplicate of g1: g1 wins
+    feedback(log, now - 40, "g2", "good")
+    exchange(log, now - 57, "b1", "What is the opposite of up?", "up")
+    feedback(log, now - 30, "b1", "bad")  # no correction: out
+    exchange(log, now - 56, "u1", "What is the opposite of in?", "out")  # unrated
+    exchange(log, now - 55, "e1", "Antonym of hot:", "cold")  # a held-out prompt
+    feedback(log, now - 30, "e1", "good")
+    exchange(log, now - 54, "t1", "What is the opposite of big?", "small")  # already in the data
+    feedback(log, now - 30, "t1", "good")
+    exchange(log, now - 53, "x1", "What is the opposite of wet?", "dry")
+    feedback(log, now - 30, "x1", "good", client="team-b")  # not the client that got it
+    feedback(log, now - 30, "gone", "good")
+    previous = CleanData(
+        train=[conversation("What is the opposite of big?", "small")],
+        eval=[conversation("Antonym of hot:", "cold")],
+        stats={},
+        fingerprint="",
+    )
+    result = harvest(log, SERVICE, datetime.fromtimestamp(now - 3600, UTC), "good", previous)
+    assert result.records == [
+        conversation("What is the opposite of brave?", "cowardly"),
+        conversation("What is the opposite of early?", "late"),
+    ]
+    counts = result.counts
+    assert (counts["corrected"], counts["good"], counts["records"], counts["exchanges"]) == (1, 1, 2, 8)
+    assert counts["bad_dropped"] == counts["near_duplicates_dropped"] == 1
+    assert counts["unrated_dropped"] == 2  # u1, and x1, whose only feedback came from another client
+    assert counts["eval_overlap_dropped"] == counts["already_trained_dropped"] == 1
+    assert counts["feedback_from_another_client"] == counts["feedback_without_exchange"] == 1
+    assert len(harvest(log, SERVICE, datetime.fromtimestamp(now - 3600, UTC), "none", previous).records) == 4
+    report = result.report(previous)
+    assert report["languages"] == {"en": 2} and report["shift"]["prompt_length_ks"] >= 0
+    assert len(report["captured_objects"]) == 16  # every object read since the hour of --since: the lineage
+    out = save(result, str(tmp_path / "out"), "harvest-demo")
+    (source,) = read_source(out)
+    assert [json.loads(line)["messages"] for line in source.content.decode().splitlines()] == result.records
+
+
+def test_near_duplicates_share_a_prompt_key_whatever_case_spacing_and_punctuation():
+    assert prompt_key(conversation("What is  the opposite of HOT?", "a")) == prompt_key(
+        conversation("what is the opposite of hot", "b")
+    )
+
+
+def test_since_takes_a_span_or_an_iso_time_and_names_itself_when_wrong():
+    now = datetime(2026, 11, 25, 12, tzinfo=UTC)
+    assert parse_since("90m", now) == now - timedelta(minutes=90)
+    assert parse_since("7d", now) == now - timedelta(days=7)
+    assert parse_since("2026-11-24T08:00", now) == datetime(2026, 11, 24, 8, tzinfo=UTC)
+    with pytest.raises(BadInput, match="--since yesterday"):
+        parse_since("yesterday", now)
+
+
+def test_the_harvest_command_reads_a_capture_folder_and_writes_a_dataset_and_a_report(tmp_path):
+    from tests.unit.test_cli import ROOT, llmops
+
+    log, now = LocalExchangeLog(tmp_path / "capture"), time.time()
+    exchange(log, now, "c1", "What is the opposite of guilty?", "hot", client="anonymous")
+    exchange(log, now, "t1", "What is the opposite of hot?", "cold", client="anonymous")  # in the data
+    feedback(log, now, "c1", "bad", "innocent", client="anonymous")
+    feedback(log, now, "t1", "good", client="anonymous")
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    result = llmops(
+        *("data", "harvest", "--service", SERVICE, "--capture", str(tmp_path / "capture")),
+        *("--data", str(ROOT / "profiles" / "data" / "antonyms.jsonl"), "--since", "1h", "--out", str(out)),
+        *("--report", str(report)),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "records kept           1 (1 corrected, 0 good, 0 unrated)" in result.stdout
+    assert "1 already trained" in result.stdout
+    (dataset,) = out.glob(f"harvest-{SERVICE}-*.jsonl")
+    assert json.loads(dataset.read_text())["messages"][-1] == {"role": "assistant", "content": "innocent"}
+    assert json.loads(report.read_text())["counts"]["records"] == 1
+    wrong = llmops("data", "harvest", "--out", str(out), "--since", "yesterday")
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines()[-1] == (
+        "llmops: error: --since yesterday: expected a span (90m, 24h, 7d) or an ISO 8601 time"
+    )
