@@ -25,7 +25,7 @@ environments:
 	$(MAKE) --no-print-directory -j3 --output-sync=target setup setup-vllm setup-compat
 
 test: environments test-tools
-	.venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder tests
+	.venv/bin/python -m pytest tests
 
 # ruff (lint and format check) and mypy, as configured in pyproject.toml; CI runs it before the tests.
 lint: setup

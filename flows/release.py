@@ -1,7 +1,7 @@
 """The release DAG as a Prefect flow.
 
     prepare_data -> base_model -> train -> evaluate -> merge -> quantize [-> build_engine] -> register
-      -> deploy_canary (Triton) [-> shadow (live traffic copied)] -> benchmark (genai-perf) -> gate [-> approve (a person)]
+      -> deploy_canary (Triton) [-> tune_serving (Optuna + genai-perf)] [-> shadow (live traffic copied)] -> benchmark (genai-perf) -> gate [-> approve (a person)]
       -> promote | rollback
 
 Each stage is a cached, retried Prefect task (tasks/platform/stage_cache.py); the flow only wires them.
@@ -39,6 +39,7 @@ from tasks.serving.client import TritonTarget
 from tasks.serving.server import TritonServer
 from tasks.shadow import refuse_shadow_without_gateway, shadow
 from tasks.train import train
+from tasks.tune_serving import tune_serving
 
 
 @dataclass
@@ -166,6 +167,8 @@ def release(
             deployment = stage_task(deploy_canary, config)(ctx, registered, triton)
             approved, rejection = True, ""
             if not deployment.unchanged:
+                if config.tune.enabled:  # the candidate's serving settings, searched before anything measures it
+                    stage_task(tune_serving, config)(ctx, deployment)
                 shadowed = stage_task(shadow, config)(ctx, deployment)  # None unless canary.shadow_s
                 measured = stage_task(benchmark, config)(ctx, deployment)
                 report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)

@@ -43,30 +43,3 @@ def _stop_prefect_at_the_end():
     from flows.cli import stop_prefect_services
 
     stop_prefect_services()
-
-
-# `make test` runs two pytest-xdist workers (--dist loadgroup): each test module is a group of its own, run whole by
-# one worker, except the modules that share the session's cpu-tiny store (they train once between them), which are one
-# group. The longest groups go first (seconds in CI, build/junit.xml), so the two workers finish together.
-SHARED_STORE = ("test_serving", "test_attach")  # the modules using the cpu_tiny_store fixture
-LONGEST_FIRST = ("test_serving", "test_attach", "test_service", "test_release", "test_quality_gate", "test_approval")
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # One thread per worker for torch, OpenMP and the tokenizers, in this process and every server and run it starts:
-    # two workers whose trainings each spin two OpenMP threads on 2 cores took 4.5 times as long as one alone.
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(name, "1")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items):
-    def module(item) -> str:
-        return item.module.__name__.rsplit(".", 1)[-1]
-
-    def rank(item) -> int:
-        return LONGEST_FIRST.index(module(item)) if module(item) in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the order inside a module is kept
-    for item in items:
-        group = "cpu-tiny-store" if module(item) in SHARED_STORE else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -91,8 +91,11 @@ def genai_perf_command(
     concurrency: int,
     artifact_dir: Path,
     prompts: Path | None = None,
+    goodput: dict[str, float] | None = None,
 ) -> list[str]:
-    """One genai-perf run; with `prompts` (JSONL of {"text": ...}) it reads them instead of synthesizing."""
+    """One genai-perf run; with `prompts` (JSONL of {"text": ...}) it reads them instead of synthesizing; with
+    `goodput` (objectives in ms, e.g. {"time_to_first_token": 1000}) it counts the requests that meet them all
+    (genai_perf/parser.py: --goodput, nargs="+", KEY:VALUE pairs; exported as request_goodput)."""
     inputs = (
         ["--input-file", str(prompts)]
         if prompts is not None
@@ -124,6 +127,7 @@ def genai_perf_command(
         str(cfg.warmup_request_count),
         "--artifact-dir",
         str(artifact_dir),
+        *(["--goodput", *(f"{key}:{value:g}" for key, value in goodput.items())] if goodput else []),
     ]
 
 
@@ -163,6 +167,7 @@ class GenaiPerf:
     out_dir: Path
     prompts: Path | None = None
     prompts_cache: Path | None = None  # a folder; None: no reuse across releases
+    goodput: dict[str, float] | None = None  # objectives in ms; the export then has request_goodput (goodput_of)
 
     def measure(self, served: Served, concurrency: int, label: str = "") -> LoadLevel:
         """One genai-perf run on one served model at one concurrency level."""
@@ -173,7 +178,14 @@ class GenaiPerf:
                 self.prompts = Path(shutil.copyfile(cached, self.out_dir / "prompts.jsonl"))
         artifact_dir = self.out_dir / f"{served.name}-c{concurrency}{label}"
         command = genai_perf_command(
-            served.name, self.grpc_url, served.model_dir, self.cfg, concurrency, artifact_dir, self.prompts
+            served.name,
+            self.grpc_url,
+            served.model_dir,
+            self.cfg,
+            concurrency,
+            artifact_dir,
+            self.prompts,
+            self.goodput,
         )
         env = child_env(  # genai-perf needs none of this process's secrets
             {
@@ -193,6 +205,17 @@ class GenaiPerf:
             if cached is not None:
                 keep(self.prompts, cached)
         return measured
+
+
+def goodput_of(artifact_dir: Path) -> float:
+    """Requests per second that met every goodput objective, from a run with objectives."""
+    exports = sorted(artifact_dir.rglob("profile_export_genai_perf.json"))
+    try:
+        return float(json.loads(exports[0].read_text())["request_goodput"]["avg"])
+    except (IndexError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise CheckFailed(
+            f"tune_serving: no request_goodput in genai-perf's export under {artifact_dir} ({exc})"
+        ) from None
 
 
 def keep(prompts: Path, cached: Path) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -62,12 +64,62 @@ def test_the_control_api_needs_the_key_and_inference_does_not(triton):
     assert curl(f"{url}/v2/health/ready") == "200"
 
 
+# tune_serving searches the candidate's serving settings (2 trials: the profile's own and one of Optuna's)
+TUNE = ["--set", "tune.enabled=true", "--set", "tune.trials=2"]
+
+
 @pytest.fixture(scope="module")
 def release(tmp_path_factory, attach_args):
     home = tmp_path_factory.mktemp("attach-home")
-    result = llmops(home, "run", *attach_args, *FAST)
+    result = llmops(home, "run", *attach_args, *FAST, *TUNE)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return home
+
+
+class Clients:
+    """Requests to the service on Triton, one after the other from a thread, until stopped: what they got."""
+
+    def __init__(self, url: str):
+        self.url, self.statuses = url, Counter()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.send, daemon=True)
+
+    def send(self) -> None:
+        body = {"text_input": "What is the opposite of hot?", "max_tokens": 4, "exclude_input_in_output": True}
+        while not self.stopped.is_set():
+            try:
+                self.statuses[
+                    requests.post(f"{self.url}/v2/models/{SERVICE}/generate", json=body, timeout=30).status_code
+                ] += 1
+            except requests.RequestException as exc:
+                self.statuses[type(exc).__name__] += 1
+            time.sleep(0.1)
+
+    def __enter__(self) -> Clients:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join(60)
+
+
+def test_tuning_chose_the_candidates_serving_settings_and_serves_with_them(triton, release):
+    run = latest_release(release)
+    assert run.data.tags["tune.cached"] == "false"
+    chosen = json.loads(run.data.tags["tune.settings"])
+    assert set(chosen) == {"max_batch_size", "max_queue_delay_us", "instance_count"}
+    history = registry(release).get_metric_history(run.info.run_id, "tune/goodput_per_s")
+    assert len(history) == 2 and all(m.value > 0 for m in history)  # every trial served and met the objective
+    assert run.data.metrics["tune/best_goodput_per_s"] >= run.data.metrics["tune/default_goodput_per_s"] > 0
+    version = registry(release).get_model_version(SERVICE, run.data.tags["registered_version"])
+    assert json.loads(version.tags["serve.model_settings"]).items() >= chosen.items()  # the champion serves so
+    config = requests.get(
+        f"{triton.client.url}/v2/models/{SERVICE}-v{version.version}/config",
+        headers={"llmops-control-key": KEY},
+        timeout=10,
+    ).json()
+    assert config["max_batch_size"] == chosen["max_batch_size"]
 
 
 def test_a_release_by_url_promotes_without_writing_the_servers_repository(triton, release):
@@ -88,8 +140,11 @@ def test_a_bad_candidate_rolls_back_on_the_attached_triton(triton, release, atta
     """Offline the candidate is fine (every training stage is a cache hit); its serving config skips the chat
     template, so what clients get differs from what was evaluated: the served scores catch it."""
     champion = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
-    result = llmops(release, "run", *attach_args, "--set", "serve.apply_chat_template=false", *FAST)
+    with Clients(triton.client.url) as clients:  # the champion serves them while the candidate is loaded and tuned
+        result = llmops(release, "run", *attach_args, "--set", "serve.apply_chat_template=false", *FAST, *TUNE)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
+    assert set(clients.statuses) == {200} and clients.statuses[200] > 20, clients.statuses
+    assert latest_release(release).data.tags["tune.cached"] == "true"  # the same model: the search is not run again
     assert str(registry(release).get_model_version_by_alias(SERVICE, "champion").version) == champion
     report_path = Path(result.stdout.split("gate report: ")[1].split()[0])
     report = json.loads(report_path.read_text())

@@ -37,7 +37,7 @@ MODEL = "tiny-qwen2-antonyms"
 RELEASE_TIMEOUT = 600
 # As test_serving.FAST: one benchmark round, no throughput-ratio check (one round has no interval)
 SERVING_OVERRIDES = [
-    *("bench.request_count=16", "bench.concurrency=[2]", "quantize.backend=none"),
+    *("bench.request_count=16", "bench.concurrency=[2]", "quantize.backend=none", "canary.window_s=1.5"),
     *("bench.rounds=1", "bench.max_rounds=1", "gate.min_throughput_ratio=null"),
 ]
 
@@ -372,7 +372,7 @@ def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(servi
             "profile": "cpu-tiny",
             "data_source": "s3://datasets/sft/",
             "overrides": [
-                *("serve.deploy=false", "train.seed=3", "quantize.backend=none"),
+                *("serve.deploy=false", "train.seed=3", "quantize.backend=none", "train.num_train_epochs=1"),
                 "run.remote_stages.train=run-stage/gpu",
             ],
         },

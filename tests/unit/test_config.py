@@ -79,12 +79,12 @@ def test_profile_digest_changes_with_any_value():
 # the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
 # and when the served models' queues got a bound (serve.max_queue_size).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "2b35dd0aa4d6820ceed50949dd24e272d0f6c4504e87ad19c3b6553fb8e0c9b1",
-    "cpu-tiny-qa-zh": "0882be8d414aed977017199833df20da17646eaf474286584210d8d9a8b819bb",
-    "llama3-8b-h100-fp8": "50be0bb2011e1c586469b94999f629d41a6041ce87e7cd153b226c3aca019fb5",
-    "qwen-7b-qlora-2xa10": "124c987ad0909cdd9a86f048e14539416d281f49b7d5cd13e47cfee41476ed4d",
-    "qwen-7b-vllm-h100": "28593f4d2ea25ccf662edba82536c9628c53a88ca081786b27d6c89271a9c0d0",
-    "qwen2-14b-int4-tp2": "eafe2124181c685757a4b599b9a2f5ca0b686aec537850aee274dcd30b6a4a30",
+    "cpu-tiny": "29244aac20821cd37c04ce4872099d106d1ea58e22e40a1a38875cfb5ebcf3c3",
+    "cpu-tiny-qa-zh": "7eef78e7104c02ca21e09ba8fe0f9a0b2bdf85599bc0f25d863374c2adfc6f59",
+    "llama3-8b-h100-fp8": "f6a363f17744def2e4ea997d9df9dd409fbd458f1b08c43706aa8f431683366e",
+    "qwen-7b-qlora-2xa10": "2d2da746e8338a01bfbefba6c450147eafd172f341fad9598914fc011cf935c6",
+    "qwen-7b-vllm-h100": "8cbc3c3635111df713993498a9d08748379c36ce2efb00ca55e9e6e628258097",
+    "qwen2-14b-int4-tp2": "d09be6ea897b3c7c48ceaa98136d570c07584fa475e9b50aeeed44a0fb18bea6",
 }
 
 

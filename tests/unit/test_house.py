@@ -15,6 +15,7 @@ STAGES = {
     "build_engine",
     "register",
     "deploy_canary",
+    "tune_serving",
     "shadow",
     "benchmark",
     "gate",

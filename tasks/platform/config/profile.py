@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from tasks.platform.config.base import Section
 from tasks.platform.config.machines import HardwareSection, RunSection
 from tasks.platform.config.quantize import BLACKWELL, EngineSection, QuantizeSection, is_blackwell
-from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
+from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection, TuneSection
 from tasks.platform.config.serving import ServeSection
 from tasks.platform.config.training import (
     BaseModelSection,
@@ -38,6 +38,7 @@ class Profile(Section):
     serve: ServeSection = ServeSection()
     canary: CanarySection = CanarySection()
     bench: BenchSection = BenchSection()
+    tune: TuneSection = TuneSection()
     gate: GateSection = GateSection()
     registry: RegistrySection
     run: RunSection = RunSection()

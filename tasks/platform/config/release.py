@@ -164,3 +164,34 @@ class RegistrySection(Section):
         description="MLflow registered model and Triton service name (its versions serve as NAME-vN): letters, "
         "digits, '-', '_' or '.', starting with a letter or digit.",
     )
+
+
+class TuneSection(Section):
+    """tune_serving: before the benchmark, a search over the candidate's serving settings on the Triton it will
+    serve on (Optuna's TPE sampler; the profile's own settings are the first trial), maximizing goodput: the
+    requests per second that meet gate.p99_time_to_first_token_ms and inter_token_latency_ms, at the benchmark's
+    highest concurrency and request shape. The best settings become the candidate's serving settings (the
+    benchmark, the gate, the canary and the registered version's serve.model_settings). Python backend only."""
+
+    enabled: bool = Field(False, description="Search the candidate's serving settings before the benchmark.")
+    trials: int = Field(8, ge=1, description="Most settings tried, the profile's own first.")
+    budget_s: float = Field(
+        600, gt=0, description="Seconds the search may take; it stops after the trial running then."
+    )
+    seed: int = Field(0, description="The sampler's seed: the same model, space and seed try the same settings.")
+    inter_token_latency_ms: float | None = Field(
+        None, gt=0, description="Goodput's inter-token latency objective per request (null: none)."
+    )
+    max_batch_size: list[int] = Field([1, 2, 4, 8, 16], min_length=1, description="Values of serve.max_batch_size.")
+    max_queue_delay_us: list[int] = Field(
+        [0, 1000, 2000, 5000, 10000, 20000], min_length=1, description="Values of serve.max_queue_delay_us."
+    )
+    instance_count: list[int] = Field([1], min_length=1, description="Values of serve.instance_count.")
+
+    def space(self) -> dict[str, list[int]]:
+        """The searched settings and their values (serve.* names)."""
+        return {
+            "max_batch_size": sorted(set(self.max_batch_size)),
+            "max_queue_delay_us": sorted(set(self.max_queue_delay_us)),
+            "instance_count": sorted(set(self.instance_count)),
+        }

@@ -1,0 +1,236 @@
+"""tune_serving: the candidate's serving settings, searched on the Triton it will serve on, before the benchmark.
+
+Each trial loads the candidate again with the trial's settings (max_batch_size, max_queue_delay_us, instance_count
+of the python backend) while the champion keeps serving every request next to it, measures it with genai-perf at
+the benchmark's highest concurrency and request shape, and scores its goodput: requests per second that met the
+time-to-first-token objective (gate.p99_time_to_first_token_ms) and tune.inter_token_latency_ms. Optuna's TPE
+sampler picks the trials (seeded; the profile's own settings are the first), within tune.trials and tune.budget_s.
+The candidate is left loaded with the best settings, which it keeps through the benchmark, the gate, the canary and
+promotion (the registered version's serve.model_settings tag: the champion is later compared at its own).
+
+Why Optuna and not Model Analyzer: Model Analyzer sweeps Triton configs with perf_analyzer and knows nothing of
+goodput objectives nor of our rendered models; Optuna is already in the environment (LlamaFactory's) and is the
+library the issue names. The result is cached in the store by model digest, search space, objectives, load shape,
+engine and hardware: a rerun with the same model loads the tuned settings without searching again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tasks.platform.config import Profile
+from tasks.platform.errors import CheckFailed
+from tasks.platform.stage_cache import RunContext, logger
+from tasks.serving.genai_perf import GenaiPerf, goodput_of
+from tasks.serving.models import install_model, triton_unload_quietly
+
+if TYPE_CHECKING:
+    from tasks.deploy_canary import Deployment
+
+RECORDS = "tune_serving"  # the store's record namespace of finished searches
+
+
+@dataclass
+class Trial:
+    number: int
+    settings: dict[str, int]
+    goodput_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    ttft_p99_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class Tuned:
+    settings: dict[str, int]  # the candidate's serving settings now (serve.* names)
+    default: Trial
+    best: Trial
+    trials: list[Trial] = field(default_factory=list)
+    cached: bool = False
+
+    def headline(self) -> str:
+        gain = self.best.goodput_per_s / self.default.goodput_per_s if self.default.goodput_per_s else float("inf")
+        source = "cached" if self.cached else f"{len(self.trials)} trials"
+        return (
+            f"tune_serving: {self.settings} ({source}): goodput {self.best.goodput_per_s:.1f}/s against "
+            f"{self.default.goodput_per_s:.1f}/s at the profile's settings ({gain:.2f}x)"
+        )
+
+
+def objectives(profile: Profile) -> dict[str, float]:
+    """genai-perf's goodput objectives (ms) from the gate's TTFT and the tune section's inter-token latency."""
+    found = {}
+    if profile.gate.p99_time_to_first_token_ms is not None:
+        found["time_to_first_token"] = profile.gate.p99_time_to_first_token_ms
+    if profile.tune.inter_token_latency_ms is not None:
+        found["inter_token_latency"] = profile.tune.inter_token_latency_ms
+    return found
+
+
+def cache_key(profile: Profile, artifact_sha256: str) -> str:
+    """What a search's result depends on: the model, the space, the objectives, the load, the engine, the machine."""
+    bench = profile.bench
+    parts = {
+        "model": artifact_sha256,
+        "space": profile.tune.space(),
+        "trials": profile.tune.trials,
+        "seed": profile.tune.seed,
+        "objectives": objectives(profile),
+        "load": [max(bench.concurrency), bench.input_tokens, bench.output_tokens, bench.request_count],
+        "engine": [
+            profile.serve.backend,
+            profile.serve.torch_threads,
+            version("genai-perf"),
+            version("nvidia-pytriton"),
+        ],
+        "hardware": [profile.hardware.model_dump(mode="json"), os.cpu_count()],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def with_settings(profile: Profile, settings: dict[str, int]) -> Profile:
+    return profile.model_copy(update={"serve": profile.serve.with_model_settings(settings)})
+
+
+def defaults(profile: Profile) -> dict[str, int]:
+    return {name: int(getattr(profile.serve, name)) for name in profile.tune.space()}
+
+
+def tune_serving(ctx: RunContext, deployment: Deployment) -> Tuned | None:
+    """The candidate's best serving settings, loaded; None where tuning does not apply."""
+    profile = ctx.profile
+    if profile.serve.backend != "python":
+        logger().info(f"tune_serving: not for serve.backend {profile.serve.backend} yet; the profile's settings serve")
+        return None
+    key = cache_key(profile, deployment.candidate.artifact_sha256)
+    recorded = ctx.store.get_record(RECORDS, key)
+    if recorded is not None:
+        tuned = Tuned(
+            recorded["settings"],
+            Trial(**recorded["default"]),
+            Trial(**recorded["best"]),
+            [Trial(**t) for t in recorded["trials"]],
+            cached=True,
+        )
+    else:
+        tuned = search(profile, deployment, ctx.work_dir("tune_serving", ctx.tracker.run_id))
+        ctx.store.put_record(RECORDS, key, asdict(tuned) | {"cached": False})
+    load(profile, deployment, tuned.settings)
+    track(ctx, tuned, deployment)
+    logger().info(tuned.headline())
+    return tuned
+
+
+def load(profile: Profile, deployment: Deployment, settings: dict[str, int]) -> None:
+    """The candidate loaded with `settings` (the champion serves throughout)."""
+    triton_unload_quietly(deployment.triton, deployment.candidate.name)
+    install_model(deployment.triton, with_settings(profile, settings), deployment.candidate)
+
+
+def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
+    """Optuna's trials on the loaded candidate; genai-perf's runs under `out_dir`."""
+    import optuna
+
+    candidate = deployment.candidate
+    space, concurrency = profile.tune.space(), max(profile.bench.concurrency)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    grpc_url = deployment.triton.grpc_url
+    if grpc_url is None:
+        raise CheckFailed(f"tune_serving: Triton at {deployment.triton.url} has no gRPC endpoint for genai-perf")
+    genai_perf = GenaiPerf(grpc_url, profile.bench, out_dir, goodput=objectives(profile))
+    genai_perf.measure(candidate, concurrency, "-warmup")  # the prompts, and the candidate's first answers
+    trials: list[Trial] = []
+
+    def objective(trial: optuna.Trial) -> float:
+        settings = {name: int(trial.suggest_categorical(name, values)) for name, values in space.items()}
+        measured = Trial(trial.number, settings)
+        try:
+            load(profile, deployment, settings)
+            level = genai_perf.measure(candidate, concurrency, f"-trial{trial.number}")
+            goodput = goodput_of(out_dir / f"{candidate.name}-c{concurrency}-trial{trial.number}")
+            measured = Trial(trial.number, settings, goodput, level.requests_per_s, level.ttft_p99_ms, level.itl_p99_ms)
+        except CheckFailed as exc:  # a setting that does not load or serve is a trial with no goodput
+            measured.error = str(exc)[:300]
+        trials.append(measured)
+        logger().info(
+            f"tune_serving: trial {trial.number} {settings}: goodput {measured.goodput_per_s:.1f}/s, "
+            f"{measured.requests_per_s:.1f} req/s, TTFT p99 {measured.ttft_p99_ms:.0f} ms{measured.error and ' ' + measured.error}"
+        )
+        return measured.goodput_per_s
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=profile.tune.seed))
+    study.enqueue_trial(defaults(profile))  # the profile's own settings: the baseline every trial is compared with
+    started = time.monotonic()
+    study.optimize(objective, n_trials=profile.tune.trials, timeout=profile.tune.budget_s)
+    logger().info(f"tune_serving: {len(trials)} trials in {time.monotonic() - started:.0f}s")
+    default, best = trials[0], max(trials, key=lambda t: t.goodput_per_s)
+    if best.goodput_per_s <= default.goodput_per_s:
+        best = default  # nothing won: the profile's settings stay
+    return Tuned(best.settings, default, best, trials)
+
+
+def track(ctx: RunContext, tuned: Tuned, deployment: Deployment) -> None:
+    """Every trial as MLflow metrics (one step each), the table, the plot; the settings on the registered version."""
+    for trial in tuned.trials:
+        values = {"goodput_per_s": trial.goodput_per_s, "requests_per_s": trial.requests_per_s}
+        ctx.tracker.log_metrics("tune", values | {"ttft_p99_ms": trial.ttft_p99_ms}, step=trial.number)
+    ctx.tracker.log_metrics(
+        "tune",
+        {"best_goodput_per_s": tuned.best.goodput_per_s, "default_goodput_per_s": tuned.default.goodput_per_s},
+    )
+    ctx.tracker.set_tags({"tune.settings": json.dumps(tuned.settings), "tune.cached": str(tuned.cached).lower()})
+    ctx.tracker.log_json("tune_trials.json", asdict(tuned))
+    plot = plot_trials(tuned, ctx.work_dir("tune_serving", ctx.tracker.run_id) / "tune_trials.png")
+    ctx.tracker.log_file(plot)
+    version = ctx.tracker.client.get_model_version(ctx.profile.registry.model_name, deployment.candidate.version)
+    recorded: dict[str, Any] = json.loads(version.tags.get("serve.model_settings", "{}"))
+    ctx.tracker.client.set_model_version_tag(
+        version.name, version.version, "serve.model_settings", json.dumps(recorded | tuned.settings, sort_keys=True)
+    )
+    publish(tuned)
+
+
+def plot_trials(tuned: Tuned, path: Path) -> Path:
+    """Goodput against TTFT p99 of every trial, the profile's settings and the chosen ones marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.scatter([t.ttft_p99_ms for t in tuned.trials], [t.goodput_per_s for t in tuned.trials], label="trials")
+    for trial, label, marker in ((tuned.default, "profile's settings", "s"), (tuned.best, "chosen", "*")):
+        axes.scatter([trial.ttft_p99_ms], [trial.goodput_per_s], marker=marker, s=180, label=label)
+    axes.set_xlabel("TTFT p99 (ms)")
+    axes.set_ylabel("goodput (requests/s meeting the objectives)")
+    axes.set_title("tune_serving: the candidate's serving settings")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def publish(tuned: Tuned) -> None:
+    """The top trials as a Prefect table artifact on the run (nothing outside a flow run)."""
+    from prefect.artifacts import create_table_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    top = sorted(tuned.trials, key=lambda t: -t.goodput_per_s)[:5]
+    rows = [
+        {"trial": t.number, **t.settings, "goodput/s": round(t.goodput_per_s, 2), "TTFT p99 ms": round(t.ttft_p99_ms)}
+        for t in top
+    ]
+    create_table_artifact(rows, key="tune-serving", description=tuned.headline())

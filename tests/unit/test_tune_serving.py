@@ -1,0 +1,52 @@
+"""tune_serving's parts that need no Triton: the goodput objectives, the cache key, the baseline trial and the plot.
+The search itself runs on a real Triton in tests/integration/test_serving.py (a release with tuning on, under
+client load) and in benchmarks/tune_serving.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.platform.config import load_profile
+from tasks.serving.genai_perf import genai_perf_command
+from tasks.tune_serving import Trial, Tuned, cache_key, defaults, objectives, plot_trials, with_settings
+
+
+def test_goodput_objectives_are_the_gates_ttft_and_the_tune_sections_inter_token_latency():
+    profile = load_profile("cpu-tiny", ["tune.inter_token_latency_ms=50"])
+    assert objectives(profile) == {"time_to_first_token": 1000, "inter_token_latency": 50}
+    assert objectives(load_profile("cpu-tiny", ["gate.p99_time_to_first_token_ms=null"])) == {}
+
+
+def test_genai_perf_gets_the_objectives_as_key_value_pairs():
+    bench = load_profile("cpu-tiny").bench
+    assert "--goodput" not in genai_perf_command("m", "localhost:8001", Path("tok"), bench, 8, Path("out"))
+    command = genai_perf_command(
+        "m", "localhost:8001", Path("tok"), bench, 8, Path("out"), None, {"time_to_first_token": 1000.0}
+    )
+    assert command[-2:] == ["--goodput", "time_to_first_token:1000"]
+
+
+def test_a_cached_search_is_found_again_only_for_the_same_model_space_load_and_objectives():
+    profile = load_profile("cpu-tiny")
+    key = cache_key(profile, "a" * 64)
+    assert key == cache_key(load_profile("cpu-tiny"), "a" * 64)
+    assert key != cache_key(profile, "b" * 64)
+    for change in ("tune.max_batch_size=[1,4]", "bench.concurrency=[16]", "gate.p99_time_to_first_token_ms=500"):
+        assert key != cache_key(load_profile("cpu-tiny", [change]), "a" * 64), change
+
+
+def test_the_first_trial_is_the_profiles_own_settings_and_a_trial_applies_only_its_own():
+    profile = load_profile("cpu-tiny", ["serve.max_batch_size=4", "serve.max_queue_delay_us=500"])
+    assert defaults(profile) == {"max_batch_size": 4, "max_queue_delay_us": 500, "instance_count": 1}
+    tried = with_settings(profile, {"max_batch_size": 16, "max_queue_delay_us": 0, "instance_count": 1})
+    assert (tried.serve.max_batch_size, tried.serve.max_queue_delay_us) == (16, 0)
+    assert tried.serve.default_max_tokens == profile.serve.default_max_tokens
+
+
+def test_the_plot_marks_the_profiles_settings_and_the_chosen_ones(tmp_path):
+    default = Trial(0, {"max_batch_size": 8}, 10.0, 10.0, 120.0)
+    best = Trial(1, {"max_batch_size": 16}, 14.0, 14.0, 90.0)
+    tuned = Tuned(best.settings, default, best, [default, best])
+    path = plot_trials(tuned, tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    assert "(1.40x)" in tuned.headline()
