@@ -39,10 +39,9 @@ fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip==26.3"
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages for vLLM (CPU build, no dependency resolution)"
 "$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
-# pip byte-compiles file by file on one core; compileall -j 0 does the same work on every core (about 40 s
-# instead of 55 s for .venv here). Files that do not compile under 3.11 (torch's py312 test helpers) are
-# skipped as pip skips them.
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
+# No byte-compiling here (pip's --no-compile, and no compileall): Python compiles a module when it is first
+# imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
+# as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+|triton|torchvision|torchaudio|torchcodec)==' || true)
 if [ -n "$cuda" ]; then

@@ -64,8 +64,9 @@ def test_the_control_api_needs_the_key_and_inference_does_not(triton):
     assert curl(f"{url}/v2/health/ready") == "200"
 
 
-# tune_serving searches the candidate's serving settings (2 trials: the profile's own and one of Optuna's)
-TUNE = ["--set", "tune.enabled=true", "--set", "tune.trials=2"]
+# tune_serving searches the candidate's serving settings (2 trials: the profile's own and one of Optuna's; one
+# confirmation round where the other won)
+TUNE = ["--set", "tune.enabled=true", "--set", "tune.trials=2", "--set", "tune.confirm_rounds=1"]
 
 
 @pytest.fixture(scope="module")

@@ -79,12 +79,12 @@ def test_profile_digest_changes_with_any_value():
 # the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
 # and when the served models' queues got a bound (serve.max_queue_size).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "29244aac20821cd37c04ce4872099d106d1ea58e22e40a1a38875cfb5ebcf3c3",
-    "cpu-tiny-qa-zh": "7eef78e7104c02ca21e09ba8fe0f9a0b2bdf85599bc0f25d863374c2adfc6f59",
-    "llama3-8b-h100-fp8": "f6a363f17744def2e4ea997d9df9dd409fbd458f1b08c43706aa8f431683366e",
-    "qwen-7b-qlora-2xa10": "2d2da746e8338a01bfbefba6c450147eafd172f341fad9598914fc011cf935c6",
-    "qwen-7b-vllm-h100": "8cbc3c3635111df713993498a9d08748379c36ce2efb00ca55e9e6e628258097",
-    "qwen2-14b-int4-tp2": "d09be6ea897b3c7c48ceaa98136d570c07584fa475e9b50aeeed44a0fb18bea6",
+    "cpu-tiny": "9c8dce57371dd7f0fbfb2b23570d24e4a9b191822e960e0c8e7e7fc12261e8ba",
+    "cpu-tiny-qa-zh": "fbfa63bdc3d052077bfc16c91ca8101d739b4466ddf8fe3b18785539d2adbeb9",
+    "llama3-8b-h100-fp8": "85d60825b5c1dfcca22423146377d44c35b1c83791e6998a621b0c2fb95cbe07",
+    "qwen-7b-qlora-2xa10": "d20be5141f9c45384b1a495c63ef6b174969afa2d284342e0a26b37c5badb521",
+    "qwen-7b-vllm-h100": "abf913755bafd69ab6795842b3f885196a4a065d05f666222ffd92992537c394",
+    "qwen2-14b-int4-tp2": "d03659a26f65f390c001090b041a107669c8c63e3ee26dace1be3411ca2b0716",
 }
 
 

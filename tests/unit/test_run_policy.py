@@ -31,6 +31,7 @@ def test_the_settings_that_run_code_are_marked_file_only():
         "engine.extra_args",
         "serve.vllm.environment",
         "serve.triton_binary",
+        "serve.capture.location",  # where users' conversations go: not for whoever starts a run
     }
 
 

@@ -179,6 +179,15 @@ class TuneSection(Section):
         600, gt=0, description="Seconds the search may take; it stops after the trial running then."
     )
     seed: int = Field(0, description="The sampler's seed: the same model, space and seed try the same settings.")
+    min_gain: float = Field(
+        0.05, ge=0, description="Share of goodput the best settings must win over the profile's to be adopted."
+    )
+    confirm_rounds: int = Field(
+        2,
+        ge=1,
+        description="Rounds in which the search's best and the profile's settings are measured again, alternately, "
+        "before the best is adopted (one run each per round).",
+    )
     inter_token_latency_ms: float | None = Field(
         None, gt=0, description="Goodput's inter-token latency objective per request (null: none)."
     )
