@@ -9,7 +9,7 @@ model and one genai-perf run at the profile's highest concurrency: goodput, TTFT
 --rounds runs each, and tuned against the profile's.
 
     .venv/bin/python benchmarks/tune_serving.py [--home LLMOPS_HOME] [--models cpu-tiny,compute] [--trials 8]
-        [--rounds 3] [--concurrency 8] [--requests 64]
+        [--rounds 3] [--concurrency 8] [--requests 64] [--set serve.max_batch_size=2]
 """
 
 from __future__ import annotations
@@ -50,11 +50,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8, help="the load's concurrency (bench.concurrency)")
     parser.add_argument("--requests", type=int, default=64, help="requests per genai-perf run (bench.request_count)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a profile override: the settings the search starts from (e.g. serve.max_batch_size=2)",
+    )
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="llmops-tune-bench-"))
     home = (args.home or scratch / "home").resolve()
     overrides = [f"tune.trials={args.trials}", f"bench.concurrency=[{args.concurrency}]"]
-    profile = load_profile("cpu-tiny", [*overrides, f"bench.request_count={args.requests}"])
+    profile = load_profile("cpu-tiny", [*overrides, f"bench.request_count={args.requests}", *args.overrides])
     rows = {}
     try:
         for name in args.models.split(","):
