@@ -373,6 +373,7 @@ def test_an_api_run_uses_its_parameters_and_trains_on_the_stage_deployment(servi
             "data_source": "s3://datasets/sft/",
             "overrides": [
                 *("serve.deploy=false", "train.seed=3", "quantize.backend=none", "train.num_train_epochs=1"),
+                "evaluate.min_improvement=-1",  # one epoch learns little: this test is about where training runs
                 "run.remote_stages.train=run-stage/gpu",
             ],
         },
