@@ -140,7 +140,8 @@ def test_editing_a_helper_reruns_only_the_stages_that_use_it(tmp_path):
 
 # Render Triton models; and approve, which reads the gate's report (it is never cached: a person decides each time)
 RENDERING_STAGES = {
-    *("tasks.benchmark", "tasks.deploy_canary", "tasks.shadow", "tasks.gate", "tasks.approve", "tasks.rollout")
+    *("tasks.benchmark", "tasks.deploy_canary", "tasks.shadow", "tasks.gate", "tasks.approve", "tasks.rollout"),
+    "tasks.tune_serving",  # loads the candidate with each trial's settings
 }
 
 
