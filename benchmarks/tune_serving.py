@@ -22,6 +22,7 @@ from pathlib import Path
 
 from serving_batching import compute_model, merged_model  # this script's folder is first on sys.path
 
+from flows.cli.common import add_overrides_flag
 from tasks.deploy_canary import Deployment
 from tasks.platform.config import load_profile
 from tasks.serving.champion import triton_launch
@@ -50,14 +51,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8, help="the load's concurrency (bench.concurrency)")
     parser.add_argument("--requests", type=int, default=64, help="requests per genai-perf run (bench.request_count)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a profile override: the settings the search starts from (e.g. serve.max_batch_size=2)",
-    )
+    add_overrides_flag(parser, "a profile override: the settings the search starts from (e.g. serve.max_batch_size=2)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="llmops-tune-bench-"))
     home = (args.home or scratch / "home").resolve()
