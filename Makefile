@@ -1,5 +1,5 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup setup-vllm setup-compat environments test-tools run test test-unit lint format benchmark docs
+.PHONY: setup setup-vllm setup-compat setup-aiperf environments test-tools run test test-unit lint format benchmark docs
 
 setup:
 	bash infra/local/setup.sh
@@ -7,6 +7,10 @@ setup:
 # The vLLM serving environment (.venv-vllm) for serve.backend=vllm; CPU build, about 2.5 GB
 setup-vllm:
 	bash infra/local/setup-vllm.sh
+
+# NVIDIA AIPerf (.venv-aiperf) for bench.tool=aiperf: its pins collide with .venv's; about 1.2 GB, no torch
+setup-aiperf:
+	bash infra/local/setup-aiperf.sh
 
 # The serving images' transformers 4.x without torch (.venv-compat), for tests/unit/test_serving_compat.py; about 260 MB
 setup-compat:
@@ -19,10 +23,11 @@ test-tools:
 run: setup
 	.venv/bin/llmops run
 
-# The three environments side by side: they share nothing, and built one after another they leave a core idle
-# (from a fresh clone on 2 cores: 95 s instead of 129 s). Each target's output stays together (--output-sync).
+# The four environments side by side: they share nothing, and built one after another they leave a core idle
+# (from a fresh clone on 2 cores: 95 s instead of 129 s for the first three). Each target's output stays together
+# (--output-sync).
 environments:
-	$(MAKE) --no-print-directory -j3 --output-sync=target setup setup-vllm setup-compat
+	$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm setup-compat setup-aiperf
 
 test: environments test-tools
 	.venv/bin/python -m pytest tests
@@ -40,12 +45,13 @@ format: setup
 test-unit: setup setup-compat
 	.venv/bin/python -m pytest tests/unit
 
-benchmark: setup setup-vllm
+benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/pipeline_overhead.py
 	.venv/bin/python benchmarks/serving_batching.py
 	.venv/bin/python benchmarks/service_latency.py
 	.venv/bin/python benchmarks/shadow_overhead.py
 	.venv/bin/python benchmarks/gateway_overhead.py
+	.venv/bin/python benchmarks/bench_tools.py
 
 # The documentation site (mkdocs.yml, docs/): strict, so a page missing from the nav or a broken link fails.
 # NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build

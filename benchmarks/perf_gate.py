@@ -13,7 +13,9 @@ genai-perf's output tokens/s). Prints a table.
 The baseline is read from the same run: the first round's genai-perf export of each model (one
 measurement each, champion first, as before) and its token-throughput ratio.
 
-    .venv/bin/python benchmarks/perf_gate.py [--equal 5] [--slow 5] [--home DIR]
+    .venv/bin/python benchmarks/perf_gate.py [--equal 5] [--slow 5] [--home DIR] [--tool genai-perf|aiperf]
+
+With `--tool aiperf` every measurement is bench.profile_runs AIPerf runs, so the ratio's samples are rounds x runs.
 """
 
 from __future__ import annotations
@@ -71,23 +73,27 @@ def main() -> None:
     parser.add_argument("--equal", type=int, default=5, help="candidates equal to the champion (other seeds)")
     parser.add_argument("--slow", type=int, default=5, help="candidates served 20 ms slower a batch")
     parser.add_argument("--home", type=Path, help="LLMOPS_HOME (default: a fresh temporary folder)")
+    parser.add_argument(
+        "--tool", choices=("genai-perf", "aiperf"), default="genai-perf", help="bench.tool of every release"
+    )
     args = parser.parse_args()
     home = args.home or Path(tempfile.mkdtemp(prefix="llmops-perf-gate-"))
-    first = release(home)
+    tool = ["--set", f"bench.tool={args.tool}"]
+    first = release(home, *tool)
     print(f"home {home}; first release: {first.get('decision', first)}", flush=True)
-    header = f"{'candidate':<18} {'baseline ratio':>14} {'ratio':>7} {'interval':>15} {'rounds':>6} {'verdict':>13} {'gate':>8} {'bench s':>7}"
+    header = f"{'candidate':<18} {'baseline ratio':>14} {'ratio':>7} {'interval':>15} {'samples':>7} {'verdict':>13} {'gate':>8} {'bench s':>7}"
     print(header + "\n" + "-" * len(header), flush=True)
     equal = [("equal", 40 + i, []) for i in range(args.equal)]
     slow = [("slow", 60 + i, SLOW) for i in range(args.slow)]
     # alternating, so that whatever the machine does over the half hour falls on both kinds
     runs = [run for pair in zip_longest(slow, equal) for run in pair if run is not None]
     for kind, seed, extra in runs:
-        measured = release(home, "--set", f"train.seed={seed}", *extra)
+        measured = release(home, "--set", f"train.seed={seed}", *tool, *extra)
         check = measured["check"]
         verdict = "pass" if check["passed"] else "inconclusive" if check["inconclusive"] else "FAIL"
         print(
             f"{kind + ' seed ' + str(seed):<18} {measured['baseline_ratio']:>14.3f} {check['value']:>7.3f} "
-            f"{check['interval'][0]:>7.3f}..{check['interval'][1]:<6.3f} {check['samples']:>6} {verdict:>13} "
+            f"{check['interval'][0]:>7.3f}..{check['interval'][1]:<6.3f} {check['samples']:>7} {verdict:>13} "
             f"{measured['decision']:>8} {measured['benchmark_s'] or 0:>7.1f}",
             flush=True,
         )

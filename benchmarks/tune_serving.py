@@ -29,7 +29,7 @@ from tasks.serving.champion import triton_launch
 from tasks.serving.genai_perf import GenaiPerf, goodput_of
 from tasks.serving.models import Served, install_model
 from tasks.serving.server import TritonServer
-from tasks.tune_serving import defaults, load, objectives, search
+from tasks.tune_serving import defaults, load, search
 
 MODELS = {"cpu-tiny": merged_model, "compute": compute_model}
 
@@ -37,7 +37,7 @@ MODELS = {"cpu-tiny": merged_model, "compute": compute_model}
 def measure_settings(profile, deployment, settings, out: Path, label: str) -> dict[str, float]:
     load(profile, deployment, settings)
     concurrency = max(profile.bench.concurrency)
-    genai_perf = GenaiPerf(deployment.triton.grpc_url or "", profile.bench, out, goodput=objectives(profile))
+    genai_perf = GenaiPerf(deployment.triton.grpc_url or "", profile.bench, out, goodput=profile.goodput_objectives())
     level = genai_perf.measure(deployment.candidate, concurrency, label)
     goodput = goodput_of(out / f"{deployment.candidate.name}-c{concurrency}{label}")
     return {"goodput": goodput, "ttft_p99": level.ttft_p99_ms, "req_s": level.requests_per_s}
@@ -90,7 +90,7 @@ def print_table(args, profile, rows) -> None:
     print(
         f"\npython backend on Triton, {args.requests} streaming requests per run at concurrency {args.concurrency} "
         f"({profile.bench.input_tokens} prompt tokens, {profile.bench.output_tokens} generated), goodput objective "
-        f"{objectives(profile)}; median of {args.rounds} runs per row\n"
+        f"{profile.goodput_objectives()}; median of {args.rounds} runs per row\n"
     )
     print(f"{'model':9} {'settings':8} {'values':58} {'goodput/s':>10} {'TTFT p99':>9} {'req/s':>7} {'vs profile':>10}")
     for name, (tuned, measured) in rows.items():

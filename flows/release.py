@@ -23,7 +23,7 @@ from tasks.benchmark import benchmark
 from tasks.build_engine import build_engine
 from tasks.deploy_canary import deploy_canary
 from tasks.evaluate import evaluate
-from tasks.gate import GateReport, gate
+from tasks.gate import gate
 from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import CheckFailed
@@ -31,6 +31,7 @@ from tasks.platform.stage_cache import RunContext, StageResult, stage_task
 from tasks.platform.store import open_store
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, start_run
 from tasks.prepare_data import DatasetMetrics, prepare_data
+from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
 from tasks.register import Registered, register
 from tasks.rollout import rollout

@@ -23,8 +23,8 @@ from typing import Literal
 from prefect.input import RunInput
 from pydantic import Field
 
-from tasks.gate import GateReport
 from tasks.platform.stage_cache import RunContext, logger
+from tasks.quality.checks import GateReport
 
 APPROVAL_KEY = "approval"  # the pause's key: one approval per release run
 POLL_S = 2  # how often the paused run asks the API whether it was resumed (Prefect's default is 10 s)

@@ -1,17 +1,22 @@
-"""benchmark: genai-perf against Triton, champion and candidate under the same load.
+"""benchmark: a load generator against Triton, champion and candidate under the same load.
+
+The tool is bench.tool: genai-perf (one run per measurement, Triton's gRPC stream;
+tasks/serving/genai_perf.py) or AIPerf (bench.profile_runs runs per measurement, Triton's HTTP stream;
+tasks/serving/aiperf.py). Both count goodput where the profile has latency objectives
+(Profile.goodput_objectives).
 
 Every level below the highest is measured once per model. With a champion, the highest level is measured in rounds, interleaved and in alternating order (champion,
 candidate; candidate, champion; ...), so drift of a shared machine hits both models alike; each round
-gives a candidate/champion ratio and the gate reads their interval (tasks/quality/stats.py). While
-the throughput interval straddles gate.min_throughput_ratio, rounds continue up to bench.max_rounds.
+gives a candidate/champion ratio per run (AIPerf's k-th run of one model is paired with the other's k-th) and the
+gate reads their interval (tasks/quality/stats.py). While the throughput interval straddles
+gate.min_throughput_ratio, rounds continue up to bench.max_rounds. With AIPerf, the candidate's own latency and
+rate checks are decided on the interval of its runs' mean as well (its runs at the level concerned).
 
 Why the ratio is of requests/s and not of genai-perf's output tokens/s: genai-perf counts output
 tokens by re-tokenizing the streamed text, and two models generating the same 8 tokens count 10 to
 14 (a replacement character for a partial byte sequence tokenizes into several): the token ratio
 carried up to 17% of text, not speed. Every request generates exactly `output_tokens`, so requests/s
 times `output_tokens` is the throughput in generated tokens.
-
-genai-perf's command line, runs and export: tasks/serving/genai_perf.py.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import TYPE_CHECKING
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
-from tasks.quality.stats import RatioInterval, ratio_interval
+from tasks.quality.stats import MeanInterval, RatioInterval, mean_interval, ratio_interval
 from tasks.serving.client import parse_metric
-from tasks.serving.genai_perf import GenaiPerf, LoadLevel, check_tokenizer
+from tasks.serving.genai_perf import GenaiPerf, check_tokenizer
+from tasks.serving.load_level import LoadLevel, LoadTool
 
 if TYPE_CHECKING:
     from tasks.deploy_canary import Deployment
@@ -34,39 +40,76 @@ if TYPE_CHECKING:
     from tasks.serving.models import Served
 
 
+# The candidate's statistics its own checks read (ServingSummary's names); with several runs per level, each
+# also gets the interval of the runs' mean.
+CHECKED = ("latency_p99_ms", "ttft_p99_ms", "requests_per_s", "goodput_per_s")
+
+
 @dataclass
 class ServingSummary:
-    """What the gate reads of one model: worst p99s over the levels, throughput at the highest
-    concurrency (the rounds' median there), and the share of its requests Triton counted as failed."""
+    """What the gate reads of one model: worst p99s over the levels, throughput and goodput at the highest
+    concurrency (the runs' median there), and the share of its requests Triton counted as failed. With several
+    runs per level (AIPerf), `intervals` holds the interval of each CHECKED statistic's mean over the runs at the
+    level that gave its value."""
 
     latency_p99_ms: float
     ttft_p99_ms: float
     output_tokens_per_s: float  # generated tokens: requests/s times bench.output_tokens
     requests_per_s: float
     error_rate: float
+    goodput_per_s: float = 0.0
+    intervals: dict[str, MeanInterval] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, levels: dict[int, LoadLevel], error_rate: float, output_tokens: int) -> ServingSummary:
-        top = levels[max(levels)]
-        return cls(
-            latency_p99_ms=max(level.latency_p99_ms for level in levels.values()),
-            ttft_p99_ms=max(level.ttft_p99_ms for level in levels.values()),
-            output_tokens_per_s=top.requests_per_s * output_tokens,
-            requests_per_s=top.requests_per_s,
+    def of(
+        cls, runs: dict[int, list[LoadLevel]], error_rate: float, output_tokens: int, confidence: float | None = None
+    ) -> ServingSummary:
+        """`runs`: every run per concurrency level; with `confidence`, intervals where a level has 2+ runs."""
+        levels = {concurrency: LoadLevel.median(measured) for concurrency, measured in runs.items()}
+        top = max(levels)
+        worst_latency = max(levels, key=lambda c: levels[c].latency_p99_ms)
+        worst_ttft = max(levels, key=lambda c: levels[c].ttft_p99_ms)
+        summary = cls(
+            latency_p99_ms=levels[worst_latency].latency_p99_ms,
+            ttft_p99_ms=levels[worst_ttft].ttft_p99_ms,
+            output_tokens_per_s=levels[top].requests_per_s * output_tokens,
+            requests_per_s=levels[top].requests_per_s,
             error_rate=error_rate,
+            goodput_per_s=levels[top].goodput_per_s,
         )
+        if confidence is not None:
+            at = {
+                "latency_p99_ms": worst_latency,
+                "ttft_p99_ms": worst_ttft,
+                "requests_per_s": top,
+                "goodput_per_s": top,
+            }
+            for name, concurrency in at.items():
+                if len(runs[concurrency]) > 1:
+                    summary.intervals[name] = mean_interval([getattr(r, name) for r in runs[concurrency]], confidence)
+        return summary
+
+    def as_mlflow(self, role: str) -> dict[str, float]:
+        """`<role>_<statistic>`, and `<role>_<statistic>_low|_high` of its interval where it has one."""
+        metrics = {f"{role}_{name}": value for name, value in asdict(self).items() if name != "intervals"}
+        for name, interval in self.intervals.items():
+            if interval.low is not None and interval.high is not None:
+                metrics |= {f"{role}_{name}_low": interval.low, f"{role}_{name}_high": interval.high}
+        return metrics
 
     def describe(self) -> str:
         return (
             f"p99 {self.latency_p99_ms:.1f} ms, TTFT p99 {self.ttft_p99_ms:.1f} ms, "
-            f"{self.requests_per_s:.1f} req/s ({self.output_tokens_per_s:.0f} tok/s), errors {self.error_rate:.2%}"
+            f"{self.requests_per_s:.1f} req/s ({self.output_tokens_per_s:.0f} tok/s)"
+            + (f", goodput {self.goodput_per_s:.1f}/s" if self.goodput_per_s else "")
+            + f", errors {self.error_rate:.2%}"
         )
 
 
 @dataclass
 class RoleBenchmark:
-    """One model (the candidate or the champion) under each concurrency level, and its summary; at the
-    highest level, the median of its rounds (`rounds`, in the order measured)."""
+    """One model (the candidate or the champion) under each concurrency level (the median of its runs there), and
+    its summary; at the highest level, every run in the order measured (`rounds`)."""
 
     levels: dict[int, LoadLevel]
     summary: ServingSummary
@@ -79,28 +122,41 @@ class RoleBenchmark:
             for concurrency, level in self.levels.items()
             for name, value in asdict(level).items()
         }
-        return per_level | {f"{role}_{name}": value for name, value in asdict(self.summary).items()}
+        return per_level | self.summary.as_mlflow(role)
 
 
 @dataclass
 class Comparison:
-    """Candidate/champion ratios at the highest concurrency, one per interleaved round, with intervals."""
+    """Candidate/champion ratios at the highest concurrency, one per paired run, with intervals."""
 
     concurrency: int
     throughput: RatioInterval  # of requests/s (each request generates exactly bench.output_tokens)
     latency_p99: RatioInterval
     ttft_p99: RatioInterval
     planned_rounds: int  # bench.rounds; more were measured when the throughput verdict was inconclusive
+    goodput: RatioInterval | None = None  # None without latency objectives, or where the champion met none
 
     @classmethod
     def of(cls, pairs: list[tuple[LoadLevel, LoadLevel]], concurrency: int, cfg: BenchSection) -> Comparison:
-        """`pairs`: (champion, candidate) per round."""
+        """`pairs`: (champion, candidate) per paired run."""
 
         def ratios(metric: str) -> RatioInterval:
             values = [getattr(candidate, metric) / getattr(champion, metric) for champion, candidate in pairs]
             return ratio_interval(values, cfg.confidence)
 
-        return cls(concurrency, ratios("requests_per_s"), ratios("latency_p99_ms"), ratios("ttft_p99_ms"), cfg.rounds)
+        goodput = None
+        if all(champion.goodput_per_s > 0 for champion, _ in pairs):
+            # A candidate run that met no objective counts at a millionth of its champion's goodput (a ratio's
+            # logarithm needs a positive value): far below any threshold, and it fails the check.
+            goodput = ratio_interval([max(c.goodput_per_s / ch.goodput_per_s, 1e-6) for ch, c in pairs], cfg.confidence)
+        return cls(
+            concurrency,
+            ratios("requests_per_s"),
+            ratios("latency_p99_ms"),
+            ratios("ttft_p99_ms"),
+            cfg.rounds,
+            goodput,
+        )
 
     @property
     def rounds(self) -> int:
@@ -113,6 +169,7 @@ class Comparison:
             ("throughput", self.throughput),
             ("latency_p99", self.latency_p99),
             ("ttft_p99", self.ttft_p99),
+            *([("goodput", self.goodput)] if self.goodput is not None else []),
         ):
             metrics[f"ratio_{name}"] = ratio.value
             if ratio.low is not None and ratio.high is not None:
@@ -128,7 +185,7 @@ class Comparison:
         )
         return (
             f"candidate/champion throughput {t.value:.3f} ({interval}, "
-            f"{self.rounds} round{'s' if self.rounds > 1 else ''} at concurrency {self.concurrency})"
+            f"{self.rounds} paired run{'s' if self.rounds > 1 else ''} at concurrency {self.concurrency})"
         )
 
 
@@ -181,47 +238,67 @@ def plot(result: BenchmarkResult, path: Path) -> None:
     plt.close(fig)
 
 
-def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
-    """genai-perf on the candidate and, when one serves, the champion, interleaved; same load for both."""
-    cfg = ctx.profile.bench
-    out_dir = ctx.home / "work" / "benchmark" / ctx.tracker.run_id
-    out_dir.mkdir(parents=True, exist_ok=True)
+def load_tool(ctx: RunContext, deployment: Deployment, out_dir: Path) -> LoadTool:
+    """bench.tool against this run's Triton, counting goodput under the profile's latency objectives."""
+    cfg, objectives = ctx.profile.bench, ctx.profile.goodput_objectives()
+    if cfg.tool == "aiperf":
+        from tasks.serving.aiperf import AIPerf, aiperf_executable
+
+        return AIPerf(deployment.triton.url, cfg, out_dir, aiperf_executable(cfg), goodput=objectives)
     grpc_url = deployment.triton.grpc_url
     if grpc_url is None:
         raise CheckFailed(
             f"benchmark: Triton at {deployment.triton.url} has no gRPC endpoint for genai-perf "
             "(give --triton-grpc-url or LLMOPS_TRITON_GRPC_URL)"
         )
+    return GenaiPerf(
+        grpc_url, cfg, out_dir, prompts_cache=ctx.home / "cache" / "genai-perf-prompts", goodput=objectives
+    )
+
+
+def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
+    """bench.tool on the candidate and, when one serves, the champion, interleaved; same load for both."""
+    cfg = ctx.profile.bench
+    out_dir = ctx.home / "work" / "benchmark" / ctx.tracker.run_id
+    out_dir.mkdir(parents=True, exist_ok=True)
     champion, candidate = deployment.champion, deployment.candidate
     models = [champion, candidate] if champion is not None else [candidate]
     for served in models:
         check_tokenizer(served.model_dir)
-    genai_perf = GenaiPerf(grpc_url, cfg, out_dir, prompts_cache=ctx.home / "cache" / "genai-perf-prompts")
+    tool = load_tool(ctx, deployment, out_dir)
     counters_before = deployment.triton.metrics()
     *lower, top = sorted(set(cfg.concurrency))
-    levels: dict[str, dict[int, LoadLevel]] = {served.name: {} for served in models}
+    runs: dict[str, dict[int, list[LoadLevel]]] = {served.name: {} for served in models}
     for concurrency in lower:  # also the warm-up: both models, the same requests, before any round
         for served in models:
-            logger().info(f"benchmark: {served.name} at concurrency {concurrency} ({cfg.request_count} requests)")
-            levels[served.name][concurrency] = genai_perf.measure(served, concurrency)
+            logger().info(
+                f"benchmark: {served.name} at concurrency {concurrency} ({cfg.tool}, {cfg.request_count} requests)"
+            )
+            runs[served.name][concurrency] = tool.measure_runs(served, concurrency)
     comparison = None
     if champion is None:
-        logger().info(f"benchmark: {candidate.name} at concurrency {top} ({cfg.request_count} requests)")
-        rounds = {candidate.name: [genai_perf.measure(candidate, top)]}
+        logger().info(f"benchmark: {candidate.name} at concurrency {top} ({cfg.tool}, {cfg.request_count} requests)")
+        runs[candidate.name][top] = tool.measure_runs(candidate, top)
     else:
-        rounds, comparison = compare_in_rounds(genai_perf, champion, candidate, top, ctx.profile)
+        rounds, comparison = compare_in_rounds(tool, champion, candidate, top, ctx.profile)
+        for served in models:
+            runs[served.name][top] = rounds[served.name]
     counters_after = deployment.triton.metrics()
+    confidence = cfg.confidence if cfg.tool == "aiperf" else None  # genai-perf's checks stay on the median
 
     def role(served: Served) -> RoleBenchmark:
-        at = levels[served.name] | {top: LoadLevel.median(rounds[served.name])}
+        measured = runs[served.name]
         error_rate = failed_share(counters_before, counters_after, served.name)
-        return RoleBenchmark(at, ServingSummary.of(at, error_rate, cfg.output_tokens), rounds[served.name])
+        summary = ServingSummary.of(measured, error_rate, cfg.output_tokens, confidence)
+        levels = {concurrency: LoadLevel.median(level_runs) for concurrency, level_runs in measured.items()}
+        return RoleBenchmark(levels, summary, measured[top])
 
     result = BenchmarkResult(role(candidate), role(champion) if champion is not None else None, comparison)
     for name, measured in result.roles.items():
         ctx.tracker.log_metrics("benchmark", measured.as_mlflow(name))
     if comparison is not None:
         ctx.tracker.log_metrics("benchmark", comparison.as_mlflow())
+    ctx.tracker.set_tags({"bench.tool": cfg.tool})
     plot(result, out_dir / "latency_throughput.png")
     ctx.tracker.log_file(out_dir / "latency_throughput.png", "benchmark")
     (out_dir / "benchmark.json").write_text(json.dumps(result.as_json(), indent=2))
@@ -233,22 +310,26 @@ def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
 
 
 def compare_in_rounds(
-    genai_perf: GenaiPerf, champion: Served, candidate: Served, concurrency: int, profile: Profile
+    tool: LoadTool, champion: Served, candidate: Served, concurrency: int, profile: Profile
 ) -> tuple[dict[str, list[LoadLevel]], Comparison]:
     """bench.rounds rounds at `concurrency`, champion first in odd rounds and candidate first in even
     ones; then one more at a time while the throughput ratio's interval straddles
-    gate.min_throughput_ratio, up to bench.max_rounds."""
+    gate.min_throughput_ratio, up to bench.max_rounds. Every run of a round pairs with the other model's run
+    of the same number (AIPerf makes bench.profile_runs a round)."""
     cfg, threshold = profile.bench, profile.gate.min_throughput_ratio
     rounds: dict[str, list[LoadLevel]] = {champion.name: [], candidate.name: []}
+    number = 0
     while True:
-        number = len(rounds[champion.name]) + 1
+        number += 1
         order = (champion, candidate) if number % 2 else (candidate, champion)
         logger().info(
             f"benchmark: round {number} at concurrency {concurrency}: {order[0].name}, then {order[1].name} "
-            f"({cfg.request_count} requests each)"
+            f"({cfg.tool}, {cfg.request_count} requests each)"
         )
-        for served in order:
-            rounds[served.name].append(genai_perf.measure(served, concurrency, f"-round{number}"))
+        measured = {served.name: tool.measure_runs(served, concurrency, f"-round{number}") for served in order}
+        paired = min(len(runs) for runs in measured.values())  # a tool may finish fewer runs than asked
+        for name, runs in measured.items():
+            rounds[name].extend(runs[:paired])
         if number < cfg.rounds:
             continue
         comparison = Comparison.of(

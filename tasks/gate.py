@@ -19,35 +19,21 @@ The decision, with each check's value, interval, threshold and verdict, is writt
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from tasks.build_engine import EngineMetrics
 from tasks.platform.config import GateSection
 from tasks.platform.stage_cache import RunContext, StageResult, logger
-from tasks.quality.stats import Difference, RatioInterval
+from tasks.quality.checks import Check, GateReport, at_least, at_most, interval_check, ratio_check
+from tasks.quality.stats import Difference
+from tasks.shadow import shadow_checks
 
 if TYPE_CHECKING:
     from tasks.benchmark import BenchmarkResult, Comparison, ServingSummary
     from tasks.deploy_canary import Deployment
     from tasks.shadow import ShadowResult
-
-
-@dataclass
-class Check:
-    name: str
-    value: float | None
-    threshold: float
-    comparison: str  # "<=" or ">="
-    passed: bool
-    interval: list[float] | None = None  # the interval the verdict used (its bound), if any
-    samples: int | None = None  # paired samples, or benchmark rounds, behind the interval
-    inconclusive: bool = False  # the interval straddles the threshold (a failed check: the gate cannot tell)
-
-    @property
-    def verdict(self) -> str:
-        return "pass" if self.passed else "INCONCLUSIVE" if self.inconclusive else "FAIL"
 
 
 @dataclass
@@ -61,104 +47,6 @@ class Quality:
     max_tokens: int
     served_artifact: str  # what promotion serves (the registered version's artifact)
     measured_artifact: str  # what Triton loaded for the candidate, read back from the server
-
-
-@dataclass
-class GateReport:
-    model: str
-    candidate_version: str
-    champion_version: str | None
-    passed: bool
-    checks: list[Check] = field(default_factory=list)
-    metric: str = ""
-    served_artifact: str = ""
-    measured_artifact: str = ""
-
-    @property
-    def decision(self) -> str:
-        return "promote" if self.passed else "reject"
-
-    def summary(self) -> str:
-        failed = [
-            f"{c.name} {c.value if c.value is None else round(c.value, 4)}"
-            + (f" (interval {c.interval[0]:.4g}..{c.interval[1]:.4g})" if c.interval else "")
-            + f" (needs {c.comparison} {c.threshold:g})"
-            + ((f" inconclusive after {c.samples} rounds" if c.samples else " inconclusive") if c.inconclusive else "")
-            for c in self.checks
-            if not c.passed
-        ]
-        return "; ".join(failed) or "all checks pass"
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "decision": self.decision}
-
-    def description(self) -> str:
-        """One paragraph for the registry's version page: the decision and its headline numbers."""
-        numbers = "; ".join(
-            f"{c.name} {'n/a' if c.value is None else format(c.value, '.4g')} "
-            f"({c.verdict.lower()}, {c.comparison} {c.threshold:g})"
-            for c in self.checks
-        )
-        against = f"v{self.champion_version}" if self.champion_version else "no champion (first release)"
-        return f"Gate: {self.decision} against {against}. {numbers}."
-
-    def markdown(self) -> str:
-        lines = [
-            f"# Gate: {self.decision.upper()} {self.model} v{self.candidate_version}",
-            "",
-            f"Champion: {'v' + self.champion_version if self.champion_version else 'none (first release)'}",
-            "",
-            f"Task metric: {self.metric or 'n/a'}; served artifact {self.served_artifact[:12] or 'n/a'}, "
-            f"measured artifact {self.measured_artifact[:12] or 'n/a'}",
-            "",
-            "| check | value | interval | threshold | verdict |",
-            "|---|---|---|---|---|",
-        ]
-        for c in self.checks:
-            value = "n/a" if c.value is None else f"{c.value:.4g}"
-            interval = f"{c.interval[0]:.4g}..{c.interval[1]:.4g}" if c.interval else ""
-            lines.append(f"| {c.name} | {value} | {interval} | {c.comparison} {c.threshold:g} | {c.verdict} |")
-        return "\n".join(lines) + "\n"
-
-    def write(self, folder: Path) -> tuple[Path, Path]:
-        folder.mkdir(parents=True, exist_ok=True)
-        json_path, md_path = folder / "gate_report.json", folder / "gate_report.md"
-        json_path.write_text(json.dumps(self.as_dict(), indent=2))
-        md_path.write_text(self.markdown())
-        return json_path, md_path
-
-
-def at_most(name: str, value: float | None, threshold: float, difference: Difference | None = None) -> Check:
-    """value <= threshold; with an interval, its upper bound must be."""
-    bound = difference.high if difference is not None and difference.high is not None else value
-    return Check(
-        name,
-        value,
-        threshold,
-        "<=",
-        bound is not None and bound <= threshold,
-        difference.interval() if difference else None,
-        difference.samples if difference else None,
-    )
-
-
-def at_least(name: str, value: float | None, threshold: float) -> Check:
-    return Check(name, value, threshold, ">=", value is not None and value >= threshold)
-
-
-def ratio_check(name: str, ratio: RatioInterval, threshold: float, comparison: Literal[">=", "<="]) -> Check:
-    """A candidate/champion ratio over the benchmark's rounds, decided on its interval."""
-    verdict = ratio.verdict(threshold, comparison)
-    return Check(
-        name,
-        ratio.value,
-        threshold,
-        comparison,
-        verdict == "pass",
-        ratio.interval(),
-        ratio.rounds,
-        verdict == "inconclusive",
-    )
 
 
 def decide(
@@ -185,8 +73,6 @@ def decide(
     if comparison is not None:
         checks += comparison_checks(cfg, comparison)
     if shadowed is not None:
-        from tasks.shadow import shadow_checks  # tasks/shadow.py builds its checks from this module's
-
         checks += shadow_checks(cfg, shadowed)
     if champion_version is not None and quality is not None and quality.drop_vs_champion is not None:
         checks.append(
@@ -210,14 +96,24 @@ def decide(
 
 
 def serving_checks(cfg: GateSection, candidate: ServingSummary) -> list[Check]:
-    """The candidate's own latency, rate and errors under the benchmark's load."""
+    """The candidate's own latency, rate and errors under the benchmark's load; on the interval of its runs'
+    mean where the benchmark measured several (AIPerf), else on the value."""
     checks = []
-    if cfg.p99_request_latency_ms is not None:
-        checks.append(at_most("p99 request latency (ms)", candidate.latency_p99_ms, cfg.p99_request_latency_ms))
-    if cfg.p99_time_to_first_token_ms is not None:
-        checks.append(at_most("p99 time to first token (ms)", candidate.ttft_p99_ms, cfg.p99_time_to_first_token_ms))
-    if cfg.min_requests_per_s is not None:
-        checks.append(at_least("request throughput (req/s)", candidate.requests_per_s, cfg.min_requests_per_s))
+    wanted: list[tuple[str, str, float | None, Literal[">=", "<="]]] = [
+        ("p99 request latency (ms)", "latency_p99_ms", cfg.p99_request_latency_ms, "<="),
+        ("p99 time to first token (ms)", "ttft_p99_ms", cfg.p99_time_to_first_token_ms, "<="),
+        ("request throughput (req/s)", "requests_per_s", cfg.min_requests_per_s, ">="),
+    ]
+    for name, statistic, threshold, comparison in wanted:
+        if threshold is None:
+            continue
+        interval = candidate.intervals.get(statistic)
+        if interval is not None:
+            checks.append(interval_check(name, interval, threshold, comparison, interval.samples))
+        elif comparison == "<=":
+            checks.append(at_most(name, getattr(candidate, statistic), threshold))
+        else:
+            checks.append(at_least(name, getattr(candidate, statistic), threshold))
     checks.append(at_most("error rate", candidate.error_rate, cfg.max_error_rate))
     return checks
 
@@ -249,6 +145,13 @@ def comparison_checks(cfg: GateSection, comparison: Comparison) -> list[Check]:
         )
     if cfg.max_latency_ratio is not None:
         checks.append(ratio_check("p99 latency ratio vs champion", comparison.latency_p99, cfg.max_latency_ratio, "<="))
+    if cfg.min_goodput_ratio is not None:
+        if comparison.goodput is None:  # no objectives, or a champion that met none: nothing to compare with
+            checks.append(
+                Check("goodput ratio vs champion", None, cfg.min_goodput_ratio, ">=", False, inconclusive=True)
+            )
+        else:
+            checks.append(ratio_check("goodput ratio vs champion", comparison.goodput, cfg.min_goodput_ratio, ">="))
     return checks
 
 

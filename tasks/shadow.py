@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.deploy_canary import Deployment
-from tasks.gate import Check, at_most
 from tasks.platform.config import GateSection, Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, logger
+from tasks.quality.checks import Check, at_most
 from tasks.quality.metrics import TEXT_METRICS, metric_score
 from tasks.quality.stats import paired_difference, wilson_interval
 from tasks.serving.client import TritonTarget

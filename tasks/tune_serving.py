@@ -67,16 +67,6 @@ class Tuned:
         )
 
 
-def objectives(profile: Profile) -> dict[str, float]:
-    """genai-perf's goodput objectives (ms) from the gate's TTFT and the tune section's inter-token latency."""
-    found = {}
-    if profile.gate.p99_time_to_first_token_ms is not None:
-        found["time_to_first_token"] = profile.gate.p99_time_to_first_token_ms
-    if profile.tune.inter_token_latency_ms is not None:
-        found["inter_token_latency"] = profile.tune.inter_token_latency_ms
-    return found
-
-
 def cache_key(profile: Profile, artifact_sha256: str) -> str:
     """What a search's result depends on: the model, the space, the objectives, the load, the engine, the machine."""
     bench = profile.bench
@@ -85,7 +75,7 @@ def cache_key(profile: Profile, artifact_sha256: str) -> str:
         "space": profile.tune.space(),
         "trials": profile.tune.trials,
         "seed": profile.tune.seed,
-        "objectives": objectives(profile),
+        "objectives": profile.goodput_objectives(),
         "load": [max(bench.concurrency), bench.input_tokens, bench.output_tokens, bench.request_count],
         "engine": [
             profile.serve.backend,
@@ -147,7 +137,7 @@ def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
     grpc_url = deployment.triton.grpc_url
     if grpc_url is None:
         raise CheckFailed(f"tune_serving: Triton at {deployment.triton.url} has no gRPC endpoint for genai-perf")
-    genai_perf = GenaiPerf(grpc_url, profile.bench, out_dir, goodput=objectives(profile))
+    genai_perf = GenaiPerf(grpc_url, profile.bench, out_dir, goodput=profile.goodput_objectives())
     genai_perf.measure(candidate, concurrency, "-warmup")  # the prompts, and the candidate's first answers
 
     def measure(settings: dict[str, int], number: int, label: str) -> Trial:

@@ -68,16 +68,11 @@ def paired_difference(
     )
 
 
-@dataclass(frozen=True)
-class RatioInterval:
-    """The geometric mean of paired ratios (candidate/champion, one per round) and its t interval;
-    one round measures no spread, so it has no interval (and decides no check)."""
+class Decides:
+    """A point value with an optional interval (`low`, `high`), decided against a threshold on the interval."""
 
-    value: float
     low: float | None
     high: float | None
-    confidence: float
-    rounds: int
 
     def verdict(self, threshold: float, comparison: Literal[">=", "<="]) -> Verdict:
         """pass when the whole interval is on the right side of the threshold, fail when it is entirely
@@ -90,6 +85,44 @@ class RatioInterval:
 
     def interval(self) -> list[float] | None:
         return None if self.low is None or self.high is None else [self.low, self.high]
+
+
+@dataclass(frozen=True)
+class RatioInterval(Decides):
+    """The geometric mean of paired ratios (candidate/champion, one per round) and its t interval;
+    one round measures no spread, so it has no interval (and decides no check)."""
+
+    value: float
+    low: float | None
+    high: float | None
+    confidence: float
+    rounds: int
+
+
+@dataclass(frozen=True)
+class MeanInterval(Decides):
+    """The mean of one model's repeated benchmark runs (AIPerf's profile runs) and its Student t interval, as
+    AIPerf reports it; one run has no interval."""
+
+    value: float
+    low: float | None
+    high: float | None
+    confidence: float
+    samples: int
+
+
+def mean_interval(values: list[float], confidence: float) -> MeanInterval:
+    """mean +- t * sd / sqrt(n) over the runs' values."""
+    from scipy.stats import t
+
+    if not values:
+        raise ValueError("mean_interval needs at least one value")
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return MeanInterval(mean, None, None, confidence, len(values))
+    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1))
+    half = float(t.ppf((1 + confidence) / 2, len(values) - 1)) * sd / math.sqrt(len(values))
+    return MeanInterval(mean, mean - half, mean + half, confidence, len(values))
 
 
 def ratio_interval(ratios: list[float], confidence: float) -> RatioInterval:

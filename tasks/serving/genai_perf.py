@@ -20,16 +20,16 @@ import json
 import os
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.platform.child_env import child_env
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import BadInput, CheckFailed
+from tasks.serving.load_level import LoadLevel
 
 if TYPE_CHECKING:
     from tasks.serving.models import Served
@@ -50,35 +50,16 @@ METRICS = {
 }
 
 
-@dataclass
-class LoadLevel:
-    """What genai-perf measured for one model at one concurrency level."""
-
-    ttft_p50_ms: float
-    ttft_p90_ms: float
-    ttft_p99_ms: float
-    itl_avg_ms: float
-    itl_p99_ms: float
-    latency_p50_ms: float
-    latency_p90_ms: float
-    latency_p99_ms: float
-    output_tokens_per_s: float  # genai-perf's count: the streamed text re-tokenized (see the module's docstring)
-    requests_per_s: float
-    request_count: float
-
-    @classmethod
-    def median(cls, measured: list[LoadLevel]) -> LoadLevel:
-        """Each statistic's median over repeated measurements (the rounds)."""
-        return cls(**{name: statistics.median(getattr(m, name) for m in measured) for name in asdict(measured[0])})
-
-
 def parse_profile_export(path: Path) -> LoadLevel:
     """genai-perf's JSON export at one level; a missing or malformed file is a clear error."""
     if not path.is_file():
         raise CheckFailed(f"benchmark: genai-perf wrote no {path.name} (looked in {path.parent})")
     try:
         data = json.loads(path.read_text())
-        return LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
+        level = LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
+        if "request_goodput" in data:  # a run with goodput objectives (--goodput)
+            level.goodput_per_s = float(data["request_goodput"]["avg"])
+        return level
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CheckFailed(f"benchmark: {path}: malformed genai-perf export ({type(exc).__name__}: {exc})") from None
 
@@ -168,6 +149,9 @@ class GenaiPerf:
     prompts: Path | None = None
     prompts_cache: Path | None = None  # a folder; None: no reuse across releases
     goodput: dict[str, float] | None = None  # objectives in ms; the export then has request_goodput (goodput_of)
+
+    def measure_runs(self, served: Served, concurrency: int, label: str = "") -> list[LoadLevel]:
+        return [self.measure(served, concurrency, label)]
 
     def measure(self, served: Served, concurrency: int, label: str = "") -> LoadLevel:
         """One genai-perf run on one served model at one concurrency level."""

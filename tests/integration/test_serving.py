@@ -625,33 +625,46 @@ def triton_scraped(url: str) -> bool:
     return bool(result.get("data", {}).get("result")) and result["data"]["result"][0]["value"][1] == "1"
 
 
-def test_good_candidate_rolls_out_and_is_promoted_with_no_failed_request(home, server, run, prometheus):
-    """The canary's live checks come from Prometheus here (`canary.prometheus_url`), as in production."""
+def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_failed_request(
+    home, server, run, prometheus
+):
+    """AIPerf measures (bench.tool aiperf: 3 profile runs per model, goodput under the gate's TTFT objective), and the
+    gate decides on the runs' intervals; the canary's live checks come from Prometheus (`canary.prometheus_url`),
+    as in production."""
     before = champion(home)
     with Load(server, served_by(home, server)) as load:
         # the same weights under a new profile digest: a new version, and no training in this test's time
         result = run(
             *("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}"),
-            *("--set", "gate.min_throughput_ratio=0.2", "--set", "bench.rounds=2", "--set", "bench.max_rounds=3"),
+            *("--set", "gate.min_throughput_ratio=0.2", "--set", "bench.tool=aiperf"),
+            *("--set", "gate.min_goodput_ratio=0.2"),
         )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     release_run = latest_release(home)
     assert release_run.data.tags["release.outcome"] == "promoted"
-    # genai-perf synthesized its prompts in the first release only; this one sent the same prompts
-    (cached,) = (home / "cache" / "genai-perf-prompts").glob("*.jsonl")
-    sent = home / "work" / "benchmark" / release_run.info.run_id / "prompts.jsonl"
-    assert sent.read_text() == cached.read_text() and len(cached.read_text().splitlines()) >= 16
+    assert release_run.data.tags["bench.tool"] == "aiperf"
     new = champion(home)
     assert new != "1"
     output = result.stdout + result.stderr
-    # champion and candidate interleaved, in alternating order; the ratio decided on its interval
-    rounds = re.findall(r"benchmark: round (\d) at concurrency 2: (\S+), then (\S+)", output)
     old, candidate = f"{SERVICE}-v{before}", f"{SERVICE}-v{new}"
-    assert [r[1:] for r in rounds[:2]] == [(old, candidate), (candidate, old)]
+    assert re.findall(r"benchmark: round (\d) at concurrency 2: (\S+), then (\S+) \(aiperf", output) == [
+        ("1", old, candidate)
+    ]
+    # AIPerf's own files: three profile runs per model, each with its goodput under the TTFT objective
+    work = home / "work" / "benchmark" / release_run.info.run_id
+    for model in (old, candidate):
+        runs = sorted(work.glob(f"{model}-c2-round1/profile_runs/run_*/profile_export_aiperf.json"))
+        assert len(runs) == 3, sorted(work.iterdir())
+        assert all(json.loads(path.read_text())["goodput"]["avg"] > 0 for path in runs)
+    assert release_run.data.metrics["benchmark/candidate_goodput_per_s"] > 0
+    # Every check on the runs says its interval and sample size: the three pairs of runs, the candidate's three
     report = json.loads(Path(output.split("gate report: ")[1].split()[0]).read_text())
-    ratio = next(c for c in report["checks"] if c["name"] == "throughput ratio vs champion")
-    assert ratio["passed"] and ratio["samples"] == len(rounds) >= 2
-    assert ratio["interval"][0] >= 0.2 and ratio["interval"][0] <= ratio["value"] <= ratio["interval"][1]
+    checks = {c["name"]: c for c in report["checks"]}
+    for name in ("throughput ratio vs champion", "goodput ratio vs champion", "p99 time to first token (ms)"):
+        assert checks[name]["passed"] and checks[name]["samples"] == 3, checks[name]
+        low, high = checks[name]["interval"]
+        assert low <= checks[name]["value"] <= high
+    assert checks["throughput ratio vs champion"]["interval"][0] >= 0.2
     for weight in (10, 50, 100):
         step = next(line for line in output.splitlines() if f"canary: {weight}% to {SERVICE}-v{new}" in line)
         assert step.rstrip().endswith("(from Prometheus)"), step
@@ -719,6 +732,10 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     report = result.stdout.split("gate report: ")[1].split()[0]
     gate = llmops(home, "gate", report)
     assert gate.returncode == 10 and "FAIL  task metric drop vs champion" in gate.stdout
+    # genai-perf synthesized its prompts in the first release only; this one sent the same prompts
+    (cached,) = (home / "cache" / "genai-perf-prompts").glob("*.jsonl")
+    sent = home / "work" / "benchmark" / release_run.info.run_id / "prompts.jsonl"
+    assert sent.read_text() == cached.read_text() and len(cached.read_text().splitlines()) >= 16
 
 
 PROMPTS = [f"What is the opposite of {word}?" for word in ("hot", "big", "fast", "open", "early", "full")]

@@ -77,14 +77,15 @@ def test_profile_digest_changes_with_any_value():
 # warmup_request_count 2 -> 4; gate.max_latency_ratio; cpu-tiny's gate.min_throughput_ratio 0.5 -> 0.8), and when
 # the gate gained a person's approval (gate.approval, approval_timeout_s; required on the GPU profiles), and when
 # the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
-# and when the served models' queues got a bound (serve.max_queue_size).
+# and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
+# (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "9c8dce57371dd7f0fbfb2b23570d24e4a9b191822e960e0c8e7e7fc12261e8ba",
-    "cpu-tiny-qa-zh": "fbfa63bdc3d052077bfc16c91ca8101d739b4466ddf8fe3b18785539d2adbeb9",
-    "llama3-8b-h100-fp8": "85d60825b5c1dfcca22423146377d44c35b1c83791e6998a621b0c2fb95cbe07",
-    "qwen-7b-qlora-2xa10": "d20be5141f9c45384b1a495c63ef6b174969afa2d284342e0a26b37c5badb521",
-    "qwen-7b-vllm-h100": "abf913755bafd69ab6795842b3f885196a4a065d05f666222ffd92992537c394",
-    "qwen2-14b-int4-tp2": "d03659a26f65f390c001090b041a107669c8c63e3ee26dace1be3411ca2b0716",
+    "cpu-tiny": "8a6818b528f9fce1adab8c612b8d67bcbcd349888926b8a1396fec15a562f87c",
+    "cpu-tiny-qa-zh": "d180a2d7594a9391104a22d5075fec62cd13df943b772d205061576aacbb1755",
+    "llama3-8b-h100-fp8": "d938d01773b6d7a260a6a574a149c97115cb5d63710ab2911647f384588c31c6",
+    "qwen-7b-qlora-2xa10": "539b97fe8cba74b5655be85f31793e51bf43b2d215e2baac6f8eca7ae0dce1dd",
+    "qwen-7b-vllm-h100": "c3e6975cc00f9ffa3c6f1f43a7fc9332f61c8a94c6b10918b0a5d2fa6e2b377c",
+    "qwen2-14b-int4-tp2": "b87888e5073bfdd0c4fbeb2860fb51591e2a9271ab41f2b51e99da431175157b",
 }
 
 

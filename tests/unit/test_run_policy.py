@@ -30,6 +30,7 @@ def test_the_settings_that_run_code_are_marked_file_only():
         "train.extra_args",
         "engine.extra_args",
         "serve.vllm.environment",
+        "bench.aiperf_environment",  # the aiperf that runs
         "serve.triton_binary",
         "serve.capture.location",  # where users' conversations go: not for whoever starts a run
     }

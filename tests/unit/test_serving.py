@@ -231,7 +231,7 @@ def test_the_throughput_ratio_is_decided_on_its_interval_over_the_rounds(ratios,
     check = next(c for c in report.checks if c.name == "throughput ratio vs champion")
     assert check.verdict == verdict and report.passed == (verdict == "pass")
     if verdict == "INCONCLUSIVE":
-        assert "inconclusive after 4 rounds" in report.summary()
+        assert "inconclusive on 4 samples" in report.summary()
         assert "| INCONCLUSIVE |" in report.markdown()
 
 
@@ -375,7 +375,7 @@ def test_genai_perf_export_is_parsed(tmp_path):
     path.write_text(json.dumps(export()))
     level = parse_profile_export(path)
     assert level.latency_p99_ms == 40 and level.ttft_p99_ms == 10 and level.output_tokens_per_s == 800
-    summary = ServingSummary.of({1: level, 4: replace(level, latency_p99_ms=60.0, requests_per_s=70.0)}, 0.0, 8)
+    summary = ServingSummary.of({1: [level], 4: [replace(level, latency_p99_ms=60.0, requests_per_s=70.0)]}, 0.0, 8)
     assert summary.latency_p99_ms == 60.0 and summary.requests_per_s == 70.0  # worst p99, rate at the top level
     assert summary.output_tokens_per_s == 560.0  # generated tokens: 8 a request, not genai-perf's re-tokenized 800
 
@@ -392,7 +392,7 @@ def test_benchmark_result_keeps_its_mlflow_keys_and_json(tmp_path):
     path = tmp_path / "profile_export_genai_perf.json"
     path.write_text(json.dumps(export()))
     level = parse_profile_export(path)
-    candidate = RoleBenchmark({1: level, 4: level}, ServingSummary.of({1: level, 4: level}, 0.25, 8), [level])
+    candidate = RoleBenchmark({1: level, 4: level}, ServingSummary.of({1: [level], 4: [level]}, 0.25, 8), [level])
     flat = candidate.as_mlflow("candidate")
     per_level = {
         "ttft_p50_ms",
@@ -406,8 +406,9 @@ def test_benchmark_result_keeps_its_mlflow_keys_and_json(tmp_path):
         "output_tokens_per_s",
         "requests_per_s",
         "request_count",
+        "goodput_per_s",
     }
-    summary = {"latency_p99_ms", "ttft_p99_ms", "output_tokens_per_s", "requests_per_s", "error_rate"}
+    summary = {"latency_p99_ms", "ttft_p99_ms", "output_tokens_per_s", "requests_per_s", "error_rate", "goodput_per_s"}
     assert set(flat) == {f"candidate_c{c}_{name}" for c in (1, 4) for name in per_level} | {
         f"candidate_{name}" for name in summary
     }
@@ -420,7 +421,7 @@ def test_benchmark_result_keeps_its_mlflow_keys_and_json(tmp_path):
     assert set(COMPARISON.as_mlflow()) == {"ratio_rounds"} | {
         f"ratio_{name}{bound}" for name in ("throughput", "latency_p99", "ttft_p99") for bound in ("", "_low", "_high")
     }
-    assert written["summary"]["candidate"] == {name: flat[f"candidate_{name}"] for name in summary}
+    assert written["summary"]["candidate"] == {name: flat[f"candidate_{name}"] for name in summary} | {"intervals": {}}
 
 
 def test_synthesized_prompts_are_reused_only_for_the_same_tokenizer_and_prompt_settings(tmp_path):

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from tasks.platform.config import load_profile
 from tasks.serving.genai_perf import genai_perf_command
-from tasks.tune_serving import Trial, Tuned, cache_key, defaults, objectives, plot_trials, with_settings
+from tasks.tune_serving import Trial, Tuned, cache_key, defaults, plot_trials, with_settings
 
 
 def test_goodput_objectives_are_the_gates_ttft_and_the_tune_sections_inter_token_latency():
     profile = load_profile("cpu-tiny", ["tune.inter_token_latency_ms=50"])
-    assert objectives(profile) == {"time_to_first_token": 1000, "inter_token_latency": 50}
-    assert objectives(load_profile("cpu-tiny", ["gate.p99_time_to_first_token_ms=null"])) == {}
+    assert profile.goodput_objectives() == {"time_to_first_token": 1000, "inter_token_latency": 50}
+    assert load_profile("cpu-tiny", ["gate.p99_time_to_first_token_ms=null"]).goodput_objectives() == {}
 
 
 def test_genai_perf_gets_the_objectives_as_key_value_pairs():

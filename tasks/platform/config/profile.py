@@ -95,6 +95,16 @@ class Profile(Section):
             )
         return self
 
+    def goodput_objectives(self) -> dict[str, float]:
+        """The latency objectives goodput counts against (ms, the benchmark tools' metric names): the gate's
+        time to first token and the tune section's inter-token latency; empty where the profile sets neither."""
+        found = {}
+        if self.gate.p99_time_to_first_token_ms is not None:
+            found["time_to_first_token"] = self.gate.p99_time_to_first_token_ms
+        if self.tune.inter_token_latency_ms is not None:
+            found["inter_token_latency"] = self.tune.inter_token_latency_ms
+        return found
+
     @property
     def digest(self) -> str:
         """sha256 of the resolved values (defaults included); descriptions are not part of it."""

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tasks.platform.config.base import Section, TritonName
+from tasks.platform.config.base import FILE_ONLY, Section, TritonName
 
 
 class CanarySection(Section):
@@ -59,10 +59,29 @@ class CanarySection(Section):
 
 
 class BenchSection(Section):
-    """genai-perf load, the same for champion and candidate. With a champion, the highest concurrency is
-    measured in interleaved rounds (champion, candidate, then candidate, champion, ...) and the gate
-    reads the interval of the candidate/champion ratio over the rounds."""
+    """The benchmark's load (genai-perf or AIPerf), the same for champion and candidate. With a champion, the
+    highest concurrency is measured in interleaved rounds (champion, candidate, then candidate, champion, ...)
+    and the gate reads the interval of the candidate/champion ratio over the rounds."""
 
+    tool: Literal["genai-perf", "aiperf"] = Field(
+        "genai-perf",
+        description="The load generator. genai-perf: one run per measurement, over Triton's gRPC stream. aiperf "
+        "(NVIDIA's successor to genai-perf): bench.profile_runs runs per measurement over Triton's HTTP stream, "
+        "with goodput under the latency objectives (gate.p99_time_to_first_token_ms, "
+        "tune.inter_token_latency_ms) and its own confidence intervals, which the gate's own checks then use.",
+    )
+    profile_runs: int = Field(
+        3,
+        ge=3,
+        description="aiperf: profile runs per model and measurement (--num-profile-runs); each run is one sample of "
+        "the gate's intervals (at least 3).",
+    )
+    aiperf_environment: str | None = Field(
+        None,
+        description="The venv holding aiperf (its pins collide with the orchestrator's); null: the repository's "
+        ".venv-aiperf, built by `make setup-aiperf` (infra/local/setup-aiperf.sh).",
+        json_schema_extra=FILE_ONLY,
+    )
     concurrency: list[int] = Field(
         [1, 4], description="Concurrency levels, one genai-perf run each (the highest: one per round)."
     )
@@ -120,6 +139,13 @@ class GateSection(Section):
         gt=0,
         description="Largest candidate/champion P99 request latency ratio at the highest bench concurrency, on its "
         "interval over the rounds: passes when the upper bound is within it (with a champion only).",
+    )
+    min_goodput_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="Smallest candidate/champion goodput ratio (requests/s meeting the latency objectives) at the "
+        "highest bench concurrency, on its interval over the runs: passes when the lower bound clears it (with a "
+        "champion and latency objectives only).",
     )
     max_task_metric_drop: float = Field(
         0.02,

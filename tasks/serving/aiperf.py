@@ -1,0 +1,219 @@
+"""AIPerf (NVIDIA's successor to genai-perf), the benchmark's second load generator (bench.tool aiperf): its
+command line, one measurement of one served model (bench.profile_runs runs), each run's export parsed into a
+LoadLevel.
+
+AIPerf speaks HTTP only, so it streams from Triton's own HTTP endpoint, `/v2/models/<model>/generate_stream`
+(Server-Sent Events, one `text_output` per event), through its `template` endpoint type: the request body is the
+Jinja template below and each event's text is read at the JMESPath `text_output`. That is the same served model,
+inputs and stream genai-perf reaches over gRPC, so the two tools measure the same thing by other clients (HTTP
+and SSE here against gRPC there). Every request asks exactly `bench.output_tokens` tokens (`min_length` =
+`max_tokens`, as genai-perf's --output-tokens-mean-deterministic does). Prompts are AIPerf's own synthetic ones of
+`bench.input_tokens` tokens with the model's tokenizer, the same for every run and model (a fixed seed).
+
+AIPerf runs in an environment of its own (.venv-aiperf, infra/local/setup-aiperf.sh): its pins collide with the
+orchestrator's. Read at aiperf 0.13.0 (site-packages/aiperf):
+- endpoints/template_endpoint.py:26-86: `endpoint.template.body` (Jinja, with `text` and `max_tokens`; autoescaped, so
+  every value goes through `tojson`, l.63) and `response_field` (JMESPath on each SSE event's JSON, l.154-194; Triton's
+  `text_output` is not among the auto-detected fields, base_endpoint.py:441-471);
+- TTFT is the first event with text (metrics/types/ttft_metric.py:44-56), request latency the last
+  (request_latency_metric.py:38-49); SSE is parsed where Triton answers `text/event-stream`
+  (transports/aiohttp_client.py:176-179). AIPerf finds no input length in a `text_input` body
+  (endpoints/payload_extraction.py:260-277), so its input-token statistics are absent; none is read here;
+- the CLI flags below, as `aiperf profile --help` prints them at 0.13.0;
+- with --num-profile-runs N, each run writes `profile_runs/run_000K/profile_export_aiperf.json` (metrics keyed by
+  name, each with `avg`, `p50`, `p90`, `p99`, `std`, ...; `goodput` with `avg` where --goodput was given) and the
+  whole writes `aggregate/profile_export_aiperf_aggregate.json` with AIPerf's own interval per statistic: mean +- t *
+  sd / sqrt(n), ddof 1 (orchestrator/aggregation/confidence.py:306-350). The gate computes that same interval over
+  the runs it pairs (tasks/quality/stats.py: mean_interval), since a round's runs join the rounds before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.platform.child_env import child_env
+from tasks.platform.config import BenchSection
+from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.project import PROJECT_ROOT
+from tasks.serving.load_level import LoadLevel
+
+if TYPE_CHECKING:
+    from tasks.serving.models import Served
+
+DEFAULT_ENVIRONMENT = PROJECT_ROOT / ".venv-aiperf"
+
+# Triton's generate_stream body; `stream` makes Triton answer with Server-Sent Events.
+PAYLOAD_TEMPLATE = (
+    '{"text_input": {{ text|tojson }}, "max_tokens": {{ max_tokens|tojson }}, '
+    '"min_length": {{ max_tokens|tojson }}, "stream": true}'
+)
+
+# (AIPerf metric, statistic) -> LoadLevel's field; latencies in ms, throughputs per second.
+METRICS = {
+    ("time_to_first_token", "p50"): "ttft_p50_ms",
+    ("time_to_first_token", "p90"): "ttft_p90_ms",
+    ("time_to_first_token", "p99"): "ttft_p99_ms",
+    ("inter_token_latency", "avg"): "itl_avg_ms",
+    ("inter_token_latency", "p99"): "itl_p99_ms",
+    ("request_latency", "p50"): "latency_p50_ms",
+    ("request_latency", "p90"): "latency_p90_ms",
+    ("request_latency", "p99"): "latency_p99_ms",
+    ("output_token_throughput", "avg"): "output_tokens_per_s",
+    ("request_throughput", "avg"): "requests_per_s",
+    ("request_count", "avg"): "request_count",
+}
+
+
+def aiperf_executable(cfg: BenchSection) -> Path:
+    """The `aiperf` of bench.aiperf_environment (default: the repository's .venv-aiperf); a clear error without it."""
+    environment = Path(cfg.aiperf_environment) if cfg.aiperf_environment else DEFAULT_ENVIRONMENT
+    executable = environment / "bin" / "aiperf"
+    if not executable.is_file():
+        raise BadInput(
+            f"bench.tool aiperf: no aiperf in {environment} (run `make setup-aiperf`, or set bench.aiperf_environment)"
+        )
+    return executable
+
+
+def parse_run_export(path: Path) -> LoadLevel:
+    """One profile run's profile_export_aiperf.json; a missing or malformed file is a clear error."""
+    if not path.is_file():
+        raise CheckFailed(f"benchmark: AIPerf wrote no {path.name} (looked in {path.parent})")
+    try:
+        data = json.loads(path.read_text())
+        level = LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
+        if data.get("goodput"):
+            level.goodput_per_s = float(data["goodput"]["avg"])
+        return level
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckFailed(f"benchmark: {path}: malformed AIPerf export ({type(exc).__name__}: {exc})") from None
+
+
+def aiperf_command(
+    executable: Path,
+    model: str,
+    http_url: str,
+    tokenizer_dir: Path,
+    cfg: BenchSection,
+    concurrency: int,
+    artifact_dir: Path,
+    goodput: dict[str, float] | None = None,
+) -> list[str]:
+    """One `aiperf profile` of `model` on Triton's HTTP stream: bench.profile_runs runs of bench.request_count
+    requests at `concurrency`, with goodput under `goodput` (objectives in ms, AIPerf's metric names)."""
+    return [
+        str(executable),
+        "profile",
+        "--model",
+        model,
+        "--url",
+        http_url,
+        "--endpoint-type",
+        "template",
+        "--endpoint",
+        f"/v2/models/{model}/generate_stream",
+        "--streaming",
+        # One JSON object: AIPerf splits a KEY:VALUE value on commas (config/loader/parsing.py:188-207), and the
+        # template has commas; an argument starting with "{" is read as JSON (l.190-192). payload_template and
+        # response_field become endpoint.template (config/flags/_converter_endpoint.py:26-38).
+        "--extra-inputs",
+        json.dumps({"payload_template": PAYLOAD_TEMPLATE, "response_field": "text_output"}),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--synthetic-input-tokens-mean",
+        str(cfg.input_tokens),
+        "--synthetic-input-tokens-stddev",
+        "0",
+        "--output-tokens-mean",
+        str(cfg.output_tokens),
+        "--output-tokens-stddev",
+        "0",
+        "--concurrency",
+        str(concurrency),
+        "--request-count",
+        str(cfg.request_count),
+        "--warmup-request-count",
+        str(cfg.warmup_request_count),
+        "--num-profile-runs",
+        str(cfg.profile_runs),
+        "--confidence-level",
+        f"{cfg.confidence:g}",
+        "--random-seed",
+        "0",
+        "--ui-type",
+        "none",
+        "--no-server-metrics",  # Triton's metrics are read by the benchmark itself (failed requests), not scraped
+        "--no-gpu-telemetry",
+        "--artifact-dir",
+        str(artifact_dir),
+        *(["--goodput", " ".join(f"{key}:{value:g}" for key, value in goodput.items())] if goodput else []),
+    ]
+
+
+@dataclass
+class AIPerf:
+    """AIPerf measurements against one Triton's HTTP endpoint, their files kept under `out_dir`."""
+
+    http_url: str
+    cfg: BenchSection
+    out_dir: Path
+    executable: Path
+    goodput: dict[str, float] | None = None  # objectives in ms; each run's export then has `goodput`
+
+    def measure_runs(self, served: Served, concurrency: int, label: str = "") -> list[LoadLevel]:
+        """bench.profile_runs runs of `served` at `concurrency`, in the order run."""
+        artifact_dir = self.out_dir / f"{served.name}-c{concurrency}{label}"
+        command = aiperf_command(
+            self.executable,
+            served.name,
+            self.http_url,
+            served.model_dir,
+            self.cfg,
+            concurrency,
+            artifact_dir,
+            self.goodput,
+        )
+        # AIPerf's services talk over ZMQ sockets under TMPDIR, whose paths must fit 107 bytes (sockaddr_un): a short
+        # folder of its own, removed afterwards with the mmap folders AIPerf leaves there.
+        scratch = Path(tempfile.mkdtemp(prefix="aiperf-"))
+        env = child_env(  # AIPerf needs none of this process's secrets
+            {
+                "TMPDIR": str(scratch),
+                "HF_HUB_DISABLE_TELEMETRY": "1",
+                "PATH": os.pathsep.join([str(self.executable.parent), os.environ.get("PATH", "")]),
+            }
+        )
+        # Not HF_HUB_OFFLINE: with it, AIPerf 0.13.0 looks a local tokenizer folder up as a hub snapshot and fails
+        # (common/tokenizer.py:559-567, 667-697); without it, an existing folder is read without the network (l.313-322).
+        for offline in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            env.pop(offline, None)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if done.returncode != 0:
+            raise CheckFailed(
+                f"benchmark: AIPerf on {served.name} exited with {done.returncode}: "
+                f"{first_error(artifact_dir, done.stderr or done.stdout)[:400]} (logs: {artifact_dir}/**/aiperf.log)"
+            )
+        exports = sorted(artifact_dir.glob("profile_runs/run_*/profile_export_aiperf.json"))
+        if not exports:
+            raise CheckFailed(f"benchmark: AIPerf wrote no profile run under {artifact_dir}")
+        return [parse_run_export(path) for path in exports]
+
+
+def first_error(artifact_dir: Path, output: str) -> str:
+    """What went wrong first: AIPerf's last words ("All runs failed ...") name no cause; its services' logs do."""
+    logs = [*sorted(artifact_dir.glob("profile_runs/*/logs/aiperf.log")), artifact_dir / "logs" / "aiperf.log"]
+    for log in (path for path in logs if path.is_file()):
+        for line in log.read_text(errors="replace").splitlines():
+            if " - ERROR - " in line:
+                return line.split(" - ERROR - ", 1)[1]
+    return (output.strip().splitlines() or ["(no output)"])[-1]
