@@ -53,7 +53,7 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
         "data.fingerprint": fingerprint,
         "profile.name": ctx.profile.name,
         "profile.digest": ctx.profile.digest,
-        "serve.model_settings": json.dumps(ctx.profile.serve.model_settings(), sort_keys=True),
+        "serve.model_settings": json.dumps(ctx.profile.served_settings(), sort_keys=True),
         "code.version": code_version(),
         "prefect.flow_run_id": flow_run_id,
         "mlflow.run_id": ctx.tracker.run_id,

@@ -1,7 +1,8 @@
 """tune_serving: the candidate's serving settings, searched on the Triton it will serve on, before the benchmark.
 
-Each trial loads the candidate again with the trial's settings (max_batch_size, max_queue_delay_us, instance_count
-of the python backend) while the champion keeps serving every request next to it, measures it with genai-perf at
+Each trial loads the candidate again with the trial's settings (TuneSection.space: the python backend's
+max_batch_size, max_queue_delay_us and instance_count; vLLM's max_num_seqs; TensorRT-LLM's LLM API's batch and token
+budgets) while the champion keeps serving every request next to it, measures it with genai-perf at
 the benchmark's highest concurrency and request shape, and scores its goodput: requests per second that met the
 time-to-first-token objective (gate.p99_time_to_first_token_ms) and tune.inter_token_latency_ms. Optuna's TPE
 sampler picks the trials (seeded; the profile's own settings are the first), within tune.trials and tune.budget_s.
@@ -72,7 +73,7 @@ def cache_key(profile: Profile, artifact_sha256: str) -> str:
     bench = profile.bench
     parts = {
         "model": artifact_sha256,
-        "space": profile.tune.space(),
+        "space": space(profile),
         "trials": profile.tune.trials,
         "seed": profile.tune.seed,
         "objectives": profile.goodput_objectives(),
@@ -89,19 +90,26 @@ def cache_key(profile: Profile, artifact_sha256: str) -> str:
 
 
 def with_settings(profile: Profile, settings: dict[str, int]) -> Profile:
-    return profile.model_copy(update={"serve": profile.serve.with_model_settings(settings)})
+    """The profile serving with a trial's settings (serve.* names, engine.* dotted)."""
+    return profile.with_served_settings(settings)
+
+
+def space(profile: Profile) -> dict[str, list[int]]:
+    return profile.tune.space(profile.serve.backend)
 
 
 def defaults(profile: Profile) -> dict[str, int]:
-    return {name: int(getattr(profile.serve, name)) for name in profile.tune.space()}
+    """The profile's own values of the searched settings: the first trial."""
+    values = {}
+    for name in space(profile):
+        section, _, field_name = name.rpartition(".")
+        values[name] = int(getattr(profile.engine if section == "engine" else profile.serve, field_name))
+    return values
 
 
 def tune_serving(ctx: RunContext, deployment: Deployment) -> Tuned | None:
     """The candidate's best serving settings, loaded; None where tuning does not apply."""
     profile = ctx.profile
-    if profile.serve.backend != "python":
-        logger().info(f"tune_serving: not for serve.backend {profile.serve.backend} yet; the profile's settings serve")
-        return None
     key = cache_key(profile, deployment.candidate.artifact_sha256)
     recorded = ctx.store.get_record(RECORDS, key)
     if recorded is not None:
@@ -132,7 +140,7 @@ def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
     import optuna
 
     candidate = deployment.candidate
-    space, concurrency = profile.tune.space(), max(profile.bench.concurrency)
+    searched, concurrency = space(profile), max(profile.bench.concurrency)
     out_dir.mkdir(parents=True, exist_ok=True)
     grpc_url = deployment.triton.grpc_url
     if grpc_url is None:
@@ -142,6 +150,11 @@ def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
 
     def measure(settings: dict[str, int], number: int, label: str) -> Trial:
         measured = Trial(number, settings)
+        try:
+            with_settings(profile, settings)
+        except ValueError as exc:  # e.g. engine.max_num_tokens below train.cutoff_len: nothing to load
+            measured.error = str(exc).splitlines()[-1][:300]
+            return measured
         try:
             load(profile, deployment, settings)
             level = genai_perf.measure(candidate, concurrency, label)
@@ -154,7 +167,7 @@ def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
     trials: list[Trial] = []
 
     def objective(trial: optuna.Trial) -> float:
-        settings = {name: int(trial.suggest_categorical(name, values)) for name, values in space.items()}
+        settings = {name: int(trial.suggest_categorical(name, values)) for name, values in searched.items()}
         measured = measure(settings, trial.number, f"-trial{trial.number}")
         trials.append(measured)
         logger().info(
@@ -221,8 +234,9 @@ def track(ctx: RunContext, tuned: Tuned, deployment: Deployment) -> None:
     ctx.tracker.log_file(plot)
     version = ctx.tracker.client.get_model_version(ctx.profile.registry.model_name, deployment.candidate.version)
     recorded: dict[str, Any] = json.loads(version.tags.get("serve.model_settings", "{}"))
+    served = ctx.profile.with_served_settings(recorded | tuned.settings).served_settings()
     ctx.tracker.client.set_model_version_tag(
-        version.name, version.version, "serve.model_settings", json.dumps(recorded | tuned.settings, sort_keys=True)
+        version.name, version.version, "serve.model_settings", json.dumps(served, sort_keys=True)
     )
     publish(tuned)
 

@@ -89,10 +89,10 @@ def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
 
 
 def released_profile(profile: Profile, version) -> Profile:
-    """`profile` with the serve settings `version` was released with (its `serve.model_settings` tag), so the
-    champion serves as it was gated, not with a candidate's settings; versions registered before the tag
-    serve with `profile`'s."""
+    """`profile` with the serving settings `version` was released with (its `serve.model_settings` tag, tuned ones
+    included), so the champion serves as it was gated, not with a candidate's settings; versions registered before
+    the tag serve with `profile`'s."""
     recorded = version.tags.get("serve.model_settings")
     if not recorded:
         return profile
-    return profile.model_copy(update={"serve": profile.serve.with_model_settings(json.loads(recorded))})
+    return profile.with_served_settings(json.loads(recorded))

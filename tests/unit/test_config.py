@@ -78,14 +78,15 @@ def test_profile_digest_changes_with_any_value():
 # the gate gained a person's approval (gate.approval, approval_timeout_s; required on the GPU profiles), and when
 # the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
-# (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio).
+# (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
+# (tune.max_num_tokens; tune on in the GPU profiles).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "8a6818b528f9fce1adab8c612b8d67bcbcd349888926b8a1396fec15a562f87c",
-    "cpu-tiny-qa-zh": "d180a2d7594a9391104a22d5075fec62cd13df943b772d205061576aacbb1755",
-    "llama3-8b-h100-fp8": "d938d01773b6d7a260a6a574a149c97115cb5d63710ab2911647f384588c31c6",
-    "qwen-7b-qlora-2xa10": "539b97fe8cba74b5655be85f31793e51bf43b2d215e2baac6f8eca7ae0dce1dd",
-    "qwen-7b-vllm-h100": "c3e6975cc00f9ffa3c6f1f43a7fc9332f61c8a94c6b10918b0a5d2fa6e2b377c",
-    "qwen2-14b-int4-tp2": "b87888e5073bfdd0c4fbeb2860fb51591e2a9271ab41f2b51e99da431175157b",
+    "cpu-tiny": "626ec661d904e30ef41f80f30451ee869e30730cdd071b462ca1dc1e40c42777",
+    "cpu-tiny-qa-zh": "0ea96ef49aa50c79dde7c970e91b896c43af273b111ccc12f7a07b1d5d48d75f",
+    "llama3-8b-h100-fp8": "d46c8678096af80679aef6209e59ce5cf19ea6316257f506bc17f067819412bd",
+    "qwen-7b-qlora-2xa10": "1b40786fbb1ddb21f6a2f6a47dc74755370bcd682542bff833ebd71521033257",
+    "qwen-7b-vllm-h100": "952977dfac08eff4b54e4b2abfaf3cce5166b5649ddc0b32e8cd179b75b30c1d",
+    "qwen2-14b-int4-tp2": "2cde4012b3d29a25d322a45a1d98f2d5260d645eb477229453eff4629fe431a0",
 }
 
 

@@ -4,11 +4,14 @@ client load) and in benchmarks/tune_serving.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from tasks.platform.config import load_profile
 from tasks.serving.genai_perf import genai_perf_command
-from tasks.tune_serving import Trial, Tuned, cache_key, defaults, plot_trials, with_settings
+from tasks.tune_serving import Trial, Tuned, cache_key, defaults, plot_trials, space, with_settings
 
 
 def test_goodput_objectives_are_the_gates_ttft_and_the_tune_sections_inter_token_latency():
@@ -50,3 +53,52 @@ def test_the_plot_marks_the_profiles_settings_and_the_chosen_ones(tmp_path):
     path = plot_trials(tuned, tmp_path / "plot.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert "(1.40x)" in tuned.headline()
+
+
+def test_each_engine_searches_the_settings_that_shape_its_batching():
+    vllm = load_profile("qwen-7b-vllm-h100")
+    assert space(vllm) == {"max_batch_size": [16, 32, 64, 128, 256]} and defaults(vllm) == {"max_batch_size": 256}
+    llmapi = load_profile("qwen-7b-qlora-2xa10")
+    assert set(space(llmapi)) == {"engine.max_batch_size", "engine.max_num_tokens"}
+    assert defaults(llmapi) == {"engine.max_batch_size": 64, "engine.max_num_tokens": 4096}
+    assert all(load_profile(name).tune.enabled for name in ("llama3-8b-h100-fp8", "qwen2-14b-int4-tp2"))
+
+
+def test_a_trial_renders_its_settings_into_the_engines_model(tmp_path):
+    """What each trial loads: vLLM's max_num_seqs, and the LLM API's batch and token budgets in its llm_args."""
+    from tasks.serving.models import serving_model
+    from tasks.serving.repository import render_model
+
+    vllm = with_settings(load_profile("qwen-7b-vllm-h100"), {"max_batch_size": 32})
+    template, values = serving_model(vllm, Path("/m"), "a" * 64)
+    config = (render_model(template, tmp_path, "svc-v2", values) / "config.pbtxt").read_text()
+    assert 'key: "max_num_seqs", value: { string_value: "32" }' in config
+    llmapi = with_settings(
+        load_profile("qwen-7b-qlora-2xa10"), {"engine.max_batch_size": 16, "engine.max_num_tokens": 8192}
+    )
+    template, values = serving_model(llmapi, Path("/ckpt"), "b" * 64, 4096)
+    config = (render_model(template, tmp_path, "svc-v3", values) / "config.pbtxt").read_text()
+    literal = config.split('key: "llm_args", value: { string_value: "')[1].split('" } }')[0]
+    rendered = json.loads(literal.encode().decode("unicode_escape"))
+    assert (rendered["max_batch_size"], rendered["max_num_tokens"]) == (16, 8192)
+
+
+def test_a_trial_the_profiles_rules_refuse_is_an_error_not_a_load():
+    """engine.max_num_tokens below train.cutoff_len (2048) without chunked prefill: the LLM could not take a prompt
+    as long as training allowed."""
+    with pytest.raises(ValueError, match="max_num_tokens 1024 is below train.cutoff_len"):
+        with_settings(load_profile("qwen-7b-qlora-2xa10"), {"engine.max_num_tokens": 1024})
+
+
+def test_the_champion_serves_at_its_own_tuned_settings():
+    """The registered version's serve.model_settings, tuned settings included, is what released_profile serves."""
+    from types import SimpleNamespace
+
+    from tasks.serving.champion import released_profile
+
+    profile = load_profile("qwen-7b-qlora-2xa10")
+    tuned = with_settings(profile, {"engine.max_batch_size": 32, "engine.max_num_tokens": 8192})
+    version = SimpleNamespace(tags={"serve.model_settings": json.dumps(tuned.served_settings())})
+    champion = released_profile(profile, version)
+    assert (champion.engine.max_batch_size, champion.engine.max_num_tokens) == (32, 8192)
+    assert released_profile(profile, SimpleNamespace(tags={})) == profile

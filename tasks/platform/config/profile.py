@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
@@ -94,6 +94,26 @@ class Profile(Section):
                 f"serve.vllm.tensor_parallel_size {vllm.tensor_parallel_size} exceeds hardware.gpus {self.hardware.gpus}"
             )
         return self
+
+    # The engine settings that shape how a version serves on llmapi (tensorrt_llm.LLM()'s), recorded with
+    # ServeSection.MODEL_SETTINGS: tune_serving searches them.
+    ENGINE_MODEL_SETTINGS: ClassVar[tuple[str, ...]] = ("max_batch_size", "max_num_tokens")
+
+    def served_settings(self) -> dict[str, Any]:
+        """What shapes how a version serves (a registered version's `serve.model_settings` tag): the serve section's
+        MODEL_SETTINGS and vLLM's, and the LLM's batch and token budgets under "engine"."""
+        engine = self.engine.model_dump(mode="json", include=set(self.ENGINE_MODEL_SETTINGS))
+        return self.serve.model_settings() | {"engine": engine}
+
+    def with_served_settings(self, recorded: dict[str, Any]) -> Profile:
+        """This profile serving with recorded settings (served_settings' shape; serve keys may also come flat,
+        engine ones as "engine.NAME"); a combination the profile's rules refuse is a ValueError naming it."""
+        engine = dict(recorded.get("engine", {}))
+        engine |= {key.removeprefix("engine."): value for key, value in recorded.items() if key.startswith("engine.")}
+        values = self.model_dump()
+        values["serve"] = self.serve.with_model_settings(recorded).model_dump()
+        values["engine"] |= {key: engine[key] for key in self.ENGINE_MODEL_SETTINGS if key in engine}
+        return type(self).model_validate(values)
 
     def goodput_objectives(self) -> dict[str, float]:
         """The latency objectives goodput counts against (ms, the benchmark tools' metric names): the gate's

@@ -197,7 +197,10 @@ class TuneSection(Section):
     serve on (Optuna's TPE sampler; the profile's own settings are the first trial), maximizing goodput: the
     requests per second that meet gate.p99_time_to_first_token_ms and inter_token_latency_ms, at the benchmark's
     highest concurrency and request shape. The best settings become the candidate's serving settings (the
-    benchmark, the gate, the canary and the registered version's serve.model_settings). Python backend only."""
+    benchmark, the gate, the canary and the registered version's serve.model_settings). What is searched depends on
+    serve.backend (`space`): python: serve.max_batch_size, max_queue_delay_us and instance_count; vllm:
+    serve.max_batch_size (vLLM's max_num_seqs); llmapi: engine.max_batch_size and engine.max_num_tokens (the
+    LLM's)."""
 
     enabled: bool = Field(False, description="Search the candidate's serving settings before the benchmark.")
     trials: int = Field(8, ge=1, description="Most settings tried, the profile's own first.")
@@ -217,16 +220,32 @@ class TuneSection(Section):
     inter_token_latency_ms: float | None = Field(
         None, gt=0, description="Goodput's inter-token latency objective per request (null: none)."
     )
-    max_batch_size: list[int] = Field([1, 2, 4, 8, 16], min_length=1, description="Values of serve.max_batch_size.")
-    max_queue_delay_us: list[int] = Field(
-        [0, 1000, 2000, 5000, 10000, 20000], min_length=1, description="Values of serve.max_queue_delay_us."
+    max_batch_size: list[int] = Field(
+        [1, 2, 4, 8, 16],
+        min_length=1,
+        description="Values of serve.max_batch_size (python, vllm: vLLM's max_num_seqs) or engine.max_batch_size "
+        "(llmapi).",
     )
-    instance_count: list[int] = Field([1], min_length=1, description="Values of serve.instance_count.")
+    max_queue_delay_us: list[int] = Field(
+        [0, 1000, 2000, 5000, 10000, 20000], min_length=1, description="Values of serve.max_queue_delay_us (python)."
+    )
+    instance_count: list[int] = Field([1], min_length=1, description="Values of serve.instance_count (python).")
+    max_num_tokens: list[int] = Field(
+        [2048, 4096, 8192, 16384],
+        min_length=1,
+        description="Values of engine.max_num_tokens (llmapi); those below train.cutoff_len without "
+        "engine.enable_chunked_prefill are trials that fail.",
+    )
 
-    def space(self) -> dict[str, list[int]]:
-        """The searched settings and their values (serve.* names)."""
+    def space(self, backend: str) -> dict[str, list[int]]:
+        """The settings searched for serve.backend `backend` and their values: serve.* names, engine.* dotted."""
+        batch = sorted(set(self.max_batch_size))
+        if backend == "vllm":  # one engine batches continuously: Triton's batcher and instances do not apply
+            return {"max_batch_size": batch}
+        if backend == "llmapi":  # the LLM batches in flight; Triton's max_batch_size only bounds what it is handed
+            return {"engine.max_batch_size": batch, "engine.max_num_tokens": sorted(set(self.max_num_tokens))}
         return {
-            "max_batch_size": sorted(set(self.max_batch_size)),
+            "max_batch_size": batch,
             "max_queue_delay_us": sorted(set(self.max_queue_delay_us)),
             "instance_count": sorted(set(self.instance_count)),
         }
