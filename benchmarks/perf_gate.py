@@ -14,6 +14,7 @@ The baseline is read from the same run: the first round's genai-perf export of e
 measurement each, champion first, as before) and its token-throughput ratio.
 
     .venv/bin/python benchmarks/perf_gate.py [--equal 5] [--slow 5] [--home DIR] [--tool genai-perf|aiperf]
+        [--set KEY=VALUE ...]
 
 With `--tool aiperf` every measurement is bench.profile_runs AIPerf runs, so the ratio's samples are rounds x runs.
 """
@@ -29,6 +30,8 @@ import sys
 import tempfile
 from itertools import zip_longest
 from pathlib import Path
+
+from flows.cli.common import add_overrides_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -76,9 +79,10 @@ def main() -> None:
     parser.add_argument(
         "--tool", choices=("genai-perf", "aiperf"), default="genai-perf", help="bench.tool of every release"
     )
+    add_overrides_flag(parser, "a profile override for every release (e.g. bench.rounds=1)")
     args = parser.parse_args()
     home = args.home or Path(tempfile.mkdtemp(prefix="llmops-perf-gate-"))
-    tool = ["--set", f"bench.tool={args.tool}"]
+    tool = ["--set", f"bench.tool={args.tool}", *(f"--set={override}" for override in args.overrides)]
     first = release(home, *tool)
     print(f"home {home}; first release: {first.get('decision', first)}", flush=True)
     header = f"{'candidate':<18} {'baseline ratio':>14} {'ratio':>7} {'interval':>15} {'samples':>7} {'verdict':>13} {'gate':>8} {'bench s':>7}"
