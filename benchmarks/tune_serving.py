@@ -88,7 +88,7 @@ def main() -> None:
 
 def print_table(args, profile, rows) -> None:
     print(
-        f"\npython backend on Triton, {args.requests} streaming requests per run at concurrency {args.concurrency} "
+        f"\n{profile.serve.backend} backend on Triton, {args.requests} streaming requests per run at concurrency {args.concurrency} "
         f"({profile.bench.input_tokens} prompt tokens, {profile.bench.output_tokens} generated), goodput objective "
         f"{profile.goodput_objectives()}; median of {args.rounds} runs per row\n"
     )

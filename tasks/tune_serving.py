@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -166,10 +167,18 @@ def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
 
     trials: list[Trial] = []
 
+    combinations = math.prod(len(values) for values in searched.values())
+
     def objective(trial: optuna.Trial) -> float:
         settings = {name: int(trial.suggest_categorical(name, values)) for name, values in searched.items()}
+        earlier = next((t for t in trials if t.settings == settings), None)
+        if earlier is not None:  # TPE repeats itself on a small categorical space: a repeat costs no load
+            logger().info(f"tune_serving: trial {trial.number} {settings}: measured as trial {earlier.number}")
+            return earlier.goodput_per_s
         measured = measure(settings, trial.number, f"-trial{trial.number}")
         trials.append(measured)
+        if len(trials) == combinations:  # every combination measured: nothing left to search
+            trial.study.stop()
         logger().info(
             f"tune_serving: trial {trial.number} {settings}: goodput {measured.goodput_per_s:.1f}/s, "
             f"{measured.requests_per_s:.1f} req/s, TTFT p99 {measured.ttft_p99_ms:.0f} ms{measured.error and ' ' + measured.error}"
