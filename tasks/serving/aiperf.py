@@ -55,21 +55,6 @@ PAYLOAD_TEMPLATE = (
     '"min_length": {{ max_tokens|tojson }}, "stream": true}'
 )
 
-# (AIPerf metric, statistic) -> LoadLevel's field; latencies in ms, throughputs per second.
-METRICS = {
-    ("time_to_first_token", "p50"): "ttft_p50_ms",
-    ("time_to_first_token", "p90"): "ttft_p90_ms",
-    ("time_to_first_token", "p99"): "ttft_p99_ms",
-    ("inter_token_latency", "avg"): "itl_avg_ms",
-    ("inter_token_latency", "p99"): "itl_p99_ms",
-    ("request_latency", "p50"): "latency_p50_ms",
-    ("request_latency", "p90"): "latency_p90_ms",
-    ("request_latency", "p99"): "latency_p99_ms",
-    ("output_token_throughput", "avg"): "output_tokens_per_s",
-    ("request_throughput", "avg"): "requests_per_s",
-    ("request_count", "avg"): "request_count",
-}
-
 
 def aiperf_executable(cfg: BenchSection) -> Path:
     """The `aiperf` of bench.aiperf_environment (default: the repository's .venv-aiperf); a clear error without it."""
@@ -83,17 +68,8 @@ def aiperf_executable(cfg: BenchSection) -> Path:
 
 
 def parse_run_export(path: Path) -> LoadLevel:
-    """One profile run's profile_export_aiperf.json; a missing or malformed file is a clear error."""
-    if not path.is_file():
-        raise CheckFailed(f"benchmark: AIPerf wrote no {path.name} (looked in {path.parent})")
-    try:
-        data = json.loads(path.read_text())
-        level = LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
-        if data.get("goodput"):
-            level.goodput_per_s = float(data["goodput"]["avg"])
-        return level
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise CheckFailed(f"benchmark: {path}: malformed AIPerf export ({type(exc).__name__}: {exc})") from None
+    """One profile run's profile_export_aiperf.json."""
+    return LoadLevel.read_export(path, "AIPerf", "goodput")  # goodput: with --goodput only
 
 
 def aiperf_command(

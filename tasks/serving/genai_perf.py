@@ -34,34 +34,10 @@ from tasks.serving.load_level import LoadLevel
 if TYPE_CHECKING:
     from tasks.serving.models import Served
 
-# (genai-perf key, statistic) -> LoadLevel's field; latencies in ms, throughputs per second.
-METRICS = {
-    ("time_to_first_token", "p50"): "ttft_p50_ms",
-    ("time_to_first_token", "p90"): "ttft_p90_ms",
-    ("time_to_first_token", "p99"): "ttft_p99_ms",
-    ("inter_token_latency", "avg"): "itl_avg_ms",
-    ("inter_token_latency", "p99"): "itl_p99_ms",
-    ("request_latency", "p50"): "latency_p50_ms",
-    ("request_latency", "p90"): "latency_p90_ms",
-    ("request_latency", "p99"): "latency_p99_ms",
-    ("output_token_throughput", "avg"): "output_tokens_per_s",
-    ("request_throughput", "avg"): "requests_per_s",
-    ("request_count", "avg"): "request_count",
-}
-
 
 def parse_profile_export(path: Path) -> LoadLevel:
-    """genai-perf's JSON export at one level; a missing or malformed file is a clear error."""
-    if not path.is_file():
-        raise CheckFailed(f"benchmark: genai-perf wrote no {path.name} (looked in {path.parent})")
-    try:
-        data = json.loads(path.read_text())
-        level = LoadLevel(**{name: float(data[key][stat]) for (key, stat), name in METRICS.items()})
-        if "request_goodput" in data:  # a run with goodput objectives (--goodput)
-            level.goodput_per_s = float(data["request_goodput"]["avg"])
-        return level
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise CheckFailed(f"benchmark: {path}: malformed genai-perf export ({type(exc).__name__}: {exc})") from None
+    """genai-perf's JSON export at one level."""
+    return LoadLevel.read_export(path, "genai-perf", "request_goodput")  # request_goodput: with --goodput only
 
 
 def genai_perf_command(

@@ -1,13 +1,33 @@
-"""What a load generator (genai-perf or AIPerf) measured of one served model at one concurrency level."""
+"""What a load generator (genai-perf or AIPerf) measured of one served model at one concurrency level, read from
+either tool's JSON export: AIPerf keeps genai-perf's metric and statistic names."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from tasks.platform.errors import CheckFailed
 
 if TYPE_CHECKING:
     from tasks.serving.models import Served
+
+# (exported metric, statistic) -> LoadLevel's field; latencies in ms, throughputs per second.
+EXPORTED = {
+    ("time_to_first_token", "p50"): "ttft_p50_ms",
+    ("time_to_first_token", "p90"): "ttft_p90_ms",
+    ("time_to_first_token", "p99"): "ttft_p99_ms",
+    ("inter_token_latency", "avg"): "itl_avg_ms",
+    ("inter_token_latency", "p99"): "itl_p99_ms",
+    ("request_latency", "p50"): "latency_p50_ms",
+    ("request_latency", "p90"): "latency_p90_ms",
+    ("request_latency", "p99"): "latency_p99_ms",
+    ("output_token_throughput", "avg"): "output_tokens_per_s",
+    ("request_throughput", "avg"): "requests_per_s",
+    ("request_count", "avg"): "request_count",
+}
 
 
 @dataclass
@@ -26,6 +46,21 @@ class LoadLevel:
     requests_per_s: float
     request_count: float
     goodput_per_s: float = 0.0  # requests/s that met every latency objective; 0 where none was given
+
+    @classmethod
+    def read_export(cls, path: Path, tool: str, goodput_key: str) -> LoadLevel:
+        """`tool`'s JSON export of one run, goodput under `goodput_key` where the run had objectives; a missing or
+        malformed file is a clear error."""
+        if not path.is_file():
+            raise CheckFailed(f"benchmark: {tool} wrote no {path.name} (looked in {path.parent})")
+        try:
+            data = json.loads(path.read_text())
+            level = cls(**{name: float(data[key][stat]) for (key, stat), name in EXPORTED.items()})
+            if data.get(goodput_key):
+                level.goodput_per_s = float(data[goodput_key]["avg"])
+            return level
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckFailed(f"benchmark: {path}: malformed {tool} export ({type(exc).__name__}: {exc})") from None
 
     @classmethod
     def median(cls, measured: list[LoadLevel]) -> LoadLevel:
