@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger, runtime
 
 from tasks.approve import Approval, approve
 from tasks.base_model import base_model
-from tasks.benchmark import benchmark
+from tasks.benchmark import benchmark, require_load_tool
 from tasks.build_engine import build_engine
 from tasks.deploy_canary import deploy_canary
 from tasks.evaluate import evaluate
@@ -136,6 +136,7 @@ def release(
     approval: Approval | None = None
     try:
         refuse_shadow_without_gateway(config, target, ctx.home)  # before training, not after it
+        require_load_tool(config)
         dataset = stage_task(prepare_data, config)(ctx)
         base = stage_task(base_model, config)(ctx, dataset)
         adapter = stage_task(train, config)(ctx, dataset, base)

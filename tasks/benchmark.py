@@ -238,6 +238,14 @@ def plot(result: BenchmarkResult, path: Path) -> None:
     plt.close(fig)
 
 
+def require_load_tool(profile: Profile) -> None:
+    """A release that will benchmark with AIPerf has it: refused before training, not after it (BadInput)."""
+    if profile.serve.deploy and profile.bench.tool == "aiperf":
+        from tasks.serving.aiperf import aiperf_executable
+
+        aiperf_executable(profile.bench)
+
+
 def load_tool(ctx: RunContext, deployment: Deployment, out_dir: Path) -> LoadTool:
     """bench.tool against this run's Triton, counting goodput under the profile's latency objectives."""
     cfg, objectives = ctx.profile.bench, ctx.profile.goodput_objectives()

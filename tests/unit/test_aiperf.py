@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.benchmark import Comparison, ServingSummary
+from tasks.benchmark import Comparison, ServingSummary, require_load_tool
 from tasks.gate import decide
 from tasks.platform.config import BenchSection, GateSection, load_profile
 from tasks.platform.errors import BadInput, CheckFailed
@@ -81,9 +81,14 @@ def test_the_command_streams_triton_generate_with_exact_output_lengths_and_the_o
     assert body == {"text_input": "hi", "max_tokens": 8, "min_length": 8, "stream": True}  # exactly 8 tokens
 
 
-def test_without_the_aiperf_environment_the_error_names_the_setup(tmp_path):
+def test_without_the_aiperf_environment_the_error_names_the_setup_before_any_training(tmp_path):
     with pytest.raises(BadInput, match=r"no aiperf in .*make setup-aiperf"):
         aiperf_executable(BenchSection(tool="aiperf", aiperf_environment=str(tmp_path)))
+    profile = load_profile("cpu-tiny", ["bench.tool=aiperf"])
+    profile.bench.aiperf_environment = str(tmp_path)  # a profile file's setting (no --set may set it)
+    with pytest.raises(BadInput, match="make setup-aiperf"):
+        require_load_tool(profile)  # the release flow's first step, before prepare_data
+    require_load_tool(load_profile("cpu-tiny"))  # genai-perf: nothing to check
 
 
 def test_aiperf_needs_three_runs_and_its_environment_comes_only_from_a_profile_file():
