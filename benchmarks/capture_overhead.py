@@ -96,28 +96,32 @@ def main() -> None:
                 capture = {"location": str(locations[mode]), "flush_s": 2.0} if mode in locations else None
                 log = scratch / f"access-{mode.replace(' ', '-')}.log"
                 gateways.append(start_gateway(ports[mode], log, triton.control_key, **common, capture=capture))
-            results: dict[tuple[str, int], list[dict]] = {}
-            for concurrency in args.concurrency:
-                for round_index in range(args.rounds):
-                    for mode in MODES if round_index % 2 == 0 else tuple(reversed(MODES)):
-                        endpoint = Endpoint(
-                            f"http://127.0.0.1:{ports[mode]}/v1/chat/completions",
-                            lambda text, n: {
-                                "messages": [{"role": "user", "content": text}],
-                                "max_tokens": n,
-                                "stream": True,
-                            },
-                            chat_text,
-                        )
-                        print(f"bench: {mode} at concurrency {concurrency}, round {round_index + 1} ...", flush=True)
-                        results.setdefault((mode, concurrency), []).append(
-                            measure(endpoint, concurrency, args.requests)
-                        )
-            time.sleep(3)  # the last flush
-            kept = {mode: counters(ports[mode]) for mode in MODES}
-            for gateway in gateways:
-                gateway.terminate()
-                gateway.wait(30)
+            try:  # the gateways stop however the load ends (a failed request raises)
+                results: dict[tuple[str, int], list[dict]] = {}
+                for concurrency in args.concurrency:
+                    for round_index in range(args.rounds):
+                        for mode in MODES if round_index % 2 == 0 else tuple(reversed(MODES)):
+                            endpoint = Endpoint(
+                                f"http://127.0.0.1:{ports[mode]}/v1/chat/completions",
+                                lambda text, n: {
+                                    "messages": [{"role": "user", "content": text}],
+                                    "max_tokens": n,
+                                    "stream": True,
+                                },
+                                chat_text,
+                            )
+                            print(
+                                f"bench: {mode} at concurrency {concurrency}, round {round_index + 1} ...", flush=True
+                            )
+                            results.setdefault((mode, concurrency), []).append(
+                                measure(endpoint, concurrency, args.requests)
+                            )
+                time.sleep(3)  # the last flush
+                kept = {mode: counters(ports[mode]) for mode in MODES}
+            finally:
+                for gateway in gateways:
+                    gateway.terminate()
+                    gateway.wait(30)
         print_table(args, results, kept)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
