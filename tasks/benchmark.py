@@ -40,16 +40,11 @@ if TYPE_CHECKING:
     from tasks.serving.models import Served
 
 
-# The candidate's statistics its own checks read (ServingSummary's names); with several runs per level, each
-# also gets the interval of the runs' mean.
-CHECKED = ("latency_p99_ms", "ttft_p99_ms", "requests_per_s", "goodput_per_s")
-
-
 @dataclass
 class ServingSummary:
     """What the gate reads of one model: worst p99s over the levels, throughput and goodput at the highest
     concurrency (the runs' median there), and the share of its requests Triton counted as failed. With several
-    runs per level (AIPerf), `intervals` holds the interval of each CHECKED statistic's mean over the runs at the
+    runs per level (AIPerf), `intervals` holds the interval of each checked statistic's mean over the runs at the
     level that gave its value."""
 
     latency_p99_ms: float

@@ -126,7 +126,7 @@ def interval_check(
     verdict = estimate.verdict(threshold, comparison)
     return Check(
         name,
-        getattr(estimate, "value", None),
+        estimate.value,
         threshold,
         comparison,
         verdict == "pass",

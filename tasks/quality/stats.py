@@ -71,6 +71,7 @@ def paired_difference(
 class Decides:
     """A point value with an optional interval (`low`, `high`), decided against a threshold on the interval."""
 
+    value: float
     low: float | None
     high: float | None
 
