@@ -5,12 +5,12 @@ tasks/serving/genai_perf.py) or AIPerf (bench.profile_runs runs per measurement,
 tasks/serving/aiperf.py). Both count goodput where the profile has latency objectives
 (Profile.goodput_objectives).
 
-Every level below the highest is measured once per model. With a champion, the highest level is measured in rounds, interleaved and in alternating order (champion,
-candidate; candidate, champion; ...), so drift of a shared machine hits both models alike; each round
-gives a candidate/champion ratio per run (AIPerf's k-th run of one model is paired with the other's k-th) and the
-gate reads their interval (tasks/quality/stats.py). While the throughput interval straddles
-gate.min_throughput_ratio, rounds continue up to bench.max_rounds. With AIPerf, the candidate's own latency and
-rate checks are decided on the interval of its runs' mean as well (its runs at the level concerned).
+Every level below the highest is measured once per model. With a champion, the highest level is measured in
+rounds of paired single runs (one for genai-perf, bench.profile_runs for AIPerf), the two models in turn and in
+alternating order (champion, candidate; candidate, champion; ...), so drift of a shared machine hits both models
+alike; each pair gives a candidate/champion ratio and the gate reads their interval (tasks/quality/stats.py). While
+the throughput interval straddles gate.min_throughput_ratio, rounds continue up to bench.max_rounds. With AIPerf, the
+candidate's own latency and rate checks are decided on the interval of its runs' mean as well (its runs at the level concerned).
 
 Why the ratio is of requests/s and not of genai-perf's output tokens/s: genai-perf counts output
 tokens by re-tokenizing the streamed text, and two models generating the same 8 tokens count 10 to
@@ -315,24 +315,26 @@ def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
 def compare_in_rounds(
     tool: LoadTool, champion: Served, candidate: Served, concurrency: int, profile: Profile
 ) -> tuple[dict[str, list[LoadLevel]], Comparison]:
-    """bench.rounds rounds at `concurrency`, champion first in odd rounds and candidate first in even
-    ones; then one more at a time while the throughput ratio's interval straddles
-    gate.min_throughput_ratio, up to bench.max_rounds. Every run of a round pairs with the other model's run
-    of the same number (AIPerf makes bench.profile_runs a round)."""
+    """bench.rounds rounds at `concurrency`; then one more at a time while the throughput ratio's interval straddles
+    gate.min_throughput_ratio, up to bench.max_rounds. A round is tool.runs_per_round pairs of single runs, the two
+    models in turn and the first of each pair alternating (champion, candidate, then candidate, champion, ...), so a
+    pair's runs are neighbours in time and whatever else the machine does falls on both alike."""
     cfg, threshold = profile.bench, profile.gate.min_throughput_ratio
     rounds: dict[str, list[LoadLevel]] = {champion.name: [], candidate.name: []}
+    per_round = tool.runs_per_round
     number = 0
     while True:
         number += 1
-        order = (champion, candidate) if number % 2 else (candidate, champion)
-        logger().info(
-            f"benchmark: round {number} at concurrency {concurrency}: {order[0].name}, then {order[1].name} "
-            f"({cfg.tool}, {cfg.request_count} requests each)"
-        )
-        measured = {served.name: tool.measure_runs(served, concurrency, f"-round{number}") for served in order}
-        paired = min(len(runs) for runs in measured.values())  # a tool may finish fewer runs than asked
-        for name, runs in measured.items():
-            rounds[name].extend(runs[:paired])
+        for run in range(per_round):
+            pair = (number - 1) * per_round + run
+            order = (champion, candidate) if pair % 2 == 0 else (candidate, champion)
+            label = f"-round{number}" + (f"-run{run + 1}" if per_round > 1 else "")
+            logger().info(
+                f"benchmark: round {number}{f' run {run + 1}/{per_round}' if per_round > 1 else ''} at concurrency "
+                f"{concurrency}: {order[0].name}, then {order[1].name} ({cfg.tool}, {cfg.request_count} requests each)"
+            )
+            for served in order:
+                rounds[served.name].append(tool.measure(served, concurrency, label))
         if number < cfg.rounds:
             continue
         comparison = Comparison.of(

@@ -20,11 +20,18 @@ orchestrator's. Read at aiperf 0.13.0 (site-packages/aiperf):
   (transports/aiohttp_client.py:176-179). AIPerf finds no input length in a `text_input` body
   (endpoints/payload_extraction.py:260-277), so its input-token statistics are absent; none is read here;
 - the CLI flags below, as `aiperf profile --help` prints them at 0.13.0;
-- with --num-profile-runs N, each run writes `profile_runs/run_000K/profile_export_aiperf.json` (metrics keyed by
-  name, each with `avg`, `p50`, `p90`, `p99`, `std`, ...; `goodput` with `avg` where --goodput was given) and the
+- with --num-profile-runs N > 1, each run writes `profile_runs/run_000K/profile_export_aiperf.json` (metrics keyed
+  by name, each with `avg`, `p50`, `p90`, `p99`, `std`, ...; `goodput` with `avg` where --goodput was given) and the
   whole writes `aggregate/profile_export_aiperf_aggregate.json` with AIPerf's own interval per statistic: mean +- t *
-  sd / sqrt(n), ddof 1 (orchestrator/aggregation/confidence.py:306-350). The gate computes that same interval over
-  the runs it pairs (tasks/quality/stats.py: mean_interval), since a round's runs join the rounds before it.
+  sd / sqrt(n), ddof 1 (orchestrator/aggregation/confidence.py:306-350); one run writes its export at the top of the
+  artifact folder (orchestrator/orchestrator.py:38-89).
+
+The gate's comparison does not use --num-profile-runs: N runs of one model back to back share whatever the machine
+did meanwhile, so pairing them run by run with the other model's block gave intervals narrower than the truth (an
+equal candidate measured 0.503..0.721 on 3 such pairs; docs/benchmarks.md). Its rounds run single-run profiles of
+the two models in turn instead (tasks/benchmark.py: compare_in_rounds) and compute AIPerf's interval themselves
+(tasks/quality/stats.py: mean_interval). Measurements that are not compared (lower concurrency levels, a first
+release) still make one `aiperf profile` of N runs.
 """
 
 from __future__ import annotations
@@ -81,9 +88,10 @@ def aiperf_command(
     concurrency: int,
     artifact_dir: Path,
     goodput: dict[str, float] | None = None,
+    runs: int = 1,
 ) -> list[str]:
-    """One `aiperf profile` of `model` on Triton's HTTP stream: bench.profile_runs runs of bench.request_count
-    requests at `concurrency`, with goodput under `goodput` (objectives in ms, AIPerf's metric names)."""
+    """One `aiperf profile` of `model` on Triton's HTTP stream: `runs` runs of bench.request_count requests at
+    `concurrency`, with goodput under `goodput` (objectives in ms, AIPerf's metric names)."""
     return [
         str(executable),
         "profile",
@@ -118,9 +126,9 @@ def aiperf_command(
         "--warmup-request-count",
         str(cfg.warmup_request_count),
         "--num-profile-runs",
-        str(cfg.profile_runs),
-        "--confidence-level",
-        f"{cfg.confidence:g}",
+        str(runs),
+        # AIPerf's own interval needs 2 runs or more (orchestrator/aggregation/confidence.py:136-160).
+        *(["--confidence-level", f"{cfg.confidence:g}"] if runs > 1 else []),
         "--random-seed",
         "0",
         "--ui-type",
@@ -143,8 +151,20 @@ class AIPerf:
     executable: Path
     goodput: dict[str, float] | None = None  # objectives in ms; each run's export then has `goodput`
 
+    @property
+    def runs_per_round(self) -> int:
+        return self.cfg.profile_runs
+
+    def measure(self, served: Served, concurrency: int, label: str = "") -> LoadLevel:
+        """One AIPerf run (its own `aiperf profile`, start-up and warm-up included)."""
+        return self.profile(served, concurrency, label, runs=1)[0]
+
     def measure_runs(self, served: Served, concurrency: int, label: str = "") -> list[LoadLevel]:
-        """bench.profile_runs runs of `served` at `concurrency`, in the order run."""
+        """bench.profile_runs runs of `served` at `concurrency` in one `aiperf profile`, in the order run."""
+        return self.profile(served, concurrency, label, runs=self.cfg.profile_runs)
+
+    def profile(self, served: Served, concurrency: int, label: str, runs: int) -> list[LoadLevel]:
+        """One `aiperf profile` of `runs` runs; each run's export parsed."""
         artifact_dir = self.out_dir / f"{served.name}-c{concurrency}{label}"
         command = aiperf_command(
             self.executable,
@@ -155,6 +175,7 @@ class AIPerf:
             concurrency,
             artifact_dir,
             self.goodput,
+            runs,
         )
         # AIPerf's services talk over ZMQ sockets under TMPDIR, whose paths must fit 107 bytes (sockaddr_un): a short
         # folder of its own, removed afterwards with the mmap folders AIPerf leaves there.
@@ -179,7 +200,10 @@ class AIPerf:
                 f"benchmark: AIPerf on {served.name} exited with {done.returncode}: "
                 f"{first_error(artifact_dir, done.stderr or done.stdout)[:400]} (logs: {artifact_dir}/**/aiperf.log)"
             )
-        exports = sorted(artifact_dir.glob("profile_runs/run_*/profile_export_aiperf.json"))
+        # One run writes its export at the top; N runs write profile_runs/run_000K/ (orchestrator/orchestrator.py:38-89).
+        exports = sorted(artifact_dir.glob("profile_runs/run_*/profile_export_aiperf.json")) or sorted(
+            artifact_dir.glob("profile_export_aiperf.json")
+        )
         if not exports:
             raise CheckFailed(f"benchmark: AIPerf wrote no profile run under {artifact_dir}")
         return [parse_run_export(path) for path in exports]

@@ -126,6 +126,8 @@ class GenaiPerf:
     prompts_cache: Path | None = None  # a folder; None: no reuse across releases
     goodput: dict[str, float] | None = None  # objectives in ms; the export then has request_goodput (goodput_of)
 
+    runs_per_round = 1
+
     def measure_runs(self, served: Served, concurrency: int, label: str = "") -> list[LoadLevel]:
         return [self.measure(served, concurrency, label)]
 

@@ -71,6 +71,15 @@ class LoadLevel:
 class LoadTool(Protocol):
     """A load generator the benchmark drives (tasks/serving/genai_perf.py, tasks/serving/aiperf.py)."""
 
+    @property
+    def runs_per_round(self) -> int:
+        """Paired runs per model in one of the benchmark's rounds: one for genai-perf, bench.profile_runs for AIPerf."""
+        ...
+
+    def measure(self, served: Served, concurrency: int, label: str = "") -> LoadLevel:
+        """One run of `served` at `concurrency` (one sample of a paired comparison)."""
+        ...
+
     def measure_runs(self, served: Served, concurrency: int, label: str = "") -> list[LoadLevel]:
         """Every run of one measurement of `served` at `concurrency`, in the order run (one for genai-perf,
         bench.profile_runs for AIPerf)."""

@@ -647,13 +647,16 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
     assert new != "1"
     output = result.stdout + result.stderr
     old, candidate = f"{SERVICE}-v{before}", f"{SERVICE}-v{new}"
-    assert re.findall(r"benchmark: round (\d) at concurrency 2: (\S+), then (\S+) \(aiperf", output) == [
-        ("1", old, candidate)
+    # A round is three pairs of single AIPerf runs, the first of each pair alternating
+    assert re.findall(r"benchmark: round (\d) run (\d)/3 at concurrency 2: (\S+), then (\S+) \(aiperf", output) == [
+        ("1", "1", old, candidate),
+        ("1", "2", candidate, old),
+        ("1", "3", old, candidate),
     ]
-    # AIPerf's own files: three profile runs per model, each with its goodput under the TTFT objective
+    # AIPerf's own files: one export per run, each with its goodput under the TTFT objective
     work = home / "work" / "benchmark" / release_run.info.run_id
     for model in (old, candidate):
-        runs = sorted(work.glob(f"{model}-c2-round1/profile_runs/run_*/profile_export_aiperf.json"))
+        runs = sorted(work.glob(f"{model}-c2-round1-run[123]/profile_export_aiperf.json"))
         assert len(runs) == 3, sorted(work.iterdir())
         assert all(json.loads(path.read_text())["goodput"]["avg"] > 0 for path in runs)
     assert release_run.data.metrics["benchmark/candidate_goodput_per_s"] > 0

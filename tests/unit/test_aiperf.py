@@ -63,7 +63,7 @@ def test_the_command_streams_triton_generate_with_exact_output_lengths_and_the_o
     cfg = BenchSection(input_tokens=16, output_tokens=8, request_count=32, profile_runs=4, confidence=0.9)
     command = aiperf_command(
         tmp_path / "aiperf", "svc-v2", "http://127.0.0.1:8000", tmp_path / "model", cfg, 4, tmp_path / "out",
-        {"time_to_first_token": 1000, "inter_token_latency": 50},
+        {"time_to_first_token": 1000, "inter_token_latency": 50}, runs=4,
     )  # fmt: skip
 
     def flag(name: str) -> str:
@@ -79,6 +79,9 @@ def test_the_command_streams_triton_generate_with_exact_output_lengths_and_the_o
     assert extra == {"payload_template": PAYLOAD_TEMPLATE, "response_field": "text_output"}
     body = json.loads(PAYLOAD_TEMPLATE.replace("{{ text|tojson }}", '"hi"').replace("{{ max_tokens|tojson }}", "8"))
     assert body == {"text_input": "hi", "max_tokens": 8, "min_length": 8, "stream": True}  # exactly 8 tokens
+    # One run (a paired sample of the gate's rounds): no interval of AIPerf's own, which needs two runs
+    single = aiperf_command(tmp_path / "aiperf", "svc-v2", "http://h:1", tmp_path / "m", cfg, 4, tmp_path / "o")
+    assert single[single.index("--num-profile-runs") + 1] == "1" and "--confidence-level" not in single
 
 
 def test_without_the_aiperf_environment_the_error_names_the_setup_before_any_training(tmp_path):
