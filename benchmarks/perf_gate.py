@@ -16,7 +16,8 @@ measurement each, champion first, as before) and its token-throughput ratio.
     .venv/bin/python benchmarks/perf_gate.py [--equal 5] [--slow 5] [--home DIR] [--tool genai-perf|aiperf]
         [--set KEY=VALUE ...]
 
-With `--tool aiperf` every measurement is bench.profile_runs AIPerf runs, so the ratio's samples are rounds x runs.
+With `--tool aiperf` a round is bench.profile_runs pairs of single AIPerf runs, so the ratio's samples are
+rounds x runs.
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ class BenchSection(Section):
     profile_runs: int = Field(
         3,
         ge=3,
-        description="aiperf: profile runs per model and measurement (--num-profile-runs); each run is one sample of "
-        "the gate's intervals (at least 3).",
+        description="aiperf: profile runs per model and measurement (--num-profile-runs); in the comparison with the "
+        "champion, paired single runs per model and round, each pair one sample of the gate's intervals (at least 3).",
     )
     aiperf_environment: str | None = Field(
         None,
