@@ -93,6 +93,17 @@ class Profile(Section):
             raise ValueError(
                 f"serve.vllm.tensor_parallel_size {vllm.tensor_parallel_size} exceeds hardware.gpus {self.hardware.gpus}"
             )
+        if self.serve.lora == "adapter":
+            if self.tune.enabled:
+                raise ValueError(
+                    "tune.enabled with serve.lora adapter: the engine settings it searches belong to the base engine, "
+                    "which champion and candidate share (tune on merged releases, then set them for the base)"
+                )
+            if self.train.lora_rank > vllm.max_lora_rank:
+                raise ValueError(
+                    f"train.lora_rank {self.train.lora_rank} exceeds serve.vllm.max_lora_rank {vllm.max_lora_rank}: "
+                    "the base engine could not serve the adapter"
+                )
         return self
 
     # The engine settings that shape how a version serves on llmapi (tensorrt_llm.LLM()'s), recorded with
