@@ -64,3 +64,13 @@ def test_the_base_engine_enables_lora_and_an_adapter_model_names_its_base(tmp_pa
     assert 'key: "base_model", value: { string_value: "svc-base" }' in config
     assert f'string_value: "{"a" * 64}@{"b" * 64}"' in config
     assert 'name: "lora_' not in config  # a client cannot name another adapter: only the base model takes it
+
+
+def test_one_engine_may_take_more_of_the_gpu_than_two_side_by_side():
+    merged = ["serve.vllm.gpu_memory_utilization=0.6"]
+    with pytest.raises(BadInput, match="a merged canary runs two engines side by side, so below 0.5"):
+        load_profile("qwen-7b-vllm-h100", merged)
+    adapter = ["serve.lora=adapter", "tune.enabled=false", "serve.vllm.gpu_memory_utilization=0.85"]
+    assert load_profile("qwen-7b-vllm-h100", adapter).serve.vllm.gpu_memory_utilization == 0.85
+    with pytest.raises(BadInput, match="at most 0.9"):
+        load_profile("qwen-7b-vllm-h100", [*adapter[:2], "serve.vllm.gpu_memory_utilization=0.95"])

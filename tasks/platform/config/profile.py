@@ -93,6 +93,16 @@ class Profile(Section):
             raise ValueError(
                 f"serve.vllm.tensor_parallel_size {vllm.tensor_parallel_size} exceeds hardware.gpus {self.hardware.gpus}"
             )
+        share, engines = vllm.gpu_memory_utilization, 1 if self.serve.lora == "adapter" else 2
+        if share * engines >= 1 or share > 0.9:
+            raise ValueError(
+                f"serve.vllm.gpu_memory_utilization {share:g}: "
+                + (
+                    "a merged canary runs two engines side by side, so below 0.5 (serve.lora adapter runs one)"
+                    if engines == 2
+                    else "at most 0.9: the engine's CUDA context and the adapters' buffers sit outside its share"
+                )
+            )
         if self.serve.lora == "adapter":
             if self.tune.enabled:
                 raise ValueError(

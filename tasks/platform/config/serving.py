@@ -45,10 +45,11 @@ class VllmServing(Section):
     gpu_memory_utilization: float = Field(
         0.45,
         gt=0,
-        lt=0.5,
+        lt=1,
         description="cuda: share of each GPU's total memory one engine may take (weights, activations, CUDA graphs, "
-        "KV cache); vLLM refuses to start an engine when less than this share is free. The canary runs champion and "
-        "candidate side by side and each engine's CUDA context sits outside its share, so below 0.5. Unused on CPU.",
+        "KV cache); vLLM refuses to start an engine when less than this share is free. A merged canary runs champion "
+        "and candidate engines side by side and each engine's CUDA context sits outside its share, so below 0.5; "
+        "with serve.lora adapter one engine serves both, so up to 0.9. Unused on CPU.",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="cuda: GPUs one engine spans (at most hardware.gpus); both canary engines share them."
