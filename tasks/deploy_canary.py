@@ -16,7 +16,7 @@ from tasks.platform.stage_cache import RunContext, logger
 from tasks.register import Registered
 from tasks.serving.champion import serve_champion, served_version
 from tasks.serving.client import Triton
-from tasks.serving.models import Served, install_model, triton_unload_quietly
+from tasks.serving.models import Served, install_model, retire
 
 
 @dataclass
@@ -45,7 +45,7 @@ def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton) -> De
         load_s = install_model(triton, ctx.profile, candidate)
         ctx.tracker.log_metrics("canary", {"candidate_load_s": load_s})
     except CheckFailed:
-        triton_unload_quietly(triton, candidate.name)
+        retire(triton, service, candidate)
         raise
     client.set_registered_model_alias(registered.name, "challenger", registered.version)
     logger().info(

@@ -18,7 +18,7 @@ from tasks.deploy_canary import Deployment
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.serving import prometheus
 from tasks.serving.client import Triton, parse_metric
-from tasks.serving.models import set_routes, triton_unload_quietly
+from tasks.serving.models import retire, retire_base, set_routes, triton_unload_quietly
 
 
 @dataclass
@@ -143,7 +143,7 @@ def promote(ctx: RunContext, deployment: Deployment) -> None:
     client.set_registered_model_alias(name, "champion", deployment.candidate.version)
     client.delete_registered_model_alias(name, "challenger")
     if deployment.champion and deployment.champion.name != deployment.candidate.name:
-        triton_unload_quietly(deployment.triton, deployment.champion.name)
+        retire(deployment.triton, deployment.service, deployment.champion)
     logger().info(f"canary: promoted {deployment.candidate.name}; alias champion -> v{deployment.candidate.version}")
 
 
@@ -153,7 +153,9 @@ def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
         set_routes(deployment.triton, ctx.profile, deployment.service, {deployment.champion.name: 100})
     elif deployment.triton.is_ready(deployment.service):
         triton_unload_quietly(deployment.triton, deployment.service)
-    triton_unload_quietly(deployment.triton, deployment.candidate.name)
+    retire(deployment.triton, deployment.service, deployment.candidate)
+    if not deployment.champion:
+        retire_base(deployment.triton, deployment.service, deployment.candidate)  # serve.lora adapter
     logger().warning(f"canary: rolled back {deployment.candidate.name}: {reason}")
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tasks.platform.config import Profile
 from tasks.platform.stage_cache import RunContext
 from tasks.serving import vllm as vllm_serving
+from tasks.serving.adapters import served_artifact
 from tasks.serving.client import Triton, TritonTarget
 from tasks.serving.models import Served, install_model, model_name, set_routes
 from tasks.serving.server import TritonServer, published
@@ -49,8 +50,20 @@ def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, st
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
     """What a registered version serves: the merged model, or on llmapi the quantize stage's checkpoint (the
-    registered artifact itself; build_engine only checked it)."""
+    registered artifact itself; build_engine only checked it), or with serve.lora adapter the train stage's adapter
+    on its base model (the merged model stays the tokenizer's and the scorers' reference)."""
     merged = version.tags["artifact.merge.sha256"]
+    if ctx.profile.serve.lora == "adapter":
+        adapter, base = version.tags["artifact.train.sha256"], version.tags["artifact.base_model.sha256"]
+        return Served(
+            str(version.version),
+            model_name(service, str(version.version)),
+            ctx.store.fetch(merged),
+            artifact_sha256=served_artifact(adapter, base),
+            adapter_dir=ctx.store.fetch(adapter),
+            base_dir=ctx.store.fetch(base),
+            base_sha256=base,
+        )
     checkpoint = version.tags["artifact.quantize.sha256"] if ctx.profile.serve.backend == "llmapi" else None
     return Served(
         str(version.version),

@@ -1,5 +1,5 @@
 """The text helpers every served Triton model runs: request inputs, the chat history, the prompt's token ids,
-the streamed deltas. Defined once here and copied next to each rendered model's model.py
+the streamed deltas; and the forwarding of the models that only forward (the router, an adapter's model). Defined once here and copied next to each rendered model's model.py
 (tasks/serving/repository.py:render_model), so the served models encode exactly as training does
 (tasks/quality/chat.py re-exports encode_prompt and stream_delta from here).
 
@@ -58,3 +58,67 @@ def stream_delta(text: str, sent: str, final: bool) -> tuple[str, str]:
     if not text.startswith(sent):  # the decoder revised what was sent (rare): never send a wrong delta
         return "", sent
     return text[len(sent) :], text
+
+
+class Forwarder:
+    """The execute of a model that forwards each request, whole and streaming, to another model (BLS): the router
+    and an adapter's model. Each request goes to a worker thread, so `execute` returns at once and concurrent
+    requests reach the model behind together (it batches them); at most `max_in_flight` are forwarded at once, and
+    the next is refused at once with UNAVAILABLE (HTTP 503) rather than waiting without bound in the workers' queue.
+    `pb_utils`: the stub's triton_python_backend_utils, which only exists inside Triton."""
+
+    def __init__(self, pb_utils: Any, max_in_flight: int, thread_name_prefix: str) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pb_utils, self.max_in_flight = pb_utils, max_in_flight
+        self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix=thread_name_prefix)
+        self.in_flight, self.count_lock = 0, threading.Lock()
+
+    def execute(self, requests: list, route: Any) -> None:
+        """Forward each request where `route(request)` says: (model name, inputs)."""
+        pb_utils = self.pb_utils
+        for request in requests:
+            with self.count_lock:
+                admitted = self.in_flight < self.max_in_flight
+                self.in_flight += admitted
+            if admitted:
+                self.workers.submit(self.forward, request, route)
+                continue
+            busy = pb_utils.TritonError(
+                f"the service has {self.max_in_flight} requests in flight; retry shortly",
+                pb_utils.TritonError.UNAVAILABLE,
+            )
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse(error=busy), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            )
+
+    def forward(self, request: Any, route: Any) -> None:
+        try:
+            relay(self.pb_utils, request, *route(request))
+        finally:
+            with self.count_lock:
+                self.in_flight -= 1
+
+    def shutdown(self) -> None:
+        self.workers.shutdown(wait=True)  # an unload or a reload waits for requests in flight to finish
+
+
+def relay(pb_utils: Any, request: Any, model_name: str, inputs: list) -> None:
+    """Send `inputs` to `model_name` (decoupled) and stream its text back to `request`'s sender; an error becomes the
+    request's final error response."""
+    sender = request.get_response_sender()
+    try:
+        call = pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=["text_output"])
+        for response in call.exec(decoupled=True):
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            output = pb_utils.get_output_tensor_by_name(response, "text_output")
+            if output is not None:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[output]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as exc:
+        sender.send(
+            pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )

@@ -25,7 +25,7 @@ from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import logger
 from tasks.quality.contract import CONTRACT_FILE, load_contract, read_contract, require_same
-from tasks.serving import memory_plan
+from tasks.serving import adapters, memory_plan
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton
 from tasks.serving.llm_api import llm_args
@@ -39,6 +39,10 @@ class Served:
     model_dir: Path  # the merged model: tokenizer for genai-perf, the champion's task score
     checkpoint_dir: Path | None = None  # llmapi: the quantize stage's checkpoint, which the llmapi model loads
     artifact_sha256: str = ""  # the store artifact this model serves: that checkpoint on llmapi, else the merged model
+    # serve.lora adapter: the train stage's adapter, the base model it serves on, and that base's artifact
+    adapter_dir: Path | None = None
+    base_dir: Path | None = None
+    base_sha256: str = ""
 
     @property
     def serves(self) -> Path:
@@ -121,6 +125,8 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> float:
     (0 when it was loaded already): a vLLM engine takes ~20 s on CPU, part of what a rollout costs."""
     if triton.is_ready(served.name):
         return 0.0
+    if served.adapter_dir is not None:
+        return adapters.install_adapter(triton, profile, served, profile.registry.model_name)
     with model_folders(triton) as repository:
         # No shared filesystem: the model's weights and tokenizer travel inside its folder (1/model).
         shipped = triton.repository is None
@@ -191,8 +197,23 @@ def set_routes(
 
 
 def triton_unload_quietly(triton: Triton, name: str) -> None:
-    """Unload a served version."""
+    """Unload a model."""
     try:
         triton.unload(name)
     except requests.RequestException:
         pass
+
+
+def retire(triton: Triton, service: str, served: Served) -> None:
+    """Unload a served version; an adapter's is then freed in the base engine too."""
+    triton_unload_quietly(triton, served.name)
+    if served.adapter_dir is not None:
+        adapters.release_adapter(triton, service, served.name)
+
+
+def retire_base(triton: Triton, service: str, retired: Served) -> None:
+    """Unload the base engine of serve.lora adapter once no version but `retired` (which may still be unloading:
+    Triton unloads in the background) serves on it: a first release rolled back."""
+    base = adapters.base_model_name(service)
+    if triton.is_ready(base) and not set(adapters.held_adapters(triton, service)) - {retired.name}:
+        triton_unload_quietly(triton, base)

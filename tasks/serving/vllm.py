@@ -79,6 +79,10 @@ def model_values(profile: Profile) -> dict[str, object]:
         "enforce_eager": str(cfg.enforce_eager).lower(),
         "gpu_memory_utilization": cfg.gpu_memory_utilization if cuda else "",
         "tensor_parallel_size": cfg.tensor_parallel_size if cuda else "",
+        # serve.lora adapter: the one engine is the base model's, serving every version's adapter by name
+        "enable_lora": str(profile.serve.lora == "adapter").lower(),
+        "max_lora_rank": cfg.max_lora_rank,
+        "max_loras": cfg.max_loras,
     }
 
 

@@ -39,6 +39,24 @@ FAST = [
 
 
 ENGINE = ["--set", "serve.backend=vllm"]  # for `llmops run` and `llmops serve` alike
+# The candidates from the good one on: one vLLM engine of the base model serves every version's LoRA adapter
+# (serve.lora adapter). The first release and `llmops serve` stay merged: the good candidate migrates the service.
+ADAPTER = ["--set", "serve.lora=adapter"]
+BASE = f"{SERVICE}-base"
+
+
+def engine_processes(server: dict) -> set[int]:
+    """The vLLM engine cores under `llmops serve` (vLLM titles each process VLLM::EngineCore)."""
+    import psutil
+
+    found = set()
+    for process in psutil.Process(server["serve_pid"]).children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(process.cmdline()):
+                found.add(process.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -631,13 +649,14 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
     """AIPerf measures (bench.tool aiperf: 3 profile runs per model, goodput under the gate's TTFT objective), and the
     gate decides on the runs' intervals; the canary's live checks come from Prometheus (`canary.prometheus_url`),
     as in production."""
-    before = champion(home)
+    before, engines_before = champion(home), engine_processes(server)
+    assert len(engines_before) == 1  # the merged champion's
     with Load(server, served_by(home, server)) as load:
         # the same weights under a new profile digest: a new version, and no training in this test's time
         result = run(
             *("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}"),
             *("--set", "gate.min_throughput_ratio=0.2", "--set", "bench.tool=aiperf"),
-            *("--set", "gate.min_goodput_ratio=0.2"),
+            *("--set", "gate.min_goodput_ratio=0.2", *ADAPTER),
         )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     release_run = latest_release(home)
@@ -672,8 +691,12 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
         step = next(line for line in output.splitlines() if f"canary: {weight}% to {SERVICE}-v{new}" in line)
         assert step.rstrip().endswith("(from Prometheus)"), step
         assert " 0 requests mean" not in step  # Prometheus saw the candidate's requests
-    expected = [SERVICE, f"{SERVICE}-v{new}"]
+    # The service migrated to adapters: the new champion is an adapter on the base engine, which now runs alone
+    assert f"canary: {SERVICE}-v{new} loaded in" in output and f"(adapter on {BASE})" in output
+    expected = [SERVICE, BASE, f"{SERVICE}-v{new}"]
     assert ready_models(served_by(home, server), expected) == sorted(expected)  # old champion unloaded
+    engines = engine_processes(server)
+    assert len(engines) == 1 and not engines & engines_before, (engines_before, engines)
     assert load.failed == 0, load.errors[:5]
     assert load.ok > 50
     # A PromQL query returns the served versions side by side, as the Grafana dashboard shows them.
@@ -703,10 +726,12 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     """Before any user sees it, the candidate answers a copy of the gateway's live traffic in a shadow window; it
     answers unlike the champion, and the gate rejects it for that too. The clients only ever got the champion's
     answer."""
-    before = champion(home)
+    before, engines = champion(home), engine_processes(server)
     # 8 per second: the 4 s shadow window must see canary.shadow_min_requests (20) copies
     with Load(server, served_by(home, server), per_s=8, requests_total=320, gateway_tls=tls) as load:
-        result = run(*BASE_MODEL_CANDIDATE, *("--set", "canary.shadow_s=4", "--set", "gate.min_shadow_agreement=0.5"))
+        result = run(
+            *BASE_MODEL_CANDIDATE, *("--set", "canary.shadow_s=4", "--set", "gate.min_shadow_agreement=0.5"), *ADAPTER
+        )
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     # The base model's task metric collapses; on 2 shared cores its throughput ratio may fail too.
@@ -729,8 +754,9 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     assert champion(home) == before  # no alias moved
     rejected = registry(home).get_model_version_by_alias(SERVICE, "challenger")
     assert str(rejected.version) != before and rejected.tags["gate.decision"] == "reject"
-    expected = [SERVICE, f"{SERVICE}-v{before}"]
+    expected = [SERVICE, BASE, f"{SERVICE}-v{before}"]
     assert ready_models(served_by(home, server), expected) == sorted(expected)  # candidate unloaded
+    assert engine_processes(server) == engines  # the candidate was an adapter on the one engine: none was started
     assert load.failed == 0, load.errors[:5]
     report = result.stdout.split("gate report: ")[1].split()[0]
     gate = llmops(home, "gate", report)
@@ -774,7 +800,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     throughput ratio fell to 0.21) but the live check breaches at the 50% step. During that step
     the openai client, through the gateway and the service's name, gets the champion's answers and the
     candidate's (different: the base model's) answers: router weights apply to the OpenAI endpoint."""
-    before = champion(home)
+    before, engines = champion(home), engine_processes(server)
     client = openai_client(server, tls)
     champions = {
         prompt: client.chat.completions.create(
@@ -798,7 +824,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
                 *("--set", "gate.max_task_metric_drop=1", "--set", "gate.min_throughput_ratio=null"),
                 *("--set", "gate.p99_request_latency_ms=null", "--set", "gate.p99_time_to_first_token_ms=null"),
                 *("--set", "canary.max_mean_latency_ms=0.001", "--set", "gate.approval=required"),
-                *("--set", "canary.steps=[50,100]", "--set", "canary.window_s=6"),
+                *("--set", "canary.steps=[50,100]", "--set", "canary.window_s=6", *ADAPTER),
             )
     finally:
         done.set()
@@ -822,8 +848,9 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
         result.stderr.strip().splitlines()[-1] == "llmops: rejected: candidate rolled back: canary breach (see the log)"
     )
     assert champion(home) == before
-    expected = [SERVICE, f"{SERVICE}-v{before}"]
+    expected = [SERVICE, BASE, f"{SERVICE}-v{before}"]
     assert ready_models(served_by(home, server), expected) == sorted(expected)
+    assert engine_processes(server) == engines  # rolled back on the one engine
     assert load.failed == 0, load.errors[:5]
     # Both versions answered the openai client during the step: the champion's answer to every prompt, and
     # for some prompt another (the base model's).
@@ -841,6 +868,57 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
         .message.content
         for prompt in PROMPTS
     } == champions
+
+
+def test_an_adapter_on_another_base_or_above_the_engines_rank_is_refused_before_it_loads(
+    home, server, cpu_tiny_store, tmp_path
+):
+    import shutil
+    from dataclasses import replace
+
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import CheckFailed
+    from tasks.serving.models import Served, install_model
+
+    triton = served_by(home, server)
+    tags = registry(home).get_model_version_by_alias(SERVICE, "champion").tags
+
+    def fetch(stage: str) -> Path:
+        return cpu_tiny_store / "objects" / tags[f"artifact.{stage}.sha256"] / "files"
+
+    profile = load_profile("cpu-tiny", ["serve.backend=vllm", "serve.lora=adapter"])
+    loaded = triton.loaded_models()
+    other_base = Served(
+        "98", f"{SERVICE}-v98", fetch("merge"), adapter_dir=fetch("train"), base_dir=fetch("base_model"),
+        base_sha256="0" * 64, artifact_sha256="adapter@other-base",
+    )  # fmt: skip
+    with pytest.raises(CheckFailed, match=f"v98 was trained on base 000000000000, but {BASE} serves base "):
+        install_model(triton, profile, other_base)
+    high_rank = Path(shutil.copytree(fetch("train"), tmp_path / "adapter"))
+    config = json.loads((high_rank / "adapter_config.json").read_text())
+    (high_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 64}))
+    with pytest.raises(CheckFailed, match="adapter has rank 64, above serve.vllm.max_lora_rank 16"):
+        install_model(triton, profile, replace(other_base, adapter_dir=high_rank))
+    assert triton.loaded_models() == loaded  # nothing was loaded, nothing replaced
+
+
+def test_a_service_of_adapters_starts_the_base_engine_and_answers_as_its_champion(
+    home, server, cpu_tiny_store, tls, tmp_path
+):
+    """`llmops serve` with serve.lora adapter on a fresh Triton: the base engine, the champion's adapter and the
+    router; the champion answers as it did merged."""
+    process, _ = second_service(home, cpu_tiny_store, tls, tmp_path, *ADAPTER)
+    try:
+        state = json.loads((tmp_path / "home" / "triton" / "server.json").read_text())
+        expected = [SERVICE, BASE, f"{SERVICE}-v{champion(home)}"]
+        assert ready_models(served_by(tmp_path / "home", state), expected) == sorted(expected)
+        prompt = {"text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True}
+        answer = requests.post(f"{state['url']}/v2/models/{SERVICE}/generate", json=prompt, timeout=30)
+        assert answer.json()["text_output"] == "cold", answer.text
+        assert len(engine_processes({"serve_pid": process.pid})) == 1
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
 
 
 def approve_when_waiting(home: Path, approvals: list, done: threading.Event) -> None:

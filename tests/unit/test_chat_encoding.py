@@ -38,6 +38,16 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
         "svc-v2": serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64),
         "svc": ("router", {"max_batch_size": 8, "max_in_flight": 64, "routes": "svc-v1=90,svc-v2=10", "shadow": ""}),
         "svc-v3": serving_model(load_profile("qwen-7b-qlora-2xa10"), Path("/checkpoints/v3"), "e" * 64, 40960),
+        "svc-v4": (
+            "adapter",
+            {
+                "max_batch_size": 8,
+                "base_model": "svc-base",
+                "adapter_dir": "/a",
+                "artifact_sha256": "b@c",
+                "max_in_flight": 64,
+            },
+        ),
     }
     return {template: render_model(template, repository, name, values) for name, (template, values) in models.items()}
 
@@ -61,7 +71,7 @@ def served_model(folder: Path, monkeypatch) -> types.ModuleType:
 def test_every_python_backend_model_carries_the_one_copy_of_the_text_helpers(rendered):
     helper = Path(model_text.__file__).read_bytes()
     python_models = {template for template, folder in rendered.items() if (folder / "1" / "model.py").is_file()}
-    assert python_models == {"llm", "vllm", "router", "llmapi"}
+    assert python_models == {"llm", "vllm", "router", "llmapi", "adapter"}
     for template in python_models:
         folder = rendered[template]
         assert (folder / "1" / model_text.FILE_NAME).read_bytes() == helper, template
@@ -223,9 +233,13 @@ def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, 
         {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})}
     )
     release, refused = threading.Event(), []
-    monkeypatch.setattr(model, "route", lambda request: release.wait(10))
+    # the BLS call the workers make (model_text.relay, shared with the adapter models' Forwarder) waits
+    monkeypatch.setitem(router.Forwarder.forward.__globals__, "relay", lambda *args: release.wait(10))
 
     class Request:
+        def inputs(self):
+            return []
+
         def get_response_sender(self):
             return types.SimpleNamespace(send=lambda response, flags: refused.append((response.c, response.m, flags)))
 
@@ -233,8 +247,8 @@ def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, 
     assert refused == [(14, "the service has 2 requests in flight; retry shortly", 1)]
     release.set()
     deadline = time.monotonic() + 10
-    while model.in_flight and time.monotonic() < deadline:  # the two forwarded requests finish
+    while model.forwarder.in_flight and time.monotonic() < deadline:  # the two forwarded requests finish
         time.sleep(0.01)
     model.execute([Request(), Request()])  # their places are free again
     model.finalize()  # waits for the requests in flight
-    assert model.in_flight == 0 and len(refused) == 1
+    assert model.forwarder.in_flight == 0 and len(refused) == 1

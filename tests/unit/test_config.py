@@ -79,14 +79,15 @@ def test_profile_digest_changes_with_any_value():
 # the canary gained a shadow window (canary.shadow_s, shadow_fraction, shadow_min_requests; gate.min_shadow_agreement),
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
-# (tune.max_num_tokens; tune on in the GPU profiles).
+# (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
+# serve.vllm.max_lora_rank, max_loras).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "626ec661d904e30ef41f80f30451ee869e30730cdd071b462ca1dc1e40c42777",
-    "cpu-tiny-qa-zh": "0ea96ef49aa50c79dde7c970e91b896c43af273b111ccc12f7a07b1d5d48d75f",
-    "llama3-8b-h100-fp8": "d46c8678096af80679aef6209e59ce5cf19ea6316257f506bc17f067819412bd",
-    "qwen-7b-qlora-2xa10": "1b40786fbb1ddb21f6a2f6a47dc74755370bcd682542bff833ebd71521033257",
-    "qwen-7b-vllm-h100": "952977dfac08eff4b54e4b2abfaf3cce5166b5649ddc0b32e8cd179b75b30c1d",
-    "qwen2-14b-int4-tp2": "2cde4012b3d29a25d322a45a1d98f2d5260d645eb477229453eff4629fe431a0",
+    "cpu-tiny": "340557c4ffefbafb8412f65b939b203a2278363228c9a424bdc2242add4cf031",
+    "cpu-tiny-qa-zh": "2aaf6fb1d3fd1d906dc682f3e3962b976de76becc6b473fca7ab1889d4d84f14",
+    "llama3-8b-h100-fp8": "d6875df5b9edf2030838c2aab0d0457b4a3dfc12f3ecbf7adecac09ed64f46b8",
+    "qwen-7b-qlora-2xa10": "cb96c3483f8e3442329a2a08cfdad28b0a858ad3697d1115ca3049ba36bf4ef3",
+    "qwen-7b-vllm-h100": "d8ca7b8b3d6e29dc8f52df9ac430dc02626d37e3d7cb0fb65b05c2bb51ad32f5",
+    "qwen2-14b-int4-tp2": "d15560fed9f5c7f41db7d0724cf508012982d48712853bd06c8d47cf31bccf91",
 }
 
 

@@ -72,6 +72,9 @@ def test_the_cpu_vllm_engine_gets_the_arguments_it_got_before(tmp_path):
         "enforce_eager": "true",
         "gpu_memory_utilization": "",
         "tensor_parallel_size": "",
+        "enable_lora": "false",  # a merged model's engine (serve.lora merged): no adapters
+        "max_lora_rank": 16,
+        "max_loras": 2,
     }
     _, config = rendered_config("cpu-tiny", tmp_path, ["serve.backend=vllm"])
     assert parameter(config, "gpu_memory_utilization") == parameter(config, "tensor_parallel_size") == ""

@@ -93,6 +93,27 @@ class Profile(Section):
             raise ValueError(
                 f"serve.vllm.tensor_parallel_size {vllm.tensor_parallel_size} exceeds hardware.gpus {self.hardware.gpus}"
             )
+        share, engines = vllm.gpu_memory_utilization, 1 if self.serve.lora == "adapter" else 2
+        if share * engines >= 1 or share > 0.9:
+            raise ValueError(
+                f"serve.vllm.gpu_memory_utilization {share:g}: "
+                + (
+                    "a merged canary runs two engines side by side, so below 0.5 (serve.lora adapter runs one)"
+                    if engines == 2
+                    else "at most 0.9: the engine's CUDA context and the adapters' buffers sit outside its share"
+                )
+            )
+        if self.serve.lora == "adapter":
+            if self.tune.enabled:
+                raise ValueError(
+                    "tune.enabled with serve.lora adapter: the engine settings it searches belong to the base engine, "
+                    "which champion and candidate share (tune on merged releases, then set them for the base)"
+                )
+            if self.train.lora_rank > vllm.max_lora_rank:
+                raise ValueError(
+                    f"train.lora_rank {self.train.lora_rank} exceeds serve.vllm.max_lora_rank {vllm.max_lora_rank}: "
+                    "the base engine could not serve the adapter"
+                )
         return self
 
     # The engine settings that shape how a version serves on llmapi (tensorrt_llm.LLM()'s), recorded with

@@ -45,13 +45,25 @@ class VllmServing(Section):
     gpu_memory_utilization: float = Field(
         0.45,
         gt=0,
-        lt=0.5,
+        lt=1,
         description="cuda: share of each GPU's total memory one engine may take (weights, activations, CUDA graphs, "
-        "KV cache); vLLM refuses to start an engine when less than this share is free. The canary runs champion and "
-        "candidate side by side and each engine's CUDA context sits outside its share, so below 0.5. Unused on CPU.",
+        "KV cache); vLLM refuses to start an engine when less than this share is free. A merged canary runs champion "
+        "and candidate engines side by side and each engine's CUDA context sits outside its share, so below 0.5; "
+        "with serve.lora adapter one engine serves both, so up to 0.9. Unused on CPU.",
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="cuda: GPUs one engine spans (at most hardware.gpus); both canary engines share them."
+    )
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = Field(
+        16,
+        description="serve.lora adapter: the largest LoRA rank the base engine serves (vLLM's max_lora_rank; its "
+        "adapter buffers are sized for it); a candidate adapter of a higher rank is refused before it loads.",
+    )
+    max_loras: int = Field(
+        2,
+        ge=1,
+        description="serve.lora adapter: adapters the base engine holds and batches at once (vLLM's max_loras and "
+        "max_cpu_loras): champion and candidate during a canary. A canary that would need more is refused.",
     )
 
 
@@ -190,6 +202,13 @@ class ServeSection(Section):
         "model (infra/triton/llmapi); vllm: the merged model in vLLM's async engine inside a Python-backend model.",
     )
     vllm: VllmServing = VllmServing()
+    lora: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="What a version serves. merged: its own merged model, one engine per version (a canary runs two). "
+        "adapter (serve.backend vllm): one vLLM engine of the base model (`<service>-base`) serves every version's "
+        "LoRA adapter by name; a version is a small model forwarding to it with its adapter (infra/triton/adapter), "
+        "so a canary loads megabytes, not a second engine. The gate, canary, benchmark and gateway are unchanged.",
+    )
     triton_binary: str | None = Field(
         None,
         description="null: the nvidia-pytriton wheel's tritonserver (CPU); a path or name: an NGC/system one.",
@@ -253,6 +272,14 @@ class ServeSection(Section):
                 "engine section (enable_block_reuse, enable_chunked_prefill, free_gpu_memory_fraction)"
             )
         return values
+
+    @model_validator(mode="after")
+    def _adapters_need_vllm(self) -> ServeSection:
+        if self.lora == "adapter" and self.backend != "vllm":
+            raise ValueError(
+                f"lora adapter needs serve.backend vllm (the engine that serves adapters by name), not {self.backend}"
+            )
+        return self
 
     @field_validator("backend", mode="before")
     @classmethod

@@ -8,10 +8,11 @@ over a decoupled BLS response stream in this Triton release; iterating it would 
 
 import json
 import random
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
+
+# model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
+from model_text import Forwarder
 
 
 def parse_routes(text):
@@ -29,57 +30,15 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.routes = parse_routes(config["parameters"]["routes"]["string_value"])
         self.random = random.Random()
-        self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix="route")
-        # requests forwarded and not yet answered; past max_in_flight a request is refused in execute
-        self.max_in_flight = int(config["parameters"]["max_in_flight"]["string_value"])
-        self.in_flight, self.count_lock = 0, threading.Lock()
+        self.forwarder = Forwarder(pb_utils, int(config["parameters"]["max_in_flight"]["string_value"]), "route")
 
     def pick(self):
         names, weights = zip(*self.routes, strict=True)
         return self.random.choices(names, weights=weights)[0]
 
     def execute(self, requests):
-        for request in requests:
-            with self.count_lock:
-                admitted = self.in_flight < self.max_in_flight
-                self.in_flight += admitted
-            if admitted:
-                self.workers.submit(self.forward, request)
-            else:
-                busy = pb_utils.TritonError(
-                    f"the service has {self.max_in_flight} requests in flight; retry shortly",
-                    pb_utils.TritonError.UNAVAILABLE,
-                )
-                request.get_response_sender().send(
-                    pb_utils.InferenceResponse(error=busy), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-                )
+        self.forwarder.execute(requests, lambda request: (self.pick(), request.inputs()))
         return None
 
-    def forward(self, request):
-        try:
-            self.route(request)
-        finally:
-            with self.count_lock:
-                self.in_flight -= 1
-
-    def route(self, request):
-        sender = request.get_response_sender()
-        try:
-            call = pb_utils.InferenceRequest(
-                model_name=self.pick(), inputs=request.inputs(), requested_output_names=["text_output"]
-            )
-            for response in call.exec(decoupled=True):
-                if response.has_error():
-                    raise RuntimeError(response.error().message())
-                output = pb_utils.get_output_tensor_by_name(response, "text_output")
-                if output is not None:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[output]))
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:
-            sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
-                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-            )
-
     def finalize(self):
-        self.workers.shutdown(wait=True)  # a reload waits for requests in flight to finish
+        self.forwarder.shutdown()

