@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -53,7 +54,7 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
 
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):
-    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "llmapi", "router", "vllm"]
+    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["adapter", "llm", "llmapi", "router", "vllm"]
     render_model(
         "router",
         tmp_path,
@@ -82,8 +83,21 @@ def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_
     assert 'key: "max_num_seqs", value: { string_value: "32" }' in config and "count: 1" in config
     assert "dynamic_batching" not in config and "decoupled: true" in config
     llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
-    inputs = lambda text: text.split("input [")[1].split("]\noutput")[0]  # noqa: E731
-    assert inputs(config) == inputs(llm)
+
+    def inputs(text: str) -> list[str]:
+        return re.findall(r'name: "(\w+)"', text.split("input [")[1].split("]\noutput")[0])
+
+    # the llm model's inputs, and the three only the adapter models send (serve.lora adapter; the gateway never does)
+    assert inputs(config) == [*inputs(llm), "lora_name", "lora_path", "lora_release"]
+    adapter_values = {
+        "max_batch_size": 8,
+        "base_model": "b",
+        "adapter_dir": "/a",
+        "artifact_sha256": "x",
+        "max_in_flight": 8,
+    }
+    adapter = (render_model("adapter", tmp_path, "svc-v3", adapter_values) / "config.pbtxt").read_text()
+    assert inputs(adapter) == inputs(llm)
     assert serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64)[0] == "llm"
 
 
