@@ -566,18 +566,6 @@ def second_service(home: Path, store: Path, tls, folder: Path, *args: str) -> tu
     return process, tritons
 
 
-def test_a_killed_serve_leaves_no_triton_behind(home, server, cpu_tiny_store, tls, tmp_path):
-    """SIGKILL gives `llmops serve` no chance to clean up: the kernel stops its Triton (PR_SET_PDEATHSIG). On the
-    python backend: that a vLLM engine dies with its Triton is checked where Triton is killed under load."""
-    import psutil
-
-    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path, "--set", "serve.backend=python")
-    process.kill()
-    process.wait(10)
-    gone, alive = psutil.wait_procs(tritons, timeout=60)
-    assert not alive, f"tritonserver {alive[0].pid} outlived its llmops serve"
-
-
 def test_serve_exits_4_when_triton_keeps_dying(home, server, cpu_tiny_store, tls, tmp_path):
     process, tritons = second_service(
         home,
@@ -695,7 +683,9 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
     assert f"canary: {SERVICE}-v{new} loaded in" in output and f"(adapter on {BASE})" in output
     expected = [SERVICE, BASE, f"{SERVICE}-v{new}"]
     assert ready_models(served_by(home, server), expected) == sorted(expected)  # old champion unloaded
-    engines = engine_processes(server)
+    deadline = time.monotonic() + 60  # the retired engine's process ends after its model's unload returned
+    while len(engines := engine_processes(server)) > 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert len(engines) == 1 and not engines & engines_before, (engines_before, engines)
     assert load.failed == 0, load.errors[:5]
     assert load.ok > 50
@@ -902,12 +892,15 @@ def test_an_adapter_on_another_base_or_above_the_engines_rank_is_refused_before_
     assert triton.loaded_models() == loaded  # nothing was loaded, nothing replaced
 
 
-def test_a_service_of_adapters_starts_the_base_engine_and_answers_as_its_champion(
+def test_a_service_of_adapters_answers_as_its_champion_and_a_killed_serve_leaves_no_process_behind(
     home, server, cpu_tiny_store, tls, tmp_path
 ):
     """`llmops serve` with serve.lora adapter on a fresh Triton: the base engine, the champion's adapter and the
-    router; the champion answers as it did merged."""
-    process, _ = second_service(home, cpu_tiny_store, tls, tmp_path, *ADAPTER)
+    router; the champion answers as it did merged. Then SIGKILL gives `llmops serve` no chance to clean up: the
+    kernel stops its Triton (PR_SET_PDEATHSIG), and the vLLM model's watcher the engine."""
+    import psutil
+
+    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path, *ADAPTER)
     try:
         state = json.loads((tmp_path / "home" / "triton" / "server.json").read_text())
         expected = [SERVICE, BASE, f"{SERVICE}-v{champion(home)}"]
@@ -915,10 +908,13 @@ def test_a_service_of_adapters_starts_the_base_engine_and_answers_as_its_champio
         prompt = {"text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True}
         answer = requests.post(f"{state['url']}/v2/models/{SERVICE}/generate", json=prompt, timeout=30)
         assert answer.json()["text_output"] == "cold", answer.text
-        assert len(engine_processes({"serve_pid": process.pid})) == 1
+        engines = [psutil.Process(pid) for pid in engine_processes({"serve_pid": process.pid})]
+        assert len(engines) == 1
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
+        process.kill()
+        process.wait(10)
+    gone, alive = psutil.wait_procs([*tritons, *engines], timeout=60)
+    assert not alive, f"{[p.pid for p in alive]} outlived their llmops serve"
 
 
 def approve_when_waiting(home: Path, approvals: list, done: threading.Event) -> None:
