@@ -38,10 +38,10 @@ FAST = [
 ]
 
 
-ENGINE = ["--set", "serve.backend=vllm"]  # for `llmops run` and `llmops serve` alike
-# The candidates from the good one on: one vLLM engine of the base model serves every version's LoRA adapter
-# (serve.lora adapter). The first release and `llmops serve` stay merged: the good candidate migrates the service.
-ADAPTER = ["--set", "serve.lora=adapter"]
+# For `llmops run` and `llmops serve` alike: one vLLM engine of the base model serves every version as its LoRA
+# adapter (serve.lora adapter), so no candidate starts a second engine. Merged engines: the second service's test.
+ENGINE = ["--set", "serve.backend=vllm", "--set", "serve.lora=adapter"]
+MERGED = ["--set", "serve.lora=merged"]
 BASE = f"{SERVICE}-base"
 
 
@@ -282,14 +282,23 @@ def test_first_release_is_gated_and_promoted(home, first_release):
     assert run.data.metrics["benchmark/candidate_c2_request_count"] == 16
     artifacts = {a.path for a in registry(home).list_artifacts(run.info.run_id, "benchmark")}
     assert "benchmark/latency_throughput.png" in artifacts
-    assert run.data.metrics["canary/candidate_load_s"] > 1  # an engine start, part of what the rollout cost
-    assert "loaded in" in first_release.stdout + first_release.stderr
+    assert run.data.metrics["canary/candidate_load_s"] > 0  # the adapter model's load, part of what a rollout costs
+    output = first_release.stdout + first_release.stderr
+    assert f"canary: {BASE} loaded in" in output and f"canary: {SERVICE}-v1 loaded in" in output  # engine, adapter
 
 
-def test_the_served_versions_are_vllm_engines(home, server):
-    config = served_by(home, server).model_config(f"{SERVICE}-v1")
-    assert {"kv_cache_memory_bytes", "max_num_seqs", "enforce_eager"} <= set(config["parameters"])
-    assert "dynamic_batching" not in config  # vLLM schedules; Triton's batcher stays out of its way
+def test_the_versions_are_adapters_on_one_vllm_engine_of_the_base_model(home, server):
+    triton = served_by(home, server)
+    base = triton.model_config(BASE)
+    assert {"kv_cache_memory_bytes", "max_num_seqs", "enforce_eager"} <= set(base["parameters"])
+    assert base["parameters"]["enable_lora"]["string_value"] == "true"
+    assert "dynamic_batching" not in base  # vLLM schedules; Triton's batcher stays out of its way
+    version = triton.model_config(f"{SERVICE}-v1")["parameters"]
+    assert version["base_model"]["string_value"] == BASE
+    tags = registry(home).get_model_version(SERVICE, "1").tags
+    served = f"{tags['artifact.train.sha256']}@{tags['artifact.base_model.sha256']}"
+    assert version["artifact_sha256"]["string_value"] == served  # the adapter on its base, as the gate checks
+    assert len(engine_processes(server)) == 1
 
 
 def test_served_model_answers_generate_and_generate_stream(home, server):
@@ -572,7 +581,7 @@ def test_serve_exits_4_when_triton_keeps_dying(home, server, cpu_tiny_store, tls
         cpu_tiny_store,
         tls,
         tmp_path,
-        *("--set", "serve.listen.restart_limit=0", "--set", "serve.backend=python"),  # the engine is beside the point
+        *("--set", "serve.listen.restart_limit=0", "--set", "serve.backend=python", *MERGED),  # no engine needed
     )
     tritons[0].kill()
     try:
@@ -637,14 +646,13 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
     """AIPerf measures (bench.tool aiperf: 3 profile runs per model, goodput under the gate's TTFT objective), and the
     gate decides on the runs' intervals; the canary's live checks come from Prometheus (`canary.prometheus_url`),
     as in production."""
-    before, engines_before = champion(home), engine_processes(server)
-    assert len(engines_before) == 1  # the merged champion's
+    before, engines = champion(home), engine_processes(server)
     with Load(server, served_by(home, server)) as load:
         # the same weights under a new profile digest: a new version, and no training in this test's time
         result = run(
             *("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}"),
             *("--set", "gate.min_throughput_ratio=0.2", "--set", "bench.tool=aiperf"),
-            *("--set", "gate.min_goodput_ratio=0.2", *ADAPTER),
+            *("--set", "gate.min_goodput_ratio=0.2"),
         )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     release_run = latest_release(home)
@@ -679,14 +687,11 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
         step = next(line for line in output.splitlines() if f"canary: {weight}% to {SERVICE}-v{new}" in line)
         assert step.rstrip().endswith("(from Prometheus)"), step
         assert " 0 requests mean" not in step  # Prometheus saw the candidate's requests
-    # The service migrated to adapters: the new champion is an adapter on the base engine, which now runs alone
+    # The candidate was an adapter on the one engine: loaded in about a second, and no engine process started
     assert f"canary: {SERVICE}-v{new} loaded in" in output and f"(adapter on {BASE})" in output
     expected = [SERVICE, BASE, f"{SERVICE}-v{new}"]
     assert ready_models(served_by(home, server), expected) == sorted(expected)  # old champion unloaded
-    deadline = time.monotonic() + 60  # the retired engine's process ends after its model's unload returned
-    while len(engines := engine_processes(server)) > 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert len(engines) == 1 and not engines & engines_before, (engines_before, engines)
+    assert engine_processes(server) == engines
     assert load.failed == 0, load.errors[:5]
     assert load.ok > 50
     # A PromQL query returns the served versions side by side, as the Grafana dashboard shows them.
@@ -719,9 +724,7 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     before, engines = champion(home), engine_processes(server)
     # 8 per second: the 4 s shadow window must see canary.shadow_min_requests (20) copies
     with Load(server, served_by(home, server), per_s=8, requests_total=320, gateway_tls=tls) as load:
-        result = run(
-            *BASE_MODEL_CANDIDATE, *("--set", "canary.shadow_s=4", "--set", "gate.min_shadow_agreement=0.5"), *ADAPTER
-        )
+        result = run(*BASE_MODEL_CANDIDATE, *("--set", "canary.shadow_s=4", "--set", "gate.min_shadow_agreement=0.5"))
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     # The base model's task metric collapses; on 2 shared cores its throughput ratio may fail too.
@@ -814,7 +817,7 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
                 *("--set", "gate.max_task_metric_drop=1", "--set", "gate.min_throughput_ratio=null"),
                 *("--set", "gate.p99_request_latency_ms=null", "--set", "gate.p99_time_to_first_token_ms=null"),
                 *("--set", "canary.max_mean_latency_ms=0.001", "--set", "gate.approval=required"),
-                *("--set", "canary.steps=[50,100]", "--set", "canary.window_s=6", *ADAPTER),
+                *("--set", "canary.steps=[50,100]", "--set", "canary.window_s=6"),
             )
     finally:
         done.set()
@@ -892,18 +895,18 @@ def test_an_adapter_on_another_base_or_above_the_engines_rank_is_refused_before_
     assert triton.loaded_models() == loaded  # nothing was loaded, nothing replaced
 
 
-def test_a_service_of_adapters_answers_as_its_champion_and_a_killed_serve_leaves_no_process_behind(
+def test_a_service_of_merged_engines_answers_as_its_champion_and_a_killed_serve_leaves_no_process_behind(
     home, server, cpu_tiny_store, tls, tmp_path
 ):
-    """`llmops serve` with serve.lora adapter on a fresh Triton: the base engine, the champion's adapter and the
-    router; the champion answers as it did merged. Then SIGKILL gives `llmops serve` no chance to clean up: the
+    """`llmops serve` with serve.lora merged on a fresh Triton: the champion's merged model in an engine of its own
+    and the router; it answers as its adapter did. Then SIGKILL gives `llmops serve` no chance to clean up: the
     kernel stops its Triton (PR_SET_PDEATHSIG), and the vLLM model's watcher the engine."""
     import psutil
 
-    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path, *ADAPTER)
+    process, tritons = second_service(home, cpu_tiny_store, tls, tmp_path, *MERGED)
     try:
         state = json.loads((tmp_path / "home" / "triton" / "server.json").read_text())
-        expected = [SERVICE, BASE, f"{SERVICE}-v{champion(home)}"]
+        expected = [SERVICE, f"{SERVICE}-v{champion(home)}"]
         assert ready_models(served_by(tmp_path / "home", state), expected) == sorted(expected)
         prompt = {"text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True}
         answer = requests.post(f"{state['url']}/v2/models/{SERVICE}/generate", json=prompt, timeout=30)
