@@ -199,9 +199,9 @@ class TritonPythonModel:
         if not self.enable_lora:
             raise ValueError(f"adapter {name!r}: this model serves no adapters (serve.lora merged)")
         path = input_value(request, "lora_path", "")
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            raise ValueError(f"adapter {name!r}: no adapter_config.json in {path!r}")
-        if name not in self.lora_ids:
+        if name not in self.lora_ids:  # checked once per adapter, not on every request
+            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                raise ValueError(f"adapter {name!r}: no adapter_config.json in {path!r}")
             self.lora_ids[name] = next(self.lora_counter)
         lora_id = self.lora_ids[name]
         return self.LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
