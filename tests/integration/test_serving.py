@@ -653,6 +653,10 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
             *("--set", "canary.probe_concurrency=3", "--set", f"canary.prometheus_url={prometheus}"),
             *("--set", "gate.min_throughput_ratio=0.2", "--set", "bench.tool=aiperf"),
             *("--set", "gate.min_goodput_ratio=0.2"),
+            # 16 requests at concurrency 2 is half a second of load: one stall of the 2 shared cores (the client load
+            # runs beside it) makes a run's p99 and rate an outlier, and 3 pairs cannot tell. 48 per run, and a
+            # second round of 3 pairs when the first straddles the threshold, as bench.max_rounds allows in profiles.
+            *("--set", "bench.request_count=48", "--set", "bench.max_rounds=2"),
         )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     release_run = latest_release(home)
@@ -663,11 +667,9 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
     output = result.stdout + result.stderr
     old, candidate = f"{SERVICE}-v{before}", f"{SERVICE}-v{new}"
     # A round is three pairs of single AIPerf runs, the first of each pair alternating
-    assert re.findall(r"benchmark: round (\d) run (\d)/3 at concurrency 2: (\S+), then (\S+) \(aiperf", output) == [
-        ("1", "1", old, candidate),
-        ("1", "2", candidate, old),
-        ("1", "3", old, candidate),
-    ]
+    pairs = re.findall(r"benchmark: round (\d) run (\d)/3 at concurrency 2: (\S+), then (\S+) \(aiperf", output)
+    assert pairs[:3] == [("1", "1", old, candidate), ("1", "2", candidate, old), ("1", "3", old, candidate)]
+    assert pairs[3:] in ([], [("2", "1", candidate, old), ("2", "2", old, candidate), ("2", "3", candidate, old)])
     # AIPerf's own files: one export per run, each with its goodput under the TTFT objective
     work = home / "work" / "benchmark" / release_run.info.run_id
     for model in (old, candidate):
@@ -675,11 +677,11 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
         assert len(runs) == 3, sorted(work.iterdir())
         assert all(json.loads(path.read_text())["goodput"]["avg"] > 0 for path in runs)
     assert release_run.data.metrics["benchmark/candidate_goodput_per_s"] > 0
-    # Every check on the runs says its interval and sample size: the three pairs of runs, the candidate's three
+    # Every check on the runs says its interval and sample size: one sample per pair of runs, one per candidate run
     report = json.loads(Path(output.split("gate report: ")[1].split()[0]).read_text())
     checks = {c["name"]: c for c in report["checks"]}
     for name in ("throughput ratio vs champion", "goodput ratio vs champion", "p99 time to first token (ms)"):
-        assert checks[name]["passed"] and checks[name]["samples"] == 3, checks[name]
+        assert checks[name]["passed"] and checks[name]["samples"] == len(pairs), checks[name]
         low, high = checks[name]["interval"]
         assert low <= checks[name]["value"] <= high
     assert checks["throughput ratio vs champion"]["interval"][0] >= 0.2
