@@ -29,8 +29,12 @@ run: setup
 environments:
 	$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm setup-compat setup-aiperf
 
+# Two worker processes, one test module at a time each (a module's servers and releases stay in one process), the
+# slowest modules first (tests/conftest.py): the integration tests wait on servers and releases about half of the
+# time, so on 2 cores two modules at once fill what one leaves idle. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: environments test-tools
-	.venv/bin/python -m pytest tests
+	.venv/bin/python -m pytest --numprocesses=$(TEST_WORKERS) --dist=loadfile --no-loadscope-reorder tests
 
 # ruff (lint and format check) and mypy, as configured in pyproject.toml; CI runs it before the tests.
 lint: setup
