@@ -82,7 +82,7 @@ from tasks.platform.config import Profile, load_profile  # noqa: E402
 from tasks.platform.ports import free_port  # noqa: E402
 from tasks.serving.champion import triton_launch  # noqa: E402
 from tasks.serving.client import Triton  # noqa: E402
-from tasks.serving.models import serving_model  # noqa: E402
+from tasks.serving.model_config import serving_model  # noqa: E402
 from tasks.serving.repository import render_model  # noqa: E402
 from tasks.serving.server import TritonServer  # noqa: E402
 

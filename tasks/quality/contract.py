@@ -124,3 +124,10 @@ def require_same(expected: Contract, actual: Contract, where: str) -> None:
     found = differences(expected, actual)
     if found:
         raise CheckFailed(f"train/serve contract: {where} differs from training: {'; '.join(found)}")
+
+
+def require_kept(trained_dir: Path, tokenizer_dir: Path, where: str, generation_config_dir: Path | None = None) -> None:
+    """The contract training recorded next to `trained_dir`, kept by the tokenizer in `tokenizer_dir` (`where` it
+    serves); nothing to check for a model registered before contracts were recorded."""
+    if (trained_dir / CONTRACT_FILE).is_file():
+        require_same(load_contract(trained_dir), read_contract(tokenizer_dir, generation_config_dir), where)

@@ -22,10 +22,11 @@ import requests
 from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import logger
-from tasks.quality.contract import CONTRACT_FILE, load_contract, read_contract, require_same
+from tasks.quality.contract import require_kept
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton
-from tasks.serving.repository import render_model
+from tasks.serving.model_config import serving_model
+from tasks.serving.repository import load_rendered, model_folders, render_model
 
 if TYPE_CHECKING:
     from tasks.serving.models import Served
@@ -58,8 +59,6 @@ def held_adapters(triton: Triton, service: str) -> list[str]:
 
 def install_adapter(triton: Triton, profile: Profile, served: Served, service: str) -> float:
     """Load `served` as an adapter (and the base engine when none serves); the seconds the adapter's own load took."""
-    from tasks.serving.models import load_rendered, model_folders
-
     assert served.adapter_dir is not None and served.base_dir is not None
     rank = adapter_rank(served.adapter_dir)
     if rank > profile.serve.vllm.max_lora_rank:
@@ -99,8 +98,6 @@ def install_adapter(triton: Triton, profile: Profile, served: Served, service: s
 def ensure_base(triton: Triton, profile: Profile, served: Served, base: str, repository: Path) -> None:
     """The base engine loaded with LoRA enabled, serving the base `served` was trained on; a different base is
     refused, never replaced under the versions it serves."""
-    from tasks.serving.models import load_rendered, serving_model
-
     assert served.base_dir is not None
     if triton.is_ready(base):
         parameters = triton.model_config(base).get("parameters", {})
@@ -129,12 +126,8 @@ def check_adapter_contract(profile: Profile, served: Served) -> None:
     """The tokenizer of the base the adapter serves on must keep the contract training recorded (template, special
     tokens, stop ids): the engine encodes with the base's tokenizer (tasks/quality/contract.py)."""
     assert served.base_dir is not None
-    if not (served.model_dir / CONTRACT_FILE).is_file():
-        return  # registered before contracts were recorded
-    require_same(
-        load_contract(served.model_dir),
-        read_contract(served.base_dir),
-        f"the base model {served.base_dir} that {served.name}'s adapter serves on",
+    require_kept(
+        served.model_dir, served.base_dir, f"the base model {served.base_dir} that {served.name}'s adapter serves on"
     )
 
 

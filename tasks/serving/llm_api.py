@@ -1,6 +1,6 @@
 """The TensorRT-LLM LLM API arguments a profile serves with: one definition for the build_engine check
 (tasks/runners/tensorrt_llm_check.py calls `LLM(model=..., **llm_args(profile))`) and for the served llmapi
-model (infra/triton/llmapi/1/model.py, rendered by tasks/serving/models.py:llmapi_values), so the check
+model (infra/triton/llmapi/1/model.py, rendered by tasks/serving/model_config.py:llmapi_values), so the check
 measures the runtime configuration users get. Upstream's own Triton llmapi model takes the same keys from its
 model.yaml (every key but triton_config goes to `LLM(**kwargs)`).
 

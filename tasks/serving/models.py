@@ -9,13 +9,10 @@ the router without failing requests in flight.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
-import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +21,12 @@ import requests
 from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import logger
-from tasks.quality.contract import CONTRACT_FILE, load_contract, read_contract, require_same
+from tasks.quality.contract import require_kept
 from tasks.serving import adapters, memory_plan
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton
-from tasks.serving.llm_api import llm_args
-from tasks.serving.repository import render_model
+from tasks.serving.model_config import serving_model
+from tasks.serving.repository import load_rendered, model_folders, render_model
 
 
 @dataclass
@@ -52,72 +49,6 @@ class Served:
 
 def model_name(service: str, version: str) -> str:
     return f"{service}-v{version}"
-
-
-def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
-    serve = profile.serve
-    return {
-        "max_batch_size": serve.max_batch_size,
-        "max_queue_delay_us": serve.max_queue_delay_us,
-        "max_queue_size": serve.max_queue_size,
-        "instance_count": serve.instance_count,
-        "model_dir": model_dir.resolve(),
-        "artifact_sha256": artifact_sha256,
-        "apply_chat_template": str(serve.apply_chat_template).lower(),
-        "default_max_tokens": serve.default_max_tokens,
-        "torch_threads": serve.torch_threads,
-        "device": "cuda" if profile.hardware.accelerator == "cuda" else "cpu",
-    }
-
-
-def pbtxt_string(text: str) -> str:
-    """`text` inside a protobuf text-format string literal ("...")."""
-    return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-def llmapi_values(profile: Profile, kv_tokens: int | None) -> dict[str, object]:
-    """infra/triton/llmapi's values beyond those every Python-backend LLM model takes: the LLM() arguments
-    build_engine checked the checkpoint under (tasks/serving/llm_api.py), with the canary's KV budget
-    (kv_cache_config.max_tokens, tasks/serving/memory_plan.py) as the only addition, and each instance's GPUs."""
-    args = llm_args(profile)
-    if kv_tokens is not None:
-        args["kv_cache_config"] = {**args["kv_cache_config"], "max_tokens": kv_tokens}
-    world = args["tensor_parallel_size"] * args["pipeline_parallel_size"]
-    # instance i runs on GPUs [i*world, (i+1)*world): "0;1" two single-GPU instances, "0,1" one TP2 instance
-    devices = ";".join(",".join(str(i * world + r) for r in range(world)) for i in range(profile.serve.instance_count))
-    return {"gpu_device_ids": devices, "llm_args": pbtxt_string(json.dumps(args, sort_keys=True))}
-
-
-def serving_model(
-    profile: Profile, model_dir: Path, artifact_sha256: str, kv_tokens: int | None = None
-) -> tuple[str, dict]:
-    """The template (infra/triton/<kind>) and values of a served version's Python-backend model; `kv_tokens`:
-    the llmapi model's planned KV cache (tasks/serving/memory_plan.py)."""
-    values = llm_values(profile, model_dir, artifact_sha256)
-    if profile.serve.backend == "python":
-        return "llm", values
-    # vLLM and the LLM API batch and schedule themselves: no dynamic batcher, their own threads
-    for unused in ("max_queue_delay_us", "max_queue_size", "torch_threads", "device"):
-        del values[unused]
-    if profile.serve.backend == "llmapi":
-        return "llmapi", {**values, **llmapi_values(profile, kv_tokens)}
-    del values["instance_count"]  # one vLLM engine per model
-    return "vllm", {**values, **vllm_serving.model_values(profile)}
-
-
-@contextmanager
-def model_folders(triton: Triton) -> Iterator[Path]:
-    """Where model folders are rendered: the server's repository when this machine shares it, else a
-    temporary folder whose models go with their load requests (nothing is written on the server's side)."""
-    if triton.repository is not None:
-        yield triton.repository
-        return
-    with tempfile.TemporaryDirectory(prefix="llmops-models-") as folder:
-        yield Path(folder)
-
-
-def load_rendered(triton: Triton, name: str, folder: Path, timeout: float) -> None:
-    triton.load(name, timeout=timeout, model_folder=None if triton.repository is not None else folder / name)
 
 
 def install_model(triton: Triton, profile: Profile, served: Served) -> float:
@@ -157,8 +88,6 @@ def install_model(triton: Triton, profile: Profile, served: Served) -> float:
 def check_serving_contract(repository: Path, profile: Profile, served: Served) -> None:
     """The tokenizer the rendered serving config names (its chat template, EOS/pad ids) must keep the contract
     training recorded (tasks/quality/contract.py): on the GPU path, the checkpoint must carry training's tokenizer."""
-    if not (served.model_dir / CONTRACT_FILE).is_file():
-        return  # registered before contracts were recorded
     model, key = served.name, "model_dir"
     config = repository / model / "config.pbtxt"
     found = re.search(rf'key: "{key}", value: {{ string_value: "([^"]*)" }}', config.read_text())
@@ -166,10 +95,8 @@ def check_serving_contract(repository: Path, profile: Profile, served: Served) -
         raise CheckFailed(f"train/serve contract: {config} names no {key}")
     named = Path(found.group(1))
     tokenizer_dir = named if named.is_absolute() else repository / model / "1" / named  # shipped with the model
-    require_same(
-        load_contract(served.model_dir),
-        read_contract(tokenizer_dir, served.model_dir),
-        f"the serving config {config} ({key} {found.group(1)})",
+    require_kept(
+        served.model_dir, tokenizer_dir, f"the serving config {config} ({key} {found.group(1)})", served.model_dir
     )
 
 

@@ -14,11 +14,14 @@ import shutil
 import string
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
 from tasks.serving import model_text
+from tasks.serving.client import Triton
 
 TEMPLATES = PROJECT_ROOT / "infra" / "triton"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -71,3 +74,18 @@ def render_model(kind: str, repository: Path, name: str, values: dict[str, objec
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@contextmanager
+def model_folders(triton: Triton) -> Iterator[Path]:
+    """Where model folders are rendered: the server's repository when this machine shares it, else a
+    temporary folder whose models go with their load requests (nothing is written on the server's side)."""
+    if triton.repository is not None:
+        yield triton.repository
+        return
+    with tempfile.TemporaryDirectory(prefix="llmops-models-") as folder:
+        yield Path(folder)
+
+
+def load_rendered(triton: Triton, name: str, folder: Path, timeout: float) -> None:
+    triton.load(name, timeout=timeout, model_folder=None if triton.repository is not None else folder / name)

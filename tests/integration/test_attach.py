@@ -186,7 +186,7 @@ def test_past_its_bound_a_served_model_and_the_router_refuse_at_once_with_503(
     from concurrent.futures import ThreadPoolExecutor
 
     from tasks.platform.config import load_profile
-    from tasks.serving.models import serving_model
+    from tasks.serving.model_config import serving_model
     from tasks.serving.repository import render_model
 
     merged = registry(release).get_model_version_by_alias(SERVICE, "champion").tags["artifact.merge.sha256"]

@@ -11,7 +11,7 @@ import pytest
 from tasks.platform.config import load_profile
 from tasks.platform.errors import BadInput, CheckFailed
 from tasks.serving.adapters import adapter_rank, served_artifact
-from tasks.serving.models import serving_model
+from tasks.serving.model_config import serving_model
 from tasks.serving.repository import render_model
 
 ADAPTER = ["serve.backend=vllm", "serve.lora=adapter"]

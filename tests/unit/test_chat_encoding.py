@@ -21,7 +21,7 @@ from tasks.quality.chat import encode_prompt, prompt_ids, serving_request, strea
 from tasks.quality.contract import PROBES, read_contract, require_same
 from tasks.serving import model_text
 from tasks.serving.client import load_parameters
-from tasks.serving.models import serving_model
+from tasks.serving.model_config import serving_model
 from tasks.serving.repository import render_model
 
 CONVERSATIONS = PROBES  # English and Chinese, with and without a system prompt, multi-turn

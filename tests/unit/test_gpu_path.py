@@ -18,7 +18,7 @@ from tasks.platform.config import available_profiles, load_profile
 from tasks.platform.errors import BadInput
 from tasks.serving import tensorrt_llm
 from tasks.serving.llm_api import llm_args
-from tasks.serving.models import serving_model
+from tasks.serving.model_config import serving_model
 from tasks.serving.repository import render_model
 from tests.goldens import matches_golden
 

@@ -15,7 +15,7 @@ from tasks.platform.config import available_profiles, load_profile
 from tasks.platform.errors import BadInput
 from tasks.serving import memory_plan
 from tasks.serving.llm_api import llm_args
-from tasks.serving.models import serving_model
+from tasks.serving.model_config import serving_model
 from tasks.serving.repository import render_model
 
 GPU_PROFILES = [p for p in available_profiles() if load_profile(p).serve.backend == "llmapi"]

@@ -72,7 +72,7 @@ def test_every_template_renders_with_exactly_its_variables(tmp_path):
 def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_path):
     """serve.backend vllm: the same inputs as the llm model (router, genai-perf and /generate unchanged), one
     engine per model, the KV cache from the profile, and nothing of the static batcher's settings."""
-    from tasks.serving.models import serving_model
+    from tasks.serving.model_config import serving_model
 
     profile = load_profile("cpu-tiny", ["serve.backend=vllm", "serve.vllm.kv_cache_gb=0.5", "serve.max_batch_size=32"])
     template, values = serving_model(profile, Path("/m"), "a" * 64)
@@ -105,7 +105,7 @@ def test_llmapi_model_has_the_llm_interface_and_passes_the_llm_args_as_json(tmp_
     """serve.backend llmapi: the llm model's inputs (router, genai-perf, served scoring unchanged), no dynamic
     batcher, and LLM() arguments that survive the config's string literal as the JSON llm_args renders."""
     from tasks.serving.llm_api import llm_args
-    from tasks.serving.models import serving_model
+    from tasks.serving.model_config import serving_model
 
     profile = load_profile("qwen2-14b-int4-tp2")
     template, values = serving_model(profile, Path("/ckpt/v3"), "e" * 64, 40960)

@@ -66,7 +66,7 @@ def test_each_engine_searches_the_settings_that_shape_its_batching():
 
 def test_a_trial_renders_its_settings_into_the_engines_model(tmp_path):
     """What each trial loads: vLLM's max_num_seqs, and the LLM API's batch and token budgets in its llm_args."""
-    from tasks.serving.models import serving_model
+    from tasks.serving.model_config import serving_model
     from tasks.serving.repository import render_model
 
     vllm = with_settings(load_profile("qwen-7b-vllm-h100"), {"max_batch_size": 32})

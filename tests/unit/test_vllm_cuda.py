@@ -15,7 +15,7 @@ import pytest
 from tasks.platform.config import load_profile
 from tasks.platform.errors import BadInput
 from tasks.serving import vllm as vllm_serving
-from tasks.serving.models import serving_model
+from tasks.serving.model_config import serving_model
 from tasks.serving.repository import render_model
 from tests.goldens import matches_golden
 
