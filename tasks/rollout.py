@@ -18,7 +18,7 @@ from tasks.deploy_canary import Deployment
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.serving import prometheus
 from tasks.serving.client import Triton, parse_metric
-from tasks.serving.models import retire, retire_base, set_routes, triton_unload_quietly
+from tasks.serving.models import retire, set_routes, triton_unload_quietly
 
 
 @dataclass
@@ -154,8 +154,6 @@ def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
     elif deployment.triton.is_ready(deployment.service):
         triton_unload_quietly(deployment.triton, deployment.service)
     retire(deployment.triton, deployment.service, deployment.candidate)
-    if not deployment.champion:
-        retire_base(deployment.triton, deployment.service, deployment.candidate)  # serve.lora adapter
     logger().warning(f"canary: rolled back {deployment.candidate.name}: {reason}")
 
 

@@ -52,9 +52,20 @@ def served_artifact(adapter_sha256: str, base_sha256: str) -> str:
 
 
 def held_adapters(triton: Triton, service: str) -> list[str]:
-    """The versions loaded on `triton` as adapters of `service`'s engine."""
-    prefix = f"{service}-v"
-    return [name for name in triton.loaded_models() if name.startswith(prefix)]
+    """The versions loaded on `triton` as adapters of `service`'s engine: not a merged version of the same service,
+    which serves next to them while a service moves from merged models to adapters."""
+    prefix, base = f"{service}-v", base_model_name(service)
+    return [name for name in triton.loaded_models() if name.startswith(prefix) and adapter_base(triton, name) == base]
+
+
+def adapter_base(triton: Triton, name: str) -> str | None:
+    """The base engine model `name` forwards to, as its loaded config says; None for any other model (or one
+    unloaded meanwhile)."""
+    try:
+        parameters = triton.model_config(name).get("parameters", {})
+    except requests.RequestException:
+        return None
+    return parameters.get("base_model", {}).get("string_value")
 
 
 def install_adapter(triton: Triton, profile: Profile, served: Served, service: str) -> float:

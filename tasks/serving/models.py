@@ -132,15 +132,12 @@ def triton_unload_quietly(triton: Triton, name: str) -> None:
 
 
 def retire(triton: Triton, service: str, served: Served) -> None:
-    """Unload a served version; an adapter's is then freed in the base engine too."""
+    """Unload a served version; an adapter's is then freed in the base engine, and the engine unloaded when no other
+    adapter serves on it (a first release rolled back, or a service that stays with merged models)."""
     triton_unload_quietly(triton, served.name)
     if served.adapter_dir is not None:
         adapters.release_adapter(triton, service, served.name)
-
-
-def retire_base(triton: Triton, service: str, retired: Served) -> None:
-    """Unload the base engine of serve.lora adapter once no version but `retired` (which may still be unloading:
-    Triton unloads in the background) serves on it: a first release rolled back."""
-    base = adapters.base_model_name(service)
-    if triton.is_ready(base) and not set(adapters.held_adapters(triton, service)) - {retired.name}:
-        triton_unload_quietly(triton, base)
+        base = adapters.base_model_name(service)
+        # `served` may still be listed: Triton unloads in the background, after the requests in flight
+        if triton.is_ready(base) and not set(adapters.held_adapters(triton, service)) - {served.name}:
+            triton_unload_quietly(triton, base)

@@ -762,6 +762,52 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     assert sent.read_text() == cached.read_text() and len(cached.read_text().splitlines()) >= 16
 
 
+def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server, run):
+    """A second service on the same Triton. Its first release, an adapter, loads a base engine of its own; the gate
+    rejects it (an absolute rate no model reaches), and the rollback unloads its router, adapter and engine. Its next
+    first release is merged and promoted; an adapter candidate then serves next to that merged champion on a new base
+    engine (a service moving to adapters), is rejected, and its engine goes with it while the merged champion serves
+    on. The first service is untouched throughout."""
+    other, unreachable = "tiny-qwen2-other", ("--set", "gate.min_requests_per_s=1000000")
+    before, engines, triton = champion(home), engine_processes(server), served_by(home, server)
+    models = triton.loaded_models()
+
+    def release(*args: str) -> str:
+        result = run("--set", f"registry.model_name={other}", *args)
+        assert result.returncode in (0, 10), result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout + result.stderr
+
+    def engines_settle(expected: set[int]) -> set[int]:
+        deadline = time.monotonic() + 60
+        while engine_processes(server) != expected and time.monotonic() < deadline:
+            time.sleep(0.5)  # an engine core exits after its model unloaded
+        return engine_processes(server)
+
+    output = release(*unreachable)
+    assert f"canary: loading the base engine {other}-base" in output
+    assert "rejected: candidate rejected: request throughput (req/s)" in output.strip().splitlines()[-1]
+    assert ready_models(triton, models) == models  # router, adapter and base engine unloaded
+    assert engines_settle(engines) == engines
+
+    output = release(*MERGED)
+    assert f"canary: promoted {other}-v" in output, output[-3000:]
+    merged = f"{other}-v{registry(home).get_model_version_by_alias(other, 'champion').version}"
+    with_merged = sorted([*models, other, merged])
+    assert ready_models(triton, with_merged) == with_merged
+    merged_engine = engine_processes(server) - engines
+    assert len(merged_engine) == 1
+
+    output = release(*unreachable, "--set", "canary.window_s=1.4")  # another profile digest: a new version
+    assert f"canary: loading the base engine {other}-base" in output
+    assert f"ready next to {merged}" in output and "rejected: candidate rejected" in output.strip().splitlines()[-1]
+    assert ready_models(triton, with_merged) == with_merged  # the merged champion alone, no engine of adapters
+    assert engines_settle(engines | merged_engine) == engines | merged_engine
+    assert champion(home) == before
+    for name in (other, merged):
+        triton.unload(name)
+    assert ready_models(triton, models) == models
+
+
 PROMPTS = [f"What is the opposite of {word}?" for word in ("hot", "big", "fast", "open", "early", "full")]
 
 
