@@ -10,6 +10,7 @@ sys.path has the model's version folder (where the copy lies) but not this proje
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 # The file name of the copy in a rendered model's version folder; model.py imports it by this name. Distinct
@@ -68,7 +69,6 @@ class Forwarder:
     `pb_utils`: the stub's triton_python_backend_utils, which only exists inside Triton."""
 
     def __init__(self, pb_utils: Any, max_in_flight: int, thread_name_prefix: str) -> None:
-        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         self.pb_utils, self.max_in_flight = pb_utils, max_in_flight
@@ -76,26 +76,29 @@ class Forwarder:
         self.in_flight, self.count_lock = 0, threading.Lock()
 
     def execute(self, requests: list, route: Any) -> None:
-        """Forward each request where `route(request)` says: (model name, inputs)."""
+        """Forward each request where `route(request)` says: (model name, inputs). The request is read here, in the
+        stub's own thread, before `execute` returns (as Triton's decoupled examples do): its inputs are copied and
+        only the copies and its response sender go to a worker thread."""
         pb_utils = self.pb_utils
         for request in requests:
+            sender = request.get_response_sender()
             with self.count_lock:
                 admitted = self.in_flight < self.max_in_flight
                 self.in_flight += admitted
             if admitted:
-                self.workers.submit(self.forward, request, route)
+                model_name, inputs = route(request)
+                copies = [pb_utils.Tensor(tensor.name(), tensor.as_numpy()) for tensor in inputs]
+                self.workers.submit(self.forward, sender, model_name, copies)
                 continue
             busy = pb_utils.TritonError(
                 f"the service has {self.max_in_flight} requests in flight; retry shortly",
                 pb_utils.TritonError.UNAVAILABLE,
             )
-            request.get_response_sender().send(
-                pb_utils.InferenceResponse(error=busy), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-            )
+            sender.send(pb_utils.InferenceResponse(error=busy), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def forward(self, request: Any, route: Any) -> None:
+    def forward(self, sender: Any, model_name: str, inputs: list) -> None:
         try:
-            relay(self.pb_utils, request, *route(request))
+            relay(self.pb_utils, sender, model_name, inputs)
         finally:
             with self.count_lock:
                 self.in_flight -= 1
@@ -104,10 +107,9 @@ class Forwarder:
         self.workers.shutdown(wait=True)  # an unload or a reload waits for requests in flight to finish
 
 
-def relay(pb_utils: Any, request: Any, model_name: str, inputs: list) -> None:
-    """Send `inputs` to `model_name` (decoupled) and stream its text back to `request`'s sender; an error becomes the
+def relay(pb_utils: Any, sender: Any, model_name: str, inputs: list) -> None:
+    """Send `inputs` to `model_name` (decoupled) and stream its text back to a request's `sender`; an error becomes the
     request's final error response."""
-    sender = request.get_response_sender()
     try:
         call = pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=["text_output"])
         for response in call.exec(decoupled=True):
@@ -115,7 +117,9 @@ def relay(pb_utils: Any, request: Any, model_name: str, inputs: list) -> None:
                 raise RuntimeError(response.error().message())
             output = pb_utils.get_output_tensor_by_name(response, "text_output")
             if output is not None:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[output]))
+                # a copy, not the BLS response's own tensor, which goes with the response
+                text = pb_utils.Tensor("text_output", output.as_numpy())
+                sender.send(pb_utils.InferenceResponse(output_tensors=[text]))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception as exc:
         sender.send(
