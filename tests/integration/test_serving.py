@@ -806,6 +806,7 @@ def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server,
     for name in (other, merged):
         triton.unload(name)
     assert ready_models(triton, models) == models
+    assert engines_settle(engines) == engines  # the next test counts engines from here
 
 
 PROMPTS = [f"What is the opposite of {word}?" for word in ("hot", "big", "fast", "open", "early", "full")]
