@@ -26,7 +26,8 @@ GENERATE = f"/v2/models/{SERVICE}/generate"
 
 def test_a_key_over_its_requests_per_second_gets_429_with_retry_after_and_other_keys_do_not(gateway):
     client = gateway(FakeTriton(), api_keys=KEYS, requests_per_second=1)
-    assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200
+    for _ in range(2):  # the bucket's smallest size: two requests at once
+        assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200
     refused = client.post(CHAT, json={"messages": QUESTION})
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     error = refused.json()["error"]
@@ -38,7 +39,7 @@ def test_a_key_over_its_requests_per_second_gets_429_with_retry_after_and_other_
     assert client.post(CHAT, json={"messages": QUESTION}, headers=other).status_code == 200
 
 
-@pytest.mark.parametrize(("burst_s", "admitted_at_once"), [(1.0, 10), (0.1, 1), (0.5, 5)])
+@pytest.mark.parametrize(("burst_s", "admitted_at_once"), [(1.0, 10), (0.5, 5), (0.1, 2), (0.0, 2)])
 def test_a_key_may_send_burst_s_seconds_of_its_rate_at_once(burst_s, admitted_at_once):
     from tasks.serving.gateway.limits import ClientLimits
 
@@ -244,3 +245,13 @@ def test_a_key_removed_from_the_key_file_stops_working_without_a_restart(gateway
     assert "now holds none" in caplog.text and "at least 16 characters" in caplog.text
     key_file.write_text(f"team-a: {KEY}\nteam-b: {OTHER_KEY}\n")  # the next good edit is taken
     assert client.post(CHAT, json={"messages": QUESTION}, headers=other).status_code == 200
+
+
+def test_a_client_pacing_itself_at_its_rate_is_not_refused_for_running_a_little_early():
+    from tasks.serving.gateway.limits import ClientLimits
+
+    now = [100.0]
+    limits = ClientLimits(requests_per_second=10, tokens_per_minute=0, burst_s=0.0, clock=lambda: now[0])
+    for step in range(100):  # every 100 ms, alternately 5 ms early and 5 ms late
+        now[0] = 100.0 + step * 0.1 + (-0.005 if step % 2 else 0.005)
+        limits.admit("team-a")

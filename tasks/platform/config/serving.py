@@ -127,9 +127,10 @@ class LimitsSection(Section):
     burst_s: float = Field(
         1.0,
         ge=0,
-        description="Seconds of requests_per_second a key may send at once (the bucket's size; at least one "
-        "request). Larger forgives a client's uneven pacing; smaller spreads a bursting client's admitted requests, "
-        "so they do not queue together at Triton (docs/benchmarks.md, the gateway's cost).",
+        description="Seconds of requests_per_second a key may send at once (the bucket's size; at least two "
+        "requests, so a client pacing itself at its rate is not refused for a little jitter). Larger forgives a "
+        "client's uneven pacing; smaller spreads a bursting client's admitted requests, so they do not queue "
+        "together at Triton (docs/benchmarks.md, the gateway's cost).",
     )
     tokens_per_minute: int = Field(
         100_000,

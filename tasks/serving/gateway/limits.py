@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 from tasks.serving.gateway.protocol import RequestError
 
+# A bucket of one request refuses a client that paces itself at exactly its rate whenever its clock runs a little
+# early (a third of such a client's requests at 10/s, docs/benchmarks.md); two forgive up to one interval of jitter.
+MIN_BURST = 2.0
+
 
 @dataclass
 class TokenBucket:
@@ -47,7 +51,7 @@ class ClientLimits:
 
     requests_per_second: float
     tokens_per_minute: int
-    burst_s: float = 1.0  # the request bucket holds this many seconds of the rate (at least one request)
+    burst_s: float = 1.0  # the request bucket holds this many seconds of the rate (at least MIN_BURST requests)
     clock: Callable[[], float] = time.monotonic
     requests: dict[str, TokenBucket] = field(default_factory=dict)
     tokens: dict[str, TokenBucket] = field(default_factory=dict)
@@ -58,7 +62,7 @@ class ClientLimits:
         waits = []
         if self.requests_per_second:
             rate = self.requests_per_second
-            bucket = self.requests.setdefault(client, TokenBucket(rate, burst=max(1.0, rate * self.burst_s)))
+            bucket = self.requests.setdefault(client, TokenBucket(rate, burst=max(MIN_BURST, rate * self.burst_s)))
             waits.append(("requests per second", rate, bucket.wait_s(1, now)))
         if self.tokens_per_minute:
             budget = self.tokens_per_minute
