@@ -157,9 +157,7 @@ def comparison_checks(cfg: GateSection, comparison: Comparison) -> list[Check]:
 
 def measured_artifact(deployment: Deployment) -> str:
     """The artifact Triton loaded for the candidate, from the configuration the server reports."""
-    name = deployment.candidate.name
-    parameters = deployment.triton.model_config(name).get("parameters", {})
-    return parameters.get("artifact_sha256", {}).get("string_value", "")
+    return deployment.triton.model_parameter(deployment.candidate.name, "artifact_sha256")
 
 
 def score_quality(

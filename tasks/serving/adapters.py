@@ -62,10 +62,9 @@ def adapter_base(triton: Triton, name: str) -> str | None:
     """The base engine model `name` forwards to, as its loaded config says; None for any other model (or one
     unloaded meanwhile)."""
     try:
-        parameters = triton.model_config(name).get("parameters", {})
+        return triton.model_parameter(name, "base_model") or None
     except requests.RequestException:
         return None
-    return parameters.get("base_model", {}).get("string_value")
 
 
 def install_adapter(triton: Triton, profile: Profile, served: Served, service: str) -> float:
@@ -111,8 +110,7 @@ def ensure_base(triton: Triton, profile: Profile, served: Served, base: str, rep
     refused, never replaced under the versions it serves."""
     assert served.base_dir is not None
     if triton.is_ready(base):
-        parameters = triton.model_config(base).get("parameters", {})
-        serving = parameters.get("artifact_sha256", {}).get("string_value", "")
+        serving = triton.model_parameter(base, "artifact_sha256")
         if serving != served.base_sha256:
             raise CheckFailed(
                 f"serve.lora adapter: {served.name} was trained on base {served.base_sha256[:12]}, but {base} serves "

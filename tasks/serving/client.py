@@ -218,6 +218,11 @@ class Triton:
         response.raise_for_status()
         return response.json()
 
+    def model_parameter(self, name: str, key: str) -> str:
+        """One string parameter of the configuration Triton loaded for model `name`; "" where it has none."""
+        parameters = self.model_config(name).get("parameters", {})
+        return str(parameters.get(key, {}).get("string_value", ""))
+
     def metrics(self) -> str:
         if not self.metrics_url:
             raise CheckFailed(
