@@ -40,9 +40,9 @@ def test_a_cached_search_is_found_again_only_for_the_same_model_space_load_and_o
 
 def test_the_first_trial_is_the_profiles_own_settings_and_a_trial_applies_only_its_own():
     profile = load_profile("cpu-tiny", ["serve.max_batch_size=4", "serve.max_queue_delay_us=500"])
-    assert defaults(profile) == {"max_batch_size": 4, "max_queue_delay_us": 500, "instance_count": 1}
+    assert defaults(profile) == {"max_batch_size": 4, "max_queue_delay_us": 500, "instance_count": 2}
     tried = with_settings(profile, {"max_batch_size": 16, "max_queue_delay_us": 0, "instance_count": 1})
-    assert (tried.serve.max_batch_size, tried.serve.max_queue_delay_us) == (16, 0)
+    assert (tried.serve.max_batch_size, tried.serve.max_queue_delay_us, tried.serve.instance_count) == (16, 0, 1)
     assert tried.serve.default_max_tokens == profile.serve.default_max_tokens
 
 
