@@ -11,11 +11,24 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from collections import deque
 from typing import Any
 
 # The file name of the copy in a rendered model's version folder; model.py imports it by this name. Distinct
 # from any installed package: the stub appends the version folder to sys.path, after site-packages.
 FILE_NAME = "model_text.py"
+
+# How long a forwarding model holds a finished BLS stream before letting go of it. In Triton 2.51's Python backend
+# (python_backend as of a2564ea, 2024-10-08, the r24.10 era) the stub's own map holds each decoupled BLS stream (a
+# ResponseIterator, with every response it received) until a cleanup message is handled on the stub's utils thread
+# (src/pb_stub.cc:1159-1191, Stub::SendCleanupId erases it from response_iterator_map_). Where Python let go of a
+# stream first, that erase destroyed it on the utils thread, which does not hold the GIL, and ~PbTensor released
+# the responses' numpy arrays there (src/pb_tensor.cc:502-506; upstream holds the GIL for it since b771f4f,
+# 2024-12-11, "Hold GIL when deleting numpy array"): Python objects freed without the GIL, a cause of the heap
+# corruption that killed router and adapter stubs under load ("malloc(): unaligned fastbin chunk detected"). Held
+# this long, the stub's cleanup comes first and the stream ends where Python drops it, with the GIL.
+STREAM_HOLD_S = 5.0
 
 
 def input_value(request: Any, name: str, default: Any) -> Any:
@@ -74,6 +87,7 @@ class Forwarder:
         self.pb_utils, self.max_in_flight = pb_utils, max_in_flight
         self.workers = ThreadPoolExecutor(max_workers=64, thread_name_prefix=thread_name_prefix)
         self.in_flight, self.count_lock = 0, threading.Lock()
+        self.finished: deque[tuple[float, Any]] = deque()  # (when to let go, BLS stream): see STREAM_HOLD_S
 
     def execute(self, requests: list, route: Any) -> None:
         """Forward each request where `route(request)` says: (model name, inputs). The request is read here, in the
@@ -97,22 +111,38 @@ class Forwarder:
             sender.send(pb_utils.InferenceResponse(error=busy), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def forward(self, sender: Any, model_name: str, inputs: list) -> None:
+        stream = None
         try:
-            relay(self.pb_utils, sender, model_name, inputs)
+            stream = relay(self.pb_utils, sender, model_name, inputs)
         finally:
             with self.count_lock:
                 self.in_flight -= 1
+            self.hold(stream)
+
+    def hold(self, stream: Any) -> None:
+        """Keep a finished BLS stream for STREAM_HOLD_S, and let go of those held longer (here, with the GIL)."""
+        now, expired = time.monotonic(), []
+        with self.count_lock:
+            if stream is not None:
+                self.finished.append((now + STREAM_HOLD_S, stream))
+            while self.finished and self.finished[0][0] <= now:
+                expired.append(self.finished.popleft()[1])
+        expired.clear()
 
     def shutdown(self) -> None:
         self.workers.shutdown(wait=True)  # an unload or a reload waits for requests in flight to finish
+        self.finished.clear()
 
 
-def relay(pb_utils: Any, sender: Any, model_name: str, inputs: list) -> None:
+def relay(pb_utils: Any, sender: Any, model_name: str, inputs: list) -> Any:
     """Send `inputs` to `model_name` (decoupled) and stream its text back to a request's `sender`; an error becomes the
-    request's final error response."""
+    request's final error response. Returns the BLS stream, for the caller to hold (STREAM_HOLD_S); None where there
+    was none."""
+    stream = None
     try:
         call = pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=["text_output"])
-        for response in call.exec(decoupled=True):
+        stream = call.exec(decoupled=True)
+        for response in stream:
             if response.has_error():
                 raise RuntimeError(response.error().message())
             output = pb_utils.get_output_tensor_by_name(response, "text_output")
@@ -126,3 +156,4 @@ def relay(pb_utils: Any, sender: Any, model_name: str, inputs: list) -> None:
             pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
         )
+    return stream

@@ -4,6 +4,7 @@ train/serve contract names each kind of mismatch."""
 
 import ast
 import base64
+import functools
 import importlib.util
 import inspect
 import json
@@ -210,14 +211,21 @@ def test_chinese_streams_whole_characters_even_when_tokens_split_them(rendered, 
         assert "".join(naive) != answer  # what slicing the text without holding back sends
 
 
-def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, monkeypatch):
-    """Past max_in_flight requests being forwarded, the router answers the next one at once with UNAVAILABLE
-    (Triton's HTTP 503) instead of queueing it in its worker pool; a finished request frees its place. pb_utils
-    is a stand-in for the calls that decide this; the router on a real Triton: tests/integration/test_serving.py."""
-    import json
-    import threading
-    import time
+class ForwardedRequest:
+    """A request as the router's execute reads it, whose sender notes what is sent: (code, message, flags)."""
 
+    def __init__(self, sent: list) -> None:
+        self.sent = sent
+
+    def inputs(self) -> list:
+        return []
+
+    def get_response_sender(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(send=lambda response, flags: self.sent.append((response.c, response.m, flags)))
+
+
+def router_model(rendered, monkeypatch, max_in_flight: int):
+    """The rendered router's model, initialized, with pb_utils a stand-in for the calls its Forwarder makes."""
     stand_in = types.SimpleNamespace(
         TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
         TritonError=type(
@@ -228,20 +236,25 @@ def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, 
     router = served_model(rendered["router"], monkeypatch)
     monkeypatch.setattr(router, "pb_utils", stand_in)
     model = router.TritonPythonModel()
-    parameters = {"routes": "svc-v1=100", "max_in_flight": "2"}
+    parameters = {"routes": "svc-v1=100", "max_in_flight": str(max_in_flight)}
     model.initialize(
         {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})}
     )
+    return router, model
+
+
+def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, monkeypatch):
+    """Past max_in_flight requests being forwarded, the router answers the next one at once with UNAVAILABLE
+    (Triton's HTTP 503) instead of queueing it in its worker pool; a finished request frees its place. pb_utils
+    is a stand-in for the calls that decide this; the router on a real Triton: tests/integration/test_serving.py."""
+    import threading
+    import time
+
+    router, model = router_model(rendered, monkeypatch, max_in_flight=2)
     release, refused = threading.Event(), []
     # the BLS call the workers make (model_text.relay, shared with the adapter models' Forwarder) waits
     monkeypatch.setitem(router.Forwarder.forward.__globals__, "relay", lambda *args: release.wait(10))
-
-    class Request:
-        def inputs(self):
-            return []
-
-        def get_response_sender(self):
-            return types.SimpleNamespace(send=lambda response, flags: refused.append((response.c, response.m, flags)))
+    Request = functools.partial(ForwardedRequest, refused)
 
     model.execute([Request(), Request(), Request()])
     assert refused == [(14, "the service has 2 requests in flight; retry shortly", 1)]
@@ -252,3 +265,36 @@ def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, 
     model.execute([Request(), Request()])  # their places are free again
     model.finalize()  # waits for the requests in flight
     assert model.forwarder.in_flight == 0 and len(refused) == 1
+
+
+def test_the_router_lets_go_of_a_finished_bls_stream_only_after_holding_it(rendered, monkeypatch):
+    """Each finished BLS stream is held STREAM_HOLD_S before the worker lets go of it, so the Python backend's own
+    cleanup of the stream (on a thread without the GIL) never destroys it (tasks/serving/model_text.py)."""
+    import time
+    import weakref
+
+    router, model = router_model(rendered, monkeypatch, max_in_flight=2)
+    monkeypatch.setitem(router.Forwarder.forward.__globals__, "STREAM_HOLD_S", 0.5)
+
+    class Stream:  # what exec(decoupled=True) returned
+        pass
+
+    streams: list[weakref.ref] = []
+
+    def relay(*args):
+        stream = Stream()
+        streams.append(weakref.ref(stream))
+        return stream
+
+    monkeypatch.setitem(router.Forwarder.forward.__globals__, "relay", relay)
+    model.execute([ForwardedRequest([])])
+    deadline = time.monotonic() + 10
+    while (model.forwarder.in_flight or not streams) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert streams[0]() is not None  # finished, and held
+    time.sleep(0.6)
+    model.execute([ForwardedRequest([])])  # the next finished request lets go of what was held long enough
+    while streams[0]() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert streams[0]() is None and streams[1]() is not None
+    model.finalize()
