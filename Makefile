@@ -55,6 +55,7 @@ benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/service_latency.py
 	.venv/bin/python benchmarks/shadow_overhead.py
 	.venv/bin/python benchmarks/gateway_overhead.py
+	.venv/bin/python benchmarks/python_instances.py
 	.venv/bin/python benchmarks/bench_tools.py
 	.venv/bin/python benchmarks/adapter_canary.py
 
