@@ -9,7 +9,10 @@ runs it. The client is one asyncio process (aiohttp), the same for every row.
    direct to Triton and through the gateway, at each concurrency (closed loop), in rounds that alternate which
    goes first. The limits are set far above the load, so that they are checked on every request but refuse none.
    Prints requests/s, latency p50/p99 and the gateway's requests/s as a share of Triton's; `gw-h11` is the same
-   gateway on httpx's own transport to Triton (pure-Python h11) instead of aiohttp's, as it was before.
+   gateway on httpx's own transport to Triton (pure-Python h11) instead of aiohttp's, as it was before. Also the
+   CPU time per answered request (user + system, from /proc through psutil) of Triton's process tree (server,
+   router and model stubs), of the gateway's process and of the client: on a machine whose cores are all busy, a
+   gateway's CPU is taken from Triton's.
 2. burst: two keys, each limited to --rate requests/s. For --seconds, both send at their rate (the baseline); then
    for as long, `steady` sends at its rate while `bursty` sends 10 times its rate. Prints per key and phase what was
    sent, answered (200) and refused (429), and the answered requests' p50/p99, with p99 against the baseline; once
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import shutil
 import time
 from collections import Counter
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import psutil
 from gateway_process import cpu_tiny_bench, start_gateway  # this script's folder is first on sys.path
 from serving_batching import int_list, percentile, prompts, python_serve, triton_model
 
@@ -39,8 +45,36 @@ from tasks.serving import models as served_models
 TOKENS = 8  # cpu-tiny's bench.output_tokens
 KEYS = {"steady": "bench-steady-key-0123456789abcdef", "bursty": "bench-bursty-key-0123456789abcdef"}
 BURST = 10  # times the key's rate
-BURST_S = (1.0, 0.1)  # serve.limits.burst_s: the default, and a bucket of one request at 10/s
+BURST_S = (1.0, 0.1)  # serve.limits.burst_s: the default, and a bucket of its smallest size (2 requests) at 10/s
 PATHS = ("Triton", "gateway", "gw-h11")  # gw-h11: the gateway on httpx's own transport, as before httpx-aiohttp
+
+
+@dataclass
+class Run:
+    """One overhead run: its seconds, what it got, and the CPU seconds each process group spent meanwhile."""
+
+    seconds: float
+    sent: Sent
+    cpu_s: dict[str, float]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds so far of a process and its descendants (this process: itself only, its children
+    being Triton and the gateways)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in [root] if pid == os.getpid() else [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def measured(groups: dict[str, int], url: str, key: str | None, concurrency: int, requests: int) -> Run:
+    """closed_loop, with the CPU each group of processes (name: root pid) spent during it."""
+    before = {name: cpu_seconds(pid) for name, pid in groups.items()}
+    seconds, sent = asyncio.run(closed_loop(url, key, concurrency, requests))
+    return Run(seconds, sent, {name: cpu_seconds(pid) - before[name] for name, pid in groups.items()})
 
 
 @dataclass
@@ -159,18 +193,21 @@ def main() -> None:
                 httpx_transport=True,
             )
             paths = {
-                "Triton": (f"{triton.url}/v2/models/svc/generate", None),
-                "gateway": (f"http://127.0.0.1:{port}/v2/models/svc/generate", KEYS["steady"]),
-                "gw-h11": (f"http://127.0.0.1:{baseline_port}/v2/models/svc/generate", KEYS["steady"]),
+                "Triton": (f"{triton.url}/v2/models/svc/generate", None, None),
+                "gateway": (f"http://127.0.0.1:{port}/v2/models/svc/generate", KEYS["steady"], gateway.pid),
+                "gw-h11": (f"http://127.0.0.1:{baseline_port}/v2/models/svc/generate", KEYS["steady"], baseline.pid),
             }
-            overhead: dict[tuple[str, int], list[tuple[float, Sent]]] = {}
+            overhead: dict[tuple[str, int], list[Run]] = {}
             for concurrency in args.concurrency:
                 for round_index in range(args.rounds):
                     for path in list(paths) if round_index % 2 == 0 else list(reversed(paths)):  # ABC, CBA, ...
                         print(f"bench: {path} at concurrency {concurrency}, round {round_index + 1} ...", flush=True)
-                        url, key = paths[path]
-                        result = asyncio.run(closed_loop(url, key, concurrency, args.requests))
-                        overhead.setdefault((path, concurrency), []).append(result)
+                        url, key, gateway_pid = paths[path]
+                        groups = {"Triton": server.process.pid, "client": os.getpid()}
+                        if gateway_pid is not None:
+                            groups["gateway"] = gateway_pid
+                        run = measured(groups, url, key, concurrency, args.requests)
+                        overhead.setdefault((path, concurrency), []).append(run)
             for process in (gateway, baseline):
                 process.terminate()
                 process.wait(30)
@@ -195,30 +232,43 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list[tuple[float, Sent]]]) -> None:
+def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list[Run]]) -> None:
     print(
         f"\n1. overhead: cpu-tiny behind the router, {args.requests} non-streaming generate requests of {TOKENS} "
-        f"tokens per run, median of {args.rounds} runs per cell\n"
+        f"tokens per run, median of {args.rounds} runs per cell; CPU ms per answered request by process group\n"
     )
     print(
-        f"{'concurrency':>11}  {'path':8} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'failed':>6} {'req/s vs Triton':>16}"
+        f"{'concurrency':>11}  {'path':8} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'failed':>6} "
+        f"{'req/s vs Triton':>16} {'CPU Triton':>10} {'gateway':>8} {'client':>7}"
     )
     for concurrency in args.concurrency:
         cells = {}
         for path in PATHS:
             runs = results[(path, concurrency)]
-            rows = [sent.row() for _, sent in runs]
+            rows = [run.sent.row() for run in runs]
+
+            def cpu_ms(group: str, runs: list[Run] = runs) -> float | None:
+                shares = [
+                    1000 * run.cpu_s[group] / max(run.sent.statuses[200], 1) for run in runs if group in run.cpu_s
+                ]
+                return percentile(shares, 50) if shares else None
+
             cells[path] = {
-                "req_s": percentile([sent.row()["200"] / seconds for seconds, sent in runs], 50),
+                "req_s": percentile([run.sent.statuses[200] / run.seconds for run in runs], 50),
                 "p50": percentile([r["p50"] for r in rows if r["p50"] is not None], 50),
                 "p99": percentile([r["p99"] for r in rows if r["p99"] is not None], 50),
                 "failed": sum(r["sent"] - r["200"] for r in rows),
+                "cpu": [cpu_ms(group) for group in ("Triton", "gateway", "client")],
             }
         for path, cell in cells.items():
             share = cell["req_s"] / cells["Triton"]["req_s"]
+            cpu = " ".join(
+                f"{'-' if ms is None else f'{ms:.2f}':>{width}}"
+                for ms, width in zip(cell["cpu"], (10, 8, 7), strict=True)
+            )
             print(
                 f"{concurrency:>11}  {path:8} {cell['req_s']:7.1f} {cell['p50']:8.1f} {cell['p99']:8.1f} "
-                f"{cell['failed']:6d} {share:15.2f}x"
+                f"{cell['failed']:6d} {share:15.2f}x {cpu}"
             )
 
 
