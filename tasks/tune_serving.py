@@ -96,13 +96,17 @@ def with_settings(profile: Profile, settings: dict[str, int]) -> Profile:
 
 
 def space(profile: Profile) -> dict[str, list[int]]:
-    return profile.tune.space(profile.serve.backend)
+    """tune's values of each searched setting, and the profile's own value among them: the profile's settings are
+    the first trial, and Optuna refuses a trial outside the space (cpu-tiny serves 2 instances, tune's default
+    list is [1])."""
+    own = defaults(profile)
+    return {name: sorted({*values, own[name]}) for name, values in profile.tune.space(profile.serve.backend).items()}
 
 
 def defaults(profile: Profile) -> dict[str, int]:
     """The profile's own values of the searched settings: the first trial."""
     values = {}
-    for name in space(profile):
+    for name in profile.tune.space(profile.serve.backend):
         section, _, field_name = name.rpartition(".")
         values[name] = int(getattr(profile.engine if section == "engine" else profile.serve, field_name))
     return values

@@ -64,6 +64,13 @@ def test_each_engine_searches_the_settings_that_shape_its_batching():
     assert all(load_profile(name).tune.enabled for name in ("llama3-8b-h100-fp8", "qwen2-14b-int4-tp2"))
 
 
+def test_the_space_holds_the_profiles_own_settings_which_are_the_first_trial():
+    cpu_tiny = load_profile("cpu-tiny")  # two instances, where tune.instance_count lists only 1
+    assert cpu_tiny.tune.instance_count == [1] and space(cpu_tiny)["instance_count"] == [1, 2]
+    own = load_profile("cpu-tiny", ["serve.max_batch_size=3"])
+    assert 3 in space(own)["max_batch_size"] and all(defaults(own)[k] in v for k, v in space(own).items())
+
+
 def test_a_trial_renders_its_settings_into_the_engines_model(tmp_path):
     """What each trial loads: vLLM's max_num_seqs, and the LLM API's batch and token budgets in its llm_args."""
     from tasks.serving.model_config import serving_model
