@@ -229,7 +229,9 @@ class TuneSection(Section):
     max_queue_delay_us: list[int] = Field(
         [0, 1000, 2000, 5000, 10000, 20000], min_length=1, description="Values of serve.max_queue_delay_us (python)."
     )
-    instance_count: list[int] = Field([1], min_length=1, description="Values of serve.instance_count (python).")
+    instance_count: list[int] = Field(
+        [1], min_length=1, description="Values of serve.instance_count (python); the profile's own is always tried."
+    )
     max_num_tokens: list[int] = Field(
         [2048, 4096, 8192, 16384],
         min_length=1,
