@@ -8,8 +8,9 @@ runs it. The client is one asyncio process (aiohttp), the same for every row.
 1. overhead: the same non-streaming requests to `/v2/models/svc/generate` (8 tokens each, forced with min_length),
    direct to Triton and through the gateway, at each concurrency (closed loop), in rounds that alternate which
    goes first. The limits are set far above the load, so that they are checked on every request but refuse none.
-   Prints requests/s, latency p50/p99 and the gateway's requests/s as a share of Triton's; `gw-h11` is the same
-   gateway on httpx's own transport to Triton (pure-Python h11) instead of aiohttp's, as it was before. Also the
+   Prints requests/s, latency p50/p99 and the gateway's requests/s as a share of Triton's; `bare` is
+   benchmarks/bare_proxy.py, a Python proxy that only relays (uvicorn and aiohttp, none of the gateway's checks,
+   log or counters): the floor of what a Python hop costs here, under the gateway's own. Also the
    CPU time per answered request (user + system, from /proc through psutil) of Triton's process tree (server,
    router and model stubs), of the gateway's process and of the client: on a machine whose cores are all busy, a
    gateway's CPU is taken from Triton's.
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from gateway_process import cpu_tiny_bench, start_gateway  # this script's folder is first on sys.path
+from gateway_process import cpu_tiny_bench, start_bare_proxy, start_gateway  # this script's folder is first on sys.path
 from serving_batching import int_list, percentile, prompts, python_serve, triton_model
 
 from tasks.platform.ports import free_port
@@ -46,7 +47,7 @@ TOKENS = 8  # cpu-tiny's bench.output_tokens
 KEYS = {"steady": "bench-steady-key-0123456789abcdef", "bursty": "bench-bursty-key-0123456789abcdef"}
 BURST = 10  # times the key's rate
 BURST_S = (1.0, 0.1)  # serve.limits.burst_s: the default, and a bucket of its smallest size (2 requests) at 10/s
-PATHS = ("Triton", "gateway", "gw-h11")  # gw-h11: the gateway on httpx's own transport, as before httpx-aiohttp
+PATHS = ("Triton", "gateway", "bare")  # bare: benchmarks/bare_proxy.py, a relay with none of the gateway's work
 
 
 @dataclass
@@ -181,21 +182,12 @@ def main() -> None:
                 tokens_per_minute=100_000_000,
                 max_in_flight=256,
             )
-            baseline_port = free_port()  # the same gateway on httpx's own transport (h11) to Triton
-            baseline = start_gateway(
-                baseline_port,
-                scratch / "access-httpx.log",
-                **common,
-                api_keys=keys,
-                requests_per_second=100_000,
-                tokens_per_minute=100_000_000,
-                max_in_flight=256,
-                httpx_transport=True,
-            )
+            bare_port = free_port()
+            bare = start_bare_proxy(bare_port, triton.url)
             paths = {
                 "Triton": (f"{triton.url}/v2/models/svc/generate", None, None),
                 "gateway": (f"http://127.0.0.1:{port}/v2/models/svc/generate", KEYS["steady"], gateway.pid),
-                "gw-h11": (f"http://127.0.0.1:{baseline_port}/v2/models/svc/generate", KEYS["steady"], baseline.pid),
+                "bare": (f"http://127.0.0.1:{bare_port}/v2/models/svc/generate", None, bare.pid),
             }
             overhead: dict[tuple[str, int], list[Run]] = {}
             for concurrency in args.concurrency:
@@ -208,7 +200,7 @@ def main() -> None:
                             groups["gateway"] = gateway_pid
                         run = measured(groups, url, key, concurrency, args.requests)
                         overhead.setdefault((path, concurrency), []).append(run)
-            for process in (gateway, baseline):
+            for process in (gateway, bare):
                 process.terminate()
                 process.wait(30)
             phases = {}

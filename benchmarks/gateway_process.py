@@ -2,8 +2,7 @@
 load through it: not sharing the load generator's interpreter (and its GIL) with the requests it measures.
 
 It runs as under `llmops serve`: the same app, uvicorn with the same options, the access log on (to a file).
-`httpx_transport=True` gives it httpx's own transport to Triton (h11) instead of aiohttp's: the gateway before
-httpx-aiohttp, as a baseline.
+`start_bare_proxy` starts benchmarks/bare_proxy.py instead: a proxy with none of the gateway's work, its floor.
 Its settings come as JSON in the environment (`BENCH_GATEWAY`), API keys and the control key included, never on
 a command line.
 """
@@ -29,10 +28,8 @@ import json, logging, os
 from pathlib import Path
 import uvicorn
 from tasks.serving.gateway import Gateway, GatewayConfig
-import httpx
 settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
 port, access_log, control_key = settings.pop("port"), settings.pop("access_log"), settings.pop("control_key")
-transport = httpx.AsyncHTTPTransport() if settings.pop("httpx_transport", False) else None
 if settings.get("shadow_records"):
     settings["shadow_records"] = Path(settings["shadow_records"])
 if settings.get("capture"):  # {"location": ..., other CaptureSettings fields}: serve.capture as flows/serve.py builds it
@@ -45,7 +42,7 @@ access.addHandler(logging.FileHandler(access_log))
 access.setLevel(logging.INFO)
 access.propagate = False
 config = GatewayConfig(**settings, control_key=lambda: control_key)
-uvicorn.run(Gateway(config, transport).app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+uvicorn.run(Gateway(config).app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 """
 
 
@@ -57,7 +54,17 @@ def start_gateway(port: int, access_log: Path, control_key: str | None = None, *
             {**settings, "port": port, "access_log": str(access_log), "control_key": control_key}, default=str
         ),
     }
-    process = subprocess.Popen([sys.executable, "-c", GATEWAY], env=env)
+    return answering(subprocess.Popen([sys.executable, "-c", GATEWAY], env=env), port)
+
+
+def start_bare_proxy(port: int, triton_url: str) -> subprocess.Popen:
+    """benchmarks/bare_proxy.py on 127.0.0.1:`port` in front of `triton_url`; returns once it answers."""
+    script = Path(__file__).with_name("bare_proxy.py")
+    return answering(subprocess.Popen([sys.executable, str(script), str(port), triton_url]), port)
+
+
+def answering(process: subprocess.Popen, port: int) -> subprocess.Popen:
+    """`process` once its /health/live on `port` answers; killed, and an error, where it does not in 60 s."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None:
         try:
@@ -66,7 +73,7 @@ def start_gateway(port: int, access_log: Path, control_key: str | None = None, *
         except httpx.HTTPError:
             time.sleep(0.2)
     process.kill()
-    raise RuntimeError("the gateway did not start")
+    raise RuntimeError(f"{process.args[1]} did not start on port {port}")
 
 
 def cpu_tiny_bench(home: Path | None, tokens: int, concurrency: list[int], requests: int, prefix: str):

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 from httpx_aiohttp import AiohttpTransport
 
 from tasks.serving.gateway.access import ERROR_LOG, current
@@ -27,6 +28,7 @@ from tasks.serving.gateway.protocol import RequestError
 # requests/s at concurrency 1, 0.30x -> 0.53x at 32).
 # Tests give a transport of their own (httpx.MockTransport).
 TIMEOUT = httpx.Timeout(300, connect=5)  # a long answer on a CPU takes minutes; a Triton that is there answers at once
+JSON = {"content-type": "application/json"}
 
 
 # Triton's words for a model it is (re)loading: "Request for unknown model: 'x' has no available versions",
@@ -70,7 +72,9 @@ class Triton:
 
     def __init__(self, url: str, model: str, transport: httpx.AsyncBaseTransport | None = None):
         self.url, self.model = url, model
-        self.client = httpx.AsyncClient(base_url=url, timeout=TIMEOUT, transport=transport or AiohttpTransport())
+        self.transport = transport or AiohttpTransport()
+        self.client = httpx.AsyncClient(base_url=url, timeout=TIMEOUT, transport=self.transport)
+        self.urls: dict[str, httpx.URL] = {}  # the /v2 paths forwarded (two: generate and generate_stream)
 
     def unreachable(self, exc: httpx.HTTPError) -> RequestError:
         """The error a client gets when Triton could not be asked or did not answer."""
@@ -131,21 +135,36 @@ class Triton:
             except ValueError:
                 raise server_fault(502, f"an event that is not JSON: {line[:200]!r}") from None
 
+    async def send(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """A /v2 request straight to the transport, its answer's body not yet read.
+
+        Not through AsyncClient.send: its layers (auth, redirects, cookies, URL merging) do nothing for a POST to
+        Triton and were a sixth of the gateway's CPU per request at concurrency 32 (py-spy of
+        benchmarks/gateway_overhead.py). Its timeouts go as AsyncClient would hand them over."""
+        url = self.urls.get(path)
+        if url is None:
+            url = self.urls[path] = httpx.URL(self.url + path)
+        request = httpx.Request(
+            "POST", url, content=orjson.dumps(body), headers=JSON, extensions={"timeout": TIMEOUT.as_dict()}
+        )
+        return await self.transport.handle_async_request(request)
+
     async def forward(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """Triton's answer to a /v2 request, read whole."""
         try:
-            return await self.client.post(path, json=body)
+            response = await self.send(path, body)
+            await response.aread()  # closes it, the connection back in the pool
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
+        return response
 
     async def forward_stream(self, path: str, body: dict[str, Any]) -> tuple[httpx.Response, AsyncIterator[bytes]]:
         """Triton's answer to a /v2 streaming request: the response (status, headers) and its bytes, relayed as
         they come; a connection that breaks off ends the stream with an error event in Triton's shape."""
         try:
-            response = await self.client.send(self.client.build_request("POST", path, json=body), stream=True)
+            response = await self.send(path, body)
             if response.status_code != 200:
                 await response.aread()
-                await response.aclose()
                 raise upstream_error(response)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
