@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from tasks.serving.gateway.upstream import TIMEOUT
 from tests.unit.test_gateway import CHAT, QUESTION, SERVICE, FakeTriton, events, gateway, streamed_text
 
 __all__ = ["gateway"]  # the fixture, used by name
@@ -115,6 +116,24 @@ def test_triton_down_restarting_or_failing_is_503_with_retry_after_and_none_of_i
     assert "/var/run/triton" in caplog.text or INTERNAL in caplog.text or "unknown model" in caplog.text
     ready = client.get("/health/ready")
     assert ready.status_code == 503
+
+
+def test_every_request_to_triton_carries_the_gateways_timeouts(gateway):
+    """A Triton that hangs is a 504 only while each request carries the timeouts: the /v2 routes hand their
+    requests to the transport themselves, not through httpx's client, which would add them."""
+    triton, sent = FakeTriton(), []
+
+    def timed(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, request.extensions.get("timeout"), request.headers.get("content-type")))
+        return triton(request)
+
+    client = gateway(timed)
+    for stream in (False, True):
+        assert client.post(CHAT, json={"messages": QUESTION, "stream": stream}).status_code == 200
+    for path in (GENERATE, GENERATE + "_stream"):
+        assert client.post(path, json={"text_input": "hot"}).status_code == 200
+    assert [path for path, _, _ in sent] == [GENERATE, GENERATE + "_stream"] * 2
+    assert all(timeout == TIMEOUT.as_dict() and kind == "application/json" for _, timeout, kind in sent), sent
 
 
 @pytest.mark.parametrize(
