@@ -82,3 +82,13 @@ def test_only_release_pods_and_prometheus_reach_tritons_own_ports():
     assert [p["port"] for rule in open_to_all for p in rule["ports"]] == [8080]
     triton_ports = {p["port"] for rule in policy["ingress"] if "from" in rule for p in rule["ports"]}
     assert triton_ports == {8000, 8001, 8002}
+
+
+def test_tritons_python_stubs_get_a_dev_shm_in_memory_above_the_runtimes_64_mib():
+    pod = objects()["Deployment/llmops-serving"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounted = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    (shm,) = [volume for volume in pod["volumes"] if volume["name"] == mounted["/dev/shm"]]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    size = shm["emptyDir"]["sizeLimit"]
+    assert size.endswith("Gi") and int(size.removesuffix("Gi")) >= 1, size
