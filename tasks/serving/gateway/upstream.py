@@ -29,6 +29,7 @@ from tasks.serving.gateway.protocol import RequestError
 # Tests give a transport of their own (httpx.MockTransport).
 TIMEOUT = httpx.Timeout(300, connect=5)  # a long answer on a CPU takes minutes; a Triton that is there answers at once
 JSON = {"content-type": "application/json"}
+TIMEOUTS = TIMEOUT.as_dict()  # the form a transport reads them in (request.extensions["timeout"])
 
 
 # Triton's words for a model it is (re)loading: "Request for unknown model: 'x' has no available versions",
@@ -145,7 +146,7 @@ class Triton:
         if url is None:
             url = self.urls[path] = httpx.URL(self.url + path)
         request = httpx.Request(
-            "POST", url, content=orjson.dumps(body), headers=JSON, extensions={"timeout": TIMEOUT.as_dict()}
+            "POST", url, content=orjson.dumps(body), headers=JSON, extensions={"timeout": TIMEOUTS}
         )
         return await self.transport.handle_async_request(request)
 
