@@ -145,9 +145,7 @@ class Triton:
         url = self.urls.get(path)
         if url is None:
             url = self.urls[path] = httpx.URL(self.url + path)
-        request = httpx.Request(
-            "POST", url, content=orjson.dumps(body), headers=JSON, extensions={"timeout": TIMEOUTS}
-        )
+        request = httpx.Request("POST", url, content=orjson.dumps(body), headers=JSON, extensions={"timeout": TIMEOUTS})
         return await self.transport.handle_async_request(request)
 
     async def forward(self, path: str, body: dict[str, Any]) -> httpx.Response:
