@@ -9,8 +9,8 @@ candidate next to it, as deploy_canary does (tasks/serving/models.py: install_mo
 - memory added: the proportional set size (PSS: shared pages split between the processes sharing them) of
   tritonserver and every process under it, after the candidate loaded minus before, and that as a share of the
   champion's serving memory (the tree's PSS before, less Triton's own with nothing loaded);
-- then, with the router sending half the requests to each version, genai-perf at each concurrency on the service
-  name: requests/s and TTFT p99 (median of --rounds runs).
+- then genai-perf at each concurrency on the candidate (its own model, or the base engine asked for its adapter
+  with `lora_name`, as the gateway asks): requests/s and TTFT p99 (median of --rounds runs).
 
     .venv/bin/python benchmarks/adapter_canary.py [--home LLMOPS_HOME] [--concurrency 1,8,32] [--requests 64]
         [--rounds 1]
@@ -35,10 +35,10 @@ from pathlib import Path
 import psutil
 
 from tasks.platform.config import load_profile
-from tasks.serving.adapters import served_artifact
+from tasks.serving.adapters import AdapterVersion, base_model_name, served_artifact
 from tasks.serving.champion import triton_launch
 from tasks.serving.genai_perf import GenaiPerf
-from tasks.serving.models import Served, install_model, model_name, set_routes
+from tasks.serving.models import MergedVersion, Served, install_model, model_name
 from tasks.serving.server import TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,16 +86,19 @@ def served(home: Path, tags: dict[str, str], mode: str) -> Served:
 
     name, merged = model_name(SERVICE, tags["version"]), fetch("merge")
     if mode == "merged":
-        return Served(tags["version"], name, merged, artifact_sha256=tags["artifact.merge.sha256"])
+        return MergedVersion(
+            version=tags["version"], name=name, model_dir=merged, artifact_sha256=tags["artifact.merge.sha256"]
+        )
     adapter, base = tags["artifact.train.sha256"], tags["artifact.base_model.sha256"]
-    return Served(
-        tags["version"],
-        name,
-        merged,
+    return AdapterVersion(
+        version=tags["version"],
+        name=name,
+        model_dir=merged,
         artifact_sha256=served_artifact(adapter, base),
         adapter_dir=fetch("train"),
         base_dir=fetch("base_model"),
         base_sha256=base,
+        base_model=base_model_name(SERVICE),
     )
 
 
@@ -133,16 +136,13 @@ def measure_mode(mode: str, versions: list[dict[str, str]], home: Path, scratch:
         started = time.monotonic()
         install_model(triton, profile, champion)
         champion_load_s = time.monotonic() - started
-        set_routes(triton, profile, SERVICE, {champion.name: 100})
         before = settled_pss(server.process.pid)
         candidate_load_s = install_model(triton, profile, candidate)
         after = settled_pss(server.process.pid)
-        set_routes(triton, profile, SERVICE, {champion.name: 50, candidate.name: 50})
         genai_perf = GenaiPerf(triton.grpc_url or "", profile.bench, scratch / mode / "genai-perf")
-        router = Served("", SERVICE, champion.model_dir)
         load = {}
         for concurrency in args.concurrency:
-            runs = [genai_perf.measure(router, concurrency, f"-{mode}-{index}") for index in range(args.rounds)]
+            runs = [genai_perf.measure(candidate, concurrency, f"-{mode}-{index}") for index in range(args.rounds)]
             load[concurrency] = (
                 statistics.median(r.requests_per_s for r in runs),
                 statistics.median(r.ttft_p99_ms for r in runs),
@@ -180,7 +180,8 @@ def main() -> None:
 def print_table(rows: dict[str, dict], args) -> None:
     print(
         f"\nvLLM on Triton (cpu-tiny), candidate loaded next to the champion; genai-perf, {args.requests} streaming "
-        f"requests per run through the router at 50/50, median of {args.rounds}\n"
+        f"requests per run to the candidate (its own model, or the base engine asked for its adapter), median of "
+        f"{args.rounds}\n"
     )
     print(f"{'':34} {'merged (today)':>16} {'adapter':>16}")
     merged, adapter = rows["merged"], rows["adapter"]

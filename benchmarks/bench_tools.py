@@ -30,7 +30,7 @@ from tasks.serving.aiperf import AIPerf, aiperf_executable
 from tasks.serving.champion import triton_launch
 from tasks.serving.genai_perf import GenaiPerf
 from tasks.serving.load_level import LoadLevel, LoadTool
-from tasks.serving.models import Served, install_model
+from tasks.serving.models import MergedVersion, install_model
 from tasks.serving.server import TritonServer
 
 TOOLS = ("genai-perf", "aiperf")
@@ -49,7 +49,7 @@ def main() -> None:
         launcher, env = triton_launch(profile, bench.home)
         server = TritonServer.start(scratch / "triton", None, launcher=launcher, extra_env=env)
         try:
-            served = Served("1", "svc-v1", bench.model_dir, None, "bench-tools")
+            served = MergedVersion(version="1", name="svc-v1", model_dir=bench.model_dir, artifact_sha256="bench-tools")
             install_model(server.client, profile, served)
             objectives = profile.goodput_objectives()
             tools: dict[str, LoadTool] = {

@@ -1,6 +1,6 @@
 """What capture (serve.capture) costs the clients: the same load through the gateway with capture off and on.
 
-One Triton serves the cpu-tiny merged model (`svc-a`) behind the router `svc`; three gateways of `llmops serve`
+One Triton serves the cpu-tiny merged model as version `svc-a` of the service `svc`; three gateways of `llmops serve`
 (tasks/serving/gateway/) run in front of it, each in a process of its own as under `llmops serve`: capture off
 (what serves today), capture on (every exchange kept, redacted, written to a local capture folder every 2 s), and
 capture on with its store down (the capture location is a file, so every write fails and its batch is dropped).
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from gateway_process import cpu_tiny_bench, start_gateway
+from gateway_process import cpu_tiny_bench, routes, start_gateway
 from serving_batching import (  # this script's folder is first on sys.path
     Endpoint,
     Timed,
@@ -35,7 +35,6 @@ from serving_batching import (  # this script's folder is first on sys.path
 )
 
 from tasks.platform.ports import free_port
-from tasks.serving import models as served_models
 
 TOKENS = 8  # cpu-tiny's bench.output_tokens
 MODES = ("capture off", "capture on", "store down")
@@ -85,8 +84,8 @@ def main() -> None:
     try:
         with triton_model(bench, python_serve(bench), "svc-a") as server:
             triton = server.client
-            served_models.set_routes(triton, profile, "svc", {"svc-a": 100})
-            common = {"triton_url": triton.url, "service": "svc", "context_tokens": 512, "shadow_poll_s": 1}
+            common = {"triton_url": triton.url, "service": "svc", "context_tokens": 512}
+            common["table"] = routes("svc", {"svc-a": 100})
             down = scratch / "store-down"
             down.write_text("a file where the capture folder should be: every write fails")
             locations = {"capture on": scratch / "capture", "store down": down}
@@ -95,7 +94,7 @@ def main() -> None:
                 ports[mode] = free_port()
                 capture = {"location": str(locations[mode]), "flush_s": 2.0} if mode in locations else None
                 log = scratch / f"access-{mode.replace(' ', '-')}.log"
-                gateways.append(start_gateway(ports[mode], log, triton.control_key, **common, capture=capture))
+                gateways.append(start_gateway(ports[mode], log, **common, capture=capture))
             try:  # the gateways stop however the load ends (a failed request raises)
                 results: dict[tuple[str, int], list[dict]] = {}
                 for concurrency in args.concurrency:
@@ -132,7 +131,7 @@ def print_table(args: argparse.Namespace, results: dict[tuple[str, int], list[di
         return {key: percentile([r[key] for r in rows], 50) for key in rows[0]}
 
     print(
-        f"\ncpu-tiny merged model behind the router, the gateway in front; {args.requests} streaming chat requests of "
+        f"\ncpu-tiny merged model, the gateway in front; {args.requests} streaming chat requests of "
         f"up to {TOKENS} tokens per run, median of {args.rounds} runs per cell\n"
     )
     header = f"{'concurrency':>11}  {'mode':12} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'lat p50':>8}"

@@ -1,18 +1,18 @@
 """What the gateway costs its clients, and what a burst over one key's rate limit costs the others.
 
-One Triton serves the cpu-tiny merged model (`svc-a`) behind the router `svc`, as a release serves it; the gateway of
-`llmops serve` runs in front in a process of its own (benchmarks/gateway_process.py), with API keys, every limit
-switched on (requests/s and tokens/min per key, requests in flight) and its access log written, as `llmops serve`
-runs it. The client is one asyncio process (aiohttp), the same for every row.
+One Triton serves the cpu-tiny merged model as version `svc-a`; the gateway of `llmops serve` runs in front in a
+process of its own (benchmarks/gateway_process.py), with a route table that sends the service `svc` to `svc-a`, API
+keys, every limit switched on (requests/s and tokens/min per key, requests in flight), its probes and its access
+log written, as `llmops serve` runs it. The client is one asyncio process (aiohttp), the same for every row.
 
-1. overhead: the same non-streaming requests to `/v2/models/svc/generate` (8 tokens each, forced with min_length),
-   direct to Triton and through the gateway, at each concurrency (closed loop), in rounds that alternate which
-   goes first. The limits are set far above the load, so that they are checked on every request but refuse none.
+1. overhead: the same non-streaming requests (8 tokens each, forced with min_length) direct to the version's own
+   Triton model (`/v2/models/svc-a/generate`) and to the service through the gateway (`/v2/models/svc/generate`),
+   at each concurrency (closed loop), in rounds that alternate which goes first. The limits are set far above the load, so that they are checked on every request but refuse none.
    Prints requests/s, latency p50/p99 and the gateway's requests/s as a share of Triton's; `bare` is
    benchmarks/bare_proxy.py, a Python proxy that only relays (uvicorn and aiohttp, none of the gateway's checks,
    log or counters): the floor of what a Python hop costs here, under the gateway's own. Also the
-   CPU time per answered request (user + system, from /proc through psutil) of Triton's process tree (server,
-   router and model stubs), of the gateway's process and of the client: on a machine whose cores are all busy, a
+   CPU time per answered request (user + system, from /proc through psutil) of Triton's process tree (server and
+   model stubs), of the gateway's process and of the client: on a machine whose cores are all busy, a
    gateway's CPU is taken from Triton's.
 2. burst: two keys, each limited to --rate requests/s. For --seconds, both send at their rate (the baseline); then
    for as long, `steady` sends at its rate while `bursty` sends 10 times its rate. Prints per key and phase what was
@@ -37,11 +37,10 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from gateway_process import cpu_tiny_bench, start_bare_proxy, start_gateway  # this script's folder is first on sys.path
+from gateway_process import cpu_tiny_bench, routes, start_bare_proxy, start_gateway  # this script's folder: sys.path[0]
 from serving_batching import int_list, percentile, prompts, python_serve, triton_model
 
 from tasks.platform.ports import free_port
-from tasks.serving import models as served_models
 
 TOKENS = 8  # cpu-tiny's bench.output_tokens
 KEYS = {"steady": "bench-steady-key-0123456789abcdef", "bursty": "bench-bursty-key-0123456789abcdef"}
@@ -169,8 +168,9 @@ def main() -> None:
     try:
         with triton_model(bench, python_serve(bench), "svc-a") as server:
             triton = server.client
-            served_models.set_routes(triton, profile, "svc", {"svc-a": 100})
-            common = {"triton_url": triton.url, "service": "svc", "context_tokens": 512}
+            health = profile.serve.health.model_dump()  # deadlines and probes as `llmops serve` runs them
+            common = {"triton_url": triton.url, "service": "svc", "context_tokens": 512, "health": health}
+            common["table"] = routes("svc", {"svc-a": 100})
             keys = {key: name for name, key in KEYS.items()}
             port = free_port()
             gateway = start_gateway(
@@ -185,9 +185,9 @@ def main() -> None:
             bare_port = free_port()
             bare = start_bare_proxy(bare_port, triton.url)
             paths = {
-                "Triton": (f"{triton.url}/v2/models/svc/generate", None, None),
+                "Triton": (f"{triton.url}/v2/models/svc-a/generate", None, None),
                 "gateway": (f"http://127.0.0.1:{port}/v2/models/svc/generate", KEYS["steady"], gateway.pid),
-                "bare": (f"http://127.0.0.1:{bare_port}/v2/models/svc/generate", None, bare.pid),
+                "bare": (f"http://127.0.0.1:{bare_port}/v2/models/svc-a/generate", None, bare.pid),
             }
             overhead: dict[tuple[str, int], list[Run]] = {}
             for concurrency in args.concurrency:
@@ -226,7 +226,8 @@ def main() -> None:
 
 def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list[Run]]) -> None:
     print(
-        f"\n1. overhead: cpu-tiny behind the router, {args.requests} non-streaming generate requests of {TOKENS} "
+        f"\n1. overhead: cpu-tiny's version model direct and the service through the gateway, {args.requests} "
+        f"non-streaming generate requests of {TOKENS} "
         f"tokens per run, median of {args.rounds} runs per cell; CPU ms per answered request by process group\n"
     )
     print(

@@ -3,8 +3,8 @@ load through it: not sharing the load generator's interpreter (and its GIL) with
 
 It runs as under `llmops serve`: the same app, uvicorn with the same options, the access log on (to a file).
 `start_bare_proxy` starts benchmarks/bare_proxy.py instead: a proxy with none of the gateway's work, its floor.
-Its settings come as JSON in the environment (`BENCH_GATEWAY`), API keys and the control key included, never on
-a command line.
+Its settings come as JSON in the environment (`BENCH_GATEWAY`), API keys and the route table included, never on a
+command line. `routes(service, {MODEL: WEIGHT})` makes the table: each model a merged version of that name.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ from pathlib import Path
 import uvicorn
 from tasks.serving.gateway import Gateway, GatewayConfig
 settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
-port, access_log, control_key = settings.pop("port"), settings.pop("access_log"), settings.pop("control_key")
+port, access_log = settings.pop("port"), settings.pop("access_log")
+if settings.get("table"):
+    from tasks.serving.routes import RouteTable
+    settings["table"] = RouteTable.of(settings["table"])
+if settings.get("health"):
+    from tasks.platform.config.serving import HealthSection
+    settings["health"] = HealthSection(**settings["health"])
 if settings.get("shadow_records"):
     settings["shadow_records"] = Path(settings["shadow_records"])
 if settings.get("capture"):  # {"location": ..., other CaptureSettings fields}: serve.capture as flows/serve.py builds it
@@ -41,18 +47,42 @@ access = logging.getLogger("llmops.gateway.access")
 access.addHandler(logging.FileHandler(access_log))
 access.setLevel(logging.INFO)
 access.propagate = False
-config = GatewayConfig(**settings, control_key=lambda: control_key)
-uvicorn.run(Gateway(config).app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+control_port = settings.pop("control_port", None)
+gateway = Gateway(GatewayConfig(**settings))
+if control_port is None:
+    uvicorn.run(gateway.app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+else:  # with the control API too, as `llmops serve` runs it
+    import threading
+    from tasks.serving.gateway.control import ControlApi
+    from tasks.serving.gateway.running import Listener, RunningGateway
+    control = ControlApi(gateway, settings["control_key"]).app()
+    listeners = [Listener(gateway.app(), "127.0.0.1", port), Listener(control, "127.0.0.1", control_port)]
+    RunningGateway(listeners, gateway).start()
+    threading.Event().wait()
 """
 
 
-def start_gateway(port: int, access_log: Path, control_key: str | None = None, **settings: Any) -> subprocess.Popen:
-    """The gateway on 127.0.0.1:`port` with GatewayConfig(**settings); returns once it answers."""
+def routes(service: str, weights: dict[str, float], shadow: tuple[str, float] | None = None) -> dict[str, Any]:
+    """The route table's JSON: each model a merged version of that name, the first one the champion; `shadow`:
+    (model, fraction) copied."""
+    names = list(weights)
+    version = lambda name: {"name": name, "model": name}  # noqa: E731
+    return {
+        "service": service,
+        "champion": version(names[0]),
+        "candidate": version(names[1]) if len(names) > 1 else (version(shadow[0]) if shadow else None),
+        "weights": weights,
+        "shadow": shadow[0] if shadow else None,
+        "shadow_fraction": shadow[1] if shadow else 0,
+    }
+
+
+def start_gateway(port: int, access_log: Path, **settings: Any) -> subprocess.Popen:
+    """The gateway on 127.0.0.1:`port` with GatewayConfig(**settings) (`table`: routes(...)); returns once it
+    answers."""
     env = {
         **os.environ,
-        "BENCH_GATEWAY": json.dumps(
-            {**settings, "port": port, "access_log": str(access_log), "control_key": control_key}, default=str
-        ),
+        "BENCH_GATEWAY": json.dumps({**settings, "port": port, "access_log": str(access_log)}, default=str),
     }
     return answering(subprocess.Popen([sys.executable, "-c", GATEWAY], env=env), port)
 

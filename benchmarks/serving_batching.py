@@ -16,7 +16,8 @@ Same model, same prompts, same streaming client, in one run. Prints two tables:
      /v2/models/NAME/generate_stream (SSE);
    - triton-vllm: Triton with the vLLM Python-backend model (serve.backend=vllm, max_batch_size 64), same
      inputs and endpoint (continuous batching; from .venv-vllm, `make setup-vllm`).
-2. rollout on Triton: router reload (one canary step's switch), ramp 10 -> 50 -> 100 + promote, rollback.
+2. rollout on Triton behind the gateway: one canary step (a control-API call), ramp 10 -> 50 -> 100 + promote,
+   rollback.
 
 Measurement. Each served engine answers one warm-up request before timing; then a thread pool of
 `concurrency` workers sends max(--requests, concurrency) streaming requests. TTFT: send -> first chunk with
@@ -77,7 +78,6 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import tasks.serving.models as served_models  # noqa: E402
 from tasks.platform.config import Profile, load_profile  # noqa: E402
 from tasks.platform.ports import free_port  # noqa: E402
 from tasks.serving.champion import triton_launch  # noqa: E402
@@ -569,41 +569,54 @@ def print_header(bench: Bench, model: str, engines: list[str]) -> None:
 
 
 def print_rollout(bench: Bench) -> None:
-    """Rollout cost on a Triton serving the model as two versions behind the router."""
+    """Rollout cost on a Triton serving the model as two versions, behind a gateway with its control API."""
+    from tasks.platform.ports import free_port
+    from tasks.serving.gateway import Gateway, GatewayConfig
+    from tasks.serving.gateway.control import ControlApi
+    from tasks.serving.gateway.running import Listener, RunningGateway
+    from tasks.serving.routes import RouteTable, Version
+    from tasks.serving.service import ServiceControl
 
-    class Quiet:
-        def info(self, *a):
-            pass
-
-    served_models.logger = lambda: Quiet()  # type: ignore[assignment,return-value]
     profile = load_profile("cpu-tiny", python_serve(bench))
     template, values = serving_values(profile, bench.model_dir)
     print("bench: rollout on Triton ...", flush=True)
     with triton_model(bench, python_serve(bench), "bench-a") as server:
         triton = server.client
         install(triton, template, "bench-b", values)
-        timings = []
-        started = time.perf_counter()
-        served_models.set_routes(triton, profile, "bench", {"bench-a": 100})
-        timings.append(("router reload (one canary step switch)", time.perf_counter() - started))
-        started = time.perf_counter()
-        for weight in profile.canary.steps:
-            served_models.set_routes(triton, profile, "bench", {"bench-b": weight, "bench-a": 100 - weight})
-        triton.unload("bench-a")
-        ramp = time.perf_counter() - started
-        steps = profile.canary.steps
-        timings.append((f"ramp {' -> '.join(map(str, steps))} + promote, without check windows", ramp))
-        timings.append(
-            (
-                f"  + check windows ({len(steps)} x {profile.canary.window_s:g} s, cpu-tiny)",
-                ramp + len(steps) * profile.canary.window_s,
+        a, b = Version("bench-a", "bench-a"), Version("bench-b", "bench-b")
+        table = RouteTable("bench", a, b, {"bench-a": 100.0})
+        key, port = "bench-control-key", free_port()
+        gateway = Gateway(GatewayConfig(triton.url, "bench", 512, table=table, control_key=key))
+        running = RunningGateway([Listener(ControlApi(gateway, key).app(lifespan=True), "127.0.0.1", port)], gateway)
+        running.start()
+        control = ServiceControl(f"http://127.0.0.1:{port}", key)
+        try:
+            timings = []
+            started = time.perf_counter()
+            control.set_weights({"bench-a": 90, "bench-b": 10}, "bench", 600)
+            timings.append(("one canary step (a control-API call, no model load)", time.perf_counter() - started))
+            started = time.perf_counter()
+            for weight in profile.canary.steps:
+                control.set_weights({"bench-b": weight, "bench-a": 100 - weight}, "bench", 600)
+            control.put_table(RouteTable("bench", b, weights={"bench-b": 100.0}))
+            triton.unload("bench-a")
+            ramp = time.perf_counter() - started
+            steps = profile.canary.steps
+            timings.append((f"ramp {' -> '.join(map(str, steps))} + promote, without check windows", ramp))
+            timings.append(
+                (
+                    f"  + check windows ({len(steps)} x {profile.canary.window_s:g} s, cpu-tiny)",
+                    ramp + len(steps) * profile.canary.window_s,
+                )
             )
-        )
-        install(triton, template, "bench-a", values)
-        started = time.perf_counter()
-        served_models.set_routes(triton, profile, "bench", {"bench-a": 100})
-        triton.unload("bench-b")
-        timings.append(("rollback after a breach (router back + unload)", time.perf_counter() - started))
+            install(triton, template, "bench-a", values)
+            control.put_table(RouteTable("bench", b, a, {"bench-b": 50.0, "bench-a": 50.0}))
+            started = time.perf_counter()
+            control.put_table(RouteTable("bench", b, weights={"bench-b": 100.0}))
+            triton.unload("bench-a")
+            timings.append(("rollback after a breach (champion alone + unload)", time.perf_counter() - started))
+        finally:
+            running.stop()
     for template, seconds in sorted(bench.load_s.items()):
         engine = {"llm": "Python-backend model", "vllm": "vLLM engine"}[template]
         timings.append((f"load of one version ({engine}): once per candidate, before the steps", seconds))

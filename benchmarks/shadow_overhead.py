@@ -1,11 +1,11 @@
 """What a shadow window costs the clients: the same load through the gateway with and without the copies.
 
-One Triton serves the cpu-tiny merged model twice (`svc-a`, the champion, and `svc-b`, the candidate) behind the
-router `svc`, and the gateway of `llmops serve` (tasks/serving/gateway/) runs in front of it, in a process of its
+One Triton serves the cpu-tiny merged model twice (`svc-a`, the champion, and `svc-b`, the candidate) of the service
+`svc`, and the gateway of `llmops serve` (tasks/serving/gateway/) runs in front of it, in a process of its
 own as under `llmops serve`. At each concurrency the same streaming OpenAI client sends the same chat requests through
 the gateway in rounds, the modes in turn and in reverse order the next round: without shadow (what serves today), and
 with a quarter and with every answered request copied to `svc-b` (canary.shadow_fraction 0.25 and 1.0), as a
-release's shadow stage turns it on (the router's `shadow` parameter). Prints requests/s, TTFT p50/p99 and request latency p50/p99 side by side, p99 against the run
+release's shadow stage turns it on (the gateway's control API). Prints requests/s, TTFT p50/p99 and request latency p50/p99 side by side, p99 against the run
 without shadow, and the copies the gateway recorded (the check that they happened).
 
 The copies start after each answer is complete and run on the same 2 cores as everything else: what they can cost
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from gateway_process import cpu_tiny_bench, start_gateway
+from gateway_process import cpu_tiny_bench, routes, start_gateway
 from serving_batching import (  # this script's folder is first on sys.path
     Endpoint,
     Timed,
@@ -39,8 +39,8 @@ from serving_batching import (  # this script's folder is first on sys.path
 )
 
 from tasks.platform.ports import free_port
-from tasks.serving import models as served_models
 from tasks.serving.gateway.shadow import records_file
+from tasks.serving.service import ServiceControl
 
 TOKENS = 8  # cpu-tiny's bench.output_tokens
 MODES = {"without shadow": None, "shadow 25%": ("svc-b", 0.25), "shadow 100%": ("svc-b", 1.0)}
@@ -83,18 +83,19 @@ def main() -> None:
         with triton_model(bench, python_serve(bench), "svc-a") as server:
             triton = server.client
             install(triton, template, "svc-b", values)
-            served_models.set_routes(triton, profile, "svc", {"svc-a": 100})
-            records, port = scratch / "shadow", free_port()
+            records, port, control_port, key = scratch / "shadow", free_port(), free_port(), "bench-control-key"
             gateway = start_gateway(
                 port,
                 scratch / "access.log",
-                triton.control_key,
                 triton_url=triton.url,
                 service="svc",
                 context_tokens=512,
-                shadow_poll_s=0.2,
                 shadow_records=records,
+                table=routes("svc", {"svc-a": 100, "svc-b": 0}),
+                control_key=key,
+                control_port=control_port,
             )
+            control = ServiceControl(f"http://127.0.0.1:{control_port}", key)
             endpoint = Endpoint(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
                 lambda text, n: {"messages": [{"role": "user", "content": text}], "max_tokens": n, "stream": True},
@@ -106,10 +107,12 @@ def main() -> None:
                 for round_index in range(args.rounds):
                     order = list(MODES) if round_index % 2 == 0 else list(reversed(MODES))
                     for mode in order:
-                        served_models.set_routes(triton, profile, "svc", {"svc-a": 100}, shadow=MODES[mode])
-                        time.sleep(0.5)  # the gateway reads the router's parameter every 0.2 s
+                        if MODES[mode]:
+                            control.start_shadow(*MODES[mode], release="bench", lease_s=3600)
+                        else:
+                            control.stop_shadow()
                         with httpx.Client(timeout=600) as client:
-                            stream(client, endpoint, prompts(1)[0], TOKENS)  # warm-up after the router's reload
+                            stream(client, endpoint, prompts(1)[0], TOKENS)  # warm-up
                         before = count_records(records)
                         print(f"bench: {mode} at concurrency {concurrency}, round {round_index + 1} ...", flush=True)
                         results.setdefault((mode, concurrency), []).append(

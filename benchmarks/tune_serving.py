@@ -27,7 +27,7 @@ from tasks.deploy_canary import Deployment
 from tasks.platform.config import load_profile
 from tasks.serving.champion import triton_launch
 from tasks.serving.genai_perf import GenaiPerf, goodput_of
-from tasks.serving.models import Served, install_model
+from tasks.serving.models import MergedVersion, install_model
 from tasks.serving.server import TritonServer
 from tasks.tune_serving import defaults, load, search
 
@@ -64,7 +64,7 @@ def main() -> None:
             launcher, env = triton_launch(profile, home)
             server = TritonServer.start(scratch / name, None, launcher=launcher, extra_env=env)
             try:
-                served = Served("1", "svc-v1", model_dir, None, f"bench-{name}")
+                served = MergedVersion(version="1", name="svc-v1", model_dir=model_dir, artifact_sha256=f"bench-{name}")
                 install_model(server.client, profile, served)
                 deployment = Deployment(server.client, "svc", served, None)
                 print(f"bench: {name}: searching ({args.trials} trials) ...", flush=True)

@@ -21,7 +21,7 @@ from tasks.approve import Approval, approve
 from tasks.base_model import base_model
 from tasks.benchmark import benchmark, require_load_tool
 from tasks.build_engine import build_engine
-from tasks.deploy_canary import deploy_canary
+from tasks.deploy_canary import Deployment, deploy_canary
 from tasks.evaluate import evaluate
 from tasks.gate import gate
 from tasks.merge import merge
@@ -35,9 +35,9 @@ from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
 from tasks.register import Registered, register
 from tasks.rollout import rollout
-from tasks.serving.champion import is_champion, open_triton
+from tasks.serving.champion import is_champion, open_service
 from tasks.serving.client import TritonTarget
-from tasks.serving.server import TritonServer
+from tasks.serving.service import Service
 from tasks.shadow import refuse_shadow_without_gateway, shadow
 from tasks.train import train
 from tasks.tune_serving import tune_serving
@@ -118,8 +118,9 @@ def release(
             profile files and are refused here.
         tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI of the worker, else sqlite under LLMOPS_HOME.
         artifacts: artifact store, a folder or s3://bucket/prefix; empty: LLMOPS_ARTIFACTS, else LLMOPS_HOME/store.
-        triton_url: a running Triton to roll out on (HTTP URL); empty: LLMOPS_TRITON_URL, else the one `llmops serve`
-            runs, else a temporary one.
+        triton_url: a running Triton to roll out on (HTTP URL), behind a temporary gateway of the run's own; empty:
+            LLMOPS_TRITON_URL, else the service `llmops serve` runs for this LLMOPS_HOME, else a temporary Triton
+            and gateway.
         triton_repository: that Triton's model repository folder on a filesystem this machine shares; empty: models
             are sent with their load requests (no shared filesystem).
         triton_grpc_url: that Triton's gRPC endpoint (host:port), for genai-perf; or LLMOPS_TRITON_GRPC_URL.
@@ -131,7 +132,8 @@ def release(
     config = load_profile(profile, overrides or [], data_source)
     target = TritonTarget.from_options(triton_url, triton_grpc_url, triton_metrics_url, triton_repository)
     ctx = open_context(config, tracking_uri, artifacts)
-    server: TritonServer | None = None
+    served: Service | None = None
+    deployment: Deployment | None = None
     report: GateReport | None = None
     approval: Approval | None = None
     try:
@@ -165,8 +167,8 @@ def release(
             return ReleaseResult(stages, registered, ctx.tracker, "unchanged")
 
         with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
-            triton, server = open_triton(ctx, target)
-            deployment = stage_task(deploy_canary, config)(ctx, registered, triton)
+            served = open_service(ctx, target)
+            deployment = stage_task(deploy_canary, config)(ctx, registered, served)
             approved, rejection = True, ""
             if not deployment.unchanged:
                 if config.tune.enabled:  # the candidate's serving settings, searched before anything measures it
@@ -184,11 +186,19 @@ def release(
         end_run(ctx.tracker, "FAILED")
         raise
     finally:
-        if server is not None:  # started for this run
-            server.stop()
+        let_go(served, deployment)
     end_run(ctx.tracker, "FINISHED")
     report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
     return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval)
+
+
+def let_go(served: Service | None, deployment: Deployment | None) -> None:
+    """Whatever happened: the run no longer renews its hold on the routes, and what it started for itself (a Triton,
+    a gateway) stops; nothing of `llmops serve`'s."""
+    if deployment is not None:
+        deployment.let_go()
+    if served is not None:
+        served.stop()
 
 
 @contextmanager

@@ -1,16 +1,22 @@
-"""`llmops serve`: keep the registered champion served until stopped, as a service that stays up.
+"""`llmops serve`: keep the champion served until stopped, as a service that stays up.
 
-- Triton (the models; its HTTP port carries the locked control API the release runs use) on
-  `serve.listen.triton_*` ports, with the champion behind the router (the service's stable name),
-  published in $LLMOPS_HOME/triton/server.json so that `llmops run` with the same LLMOPS_HOME rolls its
-  candidates out on it.
+- Triton (the models; its HTTP port carries the locked model-control API the release runs use) on
+  `serve.listen.triton_*` ports, with the champion loaded, published in $LLMOPS_HOME/triton/server.json so that
+  `llmops run` with the same LLMOPS_HOME rolls its candidates out on it; `serve.replicas` of them (or Tritons it
+  does not own, `--triton-url` repeated), every version loaded on each (tasks/serving/fleet.py).
 - The gateway clients call (tasks/serving/gateway/) on `serve.listen.host:port`: OpenAI-compatible /v1 and
-  Triton's generate API for the service name, API keys, TLS, request limits; /health/ready says
-  whether the service name answers (a Kubernetes readiness probe), /health/live that the process does.
-- If Triton dies, it is started again on the same ports with backoff (1, 2, 4 ... 30 s), and the
-  champion and router are loaded again; after `serve.listen.restart_limit` deaths in a row (each within
-  a minute of its start) `llmops serve` exits 4. Triton dies with this process, even a SIGKILLed one.
-- SIGTERM or Ctrl-C stops the gateway and Triton and removes server.json.
+  Triton's generate API for the service name, each request's version drawn from the service's route table, API
+  keys, TLS, request limits; /health/ready says whether the routed versions answer (a Kubernetes readiness probe),
+  /health/live that the process does.
+- The gateway's control API on `serve.listen.control_host:control_port` (loopback), locked to this serve's own
+  control key (LLMOPS_SERVE_CONTROL_KEY, else a fresh one, in $LLMOPS_HOME/serving/control.key while it runs):
+  release runs change the routes there. The table lives in the deployment record
+  ($LLMOPS_HOME/serving/<service>.json), which this command reads at start: the champion it names serves again
+  without asking MLflow (the registry's champion where there is no record yet).
+- If a Triton it started dies, it is started again on the same ports with backoff (1, 2, 4 ... 30 s), and every
+  version of the route table loaded again; after `serve.listen.restart_limit` deaths in a row (each within a minute
+  of its start) `llmops serve` exits 4. Its Tritons die with this process, even a SIGKILLed one.
+- SIGTERM or Ctrl-C stops the gateway and Triton and removes server.json and the control key.
 """
 
 from __future__ import annotations
@@ -18,25 +24,27 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from flows.release import open_serving_context
 from tasks.platform.config import ListenSection, Profile
-from tasks.platform.errors import BadInput, TransientError
+from tasks.platform.errors import BadInput
 from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.stage_cache import RunContext
-from tasks.serving.champion import serve_champion, triton_launch
-from tasks.serving.client import control_key
+from tasks.serving.champion import as_route, registry_champion, served_of
+from tasks.serving.client import Triton
+from tasks.serving.fleet import Fleet
 from tasks.serving.gateway import Gateway, GatewayConfig, KeyRing
 from tasks.serving.gateway.capture import CaptureSettings
+from tasks.serving.gateway.control import ControlApi
+from tasks.serving.gateway.running import Listener, RunningGateway
 from tasks.serving.models import Served
-from tasks.serving.server import TritonServer, publish, unpublish
+from tasks.serving.routes import RouteTable, read_record, record_path
+from tasks.serving.server import new_serve_key, publish, unpublish
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
-SHADOW_POLL_S = 1.0  # how often the gateway reads the router's shadow parameter (one config GET on loopback)
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Ports:
     http: int
     grpc: int
     metrics: int
+    control: int
 
 
 def choose_ports(listen: ListenSection) -> Ports:
@@ -54,6 +63,7 @@ def choose_ports(listen: ListenSection) -> Ports:
         "triton_http_port": listen.triton_http_port,
         "triton_grpc_port": listen.triton_grpc_port,
         "triton_metrics_port": listen.triton_metrics_port,
+        "control_port": listen.control_port,
     }
     for name, port in wanted.items():
         if port and port_in_use(port):
@@ -78,6 +88,11 @@ def check_listen(listen: ListenSection, api_keys: dict) -> None:
                 f"serve.listen.host {listen.host}: keys from other machines would cross in cleartext; give "
                 "--tls-cert and --tls-key, or --behind-tls-proxy where a proxy in front terminates TLS"
             )
+    if listen.control_host not in LOOPBACK and listen.tls_cert is None:
+        raise BadInput(
+            f"serve.listen.control_host {listen.control_host}: the control key would cross the network in cleartext; "
+            "keep the control API on 127.0.0.1, or give --tls-cert and --tls-key"
+        )
     if listen.triton_host not in LOOPBACK and not listen.triton_ports_firewalled:
         raise BadInput(
             f"serve.listen.triton_host {listen.triton_host}: Triton answers inference there without API keys; "
@@ -90,7 +105,10 @@ def check_listen(listen: ListenSection, api_keys: dict) -> None:
             raise BadInput(f"serve.listen.{name} {path}: no such file")
 
 
-def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str | None) -> None:
+def serve(
+    profile: Profile, home: Path, tracking_uri: str | None, artifacts: str | None, attach: list[Triton] | None = None
+) -> None:
+    """`attach`: Tritons this serve does not own (`--triton-url`); else it starts serve.replicas of its own."""
     listen = profile.serve.listen
     api_keys = KeyRing(os.environ)  # follows LLMOPS_API_KEYS_FILE: a key removed there stops working, no restart
     check_listen(listen, api_keys.keys)
@@ -99,93 +117,58 @@ def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str
     service = profile.registry.model_name
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    server, champion = start_serving(ctx, home, listen, ports)
-    gateway = None
+    recorded = read_record(record_path(home, service))
+    champion = starting_champion(ctx, recorded)
+    source = "the deployment record" if recorded is not None and recorded.champion is not None else "the registry"
+    fleet = Fleet(ctx, listen, lambda line: print(line, flush=True))
+    if attach:
+        fleet.attach(attach, champion)
+    else:
+        fleet.start((ports.http, ports.grpc, ports.metrics), profile.serve.replicas, champion)
+    gateway, serve_key = None, new_serve_key()
     try:
-        gateway = start_gateway(ctx, server, champion, listen, ports, api_keys)
+        gateway = start_gateway(ctx, fleet, champion, listen, ports, api_keys, serve_key)
+        fleet.table = lambda: gateway.gateway.table if gateway is not None else None
+        fleet.probe = lambda: gateway.call(gateway.gateway.prober.round()) if gateway is not None else None
         scheme = "https" if listen.tls_cert else "http"
         local = "127.0.0.1" if listen.host in ("0.0.0.0", "::", "") else listen.host
         gateway_url = f"{scheme}://{local}:{ports.gateway}"
-        publish(home, server, gateway_url)
+        control_local = "127.0.0.1" if listen.control_host in ("0.0.0.0", "::", "") else listen.control_host
+        control_url = f"{scheme if listen.control_host not in LOOPBACK else 'http'}://{control_local}:{ports.control}"
+        publish(home, fleet.tritons, gateway_url, control_url, serve_key, service)
+        tritons = ", ".join(f"{t.url} (gRPC {t.grpc_url}, metrics {t.metrics_url})" for t in fleet.tritons)
         print(
-            f"serving {service} (champion v{champion.version}) at {scheme}://{listen.host}:{ports.gateway}/v1 "
+            f"serving {service} (champion v{champion.version} from {source}) at {scheme}://{listen.host}:{ports.gateway}/v1 "
             f"(OpenAI) and /v2/models/{service}/generate; "
-            f"{len(api_keys.keys) or 'no'} API key{'' if len(api_keys.keys) == 1 else 's'}; Triton {server.client.url} "
-            f"(gRPC {server.client.grpc_url}, metrics {server.client.metrics_url}); Ctrl-C stops",
+            f"{len(api_keys.keys) or 'no'} API key{'' if len(api_keys.keys) == 1 else 's'}; control API {control_url}; "
+            f"Triton {tritons}; Ctrl-C stops",
             flush=True,
         )
-        deaths, started = 0, time.monotonic()
         while not stopped.wait(0.5):
-            if server.running():
-                continue
-            deaths = deaths + 1 if time.monotonic() - started < STAYED_UP_S else 1
-            print(f"llmops serve: Triton exited with {server.process.returncode} ({server.log_tail(2)})", flush=True)
-            unpublish(home)
-            restarted = restart(ctx, home, listen, ports, deaths, stopped)
-            if restarted is None:
-                return
-            server = restarted
-            publish(home, server, gateway_url)
-            started = time.monotonic()  # same ports: the gateway's upstream URL holds
+            for replica in fleet.dead():
+                unpublish(home, serve_stops=False)
+                if not fleet.restart(replica, stopped):
+                    return
+                publish(home, fleet.tritons, gateway_url, control_url, serve_key, service)  # same ports, new key
     except KeyboardInterrupt:
         pass
     finally:
         unpublish(home)
         if gateway is not None:
             gateway.stop()
-        server.stop()
+        fleet.stop()
         print("llmops serve: stopped", flush=True)
 
 
-def start_serving(ctx: RunContext, home: Path, listen: ListenSection, ports: Ports) -> tuple[TritonServer, Served]:
-    """Triton on the chosen ports with the champion behind the router, published for release runs."""
-    launcher, env = triton_launch(ctx.profile, home)
-    server = TritonServer.start(
-        home,
-        ctx.profile.serve.triton_binary,
-        launcher=launcher,
-        extra_env=env,
-        host=listen.triton_host,
-        ports=(ports.http, ports.grpc, ports.metrics),
-        die_with_parent=threading.current_thread() is threading.main_thread(),
-    )
-    try:
-        champion = serve_champion(ctx, server.client)
-        if champion is None:
-            raise BadInput(
-                f"registered model {ctx.profile.registry.model_name}: no champion yet; run `llmops run` first"
-            )
-    except BaseException:
-        server.stop()
-        raise
-    return server, champion
-
-
-def restart(
-    ctx: RunContext, home: Path, listen: ListenSection, ports: Ports, deaths: int, stopped: threading.Event
-) -> TritonServer | None:
-    """Start Triton again with backoff; None when stopped meanwhile. Gives up past the restart limit."""
-    while deaths <= listen.restart_limit:
-        delay = min(30, 2 ** (deaths - 1))
-        print(
-            f"llmops serve: restarting Triton in {delay}s (death {deaths} of {listen.restart_limit} allowed)",
-            flush=True,
-        )
-        if stopped.wait(delay):
-            return None
-        try:
-            server, champion = start_serving(ctx, home, listen, ports)
-        except (TransientError, OSError) as exc:
-            print(f"llmops serve: restart failed: {exc}", flush=True)
-            deaths += 1
-            continue
-        print(f"llmops serve: Triton restarted; champion v{champion.version} serving again", flush=True)
-        return server
-    raise TransientError(
-        f"Triton died {deaths} {'time' if deaths == 1 else 'times'} in a row "
-        f"(serve.listen.restart_limit {listen.restart_limit}); "
-        f"see {home / 'triton' / 'tritonserver.log'}"
-    )
+def starting_champion(ctx: RunContext, table: RouteTable | None) -> Served:
+    """The champion the deployment record names (from the store alone), else the registry's."""
+    service = ctx.profile.registry.model_name
+    if table is not None and table.champion is not None:
+        return served_of(ctx, service, table.champion)
+    champion = registry_champion(ctx)
+    if champion is None:
+        raise BadInput(f"registered model {service}: no champion yet; run `llmops run` first")
+    return champion
 
 
 def show_access_log() -> None:
@@ -225,29 +208,24 @@ def capture_settings(ctx: RunContext) -> CaptureSettings | None:
     )
 
 
-class RunningGateway:
-    """The gateway's uvicorn server, in a thread of this process."""
-
-    def __init__(self, gateway: Gateway, server, thread: threading.Thread):
-        self.gateway, self.server, self.thread = gateway, server, thread
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-
-
 def start_gateway(
-    ctx: RunContext, server: TritonServer, champion: Served, listen: ListenSection, ports: Ports, api_keys: KeyRing
+    ctx: RunContext,
+    fleet: Fleet,
+    champion: Served,
+    listen: ListenSection,
+    ports: Ports,
+    api_keys: KeyRing,
+    serve_key: str,
 ) -> RunningGateway:
     import json
 
-    import uvicorn
-
+    service = ctx.profile.registry.model_name
     model_config = json.loads((champion.model_dir / "config.json").read_text())
     gateway = Gateway(
         GatewayConfig(
-            triton_url=server.client.url,
-            service=ctx.profile.registry.model_name,
+            triton_url=fleet.tritons[0].url,
+            more_replicas=[triton.url for triton in fleet.tritons[1:]],
+            service=service,
             context_tokens=int(model_config.get("max_position_embeddings", 2048)),
             default_max_tokens=ctx.profile.serve.default_max_tokens,
             max_body_bytes=listen.max_request_bytes,
@@ -258,29 +236,24 @@ def start_gateway(
             request_burst_s=ctx.profile.serve.limits.burst_s,
             tokens_per_minute=ctx.profile.serve.limits.tokens_per_minute,
             max_in_flight=ctx.profile.serve.limits.max_in_flight,
-            shadow_poll_s=SHADOW_POLL_S,
-            control_key=lambda: control_key(ctx.home),  # the published one: it changes when Triton restarts
             shadow_records=ctx.home / "shadow",
             capture=capture_settings(ctx),
+            record=record_path(ctx.home, service),
+            control_key=serve_key,
+            health=ctx.profile.serve.health,
+            recover=fleet.recover,
         )
     )
+    if gateway.table.champion is None or gateway.table.champion.name != champion.name:  # no record yet: the registry's
+        champion_route = as_route(champion)
+        gateway.adopt(RouteTable(service, champion_route, weights={champion_route.name: 100.0}))
     show_access_log()
-    config = uvicorn.Config(
-        gateway.app(),
-        host=listen.host,
-        port=ports.gateway,
-        ssl_certfile=listen.tls_cert,
-        ssl_keyfile=listen.tls_key,
-        log_level="warning",
-        access_log=False,  # requests carry keys in headers; uvicorn's access log prints none, but stays off
-        lifespan="on",
-    )
-    uvicorn_server = uvicorn.Server(config)
-    thread = threading.Thread(target=uvicorn_server.run, name="gateway", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn_server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise BadInput(f"gateway on {listen.host}:{ports.gateway}: did not start (see the lines above)")
-        time.sleep(0.1)
-    return RunningGateway(gateway, uvicorn_server, thread)
+    tls = {"tls_cert": listen.tls_cert, "tls_key": listen.tls_key}
+    control_tls = tls if listen.control_host not in LOOPBACK else {}
+    return RunningGateway(
+        [
+            Listener(gateway.app(), listen.host, ports.gateway, **tls),
+            Listener(ControlApi(gateway, serve_key).app(), listen.control_host, ports.control, **control_tls),
+        ],
+        gateway,
+    ).start()

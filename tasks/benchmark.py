@@ -291,7 +291,7 @@ def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
 
     def role(served: Served) -> RoleBenchmark:
         measured = runs[served.name]
-        error_rate = failed_share(counters_before, counters_after, served.name)
+        error_rate = failed_share(counters_before, counters_after, served.answered_by[0])
         summary = ServingSummary.of(measured, error_rate, cfg.output_tokens, confidence)
         levels = {concurrency: LoadLevel.median(level_runs) for concurrency, level_runs in measured.items()}
         return RoleBenchmark(levels, summary, measured[top])

@@ -26,8 +26,9 @@ from tasks.platform.errors import BadInput, CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation, prompt_ids
 from tasks.quality.contract import CONTRACT_FILE
+from tasks.quality.metrics import answer_metric
 from tasks.quality.models import load_tokenizer
-from tasks.quality.scoring import answer_metric, answer_score, scored_metric
+from tasks.quality.scoring import answer_score, scored_metric
 from tasks.serving import llm_api, tensorrt_llm
 
 CHECK_FILE = "check.json"

@@ -1,7 +1,8 @@
-"""deploy_canary: the candidate next to the champion on one Triton, behind the service's router.
+"""deploy_canary: the candidate next to the champion on the service's Triton, known to its gateway at 0%.
 
-Each registered version is its own Triton model and a router model splits traffic by weight
-(tasks/serving/models.py). The rollout policy that moves the weights (steps, live checks, promote,
+Each registered version is its own Triton model (tasks/serving/models.py); the gateway in front of Triton draws each
+request's version from the service's route table (tasks/serving/routes.py), which this stage and the rollout change
+through the gateway's control API. The rollout policy that moves the weights (steps, live checks, promote,
 rollback) is tasks/rollout.py.
 
 Aliases: `challenger` when the candidate is deployed (here), `champion` when it is promoted.
@@ -9,47 +10,116 @@ Aliases: `challenger` when the candidate is deployed (here), `champion` when it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 
-from tasks.platform.errors import CheckFailed
+from tasks.platform.errors import CheckFailed, TransientError
 from tasks.platform.stage_cache import RunContext, logger
-from tasks.register import Registered
-from tasks.serving.champion import serve_champion, served_version
+from tasks.platform.tracking import Registered
+from tasks.serving.champion import as_route, serve_champion, served_version, serving_champion
 from tasks.serving.client import Triton
 from tasks.serving.models import Served, install_model, retire
+from tasks.serving.routes import RouteTable
+from tasks.serving.service import Service, ServiceControl
 
 
 @dataclass
 class Deployment:
-    triton: Triton
-    service: str
+    served: Service
     candidate: Served
     champion: Served | None
+    release: str  # the run that holds the candidate's routes (the control API's `release`)
+    hold_s: float  # how long each change of the routes holds before the gateway serves the champion alone
     steps: list[dict] = field(default_factory=list)
+    holding: threading.Event = field(default_factory=threading.Event)  # set: not renewing
+
+    @property
+    def triton(self) -> Triton:
+        """The first replica: where the benchmark measures and the gate reads what was loaded."""
+        return self.served.triton
+
+    @property
+    def tritons(self) -> list[Triton]:
+        """Every replica: each version is loaded on each."""
+        return self.served.tritons
+
+    def retire(self, served: Served) -> None:
+        """`served` unloaded from every replica."""
+        for triton in self.tritons:
+            retire(triton, self.service, served)
+
+    @property
+    def control(self) -> ServiceControl:
+        return self.served.control
+
+    @property
+    def service(self) -> str:
+        return self.served.name
 
     @property
     def unchanged(self) -> bool:
         """The candidate already is the champion (a rerun with nothing new): nothing to roll out."""
         return self.champion is not None and self.champion.version == self.candidate.version
 
+    def table(self, weights: dict[str, float], candidate: bool = True, shadow: float = 0.0) -> RouteTable:
+        """The service's table with the champion and (where `candidate`) the candidate, routed by `weights`; with
+        `shadow`, that share of the answered requests copied to the candidate."""
+        return replace(
+            RouteTable(self.service),
+            champion=as_route(self.champion) if self.champion else None,
+            candidate=as_route(self.candidate) if candidate else None,
+            weights={name: weight for name, weight in weights.items() if weight > 0},
+            shadow=self.candidate.name if shadow else None,
+            shadow_fraction=shadow,
+            release=self.release if candidate else None,
+        )
 
-def deploy_canary(ctx: RunContext, registered: Registered, triton: Triton) -> Deployment:
-    service = ctx.profile.registry.model_name
+    def route(self, weights: dict[str, float], shadow: float = 0.0, hold_s: float = 0.0) -> None:
+        """Route the service by `weights` (and copy `shadow`) from the next request on, held for hold_s (at least)."""
+        self.control.put_table(self.table(weights, shadow=shadow), max(self.hold_s, hold_s))
+
+    def keep_holding(self) -> None:
+        """Renew this release's hold on the routes every third of canary.hold_s until `let_go`, from a thread of its
+        own: a stage longer than the hold (a benchmark, tuning) keeps the candidate in the routes; a release that
+        dies (or waits for a person without a process) stops renewing, and its hold lapses."""
+        self.holding.clear()
+
+        def renew() -> None:
+            while not self.holding.wait(self.hold_s / 3):
+                try:
+                    self.control.renew(self.release, self.hold_s)
+                except (CheckFailed, TransientError) as exc:  # another release holds the routes, or the service is away
+                    logger().warning(f"canary: the hold on {self.service}'s routes was not renewed: {exc}")
+
+        threading.Thread(target=renew, name="hold-routes", daemon=True).start()
+
+    def let_go(self) -> None:
+        self.holding.set()
+
+    def champion_alone(self) -> None:
+        """The champion serving every request again (no candidate in the table); no route at all before one."""
+        self.control.put_table(self.table({self.champion.name: 100.0} if self.champion else {}, candidate=False))
+
+
+def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> Deployment:
     client = ctx.tracker.client
-    candidate = served_version(ctx, service, client.get_model_version(registered.name, registered.version))
-    champion = serve_champion(ctx, triton)
-    if champion is not None and champion.version == candidate.version:
+    candidate = served_version(ctx, served.name, client.get_model_version(registered.name, registered.version))
+    champion = serve_champion(ctx, served, serving_champion(ctx, served))
+    deployment = Deployment(served, candidate, champion, ctx.tracker.run_id, ctx.profile.canary.hold_s)
+    if deployment.unchanged:
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
-        return Deployment(triton, service, candidate, champion)
+        return deployment
     try:
-        load_s = install_model(triton, ctx.profile, candidate)
+        load_s = max(install_model(triton, ctx.profile, candidate) for triton in served.tritons)
         ctx.tracker.log_metrics("canary", {"candidate_load_s": load_s})
     except CheckFailed:
-        retire(triton, service, candidate)
+        deployment.retire(candidate)
         raise
+    deployment.route({champion.name: 100.0} if champion else {})
+    deployment.keep_holding()
     client.set_registered_model_alias(registered.name, "challenger", registered.version)
     logger().info(
         f"canary: {candidate.name} ready next to "
         f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}"
     )
-    return Deployment(triton, service, candidate, champion)
+    return deployment

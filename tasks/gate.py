@@ -4,7 +4,7 @@
   with a champion, the throughput ratio (and optionally the p99 latency ratio) on its interval over the
   benchmark's interleaved rounds: pass when the interval clears the threshold, fail when it is entirely
   past it, inconclusive (which rejects, saying so) when the rounds up to bench.max_rounds could not tell.
-- Task quality, scored where users are served (tasks/quality/served_scoring.py): the eval split goes through
+- Task quality, scored where users are served (tasks/serving/served_scoring.py): the eval split goes through
   the candidate's and the champion's served models on Triton. The task-metric drop vs the champion
   uses those served scores; the serving parity check compares the candidate served with the same
   model offline (evaluate), which catches a chat template, tokenizer or stop-token mismatch; a probe
@@ -165,22 +165,23 @@ def score_quality(
 ) -> Quality:
     """Score the eval split through the served candidate and champion; write their answers next to the report."""
     from tasks.data.splits import eval_conversations, require_samples
+    from tasks.quality.metrics import answer_metric
     from tasks.quality.models import load_tokenizer
     from tasks.quality.scoring import gain, offline_scores
-    from tasks.quality.served_scoring import SERVED_ANSWERS_FILE, score_served, served_metric, stop_probe
+    from tasks.serving.served_scoring import SERVED_ANSWERS_FILE, score_served, stop_probe
 
     cfg = ctx.profile.evaluate
     conversations = eval_conversations(ctx, data, cfg.max_samples)
     require_samples(len(conversations), cfg, "gate")
-    metric = served_metric(cfg.metric)
+    metric = answer_metric(cfg.metric)
     offline = offline_scores(ctx, evaluation)["samples"]
     offline_metric = [s["scores"]["candidate"][metric] for s in offline]
-    triton, max_tokens = deployment.triton, cfg.max_new_tokens
+    served, max_tokens = deployment.control, cfg.max_new_tokens  # through the gateway, each version by name
     tokenizer = load_tokenizer(deployment.candidate.model_dir)
-    candidate = score_served(triton, deployment.candidate.name, conversations, max_tokens, tokenizer)
+    candidate = score_served(served, deployment.candidate.name, conversations, max_tokens, tokenizer)
     champion = (
         score_served(
-            triton, deployment.champion.name, conversations, max_tokens, load_tokenizer(deployment.champion.model_dir)
+            served, deployment.champion.name, conversations, max_tokens, load_tokenizer(deployment.champion.model_dir)
         )
         if deployment.champion
         else None

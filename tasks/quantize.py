@@ -23,8 +23,9 @@ from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
+from tasks.quality.metrics import answer_metric
 from tasks.quality.models import load_model, load_tokenizer, probe_batch
-from tasks.quality.scoring import answer_metric, answer_score, generate_answers, scored_metric
+from tasks.quality.scoring import answer_score, generate_answers, scored_metric
 
 TOKENIZER_FILES = (
     "tokenizer.json",

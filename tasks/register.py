@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import dataclass
 
 from tasks.evaluate import EvaluationMetrics
 from tasks.platform.project import PROJECT_ROOT
 from tasks.platform.stage_cache import RunContext, StageResult, logger
+from tasks.platform.tracking import Registered
 from tasks.prepare_data import DatasetMetrics
 from tasks.quality.contract import CONTRACT_FILE, load_contract
-
-
-@dataclass
-class Registered:
-    name: str
-    version: str
-    source: str
-    reused: bool
 
 
 def code_version() -> str:

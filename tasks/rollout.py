@@ -1,9 +1,11 @@
 """rollout, promote, rollback: the policy that walks the candidate's traffic share up on the live service.
 
-After a passed gate the router walks `canary.steps`; each step sends real requests through the
-router for `window_s` and checks the candidate's health, error rate (client side and Triton's
-per-model counters, read from Triton or from the Prometheus at `canary.prometheus_url`) and mean latency. A breach rolls back: router to the champion, candidate
-unloaded, no alias moved. After 100% the alias `champion` moves and the old champion is unloaded.
+After a passed gate the gateway's routes walk `canary.steps` (one control-API call each, in effect for the next
+request: no model is loaded again); each step sends real requests through the gateway for `window_s` and checks the
+candidate's health, error rate (client side, and the gateway's counters of the candidate's requests, read from the
+gateway or from the Prometheus at `canary.prometheus_url`) and mean latency. A breach rolls back: the champion alone
+in the routes, candidate unloaded, no alias moved. After 100% the alias `champion` moves, the gateway's table names
+the candidate champion, and the old champion is unloaded.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from tasks.data.splits import eval_conversations
 from tasks.deploy_canary import Deployment
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.serving import prometheus
-from tasks.serving.client import Triton, parse_metric
-from tasks.serving.models import retire, set_routes, triton_unload_quietly
+from tasks.serving.champion import as_route
+from tasks.serving.routes import RouteTable
+from tasks.serving.service import ServiceControl, version_counters
 
 
 @dataclass
@@ -32,9 +35,9 @@ class Window:
 
 
 def probe(
-    triton: Triton, service: str, prompts: list[str], seconds: float, concurrency: int, max_tokens: int
+    control: ServiceControl, service: str, prompts: list[str], seconds: float, concurrency: int, max_tokens: int
 ) -> tuple[int, int, list[float]]:
-    """Send real requests through the router for `seconds` (bounded: loopback, stops by itself)."""
+    """Send real requests through the gateway, for the service's name, for `seconds` (bounded: stops by itself)."""
     stop = time.monotonic() + seconds
     counts, latencies, lock = [0, 0], [], threading.Lock()
 
@@ -43,7 +46,7 @@ def probe(
         while time.monotonic() < stop:
             started = time.perf_counter()
             try:
-                triton.generate(service, prompts[i % len(prompts)], max_tokens=max_tokens, timeout=30)
+                control.generate(service, prompts[i % len(prompts)], max_tokens=max_tokens, timeout=30)
                 ok = True
             except Exception:
                 ok = False
@@ -62,31 +65,29 @@ def probe(
 
 
 def watch_window(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> Window:
-    cfg, triton, name = ctx.profile.canary, deployment.triton, deployment.candidate.name
-    before, started = triton.metrics(), time.time()
+    """One step's window: probes through the gateway, and how the candidate's requests went meanwhile (all of them,
+    clients' and probes', as the gateway counted them)."""
+    cfg, control, name = ctx.profile.canary, deployment.control, deployment.candidate.name
+    before, started = version_counters(control.metrics(), name), time.time()
     sent, failed, latencies = probe(
-        triton, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency, ctx.profile.bench.output_tokens
+        control, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency, ctx.profile.bench.output_tokens
     )
-    after, ended = triton.metrics(), time.time()
+    after, ended = version_counters(control.metrics(), name), time.time()
     if cfg.prometheus_url:
         scraped = prometheus.wait_for_scrape(cfg.prometheus_url, name, ended, timeout=max(30, 3 * cfg.window_s))
-        counters = prometheus.model_counters(cfg.prometheus_url, name, started, scraped)
-        ok, bad, duration_us = counters.successes, counters.failures, counters.duration_us
+        counters = prometheus.version_counters(cfg.prometheus_url, name, started, scraped)
+        ok, bad, seconds = counters.successes, counters.failures, counters.seconds
     else:
-
-        def delta(metric: str) -> float:
-            return parse_metric(after, metric, name) - parse_metric(before, metric, name)
-
-        ok, bad = delta("nv_inference_request_success"), delta("nv_inference_request_failure")
-        duration_us = delta("nv_inference_request_duration_us")
+        ok, bad, seconds = after.ok - before.ok, after.failed - before.failed, after.seconds - before.seconds
     p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else None
-    return Window(sent, failed, ok + bad, bad, duration_us / ok / 1000 if ok else None, p99)
+    return Window(sent, failed, ok + bad, bad, seconds / ok * 1000 if ok else None, p99)
 
 
 def breach(ctx: RunContext, deployment: Deployment, window: Window) -> str | None:
     cfg = ctx.profile.canary
-    if not deployment.triton.is_ready(deployment.candidate.name):
-        return f"{deployment.candidate.name} is not ready"
+    for triton in deployment.tritons:
+        if not triton.is_ready(deployment.candidate.name):
+            return f"{deployment.candidate.name} is not ready on {triton.url}"
     if window.requests and window.failures / window.requests > cfg.max_error_rate:
         return f"{window.failures}/{window.requests} client requests failed (max error rate {cfg.max_error_rate})"
     if window.candidate_requests and window.candidate_failures / window.candidate_requests > cfg.max_error_rate:
@@ -107,17 +108,20 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
     champion = deployment.champion
     steps = ctx.profile.canary.steps if champion else [100]  # the first release is deployed directly
     for weight in steps:
-        weights = {deployment.candidate.name: weight}
+        weights: dict[str, float] = {deployment.candidate.name: weight}
         if champion and weight < 100:
             weights[champion.name] = 100 - weight
-        set_routes(deployment.triton, ctx.profile, deployment.service, weights)
+        started = time.perf_counter()
+        deployment.route(weights)
+        step_ms = (time.perf_counter() - started) * 1000
         window = watch_window(ctx, deployment, prompts)
         problem = breach(ctx, deployment, window)
-        deployment.steps.append({"weight": weight, **window.__dict__, "breach": problem})
+        deployment.steps.append({"weight": weight, "step_ms": step_ms, **window.__dict__, "breach": problem})
         ctx.tracker.log_metrics(
             "canary",
             {
                 "weight": weight,
+                "step_ms": step_ms,
                 "client_requests": window.requests,
                 "client_failures": window.failures,
                 "candidate_requests": window.candidate_requests,
@@ -127,7 +131,7 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
             step=weight,
         )
         logger().info(
-            f"canary: {weight}% to {deployment.candidate.name}: {window.requests} requests, "
+            f"canary: {weight}% to {deployment.candidate.name} (in effect in {step_ms:.0f} ms): {window.requests} requests, "
             f"{window.failures} failed, candidate {window.candidate_requests:.0f} requests "
             f"mean {window.candidate_mean_latency_ms or 0:.1f} ms"
             + (" (from Prometheus)" if ctx.profile.canary.prometheus_url else "")
@@ -139,21 +143,21 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
 
 
 def promote(ctx: RunContext, deployment: Deployment) -> None:
+    """The candidate is the champion: in the gateway's table (and its record) first, then in the registry."""
+    candidate = as_route(deployment.candidate)
+    deployment.control.put_table(RouteTable(deployment.service, candidate, weights={candidate.name: 100.0}))
     client, name = ctx.tracker.client, ctx.profile.registry.model_name
     client.set_registered_model_alias(name, "champion", deployment.candidate.version)
     client.delete_registered_model_alias(name, "challenger")
     if deployment.champion and deployment.champion.name != deployment.candidate.name:
-        retire(deployment.triton, deployment.service, deployment.champion)
+        deployment.retire(deployment.champion)
     logger().info(f"canary: promoted {deployment.candidate.name}; alias champion -> v{deployment.candidate.version}")
 
 
 def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
-    """Router back to the champion, candidate unloaded, no alias moved."""
-    if deployment.champion:
-        set_routes(deployment.triton, ctx.profile, deployment.service, {deployment.champion.name: 100})
-    elif deployment.triton.is_ready(deployment.service):
-        triton_unload_quietly(deployment.triton, deployment.service)
-    retire(deployment.triton, deployment.service, deployment.candidate)
+    """The champion alone in the routes, candidate unloaded, no alias moved."""
+    deployment.champion_alone()
+    deployment.retire(deployment.candidate)
     logger().warning(f"canary: rolled back {deployment.candidate.name}: {reason}")
 
 
@@ -177,6 +181,7 @@ def rollout(ctx: RunContext, deployment: Deployment, approved: bool, rejection: 
         else:
             promote(ctx, deployment)
             outcome = "promoted"
+    deployment.let_go()
     ctx.tracker.set_tags({"release.outcome": outcome})
     ctx.tracker.log_json("canary.json", {"outcome": outcome, "steps": deployment.steps})
     return outcome

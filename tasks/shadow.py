@@ -1,17 +1,18 @@
 """shadow: the candidate answers a copy of live traffic before any user sees it (`canary.shadow_s`).
 
-After deploy_canary, with the candidate loaded at 0%, this stage loads the service's router with a `shadow`
-parameter (candidate=`canary.shadow_fraction`). The gateway of `llmops serve` reads it and copies that share of
-the requests it answers to the candidate, after each answer reached its client: clients only ever get the
-champion's answers and never wait for a copy (tasks/serving/gateway/shadow.py). Each copy leaves a record: the
-inputs, both answers, both latencies. After `canary.shadow_s` the router is loaded again without the copy, and
-this stage scores the records: the candidate's answers against the champion's with the profile's metric
-(`evaluate.metric`; exact_match where that is answer_loss, which needs a reference answer's tokens), on greedy
+After deploy_canary, with the candidate loaded at 0%, this stage sets the service's shadow copy (the candidate,
+`canary.shadow_fraction`) through the control API of `llmops serve`'s gateway, which from its next answered
+request on copies that share of them to the candidate, after each answer reached its client: clients only ever get
+the champion's answers and never wait for a copy (tasks/serving/gateway/shadow.py). Each copy leaves a record: the
+inputs, both answers, both latencies. After `canary.shadow_s` the copy stops (the same API), and this stage scores
+the records: the candidate's answers against the champion's with the profile's metric
+(`evaluate.metric`; rouge_l where that is answer_loss, which needs a reference answer's tokens), on greedy
 requests only (a sampled answer differs by chance), and its errors and latencies. The records go to MLflow with
 the run: they hold live prompts and answers, for whoever approves the release to read.
 
-The gateway is the one `llmops serve` publishes for this LLMOPS_HOME (server.json); a release attached to another
-Triton by URL has no gateway of ours to copy, and a shadow window there is refused before it starts.
+The gateway is the one `llmops serve` publishes for this LLMOPS_HOME (server.json): it has the clients whose traffic
+is copied. A release attached to another Triton by URL, or one without `llmops serve`, routes through a temporary
+gateway of its own that no client calls, and a shadow window there is refused before training.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from tasks.platform.config import GateSection, Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import Check, at_most
-from tasks.quality.metrics import TEXT_METRICS, metric_score
+from tasks.quality.metrics import answer_metric, metric_score
 from tasks.quality.stats import paired_difference, wilson_interval
 from tasks.serving.client import TritonTarget
 from tasks.serving.gateway.shadow import records_file
-from tasks.serving.models import set_routes
 from tasks.serving.server import serving_gateway
 
-SETTLE_S = 2.0  # after the router is loaded without the copy: the gateway sees it (1 s poll), copies in flight end
+SETTLE_S = 1.0  # after the copy stopped: the copies in flight end
 
 
 @dataclass
@@ -77,7 +77,7 @@ def score(records: list[dict], profile: Profile, seconds: float) -> ShadowResult
     copies = [r for r in records if not r.get("dropped")]
     answered = [r for r in copies if r.get("candidate") is not None]
     greedy = [r for r in answered if not r["inputs"].get("temperature")]
-    metric = profile.evaluate.metric if profile.evaluate.metric in TEXT_METRICS else "exact_match"
+    metric = answer_metric(profile.evaluate.metric)
     scores = [metric_score(metric, r["candidate"], r["champion"]) for r in greedy]
     agreement, interval = None, None
     if scores:
@@ -124,17 +124,16 @@ def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
     if cfg.shadow_s <= 0 or deployment.champion is None or deployment.unchanged:
         return None
     refuse_shadow_without_gateway(ctx.profile, None, ctx.home)  # `llmops serve` may have stopped since the start
-    triton, service = deployment.triton, deployment.service
     champion, candidate = deployment.champion.name, deployment.candidate.name
     records = records_file(ctx.home / "shadow", candidate)
     records.unlink(missing_ok=True)  # an earlier attempt's window
     started = time.monotonic()
-    set_routes(triton, ctx.profile, service, {champion: 100}, shadow=(candidate, cfg.shadow_fraction))
+    deployment.route({champion: 100.0}, shadow=cfg.shadow_fraction, hold_s=cfg.shadow_s + 60)
     try:
         logger().info(f"shadow: {cfg.shadow_fraction:.0%} of the gateway's answered requests also go to {candidate}")
         time.sleep(cfg.shadow_s)
     finally:
-        set_routes(triton, ctx.profile, service, {champion: 100})
+        deployment.route({champion: 100.0})
     time.sleep(SETTLE_S)
     result = score(read_records(records), ctx.profile, time.monotonic() - started)
     if records.is_file():

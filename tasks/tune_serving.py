@@ -135,9 +135,10 @@ def tune_serving(ctx: RunContext, deployment: Deployment) -> Tuned | None:
 
 
 def load(profile: Profile, deployment: Deployment, settings: dict[str, int]) -> None:
-    """The candidate loaded with `settings` (the champion serves throughout)."""
-    triton_unload_quietly(deployment.triton, deployment.candidate.name)
-    install_model(deployment.triton, with_settings(profile, settings), deployment.candidate)
+    """The candidate loaded with `settings` on every replica (the champion serves throughout)."""
+    for triton in deployment.tritons:
+        triton_unload_quietly(triton, deployment.candidate.name)
+        install_model(triton, with_settings(profile, settings), deployment.candidate)
 
 
 def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:

@@ -66,6 +66,16 @@ def add_triton_flags(run: argparse.ArgumentParser) -> None:
         help="that Triton's metrics URL, http://host:port/metrics (or LLMOPS_TRITON_METRICS_URL)",
     )
     run.add_argument(
+        "--serve-control-url",
+        help="with --triton-url: the control API of the `llmops serve` in front of that Triton (or "
+        "LLMOPS_SERVE_CONTROL_URL): the release routes the service there; without it, through a temporary gateway",
+    )
+    run.add_argument(
+        "--serve-control-key-file",
+        metavar="PATH",
+        help="with --serve-control-url: the file holding that serve's control key (or LLMOPS_SERVE_CONTROL_KEY_FILE)",
+    )
+    run.add_argument(
         "--triton-repository",
         help="that Triton's model repository folder, when this machine shares it "
         "(or LLMOPS_TRITON_REPOSITORY); without it, models are sent with their load requests",
@@ -129,10 +139,14 @@ def take_attach_options(args) -> None:
     its parameters: a run parameter from the Prefect API must not pick a file to read or a URL to send it to."""
     from pathlib import Path
 
-    from tasks.serving.client import ALLOW_PLAIN_HTTP_ENV, ATTACH_KEY_FILE_ENV
+    from tasks.serving.client import ALLOW_PLAIN_HTTP_ENV, ATTACH_KEY_FILE_ENV, SERVE_KEY_FILE_ENV, SERVE_URL_ENV
 
     if args.triton_control_key_file:
         os.environ[ATTACH_KEY_FILE_ENV] = str(Path(args.triton_control_key_file).resolve())
+    if args.serve_control_url:
+        os.environ[SERVE_URL_ENV] = args.serve_control_url
+    if args.serve_control_key_file:
+        os.environ[SERVE_KEY_FILE_ENV] = str(Path(args.serve_control_key_file).resolve())
     if args.allow_plain_http:
         os.environ[ALLOW_PLAIN_HTTP_ENV] = "1"
 

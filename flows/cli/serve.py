@@ -10,6 +10,8 @@ from flows.cli.common import add_overrides_flag, llmops_home
 SERVE_LISTEN_FLAGS = (
     ("--host", "host", str, "gateway bind address (default 127.0.0.1)"),
     ("--port", "port", int, "gateway port (default 8080; 0: any free port)"),
+    ("--control-host", "control_host", str, "the control API's bind address (default 127.0.0.1)"),
+    ("--control-port", "control_port", int, "the control API's port (default 8081)"),
     ("--triton-host", "triton_host", str, "Triton's bind address (default 127.0.0.1)"),
     ("--triton-http-port", "triton_http_port", int, "Triton HTTP port (default 8000)"),
     ("--triton-grpc-port", "triton_grpc_port", int, "Triton gRPC port (default 8001)"),
@@ -28,17 +30,21 @@ SERVE_LISTEN_SWITCHES = (
 )
 
 DESCRIPTION = (
-    "Serve the registered champion: Triton with the champion behind the router (the service "
-    "name), and the gateway clients call (OpenAI-compatible /v1 and Triton's /v2/models/NAME/generate, with "
-    "API keys, TLS and request limits). Triton is restarted with backoff if it dies. `llmops run` with the "
-    "same LLMOPS_HOME rolls candidates out on this server. API keys: LLMOPS_API_KEYS_FILE (one a line) or "
+    "Serve the champion: Triton with the champion loaded, and the gateway clients call (OpenAI-compatible /v1 and "
+    "Triton's /v2/models/NAME/generate for the service name, with API keys, TLS and request limits), which draws "
+    "each request's version from the service's route table. The control API (--control-port, loopback, locked to "
+    "this serve's own control key: LLMOPS_SERVE_CONTROL_KEY, else a fresh one in $LLMOPS_HOME/serving/control.key) "
+    "changes the routes; the table is kept in $LLMOPS_HOME/serving/SERVICE.json and read back at start. Triton is "
+    "restarted with backoff if it dies. `llmops run` with the same LLMOPS_HOME rolls candidates out on this "
+    "service. API keys: LLMOPS_API_KEYS_FILE (one a line) or "
     "LLMOPS_API_KEYS (comma-separated); needed when --host is not a loopback address, and so is TLS "
     "(--tls-cert/--tls-key, or --behind-tls-proxy). Limits per key and overall: the profile's serve.limits."
 )
 
 EPILOG = """examples:
-  llmops serve &                         # gateway :8080, Triton :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
+  llmops serve &                         # gateway :8080, control API :8081, Triton :8000 (HTTP) :8001 (gRPC) :8002
   curl -s localhost:8080/health/ready
+  curl -s localhost:8081/control/v1/deployment -H "llmops-control-key: $(cat .llmops/serving/control.key)"
   curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"messages": [{"role": "user", "content": "hot"}], "max_tokens": 8}'
   LLMOPS_API_KEYS_FILE=/etc/llmops/api-keys llmops serve --host 0.0.0.0 --tls-cert c.pem --tls-key k.pem"""
@@ -60,6 +66,22 @@ def register(commands) -> None:
         serve.add_argument(flag, dest=key, type=kind, help=f"{text} (serve.listen.{key})")
     for flag, key, text in SERVE_LISTEN_SWITCHES:
         serve.add_argument(flag, dest=key, action="store_true", help=f"{text} (serve.listen.{key})")
+    serve.add_argument(
+        "--triton-url",
+        action="append",
+        default=[],
+        help="front a running Triton this serve does not own instead of starting serve.replicas of its own "
+        "(repeat for several replicas); its control key: --triton-control-key-file (or LLMOPS_TRITON_CONTROL_KEY_FILE)",
+    )
+    serve.add_argument(
+        "--triton-grpc-url", action="append", default=[], help="each --triton-url's gRPC endpoint, in the same order"
+    )
+    serve.add_argument(
+        "--triton-metrics-url", action="append", default=[], help="each --triton-url's metrics URL, in the same order"
+    )
+    serve.add_argument(
+        "--triton-control-key-file", metavar="PATH", help="with --triton-url: the file of those Tritons' control key"
+    )
     serve.set_defaults(handler=command_serve)
 
 
@@ -82,4 +104,30 @@ def command_serve(args) -> None:
     home.mkdir(parents=True, exist_ok=True)
     from flows.serve import serve
 
-    serve(profile, home, args.tracking_uri, args.artifacts)
+    serve(profile, home, args.tracking_uri, args.artifacts, attached(args))
+
+
+def attached(args) -> list:
+    """The Tritons of --triton-url, each with its gRPC and metrics endpoints where given; the key from the file given
+    for them (never this home's own)."""
+    import os
+    from pathlib import Path
+
+    from tasks.platform.errors import BadInput
+    from tasks.serving.client import ATTACH_KEY_FILE_ENV, Triton, attach_control_key, refuse_plain_http
+
+    if not args.triton_url:
+        return []
+    for flag in ("triton_grpc_url", "triton_metrics_url"):
+        if getattr(args, flag) and len(getattr(args, flag)) != len(args.triton_url):
+            raise BadInput(f"--{flag.replace('_', '-')}: give one for each --triton-url, in the same order")
+    if args.triton_control_key_file:
+        os.environ[ATTACH_KEY_FILE_ENV] = str(Path(args.triton_control_key_file).resolve())
+    key = attach_control_key()
+    tritons = []
+    for index, url in enumerate(args.triton_url):
+        refuse_plain_http(url)
+        grpc = args.triton_grpc_url[index] if args.triton_grpc_url else None
+        metrics = args.triton_metrics_url[index] if args.triton_metrics_url else None
+        tritons.append(Triton.attach(url, None, metrics, grpc, key))
+    return tritons

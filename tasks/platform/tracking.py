@@ -20,6 +20,17 @@ def default_tracking_uri(home: Path) -> str:
 
 
 @dataclass
+class Registered:
+    """A version of an MLflow registered model, as the register stage made (or reused) it; what serving and the
+    release's later stages address."""
+
+    name: str
+    version: str
+    source: str
+    reused: bool
+
+
+@dataclass
 class Tracker:
     tracking_uri: str
     run_id: str

@@ -1,7 +1,7 @@
 """The one chat-prompt encoder: how a conversation becomes the prompt's token ids.
 
 Evaluation, the merge probe, quantization and every serving model encode prompts with
-`encode_prompt`. It is defined in tasks/serving/model_text.py, the module each rendered Triton model
+`encode_prompt`. It is defined in tasks/text/model_text.py, the module each rendered Triton model
 folder carries a copy of (Triton loads a model folder on its own), and re-exported here with
 `stream_delta`; tests/unit/test_chat_encoding.py checks every rendered model's copy against them.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from tasks.serving.model_text import encode_prompt, stream_delta
+from tasks.text.model_text import encode_prompt, stream_delta
 
 __all__ = [
     "Conversation",

@@ -23,6 +23,13 @@ GATE_METRICS: dict[str, bool] = {"exact_match": True, "rouge_l": True, "bleu_4":
 TEXT_METRICS = ("exact_match", "rouge_1", "rouge_2", "rouge_l", "bleu_4")
 
 
+def answer_metric(metric: str) -> str:
+    """The metric answers alone are scored on (quantize, build_engine, the gate's served scores, shadow agreement):
+    `evaluate.metric`, or ROUGE-L for answer_loss (a likelihood of the reference answer, which generated answers do
+    not carry). The one place this is decided."""
+    return metric if metric in TEXT_METRICS else "rouge_l"
+
+
 def higher_is_better(metric: str) -> bool:
     return GATE_METRICS[metric]
 

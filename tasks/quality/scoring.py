@@ -93,12 +93,6 @@ def references(conversations: list[Conversation]) -> list[str]:
     return [c[-1]["content"] for c in conversations]
 
 
-def answer_metric(metric: str) -> str:
-    """The metric answers alone are scored on: `evaluate.metric`, or ROUGE-L for answer_loss (a likelihood
-    of the reference answer, which generated answers do not carry)."""
-    return metric if metric in metrics.TEXT_METRICS else "rouge_l"
-
-
 def answer_score(predictions: list[str], conversations: list[Conversation], metric: str) -> float:
     """Mean `metric` (a text metric) of the answers against the references: the quantize and engine stages'
     accuracy measure, scored as evaluate scores."""

@@ -1,9 +1,11 @@
 """serve.lora adapter: every version of a service as a LoRA adapter on one vLLM engine of the base model.
 
 The engine is the Triton model `<service>-base` (infra/triton/vllm with enable_lora), loaded once; each version
-stays its own Triton model `<service>-v<N>` (infra/triton/adapter), which holds no weights and forwards each request
-to the engine naming its adapter. The router, the gate, the benchmark tools and the gateway see the same models as
-with merged versions; a canary loads an adapter of megabytes instead of a second engine.
+stays its own Triton model `<service>-v<N>` (infra/triton/lora), which holds no weights and answers nothing: loading
+it registers its adapter in the engine's adapter map (tasks/serving/adapter_registry.py), unloading it retires the
+adapter. The gateway asks the engine for a version with the version's name as `lora_name`
+(tasks/serving/routes.py); the benchmark tools do the same. A canary loads an adapter of megabytes instead of a
+second engine.
 
 Before an adapter loads: its base must be the one the engine serves (a version trained on another base is refused),
 its rank must fit serve.vllm.max_lora_rank and the engine must have room for one more adapter (serve.vllm.max_loras).
@@ -14,8 +16,8 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import requests
 
@@ -26,10 +28,35 @@ from tasks.quality.contract import require_kept
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton
 from tasks.serving.model_config import serving_model
+from tasks.serving.models import triton_unload_quietly
 from tasks.serving.repository import load_rendered, model_folders, render_model
+from tasks.serving.versions import Served
 
-if TYPE_CHECKING:
-    from tasks.serving.models import Served
+
+@dataclass(kw_only=True)
+class AdapterVersion(Served):
+    """A version served as its LoRA adapter on the service's base engine (serve.lora adapter)."""
+
+    adapter_dir: Path  # the train stage's adapter
+    base_dir: Path  # the base model it was trained on, which the engine serves
+    base_sha256: str  # that base's store artifact
+    base_model: str  # the Triton model of the base engine, `<service>-base`
+
+    @property
+    def answered_by(self) -> tuple[str, str | None]:
+        return self.base_model, self.name
+
+    def install(self, triton: Triton, profile: Profile) -> float:
+        return install_adapter(triton, profile, self, profile.registry.model_name)
+
+    def retire(self, triton: Triton, service: str) -> None:
+        """Unload the version's model (its adapter retired in the engine's map, which the engine then frees), and the
+        engine when no other adapter serves on it (a first release rolled back, or a service that stays merged)."""
+        triton_unload_quietly(triton, self.name)
+        base = base_model_name(service)
+        # this version may still be listed: Triton unloads in the background, after the requests in flight
+        if triton.is_ready(base) and not set(held_adapters(triton, service)) - {self.name}:
+            triton_unload_quietly(triton, base)
 
 
 def base_model_name(service: str) -> str:
@@ -59,7 +86,7 @@ def held_adapters(triton: Triton, service: str) -> list[str]:
 
 
 def adapter_base(triton: Triton, name: str) -> str | None:
-    """The base engine model `name` forwards to, as its loaded config says; None for any other model (or one
+    """The base engine model `name` is an adapter of, as its loaded config says; None for any other model (or one
     unloaded meanwhile)."""
     try:
         return triton.model_parameter(name, "base_model") or None
@@ -67,9 +94,8 @@ def adapter_base(triton: Triton, name: str) -> str | None:
         return None
 
 
-def install_adapter(triton: Triton, profile: Profile, served: Served, service: str) -> float:
+def install_adapter(triton: Triton, profile: Profile, served: AdapterVersion, service: str) -> float:
     """Load `served` as an adapter (and the base engine when none serves); the seconds the adapter's own load took."""
-    assert served.adapter_dir is not None and served.base_dir is not None
     rank = adapter_rank(served.adapter_dir)
     if rank > profile.serve.vllm.max_lora_rank:
         raise CheckFailed(
@@ -86,14 +112,12 @@ def install_adapter(triton: Triton, profile: Profile, served: Served, service: s
                 f"{profile.serve.vllm.max_loras}; raise it or unload a version"
             )
         shipped = triton.repository is None
-        values = {
-            "max_batch_size": profile.serve.max_batch_size,
+        values: dict[str, object] = {
             "base_model": base,
             "adapter_dir": "adapter" if shipped else served.adapter_dir.resolve(),
             "artifact_sha256": served.artifact_sha256,
-            "max_in_flight": profile.serve.max_queue_size,
         }
-        folder = render_model("adapter", repository, served.name, values)
+        folder = render_model("lora", repository, served.name, values)
         if shipped:  # no shared filesystem: the adapter's files go with the load request
             shutil.copytree(served.adapter_dir, folder / "1" / "adapter")
         check_adapter_contract(profile, served)
@@ -105,10 +129,9 @@ def install_adapter(triton: Triton, profile: Profile, served: Served, service: s
         return load_s
 
 
-def ensure_base(triton: Triton, profile: Profile, served: Served, base: str, repository: Path) -> None:
+def ensure_base(triton: Triton, profile: Profile, served: AdapterVersion, base: str, repository: Path) -> None:
     """The base engine loaded with LoRA enabled, serving the base `served` was trained on; a different base is
     refused, never replaced under the versions it serves."""
-    assert served.base_dir is not None
     if triton.is_ready(base):
         serving = triton.model_parameter(base, "artifact_sha256")
         if serving != served.base_sha256:
@@ -131,20 +154,9 @@ def ensure_base(triton: Triton, profile: Profile, served: Served, base: str, rep
     logger().info(f"canary: {base} loaded in {time.monotonic() - started:.1f}s (vllm backend)")
 
 
-def check_adapter_contract(profile: Profile, served: Served) -> None:
+def check_adapter_contract(profile: Profile, served: AdapterVersion) -> None:
     """The tokenizer of the base the adapter serves on must keep the contract training recorded (template, special
     tokens, stop ids): the engine encodes with the base's tokenizer (tasks/quality/contract.py)."""
-    assert served.base_dir is not None
     require_kept(
         served.model_dir, served.base_dir, f"the base model {served.base_dir} that {served.name}'s adapter serves on"
     )
-
-
-def release_adapter(triton: Triton, service: str, name: str) -> None:
-    """Free a retired version's adapter in the base engine (after its model was unloaded); quiet when the engine is
-    gone or never held it."""
-    body = {"text_input": "", "lora_name": name, "lora_release": True}
-    try:
-        requests.post(f"{triton.url}/v2/models/{base_model_name(service)}/generate", json=body, timeout=60)
-    except requests.RequestException:
-        pass

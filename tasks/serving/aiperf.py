@@ -63,6 +63,11 @@ PAYLOAD_TEMPLATE = (
 )
 
 
+def payload_template(adapter: str | None) -> str:
+    """The body, naming the adapter the base engine answers with (serve.lora adapter), as the gateway does."""
+    return PAYLOAD_TEMPLATE if adapter is None else PAYLOAD_TEMPLATE[:-1] + f', "lora_name": {json.dumps(adapter)}}}'
+
+
 def aiperf_executable(cfg: BenchSection) -> Path:
     """The `aiperf` of bench.aiperf_environment (default: the repository's .venv-aiperf); a clear error without it."""
     environment = Path(cfg.aiperf_environment) if cfg.aiperf_environment else DEFAULT_ENVIRONMENT
@@ -89,9 +94,11 @@ def aiperf_command(
     artifact_dir: Path,
     goodput: dict[str, float] | None = None,
     runs: int = 1,
+    adapter: str | None = None,
 ) -> list[str]:
-    """One `aiperf profile` of `model` on Triton's HTTP stream: `runs` runs of bench.request_count requests at
-    `concurrency`, with goodput under `goodput` (objectives in ms, AIPerf's metric names)."""
+    """One `aiperf profile` of `model` on Triton's HTTP stream (asked for `adapter` where given): `runs` runs of
+    bench.request_count requests at `concurrency`, with goodput under `goodput` (objectives in ms, AIPerf's metric
+    names)."""
     return [
         str(executable),
         "profile",
@@ -108,7 +115,7 @@ def aiperf_command(
         # template has commas; an argument starting with "{" is read as JSON (l.190-192). payload_template and
         # response_field become endpoint.template (config/flags/_converter_endpoint.py:26-38).
         "--extra-inputs",
-        json.dumps({"payload_template": PAYLOAD_TEMPLATE, "response_field": "text_output"}),
+        json.dumps({"payload_template": payload_template(adapter), "response_field": "text_output"}),
         "--tokenizer",
         str(tokenizer_dir),
         "--synthetic-input-tokens-mean",
@@ -166,9 +173,10 @@ class AIPerf:
     def profile(self, served: Served, concurrency: int, label: str, runs: int) -> list[LoadLevel]:
         """One `aiperf profile` of `runs` runs; each run's export parsed."""
         artifact_dir = self.out_dir / f"{served.name}-c{concurrency}{label}"
+        model, adapter = served.answered_by
         command = aiperf_command(
             self.executable,
-            served.name,
+            model,
             self.http_url,
             served.model_dir,
             self.cfg,
@@ -176,6 +184,7 @@ class AIPerf:
             artifact_dir,
             self.goodput,
             runs,
+            adapter,
         )
         # AIPerf's services talk over ZMQ sockets under TMPDIR, whose paths must fit 107 bytes (sockaddr_un): a short
         # folder of its own, removed afterwards with the mmap folders AIPerf leaves there.

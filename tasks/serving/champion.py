@@ -1,27 +1,37 @@
-"""Where Triton runs and what it serves now: attach or start one, and load the registry's champion."""
+"""Where the service runs and what it serves now: attach to `llmops serve` or start a Triton and a gateway of the
+run's own, and serve the champion."""
 
 from __future__ import annotations
 
 import json
+import secrets
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tasks.platform.config import Profile
-from tasks.platform.stage_cache import RunContext
+from tasks.platform.ports import free_port
+from tasks.platform.stage_cache import RunContext, logger
 from tasks.serving import vllm as vllm_serving
-from tasks.serving.adapters import served_artifact
+from tasks.serving.adapters import AdapterVersion, base_model_name, served_artifact
 from tasks.serving.client import Triton, TritonTarget
-from tasks.serving.models import Served, install_model, model_name, set_routes
-from tasks.serving.server import TritonServer, published
+from tasks.serving.models import MergedVersion, Served, install_model, model_name
+from tasks.serving.routes import RouteTable, Version, record_path
+from tasks.serving.server import TritonServer, published, published_service
+from tasks.serving.service import Service, ServiceControl
 
 if TYPE_CHECKING:
-    from tasks.register import Registered
+    from tasks.platform.tracking import Registered
 
 
-def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, TritonServer | None]:
-    """Attach to the target, or to the one `llmops serve` publishes for this LLMOPS_HOME, else start one
-    (returned as the second value: the caller stops it). The control key: for a target only the one given
-    for it (TritonTarget); for `llmops serve`'s Triton the key file it publishes; a started one makes its own."""
+def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
+    """The service to roll out on: the one `llmops serve` runs for this LLMOPS_HOME (its Triton, its control API);
+    else a Triton (the target, the one an `llmops serve` of another service runs here, or one started here) with a
+    temporary gateway of this run's own in front of it, which `Service.stop` ends with the Triton it started. The
+    control key of Triton: for a target only the one given for it (TritonTarget); for `llmops serve`'s Triton the key
+    file it publishes; a started one makes its own."""
+    service_name = ctx.profile.registry.model_name
+    server = None
     if target is not None:
         triton = Triton.attach(
             target.url,
@@ -30,13 +40,67 @@ def open_triton(ctx: RunContext, target: TritonTarget | None) -> tuple[Triton, T
             target.grpc_url,
             target.control_key,
         )
-        return triton, None
-    serving = published(ctx.home)
-    if serving is not None:
-        return serving, None
-    launcher, env = triton_launch(ctx.profile, ctx.home)
-    server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
-    return server.client, server
+        if target.serve_url and target.serve_key:  # the `llmops serve` in front of it routes
+            return Service(service_name, [triton], ServiceControl(target.serve_url, target.serve_key))
+    else:
+        serving = published_service(ctx.home, service_name)
+        if serving is not None:
+            return serving
+        published_triton = published(ctx.home)
+        if published_triton is not None:  # another service's serve: its first replica
+            triton = published_triton
+        else:
+            launcher, env = triton_launch(ctx.profile, ctx.home)
+            server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
+            triton = server.client
+    try:
+        gateway, control = temporary_gateway(ctx, triton)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+
+    def stop() -> None:
+        gateway.stop()
+        if server is not None:
+            server.stop()
+
+    return Service(service_name, [triton], control, stop)
+
+
+def temporary_gateway(ctx: RunContext, triton: Triton):
+    """The gateway of `llmops serve` with its control listener only, on a free loopback port, for this run: the
+    same routing, deadlines and counters as a service's, and the service's deployment record of this home."""
+    from tasks.serving.gateway import Gateway, GatewayConfig
+    from tasks.serving.gateway.control import ControlApi
+    from tasks.serving.gateway.running import Listener, RunningGateway
+
+    key, port, service = secrets.token_urlsafe(32), free_port(), ctx.profile.registry.model_name
+    config = GatewayConfig(
+        triton_url=triton.url,
+        service=service,
+        context_tokens=1 << 20,  # no client of its own: each model refuses what exceeds its context itself
+        record=record_path(ctx.home, service),
+        control_key=key,
+        shadow_records=ctx.home / "shadow",
+        health=ctx.profile.serve.health,
+        recover=reloading(triton, ctx.profile.serve.load_timeout_s) if triton.repository is not None else None,
+    )
+    gateway = Gateway(config)
+    running = RunningGateway([Listener(ControlApi(gateway, key).app(lifespan=True), "127.0.0.1", port)], gateway)
+    running.start()
+    logger().info(f"serving: a gateway for {service} on 127.0.0.1:{port} in front of Triton {triton.url}")
+    return running, ServiceControl(f"http://127.0.0.1:{port}", key)
+
+
+def reloading(triton: Triton, timeout_s: float):
+    """A model that keeps failing its probes, loaded again from the Triton's repository (this machine shares it)."""
+
+    def reload(replica: str, model: str) -> str:
+        triton.load(model, timeout=timeout_s)
+        return "reloaded"
+
+    return reload
 
 
 def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, str]]:
@@ -51,27 +115,59 @@ def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, st
 def served_version(ctx: RunContext, service: str, version) -> Served:
     """What a registered version serves: the merged model, or on llmapi the quantize stage's checkpoint (the
     registered artifact itself; build_engine only checked it), or with serve.lora adapter the train stage's adapter
-    on its base model (the merged model stays the tokenizer's and the scorers' reference)."""
-    merged = version.tags["artifact.merge.sha256"]
+    on its base model (the merged model stays the tokenizer's and the scorers' reference), as this run's profile
+    says (serve.lora). A champion already in a service's routes serves as it does there (serving_champion)."""
+    tags = version.tags
+    recorded = tags.get("serve.model_settings")
+    sources = {"merge": tags["artifact.merge.sha256"]}
     if ctx.profile.serve.lora == "adapter":
-        adapter, base = version.tags["artifact.train.sha256"], version.tags["artifact.base_model.sha256"]
-        return Served(
-            str(version.version),
-            model_name(service, str(version.version)),
-            ctx.store.fetch(merged),
+        sources |= {"train": tags["artifact.train.sha256"], "base_model": tags["artifact.base_model.sha256"]}
+    elif ctx.profile.serve.backend == "llmapi":
+        sources["quantize"] = tags["artifact.quantize.sha256"]
+    return served_from(ctx, service, str(version.version), sources, json.loads(recorded) if recorded else None)
+
+
+def served_from(ctx: RunContext, service: str, version: str, sources: dict[str, str], settings: dict | None) -> Served:
+    """A version from its store artifacts (by stage), as the registry's tags or a deployment record name them: an
+    adapter on its base where they name one (serve.lora adapter), else its merged model. The one place that decides."""
+    merged, name = sources["merge"], model_name(service, version)
+    if "train" in sources:
+        adapter, base = sources["train"], sources["base_model"]
+        return AdapterVersion(
+            version=version,
+            name=name,
+            model_dir=ctx.store.fetch(merged),
             artifact_sha256=served_artifact(adapter, base),
+            sources=sources,
+            settings=settings,
             adapter_dir=ctx.store.fetch(adapter),
             base_dir=ctx.store.fetch(base),
             base_sha256=base,
+            base_model=base_model_name(service),
         )
-    checkpoint = version.tags["artifact.quantize.sha256"] if ctx.profile.serve.backend == "llmapi" else None
-    return Served(
-        str(version.version),
-        model_name(service, str(version.version)),
-        ctx.store.fetch(merged),
-        ctx.store.fetch(checkpoint) if checkpoint else None,
-        checkpoint or merged,
+    checkpoint = sources.get("quantize")
+    return MergedVersion(
+        version=version,
+        name=name,
+        model_dir=ctx.store.fetch(merged),
+        artifact_sha256=checkpoint or merged,
+        sources=sources,
+        settings=settings,
+        checkpoint_dir=ctx.store.fetch(checkpoint) if checkpoint else None,
     )
+
+
+def as_route(served: Served) -> Version:
+    """A served version as the gateway routes to it, with what loads it again (its artifacts and settings)."""
+    source: dict[str, Any] = {"version": served.version, "artifacts": served.sources, "settings": served.settings}
+    model, adapter = served.answered_by
+    return Version(served.name, model, adapter, source)
+
+
+def served_of(ctx: RunContext, service: str, version: Version) -> Served:
+    """The version a deployment record names, from the store alone (no registry)."""
+    source = version.source
+    return served_from(ctx, service, str(source["version"]), dict(source["artifacts"]), source.get("settings"))
 
 
 def champion_version(ctx: RunContext):
@@ -88,24 +184,40 @@ def is_champion(ctx: RunContext, registered: Registered) -> bool:
     return version is not None and str(version.version) == registered.version
 
 
-def serve_champion(ctx: RunContext, triton: Triton) -> Served | None:
-    """Champion loaded and the router sending it everything (what `llmops serve` keeps running)."""
-    service = ctx.profile.registry.model_name
+def registry_champion(ctx: RunContext) -> Served | None:
+    """The registry's champion (alias `champion`), or None before the first release."""
     version = champion_version(ctx)
-    if version is None:
-        return None
-    champion = served_version(ctx, service, version)
-    install_model(triton, released_profile(ctx.profile, version), champion)
-    if not triton.is_ready(service):
-        set_routes(triton, ctx.profile, service, {champion.name: 100})
+    return None if version is None else served_version(ctx, ctx.profile.registry.model_name, version)
+
+
+def serving_champion(ctx: RunContext, service: Service) -> Served | None:
+    """The registry's champion as the service serves it now, where its routes name it (a merged champion stays
+    merged next to an adapter candidate, whatever this run's serve.lora); else as this run's profile says."""
+    champion = registry_champion(ctx)
+    routed = service.control.table().champion
+    if champion is not None and routed is not None and routed.name == champion.name and routed.source:
+        return served_of(ctx, service.name, routed)
     return champion
 
 
-def released_profile(profile: Profile, version) -> Profile:
-    """`profile` with the serving settings `version` was released with (its `serve.model_settings` tag, tuned ones
+def serve_champion(ctx: RunContext, service: Service, champion: Served | None) -> Served | None:
+    """`champion` loaded on every replica of the service and named the champion in its route table (serving every
+    request where the table had no champion, or another one)."""
+    if champion is None:
+        return None
+    for triton in service.tritons:
+        install_model(triton, released_profile(ctx.profile, champion), champion)
+    table = service.control.table()
+    if table.champion is None or table.champion.name != champion.name:
+        champion_route = as_route(champion)
+        service.control.put_table(
+            replace(RouteTable(service.name), champion=champion_route, weights={champion_route.name: 100.0})
+        )
+    return champion
+
+
+def released_profile(profile: Profile, served: Served) -> Profile:
+    """`profile` with the serving settings `served` was released with (its `serve.model_settings` tag, tuned ones
     included), so the champion serves as it was gated, not with a candidate's settings; versions registered before
     the tag serve with `profile`'s."""
-    recorded = version.tags.get("serve.model_settings")
-    if not recorded:
-        return profile
-    return profile.with_served_settings(json.loads(recorded))
+    return profile.with_served_settings(served.settings) if served.settings else profile

@@ -31,6 +31,8 @@ CONTROL_HEADER = "llmops-control-key"
 CONTROL_KEY_ENV = "LLMOPS_TRITON_CONTROL_KEY"
 CONTROL_KEY_FILE = "control.key"  # under $LLMOPS_HOME/triton/, mode 600, while `llmops serve` keeps its Triton
 ATTACH_KEY_FILE_ENV = "LLMOPS_TRITON_CONTROL_KEY_FILE"  # the key of a Triton this home did not start
+SERVE_URL_ENV = "LLMOPS_SERVE_CONTROL_URL"  # the control API of the `llmops serve` that fronts that Triton
+SERVE_KEY_FILE_ENV = "LLMOPS_SERVE_CONTROL_KEY_FILE"  # and the file of that serve's control key
 ALLOW_PLAIN_HTTP_ENV = "LLMOPS_TRITON_ALLOW_PLAIN_HTTP"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -59,6 +61,11 @@ class TritonTarget:
     metrics_url: str
     repository: str | None = None  # its model repository on a filesystem this machine shares; None: send models
     control_key: str | None = field(default=None, repr=False)
+    # The control API of the `llmops serve` in front of that Triton (LLMOPS_SERVE_CONTROL_URL, `llmops run
+    # --serve-control-url`) and its key (LLMOPS_SERVE_CONTROL_KEY_FILE): the release routes there. None: the
+    # release routes through a temporary gateway of its own (no client of the service sees the candidate)
+    serve_url: str | None = None
+    serve_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_options(
@@ -86,7 +93,8 @@ class TritonTarget:
         assert grpc_url is not None and metrics_url is not None
         refuse_plain_http(url)
         repository = repository or env.get("LLMOPS_TRITON_REPOSITORY") or None
-        return cls(url, grpc_url, metrics_url, repository, attach_control_key())
+        serve_url, serve_key = serve_control()
+        return cls(url, grpc_url, metrics_url, repository, attach_control_key(), serve_url, serve_key)
 
 
 def refuse_plain_http(url: str) -> None:
@@ -96,6 +104,25 @@ def refuse_plain_http(url: str) -> None:
             f"Triton at {url}: plain http:// to another machine sends the control key in clear; "
             f"use https://, or pass --allow-plain-http ({ALLOW_PLAIN_HTTP_ENV}=1) on a network you trust"
         )
+
+
+def serve_control() -> tuple[str | None, str | None]:
+    """The control API of the `llmops serve` in front of an attached Triton and its key, from this process's
+    environment only (never a run parameter, which could send the key anywhere)."""
+    url = os.environ.get(SERVE_URL_ENV)
+    if not url:
+        return None, None
+    refuse_plain_http(url)
+    path = os.environ.get(SERVE_KEY_FILE_ENV)
+    if not path:
+        raise BadInput(f"{SERVE_URL_ENV} {url}: give that serve's control key in a file ({SERVE_KEY_FILE_ENV})")
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise BadInput(f"{SERVE_KEY_FILE_ENV} {path}: cannot read the control key ({exc.strerror})") from None
+    if not key:
+        raise BadInput(f"{SERVE_KEY_FILE_ENV} {path}: the file is empty")
+    return url.rstrip("/"), key
 
 
 def attach_control_key() -> str | None:

@@ -49,10 +49,13 @@ def genai_perf_command(
     artifact_dir: Path,
     prompts: Path | None = None,
     goodput: dict[str, float] | None = None,
+    adapter: str | None = None,
 ) -> list[str]:
     """One genai-perf run; with `prompts` (JSONL of {"text": ...}) it reads them instead of synthesizing; with
     `goodput` (objectives in ms, e.g. {"time_to_first_token": 1000}) it counts the requests that meet them all
-    (genai_perf/parser.py: --goodput, nargs="+", KEY:VALUE pairs; exported as request_goodput)."""
+    (genai_perf/parser.py: --goodput, nargs="+", KEY:VALUE pairs; exported as request_goodput). With `adapter`,
+    every request names it as `lora_name` (serve.lora adapter: `model` is the base engine): --extra-inputs adds an
+    input to each kserve request (genai_perf/inputs/converters/tensorrtllm_converter.py:76-78, 0.0.16)."""
     inputs = (
         ["--input-file", str(prompts)]
         if prompts is not None
@@ -85,6 +88,7 @@ def genai_perf_command(
         "--artifact-dir",
         str(artifact_dir),
         *(["--goodput", *(f"{key}:{value:g}" for key, value in goodput.items())] if goodput else []),
+        *(["--extra-inputs", f"lora_name:{adapter}"] if adapter else []),
     ]
 
 
@@ -139,8 +143,9 @@ class GenaiPerf:
             if cached.is_file():
                 self.prompts = Path(shutil.copyfile(cached, self.out_dir / "prompts.jsonl"))
         artifact_dir = self.out_dir / f"{served.name}-c{concurrency}{label}"
+        model, adapter = served.answered_by
         command = genai_perf_command(
-            served.name,
+            model,
             self.grpc_url,
             served.model_dir,
             self.cfg,
@@ -148,6 +153,7 @@ class GenaiPerf:
             artifact_dir,
             self.prompts,
             self.goodput,
+            adapter,
         )
         env = child_env(  # genai-perf needs none of this process's secrets
             {

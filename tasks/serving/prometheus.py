@@ -1,6 +1,6 @@
 """Live checks read from Prometheus (`canary.prometheus_url`), the way Argo Rollouts' and Flagger's
-analyses do: Triton's per-model-version counters as the Prometheus that watches the service sees them,
-rather than as this process scraped them itself.
+analyses do: the gateway's per-version counters (llmops_gateway_version_*) as the Prometheus that watches the
+service sees them, rather than as this process scraped them itself.
 
 Only Prometheus' HTTP query API is used (`/api/v1/query`), through requests: a client library would
 add nothing for three instant queries.
@@ -17,10 +17,10 @@ from tasks.platform.errors import TransientError
 
 
 @dataclass
-class ModelCounters:
+class VersionCounters:
     successes: float
     failures: float
-    duration_us: float
+    seconds: float  # of the answered requests
 
 
 def query(url: str, expr: str, at: float | None = None) -> list[dict]:
@@ -43,30 +43,30 @@ def scalar(url: str, expr: str, at: float | None = None) -> float:
     return float(result[0]["value"][1]) if result else 0.0
 
 
-def wait_for_scrape(url: str, model: str, after: float, timeout: float) -> float:
-    """The time of the first scrape of `model`'s counters after `after` (the end of a window)."""
+def wait_for_scrape(url: str, version: str, after: float, timeout: float) -> float:
+    """The time of the first scrape of `version`'s counters after `after` (the end of a window)."""
     deadline = time.monotonic() + timeout
     while True:
-        latest = scalar(url, f'max(timestamp(nv_inference_request_success{{model="{model}"}}))')
+        latest = scalar(url, f'max(timestamp(llmops_gateway_version_requests_total{{version="{version}"}}))')
         if latest >= after:
             return latest
         if time.monotonic() > deadline:
             raise TransientError(
-                f"Prometheus {url}: no scrape of {model} after the window within {timeout:.0f}s "
-                f"(is Triton's metrics endpoint a target, scraped more often than canary.window_s?)"
+                f"Prometheus {url}: no scrape of {version} after the window within {timeout:.0f}s "
+                f"(is the gateway's /metrics a target, scraped more often than canary.window_s?)"
             )
         time.sleep(0.5)
 
 
-def model_counters(url: str, model: str, start: float, end: float) -> ModelCounters:
-    """How Triton's counters of `model` moved between the scrapes at or before `start` and `end`."""
+def version_counters(url: str, version: str, start: float, end: float) -> VersionCounters:
+    """How the gateway's counters of `version` moved between the scrapes at or before `start` and `end`."""
 
-    def moved(metric: str) -> float:
-        expr = f'sum({metric}{{model="{model}"}})'
+    def moved(metric: str, labels: str) -> float:
+        expr = f'sum({metric}{{version="{version}"{labels}}})'
         return scalar(url, expr, end) - scalar(url, expr, start)
 
-    return ModelCounters(
-        moved("nv_inference_request_success"),
-        moved("nv_inference_request_failure"),
-        moved("nv_inference_request_duration_us"),
+    return VersionCounters(
+        moved("llmops_gateway_version_requests_total", ',outcome="ok"'),
+        moved("llmops_gateway_version_requests_total", ',outcome="failed"'),
+        moved("llmops_gateway_version_seconds_total", ""),
     )

@@ -1,5 +1,7 @@
 """The Triton Inference Server process: started on 127.0.0.1 with explicit model control, stopped, and
-published in `$LLMOPS_HOME/triton/server.json` while `llmops serve` keeps it (this module is that file's one owner).
+published in `$LLMOPS_HOME/triton/server.json` while `llmops serve` keeps it (this module is that file's one owner),
+with the URL of the serve's control API and, in `$LLMOPS_HOME/serving/control.key` (mode 600), the serve's own
+control key: a release with the same LLMOPS_HOME loads its candidate on that Triton and routes through that gateway.
 
 Its control plane is locked: Triton's own `--http-restricted-api` / `--grpc-restricted-protocol` restrict
 the model-repository, model-config (HTTP) and shared-memory APIs to requests carrying the control key
@@ -37,6 +39,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.platform.child_env import child_env, write_secret
 from tasks.platform.errors import BadInput, CheckFailed, TransientError
@@ -44,7 +47,13 @@ from tasks.platform.lifetime import dying_with_this_thread
 from tasks.platform.ports import free_port
 from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_ENV, CONTROL_KEY_FILE, Triton, control_key
 
+if TYPE_CHECKING:
+    from tasks.serving.service import Service
+
 SERVER_FILE = "server.json"  # written while `llmops serve` runs: lets a run attach to the serving Triton
+CONTROL_KEYS_FILE = "control.keys"  # beside control.key: every replica's key by URL (mode 600)
+SERVE_KEY_FILE = Path("serving") / "control.key"  # under $LLMOPS_HOME, mode 600, while `llmops serve` runs
+SERVE_KEY_ENV = "LLMOPS_SERVE_CONTROL_KEY"  # the serve's control key where its user gives one (else a fresh one)
 
 
 def pytriton_root() -> Path:
@@ -115,15 +124,18 @@ class TritonServer:
         die_with_parent: bool = False,
         launcher: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
+        replica: int = 0,
     ) -> TritonServer:
         """Start tritonserver; `ports` (HTTP, gRPC, metrics) default to free ones. `die_with_parent`: the
         kernel stops Triton when the thread that started it ends (a SIGKILLed `llmops serve` leaves no
         orphan); only for a thread that lives as long as the server, such as a program's main thread.
-        `launcher` and `extra_env`: what the profile's models need (tasks/serving/champion.py:triton_launch)."""
+        `launcher` and `extra_env`: what the profile's models need (tasks/serving/champion.py:triton_launch).
+        `replica`: one of several Tritons of one `llmops serve` (tasks/serving/fleet.py): they share the model
+        repository, each logs to its own file."""
         exe = find_binary(binary)
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)
-        log_path = home / "triton" / "tritonserver.log"
+        log_path = home / "triton" / ("tritonserver.log" if replica == 0 else f"tritonserver-{replica}.log")
         key = new_control_key()
         http, grpc, metrics = ports or (free_port(), free_port(), free_port())
         command = [
@@ -213,23 +225,50 @@ def restricted_api_flags(key: str) -> list[str]:
     ]
 
 
-def publish(home: Path, server: TritonServer, gateway_url: str | None = None) -> Path:
-    """Write server.json: runs with this LLMOPS_HOME roll out on this server while it lives; clients of
-    this machine find the gateway there."""
+def new_serve_key() -> str:
+    """The control key of an `llmops serve` about to start: LLMOPS_SERVE_CONTROL_KEY where given, else fresh."""
+    return os.environ.get(SERVE_KEY_ENV) or secrets.token_urlsafe(32)
+
+
+def publish(
+    home: Path,
+    tritons: list[Triton],
+    gateway_url: str | None = None,
+    control_url: str | None = None,
+    serve_key: str | None = None,
+    service: str | None = None,
+) -> Path:
+    """Write server.json: runs with this LLMOPS_HOME roll out on these Triton replicas (the first one first), through
+    the serve's control API, while it lives; clients of this machine find the gateway there."""
     state = home / "triton" / SERVER_FILE
-    client = server.client
+    first = tritons[0]
     state.parent.mkdir(parents=True, exist_ok=True)
-    if client.control_key:
-        write_secret(home / "triton" / CONTROL_KEY_FILE, client.control_key)
+    if first.control_key:
+        write_secret(home / "triton" / CONTROL_KEY_FILE, first.control_key)
+    keys = {t.url: t.control_key for t in tritons if t.control_key}
+    write_secret(home / "triton" / CONTROL_KEYS_FILE, json.dumps(keys))
+    if serve_key:
+        (home / SERVE_KEY_FILE).parent.mkdir(parents=True, exist_ok=True)
+        write_secret(home / SERVE_KEY_FILE, serve_key)
+
+    def endpoints(triton: Triton) -> dict:
+        repository = str(triton.repository) if triton.repository is not None else None
+        return {
+            "url": triton.url,
+            "grpc_url": triton.grpc_url,
+            "metrics_url": triton.metrics_url,
+            "repository": repository,
+        }
+
     write_secret(
         state,
         json.dumps(
             {
-                "url": client.url,
-                "grpc_url": client.grpc_url,
-                "metrics_url": client.metrics_url,
-                "repository": str(client.repository),
+                **endpoints(first),
+                "replicas": [endpoints(t) for t in tritons],
                 "gateway_url": gateway_url,
+                "control_url": control_url,
+                "service": service,
                 "pid": os.getpid(),
             }
         ),
@@ -237,10 +276,13 @@ def publish(home: Path, server: TritonServer, gateway_url: str | None = None) ->
     return state
 
 
-def unpublish(home: Path) -> None:
-    """Before its Triton stops: the server file, and the key that dies with that Triton."""
-    (home / "triton" / SERVER_FILE).unlink(missing_ok=True)
-    (home / "triton" / CONTROL_KEY_FILE).unlink(missing_ok=True)
+def unpublish(home: Path, serve_stops: bool = True) -> None:
+    """Before its Tritons stop: the server file, and the keys that die with them; and where the serve stops too, its
+    own control key."""
+    for name in (SERVER_FILE, CONTROL_KEY_FILE, CONTROL_KEYS_FILE):
+        (home / "triton" / name).unlink(missing_ok=True)
+    if serve_stops:
+        (home / SERVE_KEY_FILE).unlink(missing_ok=True)
 
 
 def serving_process(pid: int) -> bool:
@@ -273,5 +315,37 @@ def published(home: Path) -> Triton | None:
     info = published_state(home)
     if info is None:
         return None
-    triton = Triton(info["url"], Path(info["repository"]), info["metrics_url"], info["grpc_url"], control_key(home))
+    repository = Path(info["repository"]) if info.get("repository") else None
+    triton = Triton(info["url"], repository, info["metrics_url"], info["grpc_url"], control_key(home))
     return triton if triton.is_live() else None
+
+
+def published_service(home: Path, name: str) -> Service | None:
+    """The service `name` as `llmops serve` runs it for this LLMOPS_HOME (its Triton and its control API), if it
+    answers; another service's serve is not this one's (its Triton may still host it: `published`)."""
+    from tasks.serving.service import Service, ServiceControl
+
+    info, triton = published_state(home), published(home)
+    key_file = home / SERVE_KEY_FILE
+    if info is None or triton is None or info.get("service") != name or not key_file.is_file():
+        return None
+    return Service(
+        name, published_replicas(home, info), ServiceControl(info["control_url"], key_file.read_text().strip())
+    )
+
+
+def published_replicas(home: Path, info: dict) -> list[Triton]:
+    """Every Triton replica server.json lists, each with its own control key (control.keys)."""
+    keys_file = home / "triton" / CONTROL_KEYS_FILE
+    keys = json.loads(keys_file.read_text()) if keys_file.is_file() else {}
+    replicas = info.get("replicas") or [{k: info.get(k) for k in ("url", "grpc_url", "metrics_url", "repository")}]
+    return [
+        Triton(
+            r["url"],
+            Path(r["repository"]) if r.get("repository") else None,
+            r.get("metrics_url"),
+            r.get("grpc_url"),
+            keys.get(r["url"]) or control_key(home),
+        )
+        for r in replicas
+    ]

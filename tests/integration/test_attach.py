@@ -1,6 +1,7 @@
 """Production attach: a release rolled out by URL on a Triton this run did not start, whose model
 repository this machine never writes (models go with their load requests), with the model-control
-API locked to a key that inference does not need."""
+API locked to a key that inference does not need. The release routes through a temporary gateway of its own in
+front of that Triton (the one code path of a release without `llmops serve`); the versions stay Triton's models."""
 
 from __future__ import annotations
 
@@ -77,34 +78,6 @@ def release(tmp_path_factory, attach_args):
     return home
 
 
-class Clients:
-    """Requests to the service on Triton, one after the other from a thread, until stopped: what they got."""
-
-    def __init__(self, url: str):
-        self.url, self.statuses = url, Counter()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self.send, daemon=True)
-
-    def send(self) -> None:
-        body = {"text_input": "What is the opposite of hot?", "max_tokens": 4, "exclude_input_in_output": True}
-        while not self.stopped.is_set():
-            try:
-                self.statuses[
-                    requests.post(f"{self.url}/v2/models/{SERVICE}/generate", json=body, timeout=30).status_code
-                ] += 1
-            except requests.RequestException as exc:
-                self.statuses[type(exc).__name__] += 1
-            time.sleep(0.1)
-
-    def __enter__(self) -> Clients:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopped.set()
-        self.thread.join(60)
-
-
 def test_tuning_chose_the_candidates_serving_settings_and_serves_with_them(triton, release):
     run = latest_release(release)
     assert run.data.tags["tune.cached"] == "false"
@@ -127,8 +100,10 @@ def test_a_release_by_url_promotes_without_writing_the_servers_repository(triton
     tags = latest_release(release).data.tags
     assert (tags["gate.decision"], tags["release.outcome"]) == ("promote", "promoted")
     assert list(triton.client.repository.iterdir()) == []  # every model came with its load request
+    record = json.loads((release / "serving" / f"{SERVICE}.json").read_text())  # what its gateway routed at the end
+    assert record["champion"]["name"] == f"{SERVICE}-v{tags['registered_version']}" and record["candidate"] is None
     answer = requests.post(
-        f"{triton.client.url}/v2/models/{SERVICE}/generate",
+        f"{triton.client.url}/v2/models/{SERVICE}-v{tags['registered_version']}/generate",
         timeout=30,
         json={"text_input": "What is the opposite of hot?", "max_tokens": 8, "exclude_input_in_output": True},
     )
@@ -137,14 +112,60 @@ def test_a_release_by_url_promotes_without_writing_the_servers_repository(triton
     assert leaked == []  # the control key is in no log, report or database of the run
 
 
-def test_a_bad_candidate_rolls_back_on_the_attached_triton(triton, release, attach_args):
-    """Offline the candidate is fine (every training stage is a cache hit); its serving config skips the chat
-    template, so what clients get differs from what was evaluated: the served scores catch it."""
+def test_a_bad_candidate_rolls_back_on_the_attached_triton_through_the_serve_in_front_of_it(
+    triton, release, attach_args, cpu_tiny_store, tmp_path
+):
+    """An `llmops serve` of another home fronts the attached Triton (`--triton-url`: it does not own it), started from
+    a copy of the deployment record alone (no registry); the release attaches by URL and routes through that serve's
+    control API (`--serve-control-url`). Offline the candidate is fine (every training stage is a cache hit); its
+    serving config skips the chat template, so what clients get differs from what was evaluated: the served scores
+    catch it, and the clients of the serve's gateway get the champion's answers throughout."""
+    import os
+    import shutil
+    import signal
+
+    from tasks.serving.service import ServiceControl
+    from tests.servers import LLMOPS, ROOT, llmops_env
+
     champion = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
-    with Clients(triton.client.url) as clients:  # the champion serves them while the candidate is loaded and tuned
-        result = llmops(release, "run", *attach_args, "--set", "serve.apply_chat_template=false", *FAST, *TUNE)
-    assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
-    assert set(clients.statuses) == {200} and clients.statuses[200] > 20, clients.statuses
+    serve_home, log = tmp_path / "serve-home", tmp_path / "serve.log"
+    (serve_home / "serving").mkdir(parents=True)
+    shutil.copy2(release / "serving" / f"{SERVICE}.json", serve_home / "serving")
+    key_file, client = attach_args[attach_args.index("--triton-control-key-file") + 1], triton.client
+    assert client.grpc_url and client.metrics_url
+    attach = ["--triton-url", client.url, "--triton-grpc-url", client.grpc_url]
+    attach += ["--triton-metrics-url", client.metrics_url, "--triton-control-key-file", key_file]
+    ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
+    with open(log, "w") as out:
+        serving = subprocess.Popen(
+            [str(LLMOPS), "serve", "--artifacts", str(cpu_tiny_store), *ports, "--metrics-port", "0", *attach],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=llmops_env(serve_home),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    try:
+        state_file, deadline = serve_home / "triton" / "server.json", time.monotonic() + 120
+        while not state_file.is_file():
+            assert serving.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        state = json.loads(state_file.read_text())
+        serve_key = serve_home / "serving" / "control.key"
+        remote = ["--serve-control-url", state["control_url"], "--serve-control-key-file", str(serve_key)]
+        with GatewayClients(state["gateway_url"]) as clients:  # the champion serves them while the candidate is tuned
+            result = llmops(
+                release, "run", *attach_args, *remote, "--set", "serve.apply_chat_template=false", *FAST, *TUNE
+            )
+        assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
+        assert set(clients.statuses) == {200} and clients.statuses[200] > 20, clients.statuses
+        table = ServiceControl(state["control_url"], serve_key.read_text().strip()).table()
+        assert table.champion is not None and table.champion.name == f"{SERVICE}-v{champion}"
+        assert table.candidate is None and table.describe() == f"{SERVICE}-v{champion}=100"
+        assert f"champion v{champion} from the deployment record" in log.read_text()  # not from a registry
+    finally:
+        os.killpg(serving.pid, signal.SIGTERM)
+        serving.wait(60)
     assert latest_release(release).data.tags["tune.cached"] == "true"  # the same model: the search is not run again
     assert str(registry(release).get_model_version_by_alias(SERVICE, "champion").version) == champion
     report_path = Path(result.stdout.split("gate report: ")[1].split()[0])
@@ -164,8 +185,8 @@ def test_a_bad_candidate_rolls_back_on_the_attached_triton(triton, release, atta
     while client.is_ready(f"{SERVICE}-v{rejected}") and time.monotonic() < deadline:
         time.sleep(0.5)  # Triton unloads after the requests in flight
     assert not client.is_ready(f"{SERVICE}-v{rejected}")
-    assert client.is_ready(f"{SERVICE}-v{champion}") and client.is_ready(SERVICE)
-    assert client.generate(SERVICE, "What is the opposite of hot?", 8) == "cold"  # the champion answers
+    assert client.is_ready(f"{SERVICE}-v{champion}")
+    assert client.generate(f"{SERVICE}-v{champion}", "What is the opposite of hot?", 8) == "cold"  # the champion
 
 
 def test_attaching_without_the_grpc_and_metrics_endpoints_is_one_clear_line(tmp_path, triton):
@@ -177,12 +198,9 @@ def test_attaching_without_the_grpc_and_metrics_endpoints_is_one_clear_line(tmp_
     )
 
 
-def test_past_its_bound_a_served_model_and_the_router_refuse_at_once_with_503(
-    triton, release, cpu_tiny_store, tmp_path
-):
-    """serve.max_queue_size bounds what Triton holds: the python backend model's dynamic-batcher queue and the
-    router's requests in flight. Flooded far past them, some requests are answered and the rest refused at once
-    (never a 500, never an unbounded wait), each in its own words."""
+def test_past_its_bound_a_served_model_refuses_at_once_with_503(triton, release, cpu_tiny_store, tmp_path):
+    """serve.max_queue_size bounds what Triton holds: the python backend model's dynamic-batcher queue. Flooded far
+    past it, some requests are answered and the rest refused at once (never a 500, never an unbounded wait)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tasks.platform.config import load_profile
@@ -193,11 +211,8 @@ def test_past_its_bound_a_served_model_and_the_router_refuse_at_once_with_503(
     profile = load_profile("cpu-tiny", ["serve.max_queue_size=1", "serve.max_batch_size=1"])
     template, values = serving_model(profile, cpu_tiny_store / "objects" / merged / "files", merged)
     render_model(template, tmp_path, "queued", values)
-    router = {"max_batch_size": 1, "max_in_flight": 2, "routes": "queued=100", "shadow": ""}
-    render_model("router", tmp_path, "queued-router", router)
     client = triton.client
-    for name in ("queued", "queued-router"):
-        client.load(name, model_folder=tmp_path / name)
+    client.load("queued", model_folder=tmp_path / "queued")
 
     def ask(model: str) -> tuple[int, str]:
         body = {"text_input": "What is the opposite of hot?", "max_tokens": 16, "min_length": 16}
@@ -207,16 +222,155 @@ def test_past_its_bound_a_served_model_and_the_router_refuse_at_once_with_503(
     try:
         with ThreadPoolExecutor(16) as pool:
             direct = list(pool.map(lambda _: ask("queued"), range(48)))
-            routed = list(pool.map(lambda _: ask("queued-router"), range(48)))
     finally:
-        for name in ("queued-router", "queued"):
-            client.unload(name)
-    # The router's refusal is a 400 on Triton's own API: Triton 2.51 drops the Python backend's error code
-    # (UNAVAILABLE) on a decoupled model's response; the gateway turns it into 503 (tests/unit/test_gateway.py).
-    # Behind the router the model's own bound may refuse too (the router's count drops as it sends the last piece).
-    full, busy = "Exceeds maximum queue size", "requests in flight; retry shortly"
+        client.unload("queued")
     assert {status for status, _ in direct} == {200, 503}, direct
-    assert all(full in text for status, text in direct if status == 503), direct
-    assert {status for status, _ in routed} == {200, 400}, routed
-    assert all(full in text or busy in text for status, text in routed if status == 400), routed
-    assert any(busy in text for _, text in routed), routed
+    assert all("Exceeds maximum queue size" in text for status, text in direct if status == 503), direct
+
+
+class GatewayClients:
+    """Requests to the service through a gateway, /v2 and streamed /v1, 4 a second, until stopped: every status."""
+
+    def __init__(self, gateway: str):
+        self.gateway, self.statuses, self.seen = gateway, Counter(), []
+        self.stopped = threading.Event()
+        self.threads = [threading.Thread(target=self.send, args=(kind,), daemon=True) for kind in ("v2", "v1")]
+
+    def send(self, kind: str) -> None:
+        while not self.stopped.wait(0.5):
+            if kind == "v2":
+                path, body = (
+                    f"/v2/models/{SERVICE}/generate",
+                    {"text_input": "What is the opposite of hot?", "max_tokens": 4},
+                )
+            else:
+                question = [{"role": "user", "content": "What is the opposite of hot?"}]
+                path, body = "/v1/chat/completions", {"messages": question, "max_tokens": 4, "stream": True}
+            try:
+                status = requests.post(f"{self.gateway}{path}", json=body, timeout=20).status_code
+            except requests.RequestException as exc:
+                status = type(exc).__name__
+            self.statuses[status] += 1
+            self.seen.append(status)
+
+    def __enter__(self) -> GatewayClients:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outlive_one_killed(
+    release, cpu_tiny_store, tmp_path
+):
+    """`llmops serve` with serve.replicas 2 (the python engine) from this home's deployment record: a release through
+    its control API loads the candidate on both replicas, walks the canary and promotes, while clients through the
+    gateway see 0 failed requests; a soak (closed loops of mixed /v1 streaming and /v2 requests, a tenth of the
+    streams hung up on, a 20 s client deadline) sees no request hang and no 5xx, through a canary ramp 10 -> 50 ->
+    100 % too; then one replica's tritonserver is SIGKILLed under load: clients see only 200s and 503s, and the
+    restarted replica serves again."""
+    import os
+    import signal
+
+    import psutil
+
+    from tests.servers import LLMOPS, ROOT, llmops_env
+
+    log = tmp_path / "serve.log"
+    ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
+    with open(log, "w") as out:
+        serving = subprocess.Popen(
+            [str(LLMOPS), "serve", "--artifacts", str(cpu_tiny_store), *ports, "--metrics-port", "0"]
+            + ["--set", "serve.replicas=2", "--set", "serve.limits.requests_per_second=0"]
+            + ["--set", "serve.limits.tokens_per_minute=0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=llmops_env(release),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    try:
+        state_file, deadline = release / "triton" / "server.json", time.monotonic() + 240
+        while not state_file.is_file():
+            assert serving.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        state = json.loads(state_file.read_text())
+        assert len(state["replicas"]) == 2
+        before = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
+        with GatewayClients(state["gateway_url"]) as clients:
+            result = llmops(
+                release, "run", "--artifacts", str(cpu_tiny_store), *FAST, "--set", "canary.window_s=1.4"
+            )  # the same weights under a new profile digest: a new version, no training
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert set(clients.statuses) == {200} and clients.statuses[200] > 20, clients.statuses
+        new = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
+        assert new != before
+
+        def ready(url: str, name: str) -> int:
+            return requests.get(f"{url}/v2/models/{name}/ready", timeout=5).status_code
+
+        for replica in [r["url"] for r in state["replicas"]]:
+            assert ready(replica, f"{SERVICE}-v{new}") == 200, replica
+            deadline = time.monotonic() + 60
+            while ready(replica, f"{SERVICE}-v{before}") == 200 and time.monotonic() < deadline:  # after in-flight
+                time.sleep(0.5)
+            assert ready(replica, f"{SERVICE}-v{before}") != 200, replica
+
+        soak_with_a_ramp(release, state, f"{SERVICE}-v{new}")
+
+        tritons = [p for p in psutil.Process(serving.pid).children(recursive=True) if p.name() == "tritonserver"]
+        assert len(tritons) == 2
+        second = next(
+            p for p in tritons if f"--http-port={state['replicas'][1]['url'].rsplit(':', 1)[1]}" in p.cmdline()
+        )
+        with GatewayClients(state["gateway_url"]) as clients:
+            time.sleep(2)
+            second.kill()
+            deadline = time.monotonic() + 180
+            while "Triton restarted" not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            time.sleep(6)  # the probes put it back in the pool
+        print("while a replica was killed and restarted:", dict(clients.statuses))
+        assert set(clients.statuses) <= {200, 503}, clients.statuses
+        assert clients.seen[-4:] == [200] * 4
+        metrics = requests.get(f"{state['gateway_url']}/metrics", timeout=10).text
+        for replica in state["replicas"]:
+            assert f'llmops_gateway_replica_up{{replica="{replica["url"]}"}} 1.0' in metrics, metrics
+    finally:
+        os.killpg(serving.pid, signal.SIGTERM)
+        serving.wait(60)
+
+
+def soak_with_a_ramp(home: Path, state: dict, champion: str) -> None:
+    """CI-sized soaks (tests/soak.py): 20 s at concurrency 8 while the control API walks a second version (another
+    name for the champion's model: the routes change, no model loads) 10 -> 50 -> 100 % and back, then 10 s at 32."""
+    import asyncio
+
+    from tasks.serving.routes import RouteTable, Version
+    from tasks.serving.service import ServiceControl, version_counters
+    from tests.soak import soak
+
+    control = ServiceControl(state["control_url"], (home / "serving" / "control.key").read_text().strip())
+    alias = Version(f"{SERVICE}-v900", champion)
+    routes = control.table()
+
+    async def ramp() -> None:
+        for weight in (10, 50, 100):
+            await asyncio.sleep(4)
+            weights = {champion: 100.0 - weight, alias.name: float(weight)}
+            table = RouteTable(SERVICE, routes.champion, alias, weights, release="soak")
+            await asyncio.to_thread(control.put_table, table, 600)
+        await asyncio.sleep(4)
+        await asyncio.to_thread(control.put_table, routes)
+
+    for concurrency, seconds, during in ((8, 20, ramp), (32, 10, None)):
+        soaked = asyncio.run(soak(state["gateway_url"], SERVICE, concurrency, seconds, during=during))
+        print(f"soak at concurrency {concurrency}: {soaked.summary()}")
+        assert soaked.hung == 0 and soaked.server_errors == 0 and set(soaked.statuses) == {200}, soaked.summary()
+        assert soaked.hung_up > 0
+    assert version_counters(control.metrics(), alias.name).ok > 0  # the ramp's version answered

@@ -457,7 +457,8 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
     import openai
 
     log = tmp_path / "serve.log"
-    ports = ["--port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0", "--metrics-port", "0"]
+    ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
+    ports += ["--metrics-port", "0"]
     capture = ["--set", "serve.capture.enabled=true", "--set", "serve.capture.flush_s=0.5"]
     with open(log, "w") as out:
         serving = subprocess.Popen(
@@ -554,6 +555,7 @@ def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
     stack_dir = service.home / "stack"
     state = json.loads((stack_dir / "stack.json").read_text())
     assert not (service.home / "triton" / "control.key").exists()  # no key outlives its Triton
+    assert not (service.home / "serving" / "control.key").exists()  # nor the serve's own, its serve
     secrets = {
         "S3 secret": state["s3_credentials"]["secret"],
         **{

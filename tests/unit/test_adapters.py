@@ -40,7 +40,7 @@ def test_the_rank_is_the_largest_in_the_adapter_config(tmp_path: Path):
         adapter_rank(tmp_path)
 
 
-def test_the_base_engine_enables_lora_and_an_adapter_model_names_its_base(tmp_path: Path):
+def test_the_base_engine_enables_lora_and_a_versions_model_registers_its_adapter_with_that_base(tmp_path: Path):
     profile = load_profile("cpu-tiny", [*ADAPTER, "serve.vllm.max_loras=3"])
     template, values = serving_model(profile, Path("/store/base"), "b" * 64)
     base = (render_model(template, tmp_path, "svc-base", values) / "config.pbtxt").read_text()
@@ -48,16 +48,15 @@ def test_the_base_engine_enables_lora_and_an_adapter_model_names_its_base(tmp_pa
         assert f'key: "{key}", value: {{ string_value: "{value}" }}' in base
     merged = serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64)[1]
     assert merged["enable_lora"] == "false"
+    assert 'name: "lora_name"' in base and "lora_path" not in base  # a request names an adapter, never its files
     adapter = render_model(
-        "adapter",
+        "lora",
         tmp_path,
         "svc-v2",
         {
-            "max_batch_size": 8,
             "base_model": "svc-base",
             "adapter_dir": "/store/adapter",
             "artifact_sha256": served_artifact("a" * 64, "b" * 64),
-            "max_in_flight": 64,
         },
     )
     config = (adapter / "config.pbtxt").read_text()

@@ -1,10 +1,9 @@
 """One prompt encoding from training to serving: every served model runs the one copy of the text helpers
-(tasks/serving/model_text.py, copied into each rendered model folder) and encodes as training does, and the
+(tasks/text/model_text.py, copied into each rendered model folder) and encodes as training does, and the
 train/serve contract names each kind of mismatch."""
 
 import ast
 import base64
-import functools
 import importlib.util
 import inspect
 import json
@@ -20,10 +19,11 @@ from tasks.platform.config import load_profile
 from tasks.platform.errors import CheckFailed
 from tasks.quality.chat import encode_prompt, prompt_ids, serving_request, stream_delta
 from tasks.quality.contract import PROBES, read_contract, require_same
-from tasks.serving import model_text
+from tasks.serving import adapter_registry
 from tasks.serving.client import load_parameters
 from tasks.serving.model_config import serving_model
 from tasks.serving.repository import render_model
+from tasks.text import model_text
 
 CONVERSATIONS = PROBES  # English and Chinese, with and without a system prompt, multi-turn
 PROMPT_ENCODERS = ["llm", "vllm", "llmapi"]  # the models that turn a request into token ids
@@ -37,18 +37,8 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
     models = {
         "svc-v1": serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64),
         "svc-v2": serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64),
-        "svc": ("router", {"max_batch_size": 8, "max_in_flight": 64, "routes": "svc-v1=90,svc-v2=10", "shadow": ""}),
         "svc-v3": serving_model(load_profile("qwen-7b-qlora-2xa10"), Path("/checkpoints/v3"), "e" * 64, 40960),
-        "svc-v4": (
-            "adapter",
-            {
-                "max_batch_size": 8,
-                "base_model": "svc-base",
-                "adapter_dir": "/a",
-                "artifact_sha256": "b@c",
-                "max_in_flight": 64,
-            },
-        ),
+        "svc-v4": ("lora", {"base_model": "svc-base", "adapter_dir": "/a", "artifact_sha256": "b@c"}),
     }
     return {template: render_model(template, repository, name, values) for name, (template, values) in models.items()}
 
@@ -70,20 +60,22 @@ def served_model(folder: Path, monkeypatch) -> types.ModuleType:
 
 
 def test_every_python_backend_model_carries_the_one_copy_of_the_text_helpers(rendered):
-    helper = Path(model_text.__file__).read_bytes()
     python_models = {template for template, folder in rendered.items() if (folder / "1" / "model.py").is_file()}
-    assert python_models == {"llm", "vllm", "router", "llmapi", "adapter"}
-    for template in python_models:
-        folder = rendered[template]
-        assert (folder / "1" / model_text.FILE_NAME).read_bytes() == helper, template
-        # what a load request sends when the server has no shared repository (tasks/serving/client.py)
-        sent = load_parameters(folder)[f"file:1/{model_text.FILE_NAME}"]
-        assert base64.b64decode(sent) == helper
+    assert python_models == {"llm", "vllm", "llmapi", "lora"}
+    for helper_module in (model_text, adapter_registry):
+        helper = Path(helper_module.__file__).read_bytes()
+        for template in python_models:
+            folder = rendered[template]
+            assert (folder / "1" / helper_module.FILE_NAME).read_bytes() == helper, template
+            # what a load request sends when the server has no shared repository (tasks/serving/client.py)
+            sent = load_parameters(folder)[f"file:1/{helper_module.FILE_NAME}"]
+            assert base64.b64decode(sent) == helper
 
 
-def test_the_text_helpers_import_only_the_standard_library():
+@pytest.mark.parametrize("helper_module", [model_text, adapter_registry])
+def test_the_copied_helpers_import_only_the_standard_library(helper_module):
     """The copy runs in Triton's Python-backend stub, where neither this project nor its packages are."""
-    tree = ast.parse(Path(model_text.__file__).read_text())
+    tree = ast.parse(Path(helper_module.__file__).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert imported and {name.split(".")[0] for name in imported} <= sys.stdlib_module_names
@@ -209,92 +201,3 @@ def test_chinese_streams_whole_characters_even_when_tokens_split_them(rendered, 
         assert "".join(pieces) == answer and not any("\ufffd" in p for p in pieces)
         naive = [prefixes[0]] + [b[len(a) :] for a, b in zip(prefixes, prefixes[1:], strict=False)]
         assert "".join(naive) != answer  # what slicing the text without holding back sends
-
-
-class ForwardedRequest:
-    """A request as the router's execute reads it, whose sender notes what is sent: (code, message, flags)."""
-
-    def __init__(self, sent: list) -> None:
-        self.sent = sent
-
-    def inputs(self) -> list:
-        return []
-
-    def get_response_sender(self) -> types.SimpleNamespace:
-        return types.SimpleNamespace(send=lambda response, flags: self.sent.append((response.c, response.m, flags)))
-
-
-def router_model(rendered, monkeypatch, max_in_flight: int):
-    """The rendered router's model, initialized, with pb_utils a stand-in for the calls its Forwarder makes."""
-    stand_in = types.SimpleNamespace(
-        TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
-        TritonError=type(
-            "TritonError", (), {"UNAVAILABLE": 14, "__init__": lambda self, m, c: vars(self).update(m=m, c=c)}
-        ),
-        InferenceResponse=lambda error: error,
-    )
-    router = served_model(rendered["router"], monkeypatch)
-    monkeypatch.setattr(router, "pb_utils", stand_in)
-    model = router.TritonPythonModel()
-    parameters = {"routes": "svc-v1=100", "max_in_flight": str(max_in_flight)}
-    model.initialize(
-        {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in parameters.items()}})}
-    )
-    return router, model
-
-
-def test_the_router_refuses_requests_past_its_bound_in_flight_at_once(rendered, monkeypatch):
-    """Past max_in_flight requests being forwarded, the router answers the next one at once with UNAVAILABLE
-    (Triton's HTTP 503) instead of queueing it in its worker pool; a finished request frees its place. pb_utils
-    is a stand-in for the calls that decide this; the router on a real Triton: tests/integration/test_serving.py."""
-    import threading
-    import time
-
-    router, model = router_model(rendered, monkeypatch, max_in_flight=2)
-    release, refused = threading.Event(), []
-    # the BLS call the workers make (model_text.relay, shared with the adapter models' Forwarder) waits
-    monkeypatch.setitem(router.Forwarder.forward.__globals__, "relay", lambda *args: release.wait(10))
-    Request = functools.partial(ForwardedRequest, refused)
-
-    model.execute([Request(), Request(), Request()])
-    assert refused == [(14, "the service has 2 requests in flight; retry shortly", 1)]
-    release.set()
-    deadline = time.monotonic() + 10
-    while model.forwarder.in_flight and time.monotonic() < deadline:  # the two forwarded requests finish
-        time.sleep(0.01)
-    model.execute([Request(), Request()])  # their places are free again
-    model.finalize()  # waits for the requests in flight
-    assert model.forwarder.in_flight == 0 and len(refused) == 1
-
-
-def test_the_router_lets_go_of_a_finished_bls_stream_only_after_holding_it(rendered, monkeypatch):
-    """Each finished BLS stream is held STREAM_HOLD_S before the worker lets go of it, so the Python backend's own
-    cleanup of the stream (on a thread without the GIL) never destroys it (tasks/serving/model_text.py)."""
-    import time
-    import weakref
-
-    router, model = router_model(rendered, monkeypatch, max_in_flight=2)
-    monkeypatch.setitem(router.Forwarder.forward.__globals__, "STREAM_HOLD_S", 0.5)
-
-    class Stream:  # what exec(decoupled=True) returned
-        pass
-
-    streams: list[weakref.ref] = []
-
-    def relay(*args):
-        stream = Stream()
-        streams.append(weakref.ref(stream))
-        return stream
-
-    monkeypatch.setitem(router.Forwarder.forward.__globals__, "relay", relay)
-    model.execute([ForwardedRequest([])])
-    deadline = time.monotonic() + 10
-    while (model.forwarder.in_flight or not streams) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert streams[0]() is not None  # finished, and held
-    time.sleep(0.6)
-    model.execute([ForwardedRequest([])])  # the next finished request lets go of what was held long enough
-    while streams[0]() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert streams[0]() is None and streams[1]() is not None
-    model.finalize()

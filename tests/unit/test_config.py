@@ -80,14 +80,15 @@ def test_profile_digest_changes_with_any_value():
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
-# serve.vllm.max_lora_rank, max_loras).
+# serve.vllm.max_lora_rank, max_loras), and when the gateway became the router (serve.listen.control_host,
+# control_port; canary.hold_s; serve.health; serve.replicas).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "7d1ff94c8b966c985f84770908a5c72144da397224745dd7fe1a200dd32f92c9",
-    "cpu-tiny-qa-zh": "b7ff3d1c839270da1295c9c66d634afbb963d1baa3fa9a17fcb57c8ef0b538a8",
-    "llama3-8b-h100-fp8": "d6875df5b9edf2030838c2aab0d0457b4a3dfc12f3ecbf7adecac09ed64f46b8",
-    "qwen-7b-qlora-2xa10": "cb96c3483f8e3442329a2a08cfdad28b0a858ad3697d1115ca3049ba36bf4ef3",
-    "qwen-7b-vllm-h100": "d8ca7b8b3d6e29dc8f52df9ac430dc02626d37e3d7cb0fb65b05c2bb51ad32f5",
-    "qwen2-14b-int4-tp2": "d15560fed9f5c7f41db7d0724cf508012982d48712853bd06c8d47cf31bccf91",
+    "cpu-tiny": "690d022d8154b9b878e2a0dca05052dc85f6ec9cdbdbe8fa7f233fd758dfe9ad",
+    "cpu-tiny-qa-zh": "acdb1ebc5e86d4ef4d3c6f642541ed80e101f6a41223770ee065f5908bbb1068",
+    "llama3-8b-h100-fp8": "ea0f12f809467661684a1ac2d57fccae1a7a9471514d9b12a8b9614905a1e7d2",
+    "qwen-7b-qlora-2xa10": "70dad4b04c49e7daa166166b367bf924cbce775aafd15e4182e4cdb0fea1e21b",
+    "qwen-7b-vllm-h100": "eef77b1a9401fa3804c9d3f9009c3f9d65546f99cd1bb9b6b41ea7c08e996b2a",
+    "qwen2-14b-int4-tp2": "487a0c06a1858cd5d6f913e6f0ad783afcf03b8c95863dd8db35c80028379c74",
 }
 
 

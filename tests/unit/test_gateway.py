@@ -16,8 +16,11 @@ from starlette.testclient import TestClient
 
 from tasks.serving.gateway import Gateway, GatewayConfig
 from tasks.serving.gateway.stops import cut_at_stop, held_back
+from tasks.serving.routes import RouteTable, Version
 
 SERVICE = "demo"
+CHAMPION = Version(f"{SERVICE}-v1", f"{SERVICE}-v1")
+TABLE = RouteTable(SERVICE, CHAMPION, weights={CHAMPION.name: 100.0})  # the champion answers every request
 KEY = "team-a-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 QUESTION = [{"role": "user", "content": "What is the opposite of hot?"}]
@@ -53,7 +56,7 @@ def gateway():
     clients: list[TestClient] = []
 
     def start(triton: Callable[[httpx.Request], httpx.Response], **config) -> TestClient:
-        config = {"api_keys": {KEY: "team-a"}, **config}
+        config = {"api_keys": {KEY: "team-a"}, "table": TABLE, **config}
         settings = GatewayConfig(triton_url="http://triton.test:8000", service=SERVICE, context_tokens=512, **config)
         app = Gateway(settings, transport=httpx.MockTransport(triton)).app()
         client = TestClient(app, headers=AUTH, raise_server_exceptions=False)
@@ -92,7 +95,7 @@ def test_a_chat_request_becomes_tritons_generate_inputs_and_its_answer_a_complet
         {"index": 0, "message": {"role": "assistant", "content": "cold"}, "finish_reason": "stop", "logprobs": None}
     ]
     assert answer["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # no tokenizer
-    assert triton.requests[0][0] == f"/v2/models/{SERVICE}/generate"
+    assert triton.requests[0][0] == f"/v2/models/{CHAMPION.model}/generate"  # the version the table routes to
     assert triton.inputs == {
         "text_input": "What is the opposite of hot?",
         "chat_history": json.dumps([{"role": "system", "content": "One word."}]),
@@ -352,17 +355,14 @@ def test_stop_sequences_cut_the_text_and_hold_back_a_partial_match():
 
 
 class ShadowedTriton(FakeTriton):
-    """A router whose config names a shadow target, and that target's own answers (`candidate`: text by prompt)."""
+    """The champion's model, and the candidate's own answers (`candidate`: text by prompt)."""
 
-    def __init__(self, shadow: str, candidate: dict[str, str], failing: bool = False):
+    def __init__(self, candidate: dict[str, str], failing: bool = False):
         super().__init__("cold")
-        self.shadow, self.candidate, self.failing = shadow, candidate, failing
+        self.candidate, self.failing = candidate, failing
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
-        if path == f"/v2/models/{SERVICE}/config":
-            self.requests.append((path, {"key": request.headers.get("llmops-control-key")}))
-            return httpx.Response(200, json={"parameters": {"shadow": {"string_value": self.shadow}}})
         if path == f"/v2/models/{SERVICE}-v2/generate":
             body = json.loads(request.content)
             self.requests.append((path, body))
@@ -370,6 +370,14 @@ class ShadowedTriton(FakeTriton):
                 return httpx.Response(500, json={"error": "engine died"})
             return httpx.Response(200, json={"text_output": self.candidate[body["text_input"]]})
         return super().__call__(request)
+
+
+def shadowed(fraction: float = 1.0) -> RouteTable:
+    """The champion serving alone, with `fraction` of its answered requests copied to the candidate demo-v2."""
+    candidate = Version(f"{SERVICE}-v2", f"{SERVICE}-v2")
+    return RouteTable(
+        SERVICE, CHAMPION, candidate, {CHAMPION.name: 100.0}, shadow=candidate.name, shadow_fraction=fraction
+    )
 
 
 def shadow_counters(client: TestClient) -> dict[str, float]:
@@ -390,25 +398,14 @@ def wait_for_copies(client: TestClient, requests: float) -> dict[str, float]:
     raise AssertionError(f"copies never finished: {shadow_counters(client)}")
 
 
-def wait_for_the_target(triton: ShadowedTriton) -> None:
-    """The gateway's first read of the router's config, and a moment to take it in."""
-    for _ in range(100):
-        if any(path.endswith("/config") for path, _ in triton.requests):
-            break
-        anyio.run(anyio.sleep, 0.01)
-    anyio.run(anyio.sleep, 0.05)
-
-
-def test_answered_requests_are_copied_to_the_router_s_shadow_target_and_recorded(gateway, tmp_path):
-    """Clients get the router's answers; each answered request goes again to the shadow target, and its record has
-    the inputs, both answers (the copy's cut at the client's stop sequences) and both latencies."""
-    triton = ShadowedTriton(f"{SERVICE}-v2=1", {"hot": "cold", "big": "large. and more", "up": "warm"})
-    client = gateway(triton, shadow_poll_s=0.01, control_key=lambda: "the-control-key", shadow_records=tmp_path)
-    wait_for_the_target(triton)
-    assert ("/v2/models/demo/config", {"key": "the-control-key"}) in triton.requests
+def test_answered_requests_are_copied_to_the_tables_shadow_version_and_recorded(gateway, tmp_path):
+    """Clients get the champion's answers; each answered request goes again to the shadow version, and its record
+    has the inputs, both answers (the copy's cut at the client's stop sequences) and both latencies."""
+    triton = ShadowedTriton({"hot": "cold", "big": "large. and more", "up": "warm"})
+    client = gateway(triton, table=shadowed(), shadow_records=tmp_path)
     triton.answer = "large"
     chat = client.post(CHAT, json={"messages": [{"role": "user", "content": "big"}], "stop": ["."]})
-    assert chat.json()["choices"][0]["message"]["content"] == "large"  # the client's answer: the router's
+    assert chat.json()["choices"][0]["message"]["content"] == "large"  # the client's answer: the champion's
     streamed = client.post(CHAT, json={"messages": [{"role": "user", "content": "hot"}], "stream": True})
     triton.answer = "cold"
     assert streamed_text(events(streamed)) == "cold"
@@ -433,22 +430,11 @@ def test_answered_requests_are_copied_to_the_router_s_shadow_target_and_recorded
     assert [c["text_input"] for c in copies] == ["big", "hot", "up", "up"] and not any(c["stream"] for c in copies)
 
 
-def test_a_failing_shadow_target_is_recorded_and_never_reaches_the_client(gateway, tmp_path):
-    triton = ShadowedTriton(f"{SERVICE}-v2=1", {}, failing=True)
-    client = gateway(triton, shadow_poll_s=0.01, shadow_records=tmp_path)
-    wait_for_the_target(triton)
+def test_a_failing_shadow_version_is_recorded_and_never_reaches_the_client(gateway, tmp_path):
+    triton = ShadowedTriton({}, failing=True)
+    client = gateway(triton, table=shadowed(), shadow_records=tmp_path)
     response = client.post(CHAT, json={"messages": QUESTION})
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "cold"
     assert wait_for_copies(client, 1)["errors"] == 1
     (record,) = [json.loads(line) for line in (tmp_path / "demo-v2.jsonl").read_text().splitlines()]
-    assert record["candidate"] is None and record["error"].startswith("HTTP 500")
-
-
-@pytest.mark.parametrize("shadow", ["", "demo-v2", "demo-v2=0", "demo-v2=2", "=0.5", "demo-v2=half"])
-def test_no_copies_without_a_valid_shadow_parameter(gateway, shadow):
-    triton = ShadowedTriton(shadow, {})
-    client = gateway(triton, shadow_poll_s=0.01)
-    anyio.run(anyio.sleep, 0.1)
-    assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200
-    anyio.run(anyio.sleep, 0.1)
-    assert not [path for path, _ in triton.requests if path.endswith("-v2/generate")]
+    assert record["candidate"] is None and record["error"].startswith("HTTP 503")  # the copy's fault, in the log

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from tasks.serving.gateway.upstream import TIMEOUT
-from tests.unit.test_gateway import CHAT, QUESTION, SERVICE, FakeTriton, events, gateway, streamed_text
+from tasks.serving.gateway.upstream import BETWEEN_CHUNKS_S, chunk_timeouts
+from tests.unit.test_gateway import CHAMPION, CHAT, QUESTION, SERVICE, FakeTriton, events, gateway, streamed_text
 
 __all__ = ["gateway"]  # the fixture, used by name
 GENERATE = f"/v2/models/{SERVICE}/generate"
@@ -132,15 +132,17 @@ def test_every_request_to_triton_carries_the_gateways_timeouts(gateway):
         assert client.post(CHAT, json={"messages": QUESTION, "stream": stream}).status_code == 200
     for path in (GENERATE, GENERATE + "_stream"):
         assert client.post(path, json={"text_input": "hot"}).status_code == 200
-    assert [path for path, _, _ in sent] == [GENERATE, GENERATE + "_stream"] * 2
-    assert all(timeout == TIMEOUT.as_dict() and kind == "application/json" for _, timeout, kind in sent), sent
+    routed = f"/v2/models/{CHAMPION.model}/generate"  # the version the table routes the service's name to
+    assert [path for path, _, _ in sent] == [routed, routed + "_stream"] * 2
+    expected = chunk_timeouts(BETWEEN_CHUNKS_S).as_dict()
+    assert all(timeout == expected and kind == "application/json" for _, timeout, kind in sent), sent
 
 
 @pytest.mark.parametrize(
     "status, message",
     [
         (503, "Exceeds maximum queue size"),  # the python model's batcher (serve.max_queue_size)
-        (400, "the service has 256 requests in flight; retry shortly"),  # the router, whose error code Triton drops
+        (400, "Exceeds maximum queue size"),  # a decoupled model's refusal, whose error code Triton 2.51 drops
     ],
 )
 def test_a_full_queue_in_triton_is_503_with_retry_after_in_each_apis_shape(gateway, status, message):
@@ -187,7 +189,7 @@ def test_an_upstream_error_mid_stream_ends_the_stream_with_an_error_event(gatewa
     chunks = events(response)
     assert streamed_text(chunks) == "co"
     error = chunks[-1]["error"]
-    assert error["type"] == "server_error" and "the model server failed to answer (request id" in error["message"]
+    assert error["type"] == "server_error" and "(request id " in error["message"]  # a 503's or a 502's words
     assert INTERNAL not in response.text and "[DONE]" not in chunks
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tasks.platform.errors import BadInput
 from tasks.serving.gateway import Gateway, GatewayConfig, read_api_keys
-from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, FakeTriton, gateway
+from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, gateway
 
 __all__ = ["gateway"]  # the fixture, used by name
 OTHER_KEY = "team-b-key-0123456789"
@@ -77,7 +77,7 @@ def test_requests_over_the_cap_in_flight_get_503_with_retry_after():
             await release.wait()
             return httpx.Response(200, json={"text_output": "cold"})
 
-        config = GatewayConfig("http://triton.test:8000", SERVICE, 512, api_keys=KEYS, max_in_flight=1)
+        config = GatewayConfig("http://triton.test:8000", SERVICE, 512, api_keys=KEYS, max_in_flight=1, table=TABLE)
         gateway = Gateway(config, transport=httpx.MockTransport(slow_triton))
         transport = httpx.ASGITransport(gateway.app())
         answers: list[httpx.Response] = []

@@ -52,3 +52,72 @@ def test_no_module_or_function_is_too_long_to_read():
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{where}:{node.lineno} {node.name}: {length} lines")
     assert not too_long, too_long
+
+
+# --- the import contract: the layers of tasks/ ------------------------------------------------------------------
+
+SHARED = {"platform", "text", "data", "quality", "serving", "runners"}  # tasks/'s packages, what stages share
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports() -> dict[str, set[str]]:
+    """Every module of tasks/ and the modules of tasks/ it imports: at the top, in functions, for type checking."""
+    paths = {module_name(p): p for p in (ROOT / "tasks").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        named: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                named |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                named |= {module, *(f"{module}.{alias.name}" for alias in node.names)}
+        found = set()
+        for module in named:
+            while module and module not in paths:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                found.add(module)
+        graph[name] = found
+    return graph
+
+
+def layer(module: str) -> str:
+    """`stage` for tasks/<stage>.py, else the shared package's name."""
+    part = module.split(".")[1] if "." in module else ""
+    return part if part in SHARED else "stage"
+
+
+def test_the_layers_hold_stages_use_shared_packages_and_never_the_reverse():
+    broken = []
+    for module, imported in sorted(project_imports().items()):
+        for other in sorted(imported):
+            here, there = layer(module), layer(other)
+            if (
+                (here != "stage" and there == "stage")  # a shared package never imports a stage
+                or (here in ("quality", "data") and there == "serving")  # training's side knows nothing of serving
+                or (here in ("platform", "text") and there != here)  # the bottom: nothing else of the project
+            ):
+                broken.append(f"{module} -> {other}")
+    assert broken == []
+
+
+def test_no_module_of_tasks_imports_itself_back():
+    graph, cycles = project_imports(), []
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph[start]:
+            if nxt == goal or (nxt not in seen and (seen.add(nxt) or reaches(nxt, goal, seen))):
+                return True
+        return False
+
+    for module in sorted(graph):
+        if reaches(module, module, set()):
+            cycles.append(module)
+    assert cycles == []

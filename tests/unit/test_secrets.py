@@ -18,7 +18,7 @@ import pytest
 
 from tasks.platform.errors import BadInput
 from tasks.serving.client import Triton, TritonTarget
-from tasks.serving.server import TritonServer, new_control_key, publish, published, restricted_api_flags, unpublish
+from tasks.serving.server import new_control_key, publish, published, restricted_api_flags, unpublish
 from tests.leaks import in_processes
 
 SECRET = "s3cr3t-for-the-leak-scanner-7d1e"
@@ -54,18 +54,26 @@ def no_chmod(monkeypatch):
     os.umask(old)
 
 
-def test_publish_hands_the_key_over_privately_and_unpublish_takes_it_away(tmp_path, no_chmod):
+def test_publish_hands_the_keys_over_privately_and_unpublish_takes_them_away(tmp_path, no_chmod):
     client = Triton("http://127.0.0.1:1", tmp_path / "repository", "http://127.0.0.1:2/metrics", "127.0.0.1:3", "k1")
-    server = TritonServer(None, tmp_path / "log", client)  # type: ignore[arg-type]  # publish reads the client only
-    state = publish(tmp_path, server, "http://127.0.0.1:4")
-    key_file = tmp_path / "triton" / "control.key"
+    replica = Triton("http://127.0.0.1:5", tmp_path / "repository", None, None, "k3")
+    state = publish(tmp_path, [client, replica], "http://127.0.0.1:4", "http://127.0.0.1:6", "serve-key", "svc")
+    key_file, serve_key = tmp_path / "triton" / "control.key", tmp_path / "serving" / "control.key"
     assert key_file.read_text() == "k1" and mode(key_file) == 0o600 and mode(state) == 0o600
-    assert json.loads(state.read_text())["gateway_url"] == "http://127.0.0.1:4"
-    server.client = Triton(client.url, client.repository, client.metrics_url, client.grpc_url, "k2")  # a restart
-    publish(tmp_path, server, None)
-    assert key_file.read_text() == "k2" and sorted(os.listdir(key_file.parent)) == ["control.key", "server.json"]
+    assert serve_key.read_text() == "serve-key" and mode(serve_key) == 0o600
+    keys = tmp_path / "triton" / "control.keys"
+    assert json.loads(keys.read_text()) == {client.url: "k1", replica.url: "k3"} and mode(keys) == 0o600
+    published = json.loads(state.read_text())
+    assert published["gateway_url"] == "http://127.0.0.1:4" and published["service"] == "svc"
+    assert [r["url"] for r in published["replicas"]] == [client.url, replica.url]
+    restarted = Triton(client.url, client.repository, client.metrics_url, client.grpc_url, "k2")  # a restart
+    publish(tmp_path, [restarted], None)
+    assert key_file.read_text() == "k2"
+    assert sorted(os.listdir(key_file.parent)) == ["control.key", "control.keys", "server.json"]
+    unpublish(tmp_path, serve_stops=False)  # a Triton restarts: the serve's own key stays
+    assert os.listdir(key_file.parent) == [] and serve_key.is_file()
     unpublish(tmp_path)
-    assert os.listdir(key_file.parent) == []
+    assert not serve_key.exists()
 
 
 def test_the_stacks_secret_files_are_private_from_their_creation(tmp_path, no_chmod):

@@ -54,23 +54,25 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
 
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):
-    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["adapter", "llm", "llmapi", "router", "vllm"]
-    render_model(
-        "router",
-        tmp_path,
-        "svc",
-        {"max_batch_size": 8, "max_in_flight": 64, "routes": "svc-v1=90,svc-v2=10", "shadow": ""},
-    )
+    """The served models only: no model in Triton forwards requests to another (no router, no BLS call)."""
+    assert sorted(p.name for p in TEMPLATES.iterdir()) == ["llm", "llmapi", "lora", "vllm"]
+    forwarding = [
+        str(path.relative_to(TEMPLATES.parent.parent))
+        for folder in (TEMPLATES, TEMPLATES.parent.parent.parent / "tasks")
+        for path in folder.rglob("*.py")
+        if "InferenceRequest(" in path.read_text()
+    ]
+    assert forwarding == []
+    lora = {"base_model": "svc-base", "adapter_dir": "/a", "artifact_sha256": "b@c"}
+    render_model("lora", tmp_path, "svc-v2", lora)
     with pytest.raises(BadInput, match="no value"):
-        render_model("router", tmp_path, "svc", {"max_batch_size": 8})
+        render_model("lora", tmp_path, "svc-v2", {"base_model": "svc-base"})
     with pytest.raises(BadInput, match="model name"):
-        render_model(
-            "router", tmp_path, "bad name", {"max_batch_size": 8, "max_in_flight": 64, "routes": "a=1", "shadow": ""}
-        )
+        render_model("lora", tmp_path, "bad name", lora)
 
 
 def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_path):
-    """serve.backend vllm: the same inputs as the llm model (router, genai-perf and /generate unchanged), one
+    """serve.backend vllm: the same inputs as the llm model (gateway, genai-perf and /generate unchanged), one
     engine per model, the KV cache from the profile, and nothing of the static batcher's settings."""
     from tasks.serving.model_config import serving_model
 
@@ -87,22 +89,13 @@ def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_
     def inputs(text: str) -> list[str]:
         return re.findall(r'name: "(\w+)"', text.split("input [")[1].split("]\noutput")[0])
 
-    # the llm model's inputs, and the three only the adapter models send (serve.lora adapter; the gateway never does)
-    assert inputs(config) == [*inputs(llm), "lora_name", "lora_path", "lora_release"]
-    adapter_values = {
-        "max_batch_size": 8,
-        "base_model": "b",
-        "adapter_dir": "/a",
-        "artifact_sha256": "x",
-        "max_in_flight": 8,
-    }
-    adapter = (render_model("adapter", tmp_path, "svc-v3", adapter_values) / "config.pbtxt").read_text()
-    assert inputs(adapter) == inputs(llm)
+    # the llm model's inputs, and the adapter's name, which only the gateway sets (its clients cannot): never a path
+    assert inputs(config) == [*inputs(llm), "lora_name"]
     assert serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64)[0] == "llm"
 
 
 def test_llmapi_model_has_the_llm_interface_and_passes_the_llm_args_as_json(tmp_path):
-    """serve.backend llmapi: the llm model's inputs (router, genai-perf, served scoring unchanged), no dynamic
+    """serve.backend llmapi: the llm model's inputs (gateway, genai-perf, served scoring unchanged), no dynamic
     batcher, and LLM() arguments that survive the config's string literal as the JSON llm_args renders."""
     from tasks.serving.llm_api import llm_args
     from tasks.serving.model_config import serving_model
@@ -494,12 +487,12 @@ def test_the_champion_serves_with_the_settings_it_was_released_with():
     from tasks.serving.champion import released_profile
 
     released = load_profile("cpu-tiny", ["serve.max_queue_delay_us=20000", "serve.torch_threads=2"])
-    version = SimpleNamespace(tags={"serve.model_settings": json.dumps(released.serve.model_settings())})
+    version = SimpleNamespace(settings=json.loads(json.dumps(released.serve.model_settings())))  # as recorded
     candidate_run = load_profile("cpu-tiny", ["serve.max_batch_size=4", "serve.load_timeout_s=60"])
-    served = released_profile(candidate_run, version).serve
+    served = released_profile(candidate_run, version).serve  # type: ignore[arg-type]
     assert (served.max_queue_delay_us, served.torch_threads, served.max_batch_size) == (20000, 2, 8)
     assert served.load_timeout_s == 60  # not a setting of the model: this run's
-    assert released_profile(candidate_run, SimpleNamespace(tags={})) is candidate_run  # registered before the tag
+    assert released_profile(candidate_run, SimpleNamespace(settings=None)) is candidate_run  # type: ignore[arg-type]
 
 
 def test_a_shadow_window_without_the_gateway_of_llmops_serve_is_refused_before_training(tmp_path):

@@ -172,11 +172,11 @@ def code_versions(project: Path, modules: list[str]) -> dict[str, str]:
 
 
 def test_editing_a_served_models_code_reruns_the_stages_that_render_models(tmp_path):
-    """The models' templates and the text helpers copied into them (tasks/serving/model_text.py) are part
+    """The models' templates and the text helpers copied into them (tasks/text/model_text.py) are part
     of the code version of every stage that renders models, through tasks/serving/repository.py."""
     from tasks.platform.stage_cache import module_closure
 
-    assert "tasks.serving.model_text" in module_closure("tasks.serving.repository")
+    assert "tasks.text.model_text" in module_closure("tasks.serving.repository")
     root = Path(__file__).resolve().parents[2]
     project = tmp_path / "project"
     for folder in ("tasks", "flows", "infra/triton"):
@@ -189,7 +189,7 @@ def test_editing_a_served_models_code_reruns_the_stages_that_render_models(tmp_p
     after_template = code_versions(project, stages)
     assert {m for m in stages if before[m] != after_template[m]} == RENDERING_STAGES
 
-    helper = project / "tasks" / "serving" / "model_text.py"
+    helper = project / "tasks" / "text" / "model_text.py"
     helper.write_text(helper.read_text() + "\n# an edit\n")
     after_helper = code_versions(project, stages)
     # the rendering stages through tasks/serving/repository.py, and every other stage through tasks/quality/chat.py:

@@ -14,8 +14,8 @@ from tasks.platform.stage_cache import RunContext, StageResult, run_cached
 from tasks.platform.store import LocalStore
 from tasks.platform.tracking import start_run
 from tasks.prepare_data import DatasetMetrics
-from tasks.quality.metrics import rouge
-from tasks.quality.scoring import answer_metric, answer_score
+from tasks.quality.metrics import answer_metric, rouge
+from tasks.quality.scoring import answer_score
 from tasks.quantize import QuantizeMetrics
 from tasks.train import TrainMetrics
 

@@ -105,7 +105,7 @@ def test_the_champion_serves_at_its_own_tuned_settings():
 
     profile = load_profile("qwen-7b-qlora-2xa10")
     tuned = with_settings(profile, {"engine.max_batch_size": 32, "engine.max_num_tokens": 8192})
-    version = SimpleNamespace(tags={"serve.model_settings": json.dumps(tuned.served_settings())})
-    champion = released_profile(profile, version)
+    version = SimpleNamespace(settings=json.loads(json.dumps(tuned.served_settings())))  # as the tag records it
+    champion = released_profile(profile, version)  # type: ignore[arg-type]
     assert (champion.engine.max_batch_size, champion.engine.max_num_tokens) == (32, 8192)
-    assert released_profile(profile, SimpleNamespace(tags={})) == profile
+    assert released_profile(profile, SimpleNamespace(settings=None)) == profile  # type: ignore[arg-type]

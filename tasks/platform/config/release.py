@@ -17,7 +17,9 @@ class CanarySection(Section):
         [10, 50, 100], description="Percentages of the service's traffic on the candidate, rising, ending at 100."
     )
     window_s: float = Field(3.0, gt=0, description="Seconds each step is watched before the next.")
-    probe_concurrency: int = Field(4, ge=1, description="Concurrent probe requests sent through the router per step.")
+    probe_concurrency: int = Field(
+        4, ge=1, description="Concurrent probe requests sent through the gateway (the service's name) per step."
+    )
     max_error_rate: float = Field(
         0.0, ge=0, le=1, description="Largest share of failed requests in a window (client side and the candidate's)."
     )
@@ -26,8 +28,17 @@ class CanarySection(Section):
     )
     prometheus_url: str | None = Field(
         None,
-        description="A Prometheus that scrapes the serving Triton (infra/monitoring/prometheus.yml): the candidate's "
-        "requests, failures and latency are read from it instead of from Triton directly.",
+        description="A Prometheus that scrapes the service's gateway (infra/monitoring/prometheus.yml): the "
+        "candidate's requests, failures and latency (llmops_gateway_version_*) are read from it instead of from the "
+        "gateway's /metrics directly.",
+    )
+    hold_s: float = Field(
+        600,
+        gt=0,
+        description="How long a release's hold on the service's routes (its candidate, a step, a shadow copy) lasts "
+        "without renewal; the release renews it every third of this while it runs. A release that dies, or that "
+        "waits for a person's approval (no process) stops renewing, and this many seconds later the gateway of "
+        "`llmops serve` serves the champion alone again.",
     )
     shadow_s: float = Field(
         0,

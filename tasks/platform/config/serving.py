@@ -77,6 +77,13 @@ class ListenSection(Section):
         "keys and TLS.",
     )
     port: int = Field(8080, ge=0, le=65535, description="Port of the gateway.")
+    control_host: str = Field(
+        "127.0.0.1",
+        description="Address of the gateway's control API (routes, shadow copies, the deployment record; "
+        "authenticated by the serve's own control key): loopback, where release runs of this machine reach it. Off "
+        "loopback it needs tls_cert and tls_key, as the key crosses the network.",
+    )
+    control_port: int = Field(8081, ge=0, le=65535, description="Port of the gateway's control API.")
     triton_host: str = Field(
         "127.0.0.1",
         description="Address of Triton itself: its HTTP port carries the locked control API and inference without "
@@ -144,6 +151,43 @@ class LimitsSection(Section):
         ge=0,
         description="Requests the gateway answers at once, all clients together; more get 503 at once rather "
         "than a place in Triton's queue.",
+    )
+
+
+class HealthSection(Section):
+    """How the gateway of `llmops serve` keeps any request from hanging and finds a version that stopped answering:
+    deadlines on each request to Triton (past them the client gets 504 in its API's shape), a synthetic request to
+    every version in the route table every `probe_interval_s` (readiness follows them), and the reload of a model
+    whose probes failed `recover_after` times in a row (or the restart of its Triton where the reload fails),
+    counted on /metrics."""
+
+    first_byte_s: float = Field(
+        120,
+        gt=0,
+        description="Seconds from sending a request to Triton until its first byte: for a request that does not "
+        "stream, the whole answer. Past it: 504.",
+    )
+    between_chunks_s: float = Field(
+        30,
+        gt=0,
+        description="Seconds between two chunks of a streamed answer. Past it the stream ends with an error event "
+        "(504 where nothing was sent yet).",
+    )
+    probe_interval_s: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds between two synthetic requests (one token) to each version in the route table; 0: no "
+        "probes (readiness then asks Triton whether the routed models are loaded).",
+    )
+    probe_timeout_s: float = Field(10, gt=0, description="Seconds a probe may take before it counts as failed.")
+    recover_after: int = Field(
+        3,
+        ge=1,
+        description="Failed probes in a row after which the version's model is loaded again (its Triton restarted "
+        "where that fails).",
+    )
+    recover_cooldown_s: float = Field(
+        60, ge=0, description="Seconds after a recovery before the same model is recovered again."
     )
 
 
@@ -220,6 +264,13 @@ class ServeSection(Section):
         description="The artifact served: the merged model (python, vllm); llmapi serves the quantize stage's "
         "checkpoint (ModelOpt's, or the merged model passed through by quantize.backend none).",
     )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="tritonserver processes `llmops serve` starts and balances over (fewest requests outstanding); "
+        "every version is loaded on each, so a replica that dies leaves the others serving. The first takes "
+        "serve.listen's Triton ports, the others free ones.",
+    )
     instance_count: int = Field(1, ge=1, description="Triton instances of the model (one per GPU on GPU profiles).")
     max_batch_size: int = Field(8, ge=1, description="Most requests Triton batches into one model call.")
     max_queue_delay_us: int = Field(
@@ -241,6 +292,7 @@ class ServeSection(Section):
     load_timeout_s: float = Field(300, gt=0, description="Seconds a model may take to load in Triton.")
     listen: ListenSection = ListenSection()
     limits: LimitsSection = LimitsSection()
+    health: HealthSection = HealthSection()
     capture: CaptureSection = CaptureSection()
 
     # What shapes how a version serves (its rendered Triton model), recorded at register so that a later run

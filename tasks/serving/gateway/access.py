@@ -30,6 +30,7 @@ ACCESS_LOG = logging.getLogger("llmops.gateway.access")
 ERROR_LOG = logging.getLogger("llmops.gateway")
 GUARDED = ("/v1/", "/v2/")  # the API routes: probes and /metrics are neither capped nor counted per client
 QUIET = ("/health/", "/metrics")  # polled every few seconds by probes and Prometheus: no access-log line
+OUTCOMES = ("ok", "refused", "failed")  # of a request a version answered (llmops_gateway_version_requests_total)
 
 
 @dataclass
@@ -86,6 +87,37 @@ class GatewayMetrics:
             ["client"],
             registry=self.registry,
         )
+        self.version_requests = Counter(
+            "llmops_gateway_version_requests",
+            "Requests the gateway sent to each served version, by outcome: ok (answered), refused (the model refused "
+            "the request, 4xx) or failed (the model server failed, broke off or did not answer in time).",
+            ["version", "outcome"],
+            registry=self.registry,
+        )
+        self.version_seconds = Counter(
+            "llmops_gateway_version_seconds",
+            "Seconds from sending to the last byte of each version's answered requests.",
+            ["version"],
+            registry=self.registry,
+        )
+        self.leases_expired = Counter(
+            "llmops_gateway_leases_expired",
+            "Releases whose hold on the routes lapsed (the champion then served alone).",
+            registry=self.registry,
+        )
+
+    def start_version(self, version: str) -> None:
+        """Every counter of `version` at 0 (a series Prometheus sees from its start, not from its first increment)."""
+        for outcome in OUTCOMES:
+            self.version_requests.labels(version, outcome)
+        self.version_seconds.labels(version)
+
+    def observe(self, version: str, status: int, seconds: float) -> None:
+        """One request of `version` ended with `status` (what the gateway answered, or would have) after `seconds`."""
+        outcome = "ok" if status == 200 else "refused" if 400 <= status < 500 else "failed"
+        self.version_requests.labels(version, outcome).inc()
+        if outcome == "ok":
+            self.version_seconds.labels(version).inc(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,11 +1,17 @@
 """The gateway's routes (Starlette): health probes, /metrics, OpenAI's /v1 and Triton's /v2 generate API, each
 behind the API-key check, the client's rate limits, the body cap and JSON only, and each answering errors
-(unknown paths and wrong methods too) in its own API's shape."""
+(unknown paths and wrong methods too) in its own API's shape.
+
+A request for the service's name goes to a version drawn from the route table (tasks/serving/routes.py), which the
+control API (tasks/serving/gateway/control.py) changes and the deployment record keeps; the gateway counts each
+version's requests, failures and seconds on /metrics (the canary's live checks read them).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,10 +25,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tasks.serving.gateway.access import GatewayMetrics, Guard, current, openai_error, shaped_error, triton_error
+from tasks.platform.config.serving import HealthSection
+from tasks.serving.gateway.access import (
+    ERROR_LOG,
+    GatewayMetrics,
+    Guard,
+    current,
+    openai_error,
+    shaped_error,
+    triton_error,
+)
 from tasks.serving.gateway.auth import KeyRing, authorize
 from tasks.serving.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
 from tasks.serving.gateway.limits import ClientLimits
+from tasks.serving.gateway.probes import Prober, Recover
 from tasks.serving.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,15 +48,19 @@ from tasks.serving.gateway.protocol import (
     RequestError,
     parse,
 )
+from tasks.serving.gateway.replicas import Replicas
 from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
 from tasks.serving.gateway.shadow import Shadow
-from tasks.serving.gateway.upstream import Triton, upstream_error
+from tasks.serving.gateway.upstream import Triton
+from tasks.serving.routes import RouteTable, Version, read_record, write_record
+
+LEASE_CHECK_S = 0.5  # how often the gateway looks for a release's hold on the routes that lapsed
 
 
 @dataclass
 class GatewayConfig:
-    triton_url: str
-    service: str  # the router model: the name clients call
+    triton_url: str  # the (first) Triton replica
+    service: str  # the name clients call; the route table says which version answers
     context_tokens: int  # the model's context (max_position_embeddings)
     default_max_tokens: int = 64
     max_body_bytes: int = 1 << 20
@@ -51,11 +71,16 @@ class GatewayConfig:
     request_burst_s: float = 1.0  # seconds of that rate a client may send at once (serve.limits.burst_s)
     tokens_per_minute: int = 0  # per client; 0: no limit
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
-    # Shadow copies (tasks/serving/gateway/shadow.py): how often the router's `shadow` parameter is read (0: never,
-    # no copies), with Triton's control key as it is now (it changes when Triton restarts).
-    shadow_poll_s: float = 0
-    control_key: Callable[[], str | None] = lambda: None
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
+    # The deployment record the route table is kept in (tasks/serving/routes.py), read at start; None: kept in memory
+    record: Path | None = None
+    table: RouteTable | None = None  # the table to start with where no record holds one
+    control_key: str | None = None  # the key of the control API (control.py); None: the gateway has none
+    # serve.health: deadlines, probes (off unless given: probe_interval_s 0) and `recover`, which loads a Triton model
+    # again (probes.py); None: no recovery
+    health: HealthSection = field(default_factory=lambda: HealthSection(probe_interval_s=0))
+    recover: Recover | None = None
+    more_replicas: list[str] = field(default_factory=list)  # the other Tritons' URLs: every version is on each
     capture: CaptureSettings | None = None  # serve.capture: exchanges and feedback kept; None: neither
 
 
@@ -79,11 +104,26 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 class Gateway:
     def __init__(self, config: GatewayConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
-        self.triton = Triton(config.triton_url, config.service, transport)
+        health = config.health
         self.metrics = GatewayMetrics()
-        self.shadow = Shadow(
-            self.triton.client, config.service, self.metrics.registry, config.control_key, config.shadow_records
+        tritons = [
+            Triton(url, transport, health.first_byte_s, health.between_chunks_s)
+            for url in [config.triton_url, *config.more_replicas]
+        ]
+        self.triton = Replicas(tritons, self.metrics.registry, strict=health.probe_interval_s > 0)
+        self.prober = Prober(
+            self.triton,
+            self.metrics.registry,
+            health,
+            lambda: self.table.versions(),
+            lambda: self.table.routed(),
+            config.recover,
         )
+        self.shadow = Shadow(self.triton.generate, self.metrics.registry, config.shadow_records)
+        self.random = random.Random()
+        self.table = RouteTable(config.service)
+        self.table_lock = asyncio.Lock()
+        self.adopt(self.starting_table())
         self.capture = Capture(config.capture, self.metrics.registry) if config.capture else None
         tokenizer = None
         if config.tokenizer_dir is not None:
@@ -92,15 +132,86 @@ class Gateway:
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
         self.openai = OpenAIServing(
             self.triton,
+            config.service,
             config.context_tokens,
             config.default_max_tokens,
             tokenizer,
             config.apply_chat_template,
             self.shadow,
             self.capture,
+            self.draw,
+            self.metrics,
+            lambda: self.table,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute, config.request_burst_s)
+
+    # --- the route table ------------------------------------------------------------------------------------
+
+    def starting_table(self) -> RouteTable:
+        """The record's table with the champion alone (a candidate, a copy and a release's hold belong to the gateway's
+        earlier life, whose Triton may no longer hold the candidate); without a record, the configured table."""
+        config = self.config
+        recorded = read_record(config.record) if config.record is not None else None
+        if recorded is None:
+            return config.table or RouteTable(config.service)
+        if recorded.service != config.service:
+            raise ValueError(f"deployment record {config.record}: it is the record of {recorded.service}")
+        if recorded.candidate is not None or recorded.shadow is not None:
+            ERROR_LOG.warning(
+                "routes: %s had a candidate when its gateway stopped; the champion serves alone", recorded.service
+            )
+            return recorded.champion_alone()
+        return recorded
+
+    def adopt(self, table: RouteTable) -> None:
+        """Route by `table` from the next request on (written to the record first, where there is one)."""
+        if self.config.record is not None:
+            write_record(self.config.record, table)
+        self.table = table
+        self.shadow.follow(table)
+        for version in table.versions():
+            self.metrics.start_version(version.name)
+
+    async def change(self, table: RouteTable) -> None:
+        """`adopt`, one change at a time, the record written off the event loop."""
+        async with self.table_lock:
+            if self.config.record is not None:
+                await asyncio.to_thread(write_record, self.config.record, table)
+            self.table = table
+            self.shadow.follow(table)
+            for version in table.versions():
+                self.metrics.start_version(version.name)
+
+    def draw(self) -> Version:
+        """The version that answers a request for the service's name."""
+        version = self.table.draw(self.random)
+        if version is None:
+            raise RequestError(503, f"no version of {self.config.service} is served yet; retry shortly", retry_after=5)
+        return version
+
+    def version_named(self, name: str, pinned: bool) -> Version:
+        """The version a /v2 request names: the service (drawn by weight), or where `pinned`, one version itself."""
+        if name == self.config.service:
+            return self.draw()
+        version = self.table.version(name) if pinned else None
+        if version is None:
+            raise RequestError(404, f"model {name!r} is not served here; the service is {self.config.service!r}")
+        return version
+
+    async def watch_lease(self) -> None:
+        """Serve the champion alone once a release's hold on the routes lapsed (the release died or hangs)."""
+        while True:
+            await asyncio.sleep(LEASE_CHECK_S)
+            table = self.table
+            if table.expired(time.time()) and (table.candidate is not None or table.shadow is not None):
+                ERROR_LOG.warning(
+                    "routes: release %s let its hold on %s lapse; the champion serves alone",
+                    table.release,
+                    table.service,
+                )
+                self.metrics.leases_expired.inc()
+                await self.change(table.champion_alone())
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
@@ -117,8 +228,12 @@ class Gateway:
         return JSONResponse({"status": "live"})
 
     async def ready(self, request: Request) -> Response:
-        """Ready when the service name answers on Triton (the router and the model behind it are loaded)."""
-        ready = await self.triton.ready()
+        """Ready while every routed version answers its probes (without probes: its model is ready on Triton)."""
+        routed = self.table.routed()
+        if self.prober.enabled:
+            ready = await self.prober.ready()
+        else:
+            ready = bool(routed) and all(await asyncio.gather(*(self.triton.version_ready(v) for v in routed)))
         return JSONResponse({"status": "ready" if ready else "not ready"}, status_code=200 if ready else 503)
 
     async def prometheus(self, request: Request) -> Response:
@@ -171,32 +286,45 @@ class Gateway:
 
     async def triton_generate(self, request: Request) -> Response:
         """Triton's own generate / generate_stream for the service name, with keys and limits."""
-        name, streaming = request.path_params["model"], request.url.path.endswith("_stream")
         try:
             self.authorize(request)
-            if name != self.config.service:
-                raise RequestError(404, f"model {name!r} is not served here; the service is {self.config.service!r}")
-            generate = parse(GenerateRequest, await self.body(request))
-            body = generate.model_dump(exclude_none=True)
-            body["max_tokens"] = bounded_max_tokens(
-                generate.max_tokens, "max_tokens", self.config.context_tokens, self.config.default_max_tokens
-            )
-            if generate.min_length is not None:
-                bounded_max_tokens(generate.min_length, "min_length", body["max_tokens"], 0)
-            current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
-            path = f"/v2/models/{name}/{'generate_stream' if streaming else 'generate'}"
-            if not streaming:
-                started = time.perf_counter()
-                answer = await self.triton.forward(path, body)
-                if answer.status_code != 200:
-                    raise upstream_error(answer)
-                self.shadow.copy_answer(body, answer, time.perf_counter() - started)
-                self.keep_generate(generate, answer, started)
-                media_type = answer.headers.get("content-type", "application/json")
-                return Response(answer.content, status_code=answer.status_code, media_type=media_type)
-            upstream, chunks = await self.triton.forward_stream(path, body)
+            return await self.generate_v2(request, pinned=False)
         except RequestError as error:
             return triton_error(error)
+
+    async def generate_v2(self, request: Request, pinned: bool) -> Response:
+        """A /v2 generate[_stream] request answered by its version (`pinned`: a version may be named itself)."""
+        streaming = request.url.path.endswith("_stream")
+        version = self.version_named(request.path_params["model"], pinned)
+        generate = parse(GenerateRequest, await self.body(request))
+        body = generate.model_dump(exclude_none=True)
+        body["max_tokens"] = bounded_max_tokens(
+            generate.max_tokens, "max_tokens", self.config.context_tokens, self.config.default_max_tokens
+        )
+        if generate.min_length is not None:
+            bounded_max_tokens(generate.min_length, "min_length", body["max_tokens"], 0)
+        current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
+        started = time.perf_counter()
+        if not streaming:
+            try:
+                answer = await self.triton.forward(version, body)
+            except RequestError as error:
+                self.metrics.observe(version.name, error.status, time.perf_counter() - started)
+                raise
+            self.metrics.observe(version.name, 200, time.perf_counter() - started)
+            self.shadow.copy_answer(body, answer, time.perf_counter() - started)
+            self.keep_generate(generate, answer, started)
+            media_type = answer.headers.get("content-type", "application/json")
+            return Response(answer.content, status_code=answer.status_code, media_type=media_type)
+
+        def ended(whole: bool) -> None:
+            self.metrics.observe(version.name, 200 if whole else 502, time.perf_counter() - started)
+
+        try:
+            upstream, chunks = await self.triton.forward_stream(version, body, ended)
+        except RequestError as error:
+            self.metrics.observe(version.name, error.status, time.perf_counter() - started)
+            raise
         media_type = upstream.headers.get("content-type", "text/event-stream")
         return StreamingResponse(chunks, status_code=upstream.status_code, media_type=media_type)
 
@@ -215,7 +343,7 @@ class Gateway:
                     "at": time.time(),
                     "client": request.client,
                     "api": "generate",
-                    "routes": self.shadow.routes,
+                    "routes": self.table.describe(),
                     "messages": conversation(generate),
                     "answer": str(answer.json()["text_output"]),
                     "latency_s": round(time.perf_counter() - started, 6),
@@ -224,13 +352,13 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        watcher = (
-            asyncio.create_task(self.shadow.watch(self.config.shadow_poll_s)) if self.config.shadow_poll_s else None
-        )
+        watcher = asyncio.create_task(self.watch_lease())
+        prober = asyncio.create_task(self.prober.run()) if self.prober.enabled else None
         writer = asyncio.create_task(self.capture.run()) if self.capture is not None else None
         yield
-        if watcher is not None:
-            watcher.cancel()
+        watcher.cancel()
+        if prober is not None:
+            prober.cancel()
         if writer is not None:  # what is buffered is written before the gateway ends
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

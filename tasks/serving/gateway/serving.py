@@ -12,14 +12,14 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tasks.quality.chat import encode_prompt
-from tasks.serving.gateway.access import current
+from tasks.serving.gateway.access import GatewayMetrics, current
 from tasks.serving.gateway.capture import Capture
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
@@ -39,9 +39,10 @@ from tasks.serving.gateway.protocol import (
     StreamChunk,
     UsageInfo,
 )
+from tasks.serving.gateway.replicas import Replicas
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.stops import StopScanner, cut_at_stop
-from tasks.serving.gateway.upstream import Triton
+from tasks.serving.routes import RouteTable, Version
 
 DONE = b"data: [DONE]\n\n"
 
@@ -105,25 +106,33 @@ class Reply:
 
 
 class OpenAIServing:
-    """The /v1 completions of the service's model, answered by Triton; `tokenizer` counts usage (may be None)."""
+    """The /v1 completions of the service, each answered by the version `draw` gives, on Triton; `tokenizer` counts
+    usage (may be None)."""
 
     def __init__(
         self,
-        triton: Triton,
+        triton: Replicas,
+        service: str,
         context_tokens: int,
         default_max_tokens: int,
         tokenizer=None,
         apply_chat_template=True,
         shadow: Shadow | None = None,
         capture: Capture | None = None,
+        draw: Callable[[], Version] | None = None,
+        metrics: GatewayMetrics | None = None,
+        table: Callable[[], RouteTable] | None = None,
     ):
-        self.triton, self.context_tokens, self.default_max_tokens = triton, context_tokens, default_max_tokens
+        self.triton, self.service = triton, service
+        self.context_tokens, self.default_max_tokens = context_tokens, default_max_tokens
         self.tokenizer, self.apply_chat_template, self.shadow = tokenizer, apply_chat_template, shadow
-        self.capture = capture
+        self.capture, self.metrics = capture, metrics or GatewayMetrics()
+        self.draw = draw or (lambda: Version(service, service))
+        self.table = table or (lambda: RouteTable(service))
         self.tokenizer_lock = threading.Lock()
 
     def check_model(self, model: str | None) -> None:
-        if model not in (None, self.triton.model):
+        if model not in (None, self.service):
             raise RequestError(404, f"model {model!r} is not served here; GET /v1/models lists it", "model")
 
     def max_tokens(self, value: int | None, name: str) -> int:
@@ -144,7 +153,7 @@ class OpenAIServing:
             temperature=request.temperature,
             random_seed=request.seed,
         )
-        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=True))
+        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.service, chat=True))
 
     async def completion(self, request: CompletionRequest) -> Response:
         self.check_model(request.model)
@@ -154,21 +163,32 @@ class OpenAIServing:
             temperature=request.temperature,
             random_seed=request.seed,
         )
-        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=False))
+        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.service, chat=False))
 
     async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
+        version = self.draw()
         started = time.perf_counter()
         if not stream:
-            text, stopped = cut_at_stop(await self.triton.generate(inputs.payload()), stop)
+            try:
+                answer = await self.triton.generate(version, inputs.payload())
+            except RequestError as error:
+                self.metrics.observe(version.name, error.status, time.perf_counter() - started)
+                raise
+            self.metrics.observe(version.name, 200, time.perf_counter() - started)
+            text, stopped = cut_at_stop(answer, stop)
             self.copy_to_shadow(inputs, text, stop, started)
             usage = await self.usage(inputs, text)
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
             finish = self.finish_reason(stopped, usage, inputs)
             self.keep_exchange(inputs, text, reply, usage, finish, started)
             return JSONResponse(reply.whole(text, finish, usage))
-        pieces = self.triton.generate_stream(inputs.payload())
-        first = await anext(pieces, None)  # errors before the first token still get a status code
-        events = self.events(pieces, first, stop, reply, inputs, started)
+        pieces = self.triton.generate_stream(version, inputs.payload())
+        try:
+            first = await anext(pieces, None)  # errors before the first token still get a status code
+        except RequestError as error:
+            self.metrics.observe(version.name, error.status, time.perf_counter() - started)
+            raise
+        events = self.events(pieces, first, stop, reply, inputs, started, version)
         return StreamingResponse(events, media_type="text/event-stream")
 
     def copy_to_shadow(self, inputs: GenerateInputs, answer: str, stop: list[str], started: float) -> None:
@@ -183,6 +203,7 @@ class OpenAIServing:
         reply: Reply,
         inputs: GenerateInputs,
         started: float,
+        version: Version,
     ) -> AsyncIterator[bytes]:
         """The completion's server-sent events; a failure after the first piece ends them with an error event."""
         if reply.chat:
@@ -197,11 +218,13 @@ class OpenAIServing:
                     break
                 piece = await anext(pieces, None)
         except RequestError as error:
+            self.metrics.observe(version.name, error.status, time.perf_counter() - started)
             failure = ErrorResponse(error=ErrorInfo(message=error.message, type="server_error"))
             yield f"data: {failure.model_dump_json()}\n\n".encode()
             return
         finally:
             await pieces.aclose()
+        self.metrics.observe(version.name, 200, time.perf_counter() - started)
         if rest := scanner.flush():
             yield reply.chunk({"content": rest})
         self.copy_to_shadow(inputs, scanner.text, stop, started)
@@ -229,7 +252,7 @@ class OpenAIServing:
                 "at": time.time(),
                 "client": request.client,
                 "api": "chat" if reply.chat else "text",
-                "routes": self.shadow.routes if self.shadow is not None else "",
+                "routes": self.table().describe(),
                 "messages": conversation(inputs),
                 "answer": answer,
                 "prompt_tokens": usage.prompt_tokens,

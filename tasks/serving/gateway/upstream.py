@@ -1,18 +1,24 @@
 """The Triton behind the gateway, over its HTTP generate API (httpx on aiohttp), and how its failures reach clients.
 
-Triton answers a model's refusal (bad input, a prompt over the context) with 400: that goes back as it is.
-A Triton that cannot be reached, does not know the service's model (it is loading it again after a restart:
-the gateway checked the name) or fails is 503 with Retry-After, one that does not answer in time 504, one
-whose answer breaks off 502, so a client can tell its mistakes from the service's. A 5xx never carries
+Each call names the served version it goes to (tasks/serving/routes.py: its Triton model, and the adapter that
+model is asked for). Triton answers a model's refusal (bad input, a prompt over the context) with 400: that goes
+back as it is. A Triton that cannot be reached, does not know the version's model (it is loading it again after a
+restart: the gateway routes only to versions it was told are loaded), whose model's process died ("Stub process
+... is not healthy"), that fails or whose answer breaks off is 503 with Retry-After, one that does not answer in
+time 504, so a client can tell its mistakes from the service's. "In time" is two deadlines (serve.health):
+the first byte of the answer within `first_byte_s` (a whole answer, where it does not stream), each next chunk
+within `between_chunks_s`: no request waits on a model that stopped answering longer than that. A 5xx never carries
 Triton's or the model's own message (paths, library errors): that goes to the log under the request id the
 client gets. The transport can be given (httpx.MockTransport in the unit tests).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -21,32 +27,50 @@ from httpx_aiohttp import AiohttpTransport
 
 from tasks.serving.gateway.access import ERROR_LOG, current
 from tasks.serving.gateway.protocol import RequestError
+from tasks.serving.routes import Version
 
 # httpx's API on aiohttp's connections (httpx-aiohttp, the openai SDK's own aiohttp option): httpx's default
 # transport parses HTTP in pure Python (h11), which a profile of the gateway found in 49% of its busy samples at
 # concurrency 1; aiohttp's parser is C (benchmarks/gateway_overhead.py, one run: 0.88x -> 0.91x of Triton's
 # requests/s at concurrency 1, 0.30x -> 0.53x at 32).
 # Tests give a transport of their own (httpx.MockTransport).
-TIMEOUT = httpx.Timeout(300, connect=5)  # a long answer on a CPU takes minutes; a Triton that is there answers at once
+FIRST_BYTE_S, BETWEEN_CHUNKS_S = 120.0, 30.0  # serve.health's defaults
 JSON = {"content-type": "application/json"}
-TIMEOUTS = TIMEOUT.as_dict()  # the form a transport reads them in (request.extensions["timeout"])
+
+
+def chunk_timeouts(between_chunks_s: float) -> httpx.Timeout:
+    """httpx's timeouts: a Triton that is there accepts at once; each read waits at most `between_chunks_s`."""
+    return httpx.Timeout(between_chunks_s, connect=5)
 
 
 # Triton's words for a model it is (re)loading: "Request for unknown model: 'x' has no available versions",
-# "... is not ready"; with the name checked here, the service's model is only ever not loaded *yet*.
-NOT_LOADED = re.compile(r"unknown model|not ready|no available versions|not loaded", re.IGNORECASE)
-# A full queue (serve.max_queue_size): the python model's batcher says so with 503 itself; the router's refusal
-# comes as 400, because Triton 2.51 drops a Python-backend error's code on a decoupled model's response.
-BUSY = re.compile(r"Exceeds maximum queue size|requests in flight; retry shortly")
+# "... is not ready", and the base engine's for an adapter not (yet, or no longer) registered: "adapter 'x' is not
+# loaded on ...". The gateway routes only to versions a release loaded: such a model is only not loaded *yet*.
+NOT_LOADED = re.compile(r"unknown model|not ready|no available versions|not loaded|is not healthy", re.IGNORECASE)
+# A full queue (serve.max_queue_size): the python model's batcher says so with 503 itself; a decoupled model's
+# refusal comes as 400, because Triton 2.51 drops a Python-backend error's code on a decoupled model's response.
+BUSY = re.compile(r"Exceeds maximum queue size")
 RETRY_AFTER_S = 2  # Triton restarts with backoff from 1 s; a retry sooner would only find it down again
 
 
-def server_fault(status: int, detail: str) -> RequestError:
-    """A 5xx for the client, with its request id; what went wrong (Triton's own words) only in the log."""
+class Unanswered(RequestError):
+    """A 503 for a request this Triton did not start answering (nothing reached the client yet): it could not be
+    reached (`down`), or the version's model is not (or no longer) loaded there. Another replica may answer it."""
+
+    def __init__(self, message: str, down: bool):
+        super().__init__(503, message, code="service_unavailable", retry_after=RETRY_AFTER_S)
+        self.down = down
+
+
+def server_fault(status: int, detail: str, down: bool | None = None) -> RequestError:
+    """A 5xx for the client, with its request id; what went wrong (Triton's own words) only in the log. `down`: a
+    503 of a request not started (Unanswered), the Triton unreachable (True) or the model not loaded (False)."""
     request_id = current().id
     ERROR_LOG.warning("request %s: model server fault (%s): %s", request_id, status, detail[:2000])
     if status == 503:
         message = f"the model server is not available; try again shortly (request id {request_id})"
+        if down is not None:
+            return Unanswered(message, down)
         return RequestError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_S)
     return RequestError(status, f"the model server failed to answer (request id {request_id})", code="server_error")
 
@@ -58,7 +82,9 @@ def upstream_error(response: httpx.Response) -> RequestError:
         return RequestError(503, "the service is at its limit of requests; retry shortly", retry_after=1)
     if response.status_code == 400 and not NOT_LOADED.search(message):
         return RequestError(400, message)
-    return server_fault(503, f"HTTP {response.status_code}: {message}")
+    return server_fault(
+        503, f"HTTP {response.status_code}: {message}", down=False if NOT_LOADED.search(message) else None
+    )
 
 
 def upstream_message(response: httpx.Response) -> str:
@@ -69,48 +95,72 @@ def upstream_message(response: httpx.Response) -> str:
 
 
 class Triton:
-    """The generate calls of one served model (the service's router model)."""
+    """The generate calls of the served versions on one Triton."""
 
-    def __init__(self, url: str, model: str, transport: httpx.AsyncBaseTransport | None = None):
-        self.url, self.model = url, model
+    def __init__(
+        self,
+        url: str,
+        transport: httpx.AsyncBaseTransport | None = None,
+        first_byte_s: float = FIRST_BYTE_S,
+        between_chunks_s: float = BETWEEN_CHUNKS_S,
+    ):
+        self.url, self.first_byte_s = url, first_byte_s
         self.transport = transport or AiohttpTransport()
-        self.client = httpx.AsyncClient(base_url=url, timeout=TIMEOUT, transport=self.transport)
-        self.urls: dict[str, httpx.URL] = {}  # the /v2 paths forwarded (two: generate and generate_stream)
+        self.timeout = chunk_timeouts(between_chunks_s)
+        self.timeouts = self.timeout.as_dict()  # the form a transport reads them in (request.extensions["timeout"])
+        self.client = httpx.AsyncClient(base_url=url, timeout=self.timeout, transport=self.transport)
+        self.urls: dict[str, httpx.URL] = {}  # the /v2 paths forwarded (generate and generate_stream per model)
 
     def unreachable(self, exc: httpx.HTTPError) -> RequestError:
         """The error a client gets when Triton could not be asked or did not answer."""
         # httpx-aiohttp 0.2.0 maps every aiohttp.ClientConnectionError, a refused or dropped connection included,
         # to ConnectTimeout (httpx_aiohttp/transport.py, AIOHTTP_EXC_MAP): Triton is not there either way
         if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-            return server_fault(503, f"not reachable: {exc}")
+            return server_fault(503, f"{self.url} not reachable: {exc}", down=True)
         if isinstance(exc, httpx.TimeoutException):
             return RequestError(504, "the model server did not answer in time", code="timeout")
-        return server_fault(502, f"its answer broke off: {type(exc).__name__}: {exc}")
+        return server_fault(503, f"{self.url}: its answer broke off: {type(exc).__name__}: {exc}")
 
-    async def ready(self) -> bool:
+    async def ready(self, model: str) -> bool:
         try:
-            response = await self.client.get(f"/v2/models/{self.model}/ready", timeout=5)
+            response = await self.client.get(f"/v2/models/{model}/ready", timeout=5)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
-    async def generate(self, inputs: dict[str, Any]) -> str:
+    async def version_ready(self, version: Version) -> bool:
+        """The version's model is ready (and, for an adapter, the version's own model that registered it)."""
+        return await self.ready(version.model) and (version.adapter is None or await self.ready(version.name))
+
+    @contextlib.asynccontextmanager
+    async def first_byte(self) -> AsyncIterator[None]:
+        """Within serve.health.first_byte_s, or 504."""
         try:
-            response = await self.client.post(f"/v2/models/{self.model}/generate", json=inputs)
+            async with asyncio.timeout(self.first_byte_s):
+                yield
+        except TimeoutError:
+            ERROR_LOG.warning("request %s: no answer within %ss", current().id, self.first_byte_s)
+            raise RequestError(504, "the model server did not answer in time", code="timeout") from None
+
+    async def generate(self, version: Version, inputs: dict[str, Any]) -> str:
+        try:
+            async with self.first_byte():
+                response = await self.client.post(f"/v2/models/{version.model}/generate", json=version.inputs(inputs))
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         if response.status_code != 200:
             raise upstream_error(response)
         return str(response.json()["text_output"])
 
-    async def generate_stream(self, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
+    async def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
         """The text pieces of Triton's SSE stream. Any failure, before the first piece or after, raises
         RequestError: an error event of Triton's, a broken connection, an event that is not JSON."""
         request = self.client.build_request(
-            "POST", f"/v2/models/{self.model}/generate_stream", json={**inputs, "stream": True}
+            "POST", f"/v2/models/{version.model}/generate_stream", json=version.inputs({**inputs, "stream": True})
         )
         try:
-            response = await self.client.send(request, stream=True)
+            async with self.first_byte():
+                response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         try:
@@ -136,32 +186,40 @@ class Triton:
             except ValueError:
                 raise server_fault(502, f"an event that is not JSON: {line[:200]!r}") from None
 
-    async def send(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def send(self, version: Version, streaming: bool, body: dict[str, Any]) -> httpx.Response:
         """A /v2 request straight to the transport, its answer's body not yet read.
 
         Not through AsyncClient.send: its layers (auth, redirects, cookies, URL merging) do nothing for a POST to
         Triton and were a sixth of the gateway's CPU per request at concurrency 32 (py-spy of
         benchmarks/gateway_overhead.py). Its timeouts go as AsyncClient would hand them over."""
+        path = f"{version.model}/{'generate_stream' if streaming else 'generate'}"
         url = self.urls.get(path)
         if url is None:
-            url = self.urls[path] = httpx.URL(self.url + path)
-        request = httpx.Request("POST", url, content=orjson.dumps(body), headers=JSON, extensions={"timeout": TIMEOUTS})
-        return await self.transport.handle_async_request(request)
+            url = self.urls[path] = httpx.URL(f"{self.url}/v2/models/{path}")
+        content = orjson.dumps(version.inputs(body))
+        request = httpx.Request("POST", url, content=content, headers=JSON, extensions={"timeout": self.timeouts})
+        async with self.first_byte():
+            return await self.transport.handle_async_request(request)
 
-    async def forward(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """Triton's answer to a /v2 request, read whole."""
+    async def forward(self, version: Version, body: dict[str, Any]) -> httpx.Response:
+        """Triton's answer to a /v2 request, read whole; a refusal or fault raised as RequestError."""
         try:
-            response = await self.send(path, body)
+            response = await self.send(version, False, body)
             await response.aread()  # closes it, the connection back in the pool
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
+        if response.status_code != 200:
+            raise upstream_error(response)
         return response
 
-    async def forward_stream(self, path: str, body: dict[str, Any]) -> tuple[httpx.Response, AsyncIterator[bytes]]:
+    async def forward_stream(
+        self, version: Version, body: dict[str, Any], ended: Callable[[bool], None] = lambda ok: None
+    ) -> tuple[httpx.Response, AsyncIterator[bytes]]:
         """Triton's answer to a /v2 streaming request: the response (status, headers) and its bytes, relayed as
-        they come; a connection that breaks off ends the stream with an error event in Triton's shape."""
+        they come; a connection that breaks off ends the stream with an error event in Triton's shape. `ended`
+        hears whether the relay ended whole (True) or broke off (False)."""
         try:
-            response = await self.send(path, body)
+            response = await self.send(version, True, body)
             if response.status_code != 200:
                 await response.aread()
                 raise upstream_error(response)
@@ -169,12 +227,15 @@ class Triton:
             raise self.unreachable(exc) from None
 
         async def relay() -> AsyncIterator[bytes]:
+            whole = False
             try:
                 async for chunk in response.aiter_bytes():  # decoded, should Triton compress
                     yield chunk
+                whole = True
             except httpx.HTTPError as exc:
                 yield f"data: {json.dumps({'error': self.unreachable(exc).message})}\n\n".encode()
             finally:
+                ended(whole)
                 await response.aclose()
 
         return response, relay()

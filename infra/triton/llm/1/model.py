@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-# model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
+# model_text.py is tasks/text/model_text.py, copied next to this file when the model is rendered
 from model_text import chat_history, encode_prompt, input_value, stream_delta
 
 

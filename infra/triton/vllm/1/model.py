@@ -30,7 +30,8 @@ and meanings, line numbers of 0.24.0 in brackets):
   on CPU (v1/worker/cpu_model_runner.py:71-72, platforms/cpu.py:379-380, PunicaWrapperCPU l.607);
   lora/request.py:8-38 LoRARequest(lora_name, lora_int_id >= 1, lora_path); AsyncLLM.generate(...,
   lora_request=) (v1/engine/async_llm.py:698-708) loads an adapter on its first request; remove_lora(lora_id)
-  (l.1193) frees it
+  (l.1193) frees it. A request names an adapter by name only: its files come from the adapter map that loading the
+  version's model (infra/triton/lora, with the control key) wrote (adapter_registry.py), never from the request
 - vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
   min_tokens, skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE)
   [l.199: temperature l.236, top_k l.243, seed l.250, max_tokens l.262, min_tokens l.264,
@@ -52,7 +53,10 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-# model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
+# adapter_registry.py is tasks/serving/adapter_registry.py, copied next to this file when the model is rendered
+from adapter_registry import active, registry_root
+
+# model_text.py is tasks/text/model_text.py, copied next to this file when the model is rendered
 from model_text import chat_history, encode_prompt, input_value, stream_delta
 
 # vLLM's engine core runs in a child process that nothing ties to this stub's life: SIGKILL tritonserver
@@ -79,6 +83,7 @@ for pid in victims:
 
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
+RETIRED_CHECK_S = 2.0  # how often the engine frees the adapters whose version was unloaded
 # Engine arguments rendered empty where vLLM's default stands: GPU settings on CPU, the KV cache size on cuda
 OPTIONAL_ENGINE_ARGS = {"kv_cache_memory_bytes": int, "gpu_memory_utilization": float, "tensor_parallel_size": int}
 
@@ -122,7 +127,9 @@ class TritonPythonModel:
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
         # serve.lora adapter: this engine serves the base model and, per request, the adapter it names
         self.enable_lora = params.get("enable_lora") == "true"
-        self.lora_ids = {}  # adapter name -> vLLM's lora_int_id (unique per adapter, never reused)
+        self.model_name = args["model_name"]
+        self.lora_root = registry_root() if self.enable_lora else None
+        self.loras = {}  # adapter name -> vLLM's LoRARequest (its lora_int_id unique per registration, never reused)
         self.lora_counter = itertools.count(1)
         lora_args = {}
         if self.enable_lora:
@@ -160,6 +167,8 @@ class TritonPythonModel:
                 f"vLLM engine for {model_dir} failed to start: {exc} (its engine core's error is in tritonserver's log)"
             ) from exc
         self.context_tokens = self.engine.model_config.max_model_len
+        if self.enable_lora:
+            asyncio.run_coroutine_threadsafe(self.free_retired(), self.loop)
         self.watcher = subprocess.Popen(
             [sys.executable, "-c", WATCHER, f"{os.getppid()},{os.getpid()}", ",".join(map(str, engine_processes()))]
         )
@@ -192,35 +201,45 @@ class TritonPythonModel:
         return ids, sampling, text, stream, echo, self.adapter(request)
 
     def adapter(self, request):
-        """The LoRARequest of the adapter a request names (infra/triton/adapter sets it), or None: the base model."""
+        """The LoRARequest of the adapter a request names by name (the gateway sets it), or None: the base model.
+        Only a name registered in this engine's adapter map (by loading the version's model) is served. Anything
+        else about adapters (a folder, say) is refused: Triton's generate API turns a body's keys that are no input
+        into request parameters (InferenceRequest.parameters(), a JSON string: python_backend src/pb_stub.cc), which
+        no adapter is ever taken from."""
+        parameters = json.loads(request.parameters() or "{}") if hasattr(request, "parameters") else {}
+        named = sorted(key for key in parameters if key.startswith("lora"))
+        if named:
+            raise ValueError(
+                f"{', '.join(named)}: a request names an adapter by lora_name only; its files come from loading "
+                "its version's model"
+            )
         name = input_value(request, "lora_name", "")
         if not name:
             return None
         if not self.enable_lora:
             raise ValueError(f"adapter {name!r}: this model serves no adapters (serve.lora merged)")
-        path = input_value(request, "lora_path", "")
-        if name not in self.lora_ids:  # checked once per adapter, not on every request
-            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-                raise ValueError(f"adapter {name!r}: no adapter_config.json in {path!r}")
-            self.lora_ids[name] = next(self.lora_counter)
-        lora_id = self.lora_ids[name]
-        return self.LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        lora = self.loras.get(name)
+        if lora is None:
+            entry = active(self.lora_root, self.model_name, name)
+            if entry is None:
+                raise ValueError(f"adapter {name!r} is not loaded on {self.model_name}")
+            lora = self.LoRARequest(lora_name=name, lora_int_id=next(self.lora_counter), lora_path=entry["path"])
+            self.loras[name] = lora
+        return lora
 
-    def release(self, request, sender):
-        """Free a retired adapter (the orchestrator asks once it unloaded the adapter's model)."""
-        name = input_value(request, "lora_name", "")
-        lora_id = self.lora_ids.pop(name, None)
-        if lora_id is not None:
-            asyncio.run_coroutine_threadsafe(self.engine.remove_lora(lora_id), self.loop).result(timeout=60)
-        self.respond(sender, "released" if lora_id is not None else "not held", True)
+    async def free_retired(self):
+        """Free in the engine the adapters whose version's model was unloaded (retired in the map)."""
+        while True:
+            await asyncio.sleep(RETIRED_CHECK_S)
+            for name, lora in list(self.loras.items()):
+                if active(self.lora_root, self.model_name, name) is None:
+                    self.loras.pop(name, None)
+                    await self.engine.remove_lora(lora.lora_int_id)
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                if input_value(request, "lora_release", False):
-                    self.release(request, sender)
-                    continue
                 job = self.parse(request)
             except Exception as exc:  # a bad request fails alone
                 sender.send(

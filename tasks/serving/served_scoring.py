@@ -1,19 +1,20 @@
-"""Task quality where users are served: the eval split answered by the models Triton serves.
+"""Task quality where users are served: the eval split answered by the versions the service serves.
 
-Each eval question goes to `/v2/models/<candidate or champion>/generate` with the inputs a client
-sends (text_input, chat_history for a system prompt or earlier turns, max_tokens), so the answers
-pass through the serving model's own prompt encoding, tokenizer and stop tokens. They are scored
+Each eval question goes through the service's gateway to `/v2/models/<candidate or champion>/generate` with the
+inputs a client sends (text_input, chat_history for a system prompt or earlier turns, max_tokens), so the answers
+pass through the gateway and the serving model's own prompt encoding, tokenizer and stop tokens. They are scored
 with the same metrics as the offline answers (tasks/quality/metrics.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from tasks.quality.chat import Conversation, serving_request
-from tasks.quality.metrics import TEXT_METRICS, text_scores
-from tasks.serving.client import Triton
+from tasks.quality.metrics import text_scores
 
 SERVED_ANSWERS_FILE = "served_answers.json"
 CONCURRENCY = 4  # a few requests in flight: the model batches them, as it does for clients
@@ -27,13 +28,15 @@ class ServedScores:
     answer_tokens: list[int]  # tokens of each served answer, by the served model's tokenizer
 
 
-def served_metric(metric: str) -> str:
-    """The metric served answers are compared on: the gate metric, or ROUGE-L for answer_loss (a
-    likelihood of the reference answer, which `/generate` does not return)."""
-    return metric if metric in TEXT_METRICS else "rouge_l"
+class Answers(Protocol):
+    """What answers a version by name (the service's control API: tasks/serving/service.py)."""
+
+    def generate(
+        self, name: str, text: str, max_tokens: int, timeout: float, history: Sequence[Mapping[str, object]] | None
+    ) -> str: ...
 
 
-def ask(triton: Triton, model: str, conversations: list[Conversation], max_tokens: int) -> list[str]:
+def ask(triton: Answers, model: str, conversations: list[Conversation], max_tokens: int) -> list[str]:
     def one(conversation: Conversation) -> str:
         text, history = serving_request(conversation)
         return triton.generate(model, text, max_tokens=max_tokens, timeout=120, history=history).strip()
@@ -43,7 +46,7 @@ def ask(triton: Triton, model: str, conversations: list[Conversation], max_token
 
 
 def score_served(
-    triton: Triton, model: str, conversations: list[Conversation], max_tokens: int, tokenizer
+    triton: Answers, model: str, conversations: list[Conversation], max_tokens: int, tokenizer
 ) -> ServedScores:
     answers = ask(triton, model, conversations, max_tokens)
     per_sample = text_scores(answers, [c[-1]["content"] for c in conversations])

@@ -1,0 +1,182 @@
+"""The Triton replicas of `llmops serve`: `serve.replicas` tritonserver processes it starts and keeps (the first on
+`serve.listen`'s ports, the others on free ones chosen once), or Tritons it does not own (`llmops serve --triton-url`
+repeated). Every version in the service's route table is loaded on each; the gateway balances over them
+(tasks/serving/gateway/replicas.py).
+
+A replica this serve started that dies is started again on its ports with backoff (1, 2, 4 ... 30 s) and every
+version of the table loaded on it again; after `serve.listen.restart_limit` deaths in a row (each within a minute of
+its start) the serve gives up (exit 4). A model that keeps failing its probes is loaded again on its replica
+(`recover`); where that fails and it serves the champion on a replica this serve started, that replica is SIGKILLed,
+and so restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tasks.platform.config import ListenSection
+from tasks.platform.errors import CheckFailed, TransientError
+from tasks.platform.ports import free_port
+from tasks.platform.stage_cache import RunContext
+from tasks.serving.champion import released_profile, served_of, triton_launch
+from tasks.serving.client import Triton
+from tasks.serving.models import Served, install_model
+from tasks.serving.routes import RouteTable, Version
+from tasks.serving.server import TritonServer
+
+STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
+
+
+@dataclass
+class Replica:
+    index: int
+    client: Triton
+    server: TritonServer | None = None  # None: a Triton this serve does not own
+    ports: tuple[int, int, int] | None = None
+    deaths: int = 0
+    started: float = field(default_factory=time.monotonic)
+    restarting: bool = False  # the fleet starts it again and loads its versions: no recovery meanwhile
+
+    @property
+    def owned(self) -> bool:
+        return self.server is not None
+
+    def running(self) -> bool:
+        return self.server is None or self.server.running()
+
+
+class Fleet:
+    def __init__(self, ctx: RunContext, listen: ListenSection, say: Callable[[str], None] = print):
+        self.ctx, self.listen, self.say = ctx, listen, say
+        self.replicas: list[Replica] = []
+        self.table: Callable[[], RouteTable | None] = lambda: None  # the gateway's table, once there is a gateway
+        self.probe: Callable[[], None] = lambda: None  # the gateway's probes, at once (a restarted replica rejoins)
+
+    @property
+    def tritons(self) -> list[Triton]:
+        return [replica.client for replica in self.replicas]
+
+    # --- starting ---------------------------------------------------------------------------------------------
+
+    def start(self, first_ports: tuple[int, int, int], count: int, champion: Served) -> None:
+        """`count` tritonserver processes, `champion` loaded on each."""
+        try:
+            for index in range(count):
+                ports = first_ports if index == 0 else (free_port(), free_port(), free_port())
+                server = self.spawn(index, ports)
+                replica = Replica(index, server.client, server, ports)
+                self.replicas.append(replica)
+                self.load(replica, [champion])
+        except BaseException:
+            self.stop()
+            raise
+
+    def attach(self, tritons: list[Triton], champion: Served) -> None:
+        """Tritons this serve does not own, `champion` loaded on each (its files sent where none shares a disk)."""
+        for index, triton in enumerate(tritons):
+            replica = Replica(index, triton)
+            self.replicas.append(replica)
+            self.load(replica, [champion])
+
+    def spawn(self, index: int, ports: tuple[int, int, int] | None) -> TritonServer:
+        ctx = self.ctx
+        launcher, env = triton_launch(ctx.profile, ctx.home)
+        return TritonServer.start(
+            ctx.home,
+            ctx.profile.serve.triton_binary,
+            launcher=launcher,
+            extra_env=env,
+            host=self.listen.triton_host,
+            ports=ports,
+            die_with_parent=threading.current_thread() is threading.main_thread(),
+            replica=index,
+        )
+
+    def load(self, replica: Replica, versions: list[Served]) -> None:
+        for served in versions:
+            install_model(replica.client, released_profile(self.ctx.profile, served), served)
+
+    # --- keeping them up ----------------------------------------------------------------------------------------
+
+    def dead(self) -> list[Replica]:
+        return [replica for replica in self.replicas if not replica.running()]
+
+    def restart(self, replica: Replica, stopped: threading.Event) -> bool:
+        """Start a dead replica again with backoff and load the table's versions on it; False when stopped meanwhile.
+        Past serve.listen.restart_limit deaths in a row: TransientError."""
+        assert replica.server is not None
+        replica.restarting = True
+        try:
+            return self.restart_with_backoff(replica, stopped)
+        finally:
+            replica.restarting = False
+
+    def restart_with_backoff(self, replica: Replica, stopped: threading.Event) -> bool:
+        assert replica.server is not None
+        code = replica.server.process.returncode
+        self.say(f"llmops serve: Triton {replica.client.url} exited with {code} ({replica.server.log_tail(2)})")
+        replica.deaths = replica.deaths + 1 if time.monotonic() - replica.started < STAYED_UP_S else 1
+        while replica.deaths <= self.listen.restart_limit:
+            delay = min(30, 2 ** (replica.deaths - 1))
+            self.say(
+                f"llmops serve: restarting Triton in {delay}s (death {replica.deaths} of {self.listen.restart_limit} "
+                "allowed)"
+            )
+            if stopped.wait(delay):
+                return False
+            try:
+                replica.server = self.spawn(replica.index, replica.ports)
+                replica.client, replica.started = replica.server.client, time.monotonic()
+                self.load(replica, self.table_versions())
+            except (TransientError, OSError, CheckFailed) as exc:
+                self.say(f"llmops serve: restart failed: {exc}")
+                replica.deaths += 1
+                continue
+            self.probe()
+            self.say(f"llmops serve: Triton restarted ({replica.client.url}); every version serving again")
+            return True
+        raise TransientError(
+            f"Triton died {replica.deaths} {'time' if replica.deaths == 1 else 'times'} in a row "
+            f"(serve.listen.restart_limit {self.listen.restart_limit}); "
+            f"see {replica.server.log_path}"
+        )
+
+    def table_versions(self) -> list[Served]:
+        """The versions of the gateway's table (the champion first), from the store alone."""
+        table = self.table()
+        versions: list[Version] = table.versions() if table is not None else []
+        return [served_of(self.ctx, self.ctx.profile.registry.model_name, v) for v in versions]
+
+    def recover(self, url: str, model: str) -> str:
+        """The gateway's probes' recovery of `model` on replica `url` (tasks/serving/gateway/probes.py)."""
+        replica = next(r for r in self.replicas if r.client.url == url)
+        if replica.restarting:
+            return "restarting"
+        try:
+            if replica.owned:
+                replica.client.load(model, timeout=self.ctx.profile.serve.load_timeout_s)
+            else:  # its repository is not this machine's: the versions' files go with their load requests again
+                for served in self.table_versions():
+                    if model in (served.name, served.answered_by[0]):
+                        replica.client.unload(model)
+                        self.load(replica, [served])
+            return "reloaded"
+        except (CheckFailed, TransientError) as exc:
+            table = self.table()
+            champion = table.champion if table is not None else None
+            if not replica.owned or champion is None or champion.model != model or not replica.running():
+                raise
+            assert replica.server is not None
+            self.say(f"llmops serve: {model} did not load again on {url} ({exc}); restarting that Triton")
+            os.killpg(replica.server.process.pid, signal.SIGKILL)
+            return "restarted"
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            if replica.server is not None:
+                replica.server.stop()

@@ -1,0 +1,166 @@
+"""The control API of `llmops serve`: what releases (and operators) change on a running service, on a listener of its
+own (loopback by default; serve.listen.control_host), every call authenticated by the serve's control key in the
+`llmops-control-key` header (never a client's API key).
+
+    GET    /control/v1/deployment   the route table: champion, candidate, weights, shadow, the release holding it
+    PUT    /control/v1/deployment   a whole table (a release's candidate, a promotion, a rollback), with lease_s
+    PUT    /control/v1/routes       {"weights": {VERSION: WEIGHT, ...}, "release": RUN, "lease_s": S}: a canary step
+    PUT    /control/v1/shadow       {"version": VERSION, "fraction": F, "release": RUN, "lease_s": S}: copies start
+    DELETE /control/v1/shadow       copies stop
+    PUT    /control/v1/lease        {"release": RUN, "lease_s": S}: the release that holds the routes holds them longer
+    POST   /v2/models/NAME/generate[_stream]   the service's name (drawn by weight) or one version by its name:
+                                    the release's probes and served scoring, through the gateway's own path
+    GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
+
+A change takes effect for the next request (the table is swapped in memory, no model is loaded again) once the
+deployment record holds it (tasks/serving/routes.py). `lease_s`: the release's hold on a candidate's routes or a
+shadow copy; past it, the gateway serves the champion alone (a release that died never leaves traffic split). Every
+refusal is Triton's error shape, {"error": "..."}, naming the field.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tasks.serving.client import CONTROL_HEADER
+from tasks.serving.gateway.access import Guard, current, triton_error
+from tasks.serving.gateway.app import Gateway
+from tasks.serving.gateway.limits import ClientLimits
+from tasks.serving.gateway.protocol import RequestError
+from tasks.serving.routes import RoutesError, RouteTable, parse_weights
+
+CONTROL_CLIENT = "control"  # the client name the control key's requests are counted under
+MAX_LEASE_S = 24 * 3600.0
+
+
+class ControlApi:
+    def __init__(self, gateway: Gateway, key: str):
+        self.gateway, self.key = gateway, key
+
+    def authorize(self, request: Request) -> None:
+        given = request.headers.get(CONTROL_HEADER, "")
+        if not given or not hmac.compare_digest(given.encode(), self.key.encode()):
+            raise RequestError(401, f"the control API needs the serve's control key in the {CONTROL_HEADER} header")
+        current().client = CONTROL_CLIENT
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        body = await self.gateway.body(request)
+        try:
+            data = orjson.loads(body) if body else {}
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(400, f"request body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RequestError(400, "request body must be a JSON object")
+        return data
+
+    @staticmethod
+    def lease(data: dict[str, Any]) -> float | None:
+        value = data.get("lease_s")
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_LEASE_S:
+            raise RequestError(400, f"lease_s: seconds in (0, {MAX_LEASE_S:.0f}]")
+        return float(value)
+
+    async def apply(self, table: RouteTable, data: dict[str, Any]) -> Response:
+        """Check `table`, make it the gateway's (record first), answer it."""
+        try:
+            table.check()
+        except RoutesError as exc:
+            raise RequestError(400, str(exc)) from None
+        lease, now = self.lease(data), time.time()
+        # a change that gives no lease keeps the hold there is (a shadow stopped while a candidate is routed)
+        expires_at = now + lease if lease else table.expires_at if table.release else None
+        held = replace(table, updated_at=now, expires_at=expires_at)
+        await self.gateway.change(held)
+        return JSONResponse(held.as_json())
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+            if request.method == "GET":
+                return JSONResponse(self.gateway.table.as_json())
+            data = await self.read_json(request) if request.method == "PUT" else {}
+            if request.url.path.endswith("/lease"):
+                return await self.renew(data)
+            return await self.apply(self.changed(request.url.path, request.method, data), data)
+        except RequestError as error:
+            return triton_error(error)
+
+    async def renew(self, data: dict[str, Any]) -> Response:
+        """The hold of the release that holds the routes, `lease_s` from now; the routes themselves untouched."""
+        table, lease = self.gateway.table, self.lease(data)
+        if lease is None or not data.get("release") or data["release"] != table.release:
+            raise RequestError(
+                409, f"release: the routes are held by {table.release or 'no release'}, not {data.get('release')}"
+            )
+        held = replace(table, expires_at=time.time() + lease)
+        await self.gateway.change(held)
+        return JSONResponse(held.as_json())
+
+    def changed(self, path: str, method: str, data: dict[str, Any]) -> RouteTable:
+        """The table a PUT or DELETE asks for."""
+        table = self.gateway.table
+        release = data.get("release") or None
+        if release is not None and not isinstance(release, str):
+            raise RequestError(400, "release: a run id or null")
+        try:
+            if path.endswith("/deployment"):
+                return RouteTable.of({**data, "service": table.service, "updated_at": time.time()})
+            if path.endswith("/routes"):
+                return replace(table, weights=parse_weights(data.get("weights")), release=release)
+            if method == "DELETE":
+                return replace(table, shadow=None, shadow_fraction=0.0)
+            fraction = data.get("fraction")
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+                raise RoutesError("fraction: a number in (0, 1]")
+            return replace(
+                table, shadow=str(data.get("version") or ""), shadow_fraction=float(fraction), release=release
+            )
+        except RoutesError as exc:
+            raise RequestError(400, str(exc)) from None
+
+    async def generate(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+            return await self.gateway.generate_v2(request, pinned=True)
+        except RequestError as error:
+            return triton_error(error)
+
+    async def not_routed(self, request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        return triton_error(RequestError(status, f"no route {request.method} {request.url.path} here"))
+
+    def app(self, lifespan: bool = False) -> Starlette:
+        """The control listener's app; `lifespan`: it runs the gateway's background work (a gateway with no client
+        listener: the temporary one of `llmops run`)."""
+        gateway = self.gateway
+        routes = [
+            Route("/health/live", gateway.live),
+            Route("/health/ready", gateway.ready),
+            Route("/metrics", gateway.prometheus),
+            Route("/control/v1/deployment", self.handle, methods=["GET", "PUT"]),
+            Route("/control/v1/routes", self.handle, methods=["PUT"]),
+            Route("/control/v1/shadow", self.handle, methods=["PUT", "DELETE"]),
+            Route("/control/v1/lease", self.handle, methods=["PUT"]),
+            Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
+            Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
+        ]
+        guard = Middleware(Guard, routes=routes, limits=ClientLimits(0, 0, 1), metrics=gateway.metrics, max_in_flight=0)
+        return Starlette(
+            routes=routes,
+            middleware=[guard],
+            exception_handlers={HTTPException: self.not_routed},
+            lifespan=gateway.lifespan if lifespan else None,
+        )

@@ -1,0 +1,166 @@
+"""Synthetic requests to every version in the route table, readiness from them, and the recovery of a model that
+stopped answering (serve.health).
+
+Every `probe_interval_s` each version (the champion, and a candidate at any weight) gets a one-token generate
+request on every replica, within `probe_timeout_s`. A replica is in the pool (replicas.py) while every routed version
+answers there; /health/ready is 200 while a replica is: a model that stopped answering turns readiness false within
+one interval and one timeout (where it was on the last replica), whatever Triton's own readiness says (a
+Python-backend model whose stub died stays READY in Triton 2.51 and fails every request sent to that instance).
+After `recover_after` failed probes in a row the version's Triton model on that replica is recovered by `recover`
+(loading it again; `llmops serve` restarts the replica's Triton where that fails), at most once per
+`recover_cooldown_s`. Everything is counted on /metrics: each probe's outcome, each version's state per replica,
+each recovery's outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tasks.platform.config.serving import HealthSection
+from tasks.serving.gateway.access import CURRENT, RequestRecord
+from tasks.serving.gateway.protocol import RequestError
+from tasks.serving.gateway.replicas import Replica, Replicas
+from tasks.serving.routes import Version
+
+LOG = logging.getLogger("llmops.gateway")
+PROBE = {"text_input": "ping", "max_tokens": 1, "exclude_input_in_output": True}
+
+
+@dataclass
+class VersionHealth:
+    answered: bool = False  # the last probe's outcome
+    failures: int = 0  # failed probes in a row
+    probed_at: float = 0.0
+
+
+Recover = Callable[[str, str], str]  # (replica URL, Triton model) -> what was done: "reloaded", "restarted"
+
+
+class Prober:
+    """The probes of one gateway: `versions()` says what to probe, `routed()` what must answer for a replica to be
+    in the pool, `recover(replica, model)` loads a model again (blocking)."""
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        registry: CollectorRegistry,
+        health: HealthSection,
+        versions: Callable[[], list[Version]],
+        routed: Callable[[], list[Version]],
+        recover: Recover | None = None,
+    ):
+        self.replicas, self.health, self.recover = replicas, health, recover
+        self.versions, self.routed = versions, routed
+        self.state: dict[tuple[str, str], VersionHealth] = {}  # (replica URL, version name)
+        self.recovered_at: dict[tuple[str, str], float] = {}
+        self.recovering: set[tuple[str, str]] = set()
+        self.probes = Counter(
+            "llmops_gateway_probes",
+            "Synthetic requests to each version on each replica, by outcome (ok, failed).",
+            ["replica", "version", "outcome"],
+            registry=registry,
+        )
+        self.up = Gauge(
+            "llmops_gateway_version_up",
+            "1 while the version's last probe on the replica answered, else 0.",
+            ["replica", "version"],
+            registry=registry,
+        )
+        self.recoveries = Counter(
+            "llmops_gateway_recoveries",
+            "Recoveries of a Triton model whose probes kept failing, by outcome (reloaded, restarted, failed).",
+            ["replica", "model", "outcome"],
+            registry=registry,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.health.probe_interval_s > 0
+
+    async def run(self) -> None:
+        """Probe until cancelled."""
+        while True:
+            await self.round()
+            await asyncio.sleep(self.health.probe_interval_s)
+
+    async def round(self) -> None:
+        """Every version on every replica once; then each replica in the pool or out of it."""
+        versions = self.versions()
+        await asyncio.gather(*(self.probe(r, v) for r in self.replicas.replicas for v in versions))
+        names = {v.name for v in versions}
+        for gone in [key for key in self.state if key[1] not in names]:
+            del self.state[gone]
+        for replica in self.replicas.replicas:
+            self.place(replica)
+
+    def answering(self, replica: Replica) -> bool:
+        """Every routed version's last probe on `replica` answered."""
+        routed = self.routed()
+        return bool(routed) and all(self.state.get((replica.url, v.name), VersionHealth()).answered for v in routed)
+
+    def place(self, replica: Replica) -> None:
+        if self.answering(replica):
+            self.replicas.join(replica)
+        else:
+            self.replicas.leave(replica, "its probes do not answer")
+
+    async def probe(self, replica: Replica, version: Version) -> bool:
+        """One probe of `version` on `replica`; its state, counters and (where it keeps failing) its recovery."""
+        token = CURRENT.set(RequestRecord(client="probe"))
+        try:
+            async with asyncio.timeout(self.health.probe_timeout_s):
+                await replica.triton.generate(version, PROBE)
+            answered = True
+        except (RequestError, TimeoutError):
+            answered = False
+        finally:
+            CURRENT.reset(token)
+        state = self.state.setdefault((replica.url, version.name), VersionHealth())
+        if answered != state.answered and state.probed_at:
+            change = "answers again" if answered else "stopped answering"
+            LOG.warning("probes: %s on %s %s", version.name, replica.url, change)
+        state.answered, state.probed_at = answered, time.monotonic()
+        state.failures = 0 if answered else state.failures + 1
+        self.probes.labels(replica.url, version.name, "ok" if answered else "failed").inc()
+        self.up.labels(replica.url, version.name).set(1 if answered else 0)
+        if state.failures >= self.health.recover_after:
+            self.start_recovery(replica.url, version.model)
+        return answered
+
+    def start_recovery(self, replica: str, model: str) -> None:
+        key = (replica, model)
+        since = time.monotonic() - self.recovered_at.get(key, -math.inf)
+        if self.recover is None or key in self.recovering or since < self.health.recover_cooldown_s:
+            return
+        self.recovering.add(key)
+        self.recovered_at[key] = time.monotonic()
+        task = asyncio.create_task(self.recovery(replica, model))
+        task.add_done_callback(lambda _: self.recovering.discard(key))
+
+    async def recovery(self, replica: str, model: str) -> None:
+        assert self.recover is not None
+        LOG.warning("probes: %s on %s keeps failing; recovering it", model, replica)
+        try:
+            outcome = await asyncio.to_thread(self.recover, replica, model)
+        except Exception as exc:  # a recovery that failed is counted and logged; the probes go on
+            LOG.warning("probes: recovering %s on %s failed: %s", model, replica, exc)
+            outcome = "failed"
+        self.recoveries.labels(replica, model, outcome).inc()
+        self.recovered_at[(replica, model)] = time.monotonic()
+
+    async def ready(self) -> bool:
+        """A replica answers for every routed version: by its last probes, else by probing it now (a replica that
+        just came back is ready at once, not at the next round)."""
+        if any(self.answering(replica) for replica in self.replicas.replicas):
+            return True
+        for replica in self.replicas.replicas:
+            await asyncio.gather(*(self.probe(replica, v) for v in self.routed()))
+            self.place(replica)
+        return any(self.answering(replica) for replica in self.replicas.replicas)

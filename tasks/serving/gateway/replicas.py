@@ -1,0 +1,156 @@
+"""The Tritons behind one gateway (`serve.replicas`, or `llmops serve --triton-url` repeated): every version is loaded
+on each, and each request goes to the replica in the pool with the fewest requests outstanding.
+
+A replica that cannot be reached leaves the pool at once: the request that found it so (nothing had reached the
+client) goes to another replica, and so does one that found the version not loaded there; a request whose answer
+had begun gets its 503 (or a stream's error event). The probes (probes.py) put a replica back in the pool once every
+routed version answers there again, and take one out whose versions stop answering.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Gauge
+
+from tasks.serving.gateway.upstream import Triton, Unanswered, server_fault
+from tasks.serving.routes import Version
+
+LOG = logging.getLogger("llmops.gateway")
+
+
+@dataclass
+class Replica:
+    triton: Triton
+    outstanding: int = 0
+    in_pool: bool = True
+
+    @property
+    def url(self) -> str:
+        return self.triton.url
+
+
+class Replicas:
+    """`strict`: a request goes only to a replica in the pool, else it is a 503 at once (the probes put replicas back);
+    not strict (no probes), a request tries a replica out of the pool where none is in it."""
+
+    def __init__(self, tritons: list[Triton], registry: CollectorRegistry, strict: bool = False):
+        self.replicas, self.strict = [Replica(triton) for triton in tritons], strict
+        self.next = 0  # where the search for the least busy starts: ties go round the pool
+        self.up = Gauge(
+            "llmops_gateway_replica_up", "1 while the replica is in the pool, else 0.", ["replica"], registry=registry
+        )
+        for replica in self.replicas:
+            self.up.labels(replica.url).set(1)
+
+    def pick(self, tried: set[str]) -> Replica:
+        """The replica in the pool with the fewest requests outstanding, not among those `tried`; not strict, where
+        none is in the pool, one out of it."""
+        count = len(self.replicas)
+        rotated = [self.replicas[(self.next + i) % count] for i in range(count)]
+        order = [r for r in rotated if r.url not in tried]
+        candidates = [r for r in order if r.in_pool] or ([] if self.strict else order)
+        if not candidates:
+            raise server_fault(503, f"no replica answers (tried: {', '.join(sorted(tried)) or 'none in the pool'})")
+        self.next = (self.next + 1) % count
+        return min(candidates, key=lambda r: r.outstanding)
+
+    def leave(self, replica: Replica, why: str) -> None:
+        if replica.in_pool:
+            LOG.warning("replicas: %s leaves the pool (%s)", replica.url, why)
+            replica.in_pool = False
+            self.up.labels(replica.url).set(0)
+
+    def join(self, replica: Replica) -> None:
+        if not replica.in_pool:
+            LOG.warning("replicas: %s is back in the pool", replica.url)
+            replica.in_pool = True
+            self.up.labels(replica.url).set(1)
+
+    async def on_one(self, work: Callable[[Triton], Any]) -> Any:
+        """`work(triton)` on the least busy replica; where it was not answered there, on another."""
+        tried: set[str] = set()
+        while True:
+            replica = self.pick(tried)
+            replica.outstanding += 1
+            try:
+                return await work(replica.triton)
+            except Unanswered as unanswered:
+                tried.add(replica.url)
+                if unanswered.down:
+                    self.leave(replica, "not reachable")
+                if len(tried) >= len(self.replicas):
+                    raise
+            finally:
+                replica.outstanding -= 1
+
+    async def generate(self, version: Version, inputs: dict[str, Any]) -> str:
+        return await self.on_one(lambda triton: triton.generate(version, inputs))
+
+    async def forward(self, version: Version, body: dict[str, Any]) -> httpx.Response:
+        return await self.on_one(lambda triton: triton.forward(version, body))
+
+    async def forward_stream(
+        self, version: Version, body: dict[str, Any], ended: Callable[[bool], None] = lambda ok: None
+    ) -> tuple[httpx.Response, AsyncIterator[bytes]]:
+        """Triton.forward_stream on a replica that answered; it counts as outstanding until the relay ends."""
+        holder: list[Replica] = []
+
+        async def started(triton: Triton) -> tuple[httpx.Response, AsyncIterator[bytes]]:
+            replica = next(r for r in self.replicas if r.triton is triton)
+            response, chunks = await triton.forward_stream(version, body, ended)
+            replica.outstanding += 1  # held by the relay from here on
+            holder.append(replica)
+            return response, chunks
+
+        response, chunks = await self.on_one(started)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                holder[0].outstanding -= 1
+
+        return response, relay()
+
+    async def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
+        """Triton.generate_stream on a replica whose first piece came (before it, another replica may answer)."""
+        holder: list[tuple[Replica, AsyncGenerator[str, None]]] = []
+
+        async def first(triton: Triton) -> str | None:
+            pieces = triton.generate_stream(version, inputs)
+            try:
+                piece = await anext(pieces, None)
+            except BaseException:
+                await pieces.aclose()
+                raise
+            replica = next(r for r in self.replicas if r.triton is triton)
+            replica.outstanding += 1
+            holder.append((replica, pieces))
+            return piece
+
+        piece = await self.on_one(first)
+        replica, pieces = holder[0]
+        try:
+            while piece is not None:
+                yield piece
+                piece = await anext(pieces, None)
+        finally:
+            replica.outstanding -= 1
+            await pieces.aclose()
+
+    async def version_ready(self, version: Version) -> bool:
+        """The version's model ready on a replica in the pool."""
+        for replica in self.replicas:
+            if replica.in_pool and await replica.triton.version_ready(version):
+                return True
+        return False
+
+    async def aclose(self) -> None:
+        for replica in self.replicas:
+            await replica.triton.aclose()

@@ -1,0 +1,194 @@
+"""The service's route table and the deployment record it is kept in.
+
+The gateway of `llmops serve` draws each request's version from this table: the champion and, during a release, a
+candidate, each with a weight; a request for the service's name goes to one of them, drawn by weight. A version is
+answered by a Triton model: its own (`<service>-vN`, a merged model) or the service's base engine
+(`<service>-base`), which the gateway asks for the version's adapter by name (serve.lora adapter). A shadow copy
+names a version and the share of answered requests copied to it.
+
+The table is the deployment record: written to disk whole and atomically (a temporary file renamed into place) on
+every change, and read back when `llmops serve` starts, so that it serves what it served without asking MLflow. A
+release that changes the routes holds them for a lease: past `expires_at` (the release died or hung), the
+gateway serves the champion alone again. Each version carries what is needed to load it again (`source`: the store
+artifacts and the serving settings it was released with), which the gateway itself never reads.
+
+Plain data and the standard library: the gateway, `llmops serve`, and the release runs that call the control API
+read and write the same JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+RECORD_VERSION = 1
+
+
+class RoutesError(ValueError):
+    """A route table that cannot serve: the message names the field."""
+
+
+@dataclass(frozen=True)
+class Version:
+    """A served version as the gateway routes to it."""
+
+    name: str  # `<service>-vN`: what metrics, capture, shadow records and pinned requests call it
+    model: str  # the Triton model that answers it
+    adapter: str | None = None  # the adapter the model is asked for (`lora_name`), or None
+    source: dict[str, Any] = field(default_factory=dict, compare=False)  # what loads it again (llmops serve)
+
+    def inputs(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A request's generate inputs as this version's model takes them: with its adapter named."""
+        return {**body, "lora_name": self.adapter} if self.adapter else body
+
+    @classmethod
+    def of(cls, data: Any, where: str) -> Version:
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
+            raise RoutesError(f"{where}: a version needs a name")
+        model, adapter, source = data.get("model", data["name"]), data.get("adapter"), data.get("source", {})
+        if not isinstance(model, str) or not model or (adapter is not None and not isinstance(adapter, str)):
+            raise RoutesError(f"{where}: model must be a name and adapter a name or null")
+        if not isinstance(source, dict):
+            raise RoutesError(f"{where}.source: must be an object")
+        return cls(data["name"], model, adapter or None, source)
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    service: str
+    champion: Version | None = None
+    candidate: Version | None = None
+    weights: dict[str, float] = field(default_factory=dict)  # version name -> weight
+    shadow: str | None = None  # the version answered requests are copied to
+    shadow_fraction: float = 0.0
+    release: str | None = None  # the run that holds the candidate's routes
+    expires_at: float | None = None  # when that hold lapses: the champion alone again
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        routed = [(self.version(name), weight) for name, weight in self.weights.items() if weight > 0]
+        object.__setattr__(self, "_routed", [version for version, _ in routed if version is not None])
+        object.__setattr__(self, "_cumulative", list(accumulate(weight for _, weight in routed)))
+
+    def versions(self) -> list[Version]:
+        return [v for v in (self.champion, self.candidate) if v is not None]
+
+    def version(self, name: str) -> Version | None:
+        return next((v for v in self.versions() if v.name == name), None)
+
+    def draw(self, rng: random.Random) -> Version | None:
+        """A request's version, drawn by weight; None where nothing is routed."""
+        routed: list[Version] = self._routed  # type: ignore[attr-defined]
+        if len(routed) <= 1:
+            return routed[0] if routed else None
+        return rng.choices(routed, cum_weights=self._cumulative)[0]  # type: ignore[attr-defined]
+
+    def routed(self) -> list[Version]:
+        """The versions that get a share of the requests."""
+        return list(self._routed)  # type: ignore[attr-defined]
+
+    def shadow_version(self) -> Version | None:
+        return self.version(self.shadow) if self.shadow and self.shadow_fraction > 0 else None
+
+    def describe(self) -> str:
+        """The routes as MODEL=WEIGHT pairs (capture records and logs read this)."""
+        return ",".join(f"{name}={weight:g}" for name, weight in self.weights.items() if weight > 0)
+
+    def champion_alone(self) -> RouteTable:
+        """The champion serving every request: no candidate, no copy, no release holding the routes."""
+        weights = {self.champion.name: 100.0} if self.champion else {}
+        return replace(
+            self, candidate=None, weights=weights, shadow=None, shadow_fraction=0.0, release=None, expires_at=None
+        )
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+    def as_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items()}
+        return {"record_version": RECORD_VERSION, **data}
+
+    @classmethod
+    def of(cls, data: Any) -> RouteTable:
+        """A table from its JSON (the record, or a control request's whole table), checked."""
+        if not isinstance(data, dict) or not isinstance(data.get("service"), str):
+            raise RoutesError("service: required")
+        champion = Version.of(data["champion"], "champion") if data.get("champion") else None
+        candidate = Version.of(data["candidate"], "candidate") if data.get("candidate") else None
+        table = cls(
+            data["service"],
+            champion,
+            candidate,
+            weights=parse_weights(data.get("weights", {})),
+            shadow=data.get("shadow") or None,
+            shadow_fraction=float(data.get("shadow_fraction") or 0.0),
+            release=data.get("release") or None,
+            expires_at=float(data["expires_at"]) if data.get("expires_at") is not None else None,
+            updated_at=float(data.get("updated_at") or 0.0),
+        )
+        table.check()
+        return table
+
+    def check(self) -> None:
+        names = [v.name for v in self.versions()]
+        if len(set(names)) != len(names):
+            raise RoutesError(f"candidate: {names[0]} is the champion already")
+        for name in self.weights:
+            if name not in names:
+                raise RoutesError(f"weights: {name} is neither the champion nor the candidate")
+        if self.champion is not None and not self.routed():
+            raise RoutesError("weights: at least one version needs a positive weight")
+        if self.shadow is not None:
+            if self.shadow not in names:
+                raise RoutesError(f"shadow: {self.shadow} is neither the champion nor the candidate")
+            if not 0 < self.shadow_fraction <= 1:
+                raise RoutesError("shadow_fraction: must be in (0, 1]")
+
+
+def parse_weights(data: Any) -> dict[str, float]:
+    if not isinstance(data, dict):
+        raise RoutesError("weights: an object of version name -> weight")
+    weights = {}
+    for name, weight in data.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 100:
+            raise RoutesError(f"weights.{name}: a number from 0 to 100")
+        weights[str(name)] = float(weight)
+    return weights
+
+
+def record_path(home: Path, service: str) -> Path:
+    """Where `llmops serve` for this LLMOPS_HOME keeps the service's deployment record."""
+    return home / "serving" / f"{service}.json"
+
+
+def read_record(path: Path) -> RouteTable | None:
+    """The record at `path`; None where there is none. A record that cannot be read is an error naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        return RouteTable.of(json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise RoutesError(f"deployment record {path}: {exc}") from None
+
+
+def write_record(path: Path, table: RouteTable) -> None:
+    """The record, whole or not at all: written beside its place, flushed to disk, renamed over the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(table.as_json(), out, indent=1)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,43 @@
+"""A served version: what one registered version serves on a Triton and how it is loaded and unloaded there, with one
+implementation per `serve.lora`: its merged model in an engine of its own (MergedVersion, tasks/serving/models.py),
+or its LoRA adapter on the service's base engine (AdapterVersion, tasks/serving/adapters.py). Which one a version is
+is decided once, where it is made from its store artifacts (tasks/serving/champion.py:served_from); everything after
+asks the version itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tasks.platform.config import Profile
+    from tasks.serving.client import Triton
+
+
+def model_name(service: str, version: str) -> str:
+    return f"{service}-v{version}"
+
+
+@dataclass
+class Served:
+    version: str
+    name: str  # its Triton model, `<service>-v<N>`
+    model_dir: Path  # the merged model: tokenizer for genai-perf, the champion's task score
+    artifact_sha256: str = ""  # the store artifact it serves, as its model config names it (the gate reads it back)
+    sources: dict[str, str] = field(default_factory=dict)  # the store artifacts it serves, by stage
+    settings: dict | None = None  # the serving settings it was released with (serve.model_settings), where known
+
+    @property
+    def answered_by(self) -> tuple[str, str | None]:
+        """(the Triton model that answers this version, the adapter that model is asked for or None)."""
+        return self.name, None
+
+    def install(self, triton: Triton, profile: Profile) -> float:
+        """Render and load the version's models on `triton`; the seconds the load took."""
+        raise NotImplementedError
+
+    def retire(self, triton: Triton, service: str) -> None:
+        """Unload the version's models from `triton`."""
+        raise NotImplementedError

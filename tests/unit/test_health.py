@@ -1,0 +1,287 @@
+"""Nothing hangs: the gateway's deadlines against a real HTTP upstream that stops answering (a small Starlette app under
+uvicorn standing in for Triton: before its first byte, and between two chunks of a stream), and its probes,
+readiness and recovery against one whose model stops answering. The same faults injected into a real Triton:
+tests/integration/test_serving.py."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from tasks.platform.config.serving import HealthSection
+from tasks.platform.ports import free_port
+from tasks.serving.gateway import Gateway, GatewayConfig
+from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE
+
+DEADLINES = HealthSection(first_byte_s=0.5, between_chunks_s=0.5, probe_interval_s=0)
+
+
+class Upstream:
+    """A Triton stand-in on a real socket: answers, or stalls (`stall`: "first byte" or "between chunks")."""
+
+    def __init__(self) -> None:
+        self.stall: str | None = None
+        self.failing = False
+        self.generated = 0
+
+    async def generate(self, request: Request):
+        self.generated += 1
+        if self.failing:
+            return JSONResponse({"error": "Stub process 'demo-v1_0_0' is not healthy."}, status_code=400)
+        if self.stall == "first byte":
+            await asyncio.sleep(1.5)
+        if request.url.path.endswith("_stream"):
+
+            async def events():
+                yield f"data: {json.dumps({'text_output': 'co'})}\n\n".encode()
+                if self.stall == "between chunks":
+                    await asyncio.sleep(1.5)
+                yield f"data: {json.dumps({'text_output': 'ld'})}\n\n".encode()
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse({"text_output": "cold"})
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
+                Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
+                Route("/v2/models/{model}/ready", lambda request: JSONResponse({})),
+            ]
+        )
+
+
+@pytest.fixture
+def upstream() -> Iterator[tuple[Upstream, str]]:
+    fake, port = Upstream(), free_port()
+    server = uvicorn.Server(uvicorn.Config(fake.app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield fake, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def gateway(url: str, **config) -> TestClient:
+    settings = GatewayConfig(url, SERVICE, 512, api_keys={KEY: "team-a"}, table=TABLE, **config)
+    return TestClient(Gateway(settings).app(), headers=AUTH, raise_server_exceptions=False)
+
+
+def test_no_answer_before_the_first_byte_deadline_is_504_in_each_apis_shape(upstream):
+    fake, url = upstream
+    fake.stall = "first byte"
+    with gateway(url, health=DEADLINES) as client:
+        started = time.monotonic()
+        answers = [client.post(CHAT, json={"messages": QUESTION, "stream": stream}) for stream in (False, True)]
+        answers += [
+            client.post(f"/v2/models/{SERVICE}/{path}", json={"text_input": "hot"})
+            for path in ("generate", "generate_stream")
+        ]
+        assert time.monotonic() - started < 4 * 2  # four requests, each cut at its 0.5 s deadline
+        for response in answers:
+            assert response.status_code == 504, response.text
+        assert answers[0].json()["error"]["code"] == "timeout" and answers[2].json() == {
+            "error": "the model server did not answer in time"
+        }
+        metrics = client.get("/metrics").text
+        assert 'llmops_gateway_version_requests_total{outcome="failed",version="demo-v1"} 4.0' in metrics
+
+
+def test_a_stream_that_stops_between_chunks_ends_with_an_error_event(upstream):
+    fake, url = upstream
+    fake.stall = "between chunks"
+    with gateway(url, health=DEADLINES) as client:
+        started = time.monotonic()
+        chat = client.post(CHAT, json={"messages": QUESTION, "stream": True})
+        v2 = client.post(f"/v2/models/{SERVICE}/generate_stream", json={"text_input": "hot"})
+        assert time.monotonic() - started < 4
+    assert chat.status_code == 200 and '"content":"co"' in chat.text.replace(" ", "")
+    assert '"type":"server_error"' in chat.text.replace(" ", "") and "[DONE]" not in chat.text
+    assert v2.status_code == 200 and '{"error": "the model server did not answer in time"}' in v2.text
+
+
+def test_a_model_that_stops_answering_turns_readiness_false_is_recovered_and_ready_again(upstream):
+    """Probes every 0.1 s: readiness follows them; after 2 failed probes in a row the model is recovered (here: the
+    stand-in answers again), once per cool-down, and counted."""
+    fake, url = upstream
+    recovered: list[str] = []
+
+    def recover(replica: str, model: str) -> str:
+        recovered.append(model)
+        fake.failing = False
+        return "reloaded"
+
+    health = HealthSection(probe_interval_s=0.1, probe_timeout_s=1, recover_after=2, recover_cooldown_s=60)
+    with gateway(url, health=health, recover=recover) as client:
+        assert client.get("/health/ready").status_code == 200
+        fake.failing = True
+        # the stub's death: a 400 in Triton's words, a 503 for the client
+        refused = client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
+        deadline = time.monotonic() + 5
+        while not recovered and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert recovered == ["demo-v1"]
+        deadline = time.monotonic() + 5
+        while client.get("/health/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/health/ready").status_code == 200
+        metrics = client.get("/metrics").text
+    replica = f'replica="{url}"'
+    assert f'llmops_gateway_recoveries_total{{model="demo-v1",outcome="reloaded",{replica}}} 1.0' in metrics
+    assert f'llmops_gateway_probes_total{{outcome="failed",{replica},version="demo-v1"}}' in metrics
+    assert f'llmops_gateway_version_up{{{replica},version="demo-v1"}} 1.0' in metrics
+
+
+def test_readiness_is_false_while_the_probes_fail(upstream):
+    fake, url = upstream
+    health = HealthSection(probe_interval_s=0.1, probe_timeout_s=0.3, recover_after=100)
+    with gateway(url, health=health) as client:
+        assert client.get("/health/ready").status_code == 200
+        fake.stall = "first byte"
+        deadline = time.monotonic() + 3
+        while client.get("/health/ready").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/health/ready").status_code == 503
+        assert f'llmops_gateway_version_up{{replica="{url}",version="demo-v1"}} 0.0' in client.get("/metrics").text
+
+
+def test_the_transport_gets_the_deadline_between_chunks():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions["timeout"])
+        return httpx.Response(200, json={"text_output": "cold"})
+
+    health = HealthSection(between_chunks_s=7, probe_interval_s=0)
+    config = GatewayConfig("http://t", SERVICE, 512, table=TABLE, health=health)
+    with TestClient(Gateway(config, transport=httpx.MockTransport(handler)).app()) as client:
+        assert client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}).status_code == 200
+        assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200
+    assert [t["read"] for t in seen] == [7, 7] and seen[0]["connect"] == 5
+
+
+# --- several Tritons behind one gateway ---------------------------------------------------------------------
+
+
+class Fleet:
+    """Two Triton stand-ins behind one MockTransport, told apart by port: each can refuse connections (`down`),
+    not have the version (`unloaded`), or hold its answers until `release` is set."""
+
+    def __init__(self) -> None:
+        self.down: set[int] = set()
+        self.unloaded: set[int] = set()
+        self.held: set[int] = set()
+        self.answered: list[int] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        port = request.url.port
+        if port in self.down:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        if request.url.path.endswith("/ready"):
+            return httpx.Response(200)
+        if port in self.unloaded:
+            return httpx.Response(400, json={"error": "Request for unknown model: 'demo-v1' has no available versions"})
+        while port in self.held:
+            await asyncio.sleep(0.01)
+        self.answered.append(port)
+        return httpx.Response(200, json={"text_output": "cold"})
+
+
+def two_replicas(fleet: Fleet, **config) -> TestClient:
+    settings = GatewayConfig(
+        "http://triton.test:1",
+        SERVICE,
+        512,
+        api_keys={KEY: "team-a"},
+        table=TABLE,
+        more_replicas=["http://triton.test:2"],
+        **config,
+    )
+    return TestClient(Gateway(settings, transport=httpx.MockTransport(fleet)).app(), headers=AUTH)
+
+
+def test_a_replica_that_cannot_be_reached_leaves_the_pool_and_its_requests_go_to_the_other(gateway=None):
+    fleet = Fleet()
+    fleet.down.add(1)
+    with two_replicas(fleet) as client:
+        answers = [client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}) for _ in range(4)]
+        answers += [client.post(CHAT, json={"messages": QUESTION, "stream": stream}) for stream in (False, True)]
+        assert [a.status_code for a in answers] == [200] * 6
+        assert set(fleet.answered) == {2}
+        metrics = client.get("/metrics").text
+        assert 'llmops_gateway_replica_up{replica="http://triton.test:1"} 0.0' in metrics
+        fleet.down.add(2)  # both gone: a 503 in the API's shape, at once
+        refused = client.post(CHAT, json={"messages": QUESTION})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
+
+
+def test_a_version_not_loaded_on_one_replica_is_answered_by_the_other():
+    fleet = Fleet()
+    fleet.unloaded.add(2)
+    with two_replicas(fleet) as client:
+        statuses = [
+            client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}).status_code for _ in range(4)
+        ]
+        assert statuses == [200] * 4 and set(fleet.answered) == {1}
+
+
+def test_each_request_goes_to_the_replica_with_the_fewest_outstanding():
+    import anyio
+
+    fleet = Fleet()
+    fleet.held.add(1)
+
+    async def main() -> list[int]:
+        settings = GatewayConfig(
+            "http://triton.test:1", SERVICE, 512, table=TABLE, more_replicas=["http://triton.test:2"]
+        )
+        gateway = Gateway(settings, transport=httpx.MockTransport(fleet))
+        transport = httpx.ASGITransport(gateway.app())
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://gw") as client,
+            anyio.create_task_group() as tasks,
+        ):
+            first = functools.partial(client.post, f"/v2/models/{SERVICE}/generate", json={"text_input": "a"})
+            tasks.start_soon(first)
+            await anyio.sleep(0.2)  # the first is held on replica 1 (or 2)
+            for _ in range(3):
+                await client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "b"})
+            fleet.held.clear()
+        return fleet.answered
+
+    answered = anyio.run(main)
+    # the held request's replica has one outstanding: the next three go to the other, then the held one ends
+    assert answered[:3] in ([2, 2, 2], [1, 1, 1]) and len(answered) == 4
+
+
+def test_the_probes_put_a_replica_back_in_the_pool_once_it_answers():
+    fleet = Fleet()
+    fleet.down.add(1)
+    health = HealthSection(probe_interval_s=0.05, probe_timeout_s=1, recover_after=1000)
+    with two_replicas(fleet, health=health) as client:
+        replica = 'llmops_gateway_replica_up{replica="http://triton.test:1"}'
+        deadline = time.monotonic() + 5
+        while f"{replica} 0.0" not in client.get("/metrics").text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert f"{replica} 0.0" in client.get("/metrics").text
+        assert client.get("/health/ready").status_code == 200  # the other replica answers
+        fleet.down.clear()
+        while f"{replica} 1.0" not in client.get("/metrics").text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert f"{replica} 1.0" in client.get("/metrics").text

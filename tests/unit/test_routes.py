@@ -1,0 +1,225 @@
+"""The traffic plane without a server: the route table and its deployment record, the control API of `llmops serve`
+(the real Starlette apps, TestClient; Triton is a MockTransport handler), and the base engine's adapter map. The same
+against a real Triton: tests/integration/test_serving.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from tasks.serving import adapter_registry
+from tasks.serving.gateway import Gateway, GatewayConfig
+from tasks.serving.gateway.control import ControlApi
+from tasks.serving.routes import RoutesError, RouteTable, Version, read_record, write_record
+from tests.unit.test_gateway import AUTH, CHAMPION, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton
+
+CONTROL_KEY = "serve-control-key-0123456789"
+CANDIDATE = Version(f"{SERVICE}-v2", f"{SERVICE}-base", f"{SERVICE}-v2", {"version": "2"})  # an adapter on the base
+
+
+def with_candidate(weight: float, **fields) -> RouteTable:
+    return replace(TABLE, candidate=CANDIDATE, weights={CHAMPION.name: 100 - weight, CANDIDATE.name: weight}, **fields)
+
+
+# --- the route table and its record -----------------------------------------------------------------------
+
+
+def test_a_request_draws_its_version_by_weight():
+    table = with_candidate(10)
+    draws = [table.draw(random.Random(seed)).name for seed in range(4000)]
+    assert 0.08 < draws.count(CANDIDATE.name) / len(draws) < 0.12
+    assert {with_candidate(100).draw(random.Random(seed)).name for seed in range(50)} == {CANDIDATE.name}
+    assert RouteTable(SERVICE).draw(random.Random()) is None  # nothing served yet
+    assert with_candidate(10).describe() == "demo-v1=90,demo-v2=10"
+    assert CANDIDATE.inputs({"text_input": "hot"}) == {"text_input": "hot", "lora_name": "demo-v2"}
+    assert CHAMPION.inputs({"text_input": "hot"}) == {"text_input": "hot"}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"weights": {"demo-v9": 10}}, "weights: demo-v9 is neither the champion nor the candidate"),
+        ({"weights": {"demo-v1": 0}}, "weights: at least one version needs a positive weight"),
+        ({"weights": {"demo-v1": 101}}, "weights.demo-v1: a number from 0 to 100"),
+        ({"weights": {"demo-v1": True}}, "weights.demo-v1: a number from 0 to 100"),
+        ({"shadow": "demo-v9", "shadow_fraction": 0.5}, "shadow: demo-v9 is neither the champion nor the candidate"),
+        ({"shadow": "demo-v1", "shadow_fraction": 2}, "shadow_fraction: must be in (0, 1]"),
+        ({"candidate": {"name": "demo-v1"}}, "candidate: demo-v1 is the champion already"),
+        ({"champion": {"model": "x"}}, "champion: a version needs a name"),
+    ],
+)
+def test_a_table_that_cannot_serve_is_refused_naming_its_field(change, message):
+    with pytest.raises(RoutesError, match=f"^{re.escape(message)}$"):
+        RouteTable.of({**TABLE.as_json(), **change})
+
+
+def test_the_record_is_written_whole_and_read_back(tmp_path: Path):
+    path = tmp_path / "serving" / "demo.json"
+    table = with_candidate(50, release="run-1", expires_at=123.0)
+    write_record(path, table)
+    assert read_record(path) == table and [p.name for p in path.parent.iterdir()] == ["demo.json"]  # no staging left
+    assert read_record(path).candidate.source == {"version": "2"}  # what loads it again, kept
+    path.write_text('{"service": "demo", "weights": {"x": 1}')
+    with pytest.raises(RoutesError, match=f"^deployment record {path}: "):
+        read_record(path)
+    assert read_record(tmp_path / "none.json") is None
+
+
+# --- the control API -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def service(tmp_path: Path):
+    """A gateway with its deployment record, and TestClients of its clients' listener and its control listener."""
+    clients: list[TestClient] = []
+
+    def start(triton=None, record: RouteTable | None = TABLE) -> tuple[Gateway, TestClient, TestClient]:
+        path = tmp_path / "serving" / f"{SERVICE}.json"
+        if record is not None:
+            write_record(path, record)
+        config = GatewayConfig(
+            "http://triton.test:8000", SERVICE, 512, api_keys={KEY: "team-a"}, record=path, control_key=CONTROL_KEY
+        )
+        gateway = Gateway(config, transport=httpx.MockTransport(triton or FakeTriton()))
+        public = TestClient(gateway.app(), headers=AUTH, raise_server_exceptions=False).__enter__()
+        control = TestClient(ControlApi(gateway, CONTROL_KEY).app(), headers={"llmops-control-key": CONTROL_KEY})
+        clients.extend([public, control.__enter__()])
+        return gateway, public, control
+
+    yield start
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def test_the_control_api_needs_the_serves_control_key_not_a_client_key(service):
+    gateway, public, control = service()
+    with TestClient(ControlApi(gateway, CONTROL_KEY).app()) as keyless:
+        for headers in ({}, {"llmops-control-key": KEY}, AUTH):
+            refused = keyless.get("/control/v1/deployment", headers=headers)
+            assert refused.status_code == 401 and "control key" in refused.json()["error"]
+            assert keyless.post(f"/v2/models/{SERVICE}/generate", json={}, headers=headers).status_code == 401
+        assert keyless.get("/health/ready").status_code == 200  # probes and /metrics: no key
+    assert control.get("/control/v1/deployment").json()["champion"]["name"] == CHAMPION.name
+    assert public.get("/control/v1/deployment").status_code == 404  # not on the clients' listener
+
+
+def test_a_canary_step_takes_effect_for_the_next_request_and_lands_in_the_record(service, tmp_path):
+    triton = FakeTriton()
+    gateway, public, control = service(triton)
+    table = with_candidate(0, release="run-7")
+    answer = control.put("/control/v1/deployment", json={**table.as_json(), "lease_s": 600})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["release"] == "run-7" and answer.json()["expires_at"] > time.time() + 590
+    public.post(CHAT, json={"messages": QUESTION})
+    started = time.perf_counter()
+    step = control.put("/control/v1/routes", json={"weights": {CANDIDATE.name: 100}, "release": "run-7"})
+    step_ms = (time.perf_counter() - started) * 1000
+    assert step.status_code == 200 and step.json()["expires_at"] == answer.json()["expires_at"]  # the hold kept
+    assert step_ms < 50, step_ms  # no model loaded again: a table swapped (and its record written)
+    public.post(CHAT, json={"messages": QUESTION})
+    public.post(f"/v2/models/{SERVICE}/generate_stream", json={"text_input": "hot"})
+    assert [(path, body.get("lora_name")) for path, body in triton.requests] == [
+        (f"/v2/models/{CHAMPION.model}/generate", None),
+        (f"/v2/models/{CANDIDATE.model}/generate", CANDIDATE.name),  # the base engine, asked for the adapter
+        (f"/v2/models/{CANDIDATE.model}/generate_stream", CANDIDATE.name),
+    ]
+    recorded = read_record(tmp_path / "serving" / f"{SERVICE}.json")
+    assert recorded is not None and recorded.weights == {CANDIDATE.name: 100.0} and recorded.release == "run-7"
+    metrics = public.get("/metrics").text
+    assert 'llmops_gateway_version_requests_total{outcome="ok",version="demo-v2"} 2.0' in metrics
+    assert gateway.table.describe() == "demo-v2=100"
+
+
+def test_a_client_cannot_name_a_version_or_an_adapter_and_the_release_can_name_a_version(service):
+    triton = FakeTriton()
+    _, public, control = service(triton, with_candidate(0, release="run-7"))
+    control.put("/control/v1/deployment", json=with_candidate(0, release="run-7").as_json())
+    pinned = public.post(f"/v2/models/{CANDIDATE.name}/generate", json={"text_input": "hot"})
+    assert pinned.status_code == 404 and "is not served here" in pinned.json()["error"]
+    named = public.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot", "lora_name": "other"})
+    assert named.status_code == 400  # an input the API does not have
+    answered = control.post(f"/v2/models/{CANDIDATE.name}/generate", json={"text_input": "hot"})
+    assert answered.status_code == 200
+    assert triton.requests[-1] == (
+        f"/v2/models/{CANDIDATE.model}/generate",
+        {"text_input": "hot", "max_tokens": 64, "lora_name": CANDIDATE.name},
+    )
+
+
+def test_shadow_copies_start_and_stop_through_the_control_api(service):
+    _, _, control = service()
+    control.put("/control/v1/deployment", json=with_candidate(0, release="run-7").as_json())
+    started = control.put("/control/v1/shadow", json={"version": CANDIDATE.name, "fraction": 0.5, "release": "run-7"})
+    assert (started.json()["shadow"], started.json()["shadow_fraction"]) == (CANDIDATE.name, 0.5)
+    stopped = control.delete("/control/v1/shadow")
+    assert stopped.json()["shadow"] is None
+    bad = control.put("/control/v1/shadow", json={"version": CANDIDATE.name, "fraction": "half"})
+    assert bad.status_code == 400 and bad.json() == {"error": "fraction: a number in (0, 1]"}
+    bad = control.put("/control/v1/routes", json={"weights": {"demo-v9": 5}})
+    assert bad.status_code == 400 and "weights: demo-v9" in bad.json()["error"]
+
+
+def test_a_release_that_lets_its_hold_lapse_leaves_the_champion_serving_alone(service):
+    gateway, public, control = service()
+    control.put("/control/v1/deployment", json={**with_candidate(50, release="run-7").as_json(), "lease_s": 0.2})
+    deadline = time.monotonic() + 5
+    while gateway.table.candidate is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gateway.table == replace(TABLE, updated_at=gateway.table.updated_at)  # the champion alone
+    assert "llmops_gateway_leases_expired_total 1.0" in public.get("/metrics").text
+
+
+def test_a_gateway_starts_from_its_record_with_the_champion_alone(service, tmp_path):
+    gateway, public, _ = service(record=with_candidate(50, release="run-7", shadow=CANDIDATE.name, shadow_fraction=1))
+    assert gateway.table.describe() == "demo-v1=100" and gateway.table.candidate is None
+    assert public.get("/health/ready").status_code == 200
+    assert read_record(tmp_path / "serving" / f"{SERVICE}.json").candidate is None
+
+
+# --- the base engine's adapter map ------------------------------------------------------------------------------
+
+
+def adapter(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def test_a_name_is_bound_to_one_adapter_and_never_bound_again(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(adapter_registry.tempfile, "gettempdir", lambda: str(tmp_path))
+    root = adapter_registry.registry_root(12345)
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    first = adapter_registry.register(root, "svc-base", "svc-v2", str(adapter(tmp_path / "a", b"one")))
+    assert adapter_registry.active(root, "svc-base", "svc-v2")["path"] == first["path"] != str(tmp_path / "a")
+    with pytest.raises(adapter_registry.RegistryError, match="'svc-v2' is bound to other weights on svc-base"):
+        adapter_registry.register(root, "svc-base", "svc-v2", str(adapter(tmp_path / "b", b"two")))
+    adapter_registry.retire(root, "svc-base", "svc-v2")
+    assert adapter_registry.active(root, "svc-base", "svc-v2") is None  # the engine frees it
+    with pytest.raises(adapter_registry.RegistryError, match="bound to other weights"):  # a tombstone holds the name
+        adapter_registry.register(root, "svc-base", "svc-v2", str(tmp_path / "b"))
+    adapter_registry.register(root, "svc-base", "svc-v2", str(tmp_path / "a"))  # the same weights again
+    assert adapter_registry.active(root, "svc-base", "svc-v2") is not None
+    with pytest.raises(adapter_registry.RegistryError, match="no adapter_config.json"):
+        adapter_registry.register(root, "svc-base", "svc-v3", str(tmp_path))
+    with pytest.raises(adapter_registry.RegistryError, match="not a model name"):
+        adapter_registry.register(root, "svc-base", "../x", str(tmp_path / "a"))
+
+
+def test_only_the_release_that_holds_the_routes_renews_its_hold(service):
+    gateway, _, control = service()
+    held = control.put("/control/v1/deployment", json={**with_candidate(0, release="run-7").as_json(), "lease_s": 5})
+    renewed = control.put("/control/v1/lease", json={"release": "run-7", "lease_s": 600})
+    assert renewed.status_code == 200 and renewed.json()["expires_at"] > held.json()["expires_at"] + 500
+    assert gateway.table.describe() == "demo-v1=100"  # the routes themselves untouched
+    other = control.put("/control/v1/lease", json={"release": "run-8", "lease_s": 600})
+    assert other.status_code == 409 and other.json() == {"error": "release: the routes are held by run-7, not run-8"}
