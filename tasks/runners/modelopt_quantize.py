@@ -78,25 +78,38 @@ def check_export(out_dir: Path, qformat: str, kv_cache_fp8: bool) -> dict:
     return quantization
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def quantize_model(model, samples: list[list[int]], qformat: str, kv_cache_fp8: bool, awq_block_size: int):
+    """mtq.quantize in place, calibrated on `samples` (one forward each, no gradients). The model is left
+    fake-quantized: it computes as the exported checkpoint will, so its answers measure the accuracy drop."""
     import modelopt.torch.quantization as mtq
     import torch
-    from modelopt.torch.export import export_hf_checkpoint
-    from transformers import AutoModelForCausalLM
-
-    samples = calibration_samples(Path(args.calibration))
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, torch_dtype=getattr(torch, args.dtype), device_map="auto"
-    ).eval()
 
     def forward_loop(m) -> None:
         with torch.no_grad():
             for ids in samples:
                 m(torch.tensor([ids], device=m.device))
 
-    mtq.quantize(model, quantize_config(vars(mtq), args.qformat, args.kv_cache_fp8, args.awq_block_size), forward_loop)
-    export_hf_checkpoint(model, export_dir=args.output_dir)
+    mtq.quantize(model, quantize_config(vars(mtq), qformat, kv_cache_fp8, awq_block_size), forward_loop)
+    return model
+
+
+def export_checkpoint(model, out_dir: Path) -> None:
+    from modelopt.torch.export import export_hf_checkpoint
+
+    export_hf_checkpoint(model, export_dir=str(out_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    samples = calibration_samples(Path(args.calibration))
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, torch_dtype=getattr(torch, args.dtype), device_map="auto"
+    ).eval()
+    quantize_model(model, samples, args.qformat, args.kv_cache_fp8, args.awq_block_size)
+    export_checkpoint(model, Path(args.output_dir))
     quantization = check_export(Path(args.output_dir), args.qformat, args.kv_cache_fp8)
     print(f"modelopt_quantize: {len(samples)} calibration samples; exported {json.dumps(quantization)}")
 
