@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -606,6 +607,9 @@ def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
         assert requests.get(tracking, params={"max_results": 1}, timeout=10).status_code == 401
         login = ("llmops", state["mlflow_login"]["password"])
         assert requests.get(tracking, params={"max_results": 1}, auth=login, timeout=10).status_code == 200
+        # MLflow's job execution stays off: no huey consumers idling beside the server (benchmarks/stack_idle.py)
+        mlflow_tree = psutil.Process(state["services"]["mlflow"]["pid"]).children(recursive=True)
+        assert not [p.cmdline() for p in mlflow_tree if "huey" in " ".join(p.cmdline())]
         switched = stack("up", "--db", "postgres")
         assert switched.returncode == 2
         assert "--db postgres: the stack runs on sqlite; `llmops stack down` first" in switched.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import requests
@@ -10,6 +11,10 @@ from tasks.platform.child_env import write_secret
 from tasks.platform.local_stack.process import BIN, Server, start
 
 ADMIN = "llmops"  # the stack's one MLflow account: every client of the stack logs in as it
+# MLflow 3.17's server runs job execution by default (mlflow/environment_variables.py, on when unset;
+# mlflow/server/__init__.py starts its huey consumers): eight processes of about 290 MB and 4.6% of a core each
+# while idle, for jobs nothing in this project submits. Off unless the operator's environment turns it on.
+JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 
 def auth_config(folder: Path) -> Path:
@@ -85,6 +90,12 @@ def start_mlflow(
         url,
         lambda: requests.get(f"{url}/health", timeout=2).ok,
         log_dir,
-        env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"], **(db_env or {}), **auth_env},
+        env={
+            **s3,
+            "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"],
+            JOB_EXECUTION_ENV: os.environ.get(JOB_EXECUTION_ENV, "false"),
+            **(db_env or {}),
+            **auth_env,
+        },
         timeout=180,
     )
