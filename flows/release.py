@@ -27,6 +27,7 @@ from tasks.gate import gate
 from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import CheckFailed
+from tasks.platform.quiet import quiet_libraries
 from tasks.platform.stage_cache import RunContext, StageResult, stage_task
 from tasks.platform.store import open_store
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, start_run
@@ -126,6 +127,7 @@ def release(
         triton_metrics_url: that Triton's Prometheus metrics URL, for the canary's live checks; or
             LLMOPS_TRITON_METRICS_URL.
     """
+    quiet_libraries()  # a worker's flow run does not go through the CLI, which does this too
     if runtime.deployment.id:  # started through the Prefect API (UI, schedule, retrain): shipped profiles only
         check_api_profile(profile)
     config = load_profile(profile, overrides or [], data_source)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flows.cli import approval, data, deploy, gate, profiles, run, serve, stack
 from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected
+from tasks.platform.quiet import quiet_libraries
 from tasks.platform.run_log import RunLog, exit_code
 
 COMMANDS = (run, serve, gate, approval, stack, deploy, data, profiles)  # in --help's order
@@ -53,6 +54,7 @@ def prepare_environment(home: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_libraries()
 
 
 @dataclass

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.platform.config import Profile
+from tasks.platform.quiet import quiet_transformers
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 
 
@@ -29,6 +30,7 @@ def load_model(base_dir: Path, adapter_dir: Path | None = None, compute: Compute
     import torch
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype)).to(compute.device)
     if adapter_dir is not None:
         from peft import PeftModel

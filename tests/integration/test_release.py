@@ -6,6 +6,7 @@ Order matters inside this module: the first run fills the bucket, later tests ch
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -106,8 +107,26 @@ def first_run(stack):
     return result
 
 
+def library_lines(output: str) -> list[str]:
+    """Lines a library wrote into a run's terminal: Python warnings, progress bars, and log records of loggers other
+    than the run's own (Prefect prints those as "Flow run '...' -" and "Task run '...' -")."""
+    own = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| \w+\s*\| (Flow run|Task run) ")
+    record = re.compile(
+        r"^\d\d:\d\d:\d\d\.\d+ \| \w+\s*\| "  # Prefect's console handler
+        r"|^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d (INFO|WARNING) "  # MLflow's own handler
+        r"|^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ "  # torch's glog-style lines
+    )
+    return [
+        line
+        for line in output.splitlines()
+        if "Warning" in line or "it/s]" in line or (record.match(line) and not own.match(line))
+    ]
+
+
 def test_full_run_registers_a_tracked_candidate(stack, first_run):
     assert "quantize" in first_run.stdout and "MLflow run: http://127.0.0.1" in first_run.stdout
+    # a quiet terminal: our lines only (tasks/platform/quiet.py silences the libraries' at their source)
+    assert library_lines(first_run.stdout + first_run.stderr) == []
     client = MlflowClient(stack.mlflow.url)
     run = latest_run(stack)
     assert run.info.status == "FINISHED"
