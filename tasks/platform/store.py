@@ -31,6 +31,23 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class StoredObject:
+    """An object of the store as garbage collection sees it: its size and when it was written (epoch seconds)."""
+
+    digest: str
+    bytes: int
+    written: float
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    namespace: str
+    key: str
+    written: float
+    record: dict
+
+
+@dataclass(frozen=True)
 class Artifact:
     digest: str
     uri: str
@@ -101,6 +118,27 @@ class ArtifactStore:
     def get_record(self, namespace: str, key: str) -> dict | None:
         raise NotImplementedError
 
+    # What `llmops store gc` needs (tasks/platform/store_gc.py).
+    def size(self, digest: str) -> int | None:
+        """Bytes of an object's files (from its manifest); None when it is not in the store."""
+        raise NotImplementedError
+
+    def objects(self) -> list[StoredObject]:
+        raise NotImplementedError
+
+    def delete(self, digest: str) -> None:
+        raise NotImplementedError
+
+    def records(self) -> list[StoredRecord]:
+        raise NotImplementedError
+
+    def delete_record(self, namespace: str, key: str) -> None:
+        raise NotImplementedError
+
+    def local_folders(self) -> list[Path]:
+        """Folders of this machine the store writes to (free space is checked there before a stage)."""
+        return []
+
 
 class LocalStore(ArtifactStore):
     def __init__(self, root: Path):
@@ -123,7 +161,9 @@ class LocalStore(ArtifactStore):
         if not self.exists(digest):
             staging = self.root / "objects" / f".tmp-{uuid.uuid4().hex}"
             try:
-                shutil.copytree(folder, staging / "files")
+                # Hard links where the stage's folder is on the store's filesystem (LLMOPS_HOME's work/ and store/
+                # are): the bytes are written once, not twice. Stages never change a file in place once stored.
+                shutil.copytree(folder, staging / "files", copy_function=link_or_copy)
                 (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
                 if target.exists():  # an incomplete object left behind: replace it whole
                     shutil.rmtree(target)
@@ -165,13 +205,62 @@ class LocalStore(ArtifactStore):
         path = self._record(namespace, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(record, fh, indent=1)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(record, fh, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)  # a full disk leaves no half-written record behind
+            raise
 
     def get_record(self, namespace: str, key: str) -> dict | None:
         path = self._record(namespace, key)
         return json.loads(path.read_text()) if path.is_file() else None
+
+    def size(self, digest: str) -> int | None:
+        manifest_path = self._object(digest) / MANIFEST
+        if not manifest_path.is_file():
+            return None
+        return sum(meta["size"] for meta in json.loads(manifest_path.read_text())["files"].values())
+
+    def objects(self) -> list[StoredObject]:
+        folder = self.root / "objects"
+        if not folder.is_dir():
+            return []
+        found = []
+        for entry in folder.iterdir():
+            if entry.is_dir() and not entry.name.startswith("."):
+                size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+                found.append(StoredObject(entry.name, size, entry.stat().st_mtime))
+        return found
+
+    def delete(self, digest: str) -> None:
+        shutil.rmtree(self._object(digest), ignore_errors=True)
+        self._verified.discard(digest)
+
+    def records(self) -> list[StoredRecord]:
+        folder = self.root / "records"
+        found = []
+        for path in sorted(folder.rglob("*.json")) if folder.is_dir() else []:
+            if path.name.startswith("."):
+                continue
+            namespace = path.parent.relative_to(folder).as_posix()
+            try:
+                record = json.loads(path.read_text())
+            except ValueError:
+                record = {}
+            found.append(StoredRecord(namespace, path.stem, path.stat().st_mtime, record))
+        return found
+
+    def delete_record(self, namespace: str, key: str) -> None:
+        self._record(namespace, key).unlink(missing_ok=True)
+
+    def leftovers(self) -> list[Path]:
+        """Temporary folders and files of writes that never finished (a process killed mid-write)."""
+        return [p for p in self.root.rglob(".tmp-*")] if self.root.is_dir() else []
+
+    def local_folders(self) -> list[Path]:
+        return [self.root]
 
 
 class S3Store(ArtifactStore):
@@ -266,6 +355,60 @@ class S3Store(ArtifactStore):
                 return None
             raise
         return json.loads(body["Body"].read())
+
+    def _list(self, prefix: str):
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            yield from page.get("Contents", [])
+
+    def size(self, digest: str) -> int | None:
+        manifest = self._manifest(digest)
+        return None if manifest is None else sum(meta["size"] for meta in manifest["files"].values())
+
+    def objects(self) -> list[StoredObject]:
+        prefix = self._key("objects") + "/"
+        sizes: dict[str, int] = {}
+        written: dict[str, float] = {}
+        for item in self._list(prefix):
+            digest = item["Key"][len(prefix) :].split("/", 1)[0]
+            sizes[digest] = sizes.get(digest, 0) + item["Size"]
+            written[digest] = max(written.get(digest, 0.0), item["LastModified"].timestamp())
+        return [StoredObject(d, sizes[d], written[d]) for d in sizes]
+
+    def delete(self, digest: str) -> None:
+        # The manifest first: without it the object does not exist, whatever is left of its files.
+        self.client.delete_object(Bucket=self.bucket, Key=self._key("objects", digest, MANIFEST))
+        keys = [item["Key"] for item in self._list(self._key("objects", digest) + "/")]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            )
+        shutil.rmtree(self.cache_dir / digest, ignore_errors=True)
+
+    def records(self) -> list[StoredRecord]:
+        prefix = self._key("records") + "/"
+        found = []
+        for item in self._list(prefix):
+            namespace, _, name = item["Key"][len(prefix) :].rpartition("/")
+            if not name.endswith(".json"):
+                continue
+            record = json.loads(self.client.get_object(Bucket=self.bucket, Key=item["Key"])["Body"].read())
+            found.append(StoredRecord(namespace, name.removesuffix(".json"), item["LastModified"].timestamp(), record))
+        return found
+
+    def delete_record(self, namespace: str, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key("records", namespace, f"{key}.json"))
+
+    def local_folders(self) -> list[Path]:
+        return [self.cache_dir]
+
+
+def link_or_copy(source: str, target: str) -> str:
+    """shutil.copytree's copy_function: a hard link, or a copy where linking is not possible (another filesystem)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+    return target
 
 
 def outlast_outage(
