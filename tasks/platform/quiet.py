@@ -9,6 +9,7 @@ command runs and the release flow at its start (a worker's flow run does not go 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 # (message regex, category): warnings Python's `warnings` module would print once per place.
@@ -29,8 +30,9 @@ LOGGERS: dict[str, int] = {
     "torch.onnx._internal.exporter._registration": logging.ERROR,
     # bitsandbytes' CPU backend looks for the optional `kernels` package for a faster 4-bit GEMM, then falls back.
     "bitsandbytes.backends.cpu.ops": logging.ERROR,
-    # MLflow's sqlite schema set-up on a fresh home, and its system-metrics monitor starting and stopping.
-    "mlflow.store.db.utils": logging.WARNING,
+    # MLflow's stores: the sqlite schema set-up on a fresh home, "Waiting up to 300 seconds for model version to
+    # finish creation" at each registration; and its system-metrics monitor starting and stopping.
+    "mlflow.store": logging.WARNING,
     "mlflow.system_metrics": logging.WARNING,
 }
 
@@ -51,7 +53,17 @@ class _DropMessages(logging.Filter):
 _ROOT_FILTER = _DropMessages()
 
 
+# Environment switches of libraries that print without a logger.
+ENVIRONMENT = {
+    # MLflow's client writes "🏃 View run ... at: URL" and "🧪 View experiment at: URL" to stdout when a run on a
+    # tracking server ends (mlflow/tracking/_tracking_service/client.py _log_url); our summary names the run's URL.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+
+
 def quiet_libraries() -> None:
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     for message, category in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, level in LOGGERS.items():
