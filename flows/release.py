@@ -175,7 +175,7 @@ def release(
                 measured = stage_task(benchmark, config)(ctx, deployment)
                 report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
-                if report.passed and config.gate.approval == "required":  # a person's decision is never cached
+                if report.passed and needs_approval(config, dataset):  # a person's decision is never cached
                     approval = approve(ctx, report, str(runtime.flow_run.id))
                     approved, rejection = approval.approved, approval.summary()
             outcome = stage_task(rollout, config)(ctx, deployment, approved, rejection, dataset)
@@ -189,6 +189,12 @@ def release(
     end_run(ctx.tracker, "FINISHED")
     report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
     return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval)
+
+
+def needs_approval(config: Profile, dataset: StageResult) -> bool:
+    """gate.approval required, or harvested and the training data holds records clients wrote (the flywheel's)."""
+    harvested = DatasetMetrics.of(dataset).harvested_records > 0
+    return config.gate.approval == "required" or (config.gate.approval == "harvested" and harvested)
 
 
 @contextmanager

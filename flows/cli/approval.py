@@ -1,5 +1,6 @@
-"""`llmops approve` / `llmops reject`: decide a release paused for approval (`gate.approval: required`), as the
-Resume form on the run's page in the Prefect UI does; `llmops approve` without a run lists the waiting ones."""
+"""`llmops approve` / `llmops reject`: decide a release paused for approval (`gate.approval`), or a flywheel harvest
+waiting for review (`flywheel.review`), as the Resume form on the run's page in the Prefect UI does; `llmops approve`
+without a run lists the waiting ones."""
 
 from __future__ import annotations
 
@@ -23,13 +24,13 @@ The run's id is in its log line `approval: ... waits ...` and on its page in the
 
 def register(commands) -> None:
     for decision, help_text in (
-        ("approve", "approve a release waiting for a person's decision; it rolls out"),
-        ("reject", "reject a release waiting for a person's decision; it rolls back"),
+        ("approve", "approve a release (it rolls out) or a harvest (it is pushed) waiting for a person's decision"),
+        ("reject", "reject a release (it rolls back) or a harvest (it is deleted) waiting for a person's decision"),
     ):
         parser = commands.add_parser(
             decision,
             help=help_text,
-            description=f"{help_text.capitalize()} (profile setting gate.approval: required).",
+            description=f"{help_text.capitalize()} (profile settings gate.approval, flywheel.review).",
             epilog=EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
@@ -57,7 +58,7 @@ def command_decide(args) -> str:
         args.flow_run_id,
         {"decision": args.decision, "reason": args.reason, "decided_by": decided_by},
     )
-    return f"{args.decision}d release run {args.flow_run_id} as {decided_by}; it goes on now"
+    return f"{args.decision}d run {args.flow_run_id} as {decided_by}; it goes on now"
 
 
 def waiting_list(home: Path) -> str:
@@ -67,10 +68,12 @@ def waiting_list(home: Path) -> str:
     for waiting in waiting_records(home):
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(waiting.get("waiting_since", 0)))
         mlflow_run = f", MLflow run {waiting['mlflow_run_id']}" if waiting.get("mlflow_run_id") else ""
-        lines.append(
-            f"{waiting['flow_run_id']}  {waiting.get('model', '?')} v{waiting.get('candidate_version', '?')}  "
-            f"(waiting since {since}{mlflow_run})"
+        what = (
+            f"harvest of {waiting.get('model', '?')}: {waiting.get('records', '?')} records in {waiting.get('dataset')}"
+            if waiting.get("kind") == "harvest"
+            else f"{waiting.get('model', '?')} v{waiting.get('candidate_version', '?')}"
         )
+        lines.append(f"{waiting['flow_run_id']}  {what}  (waiting since {since}{mlflow_run})")
     return "\n".join(lines) or f"no release of {home} waits for approval"
 
 

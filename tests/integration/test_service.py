@@ -416,19 +416,27 @@ CORRECTIONS = {
 EMAIL = "jane.doe@example.com"
 
 
-def captured_text(env: dict) -> str:
-    """Every object under the stack's capture location, as S3 holds it."""
+def stack_s3(env: dict):
     import boto3
 
-    s3 = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=env["AWS_ENDPOINT_URL"],
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name="us-east-1",
     )
-    listed = s3.list_objects_v2(Bucket="artifacts", Prefix="llmops/capture/").get("Contents", [])
-    return "".join(s3.get_object(Bucket="artifacts", Key=o["Key"])["Body"].read().decode() for o in listed)
+
+
+def bucket_keys(env: dict, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for o in stack_s3(env).list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+
+
+def captured_text(env: dict) -> str:
+    """Every object under the stack's capture location, as S3 holds it."""
+    s3 = stack_s3(env)
+    keys = bucket_keys(env, "artifacts", "llmops/capture/")
+    return "".join(s3.get_object(Bucket="artifacts", Key=key)["Body"].read().decode() for key in keys)
 
 
 def mlflow_runs(tracking_uri: str, experiment: str) -> list:
@@ -451,8 +459,9 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
     service, first_release, tmp_path
 ):
     """Capture on: clients ask, rate and correct answers; `llmops data harvest` builds a dataset (corrections in,
-    redacted values and held-out prompts out); `llmops data push` starts a retrain whose release passes the gate
-    on the served Triton, and the new champion answers with the corrections."""
+    redacted values and held-out prompts out); the flywheel deployment lands it pending and starts nothing until a
+    person approves it; then the retrain's release passes the gate on the served Triton, waits for a person's
+    approval (it trained on harvested data), and the new champion answers with the corrections."""
     import httpx
     import openai
 
@@ -519,13 +528,25 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         assert bucket_text.count('"rating"') == 9
         assert all(k.startswith(("exchanges/", "feedback/")) for k in report["captured_objects"])
 
-        # The flywheel deployment harvests the same and pushes it where the retrain deployment watches
+        assert report["clients"] == {"anonymous": 7} and len(report["corrections"]) == 6
+
+        # The flywheel deployment harvests the same into the pending location and waits for a person: an anonymous
+        # client's corrections start no release unreviewed. Approved, they go where the retrain deployment watches.
         releases_before = {r["id"] for r in service.release_runs()}
         flywheel = service.create_run("flywheel/flywheel", {"since_hours": 1, "min_new_records": 5})
         assert flywheel.status_code == 201, flywheel.text
-        turned = service.wait_final(flywheel.json()["id"], 180)
-        assert turned["state_type"] == "COMPLETED", service.logs(flywheel.json()["id"])[-3000:]
-        service.wait_log(flywheel.json()["id"], "7 new records: pushed 1 file(s) to s3://datasets/sft/")
+        flywheel_id = flywheel.json()["id"]
+        wait_for(
+            lambda: service.get(f"/flow_runs/{flywheel_id}")["state_type"] == "PAUSED", 180, "the harvest's review"
+        )
+        assert not [r for r in service.release_runs() if r["id"] not in releases_before]
+        assert not [k for k in bucket_keys(service.env, "datasets", "sft/") if "harvest-" in k]
+        approved = service.llmops("approve", flywheel_id, "--reason", "corrections read; they are right")
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+        turned = service.wait_final(flywheel_id, 180)
+        assert turned["state_type"] == "COMPLETED", service.logs(flywheel_id)[-3000:]
+        service.wait_log(flywheel_id, "7 new records (approved by ")
+        service.wait_log(flywheel_id, "pushed 1 file(s) to s3://datasets/sft/")
         tracked = mlflow_runs(service.tracking_uri, "llm-flywheel")
         assert [r.data.metrics["harvest.corrected"] for r in tracked] == [6.0]
         assert tracked[0].data.tags["harvest.dataset"].startswith("s3://datasets/sft/harvest-tiny-qwen2-antonyms-")
@@ -534,10 +555,17 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
             120,
             "the release run the harvested data started",
         )[0]
+        # A release trained on harvested data waits for a person too (gate.approval harvested, cpu-tiny's default)
+        wait_for(
+            lambda: service.get(f"/flow_runs/{release['id']}")["state_type"] == "PAUSED", RELEASE_TIMEOUT, "approval"
+        )
+        approved = service.llmops("approve", release["id"], "--reason", "the gate passed; answers read")
+        assert approved.returncode == 0, approved.stdout + approved.stderr
         final = service.wait_final(release["id"])
         assert final["state_type"] == "COMPLETED", service.logs(release["id"])[-3000:]
         run = service.mlflow_run(release["id"])
         assert run.data.tags["release.outcome"] == "promoted", run.data.tags.get("gate.reasons")
+        assert run.data.tags["data.harvested_records"] == "7" and run.data.tags["approval.decision"] == "approved"
         served = {prompt: served_answer(client, prompt)[1].strip() for prompt in CORRECTIONS}
         print(f"the new champion v{run.data.tags['registered_version']} answers: {served}")
         assert served == CORRECTIONS

@@ -80,14 +80,16 @@ def test_profile_digest_changes_with_any_value():
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
-# serve.vllm.max_lora_rank, max_loras).
+# serve.vllm.max_lora_rank, max_loras), and when the flywheel got a review (flywheel.*, serve.capture.trusted_clients,
+# train.mask_history, gate.approval harvested by default; cpu-tiny's curated data.eval_source, the same 39 records its
+# hash split held out, and mask_history).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "7d1ff94c8b966c985f84770908a5c72144da397224745dd7fe1a200dd32f92c9",
-    "cpu-tiny-qa-zh": "b7ff3d1c839270da1295c9c66d634afbb963d1baa3fa9a17fcb57c8ef0b538a8",
-    "llama3-8b-h100-fp8": "d6875df5b9edf2030838c2aab0d0457b4a3dfc12f3ecbf7adecac09ed64f46b8",
-    "qwen-7b-qlora-2xa10": "cb96c3483f8e3442329a2a08cfdad28b0a858ad3697d1115ca3049ba36bf4ef3",
-    "qwen-7b-vllm-h100": "d8ca7b8b3d6e29dc8f52df9ac430dc02626d37e3d7cb0fb65b05c2bb51ad32f5",
-    "qwen2-14b-int4-tp2": "d15560fed9f5c7f41db7d0724cf508012982d48712853bd06c8d47cf31bccf91",
+    "cpu-tiny": "dad9761c8fb7a236e3d9968b6339e1c9b71d8df3eb40942be600f3e5c10d3f2b",
+    "cpu-tiny-qa-zh": "57044c96f64f367f01cb88cd523f85a099d75f1247dd1c8fd59e0c9f701ccb39",
+    "llama3-8b-h100-fp8": "ad2478121a596c537dd8f21a330e314e895778483ba84d7bb2e0082a0b930086",
+    "qwen-7b-qlora-2xa10": "456628ad7a0a72bb449f625b4eb5d3c6e43eeaf1ecba5b848ff5fdbeb1ed4f91",
+    "qwen-7b-vllm-h100": "4ad6f28e72a92c05f7784d49af787281e36cd459eb0d5917312d8bbc69222721",
+    "qwen2-14b-int4-tp2": "222fc234148674bcfc42666d55dd7d8d411e9cc5eb92436ffc17c5f174158676",
 }
 
 
@@ -185,3 +187,47 @@ def test_the_run_forms_overrides_field_points_to_the_reference():
     described = parameter_schema(release.fn).model_dump()["properties"]["overrides"]["description"]
     assert "docs/reference/profiles.md" in described and "llmops profiles show" in described
     assert (PROJECT_ROOT / "docs" / "reference" / "profiles.md").is_file()
+
+
+def test_trust_settings_come_only_from_profile_files_and_approval_may_only_rise(tmp_path):
+    for override in (
+        "serve.capture.trusted_clients=[mallory]",
+        "flywheel.review=rules",
+        "flywheel.max_client_share=1",
+        "flywheel={review: rules}",
+    ):
+        with pytest.raises(BadInput, match="decides whom the pipeline trusts, so no override or run parameter"):
+            load_profile("cpu-tiny", [override])
+    assert load_profile("cpu-tiny").gate.approval == "harvested"  # a release on harvested data waits for a person
+    assert load_profile("cpu-tiny", ["gate.approval=required"]).gate.approval == "required"
+    with pytest.raises(BadInput, match=r"^--set gate.approval=none: the profile file asks for harvested"):
+        load_profile("cpu-tiny", ["gate.approval=none"])
+    values = yaml.safe_load((PROJECT_ROOT / "profiles" / "cpu-tiny.yaml").read_text())
+    values["gate"]["approval"] = "required"
+    values["data"] = {"source": str(PROJECT_ROOT / "profiles" / "data" / "antonyms.jsonl")}
+    required = tmp_path / "strict.yaml"
+    required.write_text(yaml.safe_dump(values))
+    with pytest.raises(BadInput, match="the profile file asks for required"):
+        load_profile(str(required), ["gate.approval=harvested"])
+
+
+def test_unreviewed_harvests_need_trusted_clients_masked_history_and_a_curated_exam(tmp_path):
+    def profile(flywheel: dict, **sections: str) -> Path:
+        path = tmp_path / "p.yaml"
+        body = {"name": "p", "data": {"source": "d.jsonl"}, "registry": {"model_name": "m"}, "flywheel": flywheel}
+        path.write_text(yaml.safe_dump(body | {k: yaml.safe_load(v) for k, v in sections.items()}))
+        return path
+
+    with pytest.raises(
+        BadInput, match=r"flywheel.review rules needs serve.capture.trusted_clients, train.mask_history"
+    ):
+        load_profile(str(profile({"review": "rules"})))
+    ok = profile(
+        {"review": "rules"},
+        serve="{capture: {trusted_clients: [curator]}}",
+        train="{mask_history: true}",
+        data="{source: d.jsonl, eval_source: exam.jsonl}",
+    )
+    assert load_profile(str(ok)).flywheel.review == "rules"
+    with pytest.raises(BadInput, match="anonymous is whoever reaches a gateway without keys"):
+        load_profile(str(profile({}, serve="{capture: {trusted_clients: [anonymous]}}")))

@@ -169,10 +169,12 @@ class GateSection(Section):
         "the champion's on the copied greedy requests, decided on its interval (a fine-tune that should change "
         "answers needs a low value or none).",
     )
-    approval: Literal["none", "required"] = Field(
-        "none",
+    approval: Literal["none", "harvested", "required"] = Field(
+        "harvested",
         description="required: after the automatic checks pass, the release waits for a person to approve or reject "
-        "it (the run's Resume form in the Prefect UI, or `llmops approve|reject RUN_ID --reason ...`).",
+        "it (the run's Resume form in the Prefect UI, or `llmops approve|reject RUN_ID --reason ...`). harvested: "
+        "so does a release whose training data holds records harvested from served traffic (the flywheel); none: "
+        "no release waits. An override or run parameter may raise it, never lower it.",
     )
     approval_timeout_s: float = Field(
         86400,
