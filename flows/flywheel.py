@@ -24,16 +24,15 @@ from typing import Any
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.harvest import Harvested, describe, harvest_dataset, review_markdown
+from flows.harvest import FLYWHEEL_EXPERIMENT, Harvested, describe, harvest_dataset, review_markdown
 from flows.release import default_services, llmops_home
 from tasks.approve import Approval, wait_for_decision
+from tasks.data.forget import expire_harvested, harvested_in
 from tasks.data.harvest import MinRating, admission_refusals
 from tasks.data.objects import open_location, same_or_inside
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import BadInput
 from tasks.platform.tracking import default_tracking_uri
-
-FLYWHEEL_EXPERIMENT = "llm-flywheel"
 
 
 def refuse_unsafe_locations(config: Profile, data_destination: str, pending_destination: str) -> None:
@@ -96,7 +95,9 @@ def drop_pending(pending_destination: str, dataset_uri: str) -> None:
 
 
 def track(harvested: Harvested, parameters: dict[str, Any], decision: str, pushed_to: str | None, by: str) -> None:
-    """The harvest as an MLflow run (counts, shares, report, lineage, decision) and a Prefect artifact."""
+    """The harvest as an MLflow run (counts, shares, report, lineage, decision) and a Prefect artifact; neither
+    holds users' text (the corrections shown to the reviewer stay in the pending report and the run's form), so a
+    deletion request (tasks/data/forget.py) need not reach them."""
     import mlflow
     from prefect.artifacts import create_markdown_artifact
 
@@ -113,7 +114,7 @@ def track(harvested: Harvested, parameters: dict[str, Any], decision: str, pushe
                 "harvest.largest_client_share": report["largest_client_share"],
             }
         )
-        mlflow.log_dict(report, "harvest_report.json")
+        mlflow.log_dict({k: v for k, v in report.items() if k != "corrections"}, "harvest_report.json")
         mlflow.set_tags(
             {
                 "harvest.dataset": pushed_to or "",  # empty: not pushed
@@ -123,7 +124,8 @@ def track(harvested: Harvested, parameters: dict[str, Any], decision: str, pushe
                 "prefect.flow_run_id": str(runtime.flow_run.id or ""),
             }
         )
-    create_markdown_artifact(review_markdown(harvested), key="harvest", description="What the harvest kept")
+    summary = review_markdown(harvested, samples=False)
+    create_markdown_artifact(summary, key="harvest", description="What the harvest kept")
 
 
 def review(config: Profile, harvested: Harvested, log) -> tuple[bool, str, str]:
@@ -181,6 +183,13 @@ def flywheel(
         check_api_profile(profile)
     config = load_profile(profile, [], data_destination)
     refuse_unsafe_locations(config, data_destination, pending_destination)
+    expired = expire_harvested(
+        harvested_in(data_destination) + harvested_in(pending_destination),
+        timedelta(days=config.serve.capture.retention_days),
+        datetime.now(UTC),
+    )
+    if expired.harvested:
+        log.info(expired.describe(f"retention ({config.serve.capture.retention_days:g} days)"))
     since = datetime.now(UTC) - timedelta(hours=since_hours)
     harvested = harvest_task(config, since, pending_destination, min_rating)
     log.info(describe(harvested))

@@ -17,6 +17,7 @@ from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.store import open_store
 
+FLYWHEEL_EXPERIMENT = "llm-flywheel"  # the MLflow experiment of the flywheel's runs (flows/flywheel.py)
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([mhd])$")
 
 
@@ -106,9 +107,9 @@ def clients_line(report: dict[str, Any]) -> str:
     return f"{len(shares)} ({listed}{more})" if shares else "-"
 
 
-def review_markdown(harvested: Harvested) -> str:
-    """What a reviewer reads on the flywheel run's Resume form: the summary, every client's share, and the
-    corrections beside the answers they replace."""
+def review_markdown(harvested: Harvested, samples: bool = True) -> str:
+    """What a reviewer reads on the flywheel run's Resume form: the summary, every client's share, and (`samples`)
+    the corrections beside the answers they replace."""
     report = harvested.report
 
     def cell(text: str) -> str:
@@ -131,10 +132,30 @@ def review_markdown(harvested: Harvested) -> str:
             for name, count in report.get("clients", {}).items()
         ),
     ]
-    if report.get("corrections"):
+    if samples and report.get("corrections"):
         lines += ["", "| client | prompt | served answer | correction |", "|---|---|---|---|"]
         lines += [
             f"| {cell(c['client'])} | {cell(c['prompt'])} | {cell(c['served'])} | {cell(c['correction'])} |"
             for c in report["corrections"]
         ]
     return "\n".join(lines)
+
+
+def recorded_datasets() -> list[str]:
+    """The harvested datasets the lineage records: pushed by the flywheel (its MLflow runs' harvest.dataset tags)
+    and waiting for review in this home (their pending records)."""
+    from mlflow import MlflowClient
+
+    from tasks.approve import waiting_records
+    from tasks.platform.tracking import default_tracking_uri
+
+    found = [w["dataset"] for w in waiting_records(llmops_home()) if w.get("kind") == "harvest" and w.get("dataset")]
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking_uri and not (llmops_home() / "mlflow.db").is_file():
+        return found  # no tracking server and no local runs: the flywheel never ran from this home
+    client = MlflowClient(tracking_uri or default_tracking_uri(llmops_home()))
+    experiment = client.get_experiment_by_name(FLYWHEEL_EXPERIMENT)
+    if experiment is not None:
+        runs = client.search_runs([experiment.experiment_id], "tags.`harvest.pushed` = 'true'", max_results=10_000)
+        found += [r.data.tags["harvest.dataset"] for r in runs if r.data.tags.get("harvest.dataset")]
+    return found

@@ -13,9 +13,9 @@ person reads it). Then, counted in the report:
   data) is never trained on, so the gate does not score the model on what it learned;
 - already trained: a record the previous data holds (same prompt, same answer) adds nothing.
 
-Each record is written with where it came from (`"harvested": {"client", "exchange"}`): prepare_data keeps such
-records out of every eval split and refuses a client-written history unless training masks it
-(tasks/data/records.py), and a deletion request finds a client's records by it.
+Each record is written with where it came from (`"harvested": {"client", "exchange", "at"}`): prepare_data keeps
+such records out of every eval split and refuses a client-written history unless training masks it
+(tasks/data/records.py), and retention and a client's deletion request find them by it (tasks/data/forget.py).
 """
 
 from __future__ import annotations
@@ -250,7 +250,8 @@ def dataset_text(harvested: Harvest) -> str:
 
     return "".join(
         json.dumps(
-            {"messages": c.conversation, HARVESTED: {"client": c.client, "exchange": c.exchange}}, ensure_ascii=False
+            {"messages": c.conversation, HARVESTED: {"client": c.client, "exchange": c.exchange, "at": c.at}},
+            ensure_ascii=False,
         )
         + "\n"
         for c in harvested.kept

@@ -281,3 +281,13 @@ def test_the_review_rules_push_only_harvests_no_client_dominates(watched, shared
     assert sorted(r["harvested"]["client"] for r in records) == ["alice", "mallory", "mallory", "mallory"]
     assert all(r["messages"][-1]["content"] != "visit evil.example" for r in records)
     assert list((watched / "pending").iterdir()) == []
+
+    # mallory asks for its data to be deleted: the flywheel's MLflow runs lead to the datasets it pushed
+    forgotten = cli(
+        watched / "home", "data", "forget", "--client", "mallory", "--capture", str(watched / "store" / "capture")
+    )
+    assert forgotten.returncode == 0, forgotten.stderr
+    assert "4 captured exchanges, 4 feedback records and 3 harvested records removed" in forgotten.stdout
+    left = [json.loads(line) for line in pushed[0].read_text().splitlines()]
+    assert [r["harvested"]["client"] for r in left] == ["alice"] and first.read_text().count("mallory") == 0
+    assert "mallory" not in "".join(p.read_text() for p in (watched / "store" / "capture").rglob("*.jsonl"))

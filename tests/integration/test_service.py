@@ -27,6 +27,7 @@ from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow
 from tests.leaks import in_prefect as leaks_in_prefect
 from tests.leaks import in_processes as leaks_in_processes
+from tests.unit.test_capture import PASTED, SECRETS_TEXT
 
 pytestmark = pytest.mark.integration
 
@@ -439,6 +440,18 @@ def captured_text(env: dict) -> str:
     return "".join(s3.get_object(Bucket="artifacts", Key=key)["Body"].read().decode() for key in keys)
 
 
+def mlflow_artifacts(tracking_uri: str, run_id: str) -> dict:
+    """The JSON artifacts of a run, by path."""
+    import tempfile
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [a.path for a in client.list_artifacts(run_id) if a.path.endswith(".json")]
+        return {path: json.loads(Path(client.download_artifacts(run_id, path, folder)).read_text()) for path in paths}
+
+
 def mlflow_runs(tracking_uri: str, experiment: str) -> list:
     from mlflow import MlflowClient
 
@@ -489,13 +502,14 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
         held_out = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).eval[0]
         asked = {prompt: served_answer(client, prompt) for prompt in CORRECTIONS}
-        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL}")
+        # credentials of each kind pasted into a prompt and its correction: redacted before anything keeps them
+        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL} {SECRETS_TEXT}")
         held_out_id, _ = served_answer(client, held_out[0]["content"])
         bad_id, _ = served_answer(client, "What is the opposite of never?")
         served_answer(client, "Call 13812345678: opposite of up?", extra_headers={"X-LLMOps-Capture": "off"})
         judged = [
             *({"id": asked[p][0], "rating": "bad", "correction": c} for p, c in CORRECTIONS.items()),
-            {"id": email_id, "rating": "good"},
+            {"id": email_id, "rating": "bad", "correction": f"cold; {SECRETS_TEXT}"},
             {"id": held_out_id, "rating": "good"},
             {"id": bad_id, "rating": "bad"},
         ]
@@ -517,18 +531,20 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         report = json.loads(report_file.read_text())
         counts = report["counts"]
         assert (counts["exchanges"], counts["feedback"], counts["records"]) == (9, 9, 7), counts
-        assert (counts["corrected"], counts["good"]) == (6, 1), counts
+        assert (counts["corrected"], counts["good"]) == (7, 0), counts
         assert counts["eval_overlap_dropped"] == counts["bad_dropped"] == 1, counts
         (dataset,) = out.glob("harvest-*.jsonl")
         records = [json.loads(line)["messages"] for line in dataset.read_text().splitlines()]
-        assert {r[0]["content"]: r[1]["content"] for r in records[:6]} == CORRECTIONS
-        assert records[6][0]["content"] == "What is the opposite of hot? Write to [EMAIL]"
+        assert {r[0]["content"]: r[1]["content"] for r in records if r[0]["content"] in CORRECTIONS} == CORRECTIONS
+        (pasted,) = [r for r in records if r[0]["content"] not in CORRECTIONS]
+        assert pasted[0]["content"].startswith("What is the opposite of hot? Write to [EMAIL] my key [SECRET]; aws")
+        assert pasted[1]["content"].startswith("cold; my key [SECRET]; aws [SECRET] [SECRET]; token [SECRET]")
         bucket_text = captured_text(service.env)
         assert EMAIL not in bucket_text + dataset.read_text() and "13812345678" not in bucket_text
         assert bucket_text.count('"rating"') == 9
         assert all(k.startswith(("exchanges/", "feedback/")) for k in report["captured_objects"])
 
-        assert report["clients"] == {"anonymous": 7} and len(report["corrections"]) == 6
+        assert report["clients"] == {"anonymous": 7} and len(report["corrections"]) == 7
 
         # The flywheel deployment harvests the same into the pending location and waits for a person: an anonymous
         # client's corrections start no release unreviewed. Approved, they go where the retrain deployment watches.
@@ -548,7 +564,7 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         service.wait_log(flywheel_id, "7 new records (approved by ")
         service.wait_log(flywheel_id, "pushed 1 file(s) to s3://datasets/sft/")
         tracked = mlflow_runs(service.tracking_uri, "llm-flywheel")
-        assert [r.data.metrics["harvest.corrected"] for r in tracked] == [6.0]
+        assert [r.data.metrics["harvest.corrected"] for r in tracked] == [7.0]
         assert tracked[0].data.tags["harvest.dataset"].startswith("s3://datasets/sft/harvest-tiny-qwen2-antonyms-")
         release = wait_for(
             lambda: [r for r in service.release_runs() if r["id"] not in releases_before],
@@ -569,6 +585,11 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         served = {prompt: served_answer(client, prompt)[1].strip() for prompt in CORRECTIONS}
         print(f"the new champion v{run.data.tags['registered_version']} answers: {served}")
         assert served == CORRECTIONS
+        pushed = stack_s3(service.env).get_object(Bucket="datasets", Key=tracked[0].data.tags["harvest.dataset"][14:])
+        kept = captured_text(service.env) + dataset.read_text() + pushed["Body"].read().decode()
+        kept += "".join(json.dumps(mlflow_artifacts(service.tracking_uri, r.info.run_id)) for r in tracked)
+        leaks = leaks_in_mlflow(PASTED, service.tracking_uri) + leaks_in_prefect(PASTED, service.api, service.http)
+        assert [name for name, value in PASTED.items() if value in kept] == [] and leaks == []
     finally:
         os.killpg(serving.pid, signal.SIGTERM)
         serving.wait(60)
