@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.harvest import FLYWHEEL_EXPERIMENT, Harvested, describe, harvest_dataset, review_markdown
 from flows.release import default_services, llmops_home
-from tasks.approve import Approval, wait_for_decision
+from tasks.approve import Approval, DecisionPolicy, run_creator, wait_for_decision
 from tasks.data.forget import expire_harvested, harvested_in
 from tasks.data.harvest import MinRating, admission_refusals
 from tasks.data.objects import open_location, same_or_inside
@@ -140,7 +140,7 @@ def review(config: Profile, harvested: Harvested, log) -> tuple[bool, str, str]:
         "kind": "harvest",
         "model": harvested.report["service"],
         "dataset": harvested.uri,
-        "sha256": harvested.report["sha256"],
+        "artifact_sha256": harvested.report["sha256"],
         "records": harvested.records,
     }
     log.info(
@@ -153,6 +153,7 @@ def review(config: Profile, harvested: Harvested, log) -> tuple[bool, str, str]:
         review_markdown(harvested),
         config.gate.approval_timeout_s,
         subject,
+        DecisionPolicy.of(config.gate, run_creator()),
     )
     log.info(f"flywheel: harvest {approval.summary()}")
     return approval.approved, "approved" if approval.approved else "rejected", approval.decided_by

@@ -30,21 +30,26 @@ from pathlib import Path
 from prefect import flow, runtime
 from tasks.approve import wait_for_decision
 
+from tasks.approve import DecisionPolicy
+
 @flow(name="approval-test")
-def waits(timeout_s: float):
+def waits(timeout_s: float, signers: str):
+    policy = DecisionPolicy(Path(signers), True, "alice@example.com") if signers else None
+    subject = {"kind": "release", "model": "m", "candidate_version": "2", "artifact_sha256": "a" * 64}
     approval = wait_for_decision(
-        Path(sys.argv[1]), str(runtime.flow_run.id), "# Gate: PROMOTE m v2", timeout_s, {"model": "m", "candidate_version": "2"}
+        Path(sys.argv[1]), str(runtime.flow_run.id), "# Gate: PROMOTE m v2", timeout_s, subject, policy
     )
     print("APPROVAL " + json.dumps(asdict(approval)), flush=True)
 
-waits(float(sys.argv[2]))
+waits(float(sys.argv[2]), sys.argv[3])
 """
 
 
-def start_waiting_flow(home: Path, api: str, timeout_s: float) -> subprocess.Popen:
+def start_waiting_flow(home: Path, api: str, timeout_s: float, signers: str = "") -> subprocess.Popen:
+    """`signers`: an allowed-signers file; then alice@example.com started the run and duties are separate."""
     env = {**os.environ, "PREFECT_API_URL": api, "LLMOPS_HOME": str(home)}
     return subprocess.Popen(
-        [sys.executable, "-c", WAITING_FLOW, str(home), str(timeout_s)],
+        [sys.executable, "-c", WAITING_FLOW, str(home), str(timeout_s), signers],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -291,3 +296,87 @@ def test_the_review_rules_push_only_harvests_no_client_dominates(watched, shared
     left = [json.loads(line) for line in pushed[0].read_text().splitlines()]
     assert [r["harvested"]["client"] for r in left] == ["alice"] and first.read_text().count("mallory") == 0
     assert "mallory" not in "".join(p.read_text() for p in (watched / "store" / "capture").rglob("*.jsonl"))
+
+
+def ssh_key(folder: Path, name: str) -> Path:
+    key = folder / name
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)], check=True)
+    return key
+
+
+def paused_anew(api: str, flow_run_id: str, before: str) -> str:
+    """The id of the run's pause once it paused again after the pause `before` (a refused decision)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+        if state["type"] == "PAUSED" and state["id"] != before:
+            return state["id"]
+        time.sleep(0.2)
+    raise AssertionError(f"flow run {flow_run_id} did not wait again")
+
+
+def test_only_an_allowed_signers_signature_bound_to_the_artifact_decides_and_never_the_runs_creator(
+    tmp_path, shared_prefect
+):
+    """gate.allowed_signers and separate_duties: a decision unsigned, signed by a key outside the allowed signers,
+    signed in another principal's name, bound to another artifact, or signed by the run's creator is refused (the run
+    waits on); a listed approver's signature decides, and the verified principal and key are what is recorded."""
+    from flows.cli.approval import resume
+    from tasks.approve import statement_of
+    from tasks.platform.signatures import sign, statement_text
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    alice, bob, mallory = (ssh_key(keys, name) for name in ("alice", "bob", "mallory"))
+    signers = tmp_path / "allowed_signers"
+    signers.write_text(
+        "".join(
+            f'{who}@example.com namespaces="llmops-approval" {" ".join(key.with_suffix(".pub").read_text().split()[:2])}\n'
+            for who, key in (("alice", alice), ("bob", bob))
+        )
+    )
+    home = tmp_path / "home"
+    flow = start_waiting_flow(home, shared_prefect, timeout_s=240, signers=str(signers))
+    try:
+        run_id = waiting_run(home, flow)["flow_run_id"]
+        paused_state(shared_prefect, run_id)
+        state = API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"]
+        unsigned = cli(home, "approve", run_id, "--reason", "fine", "--by", "bob@example.com")
+        assert unsigned.returncode == 2 and "must be signed: --key" in unsigned.stderr, unsigned.stderr
+
+        def decide(*args: str) -> None:
+            nonlocal state
+            done = cli(home, "approve", run_id, "--reason", "fine", *args)
+            assert done.returncode == 0, done.stderr
+            state = paused_anew(shared_prefect, run_id, state)
+
+        decide("--by", "mallory@example.com", "--key", str(mallory))  # a key outside the allowed signers
+        decide("--by", "bob@example.com", "--key", str(mallory))  # in bob's name, with mallory's key
+        decide("--by", "alice@example.com", "--key", str(alice))  # the run's creator
+        other = {"kind": "release", "model": "m", "candidate_version": "2", "artifact_sha256": "b" * 64}
+        statement = statement_of(run_id, other, "approve", "fine", "bob@example.com")
+        replayed = {"decision": "approve", "reason": "fine", "decided_by": "bob@example.com"}
+        replayed |= {"statement": statement_text(statement), "signature": sign(statement, bob)}
+        resume(shared_prefect, None, run_id, replayed)  # bob's real signature, for another artifact
+        state = paused_anew(shared_prefect, run_id, state)
+
+        approved = cli(home, "approve", run_id, "--reason", "fine", "--by", "bob@example.com", "--key", str(bob))
+        assert approved.returncode == 0 and "(signed: " in approved.stdout, approved.stderr
+        output = flow.communicate(timeout=60)[0]
+    finally:
+        flow.kill()
+    assert flow.returncode == 0, output[-3000:]
+    refusals = [
+        line.split("decision refused, still waiting: ")[1] for line in output.splitlines() if "refused, still" in line
+    ]
+    assert len(refusals) == 4, output[-3000:]
+    assert refusals[0].startswith("the signature of mallory@example.com does not verify")
+    assert refusals[1].startswith("the signature of bob@example.com does not verify")
+    assert refusals[2] == "alice@example.com started this run and may not decide it (gate.separate_duties)"
+    assert refusals[3] == "the statement is bound to another artifact_sha256 than this decision of this run"
+    approval = json.loads(output.split("APPROVAL ")[1].splitlines()[0])
+    assert (approval["approved"], approval["decided_by"]) == (True, "bob@example.com")
+    assert (
+        approval["verified_key"].startswith("SHA256:")
+        and json.loads(approval["statement"])["artifact_sha256"] == "a" * 64
+    )

@@ -84,12 +84,12 @@ def test_profile_digest_changes_with_any_value():
 # train.mask_history, gate.approval harvested by default; cpu-tiny's curated data.eval_source, the same 39 records its
 # hash split held out, and mask_history).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "dad9761c8fb7a236e3d9968b6339e1c9b71d8df3eb40942be600f3e5c10d3f2b",
-    "cpu-tiny-qa-zh": "57044c96f64f367f01cb88cd523f85a099d75f1247dd1c8fd59e0c9f701ccb39",
-    "llama3-8b-h100-fp8": "ad2478121a596c537dd8f21a330e314e895778483ba84d7bb2e0082a0b930086",
-    "qwen-7b-qlora-2xa10": "456628ad7a0a72bb449f625b4eb5d3c6e43eeaf1ecba5b848ff5fdbeb1ed4f91",
-    "qwen-7b-vllm-h100": "4ad6f28e72a92c05f7784d49af787281e36cd459eb0d5917312d8bbc69222721",
-    "qwen2-14b-int4-tp2": "222fc234148674bcfc42666d55dd7d8d411e9cc5eb92436ffc17c5f174158676",
+    "cpu-tiny": "df587614bc7a6a881ab7227dd9b9dcd98a9e1000609111b206535eac19a5c5fb",
+    "cpu-tiny-qa-zh": "3a6eec8a881ba4ebcec8939995b277d4ca6db7da430f5d031cf77ad293191ad5",
+    "llama3-8b-h100-fp8": "47ad9781f7debd4a4e53c29f5bd4e2b331cdd281bfb1f1d72908be9a48c26b7e",
+    "qwen-7b-qlora-2xa10": "d7eb8544e60a642774a80aad133dd2bca91a52f46fb66f816955f7829ccd64d0",
+    "qwen-7b-vllm-h100": "ea781f7d3af4ce8dd41a66ec344c6c8de2a1f61004bf7f7df9f9ae872776bef8",
+    "qwen2-14b-int4-tp2": "6f95b2e0301e7b682605926221330c3a99a30c932241bf192689d411907a3c9e",
 }
 
 

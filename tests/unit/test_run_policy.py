@@ -38,6 +38,8 @@ def test_the_settings_that_run_code_are_marked_file_only():
         "flywheel.review",
         "flywheel.max_client_share",
         "flywheel.min_clients",
+        "gate.allowed_signers",  # whose signature approves
+        "gate.separate_duties",
     }
 
 

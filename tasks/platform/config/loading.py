@@ -102,6 +102,9 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), 
             section[field] = str((path.parent / value).resolve())
     gate = raw.get("gate")
     file_approval = gate.get("approval") if isinstance(gate, dict) else None
+    signers = gate.get("allowed_signers") if isinstance(gate, dict) else None
+    if isinstance(signers, str) and not Path(signers).is_absolute():
+        gate["allowed_signers"] = str((path.parent / signers).resolve())  # type: ignore[index]
     for text in overrides:
         keys, value = parse_override(text)
         refuse_file_only(keys, value, text)
