@@ -119,7 +119,8 @@ def release(
         tracking_uri: MLflow tracking URI; empty: MLFLOW_TRACKING_URI of the worker, else sqlite under LLMOPS_HOME.
         artifacts: artifact store, a folder or s3://bucket/prefix; empty: LLMOPS_ARTIFACTS, else LLMOPS_HOME/store.
         triton_url: a running Triton to roll out on (HTTP URL); empty: LLMOPS_TRITON_URL, else the one `llmops serve`
-            runs, else a temporary one.
+            runs, else a temporary one. Through the API, only the worker's LLMOPS_TRITON_URL or one of its
+            LLMOPS_TRITON_URLS (the operator's allow-list).
         triton_repository: that Triton's model repository folder on a filesystem this machine shares; empty: models
             are sent with their load requests (no shared filesystem).
         triton_grpc_url: that Triton's gRPC endpoint (host:port), for genai-perf; or LLMOPS_TRITON_GRPC_URL.
@@ -129,7 +130,9 @@ def release(
     if runtime.deployment.id:  # started through the Prefect API (UI, schedule, retrain): shipped profiles only
         check_api_profile(profile)
     config = load_profile(profile, overrides or [], data_source)
-    target = TritonTarget.from_options(triton_url, triton_grpc_url, triton_metrics_url, triton_repository)
+    target = TritonTarget.from_options(
+        triton_url, triton_grpc_url, triton_metrics_url, triton_repository, from_api=bool(runtime.deployment.id)
+    )
     ctx = open_context(config, tracking_uri, artifacts)
     server: TritonServer | None = None
     report: GateReport | None = None
