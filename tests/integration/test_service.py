@@ -284,7 +284,8 @@ def test_new_data_starts_one_release_run_that_becomes_champion(service, first_re
 
     run = service.mlflow_run(release["id"])
     assert run.data.tags["release.outcome"] == "promoted"
-    expected = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).fingerprint
+    data = load_profile("cpu-tiny").data  # with its curated held-out set, data.eval_source
+    expected = clean_and_split(read_source(str(DATASET)), data, read_source(str(data.eval_source))).fingerprint
     assert run.data.tags["data.fingerprint"] == expected
     version = MlflowClient(service.tracking_uri).get_model_version(MODEL, run.data.tags["registered_version"])
     assert version.tags["data.fingerprint"] == expected
@@ -502,8 +503,10 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
         held_out = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).eval[0]
         asked = {prompt: served_answer(client, prompt) for prompt in CORRECTIONS}
-        # credentials of each kind pasted into a prompt and its correction: redacted before anything keeps them
-        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL} {SECRETS_TEXT}")
+        # credentials of each kind pasted into a prompt and its correction: redacted before anything keeps them (the
+        # PEM block in the correction only: with it the prompt outgrows the tiny model's context of 512 tokens)
+        pasted_in_prompt = " ".join(v for k, v in PASTED.items() if k != "PEM private key body")
+        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL} {pasted_in_prompt}")
         held_out_id, _ = served_answer(client, held_out[0]["content"])
         bad_id, _ = served_answer(client, "What is the opposite of never?")
         served_answer(client, "Call 13812345678: opposite of up?", extra_headers={"X-LLMOps-Capture": "off"})
@@ -537,7 +540,9 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         records = [json.loads(line)["messages"] for line in dataset.read_text().splitlines()]
         assert {r[0]["content"]: r[1]["content"] for r in records if r[0]["content"] in CORRECTIONS} == CORRECTIONS
         (pasted,) = [r for r in records if r[0]["content"] not in CORRECTIONS]
-        assert pasted[0]["content"].startswith("What is the opposite of hot? Write to [EMAIL] my key [SECRET]; aws")
+        assert pasted[0]["content"] == "What is the opposite of hot? Write to [EMAIL] " + " ".join(
+            ["[SECRET]"] * 4 + ["[IBAN]"]
+        )
         assert pasted[1]["content"].startswith("cold; my key [SECRET]; aws [SECRET] [SECRET]; token [SECRET]")
         bucket_text = captured_text(service.env)
         assert EMAIL not in bucket_text + dataset.read_text() and "13812345678" not in bucket_text
