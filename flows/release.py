@@ -196,7 +196,7 @@ def release(
 
 def needs_approval(config: Profile, dataset: StageResult) -> bool:
     """gate.approval required, or harvested and the training data holds records clients wrote (the flywheel's)."""
-    harvested = DatasetMetrics.of(dataset).harvested_records > 0
+    harvested = (DatasetMetrics.of(dataset).harvested_records or 0) > 0
     return config.gate.approval == "required" or (config.gate.approval == "harvested" and harvested)
 
 

@@ -34,8 +34,8 @@ class DatasetMetrics(StageMetrics):
     eval_records_read: int | None = None  # with data.eval_source: the held-out set's records ...
     eval_overlap_dropped: int | None = None  # ... and the training records dropped for being in it
     eval_fingerprint: str | None = None
-    harvested_records: int = 0  # records the flywheel harvested from served traffic (gate.approval harvested)
-    harvested_with_history: int = 0  # ... of which a client wrote earlier assistant turns (train.mask_history)
+    harvested_records: int | None = None  # records the flywheel harvested from served traffic (gate.approval)
+    harvested_with_history: int | None = None  # ... of which a client wrote earlier assistant turns (mask_history)
 
     @classmethod
     def of_data(cls, data: CleanData) -> DatasetMetrics:
