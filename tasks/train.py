@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from tasks.platform.child_env import program_env
 from tasks.platform.config import HardwareSection, TrainSection
 from tasks.platform.errors import CheckFailed, is_transient
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
@@ -95,7 +96,9 @@ def launch_command(config_path: Path) -> list[str]:
 
 
 def launch_env(hardware: HardwareSection) -> dict:
-    env = dict(os.environ)
+    """LlamaFactory's environment: the allow-list of tasks/platform/child_env.py (no Prefect, MLflow or S3 login:
+    it reads and writes local folders only; this process tracks and stores), plus what the launch sets."""
+    env = program_env("llamafactory")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")])

@@ -80,14 +80,16 @@ def test_profile_digest_changes_with_any_value():
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
-# serve.vllm.max_lora_rank, max_loras).
+# serve.vllm.max_lora_rank, max_loras), and when the flywheel got a review (flywheel.*, serve.capture.trusted_clients,
+# train.mask_history, gate.approval harvested by default; cpu-tiny's curated data.eval_source, the same 39 records its
+# hash split held out, and mask_history).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "7d1ff94c8b966c985f84770908a5c72144da397224745dd7fe1a200dd32f92c9",
-    "cpu-tiny-qa-zh": "b7ff3d1c839270da1295c9c66d634afbb963d1baa3fa9a17fcb57c8ef0b538a8",
-    "llama3-8b-h100-fp8": "d6875df5b9edf2030838c2aab0d0457b4a3dfc12f3ecbf7adecac09ed64f46b8",
-    "qwen-7b-qlora-2xa10": "cb96c3483f8e3442329a2a08cfdad28b0a858ad3697d1115ca3049ba36bf4ef3",
-    "qwen-7b-vllm-h100": "d8ca7b8b3d6e29dc8f52df9ac430dc02626d37e3d7cb0fb65b05c2bb51ad32f5",
-    "qwen2-14b-int4-tp2": "d15560fed9f5c7f41db7d0724cf508012982d48712853bd06c8d47cf31bccf91",
+    "cpu-tiny": "df587614bc7a6a881ab7227dd9b9dcd98a9e1000609111b206535eac19a5c5fb",
+    "cpu-tiny-qa-zh": "3a6eec8a881ba4ebcec8939995b277d4ca6db7da430f5d031cf77ad293191ad5",
+    "llama3-8b-h100-fp8": "47ad9781f7debd4a4e53c29f5bd4e2b331cdd281bfb1f1d72908be9a48c26b7e",
+    "qwen-7b-qlora-2xa10": "d7eb8544e60a642774a80aad133dd2bca91a52f46fb66f816955f7829ccd64d0",
+    "qwen-7b-vllm-h100": "ea781f7d3af4ce8dd41a66ec344c6c8de2a1f61004bf7f7df9f9ae872776bef8",
+    "qwen2-14b-int4-tp2": "6f95b2e0301e7b682605926221330c3a99a30c932241bf192689d411907a3c9e",
 }
 
 
@@ -185,3 +187,47 @@ def test_the_run_forms_overrides_field_points_to_the_reference():
     described = parameter_schema(release.fn).model_dump()["properties"]["overrides"]["description"]
     assert "docs/reference/profiles.md" in described and "llmops profiles show" in described
     assert (PROJECT_ROOT / "docs" / "reference" / "profiles.md").is_file()
+
+
+def test_trust_settings_come_only_from_profile_files_and_approval_may_only_rise(tmp_path):
+    for override in (
+        "serve.capture.trusted_clients=[mallory]",
+        "flywheel.review=rules",
+        "flywheel.max_client_share=1",
+        "flywheel={review: rules}",
+    ):
+        with pytest.raises(BadInput, match="decides whom the pipeline trusts, so no override or run parameter"):
+            load_profile("cpu-tiny", [override])
+    assert load_profile("cpu-tiny").gate.approval == "harvested"  # a release on harvested data waits for a person
+    assert load_profile("cpu-tiny", ["gate.approval=required"]).gate.approval == "required"
+    with pytest.raises(BadInput, match=r"^--set gate.approval=none: the profile file asks for harvested"):
+        load_profile("cpu-tiny", ["gate.approval=none"])
+    values = yaml.safe_load((PROJECT_ROOT / "profiles" / "cpu-tiny.yaml").read_text())
+    values["gate"]["approval"] = "required"
+    values["data"] = {"source": str(PROJECT_ROOT / "profiles" / "data" / "antonyms.jsonl")}
+    required = tmp_path / "strict.yaml"
+    required.write_text(yaml.safe_dump(values))
+    with pytest.raises(BadInput, match="the profile file asks for required"):
+        load_profile(str(required), ["gate.approval=harvested"])
+
+
+def test_unreviewed_harvests_need_trusted_clients_masked_history_and_a_curated_exam(tmp_path):
+    def profile(flywheel: dict, **sections: str) -> Path:
+        path = tmp_path / "p.yaml"
+        body = {"name": "p", "data": {"source": "d.jsonl"}, "registry": {"model_name": "m"}, "flywheel": flywheel}
+        path.write_text(yaml.safe_dump(body | {k: yaml.safe_load(v) for k, v in sections.items()}))
+        return path
+
+    with pytest.raises(
+        BadInput, match=r"flywheel.review rules needs serve.capture.trusted_clients, train.mask_history"
+    ):
+        load_profile(str(profile({"review": "rules"})))
+    ok = profile(
+        {"review": "rules"},
+        serve="{capture: {trusted_clients: [curator]}}",
+        train="{mask_history: true}",
+        data="{source: d.jsonl, eval_source: exam.jsonl}",
+    )
+    assert load_profile(str(ok)).flywheel.review == "rules"
+    with pytest.raises(BadInput, match="anonymous is whoever reaches a gateway without keys"):
+        load_profile(str(profile({}, serve="{capture: {trusted_clients: [anonymous]}}")))

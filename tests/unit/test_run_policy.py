@@ -33,6 +33,13 @@ def test_the_settings_that_run_code_are_marked_file_only():
         "bench.aiperf_environment",  # the aiperf that runs
         "serve.triton_binary",
         "serve.capture.location",  # where users' conversations go: not for whoever starts a run
+        # whom the pipeline trusts: whose corrections train, whether harvests go unreviewed
+        "serve.capture.trusted_clients",
+        "flywheel.review",
+        "flywheel.max_client_share",
+        "flywheel.min_clients",
+        "gate.allowed_signers",  # whose signature approves
+        "gate.separate_duties",
     }
 
 

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from tasks.platform.config.base import Section
+from tasks.platform.config.flywheel import FlywheelSection
 from tasks.platform.config.machines import HardwareSection, RunSection
 from tasks.platform.config.quantize import BLACKWELL, EngineSection, QuantizeSection, is_blackwell
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection, TuneSection
@@ -40,6 +41,7 @@ class Profile(Section):
     bench: BenchSection = BenchSection()
     tune: TuneSection = TuneSection()
     gate: GateSection = GateSection()
+    flywheel: FlywheelSection = FlywheelSection()
     registry: RegistrySection
     run: RunSection = RunSection()
 
@@ -77,6 +79,25 @@ class Profile(Section):
                 f"engine.max_num_tokens {engine.max_num_tokens} is below train.cutoff_len {self.train.cutoff_len}: "
                 "a prompt as long as training allows would not fit one step (raise it, or enable_chunked_prefill)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _unreviewed_harvests_are_safe(self) -> Profile:
+        """flywheel.review rules pushes harvests no person read: only with what keeps a client from writing the
+        next release's answers, its history, or its exam."""
+        if self.flywheel.review != "rules":
+            return self
+        missing = [
+            name
+            for name, ok in (
+                ("serve.capture.trusted_clients", bool(self.serve.capture.trusted_clients)),
+                ("train.mask_history true", self.train.mask_history),
+                ("data.eval_source (a curated held-out set)", self.data.eval_source is not None),
+            )
+            if not ok
+        ]
+        if missing:
+            raise ValueError(f"flywheel.review rules needs {', '.join(missing)}")
         return self
 
     @model_validator(mode="after")

@@ -93,8 +93,10 @@ def render_reference() -> str:
         "`llmops profiles show NAME` prints a profile with every setting resolved and described.",
         "",
         f"A setting marked {FILE_ONLY_NOTE} runs code (an executable, environment, image or arguments passed "
-        "through to another program): only a profile file on disk sets it; `--set`, a flow's `overrides` and the "
-        "remote stage's profile parameter are refused ([Security](../security.md#the-trust-boundary)).",
+        "through to another program) or decides whom the pipeline trusts (whose corrections train, whose "
+        "signature approves, whether harvests go unreviewed): only a profile file on disk sets it; `--set`, a "
+        "flow's `overrides` and the remote stage's profile parameter are refused "
+        "([Security](../security.md#the-trust-boundary)).",
     ]
     for path, cls in sections(Profile, ""):
         rows = [setting_row(name, field) for name, field in cls.model_fields.items() if section_class(field) is None]

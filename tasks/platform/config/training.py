@@ -102,6 +102,12 @@ class TrainSection(Section):
     seed: int = Field(42, description="Seed of the adapter's initial weights and the data order.")
     bf16: bool = Field(False, description="Train in bfloat16 mixed precision (GPUs that have it).")
     fp16: bool = Field(False, description="Train in float16 mixed precision.")
+    mask_history: bool = Field(
+        False,
+        description="Train on each record's last answer only: earlier assistant turns are context, never labels "
+        "(LlamaFactory's mask_history). Needed for data harvested from served traffic whose history clients wrote "
+        "(prepare_data refuses such data without it).",
+    )
     deepspeed: str | None = Field(
         None, description="A DeepSpeed config file for LlamaFactory; null: no DeepSpeed.", json_schema_extra=FILE_ONLY
     )

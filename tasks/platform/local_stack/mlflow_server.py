@@ -19,8 +19,9 @@ JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 def auth_config(folder: Path) -> Path:
     """MLflow's basic-auth settings (mlflow/server/auth/basic_auth.ini at 3.17.2): its users in a sqlite file of the
-    stack, no permission for an account that is not the admin, and a password check cached for 10 minutes: uncached,
-    each request of a release (hundreds) pays a PBKDF2 hash (the ini's own note: about 3x the throughput cached).
+    stack, no permission for an account that is not the admin, and a password check cached for 60 s: uncached,
+    each request of a release (hundreds) pays a PBKDF2 hash (the ini's own note: about 3x the throughput cached); a
+    changed or revoked password stops working within that minute (MLflow's default, 10 minutes, kept it valid).
     The admin's password is not in it: MLflow takes it from its environment the first time it starts."""
     path = folder / "mlflow-auth.ini"
     write_secret(
@@ -33,7 +34,7 @@ def auth_config(folder: Path) -> Path:
                 f"admin_username = {ADMIN}",
                 "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
                 "grant_default_workspace_access = false",
-                "auth_cache_ttl_seconds = 600",
+                "auth_cache_ttl_seconds = 60",
                 "",
             ]
         ),
