@@ -32,7 +32,7 @@ from tasks.data.harvest import MinRating, admission_refusals
 from tasks.data.objects import open_location, same_or_inside
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import BadInput
-from tasks.platform.tracking import default_tracking_uri
+from tasks.platform.tracking import default_tracking_uri, ensure_experiment
 
 
 def refuse_unsafe_locations(config: Profile, data_destination: str, pending_destination: str) -> None:
@@ -102,7 +102,11 @@ def track(harvested: Harvested, parameters: dict[str, Any], decision: str, pushe
     from prefect.artifacts import create_markdown_artifact
 
     tracking_uri, _ = default_services(None, None)
-    mlflow.set_tracking_uri(tracking_uri or default_tracking_uri(llmops_home()))
+    home = llmops_home()
+    uri = tracking_uri or default_tracking_uri(home)
+    # a local tracking store keeps the artifacts under LLMOPS_HOME, as the release's runs do (open_context)
+    ensure_experiment(uri, FLYWHEEL_EXPERIMENT, None if tracking_uri else home / "mlartifacts")
+    mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(FLYWHEEL_EXPERIMENT)
     report = harvested.report
     with mlflow.start_run(run_name=f"harvest-{report['service']}"):
