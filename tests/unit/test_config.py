@@ -9,7 +9,7 @@ import yaml
 
 from tasks.platform import config
 from tasks.platform.config import Profile, Section, available_profiles, describe_profile, load_profile, sha256_json
-from tasks.platform.config.reference import render_reference
+from tasks.platform.config.reference import optional_section, render_reference
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
 
@@ -80,14 +80,16 @@ def test_profile_digest_changes_with_any_value():
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
-# serve.vllm.max_lora_rank, max_loras).
+# serve.vllm.max_lora_rank, max_loras), and when training could span nodes (hardware.nodes) and
+# be planned (base_model.architecture; the 72B profile).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "7d1ff94c8b966c985f84770908a5c72144da397224745dd7fe1a200dd32f92c9",
-    "cpu-tiny-qa-zh": "b7ff3d1c839270da1295c9c66d634afbb963d1baa3fa9a17fcb57c8ef0b538a8",
-    "llama3-8b-h100-fp8": "d6875df5b9edf2030838c2aab0d0457b4a3dfc12f3ecbf7adecac09ed64f46b8",
-    "qwen-7b-qlora-2xa10": "cb96c3483f8e3442329a2a08cfdad28b0a858ad3697d1115ca3049ba36bf4ef3",
-    "qwen-7b-vllm-h100": "d8ca7b8b3d6e29dc8f52df9ac430dc02626d37e3d7cb0fb65b05c2bb51ad32f5",
-    "qwen2-14b-int4-tp2": "d15560fed9f5c7f41db7d0724cf508012982d48712853bd06c8d47cf31bccf91",
+    "cpu-tiny": "982b27109088857b0bfb5b5282c4b9ceaa8e36a6a14023384dad3ed243e8b17c",
+    "cpu-tiny-qa-zh": "f05069a9d87924bb11297e8a4e79b3451fb6f6a7e80315f26c2c079cf7deb7ad",
+    "llama3-8b-h100-fp8": "c2e141115a0a870ef87c508711dc8449727a96509873a106072d1ddbf5206697",
+    "qwen-7b-qlora-2xa10": "bfe1632035c3547805b6dfad65b327806073117d9b158d55b8aa64cea185720a",
+    "qwen-7b-vllm-h100": "f9a86231861d6ca3a8b9503fdd37b72d10554fd045d15f5de01776c5aee7e577",
+    "qwen2-14b-int4-tp2": "473f3f9cbcc7b7043979971c15a5214e36bc19389ddad9bd152c0ce3ec7211fa",
+    "qwen2.5-72b-lora-2x8xh100": "b578f1489e7aa27f5fa3d4523e101522062f97fd70223c2f6ef626118901ae55",
 }
 
 
@@ -113,8 +115,9 @@ def all_sections(cls: type[Section] = Profile, path: str = "") -> list[tuple[str
     found = [(path, cls)]
     for name, field in cls.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, Section):
-            found += all_sections(annotation, f"{path}.{name}".lstrip("."))
+        nested = annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+        if nested or optional_section(field):
+            found += all_sections(nested or optional_section(field), f"{path}.{name}".lstrip("."))
     return found
 
 
@@ -141,8 +144,11 @@ def test_reference_lists_every_setting_with_its_type_and_default():
     assert "| `lora_rank` | `int` (>= 1) | `8` | Rank of the LoRA matrices. |" in page
     assert "| `model_name` | `str` (length >= 1) | required |" in page
     assert "## serve.vllm" in page and "## hardware.kubernetes" in page
-    rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1)
-    assert page.count("\n| `") == rows
+    # Every setting is a row, but a section nested in another: an optional one (base_model.architecture) is both.
+    optional = [path for path, _ in all_sections() if path == "base_model.architecture"]
+    rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1) + len(optional)
+    assert page.count("\n| `") == rows and optional
+    assert "## base_model.architecture" in page and "| `architecture` | `ModelArchitecture \\| null` | `null` |" in page
 
 
 def test_show_is_the_resolved_profile_as_commented_yaml():
