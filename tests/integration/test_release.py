@@ -361,6 +361,58 @@ def test_a_node_killed_mid_training_stops_the_run_and_a_rerun_on_one_node_resume
     assert min(m.step for m in history) > resumed  # no step before the checkpoint was trained again
 
 
+def stage_record(stack, stage: str) -> dict:
+    """The one stored result of `stage` (prepare_data and base_model ran once in this module)."""
+    import json as _json
+
+    prefix = f"llmops/records/stages/{stage}/"
+    (key,) = [k for k in bucket_keys(stack) if k.startswith(prefix)]
+    record = _json.loads(stack.boto3().get_object(Bucket="artifacts", Key=key)["Body"].read())
+    return {"stage": stage, "artifact": record["artifact"], "metrics": record["metrics"]}
+
+
+def test_the_kubernetes_node_program_trains_as_two_pods(stack, first_run, tmp_path):
+    """`python -m flows.train_node` as the rendered pods run it (tasks/training/kubernetes.py: the request in
+    LLMOPS_STAGE_REQUEST, the node's place in NNODES/NPROC_PER_NODE/NODE_RANK/MASTER_ADDR/MASTER_PORT), twice on
+    127.0.0.1, each with a disk of its own: node 0 trains and stores the stage's result, node 1 only trains."""
+    import json as _json
+
+    from tasks.platform.config import load_profile
+    from tasks.platform.ports import free_port
+    from tasks.training.kubernetes import REQUEST_ENV
+
+    profile = load_profile("cpu-tiny", ["hardware.nodes=2", "train.per_device_train_batch_size=4", "train.seed=9"])
+    client = MlflowClient(stack.mlflow.url)
+    run = client.create_run(client.get_experiment_by_name("llm-release").experiment_id)
+    request = {
+        "profile": profile.model_dump(mode="json"),
+        "artifacts": "s3://artifacts/llmops",
+        "tracking_uri": stack.mlflow.url,
+        "mlflow_run_id": run.info.run_id,
+        "experiment_id": run.info.experiment_id,
+        "inputs": [stage_record(stack, "prepare_data"), stage_record(stack, "base_model")],
+    }
+    before = {k for k in bucket_keys(stack) if k.startswith("llmops/records/stages/train/")}
+    port, pods = free_port(), []
+    for rank in (0, 1):
+        disk = tmp_path / f"pod-{rank}"
+        env = {**os.environ, **stack.env, REQUEST_ENV: _json.dumps(request), "LLMOPS_HOME": str(disk / "llmops")}
+        env |= {"HF_HOME": str(disk / "hf"), "OMP_NUM_THREADS": "1", "NNODES": "2", "NPROC_PER_NODE": "1"}
+        env |= {"NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        with open(tmp_path / f"pod-{rank}.log", "w") as log:  # the child keeps its own descriptor
+            pod = [sys.executable, "-m", "flows.train_node"]
+            pods.append(subprocess.Popen(pod, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    for rank, pod in enumerate(pods):
+        assert pod.wait(1200) == 0, (tmp_path / f"pod-{rank}.log").read_text()[-3000:]
+    (stored,) = {k for k in bucket_keys(stack) if k.startswith("llmops/records/stages/train/")} - before
+    record = _json.loads(stack.boto3().get_object(Bucket="artifacts", Key=stored)["Body"].read())
+    assert record["metrics"]["world_size"] == 2 and record["metrics"]["nodes"] == 2
+    assert not list((tmp_path / "pod-1").rglob("adapter_model.safetensors"))  # node 0 (global rank 0) wrote it
+    assert "train: resuming" not in (tmp_path / "pod-0.log").read_text()
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert len(history) >= 30  # node 0 followed the trainer log into the release's MLflow run
+
+
 def test_training_outlasts_a_storage_outage(stack, first_run, tmp_path):
     """The S3 server goes away mid-training for longer than the task retries of a stage span (three
     retries 0.2 s apart here) and comes back on the same port: the same run finishes and promotes
