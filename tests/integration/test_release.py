@@ -215,7 +215,7 @@ def test_two_nodes_train_as_one_process_does(stack, first_run):
     assert "(node 1 of 2, pid " in result.stdout + result.stderr
     two = latest_run(stack)
     assert two.info.run_id != single.info.run_id and two.data.tags["stage.train"] == "ran"
-    assert two.data.params["profile/hardware/nodes"] == "2"
+    assert two.data.params["profile/hardware.nodes"] == "2"
     world = {key: (single.data.metrics[f"train/{key}"], two.data.metrics[f"train/{key}"]) for key in WORLD_METRICS}
     assert world == {"nodes": (1, 2), "world_size": (1, 2), "global_batch_size": (8, 8)}
 
