@@ -127,3 +127,18 @@ def test_follower_streams_log_lines_and_skips_a_partial_line(tmp_path):
     follower.poll()
     assert logged == [("train", 5, {"loss": 2.5, "epoch": 0.5, "learning_rate": 0.001})]
     assert follower.last_step == 5
+
+
+def test_a_training_whose_nodes_start_here_needs_all_their_gpus_here():
+    import pytest
+
+    from tasks.platform.config import check_machine
+    from tasks.platform.errors import BadInput
+
+    profile = load_profile("qwen2.5-72b-lora-2x8xh100")
+    with pytest.raises(
+        BadInput, match=r"train need\(s\) 16 CUDA GPU\(s\) \(hardware.gpus x hardware.nodes 2 for train\)"
+    ):
+        check_machine(profile, ["train"])
+    with pytest.raises(BadInput, match=r"merge need\(s\) 8 CUDA GPU\(s\) \(hardware.gpus\)"):
+        check_machine(profile, ["merge"])  # the other heavy stages run on one node
