@@ -164,6 +164,18 @@ class LocalNodes:
                 node.process.wait()
         for node in self.failed():
             _signal_group(node.process.pid, signal.SIGKILL)
+        for node in self.failed():
+            _wait_group_gone(node.process.pid, deadline + STOP_GRACE_S)
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> None:
+    """Until the group's last process (torchrun's workers, orphaned when their launcher died) is gone."""
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

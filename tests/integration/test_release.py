@@ -347,7 +347,7 @@ def test_a_node_killed_mid_training_stops_the_run_and_a_rerun_on_one_node_resume
     assert last.startswith("llmops: error: train: LlamaFactory ") and last.endswith("the other nodes were stopped")
     assert f"node 1 of 2 (pid {pids[1]}) was killed by SIGKILL" in last
     with pytest.raises(ProcessLookupError):
-        os.killpg(pids[0], 0)  # the surviving node's launcher, torchrun and worker were stopped
+        os.killpg(pids[0], 0)  # the surviving node's launcher, torchrun and worker were stopped, and are gone
 
     result = llmops(stack, *release_args(stack, *common), home=tmp_path / "machine-2")
     assert result.returncode == 0, result.stderr[-3000:]
