@@ -66,6 +66,10 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
             "NPROC_PER_NODE",
             "MASTER_ADDR",
             "MASTER_PORT",
+            "RDZV_ID",  # launcher.py:85-112: a c10d rendezvous (tasks/training/launch.py), and elastic node counts
+            "MIN_NNODES",
+            "MAX_NNODES",
+            "MAX_RESTARTS",
             "RANK",
             "WORLD_SIZE",
         ),

@@ -31,7 +31,12 @@ def load_model(base_dir: Path, adapter_dir: Path | None = None, compute: Compute
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype)).to(compute.device)
+    if compute.device == "cuda":
+        # Spread over the machine's GPUs where one does not hold it (a 72B model in bf16 is 145 GB; accelerate's
+        # "auto" fills the GPUs in order, so a model that fits one stays on one).
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype), device_map="auto")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype)).to(compute.device)
     if adapter_dir is not None:
         from peft import PeftModel
 

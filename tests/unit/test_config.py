@@ -9,7 +9,7 @@ import yaml
 
 from tasks.platform import config
 from tasks.platform.config import Profile, Section, available_profiles, describe_profile, load_profile, sha256_json
-from tasks.platform.config.reference import render_reference
+from tasks.platform.config.reference import optional_section, render_reference
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
 
@@ -82,14 +82,16 @@ def test_profile_digest_changes_with_any_value():
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
 # serve.vllm.max_lora_rank, max_loras), and when the flywheel got a review (flywheel.*, serve.capture.trusted_clients,
 # train.mask_history, gate.approval harvested by default; cpu-tiny's curated data.eval_source, the same 39 records its
-# hash split held out, and mask_history).
+# hash split held out, and mask_history), and when training could span nodes (hardware.nodes) and
+# be planned (base_model.architecture; the 72B profile).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "df587614bc7a6a881ab7227dd9b9dcd98a9e1000609111b206535eac19a5c5fb",
-    "cpu-tiny-qa-zh": "3a6eec8a881ba4ebcec8939995b277d4ca6db7da430f5d031cf77ad293191ad5",
-    "llama3-8b-h100-fp8": "47ad9781f7debd4a4e53c29f5bd4e2b331cdd281bfb1f1d72908be9a48c26b7e",
-    "qwen-7b-qlora-2xa10": "d7eb8544e60a642774a80aad133dd2bca91a52f46fb66f816955f7829ccd64d0",
-    "qwen-7b-vllm-h100": "ea781f7d3af4ce8dd41a66ec344c6c8de2a1f61004bf7f7df9f9ae872776bef8",
-    "qwen2-14b-int4-tp2": "6f95b2e0301e7b682605926221330c3a99a30c932241bf192689d411907a3c9e",
+    "cpu-tiny": "db38e40d1c0d30b29d61f46e72c9059bf1e89525152886aa3086c08766175883",
+    "cpu-tiny-qa-zh": "d0208fe439c6cc7ba5bf2fe67a4051f7ee6b126ede5f333ae44c492a70394e17",
+    "llama3-8b-h100-fp8": "50930623d8463b8f25d941824cf511af40a8cf8112bc8c1ad1ed8e5223aa9217",
+    "qwen-7b-qlora-2xa10": "6fd7dff27816289c5f78bd164bcfedb369182aefeccc56dcd45647df21f6c865",
+    "qwen-7b-vllm-h100": "5c4a161840156e98a1505352d20c2f872c044e4125e02ea03e8181114389ea05",
+    "qwen2-14b-int4-tp2": "db7fa2c62654641567dc083f4ca4de543197fb1374b7dafc79b8df6398ab4c08",
+    "qwen2.5-72b-lora-2x8xh100": "8ac3ab92681512b05e49607c88154f37941762b23509feef6c8cc536521593e2",
 }
 
 
@@ -115,8 +117,9 @@ def all_sections(cls: type[Section] = Profile, path: str = "") -> list[tuple[str
     found = [(path, cls)]
     for name, field in cls.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, Section):
-            found += all_sections(annotation, f"{path}.{name}".lstrip("."))
+        nested = annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+        if nested or optional_section(field):
+            found += all_sections(nested or optional_section(field), f"{path}.{name}".lstrip("."))
     return found
 
 
@@ -143,8 +146,11 @@ def test_reference_lists_every_setting_with_its_type_and_default():
     assert "| `lora_rank` | `int` (>= 1) | `8` | Rank of the LoRA matrices. |" in page
     assert "| `model_name` | `str` (length >= 1) | required |" in page
     assert "## serve.vllm" in page and "## hardware.kubernetes" in page
-    rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1)
-    assert page.count("\n| `") == rows
+    # Every setting is a row, but a section nested in another: an optional one (base_model.architecture) is both.
+    optional = [path for path, _ in all_sections() if path == "base_model.architecture"]
+    rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1) + len(optional)
+    assert page.count("\n| `") == rows and optional
+    assert "## base_model.architecture" in page and "| `architecture` | `ModelArchitecture \\| null` | `null` |" in page
 
 
 def test_show_is_the_resolved_profile_as_commented_yaml():

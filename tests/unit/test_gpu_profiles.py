@@ -61,7 +61,8 @@ def test_nvfp4_is_a_config_error_unless_the_gpu_is_blackwell():
 
 
 def test_qlora_config_for_two_gpus_launches_torchrun_with_4bit_base():
-    from tasks.train import launch_env, llamafactory_config
+    from tasks.train import llamafactory_config
+    from tasks.training.launch import launch_env
 
     profile = load_profile("qwen-7b-qlora-2xa10")
     config = llamafactory_config(profile.train, Path("/m"), Path("/d"), Path("/o"), None)

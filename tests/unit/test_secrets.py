@@ -230,7 +230,7 @@ def test_each_third_party_program_starts_with_its_allow_list_only(program, monke
     from tasks.platform.child_env import PROGRAMS, program_env
     from tasks.platform.config import HardwareSection
     from tasks.serving.tensorrt_llm import command_env
-    from tasks.train import launch_env
+    from tasks.training.launch import launch_env
 
     for name in LOGINS:
         monkeypatch.setenv(name, f"{SECRET}-{name}")

@@ -182,9 +182,13 @@ def check_machine(profile: Profile, stages: list[str]) -> None:
     import torch
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < profile.hardware.gpus:
+    hardware = profile.hardware
+    # The train stage run here starts all its nodes here (tasks/training/launch.py), each with its own GPUs.
+    needed = hardware.gpus * hardware.nodes if "train" in stages else hardware.gpus
+    if found < needed:
+        per_node = f" x hardware.nodes {hardware.nodes} for train" if needed != hardware.gpus else ""
         raise BadInput(
-            f"profile {profile.name}: {', '.join(stages)} need(s) {profile.hardware.gpus} CUDA GPU(s) "
-            f"(hardware.gpus), this machine has {found}; run it on a GPU machine, place those stages on "
+            f"profile {profile.name}: {', '.join(stages)} need(s) {needed} CUDA GPU(s) "
+            f"(hardware.gpus{per_node}), this machine has {found}; run it on a GPU machine, place those stages on "
             f"the GPU pool (run.remote_stages), or pick a CPU profile (llmops profiles list)"
         )

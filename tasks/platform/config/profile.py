@@ -46,6 +46,15 @@ class Profile(Section):
     run: RunSection = RunSection()
 
     @model_validator(mode="after")
+    def _deepspeed_on_cuda(self) -> Profile:
+        if self.train.deepspeed is not None and self.hardware.accelerator != "cuda":
+            raise ValueError(
+                "train.deepspeed needs hardware.accelerator cuda (DeepSpeed is in the GPU train image, not the CPU "
+                "environment)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _backends_fit(self) -> Profile:
         if self.quantize.backend == "modelopt" and self.hardware.accelerator != "cuda":
             raise ValueError("quantize.backend modelopt needs hardware.accelerator cuda")

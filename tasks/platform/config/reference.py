@@ -56,11 +56,17 @@ def constraints(field: FieldInfo) -> str:
     return ", ".join(found)
 
 
+def optional_section(field: FieldInfo) -> type[Section] | None:
+    """The section of a `Section | None` setting (one whose absence means something: base_model.architecture)."""
+    found = [a for a in get_args(field.annotation) if isinstance(a, type) and issubclass(a, Section)]
+    return found[0] if len(found) == 1 and type(None) in get_args(field.annotation) else None
+
+
 def sections(cls: type[Section], path: str) -> Iterator[tuple[str, type[Section]]]:
     """(dotted path, section class) of cls and every section inside it, depth first in field order."""
     yield path, cls
     for name, field in cls.model_fields.items():
-        nested = section_class(field)
+        nested = section_class(field) or optional_section(field)
         if nested is not None:
             yield from sections(nested, f"{path}.{name}" if path else name)
 
