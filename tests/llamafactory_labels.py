@@ -12,14 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-from tasks.runners.llamafactory_launch import _placeholder_torchaudio
+from tasks.runners.llamafactory_launch import _use_placeholder_torchaudio
 
 
 def main(work: Path, data: Path, held_out: Path, overrides: list[str]) -> None:
     try:
         import torchaudio  # noqa: F401
     except Exception:  # as the train stage's launcher does (tasks/runners/llamafactory_launch.py)
-        sys.modules["torchaudio"] = _placeholder_torchaudio()
+        _use_placeholder_torchaudio()
     from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
     from llamafactory.hparams import get_train_args
 
