@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(name, required=True)
     parser.add_argument("--qformat", required=True, choices=sorted(PRESETS))
     parser.add_argument("--kv_cache_fp8", action="store_true")
-    parser.add_argument("--awq_block_size", type=int, default=128)
+    parser.add_argument("--awq_block_size", type=int, choices=(64, 128), default=128)  # TensorRT-LLM's kernels
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
     return parser.parse_args(argv)
 

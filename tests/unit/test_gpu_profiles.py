@@ -78,3 +78,29 @@ def test_gpu_profiles_name_models_that_exist_with_the_modules_they_target():
     assert sources["qwen2-14b-int4-tp2"].base_model.source == "Qwen/Qwen2.5-14B-Instruct"
     for profile in sources.values():  # Qwen2 architecture: separate projections, no remote code
         assert set(profile.train.lora_target.split(",")) <= {"q_proj", "k_proj", "v_proj", "o_proj", "all"}
+
+
+def test_int4_awq_takes_only_the_group_sizes_tensorrt_llm_runs_and_that_divide_every_layer(tmp_path):
+    """TensorRT-LLM's INT4-AWQ kernels run group size 64 or 128 only, and each layer's input width must be a multiple
+    of it: a profile that asks for another one is refused when it loads, not at build_engine's first GEMM."""
+    import json
+
+    from tasks.quantize import require_awq_groups
+
+    gpu_tiny = ["hardware.accelerator=cuda", "hardware.gpus=1", "quantize.backend=modelopt"]
+    awq = [*gpu_tiny, "quantize.modelopt.qformat=int4_awq"]
+    with pytest.raises(BadInput, match=r"^profile cpu-tiny: quantize\.modelopt\.awq_block_size: 16: .*64 or 128 only"):
+        load_profile("cpu-tiny", [*awq, "quantize.modelopt.awq_block_size=16"])
+    # the tiny base is 64 wide with an MLP of 128: 128 does not divide 64
+    with pytest.raises(BadInput, match=r"awq_block_size 128 does not divide hidden_size 64 of base_model\.tiny"):
+        load_profile("cpu-tiny", awq)
+    load_profile("cpu-tiny", [*awq, "quantize.modelopt.awq_block_size=64"])
+    load_profile("cpu-tiny", gpu_tiny)  # fp8: no groups to divide
+
+    # A hub model's widths are known once it is merged: the quantize stage checks them before calibrating.
+    qwen14b = load_profile("qwen2-14b-int4-tp2")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 5120, "intermediate_size": 13824}))
+    require_awq_groups(qwen14b, tmp_path)  # 2560 and 6912 per GPU: multiples of 128
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 5120, "intermediate_size": 13760}))
+    with pytest.raises(BadInput, match=r"does not divide intermediate_size 13760, intermediate_size / 2 GPUs 6880 of"):
+        require_awq_groups(qwen14b, tmp_path)

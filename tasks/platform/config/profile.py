@@ -10,7 +10,13 @@ from pydantic import Field, model_validator
 
 from tasks.platform.config.base import Section
 from tasks.platform.config.machines import HardwareSection, RunSection
-from tasks.platform.config.quantize import BLACKWELL, EngineSection, QuantizeSection, is_blackwell
+from tasks.platform.config.quantize import (
+    BLACKWELL,
+    EngineSection,
+    QuantizeSection,
+    awq_indivisible,
+    is_blackwell,
+)
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection, TuneSection
 from tasks.platform.config.serving import ServeSection
 from tasks.platform.config.training import (
@@ -53,9 +59,30 @@ class Profile(Section):
                 f"quantize.modelopt.qformat nvfp4 needs a Blackwell GPU (hardware.gpu_type one of "
                 f"{', '.join(BLACKWELL)}), not {self.hardware.gpu_type}: use fp8 or int4_awq"
             )
+        self._awq_groups_fit()
         if self.serve.backend == "llmapi":
             return self._llmapi_fits()
         return self
+
+    def _awq_groups_fit(self) -> None:
+        """int4_awq on the tiny base, whose shape the profile holds: every layer's input width must be a multiple of
+        the group size (a hub model's shape is checked by the quantize stage, from its config.json)."""
+        modelopt = self.quantize.modelopt
+        if (
+            self.quantize.backend != "modelopt"
+            or modelopt.qformat != "int4_awq"
+            or self.base_model.source != "tiny-qwen2"
+        ):
+            return
+        tiny = self.base_model.tiny
+        bad = awq_indivisible(
+            modelopt.awq_block_size, tiny.hidden_size, tiny.intermediate_size, self.engine.tensor_parallel_size
+        )
+        if bad:
+            raise ValueError(
+                f"quantize.modelopt.awq_block_size {modelopt.awq_block_size} does not divide {', '.join(bad)} of "
+                "base_model.tiny: TensorRT-LLM needs every INT4-AWQ layer's input width to be a multiple of it"
+            )
 
     def _llmapi_fits(self) -> Profile:
         """serve.backend llmapi: tensorrt_llm.LLM loads the quantize stage's checkpoint as it is."""
