@@ -80,12 +80,12 @@ def test_profile_digest_changes_with_any_value():
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
-# serve.vllm.max_lora_rank, max_loras).
+# serve.vllm.max_lora_rank, max_loras), and when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3).
 RESOLVED_DIGESTS = {
     "cpu-tiny": "7d1ff94c8b966c985f84770908a5c72144da397224745dd7fe1a200dd32f92c9",
     "cpu-tiny-qa-zh": "b7ff3d1c839270da1295c9c66d634afbb963d1baa3fa9a17fcb57c8ef0b538a8",
     "llama3-8b-h100-fp8": "d6875df5b9edf2030838c2aab0d0457b4a3dfc12f3ecbf7adecac09ed64f46b8",
-    "qwen-7b-qlora-2xa10": "cb96c3483f8e3442329a2a08cfdad28b0a858ad3697d1115ca3049ba36bf4ef3",
+    "qwen-7b-qlora-2xa10": "6beed0478610536748922aa33d49fc5741c116f5fd533e1db5bfadfd17173814",
     "qwen-7b-vllm-h100": "d8ca7b8b3d6e29dc8f52df9ac430dc02626d37e3d7cb0fb65b05c2bb51ad32f5",
     "qwen2-14b-int4-tp2": "d15560fed9f5c7f41db7d0724cf508012982d48712853bd06c8d47cf31bccf91",
 }

@@ -92,7 +92,7 @@ def test_triton_serves_under_the_arguments_build_engine_checked(profile_name):
 def test_golden_values_are_what_the_profiles_ask_for():
     """The reviewed facts behind the golden files, stated once in words."""
     qwen7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "commands.sh").read_text()
-    assert "--qformat int4_awq --dtype float16 --awq_block_size 128" in qwen7b and "--kv_cache_fp8" not in qwen7b
+    assert "--qformat int4_awq --dtype bfloat16 --awq_block_size 128" in qwen7b and "--kv_cache_fp8" not in qwen7b
     qwen7b_args = json.loads((GOLDEN / "qwen-7b-qlora-2xa10" / "llm_args.json").read_text())
     assert qwen7b_args["max_input_len"] == 2048 and qwen7b_args["max_seq_len"] == 2048 + 512  # train.cutoff_len
     assert qwen7b_args["tensor_parallel_size"] == 1 and qwen7b_args["backend"] == "pytorch"

@@ -67,7 +67,9 @@ def test_qlora_config_for_two_gpus_launches_torchrun_with_4bit_base():
     config = llamafactory_config(profile.train, Path("/m"), Path("/d"), Path("/o"), None)
     assert config["quantization_bit"] == 4 and config["quantization_method"] == "bnb"
     assert config["lora_target"] == "q_proj,v_proj" and config["lora_rank"] == 8 and config["lora_alpha"] == 32
-    assert config["fp16"] is True and config["include_num_input_tokens_seen"] == "non_padding"
+    assert (
+        config["bf16"] is True and not config.get("fp16") and config["include_num_input_tokens_seen"] == "non_padding"
+    )
     env = launch_env(profile.hardware)
     assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
 
@@ -104,3 +106,17 @@ def test_int4_awq_takes_only_the_group_sizes_tensorrt_llm_runs_and_that_divide_e
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 5120, "intermediate_size": 13760}))
     with pytest.raises(BadInput, match=r"does not divide intermediate_size 13760, intermediate_size / 2 GPUs 6880 of"):
         require_awq_groups(qwen14b, tmp_path)
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_gpu_profiles_compute_in_bf16_end_to_end(profile_name):
+    """Every shipped GPU is Ampere or newer and has bf16, the dtype Qwen2.5 and Llama 3 were trained in; fp16
+    overflows on Qwen2 (QwenLM/Qwen3#761, #868). Training, evaluate/merge, calibration and the served checkpoint
+    all compute in it."""
+    profile = load_profile(profile_name)
+    assert profile.train.bf16 and not profile.train.fp16
+    assert profile.hardware.compute_dtype == "bfloat16"
+    if profile.quantize.backend == "modelopt":
+        assert profile.quantize.modelopt.dtype == "bfloat16"
+    if profile.serve.backend == "vllm":
+        assert profile.serve.vllm.dtype == "bfloat16"
