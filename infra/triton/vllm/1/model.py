@@ -44,50 +44,19 @@ import json
 import locale
 import os
 import queue
-import subprocess
-import sys
 import threading
 import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-# model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
+# engine_guard.py and model_text.py are tasks/serving/'s, copied next to this file when the model is rendered
+from engine_guard import engine_processes, guard_engine
 from model_text import chat_history, encode_prompt, input_value, stream_delta
-
-# vLLM's engine core runs in a child process that nothing ties to this stub's life: SIGKILL tritonserver
-# and the engine (with its worker and KV cache) outlives it as an orphan. The worker already dies with
-# the engine core (multiproc_executor.py's death pipe), so this watcher kills the engine core's tree as
-# soon as tritonserver or this stub is gone. A separate process, since nothing in a dead one can act.
-WATCHER = """
-import sys, time
-import psutil
-watched, victims = [int(p) for p in sys.argv[1].split(",")], [int(p) for p in sys.argv[2].split(",")]
-def alive(pid):  # a SIGKILLed tritonserver stays a zombie until its parent reaps it
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-while all(alive(pid) for pid in watched):
-    time.sleep(0.5)
-for pid in victims:
-    try:
-        psutil.Process(pid).kill()
-    except psutil.NoSuchProcess:
-        pass
-"""
-
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
 # Engine arguments rendered empty where vLLM's default stands: GPU settings on CPU, the KV cache size on cuda
 OPTIONAL_ENGINE_ARGS = {"kv_cache_memory_bytes": int, "gpu_memory_utilization": float, "tensor_parallel_size": int}
-
-
-def engine_processes():
-    """This stub's child processes (vLLM's engine core, its workers, multiprocessing's resource tracker)."""
-    import psutil
-
-    return [child.pid for child in psutil.Process().children(recursive=True)]
 
 
 class TritonPythonModel:
@@ -160,9 +129,9 @@ class TritonPythonModel:
                 f"vLLM engine for {model_dir} failed to start: {exc} (its engine core's error is in tritonserver's log)"
             ) from exc
         self.context_tokens = self.engine.model_config.max_model_len
-        self.watcher = subprocess.Popen(
-            [sys.executable, "-c", WATCHER, f"{os.getppid()},{os.getpid()}", ",".join(map(str, engine_processes()))]
-        )
+        # vLLM's engine core is this stub's child that nothing ties to its life (its worker dies with it through
+        # multiproc_executor.py's death pipe): it dies with tritonserver or this stub (engine_guard.py)
+        self.watcher = guard_engine(engine_processes())
 
     def parse(self, request):
         text = input_value(request, "text_input", None)
