@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.build_engine import check_cache_key, require_gpu_for
+from tasks.build_engine import check_cache_key, require_gpu_for, require_servable
 from tasks.platform.config import available_profiles, load_profile
 from tasks.platform.errors import BadInput
 from tasks.serving import tensorrt_llm
@@ -191,3 +191,21 @@ def test_a_registered_version_serves_the_quantized_checkpoint_on_llmapi_else_the
     digest = tags[f"artifact.{serves}.sha256"]
     assert (served.name, served.artifact_sha256, served.serves) == ("svc-v3", digest, tmp_path / digest)
     assert served.model_dir == tmp_path / ("m" * 64)  # tokenizer and champion scores: the merged model
+
+
+def test_an_eval_prompt_the_serving_arguments_cannot_take_is_refused_before_tensorrt_llm_loads():
+    """One LLM.generate answers every eval prompt: one prompt over max_num_tokens without chunked prefill would raise
+    in TensorRT-LLM's argument check and abort the whole check after the model loaded; it is refused first, named."""
+    profile = load_profile("qwen-7b-qlora-2xa10")  # cutoff 2048, max_seq_len 2560, max_num_tokens 4096, no chunking
+    args = llm_args(profile)
+    require_servable([[1] * 2048, [1] * 10], args, 64)
+    with pytest.raises(
+        BadInput, match=r"1 eval sample\(s\) do not fit .* the first \(#1\) a 2049-token prompt: at most 2048"
+    ):
+        require_servable([[1] * 10, [1] * 2049], args, 64)
+    with pytest.raises(BadInput, match=r"at most 2560 \(max_seq_len"):
+        require_servable([[1] * 2048], args, 600)
+    short_steps = {**args, "max_num_tokens": 1024}  # engine.extra_args or a tuned max_num_tokens below the cutoff
+    with pytest.raises(BadInput, match=r"at most 1024 tokens \(engine.max_num_tokens \(no chunked prefill\)\)"):
+        require_servable([[1] * 1500], short_steps, 64)
+    require_servable([[1] * 1500], {**short_steps, "enable_chunked_prefill": True}, 64)
