@@ -112,6 +112,7 @@ def test_the_smoke_runs_its_steps_on_the_cpu(tmp_path):
         "merge",
         "serve",
     }
+    assert steps["memory"]["status"] == "skipped" and steps["memory"]["note"] == "needs a CUDA GPU"
     assert steps["lora"]["numbers"]["steps"] == 10
     assert steps["merge"]["numbers"]["max_abs_dlogits"] <= steps["merge"]["numbers"]["tolerance"]
     answered = steps["serve"]["numbers"]["answers_equal_evaluate"].split("/")

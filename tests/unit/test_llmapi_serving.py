@@ -59,10 +59,23 @@ def test_each_gpu_profile_fits_champion_and_candidate_on_its_gpus(profile_name, 
     model = memory_plan.footprint(
         tmp_path / "ckpt", args["tensor_parallel_size"], 1, args["max_num_tokens"], args["max_batch_size"]
     )
-    per_model = model.weights_bytes + model.activation_bytes + memory_plan.RUNTIME_RESERVE_GIB * memory_plan.GIB
-    real = memory_plan.GPU_GIB[profile.hardware.gpu_type] * memory_plan.GIB
-    assert 2 * per_model + 2 * tokens * model.kv_bytes_per_token <= real * (1 - memory_plan.FRAGMENTATION)
+    gib = memory_plan.GIB
+    # each model: its worker's context and workspaces, the Triton stub's own CUDA context, the decode CUDA graphs
+    runtime = memory_plan.RUNTIME_RESERVE_GIB + memory_plan.CUDA_CONTEXT_GIB + memory_plan.CUDA_GRAPHS_GIB
+    per_model = model.weights_bytes + model.activation_bytes + runtime * gib
+    real = memory_plan.GPU_GIB[profile.hardware.gpu_type] * gib
+    held = memory_plan.TRITONSERVER_GIB * gib + 2 * per_model + 2 * tokens * model.kv_bytes_per_token
+    assert held <= real * (1 - memory_plan.FRAGMENTATION) < held + 2 * model.kv_bytes_per_token  # all of it, no more
     assert tokens >= 4 * args["max_seq_len"], tokens  # room for a few sequences each, not just one
+
+
+def test_the_plan_counts_every_cuda_process_and_pool_a_canary_puts_on_a_gpu():
+    """Besides the TensorRT-LLM workers: tritonserver's own context and 64 MB CUDA pool on every GPU, each model's
+    Triton stub (a CUDA process of its own) and its decode CUDA graphs, captured after the KV cache is sized."""
+    assert memory_plan.TRITONSERVER_GIB >= 64 / 1024 and memory_plan.CUDA_CONTEXT_GIB > 0
+    assert memory_plan.CUDA_GRAPHS_GIB > 0 and memory_plan.runtime_gib_per_model() == pytest.approx(3.0)
+    gpu_doc = (Path(__file__).resolve().parents[2] / "docs" / "gpu.md").read_text()
+    assert "419k tokens per model" in gpu_doc and "64k" in gpu_doc  # the planned budgets the docs state
 
 
 def test_gpu_memory_is_what_the_gpu_reports_not_what_it_is_sold_as():
