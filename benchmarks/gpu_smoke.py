@@ -8,7 +8,9 @@ changes (a Qwen2-shaped base of about 290M parameters, bf16):
 0. memory    the CUDA context of a process that does what the Triton stub does around LLM() (torch asks for the
              device's properties and count) and of a worker-like one (context and cuBLAS workspace after a bf16
              GEMM), read through NVML, against what the canary's memory plan reserves for each
-             (tasks/serving/memory_plan.py: CUDA_CONTEXT_GIB, RUNTIME_RESERVE_GIB); fails when one exceeds it
+             (tasks/serving/memory_plan.py: CUDA_CONTEXT_GIB, RUNTIME_RESERVE_GIB); fails when one exceeds it. Also
+             this machine's NVIDIA driver against each pinned image's (infra/images/images.yaml): the images whose
+             CUDA needs a newer one (they then need the CUDA forward-compatibility package)
 1. base      the tiny-qwen2 base made and pretrained on the GPU (tasks/base_model.py)
 2. lora      LlamaFactory LoRA SFT through the train stage's own config and launcher (tasks/train.py): tokens/s,
              peak GPU memory of the trainer process (NVML)
@@ -137,6 +139,10 @@ def environment(device: str) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             found[package] = None
     if device == "cuda":
+        import pynvml
+
+        pynvml.nvmlInit()
+        found["driver"] = pynvml.nvmlSystemGetDriverVersion()
         found["gpu"] = torch.cuda.get_device_name(0)
         found["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         found["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
@@ -198,6 +204,19 @@ def process_gpu_memory(code: str) -> int:
     finally:
         process.kill()
         process.wait()
+
+
+def images_needing_a_newer_driver(driver: str) -> str:
+    """The pinned images (infra/images/images.yaml) whose CUDA needs a newer NVIDIA driver than `driver`."""
+    images = yaml.safe_load((ROOT / "infra" / "images" / "images.yaml").read_text())
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split("."))
+
+    older = [
+        f"{name} ({image['driver']})" for name, image in images.items() if version(driver) < version(image["driver"])
+    ]
+    return ", ".join(older)
 
 
 class GpuMemoryPeak:
@@ -275,11 +294,19 @@ class Run:
         }
         measured = {name: round(process_gpu_memory(code) / 2**30, 2) for name, code in CONTEXT_PROBES.items()}
         step.numbers = {**measured, **{f"planned_{name}": value for name, value in planned.items()}}
+        step.numbers["images_needing_a_newer_driver"] = images_needing_a_newer_driver(self.driver()) or "none"
         over = [f"{name} {measured[name]} > {planned[name]}" for name in planned if measured[name] > planned[name]]
         if over:
             raise RuntimeError(
                 f"above the canary memory plan's reserve (tasks/serving/memory_plan.py): {'; '.join(over)}"
             )
+
+    @staticmethod
+    def driver() -> str:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
 
     def base(self, step: Step) -> None:
         from tasks.base_model import build_tiny_qwen2, corpus

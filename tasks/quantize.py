@@ -285,7 +285,8 @@ def require_awq_groups(profile: Profile, merged_dir: Path) -> None:
 
 def modelopt_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
     """The GPU backend: an NVIDIA ModelOpt Hugging Face checkpoint (weights, hf_quant_config.json, tokenizer)
-    that TensorRT-LLM and vLLM load as is. Its accuracy is measured on the serving runtime (build_engine)."""
+    that TensorRT-LLM loads as is (vLLM: FP8 and NVFP4 only). Its accuracy is measured on the serving runtime: by
+    build_engine on TensorRT-LLM, by the gate's serving parity on vLLM."""
     from tasks.serving import tensorrt_llm
 
     cfg = ctx.profile.quantize.modelopt

@@ -9,7 +9,8 @@ cut to calib_max_seq_length), written by the caller. Follows ModelOpt's examples
 `mtq.quantize(model, config, forward_loop)` in place, then `export_hf_checkpoint(model, export_dir=...)`,
 which writes hf_quant_config.json and config.json's quantization_config (quant_method "modelopt") next to
 the safetensors: the layout TensorRT-LLM's PyTorch backend detects as pre-quantized
-(llmapi/llm_utils.py ModelLoader._update_from_hf_quant_config) and vLLM's modelopt quantization reads.
+(llmapi/llm_utils.py ModelLoader._update_from_hf_quant_config) and vLLM's modelopt quantization reads for FP8 and
+NVFP4 (vllm 0.27.1 model_executor/layers/quantization/modelopt.py; it has no INT4-AWQ reader).
 Upstream names cited below are NVIDIA/TensorRT-Model-Optimizer at tag 0.37.0 (TensorRT-LLM 1.2's
 requirements.txt pins nvidia-modelopt[torch]~=0.37.0). This module imports nothing of the orchestrator.
 """

