@@ -81,14 +81,15 @@ def test_profile_digest_changes_with_any_value():
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
 # serve.vllm.max_lora_rank, max_loras), and when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3), and
-# when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1.
+# when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1,
+# and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf).
 RESOLVED_DIGESTS = {
     "cpu-tiny": "7d1ff94c8b966c985f84770908a5c72144da397224745dd7fe1a200dd32f92c9",
     "cpu-tiny-qa-zh": "b7ff3d1c839270da1295c9c66d634afbb963d1baa3fa9a17fcb57c8ef0b538a8",
-    "llama3-8b-h100-fp8": "e6fe73ce40194d930f8fb066dcbbcbf0390b56917b17d35cfdaa35d0ed1e35a3",
-    "qwen-7b-qlora-2xa10": "0c2bbdcee19bd454453a539f1dad520d947200494dd029499490876212954074",
-    "qwen-7b-vllm-h100": "6f0030c665fc90e0fe2f96fa21dd4b7052463c93c690ba7ebe6d623977d3f822",
-    "qwen2-14b-int4-tp2": "4f61cb922d536dee8a5d4079e4e33a95431545c876c8640b493b4029f52a6bc2",
+    "llama3-8b-h100-fp8": "3ea4399ad8880a75819f7ad18e88d5075638e2392bb597bfb00994f2db08fd37",
+    "qwen-7b-qlora-2xa10": "850faf40a0c3f5ad119a68edd0376f42d7bcf2c259caccda95331edfe941cdb5",
+    "qwen-7b-vllm-h100": "f48d4a3379fa8cf19dd002e7ec0b5a8478bd7934b7fb3f31ee25f2d1efc9d3e2",
+    "qwen2-14b-int4-tp2": "73c8a4c4f4494139761f3b8a35fe9b5b87a47db71c04ed4bb606d356f3f5d152",
 }
 
 

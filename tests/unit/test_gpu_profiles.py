@@ -120,3 +120,14 @@ def test_gpu_profiles_compute_in_bf16_end_to_end(profile_name):
         assert profile.quantize.modelopt.dtype == "bfloat16"
     if profile.serve.backend == "vllm":
         assert profile.serve.vllm.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("profile_name", GPU_PROFILES)
+def test_gpu_profiles_benchmark_with_aiperf_while_genai_perf_stays_the_cpu_default(profile_name):
+    """NVIDIA's NIM and Dynamo benchmarking guides use AIPerf and genai-perf is frozen: the GPU profiles measure with it
+    (Triton's HTTP stream, goodput under the TTFT/ITL objectives); genai-perf stays available and cpu-tiny's default."""
+    profile = load_profile(profile_name)
+    assert profile.bench.tool == "aiperf" and profile.bench.profile_runs >= 3
+    assert set(profile.goodput_objectives()) == {"time_to_first_token", "inter_token_latency"}
+    assert load_profile("cpu-tiny").bench.tool == "genai-perf"
+    assert load_profile(profile_name, ["bench.tool=genai-perf"]).bench.tool == "genai-perf"
