@@ -18,7 +18,7 @@ and MPI hygiene of its multi-instance mode (upstream's model.py, the 1.2 line as
 copies triton_backend/all_models from TensorRT-LLM's release/1.2.1 branch, tensorrtllm_backend r26.07
 dockerfile/Dockerfile.triton.trt_llm_backend L18, L174; documented in its docs/llmapi.md "Running Multiple Model
 Instances"):
-- inherited MPI job variables cleared when this module is imported (upstream L38-78), so the LLM's own MPI world
+- inherited MPI job variables cleared when this module is imported (upstream L39-80), so the LLM's own MPI world
   never attaches to a job tritonserver may have been started in;
 - CUDA_VISIBLE_DEVICES and TRTLLM_VISIBLE_DEVICES set from `gpu_device_ids` before tensorrt_llm (torch) is
   imported (upstream's initialize: CUDA opens the devices at import and spawned children inherit that state; its
