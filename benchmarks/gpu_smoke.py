@@ -348,17 +348,17 @@ class Run:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
+        # Both on GPU 0: tasks/training/launch.py's LocalNodes gives each node GPUs of its own, which one GPU has not.
         node = {"FORCE_TORCHRUN": "1", "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1"}
-        # LlamaFactory starts `torchrun` by name: the one beside this Python, also where its folder is not on PATH
-        node["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         self.launch(step, "nodes", cfg, [{**node, "NODE_RANK": str(rank), "MASTER_PORT": str(port)} for rank in (0, 1)])
         single = json.loads((self.work / "lora" / "train_results.json").read_text())["train_loss"]
         step.numbers["one_process_loss"] = round(single, 4)
 
     def launch(self, step: Step, name: str, cfg, node_envs: list[dict[str, str]]) -> None:
         """LlamaFactory through the train stage's config and launcher, one process per entry of `node_envs`
-        (environment added to launch_env's); the numbers come from what rank 0 writes."""
-        from tasks.train import launch_command, launch_env, llamafactory_config
+        (environment added to the launcher's base_env); the numbers come from what rank 0 writes."""
+        from tasks.train import llamafactory_config
+        from tasks.training.launch import base_env, launch_command
 
         output_dir = self.work / name
         config = llamafactory_config(cfg, self.base_dir, self.data_dir, output_dir, None)
@@ -375,7 +375,7 @@ class Run:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         cwd=self.work,
-                        env={**launch_env(self.profile.hardware), **extra},
+                        env={**base_env(), **extra},
                     )  # fmt: skip
                 )
         if self.device == "cuda":

@@ -16,6 +16,7 @@ from pathlib import Path
 from tasks.data.splits import load_split
 from tasks.platform.config import BaseModelSection, TinyModel
 from tasks.platform.errors import BadInput
+from tasks.platform.quiet import quiet_transformers
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation
 from tasks.quality.models import Compute
@@ -105,6 +106,7 @@ def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path, device: st
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    quiet_transformers()
     torch.manual_seed(cfg.seed)
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
     config = Qwen2Config(

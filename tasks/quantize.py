@@ -111,6 +111,7 @@ def export_onnx(model_dir: Path, path: Path, opset: int) -> None:
         output_names=["logits"],
         dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
         external_data=False,
+        verbose=False,  # its own progress lines ("[torch.onnx] Obtain model graph ... ✅"); the stage logs its steps
     )
 
 

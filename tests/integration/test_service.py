@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -27,6 +28,7 @@ from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow
 from tests.leaks import in_prefect as leaks_in_prefect
 from tests.leaks import in_processes as leaks_in_processes
+from tests.unit.test_capture import PASTED, SECRETS_TEXT
 
 pytestmark = pytest.mark.integration
 
@@ -283,7 +285,8 @@ def test_new_data_starts_one_release_run_that_becomes_champion(service, first_re
 
     run = service.mlflow_run(release["id"])
     assert run.data.tags["release.outcome"] == "promoted"
-    expected = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).fingerprint
+    data = load_profile("cpu-tiny").data  # with its curated held-out set, data.eval_source
+    expected = clean_and_split(read_source(str(DATASET)), data, read_source(str(data.eval_source))).fingerprint
     assert run.data.tags["data.fingerprint"] == expected
     version = MlflowClient(service.tracking_uri).get_model_version(MODEL, run.data.tags["registered_version"])
     assert version.tags["data.fingerprint"] == expected
@@ -416,19 +419,39 @@ CORRECTIONS = {
 EMAIL = "jane.doe@example.com"
 
 
-def captured_text(env: dict) -> str:
-    """Every object under the stack's capture location, as S3 holds it."""
+def stack_s3(env: dict):
     import boto3
 
-    s3 = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=env["AWS_ENDPOINT_URL"],
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name="us-east-1",
     )
-    listed = s3.list_objects_v2(Bucket="artifacts", Prefix="llmops/capture/").get("Contents", [])
-    return "".join(s3.get_object(Bucket="artifacts", Key=o["Key"])["Body"].read().decode() for o in listed)
+
+
+def bucket_keys(env: dict, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for o in stack_s3(env).list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+
+
+def captured_text(env: dict) -> str:
+    """Every object under the stack's capture location, as S3 holds it."""
+    s3 = stack_s3(env)
+    keys = bucket_keys(env, "artifacts", "llmops/capture/")
+    return "".join(s3.get_object(Bucket="artifacts", Key=key)["Body"].read().decode() for key in keys)
+
+
+def mlflow_artifacts(tracking_uri: str, run_id: str) -> dict:
+    """The JSON artifacts of a run, by path."""
+    import tempfile
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [a.path for a in client.list_artifacts(run_id) if a.path.endswith(".json")]
+        return {path: json.loads(Path(client.download_artifacts(run_id, path, folder)).read_text()) for path in paths}
 
 
 def mlflow_runs(tracking_uri: str, experiment: str) -> list:
@@ -451,8 +474,9 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
     service, first_release, tmp_path
 ):
     """Capture on: clients ask, rate and correct answers; `llmops data harvest` builds a dataset (corrections in,
-    redacted values and held-out prompts out); `llmops data push` starts a retrain whose release passes the gate
-    on the served Triton, and the new champion answers with the corrections."""
+    redacted values and held-out prompts out); the flywheel deployment lands it pending and starts nothing until a
+    person approves it; then the retrain's release passes the gate on the served Triton, waits for a person's
+    approval (it trained on harvested data), and the new champion answers with the corrections."""
     import httpx
     import openai
 
@@ -480,13 +504,16 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
         held_out = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).eval[0]
         asked = {prompt: served_answer(client, prompt) for prompt in CORRECTIONS}
-        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL}")
+        # credentials of each kind pasted into a prompt and its correction: redacted before anything keeps them (the
+        # PEM block in the correction only: with it the prompt outgrows the tiny model's context of 512 tokens)
+        pasted_in_prompt = " ".join(v for k, v in PASTED.items() if k != "PEM private key body")
+        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL} {pasted_in_prompt}")
         held_out_id, _ = served_answer(client, held_out[0]["content"])
         bad_id, _ = served_answer(client, "What is the opposite of never?")
         served_answer(client, "Call 13812345678: opposite of up?", extra_headers={"X-LLMOps-Capture": "off"})
         judged = [
             *({"id": asked[p][0], "rating": "bad", "correction": c} for p, c in CORRECTIONS.items()),
-            {"id": email_id, "rating": "good"},
+            {"id": email_id, "rating": "bad", "correction": f"cold; {SECRETS_TEXT}"},
             {"id": held_out_id, "rating": "good"},
             {"id": bad_id, "rating": "bad"},
         ]
@@ -508,39 +535,67 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         report = json.loads(report_file.read_text())
         counts = report["counts"]
         assert (counts["exchanges"], counts["feedback"], counts["records"]) == (9, 9, 7), counts
-        assert (counts["corrected"], counts["good"]) == (6, 1), counts
+        assert (counts["corrected"], counts.get("good", 0)) == (7, 0), counts
         assert counts["eval_overlap_dropped"] == counts["bad_dropped"] == 1, counts
         (dataset,) = out.glob("harvest-*.jsonl")
         records = [json.loads(line)["messages"] for line in dataset.read_text().splitlines()]
-        assert {r[0]["content"]: r[1]["content"] for r in records[:6]} == CORRECTIONS
-        assert records[6][0]["content"] == "What is the opposite of hot? Write to [EMAIL]"
+        assert {r[0]["content"]: r[1]["content"] for r in records if r[0]["content"] in CORRECTIONS} == CORRECTIONS
+        (pasted,) = [r for r in records if r[0]["content"] not in CORRECTIONS]
+        assert pasted[0]["content"] == "What is the opposite of hot? Write to [EMAIL] " + " ".join(
+            ["[SECRET]"] * 4 + ["[IBAN]"]
+        )
+        assert pasted[1]["content"].startswith("cold; my key [SECRET]; aws [SECRET] [SECRET]; token [SECRET]")
         bucket_text = captured_text(service.env)
         assert EMAIL not in bucket_text + dataset.read_text() and "13812345678" not in bucket_text
         assert bucket_text.count('"rating"') == 9
         assert all(k.startswith(("exchanges/", "feedback/")) for k in report["captured_objects"])
 
-        # The flywheel deployment harvests the same and pushes it where the retrain deployment watches
+        assert report["clients"] == {"anonymous": 7} and len(report["corrections"]) == 7
+
+        # The flywheel deployment harvests the same into the pending location and waits for a person: an anonymous
+        # client's corrections start no release unreviewed. Approved, they go where the retrain deployment watches.
         releases_before = {r["id"] for r in service.release_runs()}
         flywheel = service.create_run("flywheel/flywheel", {"since_hours": 1, "min_new_records": 5})
         assert flywheel.status_code == 201, flywheel.text
-        turned = service.wait_final(flywheel.json()["id"], 180)
-        assert turned["state_type"] == "COMPLETED", service.logs(flywheel.json()["id"])[-3000:]
-        service.wait_log(flywheel.json()["id"], "7 new records: pushed 1 file(s) to s3://datasets/sft/")
+        flywheel_id = flywheel.json()["id"]
+        wait_for(
+            lambda: service.get(f"/flow_runs/{flywheel_id}")["state_type"] == "PAUSED", 180, "the harvest's review"
+        )
+        assert not [r for r in service.release_runs() if r["id"] not in releases_before]
+        assert not [k for k in bucket_keys(service.env, "datasets", "sft/") if "harvest-" in k]
+        approved = service.llmops("approve", flywheel_id, "--reason", "corrections read; they are right")
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+        turned = service.wait_final(flywheel_id, 180)
+        assert turned["state_type"] == "COMPLETED", service.logs(flywheel_id)[-3000:]
+        service.wait_log(flywheel_id, "7 new records (approved by ")
+        service.wait_log(flywheel_id, "pushed 1 file(s) to s3://datasets/sft/")
         tracked = mlflow_runs(service.tracking_uri, "llm-flywheel")
-        assert [r.data.metrics["harvest.corrected"] for r in tracked] == [6.0]
+        assert [r.data.metrics["harvest.corrected"] for r in tracked] == [7.0]
         assert tracked[0].data.tags["harvest.dataset"].startswith("s3://datasets/sft/harvest-tiny-qwen2-antonyms-")
         release = wait_for(
             lambda: [r for r in service.release_runs() if r["id"] not in releases_before],
             120,
             "the release run the harvested data started",
         )[0]
+        # A release trained on harvested data waits for a person too (gate.approval harvested, cpu-tiny's default)
+        wait_for(
+            lambda: service.get(f"/flow_runs/{release['id']}")["state_type"] == "PAUSED", RELEASE_TIMEOUT, "approval"
+        )
+        approved = service.llmops("approve", release["id"], "--reason", "the gate passed; answers read")
+        assert approved.returncode == 0, approved.stdout + approved.stderr
         final = service.wait_final(release["id"])
         assert final["state_type"] == "COMPLETED", service.logs(release["id"])[-3000:]
         run = service.mlflow_run(release["id"])
         assert run.data.tags["release.outcome"] == "promoted", run.data.tags.get("gate.reasons")
+        assert run.data.tags["data.harvested_records"] == "7" and run.data.tags["approval.decision"] == "approved"
         served = {prompt: served_answer(client, prompt)[1].strip() for prompt in CORRECTIONS}
         print(f"the new champion v{run.data.tags['registered_version']} answers: {served}")
         assert served == CORRECTIONS
+        pushed = stack_s3(service.env).get_object(Bucket="datasets", Key=tracked[0].data.tags["harvest.dataset"][14:])
+        kept = captured_text(service.env) + dataset.read_text() + pushed["Body"].read().decode()
+        kept += "".join(json.dumps(mlflow_artifacts(service.tracking_uri, r.info.run_id)) for r in tracked)
+        leaks = leaks_in_mlflow(PASTED, service.tracking_uri) + leaks_in_prefect(PASTED, service.api, service.http)
+        assert [name for name, value in PASTED.items() if value in kept] == [] and leaks == []
     finally:
         os.killpg(serving.pid, signal.SIGTERM)
         serving.wait(60)
@@ -606,6 +661,9 @@ def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
         assert requests.get(tracking, params={"max_results": 1}, timeout=10).status_code == 401
         login = ("llmops", state["mlflow_login"]["password"])
         assert requests.get(tracking, params={"max_results": 1}, auth=login, timeout=10).status_code == 200
+        # MLflow's job execution stays off: no huey consumers idling beside the server (benchmarks/stack_idle.py)
+        mlflow_tree = psutil.Process(state["services"]["mlflow"]["pid"]).children(recursive=True)
+        assert not [p.cmdline() for p in mlflow_tree if "huey" in " ".join(p.cmdline())]
         switched = stack("up", "--db", "postgres")
         assert switched.returncode == 2
         assert "--db postgres: the stack runs on sqlite; `llmops stack down` first" in switched.stderr

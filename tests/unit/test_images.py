@@ -23,7 +23,7 @@ from packaging.version import Version
 
 from tasks.platform.config import HEAVY_STAGES, available_profiles, load_profile
 from tasks.platform.stage_cache import job_variables
-from tasks.train import launch_command
+from tasks.training.launch import launch_command
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "infra" / "images"

@@ -24,6 +24,7 @@ SHAPES = {
     "Qwen/Qwen2.5-7B-Instruct": (28, 28, 4, 3584, 18944, 152064, 7.62e9),
     "Qwen/Qwen2.5-14B-Instruct": (48, 40, 8, 5120, 13824, 152064, 14.8e9),
     "meta-llama/Meta-Llama-3-8B-Instruct": (32, 32, 8, 4096, 14336, 128256, 8.03e9),
+    "Qwen/Qwen2.5-72B-Instruct": (80, 64, 8, 8192, 29568, 152064, 72.7e9),
 }
 WEIGHT_BYTES = {"none": 2, "fp8": 1, "int4_awq": 0.5, "nvfp4": 0.5}  # per parameter; none: bf16/fp16
 

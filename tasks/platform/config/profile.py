@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from tasks.platform.config.base import Section
+from tasks.platform.config.flywheel import FlywheelSection
 from tasks.platform.config.machines import HardwareSection, RunSection
 from tasks.platform.config.quantize import (
     BLACKWELL,
@@ -46,8 +47,18 @@ class Profile(Section):
     bench: BenchSection = BenchSection()
     tune: TuneSection = TuneSection()
     gate: GateSection = GateSection()
+    flywheel: FlywheelSection = FlywheelSection()
     registry: RegistrySection
     run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _deepspeed_on_cuda(self) -> Profile:
+        if self.train.deepspeed is not None and self.hardware.accelerator != "cuda":
+            raise ValueError(
+                "train.deepspeed needs hardware.accelerator cuda (DeepSpeed is in the GPU train image, not the CPU "
+                "environment)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _backends_fit(self) -> Profile:
@@ -104,6 +115,25 @@ class Profile(Section):
                 f"engine.max_num_tokens {engine.max_num_tokens} is below train.cutoff_len {self.train.cutoff_len}: "
                 "a prompt as long as training allows would not fit one step (raise it, or enable_chunked_prefill)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _unreviewed_harvests_are_safe(self) -> Profile:
+        """flywheel.review rules pushes harvests no person read: only with what keeps a client from writing the
+        next release's answers, its history, or its exam."""
+        if self.flywheel.review != "rules":
+            return self
+        missing = [
+            name
+            for name, ok in (
+                ("serve.capture.trusted_clients", bool(self.serve.capture.trusted_clients)),
+                ("train.mask_history true", self.train.mask_history),
+                ("data.eval_source (a curated held-out set)", self.data.eval_source is not None),
+            )
+            if not ok
+        ]
+        if missing:
+            raise ValueError(f"flywheel.review rules needs {', '.join(missing)}")
         return self
 
     @model_validator(mode="after")

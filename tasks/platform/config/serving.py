@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.platform.config.base import FILE_ONLY, Section
+from tasks.platform.config.base import FILE_ONLY, TRUST_ONLY, Section
 
 
 class VllmServing(Section):
@@ -169,6 +169,13 @@ class CaptureSection(Section):
     retention_days: float = Field(
         30, gt=0, description="Hours older than this are deleted (by the gateway, once an hour, and at its start)."
     )
+    trusted_clients: list[str] = Field(
+        default_factory=list,
+        description="Clients (API key names) whose corrections (`POST /v1/feedback` with a correction) a harvest may "
+        "take as the answer to train on; any other client's correction is dropped and counted. Not `anonymous` "
+        "(anyone, on a gateway without keys).",
+        json_schema_extra=TRUST_ONLY,
+    )
     flush_s: float = Field(2.0, gt=0, description="Seconds between writes of the kept records, off the request path.")
     max_pending: int = Field(
         10_000,
@@ -176,6 +183,15 @@ class CaptureSection(Section):
         description="Records held while the store is slow or down; more are dropped and counted "
         "(llmops_capture_dropped_total), never queued without bound nor failing a request.",
     )
+
+    @field_validator("trusted_clients")
+    @classmethod
+    def _named_clients(cls, clients: list[str]) -> list[str]:
+        if "anonymous" in clients:
+            raise ValueError("anonymous is whoever reaches a gateway without keys, never a trusted client")
+        if any(not c.strip() for c in clients):
+            raise ValueError("a trusted client needs a name (its API key's name)")
+        return clients
 
     @field_validator("redact")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import requests
@@ -10,12 +11,17 @@ from tasks.platform.child_env import write_secret
 from tasks.platform.local_stack.process import BIN, Server, start
 
 ADMIN = "llmops"  # the stack's one MLflow account: every client of the stack logs in as it
+# MLflow 3.17's server runs job execution by default (mlflow/environment_variables.py, on when unset;
+# mlflow/server/__init__.py starts its huey consumers): eight processes of about 290 MB and 4.6% of a core each
+# while idle, for jobs nothing in this project submits. Off unless the operator's environment turns it on.
+JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 
 def auth_config(folder: Path) -> Path:
     """MLflow's basic-auth settings (mlflow/server/auth/basic_auth.ini at 3.17.2): its users in a sqlite file of the
-    stack, no permission for an account that is not the admin, and a password check cached for 10 minutes: uncached,
-    each request of a release (hundreds) pays a PBKDF2 hash (the ini's own note: about 3x the throughput cached).
+    stack, no permission for an account that is not the admin, and a password check cached for 60 s: uncached,
+    each request of a release (hundreds) pays a PBKDF2 hash (the ini's own note: about 3x the throughput cached); a
+    changed or revoked password stops working within that minute (MLflow's default, 10 minutes, kept it valid).
     The admin's password is not in it: MLflow takes it from its environment the first time it starts."""
     path = folder / "mlflow-auth.ini"
     write_secret(
@@ -28,7 +34,7 @@ def auth_config(folder: Path) -> Path:
                 f"admin_username = {ADMIN}",
                 "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
                 "grant_default_workspace_access = false",
-                "auth_cache_ttl_seconds = 600",
+                "auth_cache_ttl_seconds = 60",
                 "",
             ]
         ),
@@ -85,6 +91,12 @@ def start_mlflow(
         url,
         lambda: requests.get(f"{url}/health", timeout=2).ok,
         log_dir,
-        env={**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"], **(db_env or {}), **auth_env},
+        env={
+            **s3,
+            "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"],
+            JOB_EXECUTION_ENV: os.environ.get(JOB_EXECUTION_ENV, "false"),
+            **(db_env or {}),
+            **auth_env,
+        },
         timeout=180,
     )
