@@ -5,6 +5,12 @@ has CUDA PyTorch, transformers, peft and accelerate; what else it needs is carri
 (infra/gpu/smoke-wheels.txt, `make gpu-smoke-wheels`). cpu-tiny's data and settings with infra/gpu/smoke.yaml's
 changes (a Qwen2-shaped base of about 290M parameters, bf16):
 
+0. memory    the CUDA context of a process that does what the Triton stub does around LLM() (torch asks for the
+             device's properties and count) and of a worker-like one (context and cuBLAS workspace after a bf16
+             GEMM), read through NVML, against what the canary's memory plan reserves for each
+             (tasks/serving/memory_plan.py: CUDA_CONTEXT_GIB, RUNTIME_RESERVE_GIB); fails when one exceeds it. Also
+             this machine's NVIDIA driver against each pinned image's (infra/images/images.yaml): the images whose
+             CUDA needs a newer one (they then need the CUDA forward-compatibility package)
 1. base      the tiny-qwen2 base made and pretrained on the GPU (tasks/base_model.py)
 2. lora      LlamaFactory LoRA SFT through the train stage's own config and launcher (tasks/train.py): tokens/s,
              peak GPU memory of the trainer process (NVML)
@@ -54,7 +60,7 @@ import yaml  # noqa: E402
 from tasks.platform.config import Profile, load_profile  # noqa: E402
 
 SETTINGS = ROOT / "infra" / "gpu" / "smoke.yaml"
-STEPS = ("base", "lora", "qlora", "nodes", "evaluate", "merge", "quantize", "serve")
+STEPS = ("memory", "base", "lora", "qlora", "nodes", "evaluate", "merge", "quantize", "serve")
 NEEDS = {
     "lora": ("base",),
     "qlora": ("base",),
@@ -133,6 +139,10 @@ def environment(device: str) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             found[package] = None
     if device == "cuda":
+        import pynvml
+
+        pynvml.nvmlInit()
+        found["driver"] = pynvml.nvmlSystemGetDriverVersion()
         found["gpu"] = torch.cuda.get_device_name(0)
         found["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         found["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
@@ -154,6 +164,59 @@ def kernel_launch_us(launches: int = 5000) -> float:
         x.add_(1)
     torch.cuda.synchronize()
     return round((time.perf_counter() - started) / launches * 1e6, 1)
+
+
+# Processes whose GPU memory the memory step reads (each holds still once it prints "ready"): what the Triton stub
+# does with torch around LLM() (BaseLlmArgs.validate_dtype: get_device_properties; validate_gpus_per_node:
+# device_count), and a worker's floor: its context and cuBLAS's workspace once a bf16 GEMM ran, the cache emptied.
+CONTEXT_PROBES = {
+    "stub_context_gib": "import torch; torch.cuda.get_device_properties(0); torch.cuda.device_count()",
+    "worker_context_gib": (
+        "import torch; a = torch.ones(4096, 4096, device='cuda', dtype=torch.bfloat16); (a @ a).sum().item(); "
+        "del a; torch.cuda.synchronize(); torch.cuda.empty_cache()"
+    ),
+}
+
+
+def process_gpu_memory(code: str) -> int:
+    """Bytes of GPU 0 that a fresh Python process running `code` holds (NVML's per-process count: its context)."""
+    import pynvml
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", f"{code}; print('ready', flush=True); import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None and process.stdin is not None
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the probe exited with {process.wait()} before it was ready: {code}")
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        used = 0
+        for _ in range(5):
+            time.sleep(0.2)
+            running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            used = max([used, *(p.usedGpuMemory or 0 for p in running if p.pid == process.pid)])
+        process.stdin.close()
+        return used
+    finally:
+        process.kill()
+        process.wait()
+
+
+def images_needing_a_newer_driver(driver: str) -> str:
+    """The pinned images (infra/images/images.yaml) whose CUDA needs a newer NVIDIA driver than `driver`."""
+    images = yaml.safe_load((ROOT / "infra" / "images" / "images.yaml").read_text())
+
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split("."))
+
+    older = [
+        f"{name} ({image['driver']})" for name, image in images.items() if version(driver) < version(image["driver"])
+    ]
+    return ", ".join(older)
 
 
 class GpuMemoryPeak:
@@ -217,6 +280,33 @@ class Run:
         from tasks.data.splits import load_split
 
         return load_split(self.data_dir, "eval")[: self.profile.evaluate.max_samples]
+
+    def memory(self, step: Step) -> None:
+        """The CUDA contexts the canary's memory plan reserves for, measured on this GPU."""
+        if self.device != "cuda":
+            step.note = "needs a CUDA GPU"
+            return
+        from tasks.serving import memory_plan
+
+        planned = {
+            "stub_context_gib": memory_plan.CUDA_CONTEXT_GIB,
+            "worker_context_gib": memory_plan.RUNTIME_RESERVE_GIB,
+        }
+        measured = {name: round(process_gpu_memory(code) / 2**30, 2) for name, code in CONTEXT_PROBES.items()}
+        step.numbers = {**measured, **{f"planned_{name}": value for name, value in planned.items()}}
+        step.numbers["images_needing_a_newer_driver"] = images_needing_a_newer_driver(self.driver()) or "none"
+        over = [f"{name} {measured[name]} > {planned[name]}" for name in planned if measured[name] > planned[name]]
+        if over:
+            raise RuntimeError(
+                f"above the canary memory plan's reserve (tasks/serving/memory_plan.py): {'; '.join(over)}"
+            )
+
+    @staticmethod
+    def driver() -> str:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
 
     def base(self, step: Step) -> None:
         from tasks.base_model import build_tiny_qwen2, corpus
@@ -578,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         run, smoke = Run(profile, work, device), Smoke(set(args.skip), env, args.out)
+        smoke.run("memory", run.memory)
         smoke.run("base", run.base)
         smoke.run("lora", lambda step: run.train(step, None))
         smoke.run("qlora", lambda step: run.train(step, 4))

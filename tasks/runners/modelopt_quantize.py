@@ -9,7 +9,8 @@ cut to calib_max_seq_length), written by the caller. Follows ModelOpt's examples
 `mtq.quantize(model, config, forward_loop)` in place, then `export_hf_checkpoint(model, export_dir=...)`,
 which writes hf_quant_config.json and config.json's quantization_config (quant_method "modelopt") next to
 the safetensors: the layout TensorRT-LLM's PyTorch backend detects as pre-quantized
-(llmapi/llm_utils.py ModelLoader._update_from_hf_quant_config) and vLLM's modelopt quantization reads.
+(llmapi/llm_utils.py ModelLoader._update_from_hf_quant_config) and vLLM's modelopt quantization reads for FP8 and
+NVFP4 (vllm 0.27.1 model_executor/layers/quantization/modelopt.py; it has no INT4-AWQ reader).
 Upstream names cited below are NVIDIA/TensorRT-Model-Optimizer at tag 0.37.0 (TensorRT-LLM 1.2's
 requirements.txt pins nvidia-modelopt[torch]~=0.37.0). This module imports nothing of the orchestrator.
 """
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(name, required=True)
     parser.add_argument("--qformat", required=True, choices=sorted(PRESETS))
     parser.add_argument("--kv_cache_fp8", action="store_true")
-    parser.add_argument("--awq_block_size", type=int, default=128)
+    parser.add_argument("--awq_block_size", type=int, choices=(64, 128), default=128)  # TensorRT-LLM's kernels
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
     return parser.parse_args(argv)
 

@@ -49,9 +49,9 @@ def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, st
 
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
-    """What a registered version serves: the merged model, or on llmapi the quantize stage's checkpoint (the
-    registered artifact itself; build_engine only checked it), or with serve.lora adapter the train stage's adapter
-    on its base model (the merged model stays the tokenizer's and the scorers' reference)."""
+    """What a registered version serves: the merged model, or the quantize stage's checkpoint (the registered artifact
+    itself) on llmapi and on vLLM where ModelOpt made one, or with serve.lora adapter the train stage's adapter on its
+    base model (the merged model stays the tokenizer's and the scorers' reference)."""
     merged = version.tags["artifact.merge.sha256"]
     if ctx.profile.serve.lora == "adapter":
         adapter, base = version.tags["artifact.train.sha256"], version.tags["artifact.base_model.sha256"]
@@ -64,7 +64,7 @@ def served_version(ctx: RunContext, service: str, version) -> Served:
             base_dir=ctx.store.fetch(base),
             base_sha256=base,
         )
-    checkpoint = version.tags["artifact.quantize.sha256"] if ctx.profile.serve.backend == "llmapi" else None
+    checkpoint = version.tags["artifact.quantize.sha256"] if ctx.profile.serves_quantized else None
     return Served(
         str(version.version),
         model_name(service, str(version.version)),

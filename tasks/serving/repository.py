@@ -2,8 +2,9 @@
 
 Rendering is strict (a missing, unknown or malformed `${variable}` fails at render time) and atomic
 (a temporary folder renamed into place), so a half-written model folder never exists. Each Python-backend
-model (a template with 1/model.py) gets a copy of tasks/serving/model_text.py next to its model.py: the
-text helpers are written once, and a load request sends the copy with the folder's other files.
+model (a template with 1/model.py) gets a copy of the helpers its model.py imports next to it (MODEL_HELPERS:
+tasks/serving/model_text.py, the text helpers; tasks/serving/engine_guard.py, the engine processes' watcher): each
+is written once, and a load request sends the copies with the folder's other files.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pathlib import Path
 
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
-from tasks.serving import model_text
+from tasks.serving import engine_guard, model_text
 from tasks.serving.client import Triton
 
 TEMPLATES = PROJECT_ROOT / "infra" / "triton"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MODEL_HELPERS = (model_text, engine_guard)  # standard-library modules copied next to every model.py
 
 
 def render_template(text: str, values: dict[str, object], source: str) -> str:
@@ -57,7 +59,8 @@ def render_model(kind: str, repository: Path, name: str, values: dict[str, objec
     try:
         shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
         if (staging / "1" / "model.py").is_file():
-            shutil.copyfile(model_text.__file__, staging / "1" / model_text.FILE_NAME)
+            for helper in MODEL_HELPERS:
+                shutil.copyfile(str(helper.__file__), staging / "1" / helper.FILE_NAME)
         config = render_template(
             (source / "config.pbtxt").read_text(), {"model_name": name, **values}, str(source / "config.pbtxt")
         )

@@ -36,10 +36,13 @@ from tasks.platform.config.training import ModelArchitecture
 from tasks.platform.errors import BadInput
 from tasks.serving.llm_api import llm_args
 from tasks.serving.memory_plan import (
+    CUDA_CONTEXT_GIB,
+    CUDA_GRAPHS_GIB,
     DTYPE_BYTES,
     FRAGMENTATION,
     GIB,
     RUNTIME_RESERVE_GIB,
+    TRITONSERVER_GIB,
     ModelFootprint,
     gpu_gib,
     kv_tokens_for_canary,
@@ -309,7 +312,10 @@ def serving_plan(profile: Profile) -> Plan | None:
     terms = (
         Term("weights", 2 * model.weights_bytes, "champion and candidate, this GPU's share of each checkpoint"),
         Term("activations", 2 * model.activation_bytes, "one layer over engine.max_num_tokens, logits of the batch"),
-        Term("runtime", 2 * RUNTIME_RESERVE_GIB * GIB, f"{RUNTIME_RESERVE_GIB} GiB per model"),
+        Term("runtime", 2 * RUNTIME_RESERVE_GIB * GIB, f"{RUNTIME_RESERVE_GIB} GiB per model's worker"),
+        Term("stubs", 2 * CUDA_CONTEXT_GIB * GIB, f"{CUDA_CONTEXT_GIB} GiB per model's Triton stub"),
+        Term("cuda graphs", 2 * CUDA_GRAPHS_GIB * GIB, f"{CUDA_GRAPHS_GIB} GiB per model's decode graphs"),
+        Term("tritonserver", TRITONSERVER_GIB * GIB, "its CUDA context and 64 MB CUDA memory pool"),
         Term(
             "kv cache",
             2 * tokens * model.kv_bytes_per_token,

@@ -83,15 +83,18 @@ def test_profile_digest_changes_with_any_value():
 # serve.vllm.max_lora_rank, max_loras), and when the flywheel got a review (flywheel.*, serve.capture.trusted_clients,
 # train.mask_history, gate.approval harvested by default; cpu-tiny's curated data.eval_source, the same 39 records its
 # hash split held out, and mask_history), and when training could span nodes (hardware.nodes) and
-# be planned (base_model.architecture; the 72B profile).
+# be planned (base_model.architecture; the 72B profile), and
+# when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3), and
+# when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1,
+# and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf).
 RESOLVED_DIGESTS = {
     "cpu-tiny": "db38e40d1c0d30b29d61f46e72c9059bf1e89525152886aa3086c08766175883",
     "cpu-tiny-qa-zh": "d0208fe439c6cc7ba5bf2fe67a4051f7ee6b126ede5f333ae44c492a70394e17",
-    "llama3-8b-h100-fp8": "50930623d8463b8f25d941824cf511af40a8cf8112bc8c1ad1ed8e5223aa9217",
-    "qwen-7b-qlora-2xa10": "6fd7dff27816289c5f78bd164bcfedb369182aefeccc56dcd45647df21f6c865",
-    "qwen-7b-vllm-h100": "5c4a161840156e98a1505352d20c2f872c044e4125e02ea03e8181114389ea05",
-    "qwen2-14b-int4-tp2": "db7fa2c62654641567dc083f4ca4de543197fb1374b7dafc79b8df6398ab4c08",
-    "qwen2.5-72b-lora-2x8xh100": "8ac3ab92681512b05e49607c88154f37941762b23509feef6c8cc536521593e2",
+    "llama3-8b-h100-fp8": "0bf4299db95f3a9c3162111c6587af60bae4256c81233eb679ac7ba809afaf8b",
+    "qwen-7b-qlora-2xa10": "7211c1cd9c8bb4708250486bc39ad12ee3034df3e44adaba4aa11cdd4e58b83f",
+    "qwen-7b-vllm-h100": "9ef1055dce28e371b7c2460bbdefca47f06f98e9c4fe51c98be5b8ef8bbd935b",
+    "qwen2-14b-int4-tp2": "fa4b9b8c5f66323e6f2034132226852c7b85d141ddc52033728f65f5833faa0c",
+    "qwen2.5-72b-lora-2x8xh100": "c3e8630e0f77d00c7ed9263785d143ba492f0d6779bb600b33e166d97da2c19c",
 }
 
 

@@ -112,6 +112,7 @@ def test_the_smoke_runs_its_steps_on_the_cpu(tmp_path):
         "merge",
         "serve",
     }
+    assert steps["memory"]["status"] == "skipped" and steps["memory"]["note"] == "needs a CUDA GPU"
     assert steps["lora"]["numbers"]["steps"] == 10
     assert steps["merge"]["numbers"]["max_abs_dlogits"] <= steps["merge"]["numbers"]["tolerance"]
     answered = steps["serve"]["numbers"]["answers_equal_evaluate"].split("/")
@@ -124,3 +125,12 @@ def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit) as stopped:
         gpu_smoke.parse_args(argv)
     assert stopped.value.code == 2
+
+
+def test_the_smoke_names_the_pinned_images_whose_cuda_needs_a_newer_driver():
+    """The GPU machine lent on 2026-11-26 had driver 580.159.04: every pinned image needs a newer one (R590, R615)."""
+    assert (
+        gpu_smoke.images_needing_a_newer_driver("580.159.04") == "train (590.44.01), trtllm (590.44.01), vllm (615.61)"
+    )
+    assert gpu_smoke.images_needing_a_newer_driver("590.48.01") == "vllm (615.61)"
+    assert gpu_smoke.images_needing_a_newer_driver("615.61") == ""

@@ -16,7 +16,7 @@ class VllmServing(Section):
         None,
         description="The venv holding vLLM that tritonserver runs its Python models with; null: on CPU the "
         "repository's .venv-vllm, built CUDA-free by `make setup-vllm` (infra/local/setup-vllm.sh); on cuda the "
-        "Python running llmops, as in NGC's tritonserver:26.07-vllm-python-py3 (vLLM 0.24.0; infra/images/README.md)."
+        "Python running llmops, as in NGC's tritonserver:26.08-vllm-python-py3 (vLLM 0.27.1; infra/images/README.md)."
         " Unused with an attached Triton (--triton-url).",
         json_schema_extra=FILE_ONLY,
     )
@@ -216,7 +216,8 @@ class ServeSection(Section):
         "python",
         description="python: the merged model in a Python-backend model (CPU, or CUDA with torch); llmapi: the "
         "quantized Hugging Face checkpoint in TensorRT-LLM's LLM API (PyTorch backend) inside a Python-backend "
-        "model (infra/triton/llmapi); vllm: the merged model in vLLM's async engine inside a Python-backend model.",
+        "model (infra/triton/llmapi); vllm: vLLM's async engine inside a Python-backend model, serving the merged "
+        "model, or the ModelOpt FP8/NVFP4 checkpoint where quantize.backend is modelopt.",
     )
     vllm: VllmServing = VllmServing()
     lora: Literal["merged", "adapter"] = Field(
@@ -233,8 +234,9 @@ class ServeSection(Section):
     )
     artifact: Literal["merged"] = Field(
         "merged",
-        description="The artifact served: the merged model (python, vllm); llmapi serves the quantize stage's "
-        "checkpoint (ModelOpt's, or the merged model passed through by quantize.backend none).",
+        description="The artifact served: the merged model (python; vllm without ModelOpt); llmapi, and vllm with "
+        "quantize.backend modelopt, serve the quantize stage's checkpoint (ModelOpt's, or the merged model passed "
+        "through by quantize.backend none).",
     )
     instance_count: int = Field(1, ge=1, description="Triton instances of the model (one per GPU on GPU profiles).")
     max_batch_size: int = Field(8, ge=1, description="Most requests Triton batches into one model call.")
