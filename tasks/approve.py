@@ -15,6 +15,11 @@ With `gate.allowed_signers` a decision is an authorization, not a record: it cou
 operator's profile names, and bound to this run and the artifact it decides; with `gate.separate_duties` the
 principal who started the run may not decide it. A decision that fails any of this is refused (logged) and the
 run goes on waiting for a valid one until its timeout.
+
+With a trusted proxy (the operator's LLMOPS_APPROVAL_PROXY_KEY_FILE in the worker's environment) a decision counts
+only when `llmops approval-proxy` attests it: the proxy, behind an OIDC proxy such as oauth2-proxy, writes the
+person its identity header names into `decided_by` and signs the decision with that key (tasks/platform/attestation.py
+says why Prefect itself cannot hand the flow a request header). A resume sent to Prefect past the proxy is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -30,6 +35,7 @@ from typing import Literal
 from prefect.input import RunInput
 from pydantic import Field
 
+from tasks.platform.attestation import KEY_FILE_ENV, attested, configured_key
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import GateReport
 
@@ -50,6 +56,9 @@ class ApprovalInput(RunInput):
         description="With gate.allowed_signers: the signed statement (`llmops approve` sends it).",
     )
     signature: str = Field("", max_length=10_000, description="Its SSH signature (`ssh-keygen -Y sign`).")
+    proxy_attestation: str = Field(
+        "", max_length=200, description="Set by `llmops approval-proxy` (a trusted OIDC proxy): leave it empty."
+    )
 
 
 @dataclass
@@ -63,6 +72,7 @@ class Approval:
     verified_key: str = ""  # the signing key's fingerprint where the decision was verified
     statement: str = ""
     signature: str = ""
+    proxy_attested: bool = False  # decided_by is the identity the trusted proxy authenticated
 
     def summary(self) -> str:
         return f"{'approved' if self.approved else 'rejected'} by {self.decided_by}: {self.reason}"
@@ -71,11 +81,13 @@ class Approval:
 @dataclass(frozen=True)
 class DecisionPolicy:
     """Who may decide a run: signers of the operator's allowed-signers file, and not its creator where duties are
-    separate (gate.allowed_signers, gate.separate_duties)."""
+    separate (gate.allowed_signers, gate.separate_duties); where the operator configured a trusted proxy (its key in
+    the environment that runs the flow), only people that proxy authenticated."""
 
     allowed_signers: Path | None = None
     separate_duties: bool = False
     creator: str = ""
+    proxy_key: bytes | None = field(default_factory=configured_key, repr=False)
 
     @classmethod
     def of(cls, gate, creator: str) -> DecisionPolicy:
@@ -103,6 +115,14 @@ def check_decision(answer: ApprovalInput, flow_run_id: str, subject: dict, polic
     SignatureRefused naming why otherwise."""
     from tasks.platform.signatures import SignatureRefused, verify
 
+    if policy.proxy_key is not None:
+        if not attested(policy.proxy_key, flow_run_id, answer.model_dump(), answer.proxy_attestation):
+            raise SignatureRefused(
+                f"decision by {answer.decided_by!r} did not come through the trusted proxy ({KEY_FILE_ENV} is set): "
+                "decide through `llmops approval-proxy`"
+            )
+        if policy.separate_duties and answer.decided_by == policy.creator:  # decided_by is authenticated here
+            raise SignatureRefused(f"{answer.decided_by} started this run and may not decide it (gate.separate_duties)")
     if policy.allowed_signers is None:
         return ""
     if not answer.statement or not answer.signature:
@@ -189,6 +209,7 @@ def wait_for_decision(
                 verified_key=key,
                 statement=answer.statement,
                 signature=answer.signature,
+                proxy_attested=policy.proxy_key is not None,
             )
         return Approval(
             False, "refused", f"{MAX_REFUSED + 1} refused decisions", time.time(), time.monotonic() - started
@@ -261,6 +282,7 @@ def record(ctx: RunContext, report: GateReport, approval: Approval) -> None:
     at = datetime.fromtimestamp(approval.decided_at, UTC).isoformat(timespec="seconds")
     tags = {"approval.decision": decided, "approval.by": approval.decided_by, "approval.reason": approval.reason}
     tags |= {"approval.at": at, "approval.verified": str(bool(approval.verified_key)).lower()}
+    tags["approval.proxy_authenticated"] = str(approval.proxy_attested).lower()
     if approval.verified_key:
         tags["approval.key"] = approval.verified_key
         ctx.tracker.log_json(

@@ -47,6 +47,63 @@ def register(commands) -> None:
             "needed where the profile names gate.allowed_signers (default: LLMOPS_APPROVAL_KEY)",
         )
         parser.set_defaults(handler=command_decide, decision=decision)
+    register_proxy(commands)
+
+
+PROXY_EPILOG = """examples:
+  llmops approval-proxy --upstream http://127.0.0.1:4200 --port 4300 --key-file /etc/llmops/approval-proxy.key
+  # oauth2-proxy in front: --upstream=http://127.0.0.1:4300/api/flow_runs/ --upstream=http://127.0.0.1:4200/
+  #   (it sets X-Forwarded-Email, --pass-user-headers)
+  # the worker's environment: LLMOPS_APPROVAL_PROXY_KEY_FILE=/etc/llmops/approval-proxy.key (the same key)
+A run then counts a decision only when it came through this proxy, as the person the OIDC proxy logged in."""
+
+
+def register_proxy(commands) -> None:
+    from flows.approval_proxy import DEFAULT_IDENTITY_HEADER
+    from tasks.platform.attestation import KEY_FILE_ENV
+
+    parser = commands.add_parser(
+        "approval-proxy",
+        help="serve the Prefect API behind an OIDC proxy, recording the person it logged in on every decision",
+        description="Pass every request on to the Prefect server; on a resume of a paused run (an approval), set "
+        "decided_by to the identity header of the OIDC proxy in front (refused without it) and attest the decision "
+        f"with the key the worker's flow runs check ({KEY_FILE_ENV}).",
+        epilog=PROXY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--upstream", required=True, help="the Prefect server's URL (without /api)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=4300, help="port to listen on (default 4300)")
+    parser.add_argument(
+        "--identity-header",
+        default=DEFAULT_IDENTITY_HEADER,
+        help=f"the header the OIDC proxy sets to the logged-in person (default {DEFAULT_IDENTITY_HEADER}, "
+        "oauth2-proxy's; X-Forwarded-User for a user name)",
+    )
+    parser.add_argument(
+        "--trusted-proxy",
+        action="append",
+        metavar="ADDRESS",
+        help="a peer address whose identity header is believed, repeatable (default 127.0.0.1 and ::1); "
+        "every other peer gets 403",
+    )
+    parser.add_argument("--key-file", help=f"the attestation key, at least 32 bytes (default: {KEY_FILE_ENV})")
+    parser.set_defaults(handler=command_proxy)
+
+
+def command_proxy(args) -> None:
+    import uvicorn
+
+    from flows.approval_proxy import proxy_app
+    from tasks.platform.attestation import KEY_FILE_ENV, read_key
+
+    path = args.key_file or os.environ.get(KEY_FILE_ENV)
+    if not path:
+        raise BadInput(f"llmops approval-proxy: --key-file (or {KEY_FILE_ENV}) is required")
+    app = proxy_app(
+        args.upstream, read_key(Path(path)), args.identity_header, args.trusted_proxy or ("127.0.0.1", "::1")
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 def command_decide(args) -> str:

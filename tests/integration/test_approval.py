@@ -45,9 +45,12 @@ waits(float(sys.argv[2]), sys.argv[3])
 """
 
 
-def start_waiting_flow(home: Path, api: str, timeout_s: float, signers: str = "") -> subprocess.Popen:
-    """`signers`: an allowed-signers file; then alice@example.com started the run and duties are separate."""
-    env = {**os.environ, "PREFECT_API_URL": api, "LLMOPS_HOME": str(home)}
+def start_waiting_flow(
+    home: Path, api: str, timeout_s: float, signers: str = "", env: dict | None = None
+) -> subprocess.Popen:
+    """`signers`: an allowed-signers file; then alice@example.com started the run and duties are separate. `env`: more
+    of the worker's environment (the operator's)."""
+    env = {**os.environ, "PREFECT_API_URL": api, "LLMOPS_HOME": str(home), **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-c", WAITING_FLOW, str(home), str(timeout_s), signers],
         cwd=ROOT,
@@ -76,8 +79,8 @@ def approval_printed(flow: subprocess.Popen) -> dict:
     return json.loads(output.split("APPROVAL ")[1].splitlines()[0])
 
 
-def cli(home: Path, *args: str, api: str = "") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+def cli(home: Path, *args: str, api: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}, **(env or {})}
     env.update(LLMOPS_HOME=str(home), **({"PREFECT_API_URL": api} if api else {}))
     return subprocess.run([LLMOPS, *args], env=env, capture_output=True, text=True, timeout=60)
 
@@ -380,3 +383,78 @@ def test_only_an_allowed_signers_signature_bound_to_the_artifact_decides_and_nev
         approval["verified_key"].startswith("SHA256:")
         and json.loads(approval["statement"])["artifact_sha256"] == "a" * 64
     )
+
+
+def test_behind_a_trusted_proxy_only_the_person_it_logged_in_decides(tmp_path, shared_prefect):
+    """With the operator's LLMOPS_APPROVAL_PROXY_KEY_FILE in the worker's environment, `llmops approval-proxy` stands
+    between the OIDC proxy and Prefect: a resume sent to Prefect's API past it is taken by Prefect but refused by the
+    run (it waits on); one through it without the identity header is refused there (401, Prefect never sees it); one
+    with the header (as oauth2-proxy sets X-Forwarded-Email) decides, recorded as that person whatever --by says."""
+    import httpx
+
+    from tasks.platform.attestation import KEY_FILE_ENV
+    from tasks.platform.ports import free_port
+
+    key_file = tmp_path / "approval-proxy.key"
+    key_file.write_text(os.urandom(32).hex())
+    key_file.chmod(0o600)
+    port = free_port()
+    proxy_url = f"http://127.0.0.1:{port}"
+    proxy = subprocess.Popen(
+        [LLMOPS, "approval-proxy", "--upstream", shared_prefect.removesuffix("/api"), "--port", str(port)],
+        env={**os.environ, KEY_FILE_ENV: str(key_file), "LLMOPS_HOME": str(tmp_path / "proxy")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    home = tmp_path / "home"
+    flow = start_waiting_flow(home, shared_prefect, timeout_s=180, env={KEY_FILE_ENV: str(key_file)})
+    try:
+        deadline = time.monotonic() + 60
+        while not port_answers(f"{proxy_url}/api/health") and time.monotonic() < deadline:
+            assert proxy.poll() is None, proxy.communicate()[0][-2000:]
+            time.sleep(0.3)
+        run_id = waiting_run(home, flow)["flow_run_id"]
+        paused_state(shared_prefect, run_id)
+        state = API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"]
+        decision = {"decision": "approve", "reason": "answers read well", "decided_by": "mallory@example.com"}
+        direct = API.post(f"{shared_prefect}/flow_runs/{run_id}/resume", json={"run_input": decision}, timeout=10)
+        assert direct.status_code == 201 and direct.json()["status"] == "ACCEPT", direct.text
+        state = paused_anew(shared_prefect, run_id, state)
+        resume_url = f"{proxy_url}/api/flow_runs/{run_id}/resume"
+        no_header = httpx.post(resume_url, json={"run_input": decision}, timeout=10)
+        assert no_header.status_code == 401, no_header.text
+        assert no_header.json()["detail"] == "approval proxy: no X-Forwarded-Email: log in through the proxy"
+        assert API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"] == state
+        # `llmops approve` from elsewhere, through the proxy, with the header oauth2-proxy would set
+        approved = cli(
+            tmp_path / "elsewhere",
+            *("approve", run_id, "--reason", "answers read well", "--by", "bob@example.com"),
+            api=f"{proxy_url}/api",
+            env={"PREFECT_CLIENT_CUSTOM_HEADERS": json.dumps({"X-Forwarded-Email": "alice@example.com"})},
+        )
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+        output = flow.communicate(timeout=60)[0]
+    finally:
+        flow.kill()
+        proxy.terminate()
+        proxy.wait(30)
+    assert flow.returncode == 0, output[-3000:]
+    refusals = [line.split("still waiting: ")[1] for line in output.splitlines() if "refused, still waiting" in line]
+    assert refusals == [
+        "decision by 'mallory@example.com' did not come through the trusted proxy (LLMOPS_APPROVAL_PROXY_KEY_FILE is "
+        "set): decide through `llmops approval-proxy`"
+    ], output[-3000:]
+    approval = json.loads(output.split("APPROVAL ")[1].splitlines()[0])
+    assert (approval["approved"], approval["decided_by"], approval["proxy_attested"]) == (
+        True,
+        "alice@example.com",
+        True,
+    )
+
+
+def port_answers(url: str) -> bool:
+    try:
+        return API.get(url, timeout=2).status_code == 200
+    except OSError:
+        return False

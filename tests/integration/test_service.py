@@ -616,8 +616,9 @@ def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
             for line in (stack_dir / "postgres.pgpass").read_text().split()
         },
         "Prefect auth string": state["prefect_auth"].partition(":")[2],
-        "MLflow password": state["mlflow_login"]["password"],
+        "MLflow admin password": state["mlflow_login"]["password"],
         "MLflow secret key": state["mlflow_login"]["secret_key"],
+        **{f"MLflow password of {account}": password for account, password in state["mlflow_accounts"].items()},
     }
     assert all(len(value) >= 24 for value in secrets.values())
     kept_on_purpose = {stack_dir / "stack.json", stack_dir / "postgres.pgpass"}
@@ -629,7 +630,56 @@ def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
     )
     assert not leaks, leaks[:10]
     # rclone takes the S3 secret from its environment, MLflow and the worker need it there; no command line has it
-    assert not [leak for leak in leaks_in_processes(secrets) if " argv: " in leak[0]]
+    in_processes = leaks_in_processes(secrets)
+    assert not [leak for leak in in_processes if " argv: " in leak[0]]
+    # MLflow's admin password is in its server's environment only (it makes the account from it), and the reader's in
+    # no process: the worker and its flow runs log in as the release account
+    mlflow = psutil.Process(state["services"]["mlflow"]["pid"])
+    mlflow_pids = {mlflow.pid, *(child.pid for child in mlflow.children(recursive=True))}
+    holders = {name: {int(where.split()[1]) for where, leaked in in_processes if leaked == name} for name in secrets}
+    assert holders["MLflow admin password"] and holders["MLflow admin password"] <= mlflow_pids
+    assert holders["MLflow password of llmops-reader"] == set()
+    assert holders["MLflow password of llmops-release"] - mlflow_pids  # the worker's
+
+
+def assert_mlflow_accounts(state: dict, exports: subprocess.CompletedProcess, reader: subprocess.CompletedProcess):
+    """`llmops stack env` logs into MLflow as the release account and `--mlflow-reader` as the read-only one, neither
+    as the admin; the release account registers a model and moves its aliases, the reader reads them and gets 403 on
+    moving or deleting one (MLflow's own permission check), and no login is 401."""
+    assert exports.returncode == 0 and reader.returncode == 0, exports.stderr + reader.stderr
+    release_env, reader_env = (
+        dict(line.removeprefix("export ").replace("'", "").split("=", 1) for line in out.stdout.splitlines())
+        for out in (exports, reader)
+    )
+    assert release_env["MLFLOW_TRACKING_USERNAME"] == "llmops-release"
+    assert set(reader_env) == {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    assert reader_env["MLFLOW_TRACKING_USERNAME"] == "llmops-reader"
+    assert state["mlflow_login"]["password"] not in exports.stdout + reader.stdout  # the admin's stays in stack.json
+    api = f"{release_env['MLFLOW_TRACKING_URI']}/api/2.0/mlflow"
+    as_release = (release_env["MLFLOW_TRACKING_USERNAME"], release_env["MLFLOW_TRACKING_PASSWORD"])
+    as_reader = (reader_env["MLFLOW_TRACKING_USERNAME"], reader_env["MLFLOW_TRACKING_PASSWORD"])
+    assert requests.get(f"{api}/experiments/search", params={"max_results": 1}, timeout=10).status_code == 401
+    for step, body in (
+        ("registered-models/create", {"name": "svc"}),
+        ("model-versions/create", {"name": "svc", "source": "s3://artifacts/llmops/objects/v1"}),
+        ("model-versions/create", {"name": "svc", "source": "s3://artifacts/llmops/objects/v2"}),
+        ("registered-models/alias", {"name": "svc", "alias": "champion", "version": "1"}),
+    ):
+        made = requests.post(f"{api}/{step}", json=body, auth=as_release, timeout=10)
+        assert made.status_code == 200, (step, made.text)
+    champion = {"name": "svc", "alias": "champion"}
+    read = requests.get(f"{api}/registered-models/alias", params=champion, auth=as_reader, timeout=10)
+    assert read.status_code == 200 and read.json()["model_version"]["version"] == "1", read.text
+    assert requests.get(f"{api}/experiments/search", params={"max_results": 1}, auth=as_reader, timeout=10).ok
+    moved = requests.post(
+        f"{api}/registered-models/alias", json={**champion, "version": "2"}, auth=as_reader, timeout=10
+    )
+    deleted = requests.delete(f"{api}/registered-models/alias", json=champion, auth=as_reader, timeout=10)
+    tag = {"name": "svc", "version": "1", "key": "gate.decision", "value": "pass"}
+    tagged = requests.post(f"{api}/model-versions/set-tag", json=tag, auth=as_reader, timeout=10)
+    assert (moved.status_code, deleted.status_code, tagged.status_code) == (403, 403, 403), moved.text + tagged.text
+    read = requests.get(f"{api}/registered-models/alias", params=champion, auth=as_release, timeout=10)
+    assert read.json()["model_version"]["version"] == "1"
 
 
 def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
@@ -656,11 +706,8 @@ def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
         assert (
             prefect_api(state["prefect_auth"]).post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 200
         )
-        # and MLflow only with its login
-        tracking = f"http://127.0.0.1:{state['ports']['mlflow']}/api/2.0/mlflow/experiments/search"
-        assert requests.get(tracking, params={"max_results": 1}, timeout=10).status_code == 401
-        login = ("llmops", state["mlflow_login"]["password"])
-        assert requests.get(tracking, params={"max_results": 1}, auth=login, timeout=10).status_code == 200
+        # and MLflow only with a login: the release account of `stack env` moves aliases, the reader's only reads
+        assert_mlflow_accounts(state, stack("env"), stack("env", "--mlflow-reader"))
         # MLflow's job execution stays off: no huey consumers idling beside the server (benchmarks/stack_idle.py)
         mlflow_tree = psutil.Process(state["services"]["mlflow"]["pid"]).children(recursive=True)
         assert not [p.cmdline() for p in mlflow_tree if "huey" in " ".join(p.cmdline())]
