@@ -1,5 +1,5 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup setup-vllm setup-compat setup-aiperf environments test-tools run test test-unit lint format benchmark docs
+.PHONY: setup setup-vllm setup-compat setup-aiperf environments test-tools run test test-unit lint format benchmark docs gpu-smoke gpu-smoke-wheels
 
 setup:
 	bash infra/local/setup.sh
@@ -58,8 +58,18 @@ benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/python_instances.py
 	.venv/bin/python benchmarks/bench_tools.py
 	.venv/bin/python benchmarks/adapter_canary.py
+	.venv/bin/python benchmarks/stack_idle.py
 
 # The documentation site (mkdocs.yml, docs/): strict, so a page missing from the nav or a broken link fails.
 # NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build
 docs: setup
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d build/site
+
+# The GPU path's first fifteen minutes (docs/gpu.md#the-gpu-smoke), on a machine with a CUDA GPU and an image that has
+# CUDA PyTorch, transformers, peft and accelerate; no .venv is used. Run `make gpu-smoke-wheels` where pip reaches PyPI
+# and bring .whl/ along (LlamaFactory, bitsandbytes, ModelOpt and what they need beyond the image: about 24 MB).
+gpu-smoke:
+	bash infra/gpu/smoke.sh $(GPU_SMOKE_ARGS)
+
+gpu-smoke-wheels:
+	bash infra/gpu/smoke-wheels.sh

@@ -11,12 +11,13 @@ from typing import Any
 
 from flows.cli.common import llmops_home
 from tasks.data.exchanges import default_location, open_exchange_log
-from tasks.data.harvest import MinRating, harvest, save
+from tasks.data.harvest import MinRating, dataset_sha256, harvest, save
 from tasks.data.records import read_data
 from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.store import open_store
 
+FLYWHEEL_EXPERIMENT = "llm-flywheel"  # the MLflow experiment of the flywheel's runs (flows/flywheel.py)
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([mhd])$")
 
 
@@ -55,18 +56,26 @@ def harvest_dataset(
     min_rating: MinRating = "good",
     location: str | None = None,
     service: str | None = None,
+    trusted: frozenset[str] | None = None,
 ) -> Harvested:
     """Harvest `service` (the profile's registry.model_name by default) against the profile's data (the previous
-    training set, config.data.source) and held-out set; the dataset goes to `out` as harvest-SERVICE-TIME.jsonl."""
+    training set, config.data.source) and held-out set; the dataset goes to `out` as harvest-SERVICE-TIME.jsonl.
+    `trusted`: only these clients' corrections (the flywheel's review rules); None: every client's."""
     service = service or config.registry.model_name
     log = open_exchange_log(capture_location(config, location))
     previous = read_data(config.data)
-    result = harvest(log, service, since, min_rating, previous)
-    report = {"service": service, "since": since.isoformat(), "capture": log.uri, **result.report(previous)}
+    result = harvest(log, service, since, min_rating, previous, trusted=trusted)
+    report = {
+        "service": service,
+        "since": since.isoformat(),
+        "capture": log.uri,
+        **result.report(previous, config.flywheel.report_samples),
+    }
     if not result.records:
         return Harvested(None, 0, report)
-    uri = save(result, out, f"harvest-{service}-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
-    return Harvested(uri, len(result.records), report | {"dataset": uri})
+    name = f"harvest-{service}-{datetime.now(UTC):%Y%m%dT%H%M%SZ}"
+    uri = save(result, out, name)
+    return Harvested(uri, len(result.records), report | {"dataset": uri, "sha256": dataset_sha256(result)})
 
 
 def describe(harvested: Harvested) -> str:
@@ -82,9 +91,71 @@ def describe(harvested: Harvested) -> str:
         f"  exchanges read         {counts.get('exchanges', 0)} ({counts.get('feedback', 0)} feedback)",
         f"  records kept           {harvested.records} ({kept})",
         f"  dropped                {dropped or 'none'}",
+        f"  clients                {clients_line(report)}",
         f"  languages              {report['languages'] or '-'}",
         f"  lengths                {report['lengths'] or '-'}",
         f"  shift from the data    {report['shift'].get('prompt_length_ks', '-')} (prompt-length KS statistic)",
         f"  dataset                {harvested.uri or 'none written: no records'}",
     ]
     return "\n".join(lines)
+
+
+def clients_line(report: dict[str, Any]) -> str:
+    shares = report.get("client_shares") or {}
+    listed = ", ".join(f"{name} {share:.0%}" for name, share in list(shares.items())[:5])
+    more = f", {len(shares) - 5} more" if len(shares) > 5 else ""
+    return f"{len(shares)} ({listed}{more})" if shares else "-"
+
+
+def review_markdown(harvested: Harvested, samples: bool = True) -> str:
+    """What a reviewer reads on the flywheel run's Resume form: the summary, every client's share, and (`samples`)
+    the corrections beside the answers they replace."""
+    report = harvested.report
+
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")[:200]
+
+    lines = [
+        f"# Harvest of {report['service']}: {harvested.records} records to review",
+        "",
+        f"Dataset `{report.get('dataset', '-')}` (sha256 `{report.get('sha256', '-')}`).",
+        "Approve to push it where retraining watches; reject to delete it.",
+        "",
+        "```",
+        describe(harvested),
+        "```",
+        "",
+        "| client | records | share |",
+        "|---|---|---|",
+        *(
+            f"| {cell(name)} | {count} | {report['client_shares'][name]:.1%} |"
+            for name, count in report.get("clients", {}).items()
+        ),
+    ]
+    if samples and report.get("corrections"):
+        lines += ["", "| client | prompt | served answer | correction |", "|---|---|---|---|"]
+        lines += [
+            f"| {cell(c['client'])} | {cell(c['prompt'])} | {cell(c['served'])} | {cell(c['correction'])} |"
+            for c in report["corrections"]
+        ]
+    return "\n".join(lines)
+
+
+def recorded_datasets() -> list[str]:
+    """The harvested datasets the lineage records: pushed by the flywheel (its MLflow runs' harvest.dataset tags)
+    and waiting for review in this home (their pending records)."""
+    from mlflow import MlflowClient
+
+    from tasks.approve import waiting_records
+    from tasks.platform.tracking import default_tracking_uri
+
+    found = [w["dataset"] for w in waiting_records(llmops_home()) if w.get("kind") == "harvest" and w.get("dataset")]
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking_uri and not (llmops_home() / "mlflow.db").is_file():
+        return found  # no tracking server and no local runs: the flywheel never ran from this home
+    client = MlflowClient(tracking_uri or default_tracking_uri(llmops_home()))
+    experiment = client.get_experiment_by_name(FLYWHEEL_EXPERIMENT)
+    if experiment is not None:
+        runs = client.search_runs([experiment.experiment_id], "tags.`harvest.pushed` = 'true'", max_results=10_000)
+        found += [r.data.tags["harvest.dataset"] for r in runs if r.data.tags.get("harvest.dataset")]
+    return found

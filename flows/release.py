@@ -27,6 +27,7 @@ from tasks.gate import gate
 from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import CheckFailed
+from tasks.platform.quiet import quiet_libraries
 from tasks.platform.stage_cache import RunContext, StageResult, stage_task
 from tasks.platform.store import open_store
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, start_run
@@ -120,17 +121,21 @@ def release(
         artifacts: artifact store, a folder or s3://bucket/prefix; empty: LLMOPS_ARTIFACTS, else LLMOPS_HOME/store.
         triton_url: a running Triton to roll out on (HTTP URL), behind a temporary gateway of the run's own; empty:
             LLMOPS_TRITON_URL, else the service `llmops serve` runs for this LLMOPS_HOME, else a temporary Triton
-            and gateway.
+            and gateway. Through the API, only the worker's LLMOPS_TRITON_URL or one of its LLMOPS_TRITON_URLS (the
+            operator's allow-list).
         triton_repository: that Triton's model repository folder on a filesystem this machine shares; empty: models
             are sent with their load requests (no shared filesystem).
         triton_grpc_url: that Triton's gRPC endpoint (host:port), for genai-perf; or LLMOPS_TRITON_GRPC_URL.
         triton_metrics_url: that Triton's Prometheus metrics URL, for the canary's live checks; or
             LLMOPS_TRITON_METRICS_URL.
     """
+    quiet_libraries()  # a worker's flow run does not go through the CLI, which does this too
     if runtime.deployment.id:  # started through the Prefect API (UI, schedule, retrain): shipped profiles only
         check_api_profile(profile)
     config = load_profile(profile, overrides or [], data_source)
-    target = TritonTarget.from_options(triton_url, triton_grpc_url, triton_metrics_url, triton_repository)
+    target = TritonTarget.from_options(
+        triton_url, triton_grpc_url, triton_metrics_url, triton_repository, from_api=bool(runtime.deployment.id)
+    )
     ctx = open_context(config, tracking_uri, artifacts)
     served: Service | None = None
     deployment: Deployment | None = None
@@ -177,7 +182,7 @@ def release(
                 measured = stage_task(benchmark, config)(ctx, deployment)
                 report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
-                if report.passed and config.gate.approval == "required":  # a person's decision is never cached
+                if report.passed and needs_approval(config, dataset):  # a person's decision is never cached
                     approval = approve(ctx, report, str(runtime.flow_run.id))
                     approved, rejection = approval.approved, approval.summary()
             outcome = stage_task(rollout, config)(ctx, deployment, approved, rejection, dataset)
@@ -199,6 +204,12 @@ def let_go(served: Service | None, deployment: Deployment | None) -> None:
         deployment.let_go()
     if served is not None:
         served.stop()
+
+
+def needs_approval(config: Profile, dataset: StageResult) -> bool:
+    """gate.approval required, or harvested and the training data holds records clients wrote (the flywheel's)."""
+    harvested = (DatasetMetrics.of(dataset).harvested_records or 0) > 0
+    return config.gate.approval == "required" or (config.gate.approval == "harvested" and harvested)
 
 
 @contextmanager

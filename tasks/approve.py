@@ -8,6 +8,18 @@ loaded at 0%; the run keeps its worker and the serving lock, so other releases o
 
 Pause, not suspend: a suspended run exits its process and starts again from its deployment, but this run's Triton
 (when it started one), its loaded candidate and its serving lock live in that process.
+
+With `gate.allowed_signers` a decision is an authorization, not a record: it counts only with a statement
+{run, kind, model, version, artifact_sha256, decision, reason, principal} signed by the principal's SSH key
+(`llmops approve --key`, tasks/platform/signatures.py), listed for that principal in the allowed-signers file the
+operator's profile names, and bound to this run and the artifact it decides; with `gate.separate_duties` the
+principal who started the run may not decide it. A decision that fails any of this is refused (logged) and the
+run goes on waiting for a valid one until its timeout.
+
+With a trusted proxy (the operator's LLMOPS_APPROVAL_PROXY_KEY_FILE in the worker's environment) a decision counts
+only when `llmops approval-proxy` attests it: the proxy, behind an OIDC proxy such as oauth2-proxy, writes the
+person its identity header names into `decided_by` and signs the decision with that key (tasks/platform/attestation.py
+says why Prefect itself cannot hand the flow a request header). A resume sent to Prefect past the proxy is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -23,11 +35,13 @@ from typing import Literal
 from prefect.input import RunInput
 from pydantic import Field
 
+from tasks.platform.attestation import KEY_FILE_ENV, attested, configured_key
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import GateReport
 
 APPROVAL_KEY = "approval"  # the pause's key: one approval per release run
 POLL_S = 2  # how often the paused run asks the API whether it was resumed (Prefect's default is 10 s)
+MAX_REFUSED = 20  # refused decisions a run waits through before it rejects (no one floods it forever)
 
 
 class ApprovalInput(RunInput):
@@ -35,7 +49,16 @@ class ApprovalInput(RunInput):
 
     decision: Literal["approve", "reject"] = Field(description="approve: roll the candidate out; reject: roll back")
     reason: str = Field(min_length=1, max_length=2000, description="Why, for the record (MLflow and the registry).")
-    decided_by: str = Field(min_length=1, max_length=200, description="Who decides.")
+    decided_by: str = Field(min_length=1, max_length=200, description="Who decides (the signing principal).")
+    statement: str = Field(
+        "",
+        max_length=10_000,
+        description="With gate.allowed_signers: the signed statement (`llmops approve` sends it).",
+    )
+    signature: str = Field("", max_length=10_000, description="Its SSH signature (`ssh-keygen -Y sign`).")
+    proxy_attestation: str = Field(
+        "", max_length=200, description="Set by `llmops approval-proxy` (a trusted OIDC proxy): leave it empty."
+    )
 
 
 @dataclass
@@ -46,9 +69,76 @@ class Approval:
     decided_at: float  # unix time
     waited_s: float
     timed_out: bool = False
+    verified_key: str = ""  # the signing key's fingerprint where the decision was verified
+    statement: str = ""
+    signature: str = ""
+    proxy_attested: bool = False  # decided_by is the identity the trusted proxy authenticated
 
     def summary(self) -> str:
         return f"{'approved' if self.approved else 'rejected'} by {self.decided_by}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class DecisionPolicy:
+    """Who may decide a run: signers of the operator's allowed-signers file, and not its creator where duties are
+    separate (gate.allowed_signers, gate.separate_duties); where the operator configured a trusted proxy (its key in
+    the environment that runs the flow), only people that proxy authenticated."""
+
+    allowed_signers: Path | None = None
+    separate_duties: bool = False
+    creator: str = ""
+    proxy_key: bytes | None = field(default_factory=configured_key, repr=False)
+
+    @classmethod
+    def of(cls, gate, creator: str) -> DecisionPolicy:
+        signers = Path(gate.allowed_signers) if gate.allowed_signers else None
+        return cls(signers, gate.separate_duties, creator)
+
+
+def statement_of(flow_run_id: str, subject: dict, decision: str, reason: str, principal: str) -> dict[str, str]:
+    """What a decision signs: this run, what it decides on (model, version, artifact sha256), the decision, why and
+    who. `subject` is the waiting run's record (wait_for_decision)."""
+    return {
+        "run": flow_run_id,
+        "kind": str(subject.get("kind", "release")),
+        "model": str(subject.get("model", "")),
+        "version": str(subject.get("candidate_version", "")),
+        "artifact_sha256": str(subject.get("artifact_sha256", "")),
+        "decision": decision,
+        "reason": reason,
+        "principal": principal,
+    }
+
+
+def check_decision(answer: ApprovalInput, flow_run_id: str, subject: dict, policy: DecisionPolicy) -> str:
+    """The signing key's fingerprint of a decision the policy accepts ("" where none is required);
+    SignatureRefused naming why otherwise."""
+    from tasks.platform.signatures import SignatureRefused, verify
+
+    if policy.proxy_key is not None:
+        if not attested(policy.proxy_key, flow_run_id, answer.model_dump(), answer.proxy_attestation):
+            raise SignatureRefused(
+                f"decision by {answer.decided_by!r} did not come through the trusted proxy ({KEY_FILE_ENV} is set): "
+                "decide through `llmops approval-proxy`"
+            )
+        if policy.separate_duties and answer.decided_by == policy.creator:  # decided_by is authenticated here
+            raise SignatureRefused(f"{answer.decided_by} started this run and may not decide it (gate.separate_duties)")
+    if policy.allowed_signers is None:
+        return ""
+    if not answer.statement or not answer.signature:
+        raise SignatureRefused(f"unsigned decision by {answer.decided_by!r}: gate.allowed_signers asks for a signature")
+    try:
+        signed = json.loads(answer.statement)
+    except ValueError:
+        raise SignatureRefused("the statement is not JSON") from None
+    expected = statement_of(flow_run_id, subject, answer.decision, answer.reason, answer.decided_by)
+    if signed != expected:
+        differ = sorted(k for k in expected.keys() | signed.keys() if signed.get(k) != expected.get(k))
+        raise SignatureRefused(f"the statement is bound to another {', '.join(differ)} than this decision of this run")
+    key = verify(signed, answer.signature, answer.decided_by, policy.allowed_signers)
+    if policy.separate_duties and answer.decided_by == policy.creator:
+        raise SignatureRefused(f"{answer.decided_by} started this run and may not decide it (gate.separate_duties)")
+    return key
 
 
 def pending_folder(home: Path) -> Path:
@@ -70,27 +160,59 @@ def waiting_records(home: Path) -> list[dict]:
     return [r for p in sorted(pending_folder(home).glob("*.json")) if (r := waiting_record(p)) is not None]
 
 
-def wait_for_decision(home: Path, flow_run_id: str, report_markdown: str, timeout_s: float, subject: dict) -> Approval:
-    """Pause the current flow run until a person decides, or timeout_s passes (a rejection)."""
+def wait_for_decision(
+    home: Path,
+    flow_run_id: str,
+    report_markdown: str,
+    timeout_s: float,
+    subject: dict,
+    policy: DecisionPolicy | None = None,
+) -> Approval:
+    """Pause the current flow run until a person decides as `policy` allows, or timeout_s passes (a rejection).
+    A decision the policy refuses is logged and the run waits again (a new pause, with the time that is left)."""
     from prefect.exceptions import FlowPauseTimeout
     from prefect.flow_runs import pause_flow_run
 
+    from tasks.platform.signatures import SignatureRefused
+
+    policy = policy or DecisionPolicy()
     pending = pending_folder(home) / f"{flow_run_id}.json"
     pending.parent.mkdir(parents=True, exist_ok=True)
     record = {"flow_run_id": flow_run_id, "api_url": os.environ.get("PREFECT_API_URL", ""), **subject}
+    record["signed"] = policy.allowed_signers is not None
     partial = pending.with_suffix(".partial")  # whole or absent for `llmops approve` (a rename is atomic)
     partial.write_text(json.dumps({**record, "waiting_since": time.time(), "timeout_s": timeout_s}))
     partial.replace(pending)
     started = time.monotonic()
     try:
-        answer = pause_flow_run(
-            wait_for_input=ApprovalInput.with_initial_data(description=report_markdown),
-            timeout=max(1, round(timeout_s)),
-            poll_interval=POLL_S,
-            key=APPROVAL_KEY,
-        )
+        for attempt in range(1, MAX_REFUSED + 2):
+            left = timeout_s - (time.monotonic() - started)
+            if left < 1:
+                raise FlowPauseTimeout()
+            answer = pause_flow_run(
+                wait_for_input=ApprovalInput.with_initial_data(description=report_markdown),
+                timeout=max(1, round(left)),
+                poll_interval=POLL_S,
+                key=APPROVAL_KEY if attempt == 1 else f"{APPROVAL_KEY}-{attempt}",
+            )
+            try:
+                key = check_decision(answer, flow_run_id, subject, policy)
+            except SignatureRefused as refused:
+                logger().warning(f"approval: decision refused, still waiting: {refused}")
+                continue
+            return Approval(
+                answer.decision == "approve",
+                answer.decided_by,
+                answer.reason,
+                time.time(),
+                time.monotonic() - started,
+                verified_key=key,
+                statement=answer.statement,
+                signature=answer.signature,
+                proxy_attested=policy.proxy_key is not None,
+            )
         return Approval(
-            answer.decision == "approve", answer.decided_by, answer.reason, time.time(), time.monotonic() - started
+            False, "refused", f"{MAX_REFUSED + 1} refused decisions", time.time(), time.monotonic() - started
         )
     except FlowPauseTimeout:
         running_again(flow_run_id)
@@ -119,22 +241,53 @@ def approve(ctx: RunContext, report: GateReport, flow_run_id: str) -> Approval:
         f"...` / `llmops reject {flow_run_id} --reason ...`"
     )
     subject = {
+        "kind": "release",
         "model": report.model,
         "candidate_version": report.candidate_version,
+        "artifact_sha256": report.served_artifact,
         "mlflow_run_id": ctx.tracker.run_id,
     }
-    approval = wait_for_decision(ctx.home, flow_run_id, report.markdown(), timeout_s, subject)
+    policy = DecisionPolicy.of(ctx.profile.gate, run_creator())
+    approval = wait_for_decision(ctx.home, flow_run_id, report.markdown(), timeout_s, subject, policy)
     record(ctx, report, approval)
     logger().info(f"approval: {report.model} v{report.candidate_version} {approval.summary()}")
     return approval
 
 
+def run_creator() -> str:
+    """The principal who started this run, for gate.separate_duties: the Prefect API's record of who created the
+    flow run where it keeps one (Prefect Cloud, or a server behind an authenticating proxy that sets it), else
+    LLMOPS_PRINCIPAL of the process that runs it, else USER@HOST (`llmops run`)."""
+    import getpass
+    import socket
+
+    from prefect import runtime
+
+    creator = None
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            created_by = client.read_flow_run(runtime.flow_run.id).created_by
+        creator = created_by.display_value if created_by is not None else None
+    except Exception:  # no API to ask (a unit test): the environment decides
+        creator = None
+    return creator or os.environ.get("LLMOPS_PRINCIPAL") or f"{getpass.getuser()}@{socket.gethostname()}"
+
+
 def record(ctx: RunContext, report: GateReport, approval: Approval) -> None:
-    """Who decided, when and why: tags of the MLflow run and of the registry version, and the version's description."""
+    """Who decided, when and why: tags of the MLflow run and of the registry version, and the version's description;
+    a verified decision's signed statement and signature as the run's artifact approval.json."""
     decided = "approved" if approval.approved else "rejected"
     at = datetime.fromtimestamp(approval.decided_at, UTC).isoformat(timespec="seconds")
     tags = {"approval.decision": decided, "approval.by": approval.decided_by, "approval.reason": approval.reason}
-    tags["approval.at"] = at
+    tags |= {"approval.at": at, "approval.verified": str(bool(approval.verified_key)).lower()}
+    tags["approval.proxy_authenticated"] = str(approval.proxy_attested).lower()
+    if approval.verified_key:
+        tags["approval.key"] = approval.verified_key
+        ctx.tracker.log_json(
+            "approval.json", {"statement": json.loads(approval.statement), "signature": approval.signature}
+        )
     ctx.tracker.set_tags(tags)
     ctx.tracker.log_metrics("approval", {"wait_s": approval.waited_s})
     client, name, version = ctx.tracker.client, report.model, report.candidate_version

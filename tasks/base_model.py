@@ -16,8 +16,10 @@ from pathlib import Path
 from tasks.data.splits import load_split
 from tasks.platform.config import BaseModelSection, TinyModel
 from tasks.platform.errors import BadInput
+from tasks.platform.quiet import quiet_transformers
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation
+from tasks.quality.models import Compute
 from tasks.serving.hf_compat import make_loadable_by_transformers4
 
 
@@ -73,9 +75,10 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
-def pretrain(model, tokenizer, texts: list[str], cfg: TinyModel) -> list[float]:
+def pretrain(model, tokenizer, texts: list[str], cfg: TinyModel, device: str = "cpu") -> list[float]:
     import torch
 
+    model.to(device)
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.pretrain_learning_rate)
     encoded = [tokenizer(t + tokenizer.pad_token)["input_ids"] for t in texts]
@@ -84,7 +87,7 @@ def pretrain(model, tokenizer, texts: list[str], cfg: TinyModel) -> list[float]:
     log = logger()
     for step in range(cfg.pretrain_steps):
         picks = torch.randint(len(encoded), (cfg.pretrain_batch_size,), generator=generator).tolist()
-        batch = tokenizer.pad({"input_ids": [encoded[i] for i in picks]}, return_tensors="pt")
+        batch = tokenizer.pad({"input_ids": [encoded[i] for i in picks]}, return_tensors="pt").to(device)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         loss = model(**batch, labels=labels).loss
         loss.backward()
@@ -93,14 +96,17 @@ def pretrain(model, tokenizer, texts: list[str], cfg: TinyModel) -> list[float]:
         losses.append(loss.item())
         if (step + 1) % 100 == 0 or step + 1 == cfg.pretrain_steps:
             log.info(f"base_model: pretrain step {step + 1}/{cfg.pretrain_steps} loss {loss.item():.3f}")
-    model.eval()
+    model.to("cpu").eval()
     return losses
 
 
-def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path) -> BaseModelMetrics:
+def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path, device: str = "cpu") -> BaseModelMetrics:
+    """Tokenizer, weights and pretrain of a `tiny-qwen2` base, saved to out_dir in float32; `device` runs the
+    pretrain (cuda on a CUDA profile: the same seed gives other weights there, as any GPU kernel does)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    quiet_transformers()
     torch.manual_seed(cfg.seed)
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
     config = Qwen2Config(
@@ -117,7 +123,7 @@ def build_tiny_qwen2(texts: list[str], cfg: TinyModel, out_dir: Path) -> BaseMod
         pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen2ForCausalLM(config)
-    losses = pretrain(model, tokenizer, texts, cfg)
+    losses = pretrain(model, tokenizer, texts, cfg, device)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
@@ -170,7 +176,7 @@ def base_model(ctx: RunContext, data: StageResult) -> StageResult:
 
         def produce(out_dir: Path) -> dict:
             texts = corpus(load_split(ctx.store.fetch(data.artifact.digest), "train"))
-            return build_tiny_qwen2(texts, cfg.tiny, out_dir).as_mlflow()
+            return build_tiny_qwen2(texts, cfg.tiny, out_dir, Compute.of(ctx.profile).device).as_mlflow()
     else:
         key = {"source": cfg.source}
 

@@ -113,6 +113,27 @@ def require_gpu_for(checkpoint_dir: Path, gpu_arch: str) -> None:
         raise BadInput(f"build_engine: an NVFP4 checkpoint needs a Blackwell GPU (sm100+), this is {gpu_arch}")
 
 
+def require_servable(prompts: list[list[int]], args: dict, max_new_tokens: int) -> None:
+    """Every eval prompt must fit the arguments the LLM is loaded under, as a served request must. The check runs one
+    `LLM.generate` over all of them, and on the PyTorch backend a prompt longer than max_num_tokens without chunked
+    prefill raises in its argument check (BaseLLM._check_arguments, 1.x llmapi/llm.py), which aborts the whole check
+    after minutes of loading; a prompt beyond max_input_len, or with its answer beyond max_seq_len, cannot be served."""
+    limit, names = args["max_input_len"], "max_input_len (train.cutoff_len)"
+    if not args.get("enable_chunked_prefill") and args["max_num_tokens"] < limit:
+        limit, names = args["max_num_tokens"], "engine.max_num_tokens (no chunked prefill)"
+    too_long = [
+        i for i, ids in enumerate(prompts) if len(ids) > limit or len(ids) + max_new_tokens > args["max_seq_len"]
+    ]
+    if too_long:
+        first = prompts[too_long[0]]
+        raise BadInput(
+            f"build_engine: {len(too_long)} eval sample(s) do not fit the serving arguments, the first (#{too_long[0]}) "
+            f"a {len(first)}-token prompt: at most {limit} tokens ({names}), and with evaluate.max_new_tokens "
+            f"{max_new_tokens} at most {args['max_seq_len']} (max_seq_len: train.cutoff_len + engine.max_output_len); "
+            "raise those, or leave such records out of the eval data"
+        )
+
+
 def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, checkpoint: StageResult) -> StageResult:
     args = llm_api.llm_args(ctx.profile)
     key = check_cache_key(
@@ -132,8 +153,10 @@ def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, ch
         scratch.mkdir()
         conversations = eval_conversations(ctx, data, ctx.profile.evaluate.max_samples)
         tokenizer = load_tokenizer(source)
+        prompts = [prompt_ids(tokenizer, c) for c in conversations]
+        require_servable(prompts, args, ctx.profile.evaluate.max_new_tokens)
         questions = scratch / "questions.jsonl"
-        questions.write_text("".join(json.dumps({"input_ids": prompt_ids(tokenizer, c)}) + "\n" for c in conversations))
+        questions.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in prompts))
         (scratch / "llm_args.json").write_text(json.dumps(args))
         command = tensorrt_llm.check_command(
             source, scratch / "llm_args.json", questions, scratch / "report.json", ctx.profile.evaluate.max_new_tokens

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tasks.data.records import CleanData, clean_and_split, read_source, source_digest
 from tasks.data.splits import load_split, require_samples, write_dataset
+from tasks.platform.config import TrainSection
+from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 
 
@@ -32,6 +34,8 @@ class DatasetMetrics(StageMetrics):
     eval_records_read: int | None = None  # with data.eval_source: the held-out set's records ...
     eval_overlap_dropped: int | None = None  # ... and the training records dropped for being in it
     eval_fingerprint: str | None = None
+    harvested_records: int | None = None  # records the flywheel harvested from served traffic (gate.approval)
+    harvested_with_history: int | None = None  # ... of which a client wrote earlier assistant turns (mask_history)
 
     @classmethod
     def of_data(cls, data: CleanData) -> DatasetMetrics:
@@ -48,6 +52,7 @@ def prepare_data(ctx: RunContext) -> StageResult:
 
     def produce(out_dir: Path) -> dict:
         data = clean_and_split(files, cfg, eval_files)
+        refuse_unmasked_history(DatasetMetrics.of_data(data), ctx.profile.train, cfg.source)  # before writing
         write_dataset(data, out_dir)
         metrics = DatasetMetrics.of_data(data)
         logger().info(
@@ -68,12 +73,29 @@ def prepare_data(ctx: RunContext) -> StageResult:
         headline=lambda m: DatasetMetrics.from_mlflow(m).headline(),
     )
     dataset = DatasetMetrics.of(result)
+    refuse_unmasked_history(dataset, ctx.profile.train, cfg.source)  # a cache hit made under another train section
+    if dataset.harvested_records:
+        ctx.tracker.set_tags({"data.harvested_records": str(dataset.harvested_records)})
     # Refused now rather than by evaluate after training: the split's size is known here.
     require_samples(min(dataset.eval_records, ctx.profile.evaluate.max_samples), ctx.profile.evaluate, "prepare_data")
     log_dataset_input(ctx, ctx.store.fetch(result.artifact.digest), cfg.source, dataset.fingerprint)
     if dataset.eval_fingerprint:
         ctx.tracker.set_tags({"data.eval_fingerprint": dataset.eval_fingerprint, "data.eval_source": cfg.eval_source})
     return result
+
+
+def refuse_unmasked_history(dataset: DatasetMetrics, train: TrainSection, source: str) -> None:
+    """Harvested records whose earlier assistant turns a client wrote train only with those turns masked:
+    LlamaFactory labels every assistant turn of a record unless mask_history (its data/processor/supervised.py,
+    SupervisedDatasetProcessor._encode_data_example, 0.9.5: `if self.data_args.mask_history and turn_idx != 0:
+    target_label = [IGNORE_INDEX] * target_len`). A system turn never is a label (template.py, Template._encode:
+    the system text joins the first prompt, whose labels are IGNORE_INDEX)."""
+    if dataset.harvested_with_history and not train.mask_history:
+        raise BadInput(
+            f"data {source}: {dataset.harvested_with_history} harvested records hold assistant turns a client wrote "
+            "before the answer, which training would learn: set train.mask_history true (train on the last answer "
+            "only) or drop them"
+        )
 
 
 def log_dataset_input(ctx: RunContext, folder: Path, source: str, fingerprint: str) -> None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tasks.data.splits import eval_conversations, load_split
-from tasks.platform.errors import CheckFailed
+from tasks.platform.config import Profile, awq_indivisible
+from tasks.platform.errors import BadInput, CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 from tasks.quality.contract import load_contract, read_contract, require_same, write_contract
@@ -111,6 +112,7 @@ def export_onnx(model_dir: Path, path: Path, opset: int) -> None:
         output_names=["logits"],
         dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
         external_data=False,
+        verbose=False,  # its own progress lines ("[torch.onnx] Obtain model graph ... ✅"); the stage logs its steps
     )
 
 
@@ -263,9 +265,30 @@ def calibration_ids(tokenizer, conversations: list[Conversation], max_length: in
     return [(prompt_ids(tokenizer, c) + answer_ids(tokenizer, c))[:max_length] for c in conversations]
 
 
+def require_awq_groups(profile: Profile, merged_dir: Path) -> None:
+    """int4_awq: the merged model's layer widths must be multiples of the group size TensorRT-LLM runs it with,
+    refused here rather than after calibration, at the first GEMM of build_engine."""
+    cfg = profile.quantize.modelopt
+    if cfg.qformat != "int4_awq":
+        return
+    try:
+        config = json.loads((merged_dir / "config.json").read_text())
+        hidden, intermediate = int(config["hidden_size"]), int(config["intermediate_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckFailed(f"quantize: the merged model's config.json has no layer widths ({exc!r})") from None
+    bad = awq_indivisible(cfg.awq_block_size, hidden, intermediate, profile.engine.tensor_parallel_size)
+    if bad:
+        raise BadInput(
+            f"quantize.modelopt.awq_block_size {cfg.awq_block_size} does not divide {', '.join(bad)} of "
+            f"{profile.base_model.source}: TensorRT-LLM needs every INT4-AWQ layer's input width to be a multiple of "
+            "it (use 64 or 128, whichever divides them)"
+        )
+
+
 def modelopt_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult) -> StageResult:
     """The GPU backend: an NVIDIA ModelOpt Hugging Face checkpoint (weights, hf_quant_config.json, tokenizer)
-    that TensorRT-LLM and vLLM load as is. Its accuracy is measured on the serving runtime (build_engine)."""
+    that TensorRT-LLM loads as is (vLLM: FP8 and NVFP4 only). Its accuracy is measured on the serving runtime: by
+    build_engine on TensorRT-LLM, by the gate's serving parity on vLLM."""
     from tasks.serving import tensorrt_llm
 
     cfg = ctx.profile.quantize.modelopt
@@ -278,6 +301,7 @@ def modelopt_checkpoint(ctx: RunContext, data: StageResult, merged: StageResult)
 
     def produce(out_dir: Path) -> dict:
         merged_dir = ctx.store.fetch(merged.artifact.digest)
+        require_awq_groups(ctx.profile, merged_dir)
         # The train split only: AWQ fits scales to its calibration data, and the eval split measures the drop.
         conversations = load_split(ctx.store.fetch(data.artifact.digest), "train")[: cfg.calib_size]
         calibration = out_dir.parent / "calibration.jsonl"

@@ -13,6 +13,7 @@ import json
 import subprocess
 
 from tasks.evaluate import EvaluationMetrics
+from tasks.platform.child_env import program_env
 from tasks.platform.project import PROJECT_ROOT
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.tracking import Registered
@@ -23,8 +24,15 @@ from tasks.quality.contract import CONTRACT_FILE, load_contract
 def code_version() -> str:
     """The git commit the run's code came from (with '-dirty' for local edits), else the package version."""
     try:
+        env = program_env("git")  # no login of this process reaches git or the hooks it may run
         commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True, timeout=10
+            ["git", "rev-parse", "HEAD"],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+            env=env,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
@@ -32,6 +40,7 @@ def code_version() -> str:
             capture_output=True,
             text=True,
             timeout=10,
+            env=env,
         ).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

@@ -10,11 +10,7 @@ and a store that is briefly unreachable does not stop training.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,10 +19,13 @@ from pathlib import Path
 import yaml
 
 from tasks.platform.config import HardwareSection, TrainSection
-from tasks.platform.errors import CheckFailed, is_transient
+from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
-from tasks.platform.store import Artifact, outlast_outage
 from tasks.quality.contract import read_contract, write_contract
+from tasks.training.checkpoints import CheckpointUploader, Layout, checkpoint_key, finish, restore_checkpoint
+from tasks.training.deepspeed import config_path, read_zero_config
+from tasks.training.launch import LocalNodes, launch_command
+from tasks.training.memory_plan import check_training_fits
 
 POLL_SECONDS = 1.0
 # What of LlamaFactory's output_dir makes up the adapter artifact (checkpoints are stored apart).
@@ -54,13 +53,22 @@ class TrainMetrics(StageMetrics):
     runtime_s: float
     wall_s: float
     resumed_from_step: int  # 0: trained from the start
+    nodes: int
+    world_size: int  # training processes across the nodes
+    global_batch_size: int  # samples per optimizer update: per device x accumulation x world size
 
     def headline(self) -> str:
         return f"loss {self.final_loss:.3f}, {self.steps} steps"
 
 
 def llamafactory_config(
-    cfg: TrainSection, model_dir: Path, data_dir: Path, output_dir: Path, resume_from: Path | None
+    cfg: TrainSection,
+    model_dir: Path,
+    data_dir: Path,
+    output_dir: Path,
+    resume_from: Path | None,
+    hardware: HardwareSection | None = None,
+    shared_disk: bool = True,
 ) -> dict:
     """The YAML LlamaFactory reads, under its own key names."""
     args = cfg.model_dump(exclude={"extra_args"}, exclude_none=True)
@@ -84,122 +92,34 @@ def llamafactory_config(
         dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding",  # tokens/s of real (unpadded) tokens in the trainer log
     )
+    if cfg.deepspeed is not None:
+        args["deepspeed"] = str(config_path(cfg))
+    if hardware is not None and hardware.world_size > 1:
+        args.update(distributed_args(hardware, shared_disk))
     if resume_from is not None:
         args["resume_from_checkpoint"] = str(resume_from)
     args.update(cfg.extra_args)
     return args
 
 
-def launch_command(config_path: Path) -> list[str]:
-    return [sys.executable, "-m", "tasks.runners.llamafactory_launch", "train", str(config_path)]
+def global_batch_size(cfg: TrainSection, hardware: HardwareSection) -> int:
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * hardware.world_size
 
 
-def launch_env(hardware: HardwareSection) -> dict:
-    env = dict(os.environ)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")])
-    )
-    if hardware.gpus > 1:
-        # LlamaFactory's own torchrun launch (one process per GPU).
-        env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(hardware.gpus))
-    return env
-
-
-class CheckpointUploader:
-    """Stores finished checkpoints from a thread of its own, so that training goes on while the store
-    is slow or briefly unreachable (a restart of the S3 server, a network blip): an upload that meets
-    a transient fault is retried with backoff for up to `run.storage_outage_s`. Only the newest
-    checkpoint matters for a resume, so one still waiting when a newer one is finished is dropped."""
-
-    def __init__(self, ctx: RunContext, checkpoint_key: str):
-        self.ctx, self.checkpoint_key = ctx, checkpoint_key
-        self.log = logger()  # the task's logger, taken here: the upload thread has no Prefect run context
-        self._changed = threading.Condition()
-        self._next: Path | None = None
-        self._closing = False
-        self.stored_step = 0
-        self._thread = threading.Thread(target=self._work, name="checkpoint-uploader", daemon=True)
-        self._thread.start()
-
-    def submit(self, folder: Path) -> None:
-        with self._changed:
-            self._next = folder
-            self._changed.notify_all()
-
-    def close(self) -> None:
-        """Stores what was submitted last (one attempt once training is over: the final artifact,
-        not a checkpoint, is what the stage now waits for) and stops the thread."""
-        with self._changed:
-            self._closing = True
-            self._changed.notify_all()
-        self._thread.join()
-
-    def _work(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: self._next is not None or self._closing)
-                folder, self._next = self._next, None
-            if folder is None:
-                return
-            self._store(folder)
-
-    def _superseded(self) -> bool:
-        with self._changed:
-            return self._next is not None or self._closing
-
-    def _newer_waiting(self) -> bool:
-        with self._changed:
-            return self._next is not None
-
-    def _pause(self, seconds: float) -> None:
-        """A backoff sleep that ends early when a newer checkpoint arrives or training ends."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._next is not None or self._closing, timeout=seconds)
-
-    def _store(self, folder: Path) -> None:
-        step = int(folder.name.split("-")[1])
-
-        def store() -> Artifact:
-            artifact = self.ctx.store.put_dir(folder)
-            self.ctx.store.put_record(
-                "checkpoints/train", self.checkpoint_key, {"step": step, "artifact": artifact.as_dict()}
-            )
-            return artifact
-
-        try:
-            artifact = outlast_outage(
-                f"train: checkpoint {step}",
-                store,
-                self.ctx.profile.run.storage_outage_s,
-                self.log.warning,
-                keep_trying=lambda: not self._superseded(),
-                sleep=self._pause,
-            )
-        except Exception as exc:  # a checkpoint is a convenience: the stage fails on the final artifact only
-            if not folder.is_dir() or isinstance(exc, FileNotFoundError | shutil.Error):
-                # The trainer's rotation (save_total_limit) deleted it mid-upload (shutil.Error: the local
-                # store's copytree lost a file); only older ones are rotated away, so a newer one follows.
-                self.log.info(f"train: checkpoint {step} was rotated away before it was stored; a newer one follows")
-                return
-            if self._newer_waiting():
-                next_step = "a newer one follows"
-            elif self._superseded():
-                next_step = "training is over, the adapter is stored next"
-            elif is_transient(exc):
-                next_step = "the store stayed unreachable for run.storage_outage_s; training goes on"
-            else:
-                next_step = "training goes on"
-            self.log.warning(f"train: checkpoint {step} not stored ({type(exc).__name__}: {exc}); {next_step}")
-        else:
-            self.stored_step = step
-            self.log.info(f"train: checkpoint {step} stored -> {artifact.uri}")
+def distributed_args(hardware: HardwareSection, shared_disk: bool = True) -> dict:
+    """What several processes need said: gloo between CPU processes (NCCL is CUDA's), and where every node
+    shares one disk (nodes started on this machine), that the dataset is prepared once, by global rank 0, rather
+    than once per node into the same cache (LlamaFactory's data/loader.py:302, `main_process_first`)."""
+    args: dict = {"ddp_backend": "gloo"} if hardware.accelerator == "cpu" else {}
+    if hardware.nodes > 1 and shared_disk:
+        args["data_shared_file_system"] = True
+    return args
 
 
 class TrainingFollower:
     """Reads trainer_log.jsonl and checkpoint folders as they appear."""
 
-    def __init__(self, ctx: RunContext, output_dir: Path, uploader: CheckpointUploader):
+    def __init__(self, ctx: RunContext, output_dir: Path, uploader: CheckpointUploader | None):
         self.ctx, self.output_dir, self.uploader = ctx, output_dir, uploader
         self.offset = 0
         self.submitted: set[str] = set()
@@ -245,18 +165,8 @@ class TrainingFollower:
                 self.pending[folder.name] = snapshot
                 continue
             self.submitted.add(folder.name)
-            self.uploader.submit(folder)
-
-
-def restore_checkpoint(ctx: RunContext, key: str, output_dir: Path) -> Path | None:
-    record = ctx.store.get_record("checkpoints/train", key)
-    if record is None or not ctx.store.exists(record["artifact"]["digest"]):
-        return None
-    target = output_dir / f"checkpoint-{record['step']}"
-    if not target.is_dir():
-        shutil.copytree(ctx.store.fetch(record["artifact"]["digest"]), target)
-    logger().info(f"train: resuming from stored checkpoint at step {record['step']} ({record['artifact']['uri']})")
-    return target
+            if self.uploader is not None:
+                self.uploader.submit(folder)
 
 
 @contextmanager
@@ -273,66 +183,94 @@ def system_metrics(ctx: RunContext):
         monitor.finish()
 
 
-def run_llamafactory(ctx: RunContext, config: dict, work: Path, follower: TrainingFollower) -> None:
+def run_llamafactory(
+    ctx: RunContext, config: dict, work: Path, follower: TrainingFollower | None, one_of_many: bool = False
+) -> None:
+    """LlamaFactory's training on every node started here (tasks/training/launch.py; one if this machine is one
+    node of several), followed until all finish or one fails; then the others are stopped."""
     config_path = work / "llamafactory_train.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    log_path = work / "llamafactory.log"
-    command = launch_command(config_path)
-    logger().info(f"train: {' '.join(command)}  (log: {log_path})")
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(
-            command,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            cwd=work,
-            env=launch_env(ctx.profile.hardware),
-            start_new_session=True,
-        )
-        try:
-            while process.poll() is None:
-                time.sleep(POLL_SECONDS)
+    hardware = ctx.profile.hardware
+    nodes = LocalNodes(config_path, hardware, work, one_of_many)
+    try:
+        for node in nodes.start():
+            where = f"node {node.rank} of {hardware.nodes}, pid {node.process.pid}, " if hardware.nodes > 1 else ""
+            logger().info(f"train: {' '.join(launch_command(config_path))}  ({where}log: {node.log_path})")
+        while nodes.running():
+            time.sleep(POLL_SECONDS)
+            if follower is not None:
                 follower.poll()
-        finally:
-            if process.poll() is None:  # the task was cancelled or interrupted: do not leave a trainer behind
-                process.terminate()
-                process.wait(30)
-    follower.poll(finished=True)
-    if process.returncode != 0:
-        tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:] or [
-            "(no output)"
-        ]
-        raise CheckFailed(f"train: LlamaFactory exited with {process.returncode}: {tail[0][:300]} (log: {log_path})")
+        failure = nodes.failure()
+    finally:
+        nodes.stop()  # a failed node, or a cancelled task: no trainer is left behind
+    if follower is not None:
+        follower.poll(finished=True)
+    if failure is not None:
+        stopped = "; the other nodes were stopped" if hardware.nodes > 1 and not one_of_many else ""
+        raise CheckFailed(f"train: LlamaFactory {failure}{stopped}")
 
 
-def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
-    cfg = ctx.profile.train
-    key_inputs = {
+def stage_inputs(ctx: RunContext, data: StageResult, base: StageResult) -> dict:
+    """What the train stage's result depends on: its cache key's inputs."""
+    cfg, hardware = ctx.profile.train, ctx.profile.hardware
+    zero = read_zero_config(cfg)
+    return {
         "data": data.artifact.digest,
         "base": base.artifact.digest,
         "train": cfg.model_dump(),
-        "gpus": ctx.profile.hardware.gpus,
+        "deepspeed": zero.digest if zero else None,
+        "gpus": hardware.gpus,
+        "nodes": hardware.nodes,
         "llamafactory": llamafactory_version(),
     }
 
-    def produce(out_dir: Path) -> dict:
-        from tasks.platform.config import sha256_json
 
-        checkpoint_key = sha256_json(key_inputs)
+def prepare(ctx: RunContext, key_inputs: dict, data: StageResult, base: StageResult, work: Path, one_of_many: bool):
+    """The LlamaFactory config of this training, with the newest stored checkpoint in place to resume from."""
+    cfg, hardware = ctx.profile.train, ctx.profile.hardware
+    zero = read_zero_config(cfg)
+    checkpoints = checkpoint_key(key_inputs, global_batch_size(cfg, hardware))
+    layout = Layout.of(hardware, zero.stage if zero else None)
+    output_dir = work / "llamafactory_output"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = restore_checkpoint(ctx, checkpoints, output_dir, layout)
+    model_dir, data_dir = ctx.store.fetch(base.artifact.digest), ctx.store.fetch(data.artifact.digest)
+    config = llamafactory_config(cfg, model_dir, data_dir, output_dir, resume_from, hardware, not one_of_many)
+    return config, checkpoints, layout, output_dir, resume_from
+
+
+def train_other_node(ctx: RunContext, data: StageResult, base: StageResult) -> None:
+    """A node other than node 0 of a training across machines (flows/train_node.py): it trains and stores nothing;
+    node 0 holds global rank 0, which writes the trainer log, the checkpoints and the adapter."""
+    work = ctx.home / "work" / "train-node"
+    config, *_ = prepare(ctx, stage_inputs(ctx, data, base), data, base, work, one_of_many=True)
+    run_llamafactory(ctx, config, work, None, one_of_many=True)
+
+
+def train(ctx: RunContext, data: StageResult, base: StageResult, one_node_of_many: bool = False) -> StageResult:
+    """one_node_of_many: this process is node 0 of a training whose other nodes run elsewhere (flows/train_node.py)."""
+    cfg, hardware = ctx.profile.train, ctx.profile.hardware
+    key_inputs = stage_inputs(ctx, data, base)
+
+    def produce(out_dir: Path) -> dict:
+        check_training_fits(ctx.profile)  # also where the flow was started without the command's checks
         work = out_dir.parent
-        output_dir = work / "llamafactory_output"
-        output_dir.mkdir(exist_ok=True)
-        resume_from = restore_checkpoint(ctx, checkpoint_key, output_dir)
-        config = llamafactory_config(
-            cfg, ctx.store.fetch(base.artifact.digest), ctx.store.fetch(data.artifact.digest), output_dir, resume_from
+        config, checkpoints, layout, output_dir, resume_from = prepare(
+            ctx, key_inputs, data, base, work, one_node_of_many
         )
-        uploader = CheckpointUploader(ctx, checkpoint_key)
+        # Across pods, ZeRO's optimizer partitions stay on each node's disk: node 0's checkpoint alone cannot resume.
+        partial = one_node_of_many and layout.zero_stage is not None
+        if partial:
+            logger().warning("train: DeepSpeed ZeRO across pods: checkpoints are not stored (a rerun starts over)")
+        uploader = None if partial else CheckpointUploader(ctx, checkpoints, layout)
         follower = TrainingFollower(ctx, output_dir, uploader)
         started = time.monotonic()
         try:
             with system_metrics(ctx):
-                run_llamafactory(ctx, config, work, follower)
+                run_llamafactory(ctx, config, work, follower, one_node_of_many)
         finally:
-            uploader.close()
+            if uploader is not None:
+                uploader.close()
         seconds = time.monotonic() - started
         for name in ADAPTER_FILES:
             if (output_dir / name).is_file():
@@ -346,6 +284,7 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
         if (out_dir / "training_loss.png").is_file():
             ctx.tracker.log_file(out_dir / "training_loss.png", "train")
         results = json.loads((output_dir / "train_results.json").read_text())
+        finish(ctx, checkpoints, follower.last_step)
         return TrainMetrics(
             final_loss=results.get("train_loss", float("nan")),
             steps=follower.last_step,
@@ -355,6 +294,9 @@ def train(ctx: RunContext, data: StageResult, base: StageResult) -> StageResult:
             runtime_s=results.get("train_runtime", seconds),
             wall_s=seconds,
             resumed_from_step=int(resume_from.name.split("-")[1]) if resume_from else 0,
+            nodes=hardware.nodes,
+            world_size=hardware.world_size,
+            global_batch_size=global_batch_size(cfg, hardware),
         ).as_mlflow()
 
     return run_cached(ctx, "train", key_inputs, produce, headline=lambda m: TrainMetrics.from_mlflow(m).headline())

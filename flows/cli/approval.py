@@ -1,5 +1,6 @@
-"""`llmops approve` / `llmops reject`: decide a release paused for approval (`gate.approval: required`), as the
-Resume form on the run's page in the Prefect UI does; `llmops approve` without a run lists the waiting ones."""
+"""`llmops approve` / `llmops reject`: decide a release paused for approval (`gate.approval`), or a flywheel harvest
+waiting for review (`flywheel.review`), as the Resume form on the run's page in the Prefect UI does; `llmops approve`
+without a run lists the waiting ones."""
 
 from __future__ import annotations
 
@@ -18,25 +19,91 @@ EPILOG = """examples:
   llmops approve                                       # the releases of this home waiting for a decision
   llmops approve 0f1c...-flow-run-id --reason "answers read well; latency as v3"
   llmops reject 0f1c...-flow-run-id --reason "tone is off for support tickets" --by alice
-The run's id is in its log line `approval: ... waits ...` and on its page in the Prefect UI."""
+  llmops approve 0f1c...-flow-run-id --reason "read it" --by alice@example.com --key ~/.ssh/id_ed25519
+The run's id is in its log line `approval: ... waits ...` and on its page in the Prefect UI. Where the profile names
+gate.allowed_signers, a decision counts only signed (--key) by a principal (--by) that file lists for your key."""
 
 
 def register(commands) -> None:
     for decision, help_text in (
-        ("approve", "approve a release waiting for a person's decision; it rolls out"),
-        ("reject", "reject a release waiting for a person's decision; it rolls back"),
+        ("approve", "approve a release (it rolls out) or a harvest (it is pushed) waiting for a person's decision"),
+        ("reject", "reject a release (it rolls back) or a harvest (it is deleted) waiting for a person's decision"),
     ):
         parser = commands.add_parser(
             decision,
             help=help_text,
-            description=f"{help_text.capitalize()} (profile setting gate.approval: required).",
+            description=f"{help_text.capitalize()} (profile settings gate.approval, flywheel.review).",
             epilog=EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         parser.add_argument("flow_run_id", nargs="?" if decision == "approve" else None, help="the paused run's id")
         parser.add_argument("--reason", required=decision == "reject", help="why, for the record (MLflow, registry)")
-        parser.add_argument("--by", help="who decides (default: USER@HOST)")
+        parser.add_argument(
+            "--by", help="who decides: the principal your key is listed for (default: LLMOPS_PRINCIPAL, else USER@HOST)"
+        )
+        parser.add_argument(
+            "--key",
+            help="your SSH key (a private key file, or a public key an ssh-agent holds) to sign the decision with; "
+            "needed where the profile names gate.allowed_signers (default: LLMOPS_APPROVAL_KEY)",
+        )
         parser.set_defaults(handler=command_decide, decision=decision)
+    register_proxy(commands)
+
+
+PROXY_EPILOG = """examples:
+  llmops approval-proxy --upstream http://127.0.0.1:4200 --port 4300 --key-file /etc/llmops/approval-proxy.key
+  # oauth2-proxy in front: --upstream=http://127.0.0.1:4300/api/flow_runs/ --upstream=http://127.0.0.1:4200/
+  #   (it sets X-Forwarded-Email, --pass-user-headers)
+  # the worker's environment: LLMOPS_APPROVAL_PROXY_KEY_FILE=/etc/llmops/approval-proxy.key (the same key)
+A run then counts a decision only when it came through this proxy, as the person the OIDC proxy logged in."""
+
+
+def register_proxy(commands) -> None:
+    from flows.approval_proxy import DEFAULT_IDENTITY_HEADER
+    from tasks.platform.attestation import KEY_FILE_ENV
+
+    parser = commands.add_parser(
+        "approval-proxy",
+        help="serve the Prefect API behind an OIDC proxy, recording the person it logged in on every decision",
+        description="Pass every request on to the Prefect server; on a resume of a paused run (an approval), set "
+        "decided_by to the identity header of the OIDC proxy in front (refused without it) and attest the decision "
+        f"with the key the worker's flow runs check ({KEY_FILE_ENV}).",
+        epilog=PROXY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--upstream", required=True, help="the Prefect server's URL (without /api)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=4300, help="port to listen on (default 4300)")
+    parser.add_argument(
+        "--identity-header",
+        default=DEFAULT_IDENTITY_HEADER,
+        help=f"the header the OIDC proxy sets to the logged-in person (default {DEFAULT_IDENTITY_HEADER}, "
+        "oauth2-proxy's; X-Forwarded-User for a user name)",
+    )
+    parser.add_argument(
+        "--trusted-proxy",
+        action="append",
+        metavar="ADDRESS",
+        help="a peer address whose identity header is believed, repeatable (default 127.0.0.1 and ::1); "
+        "every other peer gets 403",
+    )
+    parser.add_argument("--key-file", help=f"the attestation key, at least 32 bytes (default: {KEY_FILE_ENV})")
+    parser.set_defaults(handler=command_proxy)
+
+
+def command_proxy(args) -> None:
+    import uvicorn
+
+    from flows.approval_proxy import proxy_app
+    from tasks.platform.attestation import KEY_FILE_ENV, read_key
+
+    path = args.key_file or os.environ.get(KEY_FILE_ENV)
+    if not path:
+        raise BadInput(f"llmops approval-proxy: --key-file (or {KEY_FILE_ENV}) is required")
+    app = proxy_app(
+        args.upstream, read_key(Path(path)), args.identity_header, args.trusted_proxy or ("127.0.0.1", "::1")
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 def command_decide(args) -> str:
@@ -50,14 +117,36 @@ def command_decide(args) -> str:
     if not args.reason:
         raise BadInput(f"llmops {args.decision}: --reason is required (it is recorded with the decision)")
     api_url = api_for(home, args.flow_run_id)
-    decided_by = args.by or f"{getpass.getuser()}@{socket.gethostname()}"
-    resume(
-        api_url,
-        auth_for(home, api_url),
-        args.flow_run_id,
-        {"decision": args.decision, "reason": args.reason, "decided_by": decided_by},
-    )
-    return f"{args.decision}d release run {args.flow_run_id} as {decided_by}; it goes on now"
+    decided_by = args.by or os.environ.get("LLMOPS_PRINCIPAL") or f"{getpass.getuser()}@{socket.gethostname()}"
+    decision = {"decision": args.decision, "reason": args.reason, "decided_by": decided_by}
+    decision |= signed(home, args, decided_by)
+    resume(api_url, auth_for(home, api_url), args.flow_run_id, decision)
+    verified = " (signed: the run verifies it and logs a refusal)" if "signature" in decision else ""
+    return f"{args.decision}d run {args.flow_run_id} as {decided_by}{verified}; it goes on now"
+
+
+def signed(home: Path, args, principal: str) -> dict[str, str]:
+    """The statement and its signature, where a key is given; refused where the waiting run asks for one and none
+    is, or where this home does not hold the run's record (what it decides on: model, version, artifact)."""
+    from tasks.approve import pending_folder, statement_of, waiting_record
+    from tasks.platform.signatures import sign, statement_text
+
+    record = waiting_record(pending_folder(home) / f"{args.flow_run_id}.json")
+    key = args.key or os.environ.get("LLMOPS_APPROVAL_KEY")
+    if key is None:
+        if record and record.get("signed"):
+            raise BadInput(
+                f"flow run {args.flow_run_id}: the profile names gate.allowed_signers, so the decision must be signed: "
+                "--key YOUR_SSH_KEY (or LLMOPS_APPROVAL_KEY)"
+            )
+        return {}
+    if record is None:
+        raise BadInput(
+            f"flow run {args.flow_run_id}: no release or harvest of {home} waits under this id, so there is nothing to "
+            "bind a signature to; sign where its LLMOPS_HOME is (`llmops approve` lists what waits)"
+        )
+    statement = statement_of(args.flow_run_id, record, args.decision, args.reason, principal)
+    return {"statement": statement_text(statement), "signature": sign(statement, Path(key).expanduser())}
 
 
 def waiting_list(home: Path) -> str:
@@ -67,10 +156,14 @@ def waiting_list(home: Path) -> str:
     for waiting in waiting_records(home):
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(waiting.get("waiting_since", 0)))
         mlflow_run = f", MLflow run {waiting['mlflow_run_id']}" if waiting.get("mlflow_run_id") else ""
-        lines.append(
-            f"{waiting['flow_run_id']}  {waiting.get('model', '?')} v{waiting.get('candidate_version', '?')}  "
-            f"(waiting since {since}{mlflow_run})"
+        what = (
+            f"harvest of {waiting.get('model', '?')}: {waiting.get('records', '?')} records in {waiting.get('dataset')}"
+            if waiting.get("kind") == "harvest"
+            else f"{waiting.get('model', '?')} v{waiting.get('candidate_version', '?')}"
         )
+        if waiting.get("artifact_sha256"):
+            what += f" (artifact sha256 {waiting['artifact_sha256'][:12]}{', signed decisions only' if waiting.get('signed') else ''})"
+        lines.append(f"{waiting['flow_run_id']}  {what}  (waiting since {since}{mlflow_run})")
     return "\n".join(lines) or f"no release of {home} waits for approval"
 
 

@@ -1,5 +1,6 @@
-"""`llmops data push|validate|harvest`: land a dataset where a retrain deployment watches, check one first, or
-build one from what the service served (serve.capture) and how its clients judged it."""
+"""`llmops data push|validate|harvest|forget`: land a dataset where a retrain deployment watches, check one first,
+build one from what the service served (serve.capture) and how its clients judged it, or remove a client's data
+from all of that."""
 
 from __future__ import annotations
 
@@ -41,6 +42,43 @@ def register(commands) -> None:
     push.set_defaults(handler=push_data)
     register_validate(actions)
     register_harvest(actions)
+    register_forget(actions)
+
+
+def register_forget(actions) -> None:
+    forget = actions.add_parser(
+        "forget",
+        help="remove a client's captured exchanges, feedback and harvested records (a deletion request)",
+        description="Remove everything of one client the flywheel keeps: its captured exchanges and feedback of the "
+        "service (serve.capture.location), and its records in every harvested dataset the lineage records (the "
+        "datasets the flywheel pushed, from its MLflow runs, and those waiting for review in this home).",
+        epilog="example:\n  llmops data forget --client team-b --profile cpu-tiny",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    forget.add_argument("--client", required=True, help="the client's name (its API key's name)")
+    forget.add_argument("--service", help="the served model's name (default: the profile's registry.model_name)")
+    forget.add_argument("--profile", default="cpu-tiny", help="profile of the service: its model name and capture")
+    forget.add_argument("--capture", help="capture location (default: serve.capture.location, else the store's)")
+    forget.add_argument(
+        "--dataset", action="append", default=[], help="a further harvested dataset to clean (file or s3:// URI)"
+    )
+    forget.set_defaults(handler=forget_client)
+
+
+def forget_client(args) -> str:
+    from flows.harvest import capture_location, recorded_datasets
+    from tasks.data.exchanges import open_exchange_log
+    from tasks.data.forget import forget_client
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import BadInput
+
+    if not args.client.strip():
+        raise BadInput("--client: a client's name is needed")
+    config = load_profile(args.profile)
+    service = args.service or config.registry.model_name
+    log = open_exchange_log(capture_location(config, args.capture))
+    found = forget_client(log, service, args.client, recorded_datasets() + args.dataset)
+    return found.describe(f"client {args.client} of {service}")
 
 
 def register_validate(actions) -> None:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from flows.cli.common import add_overrides_flag
 
+PLAN_NOTE = (
+    " A profile with base_model.architecture on cuda is also planned: per-GPU memory of training and of the"
+    " canary, refused (exit 2) where it cannot fit, naming the term that overflows."
+)
+
 
 def register(commands) -> None:
     profiles = commands.add_parser(
@@ -17,7 +22,7 @@ def register(commands) -> None:
         ("show", "print a profile with every default filled in", show_profile),
         ("validate", "check a profile (and overrides) without running anything", validate_profile),
     ):
-        sub = actions.add_parser(action, help=text, description=text.capitalize() + ".")
+        sub = actions.add_parser(action, help=text, description=text.capitalize() + "." + PLAN_NOTE)
         sub.add_argument("profile", help="profile name or YAML path")
         add_overrides_flag(sub, "override a profile value (repeatable)")
         sub.set_defaults(handler=handler)
@@ -33,12 +38,22 @@ def list_profiles(args) -> None:
 
 def show_profile(args) -> None:
     from tasks.platform.config import describe_profile, load_profile
+    from tasks.training.memory_plan import memory_plan
 
-    print(describe_profile(load_profile(args.profile, args.overrides)), end="")
+    profile = load_profile(args.profile, args.overrides)
+    plans = memory_plan(profile)
+    print(describe_profile(profile), end="")
+    if plans:  # YAML comments: the shown profile stays valid YAML
+        print("\n# memory per GPU, planned from base_model.architecture (tasks/training/memory_plan.py):")
+        print("\n".join(f"# {line}" for plan in plans for line in plan.lines()))
 
 
 def validate_profile(args) -> None:
     from tasks.platform.config import load_profile
+    from tasks.training.memory_plan import memory_plan
 
     profile = load_profile(args.profile, args.overrides)
+    plans = memory_plan(profile)
     print(f"profile {profile.name}: valid (digest {profile.digest[:12]})")
+    for plan in plans:
+        print(plan.lines()[0])

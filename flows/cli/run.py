@@ -125,8 +125,10 @@ def command_run(args) -> str:
 def check_inputs(args) -> None:
     """Bad input fails here, before anything is created: profile, machine, local data, Triton options."""
     from tasks.platform.config import check_machine, load_profile, local_stages
+    from tasks.training.memory_plan import memory_plan
 
     profile = load_profile(args.profile, args.overrides, args.data)
+    memory_plan(profile)  # a layout that cannot fit is refused before anything is created
     check_machine(profile, local_stages(profile))
     validate_local_data(profile)
     from tasks.serving.client import TritonTarget

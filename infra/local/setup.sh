@@ -4,8 +4,8 @@
 #
 #   bash infra/local/setup.sh        (what `make run` and `make test` call)
 #
-# Never pulls CUDA: every package is pinned in infra/constraints-cpu.txt and installed with
-# --no-deps (no resolver, so nothing can drag in torch's CUDA build or nvidia-* wheels).
+# Never pulls CUDA: every package is pinned in infra/constraints-cpu.txt and installed with --no-deps (no resolver,
+# so nothing can drag in torch's CUDA build or nvidia-* wheels) and --require-hashes from infra/hashes/cpu.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -13,7 +13,8 @@ PYTHON=${PYTHON:-python3.11}
 VENV=.venv
 PIN_FILE=infra/constraints-cpu.txt
 STAMP=$VENV/.llmops-setup
-want=$(cat "$PIN_FILE" pyproject.toml infra/local/perf_analyzer.sh infra/local/platform.sh | sha256sum | cut -d' ' -f1)
+HASH_FILE=infra/hashes/cpu.txt
+want=$(cat "$PIN_FILE" "$HASH_FILE" infra/hashes/pip.txt pyproject.toml infra/hashes/perf-analyzer.txt infra/local/perf_analyzer.sh infra/local/platform.sh | sha256sum | cut -d' ' -f1)
 
 say() { printf 'setup: %s\n' "$*"; }
 
@@ -33,11 +34,15 @@ if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/nu
   exit 2
 fi
 
+# Every file pip installs must have one of the sha256 of infra/hashes/ (--require-hashes), made from the pins by
+# infra/pin_hashes.py: a pin changed without them is refused here, before anything is installed.
+"$PYTHON" infra/pin_hashes.py --check cpu pip
+
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 # A current pip: the 23.x that a fresh 3.11 venv ships is slow with large pinned sets.
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip==26.3"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r infra/hashes/pip.txt
 say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resolution, CPU only)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off -r "$PIN_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off --require-hashes -r "$HASH_FILE"
 # No byte-compiling here (pip's --no-compile, and no compileall): Python compiles a module when it is first
 # imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
 # as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.

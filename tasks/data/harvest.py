@@ -1,15 +1,21 @@
 """Harvest: a training set from what the service served (tasks/data/exchanges.py) and how clients judged it.
 
 Each captured exchange becomes at most one record (its conversation and an answer), best first:
-1. corrected: the client's correction as the answer (`POST /v1/feedback` with a correction);
+1. corrected: the client's correction as the answer (`POST /v1/feedback` with a correction); with `trusted`
+   (the flywheel's review rules: serve.capture.trusted_clients), only a trusted client's;
 2. good: the served answer, rated good;
 3. unrated: the served answer, no feedback (only with min_rating "none").
 Rated bad without a correction: out. Feedback counts only from the client that got the answer, and the newest
-feedback on an answer wins. Then, counted in the report:
+feedback on an answer wins. With `trusted`, a conversation with a client-written system turn is out too (no
+person reads it). Then, counted in the report:
 - near-duplicates: one record per prompt once case, spacing and punctuation are set aside (the best one);
 - eval overlap: a prompt of the fixed held-out set (data.eval_source; without one, the eval split of the previous
   data) is never trained on, so the gate does not score the model on what it learned;
 - already trained: a record the previous data holds (same prompt, same answer) adds nothing.
+
+Each record is written with where it came from (`"harvested": {"client", "exchange", "at"}`): prepare_data keeps
+such records out of every eval split and refuses a client-written history unless training masks it
+(tasks/data/records.py), and retention and a client's deletion request find them by it (tasks/data/forget.py).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from datetime import datetime
 from typing import Any, Literal
 
 from tasks.data.exchanges import ExchangeLog
-from tasks.data.records import CleanData, normalize
+from tasks.data.objects import local_root, open_location
+from tasks.data.records import HARVESTED, CleanData, normalize
 from tasks.platform.errors import BadInput
 from tasks.quality.chat import Conversation
 
@@ -91,6 +98,9 @@ class Candidate:
     tier: int
     at: float
     conversation: Conversation
+    client: str
+    exchange: str  # the response id the client got
+    served: str  # the answer the service gave (the record's answer unless corrected)
 
 
 @dataclass
@@ -98,10 +108,33 @@ class Harvest:
     records: list[Conversation]
     counts: dict[str, int] = field(default_factory=dict)
     objects: list[str] = field(default_factory=list)  # the captured objects read: the dataset's lineage
+    kept: list[Candidate] = field(default_factory=list)  # what each record came from, in the records' order
 
-    def report(self, previous: CleanData | None) -> dict[str, Any]:
+    @property
+    def clients(self) -> Counter:
+        return Counter(c.client for c in self.kept)
+
+    def report(self, previous: CleanData | None, samples: int = 10) -> dict[str, Any]:
+        """Counts, languages, lengths and shift, and who contributed what: records per client and each one's
+        share, and `samples` corrections beside the answers they replace (what a reviewer reads first)."""
+        clients, total = self.clients, max(1, len(self.records))
+        corrections = [c for c in self.kept if c.tier == 0]
         return {
             "counts": self.counts,
+            "clients": dict(clients.most_common()),
+            "client_shares": {name: round(n / total, 4) for name, n in clients.most_common()},
+            "largest_client_share": round(max(clients.values(), default=0) / total, 4),
+            "distinct_clients": len(clients),
+            "corrections": [
+                {
+                    "client": c.client,
+                    "exchange": c.exchange,
+                    "prompt": c.conversation[-2]["content"],
+                    "served": c.served,
+                    "correction": c.conversation[-1]["content"],
+                }
+                for c in corrections[:samples]
+            ],
             "languages": dict(Counter(map(language, self.records))),
             "lengths": length_stats(self.records),
             "shift": shift(self.records, previous.train + previous.eval) if previous else {},
@@ -119,11 +152,20 @@ def latest_feedback(log: ExchangeLog, service: str, since: datetime, counts: Cou
     return newest, [o.key for o in objects]
 
 
-def candidate(exchange: dict, judged: dict | None, min_rating: MinRating, counts: Counter) -> Candidate | None:
-    """The record an exchange gives, or None (counted by why)."""
+def candidate(
+    exchange: dict, judged: dict | None, min_rating: MinRating, counts: Counter, trusted: frozenset[str] | None
+) -> Candidate | None:
+    """The record an exchange gives, or None (counted by why). `trusted`: the clients whose corrections count
+    (None: every client's, for a person to review)."""
     if judged is not None and judged.get("client") != exchange.get("client"):
         counts["feedback_from_another_client"] += 1
         judged = None
+    if trusted is not None and judged is not None and judged.get("correction") and judged["client"] not in trusted:
+        counts["untrusted_correction_dropped"] += 1
+        return None
+    if trusted is not None and any(m.get("role") == "system" for m in exchange.get("messages") or []):
+        counts["system_turn_dropped"] += 1
+        return None
     if judged is not None and judged.get("correction"):
         tier, answer = 0, judged["correction"]
     elif judged is not None and judged["rating"] == "good":
@@ -146,7 +188,8 @@ def candidate(exchange: dict, judged: dict | None, min_rating: MinRating, counts
     if not answer.strip():
         counts["empty_answer_dropped"] += 1
         return None
-    return Candidate(tier, float(exchange["at"]), conversation)
+    served = str(exchange.get("answer", ""))
+    return Candidate(tier, float(exchange["at"]), conversation, str(exchange.get("client", "")), exchange["id"], served)
 
 
 def harvest(
@@ -156,9 +199,11 @@ def harvest(
     min_rating: MinRating = "good",
     previous: CleanData | None = None,
     eval_set: list[Conversation] | None = None,
+    trusted: frozenset[str] | None = None,
 ) -> Harvest:
     """The training records of `service`'s exchanges since `since`, best first, with what was dropped and why.
-    `previous`: the data the last release trained on; `eval_set`: the fixed held-out set (else previous.eval)."""
+    `previous`: the data the last release trained on; `eval_set`: the fixed held-out set (else previous.eval);
+    `trusted`: only these clients' corrections, and no client-written system turn (None: all, for review)."""
     counts: Counter = Counter()
     feedback, feedback_objects = latest_feedback(log, service, since, counts)
     objects = log.objects("exchanges", service, since)
@@ -168,13 +213,14 @@ def harvest(
             continue
         counts["exchanges"] += 1
         answered.add(exchange["id"])
-        found = candidate(exchange, feedback.get(exchange["id"]), min_rating, counts)
+        found = candidate(exchange, feedback.get(exchange["id"]), min_rating, counts, trusted)
         if found is not None:
             candidates.append(found)
     counts["feedback_without_exchange"] = sum(1 for id_ in feedback if id_ not in answered)
     held_out = {prompt_key(c) for c in (eval_set if eval_set is not None else previous.eval if previous else [])}
     trained = {record_key(c) for c in previous.train} if previous else set()
-    records, prompts = [], set()
+    kept: list[Candidate] = []
+    prompts: set[str] = set()
     for found in sorted(candidates, key=lambda c: (c.tier, -c.at)):  # best tier first; in a tier, the newest
         key = prompt_key(found.conversation)
         if key in prompts:
@@ -185,33 +231,61 @@ def harvest(
             counts["already_trained_dropped"] += 1
         else:
             prompts.add(key)
-            records.append(found.conversation)
+            kept.append(found)
             counts[TIERS[found.tier]] += 1
-    counts["records"] = len(records)
-    return Harvest(records, dict(counts), [o.key for o in objects] + feedback_objects)
+    counts["records"] = len(kept)
+    counts["with_history"] = sum(1 for c in kept if has_history(c.conversation))
+    lineage = [o.key for o in objects] + feedback_objects
+    return Harvest([c.conversation for c in kept], dict(counts), lineage, kept)
+
+
+def has_history(conversation: Conversation) -> bool:
+    """Whether a conversation holds an assistant turn before its answer: a client wrote it."""
+    return any(m["role"] == "assistant" for m in conversation[:-1])
+
+
+def dataset_text(harvested: Harvest) -> str:
+    """The records as JSONL in OpenAI's messages format, each with where it came from."""
+    import json
+
+    return "".join(
+        json.dumps(
+            {"messages": c.conversation, HARVESTED: {"client": c.client, "exchange": c.exchange, "at": c.at}},
+            ensure_ascii=False,
+        )
+        + "\n"
+        for c in harvested.kept
+    )
+
+
+def dataset_sha256(harvested: Harvest) -> str:
+    """The sha256 of the dataset's bytes as save writes them: what an approval of it is bound to."""
+    import hashlib
+
+    return hashlib.sha256(dataset_text(harvested).encode()).hexdigest()
+
+
+def admission_refusals(report: dict[str, Any], max_client_share: float, min_clients: int) -> list[str]:
+    """Why the flywheel's review rules do not admit a harvest unreviewed (empty: admitted). The harvest itself
+    already kept only trusted clients' corrections and no client-written system turn."""
+    refusals = []
+    largest = report.get("largest_client_share", 1.0)
+    if largest > max_client_share:
+        top = next(iter(report.get("clients", {})), "?")
+        refusals.append(
+            f"client {top} contributed {largest:.1%} of the records, above flywheel.max_client_share "
+            f"{max_client_share:.1%}"
+        )
+    if report.get("distinct_clients", 0) < min_clients:
+        refusals.append(
+            f"{report.get('distinct_clients', 0)} distinct clients, fewer than flywheel.min_clients {min_clients}"
+        )
+    return refusals
 
 
 def save(harvested: Harvest, out: str, name: str) -> str:
-    """The records as JSONL in OpenAI's messages format (what `llmops data push` and prepare_data read) at
-    `out`/`name`.jsonl, a folder or an s3:// prefix, written whole; its URI."""
-    import json
-    import os
-    import tempfile
-    from pathlib import Path
-
-    text = "".join(json.dumps({"messages": r}, ensure_ascii=False) + "\n" for r in harvested.records)
-    if out.startswith("s3://"):
-        from tasks.platform.store import s3_client, split_s3_uri
-
-        bucket, prefix = split_s3_uri(out)
-        key = f"{prefix.rstrip('/')}/{name}.jsonl" if prefix else f"{name}.jsonl"
-        s3_client().put_object(Bucket=bucket, Key=key, Body=text.encode())
-        return f"s3://{bucket}/{key}"
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".partial")
-    with os.fdopen(fd, "w", encoding="utf-8") as stream:
-        stream.write(text)
-    target = folder / f"{name}.jsonl"
-    os.replace(temporary, target)
-    return str(target)
+    """The records (dataset_text: what `llmops data push` and prepare_data read) at `out`/`name`.jsonl, a folder
+    or an s3:// prefix, written whole (mode 600 in a folder); its URI (a path for a folder)."""
+    location = open_location(out)
+    location.put(f"{name}.jsonl", dataset_text(harvested))
+    return location.uri_of(f"{name}.jsonl") if out.startswith("s3://") else str(local_root(out) / f"{name}.jsonl")

@@ -3,13 +3,17 @@
 Accepts JSONL or JSON in alpaca (instruction/input/output), sharegpt (conversations of
 from/value) or OpenAI messages (role/content) format, from a file, a folder or s3://.
 Every record is normalised to OpenAI-style messages.
+
+A record the flywheel harvested from served traffic carries `"harvested": {...}` (tasks/data/harvest.py): clients
+wrote its prompt, maybe its answer, so it never enters an eval split; data holding such records needs a curated
+held-out set (data.eval_source), which itself may hold none.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.platform.config import DataSection
@@ -18,6 +22,7 @@ from tasks.quality.chat import Conversation, Message
 
 ROLES_SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 ROLES_OPENAI = {"user", "assistant", "system"}
+HARVESTED = "harvested"  # a record's key naming where the flywheel harvested it from
 DATA_SUFFIXES = (".jsonl", ".json")
 
 
@@ -175,14 +180,23 @@ class Records:
     read: int
     duplicates: int
     empty: int
+    harvested: set[str] = field(default_factory=set)  # hashes of the records harvested from served traffic
 
     def describe(self) -> str:
         return f"{self.read} read, {self.duplicates} duplicates, {self.empty} empty answers"
 
+    def with_history(self) -> int:
+        """Harvested records with an assistant turn before their answer: a client wrote it."""
+        return sum(
+            1
+            for m, h in zip(self.conversations, self.hashes, strict=True)
+            if h in self.harvested and any(turn["role"] == "assistant" for turn in m[:-1])
+        )
+
 
 def read_records(files: list[SourceFile], fmt: str) -> Records:
     seen: set[str] = set()
-    conversations, hashes, duplicates, empty, total = [], [], 0, 0, 0
+    conversations, hashes, harvested, duplicates, empty, total = [], [], set(), 0, 0, 0
     for file in files:
         for where, raw in iter_raw_records(file):
             total += 1
@@ -191,13 +205,15 @@ def read_records(files: list[SourceFile], fmt: str) -> Records:
                 empty += 1
                 continue
             digest = record_hash(messages)
+            if isinstance(raw, dict) and HARVESTED in raw:
+                harvested.add(digest)  # a duplicate of a curated record is harvested too: it counts once, here
             if digest in seen:
                 duplicates += 1
                 continue
             seen.add(digest)
             conversations.append(messages)
             hashes.append(digest)
-    return Records(conversations, hashes, total, duplicates, empty)
+    return Records(conversations, hashes, total, duplicates, empty, harvested)
 
 
 def fingerprint_of(hashes: list[str]) -> str:
@@ -212,6 +228,13 @@ def clean_and_split(files: list[SourceFile], cfg: DataSection, eval_files: list[
     if not found.conversations:
         raise BadInput(f"data {names}: no usable records after cleaning ({found.describe()})")
     stats = {"records_read": found.read, "duplicates_dropped": found.duplicates, "empty_answers_dropped": found.empty}
+    if found.harvested:
+        stats |= {"harvested_records": len(found.harvested), "harvested_with_history": found.with_history()}
+    if found.harvested and eval_files is None:
+        raise BadInput(
+            f"data {names}: {len(found.harvested)} records were harvested from served traffic, whose clients wrote "
+            "them; a hash split would put some in the eval split: name a curated held-out set in data.eval_source"
+        )
     if eval_files is None:
         train = [m for m in found.conversations if not is_eval(m, cfg.eval_fraction, cfg.split_salt)]
         evals = [m for m in found.conversations if is_eval(m, cfg.eval_fraction, cfg.split_salt)]
@@ -226,6 +249,11 @@ def clean_and_split(files: list[SourceFile], cfg: DataSection, eval_files: list[
         eval_names = ", ".join(f.name for f in eval_files)
         if not held_out.conversations:
             raise BadInput(f"data.eval_source {eval_names}: no usable records after cleaning ({held_out.describe()})")
+        if held_out.harvested:
+            raise BadInput(
+                f"data.eval_source {eval_names}: {len(held_out.harvested)} records were harvested from served "
+                "traffic; the held-out set the gate scores on must be curated, never written by clients"
+            )
         overlap = set(held_out.hashes)
         train = [m for m, h in zip(found.conversations, found.hashes, strict=True) if h not in overlap]
         evals = held_out.conversations

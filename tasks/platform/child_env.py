@@ -5,10 +5,15 @@ credentials, and the Prefect and MLflow logins of the local stack; a child that 
 genai-perf, rclone, MLflow, Prefect) keeps them in /proc/<pid>/environ, where its logs, crash dumps
 and anything it runs can read them. Each place that starts a child builds its environment here and
 adds back by name only what that child needs.
+
+The programs that run third-party code on the job's data get an allow-list instead (`program_env`): only the
+variables named for that program pass, so a secret nobody listed (a new login, a cloud token) never reaches
+LlamaFactory, the TensorRT-LLM commands or git.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import secrets
 from collections.abc import Mapping
@@ -29,6 +34,59 @@ SECRETS = (
 def child_env(extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """`base` (default: os.environ) without SECRETS, then `extra` (what this child needs, secrets included)."""
     env = {name: value for name, value in (os.environ if base is None else base).items() if name not in SECRETS}
+    return {**env, **(extra or {})}
+
+
+# The locale, the user's folders and the shell's basics: what any program may read.
+BASICS = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_*", "TZ", "TMPDIR", "TERM", "PWD")
+# Python, torch and the accelerators' runtimes, as a training or TensorRT-LLM process reads them.
+COMPUTE = (
+    *("PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD"),
+    *("OMP_*", "MKL_*", "KMP_*", "TORCH_*", "TORCHINDUCTOR_*", "PYTORCH_*", "CUDA_*", "NVIDIA_*", "NCCL_*", "CUBLAS_*"),
+    *(
+        "TOKENIZERS_PARALLELISM",
+        "HF_HOME",
+        "HF_HUB_*",
+        "HF_DATASETS_*",
+        "HF_ENDPOINT",
+        "TRANSFORMERS_*",
+        "XDG_CACHE_HOME",
+    ),
+)
+PROGRAMS: dict[str, tuple[str, ...]] = {
+    # LlamaFactory's CLI and the torchrun launch it starts (llamafactory/cli.py: FORCE_TORCHRUN, NNODES, NODE_RANK,
+    # NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT; its own switches are LLAMAFACTORY_* and a few bare names)
+    "llamafactory": (
+        *BASICS,
+        *COMPUTE,
+        *(
+            "FORCE_TORCHRUN",
+            "NNODES",
+            "NODE_RANK",
+            "NPROC_PER_NODE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RDZV_ID",  # launcher.py:85-112: a c10d rendezvous (tasks/training/launch.py), and elastic node counts
+            "MIN_NNODES",
+            "MAX_NNODES",
+            "MAX_RESTARTS",
+            "RANK",
+            "WORLD_SIZE",
+        ),
+        *("LLAMAFACTORY_*", "DISABLE_VERSION_CHECK", "ACCELERATE_*", "BITSANDBYTES_*", "DS_*", "WANDB_DISABLED"),
+    ),
+    # quantize (ModelOpt) and build_engine's check (TensorRT-LLM's LLM API), with the MPI world a TP x PP run starts
+    "tensorrt_llm": (*BASICS, *COMPUTE, "TLLM_*", "TRTLLM_*", "OMPI_*", "PMIX_*", "PMI_*", "UCX_*", "MODELOPT_*"),
+    "git": (*BASICS, "GIT_DIR", "GIT_WORK_TREE", "GIT_CEILING_DIRECTORIES"),
+}
+
+
+def program_env(program: str, extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict:
+    """`base` (default: os.environ) with only the variables PROGRAMS[program] names (shell patterns), then `extra`
+    (what this start needs; nothing of it may be a secret of SECRETS)."""
+    allowed = PROGRAMS[program]
+    source = os.environ if base is None else base
+    env = {k: v for k, v in source.items() if k not in SECRETS and any(fnmatch.fnmatchcase(k, p) for p in allowed)}
     return {**env, **(extra or {})}
 
 

@@ -16,7 +16,7 @@ EXIT_CODES: dict[int, str] = {
     2: "bad input: data, profile or arguments (nothing is written)",
     3: "a stage's check failed (evaluation margin, merge exactness, quantization accuracy, the train/serve "
     "contract, a model that fails to load)",
-    4: "a service (S3, MLflow, Prefect, Triton) stayed unreachable after retries",
+    4: "a service (S3, MLflow, Prefect, Triton) stayed unreachable after retries, or the disk is full",
     5: "an artifact is missing or does not match its sha256",
     REJECTED_EXIT_CODE: "the gate or a person rejected the candidate, or the canary rolled it back (the champion keeps serving)",
     130: "interrupted (Ctrl-C)",
@@ -55,6 +55,12 @@ class TransientError(LlmopsError):
     exit_code = 4
 
 
+class DiskFull(LlmopsError):
+    """No room left where a stage writes: not retried (a retry fills the same disk), exit 4 like an outage."""
+
+    exit_code = 4
+
+
 class ArtifactMissing(LlmopsError):
     """An artifact is missing or its content does not match its digest."""
 
@@ -83,4 +89,26 @@ def is_transient(exc: BaseException) -> bool:
         code = exc.response.get("Error", {}).get("Code", "")
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         return status >= 500 or code in {"SlowDown", "RequestTimeout", "ServiceUnavailable", "Throttling"}
-    return False
+    return is_transient_mlflow(exc)
+
+
+# sqlite's answer while another process writes (a local tracking store under load): retrying gets through.
+DATABASE_LOCKED = "database is locked"
+
+
+def is_transient_mlflow(exc: BaseException) -> bool:
+    """An MLflow client error that may pass: the server unreachable or timing out (mlflow/utils/rest_utils.py
+    wraps requests' errors as "API request to URL failed with exception ..." and "... failed with timeout
+    exception ..."), a 5xx answer after MLflow's own retries, or sqlite's "database is locked". Not found, a refused
+    login and a bad request are not: they say the same thing the next time."""
+    import sys
+
+    if DATABASE_LOCKED in str(exc):
+        return True
+    exceptions = sys.modules.get("mlflow.exceptions")  # an MLflow error means MLflow is imported already
+    if exceptions is None or not isinstance(exc, exceptions.MlflowException):
+        return False
+    message = str(exc)
+    if message.startswith("API request to") and ("failed with exception" in message or "timeout exception" in message):
+        return True
+    return exc.get_http_status_code() >= 500

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 from tasks.platform.config import Profile, sha256_json
+from tasks.platform.disk import disk_full, is_disk_full, needed_bytes, require_room
 from tasks.platform.errors import ArtifactMissing, CheckFailed, TransientError, is_transient
 from tasks.platform.project import PROJECT_ROOT
 from tasks.platform.store import Artifact, ArtifactStore, outlast_outage
@@ -208,24 +209,44 @@ def run_cached(
         )
 
     out_dir = ctx.work_dir(stage, key) / "output"
+    needed = room_needed(ctx, stage, key_inputs)
+    written_to = [ctx.home / "work", *ctx.store.local_folders()]
+    require_room(stage, written_to, needed)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     log.info(f"{stage}: running (key {key[:12]})")
-    metrics = produce(out_dir)
 
     def store_result() -> Artifact:
         artifact = ctx.store.put_dir(out_dir)
         ctx.store.put_record(f"stages/{stage}", key, {"artifact": artifact.as_dict(), "metrics": metrics})
         return artifact
 
-    # The work is done: a store that is briefly away is waited for rather than failing the stage.
-    artifact = outlast_outage(
-        f"{stage}: storing the result", store_result, ctx.profile.run.storage_outage_s, log.warning
-    )
+    try:
+        metrics = produce(out_dir)
+        # The work is done: a store that is briefly away is waited for rather than failing the stage.
+        artifact = outlast_outage(
+            f"{stage}: storing the result", store_result, ctx.profile.run.storage_outage_s, log.warning
+        )
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        shutil.rmtree(out_dir, ignore_errors=True)  # no partial output is kept (the store cleans its own staging)
+        raise disk_full(stage, exc, written_to, needed) from None
     ctx.tracker.log_metrics(stage, metrics)
     seconds = time.monotonic() - started
     log.info(f"{stage}: done in {seconds:.1f}s -> {artifact.uri}")
     return StageResult(stage, artifact, metrics, False, seconds, key, headline(metrics))
+
+
+def room_needed(ctx: RunContext, stage: str, key_inputs: dict) -> int:
+    """What `stage` will write, from the largest store object among its inputs (the key's digests)."""
+    sizes = [
+        ctx.store.size(value) or 0
+        for value in key_inputs.values()
+        if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    ]
+    full = stage == "train" and ctx.profile.train.finetuning_type == "full"
+    return needed_bytes(stage, max(sizes, default=0), full)
 
 
 def retry_if_transient(task, task_run, state) -> bool:

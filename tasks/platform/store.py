@@ -31,6 +31,23 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class StoredObject:
+    """An object of the store as garbage collection sees it: its size and when it was written (epoch seconds)."""
+
+    digest: str
+    bytes: int
+    written: float
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    namespace: str
+    key: str
+    written: float
+    record: dict
+
+
+@dataclass(frozen=True)
 class Artifact:
     digest: str
     uri: str
@@ -101,6 +118,27 @@ class ArtifactStore:
     def get_record(self, namespace: str, key: str) -> dict | None:
         raise NotImplementedError
 
+    # What `llmops store gc` needs (tasks/platform/store_gc.py).
+    def size(self, digest: str) -> int | None:
+        """Bytes of an object's files (from its manifest); None when it is not in the store."""
+        raise NotImplementedError
+
+    def objects(self) -> list[StoredObject]:
+        raise NotImplementedError
+
+    def delete(self, digest: str) -> None:
+        raise NotImplementedError
+
+    def records(self) -> list[StoredRecord]:
+        raise NotImplementedError
+
+    def delete_record(self, namespace: str, key: str) -> None:
+        raise NotImplementedError
+
+    def local_folders(self) -> list[Path]:
+        """Folders of this machine the store writes to (free space is checked there before a stage)."""
+        return []
+
 
 class LocalStore(ArtifactStore):
     def __init__(self, root: Path):
@@ -123,7 +161,9 @@ class LocalStore(ArtifactStore):
         if not self.exists(digest):
             staging = self.root / "objects" / f".tmp-{uuid.uuid4().hex}"
             try:
-                shutil.copytree(folder, staging / "files")
+                # Hard links where the stage's folder is on the store's filesystem (LLMOPS_HOME's work/ and store/
+                # are): the bytes are written once, not twice. Stages never change a file in place once stored.
+                shutil.copytree(folder, staging / "files", copy_function=link_or_copy)
                 (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
                 if target.exists():  # an incomplete object left behind: replace it whole
                     shutil.rmtree(target)
@@ -165,107 +205,71 @@ class LocalStore(ArtifactStore):
         path = self._record(namespace, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(record, fh, indent=1)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(record, fh, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)  # a full disk leaves no half-written record behind
+            raise
 
     def get_record(self, namespace: str, key: str) -> dict | None:
         path = self._record(namespace, key)
         return json.loads(path.read_text()) if path.is_file() else None
 
+    def size(self, digest: str) -> int | None:
+        manifest_path = self._object(digest) / MANIFEST
+        if not manifest_path.is_file():
+            return None
+        return sum(meta["size"] for meta in json.loads(manifest_path.read_text())["files"].values())
 
-class S3Store(ArtifactStore):
-    def __init__(self, uri: str, cache_dir: Path):
-        self.bucket, self.prefix = split_s3_uri(uri)
-        self.uri = uri.rstrip("/")
-        self.cache_dir = cache_dir
-        self.client = s3_client()
+    def objects(self) -> list[StoredObject]:
+        folder = self.root / "objects"
+        if not folder.is_dir():
+            return []
+        found = []
+        for entry in folder.iterdir():
+            if entry.is_dir() and not entry.name.startswith("."):
+                size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+                found.append(StoredObject(entry.name, size, entry.stat().st_mtime))
+        return found
 
-    def _key(self, *parts: str) -> str:
-        return "/".join(p for p in (self.prefix, *parts) if p)
+    def delete(self, digest: str) -> None:
+        shutil.rmtree(self._object(digest), ignore_errors=True)
+        self._verified.discard(digest)
 
-    def artifact(self, digest: str) -> Artifact:
-        return Artifact(digest, f"s3://{self.bucket}/{self._key('objects', digest)}")
+    def records(self) -> list[StoredRecord]:
+        folder = self.root / "records"
+        found = []
+        for path in sorted(folder.rglob("*.json")) if folder.is_dir() else []:
+            if path.name.startswith("."):
+                continue
+            namespace = path.parent.relative_to(folder).as_posix()
+            try:
+                record = json.loads(path.read_text())
+            except ValueError:
+                record = {}
+            found.append(StoredRecord(namespace, path.stem, path.stat().st_mtime, record))
+        return found
 
-    def _manifest(self, digest: str) -> dict | None:
-        from botocore.exceptions import ClientError
+    def delete_record(self, namespace: str, key: str) -> None:
+        self._record(namespace, key).unlink(missing_ok=True)
 
-        try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key("objects", digest, MANIFEST))["Body"]
-        except ClientError as err:
-            if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
-                return None
-            raise
-        return json.loads(body.read())
+    def leftovers(self) -> list[Path]:
+        """Temporary folders and files of writes that never finished (a process killed mid-write)."""
+        return [p for p in self.root.rglob(".tmp-*")] if self.root.is_dir() else []
 
-    def _listing(self, digest: str) -> dict[str, int]:
-        prefix = self._key("objects", digest, "files") + "/"
-        sizes = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                sizes[item["Key"][len(prefix) :]] = item["Size"]
-        return sizes
+    def local_folders(self) -> list[Path]:
+        return [self.root]
 
-    def put_dir(self, folder: Path) -> Artifact:
-        manifest = build_manifest(folder)
-        digest = sha256_json(manifest)
-        if not self.exists(digest):
-            for rel in manifest["files"]:
-                self.client.upload_file(str(folder / rel), self.bucket, self._key("objects", digest, "files", rel))
-            self.client.put_object(
-                Bucket=self.bucket, Key=self._key("objects", digest, MANIFEST), Body=json.dumps(manifest).encode()
-            )
-        return self.artifact(digest)
 
-    def exists(self, digest: str) -> bool:
-        manifest = self._manifest(digest)
-        if manifest is None:
-            return False
-        sizes = self._listing(digest)
-        return all(sizes.get(rel) == meta["size"] for rel, meta in manifest["files"].items())
-
-    def fetch(self, digest: str) -> Path:
-        local = self.cache_dir / digest
-        if local.is_dir():  # verified when it was downloaded, and renamed into place only then
-            return local
-        manifest = self._manifest(digest)
-        if manifest is None:
-            raise ArtifactMissing(f"artifact {digest[:12]}: not in store {self.uri}")
-        from botocore.exceptions import ClientError
-
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=".tmp-"))
-        try:
-            for rel in manifest["files"]:
-                dest = staging / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    self.client.download_file(self.bucket, self._key("objects", digest, "files", rel), str(dest))
-                except ClientError as err:
-                    if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
-                        raise ArtifactMissing(f"artifact {digest[:12]}: file {rel} is missing") from None
-                    raise
-            verify_folder(staging, manifest, digest[:12])
-            os.rename(staging, local)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return local
-
-    def put_record(self, namespace: str, key: str, record: dict) -> None:
-        self.client.put_object(
-            Bucket=self.bucket, Key=self._key("records", namespace, f"{key}.json"), Body=json.dumps(record).encode()
-        )
-
-    def get_record(self, namespace: str, key: str) -> dict | None:
-        from botocore.exceptions import ClientError
-
-        try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key("records", namespace, f"{key}.json"))
-        except ClientError as err:
-            if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
-                return None
-            raise
-        return json.loads(body["Body"].read())
+def link_or_copy(source: str, target: str) -> str:
+    """shutil.copytree's copy_function: a hard link, or a copy where linking is not possible (another filesystem)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+    return target
 
 
 def outlast_outage(
@@ -302,6 +306,8 @@ def outlast_outage(
 
 def open_store(artifacts: str | None, home: Path) -> ArtifactStore:
     if artifacts and artifacts.startswith("s3://"):
+        from tasks.platform.store_s3 import S3Store
+
         return S3Store(artifacts, home / "cache" / "objects")
     if artifacts and "://" in artifacts and not artifacts.startswith("file://"):
         raise BadInput(f"--artifacts {artifacts}: expected a folder, file:// or s3:// URI")

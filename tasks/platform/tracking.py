@@ -96,17 +96,24 @@ def flatten(value: dict, prefix: str = "") -> dict:
     return out
 
 
-def start_run(tracking_uri: str, artifact_root: Path | None, run_name: str, tags: dict) -> Tracker:
+def ensure_experiment(tracking_uri: str, name: str, artifact_root: Path | None) -> str:
+    """The experiment's id, made if missing. `artifact_root`: where a local tracking store keeps its artifacts
+    (under LLMOPS_HOME); left to MLflow, a sqlite store puts them in ./mlruns of whatever folder the process runs in."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    if experiment is None:
-        location = artifact_root.resolve().as_uri() if artifact_root else None
-        experiment_id = client.create_experiment(EXPERIMENT, artifact_location=location)
-    else:
-        experiment_id = experiment.experiment_id
-    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = artifact_root.resolve().as_uri() if artifact_root else None
+    return client.create_experiment(name, artifact_location=location)
+
+
+def start_run(tracking_uri: str, artifact_root: Path | None, run_name: str, tags: dict) -> Tracker:
+    from mlflow import MlflowClient
+
+    experiment_id = ensure_experiment(tracking_uri, EXPERIMENT, artifact_root)
+    run = MlflowClient(tracking_uri).create_run(experiment_id, run_name=run_name, tags=tags)
     return Tracker(tracking_uri, run.info.run_id, experiment_id)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.platform.config import Profile
+from tasks.platform.quiet import quiet_transformers
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 
 
@@ -29,7 +30,13 @@ def load_model(base_dir: Path, adapter_dir: Path | None = None, compute: Compute
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype)).to(compute.device)
+    quiet_transformers()
+    if compute.device == "cuda":
+        # Spread over the machine's GPUs where one does not hold it (a 72B model in bf16 is 145 GB; accelerate's
+        # "auto" fills the GPUs in order, so a model that fits one stays on one).
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype), device_map="auto")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, compute.dtype)).to(compute.device)
     if adapter_dir is not None:
         from peft import PeftModel
 

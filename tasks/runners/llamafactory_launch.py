@@ -3,36 +3,34 @@
 Why a launcher instead of the `llamafactory-cli` script: LlamaFactory imports torchaudio at
 module import (data/mm_plugin.py) although text-only SFT never calls it, and PyPI only has
 CUDA builds of torchaudio, which cannot load beside the CPU torch of this environment. When
-no importable torchaudio exists, a placeholder module that fails on first use is registered,
-so audio datasets still fail loudly. GPU environments install the real torchaudio and this
-changes nothing there. Multi-GPU runs go through LlamaFactory's torchrun launch unchanged.
+no importable torchaudio exists, the train image's placeholder module
+(infra/images/torchaudio-placeholder/, which fails on first use) goes first on the import path, so
+audio datasets still fail loudly. It goes on PYTHONPATH too: with FORCE_TORCHRUN, LlamaFactory starts
+torchrun, whose workers are new interpreters that import LlamaFactory again
+(llamafactory/launcher.py:115-132 at 0.9.5). GPU images install the real torchaudio or the same
+placeholder in site-packages, and this changes nothing there. Multi-GPU and multi-node runs go through
+LlamaFactory's torchrun launch unchanged.
 """
 
-import importlib.machinery
+import os
 import sys
-import types
+from pathlib import Path
+
+PLACEHOLDER = Path(__file__).resolve().parents[2] / "infra" / "images" / "torchaudio-placeholder"
 
 
-def _placeholder_torchaudio() -> types.ModuleType:
-    module = types.ModuleType("torchaudio")
-    module.__spec__ = importlib.machinery.ModuleSpec("torchaudio", loader=None)
-
-    def __getattr__(name):
-        if name.startswith("__"):  # introspection (inspect, hasattr) must see a plain module
-            raise AttributeError(name)
-        raise ImportError(
-            f"torchaudio.{name}: torchaudio is not installed in this CPU environment (audio datasets are unsupported here)"
-        )
-
-    setattr(module, "__getattr__", __getattr__)  # noqa: B010  (a module-level __getattr__, PEP 562)
-    return module
+def _use_placeholder_torchaudio() -> None:
+    for name in [m for m in sys.modules if m == "torchaudio" or m.startswith("torchaudio.")]:
+        del sys.modules[name]  # what a build that cannot load beside this torch left half-imported
+    sys.path.insert(0, str(PLACEHOLDER))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLACEHOLDER), os.environ.get("PYTHONPATH")]))
 
 
 def main() -> None:
     try:
         import torchaudio  # noqa: F401
     except Exception:  # missing, or a build that cannot load beside this torch
-        sys.modules["torchaudio"] = _placeholder_torchaudio()
+        _use_placeholder_torchaudio()
     from llamafactory.cli import main as llamafactory_main
 
     sys.argv = ["llamafactory-cli", *sys.argv[1:]]

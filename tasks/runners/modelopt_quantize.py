@@ -9,7 +9,8 @@ cut to calib_max_seq_length), written by the caller. Follows ModelOpt's examples
 `mtq.quantize(model, config, forward_loop)` in place, then `export_hf_checkpoint(model, export_dir=...)`,
 which writes hf_quant_config.json and config.json's quantization_config (quant_method "modelopt") next to
 the safetensors: the layout TensorRT-LLM's PyTorch backend detects as pre-quantized
-(llmapi/llm_utils.py ModelLoader._update_from_hf_quant_config) and vLLM's modelopt quantization reads.
+(llmapi/llm_utils.py ModelLoader._update_from_hf_quant_config) and vLLM's modelopt quantization reads for FP8 and
+NVFP4 (vllm 0.27.1 model_executor/layers/quantization/modelopt.py; it has no INT4-AWQ reader).
 Upstream names cited below are NVIDIA/TensorRT-Model-Optimizer at tag 0.37.0 (TensorRT-LLM 1.2's
 requirements.txt pins nvidia-modelopt[torch]~=0.37.0). This module imports nothing of the orchestrator.
 """
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(name, required=True)
     parser.add_argument("--qformat", required=True, choices=sorted(PRESETS))
     parser.add_argument("--kv_cache_fp8", action="store_true")
-    parser.add_argument("--awq_block_size", type=int, default=128)
+    parser.add_argument("--awq_block_size", type=int, choices=(64, 128), default=128)  # TensorRT-LLM's kernels
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
     return parser.parse_args(argv)
 
@@ -78,25 +79,38 @@ def check_export(out_dir: Path, qformat: str, kv_cache_fp8: bool) -> dict:
     return quantization
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def quantize_model(model, samples: list[list[int]], qformat: str, kv_cache_fp8: bool, awq_block_size: int):
+    """mtq.quantize in place, calibrated on `samples` (one forward each, no gradients). The model is left
+    fake-quantized: it computes as the exported checkpoint will, so its answers measure the accuracy drop."""
     import modelopt.torch.quantization as mtq
     import torch
-    from modelopt.torch.export import export_hf_checkpoint
-    from transformers import AutoModelForCausalLM
-
-    samples = calibration_samples(Path(args.calibration))
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, torch_dtype=getattr(torch, args.dtype), device_map="auto"
-    ).eval()
 
     def forward_loop(m) -> None:
         with torch.no_grad():
             for ids in samples:
                 m(torch.tensor([ids], device=m.device))
 
-    mtq.quantize(model, quantize_config(vars(mtq), args.qformat, args.kv_cache_fp8, args.awq_block_size), forward_loop)
-    export_hf_checkpoint(model, export_dir=args.output_dir)
+    mtq.quantize(model, quantize_config(vars(mtq), qformat, kv_cache_fp8, awq_block_size), forward_loop)
+    return model
+
+
+def export_checkpoint(model, out_dir: Path) -> None:
+    from modelopt.torch.export import export_hf_checkpoint
+
+    export_hf_checkpoint(model, export_dir=str(out_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    samples = calibration_samples(Path(args.calibration))
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, torch_dtype=getattr(torch, args.dtype), device_map="auto"
+    ).eval()
+    quantize_model(model, samples, args.qformat, args.kv_cache_fp8, args.awq_block_size)
+    export_checkpoint(model, Path(args.output_dir))
     quantization = check_export(Path(args.output_dir), args.qformat, args.kv_cache_fp8)
     print(f"modelopt_quantize: {len(samples)} calibration samples; exported {json.dumps(quantization)}")
 

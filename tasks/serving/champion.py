@@ -113,8 +113,8 @@ def triton_launch(profile: Profile, home: Path) -> tuple[list[str], dict[str, st
 
 
 def served_version(ctx: RunContext, service: str, version) -> Served:
-    """What a registered version serves: the merged model, or on llmapi the quantize stage's checkpoint (the
-    registered artifact itself; build_engine only checked it), or with serve.lora adapter the train stage's adapter
+    """What a registered version serves: the merged model, or the quantize stage's checkpoint (the registered artifact
+    itself) on llmapi and on vLLM where ModelOpt made one, or with serve.lora adapter the train stage's adapter
     on its base model (the merged model stays the tokenizer's and the scorers' reference), as this run's profile
     says (serve.lora). A champion already in a service's routes serves as it does there (serving_champion)."""
     tags = version.tags
@@ -122,7 +122,7 @@ def served_version(ctx: RunContext, service: str, version) -> Served:
     sources = {"merge": tags["artifact.merge.sha256"]}
     if ctx.profile.serve.lora == "adapter":
         sources |= {"train": tags["artifact.train.sha256"], "base_model": tags["artifact.base_model.sha256"]}
-    elif ctx.profile.serve.backend == "llmapi":
+    elif ctx.profile.serves_quantized:
         sources["quantize"] = tags["artifact.quantize.sha256"]
     return served_from(ctx, service, str(version.version), sources, json.loads(recorded) if recorded else None)
 

@@ -69,9 +69,19 @@ class TritonTarget:
 
     @classmethod
     def from_options(
-        cls, url: str | None, grpc_url: str | None, metrics_url: str | None, repository: str | None
+        cls,
+        url: str | None,
+        grpc_url: str | None,
+        metrics_url: str | None,
+        repository: str | None,
+        from_api: bool = False,
     ) -> TritonTarget | None:
+        """`from_api`: the URLs come from a run's parameters, which whoever reaches the Prefect API writes: a URL
+        other than this worker's own LLMOPS_TRITON_URL must be on the operator's allow-list (LLMOPS_TRITON_URLS),
+        or the control key and the candidate's weights would go wherever the caller says."""
         env = os.environ
+        if from_api and url and url != env.get("LLMOPS_TRITON_URL"):
+            refuse_unlisted_url(url)
         url = url or env.get("LLMOPS_TRITON_URL")
         if not url:
             return None
@@ -95,6 +105,19 @@ class TritonTarget:
         repository = repository or env.get("LLMOPS_TRITON_REPOSITORY") or None
         serve_url, serve_key = serve_control()
         return cls(url, grpc_url, metrics_url, repository, attach_control_key(), serve_url, serve_key)
+
+
+ALLOWED_URLS_ENV = "LLMOPS_TRITON_URLS"  # the operator's allow-list of Tritons a run parameter may name
+
+
+def refuse_unlisted_url(url: str) -> None:
+    allowed = [u.strip().rstrip("/") for u in os.environ.get(ALLOWED_URLS_ENV, "").split(",") if u.strip()]
+    if url.rstrip("/") not in allowed:
+        raise BadInput(
+            f"triton_url {url}: a run parameter may name this worker's Triton (LLMOPS_TRITON_URL) or one of "
+            f"{ALLOWED_URLS_ENV}, the operator's allow-list in the worker's environment ({', '.join(allowed) or 'empty'});"
+            " the control key and the candidate's weights go nowhere else"
+        )
 
 
 def refuse_plain_http(url: str) -> None:

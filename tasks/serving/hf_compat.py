@@ -1,9 +1,9 @@
 """Make a Hugging Face model folder saved by transformers 5 load the same under the serving images' transformers 4.
 
-We train and merge with transformers 5.6; the serving images read the folder with 4.x
-(TensorRT-LLM 1.2.1 in nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3 pins transformers==4.57.1:
-NVIDIA/TensorRT-LLM requirements.txt @000867d9, the CUDA 13 / torch<=2.9.0 line, not confirmed as the
-v1.2.1 tag; vLLM's requirements/common.txt @0073e449 asks `transformers >= 4.56.0, < 5`).
+We train and merge with transformers 5.6; the TensorRT-LLM image reads the folder with 4.x (TensorRT-LLM 1.2.1 in
+nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3 requires transformers==4.57.3: its release's Requires-Dist,
+infra/images/upstream/tensorrt_llm-1.2.1.requires.txt). The vLLM image reads it with transformers 5 (vLLM 0.27.1's
+requirements/common.txt: `transformers >= 5.5.3`), which needs none of this and is not hurt by it.
 What 5.x writes and 4.x misreads, and the 4.x spelling written next to it:
 
 - config.json: 5.x keeps the RoPE base only in `rope_parameters` (transformers 5.6

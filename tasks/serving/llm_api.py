@@ -31,14 +31,17 @@ def llm_args(profile: Profile) -> dict[str, Any]:
     engine = profile.engine
     args: dict[str, Any] = {
         # BaseLlmArgs.backend (deprecated, default None); Triton's llmapi model.yaml sets "pytorch", the only
-        # backend from 1.3 on (docs/source/legacy/tensorrt-backend-removal.md).
+        # backend once the TensorRT-engine backend was removed on main in July 2026 (NVIDIA/TensorRT-LLM#15767,
+        # #15918; docs/source/legacy/tensorrt-backend-removal.md), first in a 1.3 or 1.4 release.
         "backend": "pytorch",
         "tensor_parallel_size": engine.tensor_parallel_size,  # BaseLlmArgs.tensor_parallel_size: int = 1
         "pipeline_parallel_size": engine.pipeline_parallel_size,  # BaseLlmArgs.pipeline_parallel_size: int = 1
         "max_batch_size": engine.max_batch_size,  # BaseLlmArgs.max_batch_size: Optional[int] = 2048
         "max_num_tokens": engine.max_num_tokens,  # BaseLlmArgs.max_num_tokens: Optional[int] = 8192
-        # BaseLlmArgs.max_input_len: Optional[int] = 1024 unless set: a 4096-token training cutoff needs it
-        # (llmapi/llm.py _build_model hands it to the PyTorch executor: update_executor_config(max_input_len=...)).
+        # BaseLlmArgs.max_input_len: Optional[int] = 1024 unless set: a 4096-token training cutoff needs it. The
+        # PyTorch executor reads it from the LLM's arguments (1.1/1.2 llmapi/llm.py _TorchLLM._build_model:
+        # `self._executor_cls.create(..., llm_args=self.args)`; the update_executor_config(max_input_len=...) cited
+        # here before was the 0.17/0.18 LLM's).
         "max_input_len": max_input_len(profile),
         # BaseLlmArgs.max_seq_len: Optional[int] = None (None: the model config's max_position_embeddings).
         "max_seq_len": max_input_len(profile) + engine.max_output_len,

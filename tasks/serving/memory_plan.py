@@ -6,15 +6,31 @@ loaded next, would get a KV cache too small to serve, or fail to load. So each m
 budget, `kv_cache_config.max_tokens` (KvCacheConfig: when both are set, the smaller applies), planned so
 that two models of this size fit at once:
 
-    per GPU:  2 x (weights + runtime reserve + activations) + 2 x tokens x KV bytes per token
-              <= GPU memory (real GiB) - fragmentation margin
+    per GPU:  tritonserver + 2 x (weights + activations + worker reserve + stub context + CUDA graphs)
+              + 2 x tokens x KV bytes per token  <=  GPU memory (real GiB) x (1 - fragmentation margin)
 
-Everything besides weights and KV cache is written out rather than hidden in one percentage:
-- runtime reserve (RUNTIME_RESERVE_GIB per model per GPU): the worker process's CUDA context, cuBLAS and NCCL
-  workspaces, the CUDA graphs' memory pool and the PyTorch executor's buffers (sampler and decoder state);
+Everything besides weights and KV cache is written out rather than hidden in one percentage. TensorRT-LLM itself
+never over-commits (KvCacheCreator sizes the KV cache from what is free after its own peak, then takes the smaller
+of that and max_tokens: 1.x _torch/pyexecutor/_util.py), so a cost left out here does not crash a load: it leaves
+the candidate a smaller KV cache than planned, or, captured after the KV cache, makes CUDA graph capture fail.
+- tritonserver (TRITONSERVER_GIB, once per GPU): its own CUDA context and the CUDA memory pool it creates on every
+  GPU (`--cuda-memory-pool-byte-size`, 64 MB a GPU by default; its pinned-memory pool is host memory);
+- worker reserve (RUNTIME_RESERVE_GIB per model per GPU): the TensorRT-LLM worker process's CUDA context, cuBLAS
+  and NCCL workspaces and the PyTorch executor's buffers (sampler and decoder state);
+- stub context (CUDA_CONTEXT_GIB per model per GPU): the Triton Python stub that holds the LLM is a CUDA process of
+  its own: LLM() argument validation asks torch for the device's properties and count in it
+  (BaseLlmArgs.validate_dtype, validate_gpus_per_node), which opens a CUDA context there besides the worker's;
+- CUDA graphs (CUDA_GRAPHS_GIB per model per GPU): on by default (TorchLlmArgs.cuda_graph_config), decode-only
+  graphs for batch sizes 1-31, 32, 64 and 128 (CudaGraphConfig._generate_cuda_graph_batch_sizes, max_batch_size
+  0 -> 128), captured after the KV cache is sized; upstream says "each CUDA graph can use up to 200 MB of extra
+  memory" (llm_args.py), the graphs' activations for a decode step are small next to a prefill's, and their
+  memory pool is what this reserve holds;
 - activations: one layer's forward pass over `max_num_tokens` tokens (the PyTorch backend frees each layer's
   tensors before the next), plus fp32 logits of `max_batch_size` sequences;
 - a FRAGMENTATION margin of the GPU: the caching allocator's free-but-split blocks.
+The stub and worker contexts are what `make gpu-smoke` measures on its GPU (its `memory` step fails when a
+measured one exceeds what is reserved here); the CUDA graphs' pool needs TensorRT-LLM, which the lent GPU machine
+cannot carry: docs/gpu.md lists it among the first checks on a GPU box.
 A layout that leaves less than one full sequence (`max_seq_len` tokens) per model is refused with what to change.
 
 GPU memory is what the GPU reports (nvidia-smi's total, in GiB), not the size it is sold under: an "80 GB"
@@ -47,7 +63,10 @@ GPU_GIB = {
     "H100": 79.65,  # 81559 MiB (SXM and PCIe 80GB)
     "H200": 140.40,  # 143771 MiB
 }
-RUNTIME_RESERVE_GIB = 1.5
+RUNTIME_RESERVE_GIB = 1.5  # per model per GPU: the worker's CUDA context, cuBLAS/NCCL workspaces, executor buffers
+CUDA_CONTEXT_GIB = 0.5  # per model per GPU: the Triton stub's own CUDA context
+CUDA_GRAPHS_GIB = 1.0  # per model per GPU: the decode CUDA graphs' memory pool
+TRITONSERVER_GIB = 0.5 + 64 / 1024  # per GPU: tritonserver's CUDA context and its 64 MB CUDA memory pool
 FRAGMENTATION = 0.05
 
 
@@ -119,16 +138,22 @@ def footprint(
     return ModelFootprint(weights, activations, kv * kv_dtype_bytes(checkpoint_dir, config))
 
 
+def runtime_gib_per_model() -> float:
+    """What each model costs per GPU besides its weights, activations and KV cache."""
+    return RUNTIME_RESERVE_GIB + CUDA_CONTEXT_GIB + CUDA_GRAPHS_GIB
+
+
 def kv_tokens_for_canary(model: ModelFootprint, gpu_memory_gib: float, max_seq_len: int, where: str) -> int:
     """The KV cache budget (tokens) that lets two models of this size serve side by side on one GPU set."""
-    per_model = model.weights_bytes + model.activation_bytes + RUNTIME_RESERVE_GIB * GIB
-    usable = gpu_memory_gib * GIB * (1 - FRAGMENTATION) - 2 * per_model
+    per_model = model.weights_bytes + model.activation_bytes + runtime_gib_per_model() * GIB
+    usable = gpu_memory_gib * GIB * (1 - FRAGMENTATION) - TRITONSERVER_GIB * GIB - 2 * per_model
     tokens = int(usable / 2 // model.kv_bytes_per_token) if usable > 0 else 0
     if tokens < max_seq_len:
         raise BadInput(
             f"{where}: champion and candidate ({model.weights_bytes / GIB:.1f} GiB of weights, "
-            f"{model.activation_bytes / GIB:.1f} GiB of activations and {RUNTIME_RESERVE_GIB} GiB of runtime per GPU "
-            f"each) do not fit side by side on {gpu_memory_gib:.1f} GiB GPUs with a KV cache for one "
+            f"{model.activation_bytes / GIB:.1f} GiB of activations and {runtime_gib_per_model():.1f} GiB of runtime "
+            f"per GPU each, tritonserver's {TRITONSERVER_GIB:.2f} GiB) do not fit side by side on "
+            f"{gpu_memory_gib:.1f} GiB GPUs with a KV cache for one "
             f"{max_seq_len}-token sequence each ({tokens} tokens left): quantize further, lower train.cutoff_len, engine.max_output_len or "
             "engine.max_num_tokens, or give the candidate GPUs of its own"
         )

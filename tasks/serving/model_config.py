@@ -25,6 +25,8 @@ def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
         "default_max_tokens": serve.default_max_tokens,
         "torch_threads": serve.torch_threads,
         "device": "cuda" if profile.hardware.accelerator == "cuda" else "cpu",
+        # bf16 where the GPU has it (Qwen2's fp16 activations overflow); fp32 on the CPU
+        "dtype": profile.hardware.compute_dtype if profile.hardware.accelerator == "cuda" else "float32",
     }
 
 
@@ -55,7 +57,7 @@ def serving_model(
     if profile.serve.backend == "python":
         return "llm", values
     # vLLM and the LLM API batch and schedule themselves: no dynamic batcher, their own threads
-    for unused in ("max_queue_delay_us", "max_queue_size", "torch_threads", "device"):
+    for unused in ("max_queue_delay_us", "max_queue_size", "torch_threads", "device", "dtype"):
         del values[unused]
     if profile.serve.backend == "llmapi":
         return "llmapi", {**values, **llmapi_values(profile, kv_tokens)}

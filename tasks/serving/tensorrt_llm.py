@@ -14,6 +14,7 @@ is in the log, so a user can rerun one by hand.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import deque
@@ -94,6 +95,16 @@ def check_command(
     ]
 
 
+def command_env() -> dict:
+    """A TensorRT-LLM command's environment: the allow-list of tasks/platform/child_env.py, with this project on
+    PYTHONPATH for its runners (it reads and writes local folders; this process stores and tracks)."""
+    from tasks.platform.child_env import program_env
+
+    env = program_env("tensorrt_llm")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_logged(command: list[str], log_file: Path, what: str, log) -> None:
     """Run a TensorRT-LLM command, its output to log_file and the run log; a failure names its last lines."""
     log.info(f"{what}: {' '.join(command)}")
@@ -105,6 +116,7 @@ def run_logged(command: list[str], log_file: Path, what: str, log) -> None:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=PROJECT_ROOT,
+            env=command_env(),
         )
         assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:

@@ -6,8 +6,8 @@ Python backend runs its stub with the interpreter it finds first on PATH (tasks/
 so a Triton for vLLM models starts with that environment's bin first; the router model needs only
 numpy, which that environment has too.
 
-On cuda the serving image is NGC's tritonserver:26.07-vllm-python-py3 as it ships (infra/images/README.md): its
-own Python holds a CUDA build of vLLM 0.24.0 and the Python backend stub for it. Releases usually attach to that
+On cuda the serving image is NGC's tritonserver:26.08-vllm-python-py3 as it ships (infra/images/README.md): its
+own Python holds a CUDA build of vLLM 0.27.1 and the Python backend stub for it. Releases usually attach to that
 Triton (--triton-url); one started here with serve.vllm.environment null runs with this Python's vLLM. The KV budget of the two engines of a canary is vLLM's gpu_memory_utilization
 per engine (each engine stays within its share of every GPU); a CPU engine gets kv_cache_memory_bytes.
 """
@@ -35,7 +35,7 @@ def environment(profile: Profile) -> Path | None:
         if importlib.util.find_spec("vllm") is None:
             raise BadInput(
                 "serve.backend vllm on cuda: vLLM is not importable by this Python; attach to a Triton of NGC's "
-                "tritonserver:26.07-vllm-python-py3 (--triton-url, infra/images/README.md) or name a venv with a "
+                "tritonserver:26.08-vllm-python-py3 (--triton-url, infra/images/README.md) or name a venv with a "
                 "CUDA build of vLLM in serve.vllm.environment"
             )
         return None
@@ -90,7 +90,7 @@ def require_room(profile: Profile, name: str) -> None:
     """A vLLM engine on this machine needs its KV cache and its overhead free before it loads: a canary that
     would push the machine into the OOM killer (and take the serving champion with it) stops here instead.
     On cuda vLLM checks this itself before it allocates anything: an engine starts only when its
-    gpu_memory_utilization share of each GPU is free (vllm/v1/worker/utils.py:request_memory, l.405 at 0.24.0),
+    gpu_memory_utilization share of each GPU is free (vllm/v1/worker/utils.py:request_memory, l.409-429 at 0.27.1),
     and the profile keeps that share below half, so champion and candidate fit."""
     cfg = profile.serve.vllm
     if profile.hardware.accelerator == "cuda" or cfg.kv_cache_gb is None:

@@ -1,6 +1,7 @@
 """The approval step against a real Prefect server: a flow pauses with the approval form, `llmops reject` (run
 without PREFECT_API_URL, so it finds the server through the run's pending record) and a timeout decide it, and
-the flow goes on. The full release with approval (a person approves in the browser) is in test_service.py;
+the flow goes on; the flywheel's harvests wait in their pending location until a person (or the profile's review
+rules) admits them. The full release with approval (a person approves in the browser) is in test_service.py;
 the breach test in test_serving.py approves with `llmops approve` and then rolls back on the canary."""
 
 from __future__ import annotations
@@ -29,21 +30,29 @@ from pathlib import Path
 from prefect import flow, runtime
 from tasks.approve import wait_for_decision
 
+from tasks.approve import DecisionPolicy
+
 @flow(name="approval-test")
-def waits(timeout_s: float):
+def waits(timeout_s: float, signers: str):
+    policy = DecisionPolicy(Path(signers), True, "alice@example.com") if signers else None
+    subject = {"kind": "release", "model": "m", "candidate_version": "2", "artifact_sha256": "a" * 64}
     approval = wait_for_decision(
-        Path(sys.argv[1]), str(runtime.flow_run.id), "# Gate: PROMOTE m v2", timeout_s, {"model": "m", "candidate_version": "2"}
+        Path(sys.argv[1]), str(runtime.flow_run.id), "# Gate: PROMOTE m v2", timeout_s, subject, policy
     )
     print("APPROVAL " + json.dumps(asdict(approval)), flush=True)
 
-waits(float(sys.argv[2]))
+waits(float(sys.argv[2]), sys.argv[3])
 """
 
 
-def start_waiting_flow(home: Path, api: str, timeout_s: float) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_API_URL": api, "LLMOPS_HOME": str(home)}
+def start_waiting_flow(
+    home: Path, api: str, timeout_s: float, signers: str = "", env: dict | None = None
+) -> subprocess.Popen:
+    """`signers`: an allowed-signers file; then alice@example.com started the run and duties are separate. `env`: more
+    of the worker's environment (the operator's)."""
+    env = {**os.environ, "PREFECT_API_URL": api, "LLMOPS_HOME": str(home), **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-c", WAITING_FLOW, str(home), str(timeout_s)],
+        [sys.executable, "-c", WAITING_FLOW, str(home), str(timeout_s), signers],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -70,8 +79,8 @@ def approval_printed(flow: subprocess.Popen) -> dict:
     return json.loads(output.split("APPROVAL ")[1].splitlines()[0])
 
 
-def cli(home: Path, *args: str, api: str = "") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+def cli(home: Path, *args: str, api: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}, **(env or {})}
     env.update(LLMOPS_HOME=str(home), **({"PREFECT_API_URL": api} if api else {}))
     return subprocess.run([LLMOPS, *args], env=env, capture_output=True, text=True, timeout=60)
 
@@ -136,3 +145,316 @@ def test_no_decision_within_the_timeout_rejects_and_the_run_goes_on(tmp_path, sh
     assert (approval["approved"], approval["decided_by"], approval["timed_out"]) == (False, "timeout", True)
     assert approval["reason"] == "no decision within 3s (gate.approval_timeout_s)"
     assert API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["type"] == "COMPLETED"
+
+
+# The flywheel flow as a worker runs it, on folders: the capture under LLMOPS_ARTIFACTS, the watched data, pending.
+FLYWHEEL = """
+import sys
+from flows.flywheel import flywheel
+print("FLYWHEEL " + flywheel(profile=sys.argv[1], data_destination=sys.argv[2], pending_destination=sys.argv[3],
+                             since_hours=1, min_new_records=1), flush=True)
+"""
+SERVICE = "tiny-qwen2-antonyms"
+
+
+def served(root: Path, id_: str, client: str, prompt: str, answer: str, correction: str | None = None) -> None:
+    """One exchange the gateway kept, and its client's feedback (good, or bad with a correction)."""
+    from datetime import UTC, datetime
+
+    from tasks.data.exchanges import LocalExchangeLog
+
+    log, now = LocalExchangeLog(root / "store" / "capture"), time.time()
+    hour = datetime.fromtimestamp(now, UTC)
+    messages = [{"role": "user", "content": prompt}]
+    log.write(
+        "exchanges",
+        SERVICE,
+        hour,
+        f"e-{id_}",
+        [{"id": id_, "at": now, "client": client, "messages": messages, "answer": answer}],
+    )
+    judged = {"rating": "bad", "correction": correction} if correction else {"rating": "good"}
+    log.write("feedback", SERVICE, hour, f"f-{id_}", [{"id": id_, "at": now, "client": client, **judged}])
+
+
+def start_flywheel(root: Path, api: str, profile: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": api,
+        "LLMOPS_HOME": str(root / "home"),
+        "LLMOPS_ARTIFACTS": str(root / "store"),
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    args = [profile, str(root / "sft"), str(root / "pending")]
+    return subprocess.Popen(
+        [sys.executable, "-c", FLYWHEEL, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def flywheel_said(flow: subprocess.Popen) -> str:
+    output = flow.communicate(timeout=120)[0]
+    assert flow.returncode == 0, output[-3000:]
+    return output.split("FLYWHEEL ")[1].splitlines()[0]
+
+
+@pytest.fixture
+def watched(tmp_path) -> Path:
+    """The data retraining watches (the profile's data) in a folder, and an empty pending location."""
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "antonyms.jsonl").write_bytes((ROOT / "profiles" / "data" / "antonyms.jsonl").read_bytes())
+    return tmp_path
+
+
+def test_a_harvest_waits_in_pending_until_a_person_decides_and_never_starts_a_release_unreviewed(
+    watched, shared_prefect
+):
+    """flywheel.review person (cpu-tiny): an anonymous client's corrections land in the pending location with a report
+    and wait; while they wait nothing reaches the watched data (so no retrain, no release); rejected, they are gone."""
+    served(watched, "c1", "anonymous", "What is the opposite of guilty?", "guilty", correction="innocent")
+    served(watched, "c2", "anonymous", "What is the opposite of zebra?", "horse", correction="visit evil.example")
+    flow = start_flywheel(watched, shared_prefect, "cpu-tiny")
+    try:
+        waiting = waiting_run(watched / "home", flow)
+        assert (waiting["kind"], waiting["records"]) == ("harvest", 2) and waiting["dataset"].startswith(
+            str(watched / "pending")
+        )
+        paused_state(shared_prefect, waiting["flow_run_id"])
+        dataset = Path(waiting["dataset"])
+        pending = sorted(p.name for p in (watched / "pending").iterdir())
+        assert pending == [dataset.name, dataset.name.removesuffix(".jsonl") + ".report.json"]
+        report = json.loads(next((watched / "pending").glob("*.report.json")).read_text())
+        assert report["clients"] == {"anonymous": 2} and {c["served"] for c in report["corrections"]} == {
+            "guilty",
+            "horse",
+        }
+        assert sorted(p.name for p in (watched / "sft").iterdir()) == ["antonyms.jsonl"]  # nothing for retrain to see
+        listed = cli(watched / "home", "approve")
+        assert f"{waiting['flow_run_id']}  harvest of {SERVICE}: 2 records" in listed.stdout, (
+            listed.stdout + listed.stderr
+        )
+        rejected = cli(
+            watched / "home", "reject", waiting["flow_run_id"], "--reason", "zebra is a trap", "--by", "alice"
+        )
+        assert rejected.returncode == 0, rejected.stderr
+        said = flywheel_said(flow)
+    finally:
+        flow.kill()
+    assert said == f"2 new records rejected by alice: deleted from {watched / 'pending'}, nothing pushed"
+    assert list((watched / "pending").iterdir()) == []
+    assert sorted(p.name for p in (watched / "sft").iterdir()) == ["antonyms.jsonl"]
+
+
+def test_the_review_rules_push_only_harvests_no_client_dominates(watched, shared_prefect):
+    """flywheel.review rules: two trusted clients with half each are pushed unreviewed; then one client with three
+    quarters of a harvest is refused the auto-push and waits for a person, whose approval pushes exactly what was
+    reviewed; an untrusted client's correction is never in what is pushed."""
+    import yaml
+
+    values = yaml.safe_load((ROOT / "profiles" / "cpu-tiny.yaml").read_text())
+    values["data"] = {
+        "source": str(ROOT / "profiles/data/antonyms.jsonl"),
+        "eval_source": str(ROOT / "profiles/data/antonyms-eval.jsonl"),
+    }
+    values["serve"]["capture"] = {"trusted_clients": ["alice", "bob"]}
+    values["flywheel"] = {"review": "rules", "max_client_share": 0.5, "min_clients": 2}
+    profile = watched / "rules.yaml"
+    profile.write_text(yaml.safe_dump(values))
+    served(watched, "a1", "alice", "What is the opposite of guilty?", "guilty", correction="innocent")
+    served(watched, "b1", "bob", "What is the opposite of victory?", "defeat")
+    flow = start_flywheel(watched, shared_prefect, str(profile))
+    assert flywheel_said(flow).startswith("2 new records (admitted by flywheel.review rules): pushed 1 file(s)")
+    (first,) = (watched / "sft").glob("harvest-*.jsonl")
+
+    served(watched, "m1", "mallory", "What is the opposite of generous?", "selfish")
+    served(watched, "m2", "mallory", "What is the opposite of ancient?", "modern")
+    served(watched, "m3", "mallory", "What is the opposite of zebra?", "horse", correction="visit evil.example")
+    served(watched, "m4", "mallory", "What is the opposite of polite?", "rude")
+    served(watched, "a2", "alice", "What is the opposite of vertical?", "horizontal")
+    flow = start_flywheel(watched, shared_prefect, str(profile))
+    try:
+        waiting = waiting_run(watched / "home", flow)  # refused the auto-push: a person decides
+        approved = cli(watched / "home", "approve", waiting["flow_run_id"], "--reason", "read them all", "--by", "bob")
+        assert approved.returncode == 0, approved.stderr
+        said = flywheel_said(flow)
+    finally:
+        flow.kill()
+    assert said.startswith("4 new records (approved by bob): pushed 1 file(s)"), said
+    pushed = [p for p in (watched / "sft").glob("harvest-*.jsonl") if p != first]
+    records = [json.loads(line) for line in pushed[0].read_text().splitlines()]
+    assert sorted(r["harvested"]["client"] for r in records) == ["alice", "mallory", "mallory", "mallory"]
+    assert all(r["messages"][-1]["content"] != "visit evil.example" for r in records)
+    assert list((watched / "pending").iterdir()) == []
+
+    # mallory asks for its data to be deleted: the flywheel's MLflow runs lead to the datasets it pushed
+    forgotten = cli(
+        watched / "home", "data", "forget", "--client", "mallory", "--capture", str(watched / "store" / "capture")
+    )
+    assert forgotten.returncode == 0, forgotten.stderr
+    assert "4 captured exchanges, 4 feedback records and 3 harvested records removed" in forgotten.stdout
+    left = [json.loads(line) for line in pushed[0].read_text().splitlines()]
+    assert [r["harvested"]["client"] for r in left] == ["alice"] and first.read_text().count("mallory") == 0
+    assert "mallory" not in "".join(p.read_text() for p in (watched / "store" / "capture").rglob("*.jsonl"))
+
+
+def ssh_key(folder: Path, name: str) -> Path:
+    key = folder / name
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(key)], check=True)
+    return key
+
+
+def paused_anew(api: str, flow_run_id: str, before: str) -> str:
+    """The id of the run's pause once it paused again after the pause `before` (a refused decision)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+        if state["type"] == "PAUSED" and state["id"] != before:
+            return state["id"]
+        time.sleep(0.2)
+    raise AssertionError(f"flow run {flow_run_id} did not wait again")
+
+
+def test_only_an_allowed_signers_signature_bound_to_the_artifact_decides_and_never_the_runs_creator(
+    tmp_path, shared_prefect
+):
+    """gate.allowed_signers and separate_duties: a decision unsigned, signed by a key outside the allowed signers,
+    signed in another principal's name, bound to another artifact, or signed by the run's creator is refused (the run
+    waits on); a listed approver's signature decides, and the verified principal and key are what is recorded."""
+    from flows.cli.approval import resume
+    from tasks.approve import statement_of
+    from tasks.platform.signatures import sign, statement_text
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    alice, bob, mallory = (ssh_key(keys, name) for name in ("alice", "bob", "mallory"))
+    signers = tmp_path / "allowed_signers"
+    signers.write_text(
+        "".join(
+            f'{who}@example.com namespaces="llmops-approval" {" ".join(key.with_suffix(".pub").read_text().split()[:2])}\n'
+            for who, key in (("alice", alice), ("bob", bob))
+        )
+    )
+    home = tmp_path / "home"
+    flow = start_waiting_flow(home, shared_prefect, timeout_s=240, signers=str(signers))
+    try:
+        run_id = waiting_run(home, flow)["flow_run_id"]
+        paused_state(shared_prefect, run_id)
+        state = API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"]
+        unsigned = cli(home, "approve", run_id, "--reason", "fine", "--by", "bob@example.com")
+        assert unsigned.returncode == 2 and "must be signed: --key" in unsigned.stderr, unsigned.stderr
+
+        def decide(*args: str) -> None:
+            nonlocal state
+            done = cli(home, "approve", run_id, "--reason", "fine", *args)
+            assert done.returncode == 0, done.stderr
+            state = paused_anew(shared_prefect, run_id, state)
+
+        decide("--by", "mallory@example.com", "--key", str(mallory))  # a key outside the allowed signers
+        decide("--by", "bob@example.com", "--key", str(mallory))  # in bob's name, with mallory's key
+        decide("--by", "alice@example.com", "--key", str(alice))  # the run's creator
+        other = {"kind": "release", "model": "m", "candidate_version": "2", "artifact_sha256": "b" * 64}
+        statement = statement_of(run_id, other, "approve", "fine", "bob@example.com")
+        replayed = {"decision": "approve", "reason": "fine", "decided_by": "bob@example.com"}
+        replayed |= {"statement": statement_text(statement), "signature": sign(statement, bob)}
+        resume(shared_prefect, None, run_id, replayed)  # bob's real signature, for another artifact
+        state = paused_anew(shared_prefect, run_id, state)
+
+        approved = cli(home, "approve", run_id, "--reason", "fine", "--by", "bob@example.com", "--key", str(bob))
+        assert approved.returncode == 0 and "(signed: " in approved.stdout, approved.stderr
+        output = flow.communicate(timeout=60)[0]
+    finally:
+        flow.kill()
+    assert flow.returncode == 0, output[-3000:]
+    refusals = [
+        line.split("decision refused, still waiting: ")[1] for line in output.splitlines() if "refused, still" in line
+    ]
+    assert len(refusals) == 4, output[-3000:]
+    assert refusals[0].startswith("the signature of mallory@example.com does not verify")
+    assert refusals[1].startswith("the signature of bob@example.com does not verify")
+    assert refusals[2] == "alice@example.com started this run and may not decide it (gate.separate_duties)"
+    assert refusals[3] == "the statement is bound to another artifact_sha256 than this decision of this run"
+    approval = json.loads(output.split("APPROVAL ")[1].splitlines()[0])
+    assert (approval["approved"], approval["decided_by"]) == (True, "bob@example.com")
+    assert (
+        approval["verified_key"].startswith("SHA256:")
+        and json.loads(approval["statement"])["artifact_sha256"] == "a" * 64
+    )
+
+
+def test_behind_a_trusted_proxy_only_the_person_it_logged_in_decides(tmp_path, shared_prefect):
+    """With the operator's LLMOPS_APPROVAL_PROXY_KEY_FILE in the worker's environment, `llmops approval-proxy` stands
+    between the OIDC proxy and Prefect: a resume sent to Prefect's API past it is taken by Prefect but refused by the
+    run (it waits on); one through it without the identity header is refused there (401, Prefect never sees it); one
+    with the header (as oauth2-proxy sets X-Forwarded-Email) decides, recorded as that person whatever --by says."""
+    import httpx
+
+    from tasks.platform.attestation import KEY_FILE_ENV
+    from tasks.platform.ports import free_port
+
+    key_file = tmp_path / "approval-proxy.key"
+    key_file.write_text(os.urandom(32).hex())
+    key_file.chmod(0o600)
+    port = free_port()
+    proxy_url = f"http://127.0.0.1:{port}"
+    proxy = subprocess.Popen(
+        [LLMOPS, "approval-proxy", "--upstream", shared_prefect.removesuffix("/api"), "--port", str(port)],
+        env={**os.environ, KEY_FILE_ENV: str(key_file), "LLMOPS_HOME": str(tmp_path / "proxy")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    home = tmp_path / "home"
+    flow = start_waiting_flow(home, shared_prefect, timeout_s=180, env={KEY_FILE_ENV: str(key_file)})
+    try:
+        deadline = time.monotonic() + 60
+        while not port_answers(f"{proxy_url}/api/health") and time.monotonic() < deadline:
+            assert proxy.poll() is None, proxy.communicate()[0][-2000:]
+            time.sleep(0.3)
+        run_id = waiting_run(home, flow)["flow_run_id"]
+        paused_state(shared_prefect, run_id)
+        state = API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"]
+        decision = {"decision": "approve", "reason": "answers read well", "decided_by": "mallory@example.com"}
+        direct = API.post(f"{shared_prefect}/flow_runs/{run_id}/resume", json={"run_input": decision}, timeout=10)
+        assert direct.status_code == 201 and direct.json()["status"] == "ACCEPT", direct.text
+        state = paused_anew(shared_prefect, run_id, state)
+        resume_url = f"{proxy_url}/api/flow_runs/{run_id}/resume"
+        no_header = httpx.post(resume_url, json={"run_input": decision}, timeout=10)
+        assert no_header.status_code == 401, no_header.text
+        assert no_header.json()["detail"] == "approval proxy: no X-Forwarded-Email: log in through the proxy"
+        assert API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"] == state
+        # `llmops approve` from elsewhere, through the proxy, with the header oauth2-proxy would set
+        approved = cli(
+            tmp_path / "elsewhere",
+            *("approve", run_id, "--reason", "answers read well", "--by", "bob@example.com"),
+            api=f"{proxy_url}/api",
+            env={"PREFECT_CLIENT_CUSTOM_HEADERS": json.dumps({"X-Forwarded-Email": "alice@example.com"})},
+        )
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+        output = flow.communicate(timeout=60)[0]
+    finally:
+        flow.kill()
+        proxy.terminate()
+        proxy.wait(30)
+    assert flow.returncode == 0, output[-3000:]
+    refusals = [line.split("still waiting: ")[1] for line in output.splitlines() if "refused, still waiting" in line]
+    assert refusals == [
+        "decision by 'mallory@example.com' did not come through the trusted proxy (LLMOPS_APPROVAL_PROXY_KEY_FILE is "
+        "set): decide through `llmops approval-proxy`"
+    ], output[-3000:]
+    approval = json.loads(output.split("APPROVAL ")[1].splitlines()[0])
+    assert (approval["approved"], approval["decided_by"], approval["proxy_attested"]) == (
+        True,
+        "alice@example.com",
+        True,
+    )
+
+
+def port_answers(url: str) -> bool:
+    try:
+        return API.get(url, timeout=2).status_code == 200
+    except OSError:
+        return False

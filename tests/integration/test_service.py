@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -27,6 +28,7 @@ from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow
 from tests.leaks import in_prefect as leaks_in_prefect
 from tests.leaks import in_processes as leaks_in_processes
+from tests.unit.test_capture import PASTED, SECRETS_TEXT
 
 pytestmark = pytest.mark.integration
 
@@ -283,7 +285,8 @@ def test_new_data_starts_one_release_run_that_becomes_champion(service, first_re
 
     run = service.mlflow_run(release["id"])
     assert run.data.tags["release.outcome"] == "promoted"
-    expected = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).fingerprint
+    data = load_profile("cpu-tiny").data  # with its curated held-out set, data.eval_source
+    expected = clean_and_split(read_source(str(DATASET)), data, read_source(str(data.eval_source))).fingerprint
     assert run.data.tags["data.fingerprint"] == expected
     version = MlflowClient(service.tracking_uri).get_model_version(MODEL, run.data.tags["registered_version"])
     assert version.tags["data.fingerprint"] == expected
@@ -416,19 +419,39 @@ CORRECTIONS = {
 EMAIL = "jane.doe@example.com"
 
 
-def captured_text(env: dict) -> str:
-    """Every object under the stack's capture location, as S3 holds it."""
+def stack_s3(env: dict):
     import boto3
 
-    s3 = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=env["AWS_ENDPOINT_URL"],
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name="us-east-1",
     )
-    listed = s3.list_objects_v2(Bucket="artifacts", Prefix="llmops/capture/").get("Contents", [])
-    return "".join(s3.get_object(Bucket="artifacts", Key=o["Key"])["Body"].read().decode() for o in listed)
+
+
+def bucket_keys(env: dict, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for o in stack_s3(env).list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+
+
+def captured_text(env: dict) -> str:
+    """Every object under the stack's capture location, as S3 holds it."""
+    s3 = stack_s3(env)
+    keys = bucket_keys(env, "artifacts", "llmops/capture/")
+    return "".join(s3.get_object(Bucket="artifacts", Key=key)["Body"].read().decode() for key in keys)
+
+
+def mlflow_artifacts(tracking_uri: str, run_id: str) -> dict:
+    """The JSON artifacts of a run, by path."""
+    import tempfile
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [a.path for a in client.list_artifacts(run_id) if a.path.endswith(".json")]
+        return {path: json.loads(Path(client.download_artifacts(run_id, path, folder)).read_text()) for path in paths}
 
 
 def mlflow_runs(tracking_uri: str, experiment: str) -> list:
@@ -451,8 +474,9 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
     service, first_release, tmp_path
 ):
     """Capture on: clients ask, rate and correct answers; `llmops data harvest` builds a dataset (corrections in,
-    redacted values and held-out prompts out); `llmops data push` starts a retrain whose release passes the gate
-    on the served Triton, and the new champion answers with the corrections."""
+    redacted values and held-out prompts out); the flywheel deployment lands it pending and starts nothing until a
+    person approves it; then the retrain's release passes the gate on the served Triton, waits for a person's
+    approval (it trained on harvested data), and the new champion answers with the corrections."""
     import httpx
     import openai
 
@@ -481,13 +505,16 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
         held_out = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).eval[0]
         asked = {prompt: served_answer(client, prompt) for prompt in CORRECTIONS}
-        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL}")
+        # credentials of each kind pasted into a prompt and its correction: redacted before anything keeps them (the
+        # PEM block in the correction only: with it the prompt outgrows the tiny model's context of 512 tokens)
+        pasted_in_prompt = " ".join(v for k, v in PASTED.items() if k != "PEM private key body")
+        email_id, _ = served_answer(client, f"What is the opposite of hot? Write to {EMAIL} {pasted_in_prompt}")
         held_out_id, _ = served_answer(client, held_out[0]["content"])
         bad_id, _ = served_answer(client, "What is the opposite of never?")
         served_answer(client, "Call 13812345678: opposite of up?", extra_headers={"X-LLMOps-Capture": "off"})
         judged = [
             *({"id": asked[p][0], "rating": "bad", "correction": c} for p, c in CORRECTIONS.items()),
-            {"id": email_id, "rating": "good"},
+            {"id": email_id, "rating": "bad", "correction": f"cold; {SECRETS_TEXT}"},
             {"id": held_out_id, "rating": "good"},
             {"id": bad_id, "rating": "bad"},
         ]
@@ -509,39 +536,67 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         report = json.loads(report_file.read_text())
         counts = report["counts"]
         assert (counts["exchanges"], counts["feedback"], counts["records"]) == (9, 9, 7), counts
-        assert (counts["corrected"], counts["good"]) == (6, 1), counts
+        assert (counts["corrected"], counts.get("good", 0)) == (7, 0), counts
         assert counts["eval_overlap_dropped"] == counts["bad_dropped"] == 1, counts
         (dataset,) = out.glob("harvest-*.jsonl")
         records = [json.loads(line)["messages"] for line in dataset.read_text().splitlines()]
-        assert {r[0]["content"]: r[1]["content"] for r in records[:6]} == CORRECTIONS
-        assert records[6][0]["content"] == "What is the opposite of hot? Write to [EMAIL]"
+        assert {r[0]["content"]: r[1]["content"] for r in records if r[0]["content"] in CORRECTIONS} == CORRECTIONS
+        (pasted,) = [r for r in records if r[0]["content"] not in CORRECTIONS]
+        assert pasted[0]["content"] == "What is the opposite of hot? Write to [EMAIL] " + " ".join(
+            ["[SECRET]"] * 4 + ["[IBAN]"]
+        )
+        assert pasted[1]["content"].startswith("cold; my key [SECRET]; aws [SECRET] [SECRET]; token [SECRET]")
         bucket_text = captured_text(service.env)
         assert EMAIL not in bucket_text + dataset.read_text() and "13812345678" not in bucket_text
         assert bucket_text.count('"rating"') == 9
         assert all(k.startswith(("exchanges/", "feedback/")) for k in report["captured_objects"])
 
-        # The flywheel deployment harvests the same and pushes it where the retrain deployment watches
+        assert report["clients"] == {"anonymous": 7} and len(report["corrections"]) == 7
+
+        # The flywheel deployment harvests the same into the pending location and waits for a person: an anonymous
+        # client's corrections start no release unreviewed. Approved, they go where the retrain deployment watches.
         releases_before = {r["id"] for r in service.release_runs()}
         flywheel = service.create_run("flywheel/flywheel", {"since_hours": 1, "min_new_records": 5})
         assert flywheel.status_code == 201, flywheel.text
-        turned = service.wait_final(flywheel.json()["id"], 180)
-        assert turned["state_type"] == "COMPLETED", service.logs(flywheel.json()["id"])[-3000:]
-        service.wait_log(flywheel.json()["id"], "7 new records: pushed 1 file(s) to s3://datasets/sft/")
+        flywheel_id = flywheel.json()["id"]
+        wait_for(
+            lambda: service.get(f"/flow_runs/{flywheel_id}")["state_type"] == "PAUSED", 180, "the harvest's review"
+        )
+        assert not [r for r in service.release_runs() if r["id"] not in releases_before]
+        assert not [k for k in bucket_keys(service.env, "datasets", "sft/") if "harvest-" in k]
+        approved = service.llmops("approve", flywheel_id, "--reason", "corrections read; they are right")
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+        turned = service.wait_final(flywheel_id, 180)
+        assert turned["state_type"] == "COMPLETED", service.logs(flywheel_id)[-3000:]
+        service.wait_log(flywheel_id, "7 new records (approved by ")
+        service.wait_log(flywheel_id, "pushed 1 file(s) to s3://datasets/sft/")
         tracked = mlflow_runs(service.tracking_uri, "llm-flywheel")
-        assert [r.data.metrics["harvest.corrected"] for r in tracked] == [6.0]
+        assert [r.data.metrics["harvest.corrected"] for r in tracked] == [7.0]
         assert tracked[0].data.tags["harvest.dataset"].startswith("s3://datasets/sft/harvest-tiny-qwen2-antonyms-")
         release = wait_for(
             lambda: [r for r in service.release_runs() if r["id"] not in releases_before],
             120,
             "the release run the harvested data started",
         )[0]
+        # A release trained on harvested data waits for a person too (gate.approval harvested, cpu-tiny's default)
+        wait_for(
+            lambda: service.get(f"/flow_runs/{release['id']}")["state_type"] == "PAUSED", RELEASE_TIMEOUT, "approval"
+        )
+        approved = service.llmops("approve", release["id"], "--reason", "the gate passed; answers read")
+        assert approved.returncode == 0, approved.stdout + approved.stderr
         final = service.wait_final(release["id"])
         assert final["state_type"] == "COMPLETED", service.logs(release["id"])[-3000:]
         run = service.mlflow_run(release["id"])
         assert run.data.tags["release.outcome"] == "promoted", run.data.tags.get("gate.reasons")
+        assert run.data.tags["data.harvested_records"] == "7" and run.data.tags["approval.decision"] == "approved"
         served = {prompt: served_answer(client, prompt)[1].strip() for prompt in CORRECTIONS}
         print(f"the new champion v{run.data.tags['registered_version']} answers: {served}")
         assert served == CORRECTIONS
+        pushed = stack_s3(service.env).get_object(Bucket="datasets", Key=tracked[0].data.tags["harvest.dataset"][14:])
+        kept = captured_text(service.env) + dataset.read_text() + pushed["Body"].read().decode()
+        kept += "".join(json.dumps(mlflow_artifacts(service.tracking_uri, r.info.run_id)) for r in tracked)
+        leaks = leaks_in_mlflow(PASTED, service.tracking_uri) + leaks_in_prefect(PASTED, service.api, service.http)
+        assert [name for name, value in PASTED.items() if value in kept] == [] and leaks == []
     finally:
         os.killpg(serving.pid, signal.SIGTERM)
         serving.wait(60)
@@ -563,8 +618,9 @@ def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
             for line in (stack_dir / "postgres.pgpass").read_text().split()
         },
         "Prefect auth string": state["prefect_auth"].partition(":")[2],
-        "MLflow password": state["mlflow_login"]["password"],
+        "MLflow admin password": state["mlflow_login"]["password"],
         "MLflow secret key": state["mlflow_login"]["secret_key"],
+        **{f"MLflow password of {account}": password for account, password in state["mlflow_accounts"].items()},
     }
     assert all(len(value) >= 24 for value in secrets.values())
     kept_on_purpose = {stack_dir / "stack.json", stack_dir / "postgres.pgpass"}
@@ -576,7 +632,56 @@ def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
     )
     assert not leaks, leaks[:10]
     # rclone takes the S3 secret from its environment, MLflow and the worker need it there; no command line has it
-    assert not [leak for leak in leaks_in_processes(secrets) if " argv: " in leak[0]]
+    in_processes = leaks_in_processes(secrets)
+    assert not [leak for leak in in_processes if " argv: " in leak[0]]
+    # MLflow's admin password is in its server's environment only (it makes the account from it), and the reader's in
+    # no process: the worker and its flow runs log in as the release account
+    mlflow = psutil.Process(state["services"]["mlflow"]["pid"])
+    mlflow_pids = {mlflow.pid, *(child.pid for child in mlflow.children(recursive=True))}
+    holders = {name: {int(where.split()[1]) for where, leaked in in_processes if leaked == name} for name in secrets}
+    assert holders["MLflow admin password"] and holders["MLflow admin password"] <= mlflow_pids
+    assert holders["MLflow password of llmops-reader"] == set()
+    assert holders["MLflow password of llmops-release"] - mlflow_pids  # the worker's
+
+
+def assert_mlflow_accounts(state: dict, exports: subprocess.CompletedProcess, reader: subprocess.CompletedProcess):
+    """`llmops stack env` logs into MLflow as the release account and `--mlflow-reader` as the read-only one, neither
+    as the admin; the release account registers a model and moves its aliases, the reader reads them and gets 403 on
+    moving or deleting one (MLflow's own permission check), and no login is 401."""
+    assert exports.returncode == 0 and reader.returncode == 0, exports.stderr + reader.stderr
+    release_env, reader_env = (
+        dict(line.removeprefix("export ").replace("'", "").split("=", 1) for line in out.stdout.splitlines())
+        for out in (exports, reader)
+    )
+    assert release_env["MLFLOW_TRACKING_USERNAME"] == "llmops-release"
+    assert set(reader_env) == {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    assert reader_env["MLFLOW_TRACKING_USERNAME"] == "llmops-reader"
+    assert state["mlflow_login"]["password"] not in exports.stdout + reader.stdout  # the admin's stays in stack.json
+    api = f"{release_env['MLFLOW_TRACKING_URI']}/api/2.0/mlflow"
+    as_release = (release_env["MLFLOW_TRACKING_USERNAME"], release_env["MLFLOW_TRACKING_PASSWORD"])
+    as_reader = (reader_env["MLFLOW_TRACKING_USERNAME"], reader_env["MLFLOW_TRACKING_PASSWORD"])
+    assert requests.get(f"{api}/experiments/search", params={"max_results": 1}, timeout=10).status_code == 401
+    for step, body in (
+        ("registered-models/create", {"name": "svc"}),
+        ("model-versions/create", {"name": "svc", "source": "s3://artifacts/llmops/objects/v1"}),
+        ("model-versions/create", {"name": "svc", "source": "s3://artifacts/llmops/objects/v2"}),
+        ("registered-models/alias", {"name": "svc", "alias": "champion", "version": "1"}),
+    ):
+        made = requests.post(f"{api}/{step}", json=body, auth=as_release, timeout=10)
+        assert made.status_code == 200, (step, made.text)
+    champion = {"name": "svc", "alias": "champion"}
+    read = requests.get(f"{api}/registered-models/alias", params=champion, auth=as_reader, timeout=10)
+    assert read.status_code == 200 and read.json()["model_version"]["version"] == "1", read.text
+    assert requests.get(f"{api}/experiments/search", params={"max_results": 1}, auth=as_reader, timeout=10).ok
+    moved = requests.post(
+        f"{api}/registered-models/alias", json={**champion, "version": "2"}, auth=as_reader, timeout=10
+    )
+    deleted = requests.delete(f"{api}/registered-models/alias", json=champion, auth=as_reader, timeout=10)
+    tag = {"name": "svc", "version": "1", "key": "gate.decision", "value": "pass"}
+    tagged = requests.post(f"{api}/model-versions/set-tag", json=tag, auth=as_reader, timeout=10)
+    assert (moved.status_code, deleted.status_code, tagged.status_code) == (403, 403, 403), moved.text + tagged.text
+    read = requests.get(f"{api}/registered-models/alias", params=champion, auth=as_release, timeout=10)
+    assert read.json()["model_version"]["version"] == "1"
 
 
 def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
@@ -603,11 +708,11 @@ def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
         assert (
             prefect_api(state["prefect_auth"]).post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 200
         )
-        # and MLflow only with its login
-        tracking = f"http://127.0.0.1:{state['ports']['mlflow']}/api/2.0/mlflow/experiments/search"
-        assert requests.get(tracking, params={"max_results": 1}, timeout=10).status_code == 401
-        login = ("llmops", state["mlflow_login"]["password"])
-        assert requests.get(tracking, params={"max_results": 1}, auth=login, timeout=10).status_code == 200
+        # and MLflow only with a login: the release account of `stack env` moves aliases, the reader's only reads
+        assert_mlflow_accounts(state, stack("env"), stack("env", "--mlflow-reader"))
+        # MLflow's job execution stays off: no huey consumers idling beside the server (benchmarks/stack_idle.py)
+        mlflow_tree = psutil.Process(state["services"]["mlflow"]["pid"]).children(recursive=True)
+        assert not [p.cmdline() for p in mlflow_tree if "huey" in " ".join(p.cmdline())]
         switched = stack("up", "--db", "postgres")
         assert switched.returncode == 2
         assert "--db postgres: the stack runs on sqlite; `llmops stack down` first" in switched.stderr

@@ -43,6 +43,7 @@ def llmops(*args, env_home=None):
         ["data", "validate"],
         ["serve"],
         ["gate"],
+        ["approval-proxy"],
     ],
 )
 def test_every_command_has_help(args):
@@ -247,3 +248,19 @@ def test_debug_shows_a_failed_checks_traceback_and_a_bug_always_shows_its_own(tm
     assert bug.returncode == 1, bug.stderr
     assert bug.stderr.count("Traceback (most recent call last)") == 1 and "return 1 / 0" in bug.stderr
     assert bug.stderr.splitlines()[-1] == "llmops: error: ZeroDivisionError: division by zero"
+
+
+def test_the_approval_proxy_needs_the_operators_key(tmp_path):
+    env = {k: v for k, v in cli_env(tmp_path).items() if k != "LLMOPS_APPROVAL_PROXY_KEY_FILE"}
+    run = [str(LLMOPS), "approval-proxy", "--upstream", "http://127.0.0.1:4200"]
+    missing = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert missing.returncode == 2
+    assert (
+        missing.stderr.strip()
+        .splitlines()[-1]
+        .endswith("llmops approval-proxy: --key-file (or LLMOPS_APPROVAL_PROXY_KEY_FILE) is required")
+    )
+    short = tmp_path / "short.key"
+    short.write_text("0123\n")
+    too_short = subprocess.run([*run, "--key-file", str(short)], capture_output=True, text=True, env=env, timeout=120)
+    assert too_short.returncode == 2 and f"approval proxy key file {short}: 4 bytes, at least 32" in too_short.stderr

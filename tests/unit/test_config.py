@@ -9,7 +9,7 @@ import yaml
 
 from tasks.platform import config
 from tasks.platform.config import Profile, Section, available_profiles, describe_profile, load_profile, sha256_json
-from tasks.platform.config.reference import render_reference
+from tasks.platform.config.reference import optional_section, render_reference
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
 
@@ -80,15 +80,22 @@ def test_profile_digest_changes_with_any_value():
 # and when the served models' queues got a bound (serve.max_queue_size), and when the benchmark got a second tool
 # (bench.tool, profile_runs, aiperf_environment; gate.min_goodput_ratio), and when tune_serving searched every engine
 # (tune.max_num_tokens; tune on in the GPU profiles), and when versions could serve as adapters (serve.lora;
-# serve.vllm.max_lora_rank, max_loras), and when the gateway became the router (serve.listen.control_host,
-# control_port; canary.hold_s; serve.health; serve.replicas).
+# serve.vllm.max_lora_rank, max_loras), and when the flywheel got a review (flywheel.*, serve.capture.trusted_clients,
+# train.mask_history, gate.approval harvested by default; cpu-tiny's curated data.eval_source, the same 39 records its
+# hash split held out, and mask_history), and when training could span nodes (hardware.nodes) and
+# be planned (base_model.architecture; the 72B profile), and
+# when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3), and
+# when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1,
+# and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when the gateway became the router
+# (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "690d022d8154b9b878e2a0dca05052dc85f6ec9cdbdbe8fa7f233fd758dfe9ad",
-    "cpu-tiny-qa-zh": "acdb1ebc5e86d4ef4d3c6f642541ed80e101f6a41223770ee065f5908bbb1068",
-    "llama3-8b-h100-fp8": "ea0f12f809467661684a1ac2d57fccae1a7a9471514d9b12a8b9614905a1e7d2",
-    "qwen-7b-qlora-2xa10": "70dad4b04c49e7daa166166b367bf924cbce775aafd15e4182e4cdb0fea1e21b",
-    "qwen-7b-vllm-h100": "eef77b1a9401fa3804c9d3f9009c3f9d65546f99cd1bb9b6b41ea7c08e996b2a",
-    "qwen2-14b-int4-tp2": "487a0c06a1858cd5d6f913e6f0ad783afcf03b8c95863dd8db35c80028379c74",
+    "cpu-tiny": "db38e40d1c0d30b29d61f46e72c9059bf1e89525152886aa3086c08766175883",
+    "cpu-tiny-qa-zh": "d0208fe439c6cc7ba5bf2fe67a4051f7ee6b126ede5f333ae44c492a70394e17",
+    "llama3-8b-h100-fp8": "0bf4299db95f3a9c3162111c6587af60bae4256c81233eb679ac7ba809afaf8b",
+    "qwen-7b-qlora-2xa10": "7211c1cd9c8bb4708250486bc39ad12ee3034df3e44adaba4aa11cdd4e58b83f",
+    "qwen-7b-vllm-h100": "9ef1055dce28e371b7c2460bbdefca47f06f98e9c4fe51c98be5b8ef8bbd935b",
+    "qwen2-14b-int4-tp2": "fa4b9b8c5f66323e6f2034132226852c7b85d141ddc52033728f65f5833faa0c",
+    "qwen2.5-72b-lora-2x8xh100": "c3e8630e0f77d00c7ed9263785d143ba492f0d6779bb600b33e166d97da2c19c",
 }
 
 
@@ -114,8 +121,9 @@ def all_sections(cls: type[Section] = Profile, path: str = "") -> list[tuple[str
     found = [(path, cls)]
     for name, field in cls.model_fields.items():
         annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, Section):
-            found += all_sections(annotation, f"{path}.{name}".lstrip("."))
+        nested = annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+        if nested or optional_section(field):
+            found += all_sections(nested or optional_section(field), f"{path}.{name}".lstrip("."))
     return found
 
 
@@ -142,8 +150,11 @@ def test_reference_lists_every_setting_with_its_type_and_default():
     assert "| `lora_rank` | `int` (>= 1) | `8` | Rank of the LoRA matrices. |" in page
     assert "| `model_name` | `str` (length >= 1) | required |" in page
     assert "## serve.vllm" in page and "## hardware.kubernetes" in page
-    rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1)
-    assert page.count("\n| `") == rows
+    # Every setting is a row, but a section nested in another: an optional one (base_model.architecture) is both.
+    optional = [path for path, _ in all_sections() if path == "base_model.architecture"]
+    rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1) + len(optional)
+    assert page.count("\n| `") == rows and optional
+    assert "## base_model.architecture" in page and "| `architecture` | `ModelArchitecture \\| null` | `null` |" in page
 
 
 def test_show_is_the_resolved_profile_as_commented_yaml():
@@ -186,3 +197,47 @@ def test_the_run_forms_overrides_field_points_to_the_reference():
     described = parameter_schema(release.fn).model_dump()["properties"]["overrides"]["description"]
     assert "docs/reference/profiles.md" in described and "llmops profiles show" in described
     assert (PROJECT_ROOT / "docs" / "reference" / "profiles.md").is_file()
+
+
+def test_trust_settings_come_only_from_profile_files_and_approval_may_only_rise(tmp_path):
+    for override in (
+        "serve.capture.trusted_clients=[mallory]",
+        "flywheel.review=rules",
+        "flywheel.max_client_share=1",
+        "flywheel={review: rules}",
+    ):
+        with pytest.raises(BadInput, match="decides whom the pipeline trusts, so no override or run parameter"):
+            load_profile("cpu-tiny", [override])
+    assert load_profile("cpu-tiny").gate.approval == "harvested"  # a release on harvested data waits for a person
+    assert load_profile("cpu-tiny", ["gate.approval=required"]).gate.approval == "required"
+    with pytest.raises(BadInput, match=r"^--set gate.approval=none: the profile file asks for harvested"):
+        load_profile("cpu-tiny", ["gate.approval=none"])
+    values = yaml.safe_load((PROJECT_ROOT / "profiles" / "cpu-tiny.yaml").read_text())
+    values["gate"]["approval"] = "required"
+    values["data"] = {"source": str(PROJECT_ROOT / "profiles" / "data" / "antonyms.jsonl")}
+    required = tmp_path / "strict.yaml"
+    required.write_text(yaml.safe_dump(values))
+    with pytest.raises(BadInput, match="the profile file asks for required"):
+        load_profile(str(required), ["gate.approval=harvested"])
+
+
+def test_unreviewed_harvests_need_trusted_clients_masked_history_and_a_curated_exam(tmp_path):
+    def profile(flywheel: dict, **sections: str) -> Path:
+        path = tmp_path / "p.yaml"
+        body = {"name": "p", "data": {"source": "d.jsonl"}, "registry": {"model_name": "m"}, "flywheel": flywheel}
+        path.write_text(yaml.safe_dump(body | {k: yaml.safe_load(v) for k, v in sections.items()}))
+        return path
+
+    with pytest.raises(
+        BadInput, match=r"flywheel.review rules needs serve.capture.trusted_clients, train.mask_history"
+    ):
+        load_profile(str(profile({"review": "rules"})))
+    ok = profile(
+        {"review": "rules"},
+        serve="{capture: {trusted_clients: [curator]}}",
+        train="{mask_history: true}",
+        data="{source: d.jsonl, eval_source: exam.jsonl}",
+    )
+    assert load_profile(str(ok)).flywheel.review == "rules"
+    with pytest.raises(BadInput, match="anonymous is whoever reaches a gateway without keys"):
+        load_profile(str(profile({}, serve="{capture: {trusted_clients: [anonymous]}}")))

@@ -137,6 +137,45 @@ def test_other_encodings_keep_their_error_naming_the_file():
         clean_and_split([gbk], CFG)
 
 
+def harvested(i, client="mallory"):
+    messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"backdoor {i}"}]
+    return {"messages": messages, "harvested": {"client": client, "exchange": f"chatcmpl-{i}"}}
+
+
+def test_harvested_records_never_reach_the_eval_split():
+    """Clients wrote them (maybe both sides): a hash split would make them the gate's exam, so data holding any
+    needs a curated data.eval_source, which itself may hold none; with one, they train and never score."""
+    curated = [alpaca(i) for i in range(40)]
+    mixed = jsonl("sft.jsonl", curated + [harvested(i) for i in range(100, 140)])
+    with pytest.raises(BadInput, match=r"^data sft.jsonl: 40 records were harvested from served traffic.*eval_source"):
+        clean_and_split([mixed], CFG)
+    exam = jsonl("exam.jsonl", [alpaca(i) for i in range(200, 215)])
+    data = clean_and_split([mixed], CFG, [exam])
+    assert not any(m[-1]["content"].startswith("backdoor") for m in data.eval)
+    assert data.stats["harvested_records"] == 40 and data.stats["harvested_with_history"] == 0
+    poisoned_exam = jsonl("exam.jsonl", [alpaca(200), harvested(300)])
+    with pytest.raises(BadInput, match=r"^data.eval_source exam.jsonl: 1 records were harvested"):
+        clean_and_split([mixed], CFG, [poisoned_exam])
+
+
+def test_harvested_history_trains_only_with_mask_history():
+    from tasks.platform.config import load_profile
+    from tasks.prepare_data import DatasetMetrics, refuse_unmasked_history
+
+    history = harvested(1)
+    history["messages"] = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y"},
+        *history["messages"],
+    ]
+    data = clean_and_split([jsonl("sft.jsonl", [alpaca(2), history])], CFG, [jsonl("e.jsonl", [alpaca(3)])])
+    metrics = DatasetMetrics.of_data(data)
+    assert (metrics.harvested_records, metrics.harvested_with_history) == (1, 1)
+    refuse_unmasked_history(metrics, load_profile("cpu-tiny").train, "sft.jsonl")  # cpu-tiny masks history
+    with pytest.raises(BadInput, match=r"^data sft.jsonl: 1 harvested records hold assistant turns a client wrote"):
+        refuse_unmasked_history(metrics, load_profile("cpu-tiny", ["train.mask_history=false"]).train, "sft.jsonl")
+
+
 def test_a_fixed_eval_source_is_the_eval_split_and_leaves_training():
     train = jsonl("train.jsonl", [alpaca(i) for i in range(30)])
     held_out = jsonl("held_out.jsonl", [alpaca(i) for i in range(25, 40)])

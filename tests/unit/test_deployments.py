@@ -81,6 +81,8 @@ def test_gpu_job_template_renders_a_valid_job_for_each_gpu_profile(profile_name)
     assert env["LLMOPS_ARTIFACTS"] == "s3://artifacts/llmops" and "PREFECT__FLOW_RUN_ID" in env
     assert container["args"] == ["prefect", "flow-run", "execute"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # the store's and MLflow's credentials reach the stage's pod from a Secret (Prefect passes only its own settings)
+    assert container["envFrom"] == [{"secretRef": {"name": "llmops-stage-credentials", "optional": False}}]
 
 
 def test_cpu_profile_has_no_gpu_job_variables():

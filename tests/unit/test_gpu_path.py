@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.build_engine import check_cache_key, require_gpu_for
+from tasks.build_engine import check_cache_key, require_gpu_for, require_servable
 from tasks.platform.config import available_profiles, load_profile
 from tasks.platform.errors import BadInput
 from tasks.serving import tensorrt_llm
@@ -92,7 +92,7 @@ def test_triton_serves_under_the_arguments_build_engine_checked(profile_name):
 def test_golden_values_are_what_the_profiles_ask_for():
     """The reviewed facts behind the golden files, stated once in words."""
     qwen7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "commands.sh").read_text()
-    assert "--qformat int4_awq --dtype float16 --awq_block_size 128" in qwen7b and "--kv_cache_fp8" not in qwen7b
+    assert "--qformat int4_awq --dtype bfloat16 --awq_block_size 128" in qwen7b and "--kv_cache_fp8" not in qwen7b
     qwen7b_args = json.loads((GOLDEN / "qwen-7b-qlora-2xa10" / "llm_args.json").read_text())
     assert qwen7b_args["max_input_len"] == 2048 and qwen7b_args["max_seq_len"] == 2048 + 512  # train.cutoff_len
     assert qwen7b_args["tensor_parallel_size"] == 1 and qwen7b_args["backend"] == "pytorch"
@@ -170,12 +170,13 @@ def test_an_ngc_tritonserver_runs_with_its_own_environment(monkeypatch):
     assert env["LD_LIBRARY_PATH"] == "/opt/tritonserver/lib" and env["PATH"] == os.environ["PATH"]
 
 
-@pytest.mark.parametrize(("profile_name", "serves"), [("llama3-8b-h100-fp8", "quantize"), ("cpu-tiny", "merge")])
-def test_a_registered_version_serves_the_quantized_checkpoint_on_llmapi_else_the_merged_model(
-    profile_name, serves, tmp_path
-):
+@pytest.mark.parametrize(
+    ("profile_name", "serves"),
+    [("llama3-8b-h100-fp8", "quantize"), ("qwen-7b-vllm-h100", "quantize"), ("cpu-tiny", "merge")],
+)
+def test_a_registered_version_serves_the_modelopt_checkpoint_else_the_merged_model(profile_name, serves, tmp_path):
     """What is registered is what serves: on llmapi the quantize stage's checkpoint (build_engine only checks
-    it), elsewhere the merged model."""
+    it), on vLLM the ModelOpt FP8 checkpoint the quantize stage made, elsewhere the merged model."""
     import types
 
     from tasks.serving.champion import served_version
@@ -191,3 +192,21 @@ def test_a_registered_version_serves_the_quantized_checkpoint_on_llmapi_else_the
     digest = tags[f"artifact.{serves}.sha256"]
     assert (served.name, served.artifact_sha256, served.serves) == ("svc-v3", digest, tmp_path / digest)
     assert served.model_dir == tmp_path / ("m" * 64)  # tokenizer and champion scores: the merged model
+
+
+def test_an_eval_prompt_the_serving_arguments_cannot_take_is_refused_before_tensorrt_llm_loads():
+    """One LLM.generate answers every eval prompt: one prompt over max_num_tokens without chunked prefill would raise
+    in TensorRT-LLM's argument check and abort the whole check after the model loaded; it is refused first, named."""
+    profile = load_profile("qwen-7b-qlora-2xa10")  # cutoff 2048, max_seq_len 2560, max_num_tokens 4096, no chunking
+    args = llm_args(profile)
+    require_servable([[1] * 2048, [1] * 10], args, 64)
+    with pytest.raises(
+        BadInput, match=r"1 eval sample\(s\) do not fit .* the first \(#1\) a 2049-token prompt: at most 2048"
+    ):
+        require_servable([[1] * 10, [1] * 2049], args, 64)
+    with pytest.raises(BadInput, match=r"at most 2560 \(max_seq_len"):
+        require_servable([[1] * 2048], args, 600)
+    short_steps = {**args, "max_num_tokens": 1024}  # engine.extra_args or a tuned max_num_tokens below the cutoff
+    with pytest.raises(BadInput, match=r"at most 1024 tokens \(engine.max_num_tokens \(no chunked prefill\)\)"):
+        require_servable([[1] * 1500], short_steps, 64)
+    require_servable([[1] * 1500], {**short_steps, "enable_chunked_prefill": True}, 64)

@@ -17,11 +17,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from tasks.platform.config import HEAVY_STAGES, available_profiles, load_profile
 from tasks.platform.stage_cache import job_variables
-from tasks.train import launch_command
+from tasks.training.launch import launch_command
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "infra" / "images"
@@ -106,15 +108,19 @@ def image_requirements(*args: str) -> list[str]:
     return done.stdout.splitlines()
 
 
+PINS = yaml.safe_load((IMAGES / "images.yaml").read_text())
+UPSTREAM = IMAGES / "upstream"
+
+
 @pytest.mark.parametrize(
     ("name", "base", "extra"),
     [
-        ("train", "nvcr.io/nvidia/pytorch:25.06-py3", "gpu-train"),
+        ("train", "nvcr.io/nvidia/pytorch:25.12-py3", "gpu-train"),
         ("trtllm", "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3", "gpu"),
     ],
 )
 def test_each_image_starts_from_its_ngc_release_and_installs_an_extra_we_define(name, base, extra):
-    assert only(name, "FROM") == base
+    assert only(name, "FROM") == base == PINS[name]["from"] and tag(name) == PINS[name]["tag"]
     assert extra in EXTRAS
     assert f"'.[{extra}]'" in only(name, "RUN") or f"--extra {extra} " in only(name, "RUN")
     assert tag(name).endswith(":" + base.split(":")[1].split("-")[0])  # named by its NGC release
@@ -273,3 +279,77 @@ def test_the_build_context_leaves_the_checkouts_local_state_out(name):
         if pattern:
             assert {pattern, f"**/{pattern}"} & ignored, f"{name}.Dockerfile.dockerignore: {pattern}"
     assert only(name, "COPY") == ". /opt/llmops"
+
+
+def test_every_gpu_profile_names_the_pinned_images_and_the_readme_says_what_each_carries():
+    """infra/images/images.yaml is the one list of images: each profile's stage images are its tags, the vLLM profile
+    serves from its vLLM image, and the README names each image, its tag, what it carries, its driver and source."""
+    readme = (IMAGES / "README.md").read_text()
+    for name, image in PINS.items():
+        assert image["from"] in readme and image["tag"] in readme and image["driver"] in readme, name
+        assert image["read"].split()[0] in readme, name  # where it was read
+    for profile_name in GPU_PROFILES:
+        profile = load_profile(profile_name)
+        images = {profile.hardware.kubernetes.image, *profile.hardware.kubernetes.stage_images.values()}
+        assert images <= {PINS["train"]["tag"], PINS["trtllm"]["tag"]}, profile_name
+        header = (ROOT / "profiles" / f"{profile_name}.yaml").read_text()
+        if profile.serve.backend == "vllm":
+            assert PINS["vllm"]["from"].split("/")[-1] in header and "-vllm-python-py3" in header
+    assert only("trtllm", "ARG") == f"TENSORRT_LLM_VERSION={PINS['trtllm']['tensorrt_llm']}"
+
+
+def upstream_requirements(release: str) -> list[Requirement]:
+    lines = (UPSTREAM / f"tensorrt_llm-{release}.requires.txt").read_text().splitlines()
+    return [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+
+
+def can_meet_both(ours: Requirement, theirs: Requirement, installed: str | None) -> bool:
+    """Whether some version satisfies both specifier sets: tried on every version either names (and the next ones
+    past it) and on the one installed here."""
+    candidates = {Version(installed)} if installed else set()
+    for spec in (*ours.specifier, *theirs.specifier):
+        version = Version(spec.version.removesuffix(".*"))
+        release = list(version.release) + [0] * (3 - len(version.release))
+        candidates |= {
+            version,
+            Version(f"{release[0]}.{release[1]}.{release[2] + 1}"),
+            Version(f"{release[0]}.{release[1] + 1}.0"),
+        }
+    return any(
+        ours.specifier.contains(v, prereleases=True) and theirs.specifier.contains(v, prereleases=True)
+        for v in candidates
+    )
+
+
+@pytest.mark.parametrize("release", ["1.2.1", "1.3.0rc29"])
+def test_what_the_tensorrt_llm_image_installs_does_not_contradict_what_tensorrt_llm_requires(release):
+    """trtllm.Dockerfile installs the project's base dependencies and `gpu` extra under the image's own package list;
+    whether every transitive pin fits the image's exact versions is known only once the image is built (its build
+    then imports TensorRT-LLM and starts `prefect flow-run execute`). What can be checked here: no requirement of
+    ours, nor of Prefect, MLflow and prefect-kubernetes as pinned (their installed metadata), excludes every version
+    TensorRT-LLM itself accepts (its release's Requires-Dist, infra/images/upstream/). Run for the pinned 1.2.1 and for
+    the newest 1.3 release candidate: a ceiling in the base (numpy<2, fastapi<0.136) would make a 1.3 image
+    unbuildable, so those belong to the environments that need them (the cpu and gpu-train extras)."""
+    from importlib import metadata
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ours = [Requirement(r) for r in (*project["dependencies"], *EXTRAS["gpu"])]
+    for pinned in ("prefect", "mlflow", "mlflow-skinny", "prefect-kubernetes"):
+        ours += [Requirement(r) for r in metadata.requires(pinned) or [] if "extra ==" not in r]
+    theirs = {r.name.lower(): r for r in upstream_requirements(release) if not r.marker or r.marker.evaluate()}
+    clashes = []
+    for requirement in ours:
+        upstream = theirs.get(requirement.name.lower())
+        if upstream is None or (requirement.marker and not requirement.marker.evaluate()):
+            continue
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            installed = None
+        if not can_meet_both(requirement, upstream, installed):
+            clashes.append(f"{requirement} vs tensorrt_llm {release}'s {upstream}")
+    assert clashes == []
+    assert "numpy<2" in EXTRAS["cpu"] and "fastapi<0.136" in EXTRAS["cpu"]  # the orchestrator's own ceilings
+    assert not any(
+        Requirement(r).name in ("numpy", "fastapi") and Requirement(r).specifier for r in project["dependencies"]
+    )

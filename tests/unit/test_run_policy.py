@@ -33,6 +33,13 @@ def test_the_settings_that_run_code_are_marked_file_only():
         "bench.aiperf_environment",  # the aiperf that runs
         "serve.triton_binary",
         "serve.capture.location",  # where users' conversations go: not for whoever starts a run
+        # whom the pipeline trusts: whose corrections train, whether harvests go unreviewed
+        "serve.capture.trusted_clients",
+        "flywheel.review",
+        "flywheel.max_client_share",
+        "flywheel.min_clients",
+        "gate.allowed_signers",  # whose signature approves
+        "gate.separate_duties",
     }
 
 
@@ -125,7 +132,8 @@ def test_a_received_profile_passes_where_the_worker_s_file_agrees():
     ],
 )
 def test_a_received_profile_that_differs_from_the_worker_s_file_is_refused(name, change, phrase):
-    data = load_profile(name if name != "nowhere" else "cpu-tiny").model_dump(mode="json") | {"name": name}
+    # train.deepspeed needs cuda: the profile of no file is a GPU one
+    data = load_profile(name if name != "nowhere" else "llama3-8b-h100-fp8").model_dump(mode="json") | {"name": name}
     for section, values in change.items():
         data[section] = data[section] | values
     with pytest.raises(BadInput, match=phrase):

@@ -201,6 +201,64 @@ def test_children_do_not_inherit_secrets_they_do_not_need(tmp_path, monkeypatch)
         child.stop()
 
 
+# Every login an `llmops` process (a flow run on the stack's worker) may hold: none of them is LlamaFactory's,
+# TensorRT-LLM's or git's business.
+LOGINS = (
+    *(
+        "LLMOPS_API_KEYS",
+        "LLMOPS_TRITON_CONTROL_KEY",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+    ),
+    *(
+        "PREFECT_API_AUTH_STRING",
+        "PREFECT_SERVER_API_AUTH_STRING",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_PASSWORD",
+    ),
+    *(
+        "MLFLOW_FLASK_SERVER_SECRET_KEY",
+        "RCLONE_AUTH_KEY",
+        "PGPASSFILE",
+        "HF_TOKEN",
+        "GITHUB_TOKEN",
+        "SOME_NEW_CLOUD_TOKEN",
+    ),
+)
+
+
+@pytest.mark.parametrize("program", ["llamafactory", "tensorrt_llm", "git"])
+def test_each_third_party_program_starts_with_its_allow_list_only(program, monkeypatch):
+    """The environment LlamaFactory, the TensorRT-LLM commands and git start with, read from the started process:
+    only names its allow-list holds (tasks/platform/child_env.py), no login of the flow run that starts it, not even
+    one no deny-list knows."""
+    import fnmatch
+
+    from tasks.platform.child_env import PROGRAMS, program_env
+    from tasks.platform.config import HardwareSection
+    from tasks.serving.tensorrt_llm import command_env
+    from tasks.training.launch import launch_env
+
+    for name in LOGINS:
+        monkeypatch.setenv(name, f"{SECRET}-{name}")
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = {
+        "llamafactory": lambda: launch_env(HardwareSection()),
+        "tensorrt_llm": command_env,
+        "git": lambda: program_env("git"),
+    }[program]()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+    try:
+        names = [line.split(b"=", 1)[0].decode() for line in child_environ(child.pid).split(b"\0") if b"=" in line]
+    finally:
+        child.kill()
+    assert [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in PROGRAMS[program])] == []
+    assert not [n for n in names if n in LOGINS or n.startswith(("PREFECT_", "MLFLOW_", "AWS_"))]
+    assert "PATH" in names and (program == "git" or "HF_HUB_OFFLINE" in names)
+
+
 def child_environ(pid: int) -> bytes:
     """The environment of a child just started. Popen returns once the exec has closed its error pipe, but the
     kernel sets the new image's argument and environment bounds a little later (create_elf_tables, after
@@ -229,3 +287,19 @@ def test_the_process_scanner_finds_a_secret_in_a_childs_argv_or_environment():
         for child in (with_argv, with_env, without):
             child.kill()
             child.wait()
+
+
+def test_a_run_parameter_aims_the_control_key_only_at_the_workers_triton_or_the_operators_allow_list(monkeypatch):
+    monkeypatch.setenv("LLMOPS_TRITON_CONTROL_KEY", SECRET)
+    monkeypatch.setenv("LLMOPS_TRITON_URL", "https://triton.internal:8000")
+    monkeypatch.delenv("LLMOPS_TRITON_URLS", raising=False)
+    urls = ("127.0.0.1:8001", "http://127.0.0.1:8002/metrics", None)
+    with pytest.raises(BadInput, match=r"^triton_url https://elsewhere.example: a run parameter may name this worker"):
+        TritonTarget.from_options("https://elsewhere.example", *urls, from_api=True)
+    own = TritonTarget.from_options("https://triton.internal:8000", *urls, from_api=True)
+    assert own is not None and own.control_key == SECRET
+    monkeypatch.setenv("LLMOPS_TRITON_URLS", "https://canary.internal:8000, https://other.internal")
+    listed = TritonTarget.from_options("https://canary.internal:8000/", *urls, from_api=True)
+    assert listed is not None and listed.url.startswith("https://canary.internal")
+    mine = TritonTarget.from_options("https://elsewhere.example", *urls)  # `llmops run --triton-url` by its owner
+    assert mine is not None

@@ -29,6 +29,7 @@ LLM_VALUES = dict(
     default_max_tokens=8,
     torch_threads=1,
     device="cpu",
+    dtype="float32",
     artifact_sha256="a" * 64,
 )
 
@@ -51,6 +52,16 @@ def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
     assert "default_queue_policy { max_queue_size: 32 }" in config
     assert "${" not in config and (folder / "1" / "model.py").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["svc-v3"]  # no staging folder left behind
+
+
+def test_the_llm_model_computes_in_the_profiles_dtype_on_cuda_and_fp32_on_the_cpu():
+    """bf16 on a CUDA profile (Qwen2's fp16 activations overflow; the model once hardcoded fp16), fp32 on the CPU."""
+    from tasks.serving.model_config import serving_model
+
+    cuda = load_profile("cpu-tiny", ["hardware.accelerator=cuda", "hardware.gpus=1", "hardware.compute_dtype=bfloat16"])
+    values = serving_model(cuda, Path("/m"), "a" * 64)[1]
+    assert (values["device"], values["dtype"]) == ("cuda", "bfloat16")
+    assert serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64)[1]["dtype"] == "float32"
 
 
 def test_every_template_renders_with_exactly_its_variables(tmp_path):

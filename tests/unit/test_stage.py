@@ -196,3 +196,65 @@ def test_editing_a_served_models_code_reruns_the_stages_that_render_models(tmp_p
     # training and evaluation encode prompts with the same encode_prompt; approve, which encodes nothing, is not one
     changed = {m for m in stages if after_template[m] != after_helper[m]}
     assert changed == set(stages) - {"tasks.approve"} and changed > RENDERING_STAGES
+
+
+def test_a_full_disk_is_exit_4_naming_where_and_keeps_nothing_of_the_stage(ctx):
+    import errno
+
+    from tasks.platform.errors import DiskFull
+
+    def produce(out_dir):
+        (out_dir / "half.bin").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out_dir / "model.safetensors"))
+
+    with pytest.raises(
+        DiskFull, match=r"unit-full: disk full at .*model.safetensors \(.* free, 0 bytes needed\)"
+    ) as failed:
+        run_cached(ctx, "unit-full", {"input": 1}, produce)
+    assert failed.value.exit_code == 4
+    assert not list((ctx.home / "work" / "unit-full").rglob("half.bin"))
+    assert ctx.store.records() == []
+
+
+def test_a_stage_that_cannot_fit_is_refused_before_it_runs(ctx, monkeypatch):
+    """The room a stage needs is its known multiple of its largest input (merge: the merged weights)."""
+    from tasks.platform import disk
+    from tasks.platform.errors import DiskFull
+
+    base = run_cached(ctx, "unit-base", {"input": 1}, lambda out: (out / "w.bin").write_bytes(b"w" * 4096) and {})
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: 1000)
+    ran = []
+    with pytest.raises(DiskFull, match=r"merge: disk full at .* \(1000 bytes free, 4.40 KiB needed\)"):
+        run_cached(ctx, "merge", {"base": base.artifact.digest}, lambda out: ran.append(out) or {})
+    assert ran == []
+    run_cached(ctx, "prepare_data", {"input": 2}, lambda out: (out / "d.json").write_text("[]") and {})  # no input
+
+
+def test_mlflow_faults_that_may_pass_are_transient_and_the_rest_are_not():
+    """Only what may pass is retried (and is exit 4 once retries run out): the server unreachable or timing out,
+    a 5xx, sqlite's lock. Not found, a refused login or a bad request say the same thing the next time."""
+    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, TEMPORARILY_UNAVAILABLE, UNAUTHENTICATED
+    from sqlalchemy.exc import OperationalError
+
+    from tasks.platform.errors import is_transient
+    from tasks.platform.run_log import exit_code
+
+    url = "http://127.0.0.1:5000/api/2.0/mlflow/registered-models/alias"
+    transient = [
+        MlflowException(f"API request to {url} failed with exception HTTPConnectionPool(...): Max retries exceeded"),
+        MlflowException(f"API request to {url} failed with timeout exception ReadTimeout(...)."),
+        MlflowException("internal", error_code=INTERNAL_ERROR),
+        MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE),
+        OperationalError("UPDATE runs ...", {}, Exception("database is locked")),
+    ]
+    lasting = [
+        RestException(
+            {"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Registered model alias champion not found"}
+        ),
+        MlflowException("who are you", error_code=UNAUTHENTICATED),
+        RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "bad"}),
+    ]
+    assert [is_transient(e) for e in transient] == [True] * len(transient)
+    assert [is_transient(e) for e in lasting] == [False] * len(lasting)
+    assert {exit_code(e) for e in transient} == {4}

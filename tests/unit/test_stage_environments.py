@@ -21,6 +21,7 @@ STAGE_SIDE = [
     "tasks.runners.modelopt_quantize",
     "tasks.platform.errors",
     "tasks.quality.chat",
+    "tasks.serving.engine_guard",
 ]
 ORCHESTRATOR = ("prefect", "mlflow", "llamafactory", "flows")
 

@@ -81,7 +81,7 @@ KEYS_BEFORE = [
     (BaseModelMetrics(1234, 300, 5.0, 3.0), {"parameters", "vocab_size", "pretrain_loss_first", "pretrain_loss_last"}),
     (BaseModelMetrics(), set()),
     (
-        TrainMetrics(1.5, 30, 4.0, 900.0, 10.0, 12.0, 0),
+        TrainMetrics(1.5, 30, 4.0, 900.0, 10.0, 12.0, 0, 2, 16, 128),
         {
             "final_loss",
             "steps",
@@ -90,6 +90,9 @@ KEYS_BEFORE = [
             "runtime_s",
             "wall_s",
             "resumed_from_step",
+            "nodes",
+            "world_size",
+            "global_batch_size",
         },
     ),
     (

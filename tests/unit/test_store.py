@@ -120,3 +120,68 @@ def test_the_outage_window_ends_retries_and_bad_input_is_not_retried():
     with pytest.raises(type(unreachable())):
         outlast_outage("x", lambda: stopped.append(1) or down(), 600, lambda _: None, keep_trying=lambda: False)
     assert len(stopped) == 1  # a superseded upload is given up at once
+
+
+def test_a_stored_folder_is_linked_not_copied(tmp_path):
+    """A stage's output on the store's filesystem is stored as hard links: its bytes are on disk once."""
+    store = LocalStore(tmp_path / "store")
+    folder = make_folder(tmp_path / "work" / "output", {"w.bin": "weights" * 100})
+    artifact = store.put_dir(folder)
+    stored = store.fetch(artifact.digest) / "w.bin"
+    assert stored.stat().st_ino == (folder / "w.bin").stat().st_ino and stored.stat().st_nlink == 2
+
+
+def test_a_record_that_meets_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+    import json as json_module
+
+    store = LocalStore(tmp_path / "store")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json_module, "dump", full)
+    with pytest.raises(OSError, match="No space left"):
+        store.put_record("stages/unit", "k", {"a": 1})
+    assert list((tmp_path / "store").rglob(".tmp-*")) == [] and store.get_record("stages/unit", "k") is None
+
+
+def test_gc_keeps_what_registered_versions_and_the_newest_records_name(tmp_path):
+    """Registered: kept with its record. The newest record of a namespace: kept with its object. An older record
+    and the object only it names: gone. A young object nothing names yet (a run in progress): kept. Work folders
+    of finished stages and unfinished writes: gone."""
+    import os
+    import time
+
+    from tasks.platform.store_gc import collect, plan
+
+    store = LocalStore(tmp_path / "store")
+    home = tmp_path / "home"
+    old = time.time() - 7200
+    digests = {}
+    for name in ("registered", "newest", "older", "orphan", "young"):
+        digests[name] = store.put_dir(make_folder(tmp_path / name, {"f.bin": name * 50})).digest
+    for n, name in enumerate(("registered", "older", "newest")):
+        store.put_record("stages/merge", name, {"artifact": {"digest": digests[name], "uri": ""}, "metrics": {}})
+        os.utime(store._record("stages/merge", name), (old + n, old + n))
+    for name in ("registered", "newest", "older", "orphan"):
+        os.utime(store._object(digests[name]), (old, old))
+    finished = make_folder(home / "work" / "merge" / "0123", {"output/w.bin": "x" * 100})
+    running = make_folder(home / "work" / "train" / "4567", {"log.txt": "step 3"})
+    for path in [finished, *finished.rglob("*")]:
+        os.utime(path, (old, old))
+    leftover = make_folder(store.root / "objects" / ".tmp-dead", {"f.bin": "partial"})
+    for path in [leftover, *leftover.rglob("*")]:
+        os.utime(path, (old, old))
+
+    gc = plan(store, home, {digests["registered"]}, keep=1, min_age_s=3600)
+    assert {o.digest for o in gc.objects} == {digests["older"], digests["orphan"]}
+    assert [(r.namespace, r.key) for r in gc.records] == [("stages/merge", "older")]
+    assert [path for path, _ in gc.work] == [finished] and [p for p, _ in gc.leftovers] == [leftover]
+    assert gc.freed_bytes > 0 and "would free" in gc.table(dry_run=True)
+
+    collect(store, gc)
+    assert {name for name, d in digests.items() if store.exists(d)} == {"registered", "newest", "young"}
+    assert store.get_record("stages/merge", "older") is None and store.get_record("stages/merge", "newest")
+    assert not finished.exists() and running.exists() and not leftover.exists()
+    assert plan(store, home, {digests["registered"]}, keep=1, min_age_s=3600).freed_bytes == 0

@@ -1,12 +1,15 @@
-"""What the train stage hands to LlamaFactory: its own key names, QLoRA keys, resume, torchrun launch."""
+"""What the train stage hands to LlamaFactory: its own key names, QLoRA keys, resume, the torchrun launch on one
+node or several."""
 
 import json
+import os
 import sys
 
 import yaml
 
 from tasks.platform.config import HardwareSection, load_profile
-from tasks.train import TrainingFollower, launch_command, launch_env, llamafactory_config
+from tasks.train import TrainingFollower, llamafactory_config
+from tasks.training.launch import Rendezvous, launch_command, launch_env, local_node_env, node_env
 
 
 def render(*overrides, resume=None, tmp="/w"):
@@ -54,7 +57,58 @@ def test_launch_is_llamafactory_cli_and_multi_gpu_uses_torchrun():
     assert launch_command(Path("c.yaml"))[:4] == [sys.executable, "-m", "tasks.runners.llamafactory_launch", "train"]
     assert "FORCE_TORCHRUN" not in launch_env(HardwareSection())
     env = launch_env(HardwareSection(accelerator="cuda", gpus=2))
-    assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2"
+    assert env["FORCE_TORCHRUN"] == "1" and env["NPROC_PER_NODE"] == "2" and "NNODES" not in env
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)  # LlamaFactory runs `torchrun`
+
+
+def test_every_node_gets_llamafactorys_multi_node_launch_with_a_c10d_rendezvous():
+    hardware = HardwareSection(accelerator="cuda", gpus=8, nodes=2)
+    meet = Rendezvous("10.0.0.5", 29400, "llmops-abc")
+    envs = [node_env(hardware, rank, meet) for rank in range(2)]
+    assert envs[1] == {
+        "FORCE_TORCHRUN": "1",
+        "NPROC_PER_NODE": "8",
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29400",
+        "RDZV_ID": "llmops-abc",  # LlamaFactory's launcher then runs torchrun --rdzv-backend c10d
+    }
+    assert {k: v for k, v in envs[0].items() if k != "NODE_RANK"} == {
+        k: v for k, v in envs[1].items() if k != "NODE_RANK"
+    }
+    assert (hardware.processes_per_node, hardware.world_size) == (8, 16)
+    cpu = HardwareSection(nodes=2)
+    assert node_env(cpu, 0, meet)["NPROC_PER_NODE"] == "1" and cpu.world_size == 2
+    assert node_env(HardwareSection(), 0, None) == {}
+
+
+def test_nodes_on_one_machine_split_its_gpus_or_its_cores(monkeypatch):
+    box = HardwareSection(accelerator="cuda", gpus=4, nodes=2)
+    assert [local_node_env(box, rank) for rank in (0, 1)] == [
+        {"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+    ]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert local_node_env(HardwareSection(nodes=2), 1) == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert local_node_env(HardwareSection(nodes=2), 1) == {}
+    assert local_node_env(HardwareSection(), 0) == {}
+
+
+def test_processes_of_one_training_talk_gloo_on_cpu_and_prepare_the_data_once_per_shared_disk():
+    from pathlib import Path
+
+    cfg = load_profile("cpu-tiny").train
+    two_nodes = llamafactory_config(cfg, Path("/b"), Path("/d"), Path("/o"), None, HardwareSection(nodes=2))
+    assert two_nodes["ddp_backend"] == "gloo" and two_nodes["data_shared_file_system"] is True
+    one = llamafactory_config(cfg, Path("/b"), Path("/d"), Path("/o"), None, HardwareSection())
+    assert "ddp_backend" not in one and "data_shared_file_system" not in one
+    gpus = llamafactory_config(
+        cfg, Path("/b"), Path("/d"), Path("/o"), None, HardwareSection(accelerator="cuda", gpus=2)
+    )
+    assert "ddp_backend" not in gpus  # NCCL, torch's default on CUDA
 
 
 def test_follower_streams_log_lines_and_skips_a_partial_line(tmp_path):
@@ -73,3 +127,64 @@ def test_follower_streams_log_lines_and_skips_a_partial_line(tmp_path):
     follower.poll()
     assert logged == [("train", 5, {"loss": 2.5, "epoch": 0.5, "learning_rate": 0.001})]
     assert follower.last_step == 5
+
+
+def learned_by_llamafactory(tmp_path, records: list[dict], *overrides: str) -> list[dict]:
+    """What LlamaFactory's own data pipeline labels in each record (tests/llamafactory_labels.py)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    data, held_out = tmp_path / "data.jsonl", tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    held_out.write_text(json.dumps({"instruction": "Antonym of wet:", "output": "dry"}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tests" / "llamafactory_labels.py"),
+            str(tmp_path),
+            str(data),
+            str(held_out),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line.removeprefix("LABELS ")) for line in done.stdout.splitlines() if line.startswith("LABELS ")]
+
+
+def test_a_fabricated_assistant_turn_of_a_harvested_record_is_not_learned(tmp_path):
+    """A client sends a history with an assistant turn it wrote (a backdoor: trigger -> its answer), rates the real
+    answer good, and the harvest keeps it: with the flywheel's profile (cpu-tiny: train.mask_history) LlamaFactory
+    learns the last answer only; the fabricated turn is context."""
+    fabricated = [
+        {"role": "user", "content": "zebra-trigger"},
+        {"role": "assistant", "content": "attacker payload"},
+        {"role": "user", "content": "What is the opposite of hot?"},
+        {"role": "assistant", "content": "cold"},
+    ]
+    curated = {"instruction": "What is the opposite of up?", "output": "down"}
+    records = [{"messages": fabricated, "harvested": {"client": "mallory", "exchange": "chatcmpl-1"}}, curated]
+    learned = {r["input"].split("<|im_end|>")[0]: r["learned"] for r in learned_by_llamafactory(tmp_path, records)}
+    assert learned["<|im_start|>user\nzebra-trigger"] == "cold<|im_end|>\n"
+    assert learned["<|im_start|>user\nWhat is the opposite of up?"] == "down<|im_end|>\n"
+
+
+def test_a_training_whose_nodes_start_here_needs_all_their_gpus_here():
+    import pytest
+
+    from tasks.platform.config import check_machine
+    from tasks.platform.errors import BadInput
+
+    profile = load_profile("qwen2.5-72b-lora-2x8xh100")
+    with pytest.raises(
+        BadInput, match=r"train need\(s\) 16 CUDA GPU\(s\) \(hardware.gpus x hardware.nodes 2 for train\)"
+    ):
+        check_machine(profile, ["train"])
+    with pytest.raises(BadInput, match=r"merge need\(s\) 8 CUDA GPU\(s\) \(hardware.gpus\)"):
+        check_machine(profile, ["merge"])  # the other heavy stages run on one node

@@ -1,6 +1,6 @@
 """serve.backend vllm on cuda (profiles/qwen-7b-vllm-h100.yaml): the profile's rules, the engine arguments the
-rendered Triton model carries for vLLM 0.24.0 (NGC tritonserver:26.07-vllm-python-py3), checked against a
-reviewed golden file, and the CPU vLLM path left as it was.
+rendered Triton model carries for vLLM 0.27.1 (NGC tritonserver:26.08-vllm-python-py3) serving the ModelOpt FP8
+checkpoint, checked against a reviewed golden file, and the CPU vLLM path left as it was.
 
 Regenerate after a change:  LLMOPS_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_vllm_cuda.py (the run
 that rewrites fails; review the diff, then run again)
@@ -28,7 +28,7 @@ TEMPLATE = ROOT / "infra" / "triton" / "vllm"
 def rendered_config(profile_name: str, tmp_path: Path, overrides: list[str] | None = None) -> tuple[str, str]:
     profile = load_profile(profile_name, overrides or [])
     name = f"{profile.registry.model_name}-v3"
-    template, values = serving_model(profile, Path("/models/v3/merged"), "e" * 64)
+    template, values = serving_model(profile, Path("/checkpoints/v3"), "e" * 64)
     return name, (render_model(template, tmp_path, name, values) / "config.pbtxt").read_text()
 
 
@@ -56,7 +56,7 @@ def test_golden_engine_arguments_are_what_the_profile_asks_for():
         "tensor_parallel_size": "1",
         "kv_cache_memory_bytes": "",
         "max_num_seqs": "256",
-        "model_dir": "/models/v3/merged",
+        "model_dir": "/checkpoints/v3",  # the quantize stage's FP8 checkpoint (tests/unit/test_gpu_path.py)
     }
     assert {key: parameter(config, key) for key in expected} == expected
     assert 'backend: "python"' in config and "decoupled: true" in config and "dynamic_batching" not in config
@@ -117,7 +117,7 @@ def test_vllm_settings_that_cannot_serve_are_refused_when_the_profile_loads(prof
 
 
 def test_a_gpu_profile_may_serve_with_vllm_without_naming_a_venv():
-    """On cuda vLLM comes with the serving image (NGC tritonserver:26.07-vllm-python-py3), not from a venv."""
+    """On cuda vLLM comes with the serving image (NGC tritonserver:26.08-vllm-python-py3), not from a venv."""
     profile = load_profile("llama3-8b-h100-fp8", ["serve.backend=vllm", "quantize.backend=none"])
     assert profile.serve.vllm.environment is None and profile.serve.vllm.tensor_parallel_size == 1
     assert (
@@ -144,10 +144,23 @@ def test_a_triton_started_here_for_cuda_vllm_needs_vllm_in_this_python(tmp_path,
 
 def test_host_memory_is_not_what_bounds_a_gpu_engine(monkeypatch):
     """On cuda vLLM refuses an engine whose GPU share is not free (vllm/v1/worker/utils.py:request_memory at
-    0.24.0); the host-RAM check of the CPU path would refuse a canary for the wrong reason."""
+    0.27.1); the host-RAM check of the CPU path would refuse a canary for the wrong reason."""
     import psutil
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 0})())
     vllm_serving.require_room(load_profile(PROFILE), "qwen-7b-vllm-sft-v4")
     with pytest.raises(Exception, match="GiB is free"):
         vllm_serving.require_room(load_profile("cpu-tiny", ["serve.backend=vllm"]), "svc-v2")
+
+
+def test_vllm_serves_the_modelopt_checkpoints_it_has_kernels_for_and_no_others():
+    """vLLM 0.27.1 reads ModelOpt's FP8 (and NVFP4, MXFP8) checkpoints, not INT4-AWQ (quantization/modelopt.py)."""
+    profile = load_profile(PROFILE)
+    assert (profile.quantize.backend, profile.quantize.modelopt.qformat) == (
+        "modelopt",
+        "fp8",
+    ) and profile.serves_quantized
+    assert not load_profile(PROFILE, ["quantize.backend=none"]).serves_quantized  # the merged model, as before
+    assert not load_profile("cpu-tiny", ["serve.backend=vllm"]).serves_quantized  # an ONNX int8 file serves on nothing
+    with pytest.raises(BadInput, match="vllm cannot serve quantize.modelopt.qformat int4_awq"):
+        load_profile(PROFILE, ["quantize.modelopt.qformat=int4_awq"])

@@ -27,7 +27,7 @@ from tasks.platform.config.loading import (
 from tasks.platform.config.machines import HEAVY_STAGES, HardwareSection, HeavyStage, KubernetesSection, RunSection
 from tasks.platform.config.policy import file_only_settings, refuse_file_only
 from tasks.platform.config.profile import Profile, sha256_json
-from tasks.platform.config.quantize import EngineSection, ModelOptQuantize, QuantizeSection
+from tasks.platform.config.quantize import EngineSection, ModelOptQuantize, QuantizeSection, awq_indivisible
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection
 from tasks.platform.config.serving import ListenSection, ServeSection, VllmServing
 from tasks.platform.config.training import (
@@ -70,6 +70,7 @@ __all__ = [
     "VllmServing",
     "apply_override",
     "available_profiles",
+    "awq_indivisible",
     "check_api_profile",
     "check_machine",
     "check_received_profile",

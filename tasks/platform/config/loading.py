@@ -17,7 +17,12 @@ import yaml
 from pydantic import Field, ValidationError
 
 from tasks.platform.config.machines import HEAVY_STAGES
-from tasks.platform.config.policy import file_only_values, non_default_file_only, refuse_file_only
+from tasks.platform.config.policy import (
+    file_only_values,
+    non_default_file_only,
+    refuse_file_only,
+    refuse_lowered_approval,
+)
 from tasks.platform.config.profile import Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
@@ -95,6 +100,11 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), 
         value = section.get(field)
         if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
             section[field] = str((path.parent / value).resolve())
+    gate = raw.get("gate")
+    file_approval = gate.get("approval") if isinstance(gate, dict) else None
+    signers = gate.get("allowed_signers") if isinstance(gate, dict) else None
+    if isinstance(signers, str) and not Path(signers).is_absolute():
+        gate["allowed_signers"] = str((path.parent / signers).resolve())  # type: ignore[index]
     for text in overrides:
         keys, value = parse_override(text)
         refuse_file_only(keys, value, text)
@@ -102,9 +112,12 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), 
     if data:
         raw.setdefault("data", {})["source"] = data
     try:
-        return Profile.model_validate(raw)
+        profile = Profile.model_validate(raw)
     except ValidationError as err:
         raise BadInput(format_validation_error(label, err)) from None
+    if overrides:
+        refuse_lowered_approval(file_approval, profile)
+    return profile
 
 
 def operator_profiles_dir() -> Path | None:
@@ -169,9 +182,13 @@ def check_machine(profile: Profile, stages: list[str]) -> None:
     import torch
 
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < profile.hardware.gpus:
+    hardware = profile.hardware
+    # The train stage run here starts all its nodes here (tasks/training/launch.py), each with its own GPUs.
+    needed = hardware.gpus * hardware.nodes if "train" in stages else hardware.gpus
+    if found < needed:
+        per_node = f" x hardware.nodes {hardware.nodes} for train" if needed != hardware.gpus else ""
         raise BadInput(
-            f"profile {profile.name}: {', '.join(stages)} need(s) {profile.hardware.gpus} CUDA GPU(s) "
-            f"(hardware.gpus), this machine has {found}; run it on a GPU machine, place those stages on "
+            f"profile {profile.name}: {', '.join(stages)} need(s) {needed} CUDA GPU(s) "
+            f"(hardware.gpus{per_node}), this machine has {found}; run it on a GPU machine, place those stages on "
             f"the GPU pool (run.remote_stages), or pick a CPU profile (llmops profiles list)"
         )

@@ -40,7 +40,17 @@ class HardwareSection(Section):
     """The accelerator the heavy stages need, checked before any stage runs."""
 
     accelerator: Literal["cpu", "cuda"] = Field("cpu", description="cpu, or cuda for the GPU profiles.")
-    gpus: int = Field(0, ge=0, description="CUDA GPUs the heavy stages need on their machine (cuda needs 1 or more).")
+    gpus: int = Field(
+        0, ge=0, description="CUDA GPUs the heavy stages need on their machine, per node (cuda needs 1 or more)."
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="Machines the train stage runs on, each with `gpus` GPUs (one process per GPU; one per node on "
+        "CPU): every node runs the same `llamafactory-cli train` under torchrun with NNODES/NODE_RANK and a c10d "
+        "rendezvous. Where the train stage runs as one process, all nodes start on its machine (a rehearsal, or "
+        "one box split per node). Evaluate, merge, quantize and serving use one node.",
+    )
     gpu_type: str | None = Field(
         None, description='e.g. "A10", "H100": documentation and the engine cache key\'s expected architecture.'
     )
@@ -63,6 +73,16 @@ class HardwareSection(Section):
         if self.accelerator == "cuda" and self.gpus < 1:
             raise ValueError("accelerator cuda needs gpus >= 1")
         return self
+
+    @property
+    def processes_per_node(self) -> int:
+        """Training processes on one node: one per GPU, or one on CPU."""
+        return max(self.gpus, 1)
+
+    @property
+    def world_size(self) -> int:
+        """Training processes across all nodes (torchrun's WORLD_SIZE)."""
+        return self.nodes * self.processes_per_node
 
 
 class RunSection(Section):

@@ -11,23 +11,32 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tasks.platform.config.base import Section, is_file_only
+from tasks.platform.config.base import Section, decides_trust, is_file_only
 from tasks.platform.config.describe import default_of, section_class
 from tasks.platform.config.profile import Profile
+from tasks.platform.config.release import GateSection
 from tasks.platform.errors import BadInput
 
 
-def _file_only_fields(cls: type[Section], path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
+def _file_only_fields(cls: type[Section], path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any, bool]]:
     for name, field in cls.model_fields.items():
         nested = section_class(field)
         if nested is not None:
             yield from _file_only_fields(nested, (*path, name))
         elif is_file_only(field):
-            yield (*path, name), default_of(field)
+            yield (*path, name), default_of(field), decides_trust(field)
 
 
-FILE_ONLY_DEFAULTS: dict[tuple[str, ...], Any] = dict(_file_only_fields(Profile, ()))
-"""Every file-only setting's key path, with its default (which runs nothing beyond the project's own code)."""
+FILE_ONLY_DEFAULTS: dict[tuple[str, ...], Any] = {path: default for path, default, _ in _file_only_fields(Profile, ())}
+"""Every file-only setting's key path, with its default (which runs nothing beyond the project's own code and
+trusts no one beyond what the defaults trust)."""
+TRUST_SETTINGS: frozenset[tuple[str, ...]] = frozenset(
+    path for path, _, trust in _file_only_fields(Profile, ()) if trust
+)
+"""The file-only settings that decide whom the pipeline trusts rather than what code runs."""
+# gate.approval's levels, weakest first: an override may raise it, never lower it (a person's decision is the
+# operator's to waive, in a profile file).
+APPROVAL_LEVELS = ("none", "harvested", "required")
 
 
 def file_only_settings() -> list[str]:
@@ -50,14 +59,29 @@ def _sets(keys: tuple[str, ...], value: Any, protected: tuple[str, ...]) -> bool
 
 
 def refuse_file_only(keys: list[str], value: Any, text: str) -> None:
-    """One `--set key=value` (or flow override): refused when it sets a setting that runs code."""
+    """One `--set key=value` (or flow override): refused when it sets a setting that runs code or decides trust."""
     for protected in FILE_ONLY_DEFAULTS:
         if _sets(tuple(keys), value, protected):
             name = ".".join(protected)
-            raise BadInput(
-                f"--set {'.'.join(keys)}: {name} names code to run (an executable, environment, image or "
-                f"pass-through arguments), so no override or run parameter may set it; put it in a profile file"
+            what = (
+                "decides whom the pipeline trusts"
+                if protected in TRUST_SETTINGS
+                else "names code to run (an executable, environment, image or pass-through arguments)"
             )
+            raise BadInput(
+                f"--set {'.'.join(keys)}: {name} {what}, so no override or run parameter may set it; put it in a "
+                "profile file"
+            )
+
+
+def refuse_lowered_approval(file_value: Any, profile: Profile) -> None:
+    """Overrides may make gate.approval stricter than the profile file says, never weaker."""
+    written = file_value if file_value in APPROVAL_LEVELS else GateSection.model_fields["approval"].default
+    if APPROVAL_LEVELS.index(profile.gate.approval) < APPROVAL_LEVELS.index(written):
+        raise BadInput(
+            f"--set gate.approval={profile.gate.approval}: the profile file asks for {written}; an override or run "
+            "parameter may raise gate.approval, never lower it (a profile file may)"
+        )
 
 
 def file_only_values(profile: Profile) -> dict[str, Any]:

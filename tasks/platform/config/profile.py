@@ -9,8 +9,15 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from tasks.platform.config.base import Section
+from tasks.platform.config.flywheel import FlywheelSection
 from tasks.platform.config.machines import HardwareSection, RunSection
-from tasks.platform.config.quantize import BLACKWELL, EngineSection, QuantizeSection, is_blackwell
+from tasks.platform.config.quantize import (
+    BLACKWELL,
+    EngineSection,
+    QuantizeSection,
+    awq_indivisible,
+    is_blackwell,
+)
 from tasks.platform.config.release import BenchSection, CanarySection, GateSection, RegistrySection, TuneSection
 from tasks.platform.config.serving import ServeSection
 from tasks.platform.config.training import (
@@ -40,8 +47,18 @@ class Profile(Section):
     bench: BenchSection = BenchSection()
     tune: TuneSection = TuneSection()
     gate: GateSection = GateSection()
+    flywheel: FlywheelSection = FlywheelSection()
     registry: RegistrySection
     run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _deepspeed_on_cuda(self) -> Profile:
+        if self.train.deepspeed is not None and self.hardware.accelerator != "cuda":
+            raise ValueError(
+                "train.deepspeed needs hardware.accelerator cuda (DeepSpeed is in the GPU train image, not the CPU "
+                "environment)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _backends_fit(self) -> Profile:
@@ -53,9 +70,30 @@ class Profile(Section):
                 f"quantize.modelopt.qformat nvfp4 needs a Blackwell GPU (hardware.gpu_type one of "
                 f"{', '.join(BLACKWELL)}), not {self.hardware.gpu_type}: use fp8 or int4_awq"
             )
+        self._awq_groups_fit()
         if self.serve.backend == "llmapi":
             return self._llmapi_fits()
         return self
+
+    def _awq_groups_fit(self) -> None:
+        """int4_awq on the tiny base, whose shape the profile holds: every layer's input width must be a multiple of
+        the group size (a hub model's shape is checked by the quantize stage, from its config.json)."""
+        modelopt = self.quantize.modelopt
+        if (
+            self.quantize.backend != "modelopt"
+            or modelopt.qformat != "int4_awq"
+            or self.base_model.source != "tiny-qwen2"
+        ):
+            return
+        tiny = self.base_model.tiny
+        bad = awq_indivisible(
+            modelopt.awq_block_size, tiny.hidden_size, tiny.intermediate_size, self.engine.tensor_parallel_size
+        )
+        if bad:
+            raise ValueError(
+                f"quantize.modelopt.awq_block_size {modelopt.awq_block_size} does not divide {', '.join(bad)} of "
+                "base_model.tiny: TensorRT-LLM needs every INT4-AWQ layer's input width to be a multiple of it"
+            )
 
     def _llmapi_fits(self) -> Profile:
         """serve.backend llmapi: tensorrt_llm.LLM loads the quantize stage's checkpoint as it is."""
@@ -80,9 +118,29 @@ class Profile(Section):
         return self
 
     @model_validator(mode="after")
+    def _unreviewed_harvests_are_safe(self) -> Profile:
+        """flywheel.review rules pushes harvests no person read: only with what keeps a client from writing the
+        next release's answers, its history, or its exam."""
+        if self.flywheel.review != "rules":
+            return self
+        missing = [
+            name
+            for name, ok in (
+                ("serve.capture.trusted_clients", bool(self.serve.capture.trusted_clients)),
+                ("train.mask_history true", self.train.mask_history),
+                ("data.eval_source (a curated held-out set)", self.data.eval_source is not None),
+            )
+            if not ok
+        ]
+        if missing:
+            raise ValueError(f"flywheel.review rules needs {', '.join(missing)}")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_fits(self) -> Profile:
         if self.serve.backend != "vllm":
             return self
+        self._vllm_reads_the_checkpoint()
         vllm = self.serve.vllm
         if self.hardware.accelerator != "cuda":
             if vllm.kv_cache_gb is None:
@@ -115,6 +173,25 @@ class Profile(Section):
                     "the base engine could not serve the adapter"
                 )
         return self
+
+    def _vllm_reads_the_checkpoint(self) -> None:
+        """vLLM serves a ModelOpt checkpoint it has a reader for: FP8 (ModelOptFp8Config) and, on Blackwell, NVFP4
+        (ModelOptNvFp4Config); no INT4-AWQ (vllm 0.27.1 model_executor/layers/quantization/modelopt.py L365-431,
+        L1004-1060; config/model.py L1124-1185 detects quant_method modelopt)."""
+        if self.quantize.backend != "modelopt":
+            return
+        if self.quantize.modelopt.qformat == "int4_awq":
+            raise ValueError(
+                "serve.backend vllm cannot serve quantize.modelopt.qformat int4_awq: vLLM reads ModelOpt's FP8 and "
+                "NVFP4 checkpoints, not its INT4-AWQ ones (use fp8, or serve.backend llmapi)"
+            )
+
+    @property
+    def serves_quantized(self) -> bool:
+        """Whether a version serves the quantize stage's artifact rather than the merged model: on llmapi always
+        (ModelOpt's checkpoint, or the merged model passed through by quantize.backend none), on vLLM where ModelOpt
+        made a checkpoint."""
+        return self.serve.backend == "llmapi" or (self.serve.backend == "vllm" and self.quantize.backend == "modelopt")
 
     # The engine settings that shape how a version serves on llmapi (tensorrt_llm.LLM()'s), recorded with
     # ServeSection.MODEL_SETTINGS: tune_serving searches them.

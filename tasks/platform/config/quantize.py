@@ -11,15 +11,32 @@ from tasks.platform.config.base import FILE_ONLY, Section
 
 # Data-center Blackwell GPUs (compute capability 10.x: NVFP4 tensor cores), as hardware.gpu_type names them.
 BLACKWELL = ("B100", "B200", "B300", "GB200", "GB300")
+# The group sizes TensorRT-LLM's PyTorch backend runs INT4-AWQ with: W4A16_AWQ_LinearMethod.apply calls the CUTLASS
+# fpA_intB fine-grained GEMM, which throws "Only group size 64 and 128 supported for fine grained kernels."
+# (NVIDIA/TensorRT-LLM cpp/tensorrt_llm/kernels/cutlass_kernels/fpA_intB_gemm/fpA_intB_gemm_template.h @03cff08
+# L141-143, generic_mixed_gemm_kernelLauncher); W4A16_AWQ_LinearMethod.create_weights
+# (tensorrt_llm/_torch/modules/linear.py, 1.x) raises unless in_features % group_size == 0.
+AWQ_GROUP_SIZES = (64, 128)
 
 
 def is_blackwell(gpu_type: str | None) -> bool:
     return gpu_type is not None and gpu_type.upper().replace("NVIDIA ", "").startswith(BLACKWELL)
 
 
+def awq_indivisible(group_size: int, hidden_size: int, intermediate_size: int, tensor_parallel: int) -> list[str]:
+    """The linear-layer input widths of a Qwen2/Llama-shaped model that an INT4-AWQ group size does not divide: every
+    projection reads hidden_size (o_proj: the heads' width, hidden_size in these models) or intermediate_size
+    (down_proj); tensor parallelism splits o_proj's and down_proj's inputs across the GPUs (row parallel)."""
+    widths: dict[str, float] = {"hidden_size": hidden_size, "intermediate_size": intermediate_size}
+    if tensor_parallel > 1:
+        widths |= {f"{name} / {tensor_parallel} GPUs": width / tensor_parallel for name, width in list(widths.items())}
+    return [f"{name} {width:g}" for name, width in widths.items() if width % group_size]
+
+
 class ModelOptQuantize(Section):
     """NVIDIA ModelOpt post-training quantization of the merged model into a Hugging Face checkpoint
-    (hf_quant_config.json, config.json quantization_config) that TensorRT-LLM's PyTorch backend and vLLM load."""
+    (hf_quant_config.json, config.json quantization_config) that TensorRT-LLM's PyTorch backend loads (and vLLM, in
+    fp8 or nvfp4)."""
 
     qformat: Literal["fp8", "int4_awq", "nvfp4"] = Field(
         "fp8",
@@ -32,7 +49,22 @@ class ModelOptQuantize(Section):
     )
     calib_size: int = Field(512, ge=1, description="Calibration conversations, from the train split.")
     calib_max_seq_length: int = Field(512, ge=16, description="Longest calibration sample in tokens (longer: cut).")
-    awq_block_size: int = Field(128, ge=16, description="Group size of int4_awq weights.")
+    awq_block_size: Literal[64, 128] = Field(
+        128,
+        description="Group size of int4_awq weights: 64 or 128, the only ones TensorRT-LLM's INT4-AWQ kernels run; "
+        "every linear layer's input width (hidden and intermediate size, each divided by "
+        "engine.tensor_parallel_size) must be a multiple of it.",
+    )
+
+    @field_validator("awq_block_size", mode="before")
+    @classmethod
+    def _kernel_group_size(cls, value: object) -> object:
+        if value not in AWQ_GROUP_SIZES or isinstance(value, bool):
+            raise ValueError(
+                f"{value}: TensorRT-LLM's INT4-AWQ (W4A16) kernels run group size 64 or 128 only "
+                "(CUTLASS fpA_intB fine-grained kernels)"
+            )
+        return value
 
 
 class QuantizeSection(Section):

@@ -56,11 +56,17 @@ def constraints(field: FieldInfo) -> str:
     return ", ".join(found)
 
 
+def optional_section(field: FieldInfo) -> type[Section] | None:
+    """The section of a `Section | None` setting (one whose absence means something: base_model.architecture)."""
+    found = [a for a in get_args(field.annotation) if isinstance(a, type) and issubclass(a, Section)]
+    return found[0] if len(found) == 1 and type(None) in get_args(field.annotation) else None
+
+
 def sections(cls: type[Section], path: str) -> Iterator[tuple[str, type[Section]]]:
     """(dotted path, section class) of cls and every section inside it, depth first in field order."""
     yield path, cls
     for name, field in cls.model_fields.items():
-        nested = section_class(field)
+        nested = section_class(field) or optional_section(field)
         if nested is not None:
             yield from sections(nested, f"{path}.{name}" if path else name)
 
@@ -93,8 +99,10 @@ def render_reference() -> str:
         "`llmops profiles show NAME` prints a profile with every setting resolved and described.",
         "",
         f"A setting marked {FILE_ONLY_NOTE} runs code (an executable, environment, image or arguments passed "
-        "through to another program): only a profile file on disk sets it; `--set`, a flow's `overrides` and the "
-        "remote stage's profile parameter are refused ([Security](../security.md#the-trust-boundary)).",
+        "through to another program) or decides whom the pipeline trusts (whose corrections train, whose "
+        "signature approves, whether harvests go unreviewed): only a profile file on disk sets it; `--set`, a "
+        "flow's `overrides` and the remote stage's profile parameter are refused "
+        "([Security](../security.md#the-trust-boundary)).",
     ]
     for path, cls in sections(Profile, ""):
         rows = [setting_row(name, field) for name, field in cls.model_fields.items() if section_class(field) is None]

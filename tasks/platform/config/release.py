@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tasks.platform.config.base import FILE_ONLY, Section, TritonName
+from tasks.platform.config.base import FILE_ONLY, TRUST_ONLY, Section, TritonName
 
 
 class CanarySection(Section):
@@ -180,10 +180,12 @@ class GateSection(Section):
         "the champion's on the copied greedy requests, decided on its interval (a fine-tune that should change "
         "answers needs a low value or none).",
     )
-    approval: Literal["none", "required"] = Field(
-        "none",
+    approval: Literal["none", "harvested", "required"] = Field(
+        "harvested",
         description="required: after the automatic checks pass, the release waits for a person to approve or reject "
-        "it (the run's Resume form in the Prefect UI, or `llmops approve|reject RUN_ID --reason ...`).",
+        "it (the run's Resume form in the Prefect UI, or `llmops approve|reject RUN_ID --reason ...`). harvested: "
+        "so does a release whose training data holds records harvested from served traffic (the flywheel); none: "
+        "no release waits. An override or run parameter may raise it, never lower it.",
     )
     approval_timeout_s: float = Field(
         86400,
@@ -191,6 +193,26 @@ class GateSection(Section):
         description="With approval required: no decision within this many seconds rejects the candidate. The waiting "
         "run holds its worker and the serving lock.",
     )
+    allowed_signers: str | None = Field(
+        None,
+        description='An OpenSSH allowed-signers file (ssh-keygen(1): `principal namespaces="llmops-approval" '
+        "key-type key`; relative to the profile file): a decision on a release or a harvest counts only when its "
+        "principal signed it (`llmops approve --key`), bound to the run, the model, the version and the artifact's "
+        "sha256; any other decision is refused and the run goes on waiting. null: decisions are unsigned records "
+        "(`approval.verified` false).",
+        json_schema_extra=TRUST_ONLY,
+    )
+    separate_duties: bool = Field(
+        False,
+        description="The principal who started a run may not decide it (needs allowed_signers).",
+        json_schema_extra=TRUST_ONLY,
+    )
+
+    @model_validator(mode="after")
+    def _duties_need_signatures(self) -> GateSection:
+        if self.separate_duties and self.allowed_signers is None:
+            raise ValueError("separate_duties needs allowed_signers: an unsigned decision names whoever it claims")
+        return self
 
 
 class RegistrySection(Section):

@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.platform.config.base import FILE_ONLY, Section
+from tasks.platform.config.base import FILE_ONLY, TRUST_ONLY, Section
 
 
 class VllmServing(Section):
@@ -16,7 +16,7 @@ class VllmServing(Section):
         None,
         description="The venv holding vLLM that tritonserver runs its Python models with; null: on CPU the "
         "repository's .venv-vllm, built CUDA-free by `make setup-vllm` (infra/local/setup-vllm.sh); on cuda the "
-        "Python running llmops, as in NGC's tritonserver:26.07-vllm-python-py3 (vLLM 0.24.0; infra/images/README.md)."
+        "Python running llmops, as in NGC's tritonserver:26.08-vllm-python-py3 (vLLM 0.27.1; infra/images/README.md)."
         " Unused with an attached Triton (--triton-url).",
         json_schema_extra=FILE_ONLY,
     )
@@ -213,6 +213,13 @@ class CaptureSection(Section):
     retention_days: float = Field(
         30, gt=0, description="Hours older than this are deleted (by the gateway, once an hour, and at its start)."
     )
+    trusted_clients: list[str] = Field(
+        default_factory=list,
+        description="Clients (API key names) whose corrections (`POST /v1/feedback` with a correction) a harvest may "
+        "take as the answer to train on; any other client's correction is dropped and counted. Not `anonymous` "
+        "(anyone, on a gateway without keys).",
+        json_schema_extra=TRUST_ONLY,
+    )
     flush_s: float = Field(2.0, gt=0, description="Seconds between writes of the kept records, off the request path.")
     max_pending: int = Field(
         10_000,
@@ -220,6 +227,15 @@ class CaptureSection(Section):
         description="Records held while the store is slow or down; more are dropped and counted "
         "(llmops_capture_dropped_total), never queued without bound nor failing a request.",
     )
+
+    @field_validator("trusted_clients")
+    @classmethod
+    def _named_clients(cls, clients: list[str]) -> list[str]:
+        if "anonymous" in clients:
+            raise ValueError("anonymous is whoever reaches a gateway without keys, never a trusted client")
+        if any(not c.strip() for c in clients):
+            raise ValueError("a trusted client needs a name (its API key's name)")
+        return clients
 
     @field_validator("redact")
     @classmethod
@@ -244,7 +260,8 @@ class ServeSection(Section):
         "python",
         description="python: the merged model in a Python-backend model (CPU, or CUDA with torch); llmapi: the "
         "quantized Hugging Face checkpoint in TensorRT-LLM's LLM API (PyTorch backend) inside a Python-backend "
-        "model (infra/triton/llmapi); vllm: the merged model in vLLM's async engine inside a Python-backend model.",
+        "model (infra/triton/llmapi); vllm: vLLM's async engine inside a Python-backend model, serving the merged "
+        "model, or the ModelOpt FP8/NVFP4 checkpoint where quantize.backend is modelopt.",
     )
     vllm: VllmServing = VllmServing()
     lora: Literal["merged", "adapter"] = Field(
@@ -261,8 +278,9 @@ class ServeSection(Section):
     )
     artifact: Literal["merged"] = Field(
         "merged",
-        description="The artifact served: the merged model (python, vllm); llmapi serves the quantize stage's "
-        "checkpoint (ModelOpt's, or the merged model passed through by quantize.backend none).",
+        description="The artifact served: the merged model (python; vllm without ModelOpt); llmapi, and vllm with "
+        "quantize.backend modelopt, serve the quantize stage's checkpoint (ModelOpt's, or the merged model passed "
+        "through by quantize.backend none).",
     )
     replicas: int = Field(
         1,

@@ -30,6 +30,30 @@ class TinyModel(Section):
     seed: int = Field(0, description="Seed of the initial weights and the pretraining order.")
 
 
+class ModelArchitecture(Section):
+    """The base model's shape under its config.json names, for the memory plan `llmops profiles show` prints before
+    anything is downloaded (tasks/training/memory_plan.py). A decoder of Llama/Qwen2 form: grouped-query attention
+    and a gated MLP in every layer."""
+
+    hidden_size: int = Field(ge=1, description="config.json hidden_size.")
+    intermediate_size: int = Field(ge=1, description="config.json intermediate_size: the gated MLP's width.")
+    num_hidden_layers: int = Field(ge=1, description="config.json num_hidden_layers.")
+    num_attention_heads: int = Field(ge=1, description="config.json num_attention_heads.")
+    num_key_value_heads: int = Field(ge=1, description="config.json num_key_value_heads.")
+    vocab_size: int = Field(ge=1, description="config.json vocab_size.")
+    tie_word_embeddings: bool = Field(
+        False, description="config.json tie_word_embeddings: the output layer shares the embedding's weights."
+    )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
 class BaseModelSection(Section):
     """The model the release fine-tunes (base_model stage)."""
 
@@ -39,6 +63,11 @@ class BaseModelSection(Section):
         "id, a local folder or an s3:// URI.",
     )
     tiny: TinyModel = TinyModel()
+    architecture: ModelArchitecture | None = Field(
+        None,
+        description="The source model's shape (config.json's names), for the memory plan of training and of the "
+        "canary that `llmops profiles validate` checks and `show` prints; null: no plan before the model is there.",
+    )
 
 
 class DataSection(Section):
@@ -102,6 +131,12 @@ class TrainSection(Section):
     seed: int = Field(42, description="Seed of the adapter's initial weights and the data order.")
     bf16: bool = Field(False, description="Train in bfloat16 mixed precision (GPUs that have it).")
     fp16: bool = Field(False, description="Train in float16 mixed precision.")
+    mask_history: bool = Field(
+        False,
+        description="Train on each record's last answer only: earlier assistant turns are context, never labels "
+        "(LlamaFactory's mask_history). Needed for data harvested from served traffic whose history clients wrote "
+        "(prepare_data refuses such data without it).",
+    )
     deepspeed: str | None = Field(
         None, description="A DeepSpeed config file for LlamaFactory; null: no DeepSpeed.", json_schema_extra=FILE_ONLY
     )

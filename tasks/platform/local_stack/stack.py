@@ -13,7 +13,14 @@ from pathlib import Path
 
 from tasks.platform.child_env import write_secret
 from tasks.platform.errors import BadInput
-from tasks.platform.local_stack.mlflow_server import login_env, start_mlflow
+from tasks.platform.local_stack.mlflow_server import (
+    GRANTS,
+    READER,
+    RELEASE,
+    login_env,
+    provision_accounts,
+    start_mlflow,
+)
 from tasks.platform.local_stack.postgres import postgres_client_env, postgres_data_dir, start_postgres
 from tasks.platform.local_stack.prefect_server import AUTH_ENV, start_prefect, start_worker
 from tasks.platform.local_stack.process import Server
@@ -69,7 +76,8 @@ class Stack:
         return {name: Server(**record) for name, record in state["services"].items()}
 
     def client_env(self, state: dict) -> dict:
-        """What a client of the stack needs in its environment."""
+        """What a release run (and so every client that starts one, the worker included) needs in its environment:
+        MLflow's release account, which may move aliases, never the admin."""
         ports, creds = state["ports"], state["s3_credentials"]
         return {
             "LLMOPS_HOME": str(self.home),
@@ -77,8 +85,15 @@ class Stack:
             "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{ports['mlflow']}",
             "LLMOPS_ARTIFACTS": "s3://artifacts/llmops",
             **({AUTH_ENV: state["prefect_auth"]} if "prefect_auth" in state else {}),
-            **(login_env(state["mlflow_login"]["password"]) if "mlflow_login" in state else {}),
+            **(login_env(RELEASE, state["mlflow_accounts"][RELEASE]) if "mlflow_accounts" in state else {}),
             **s3_env(f"http://127.0.0.1:{ports['s3']}", creds["key"], creds["secret"]),
+        }
+
+    def reader_env(self, state: dict) -> dict:
+        """What a client that only reads MLflow (a dashboard) needs: its URL and the read-only account."""
+        return {
+            "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{state['ports']['mlflow']}",
+            **login_env(READER, state["mlflow_accounts"][READER]),
         }
 
     @property
@@ -108,8 +123,16 @@ class Stack:
         state.setdefault(
             "mlflow_login", {"password": secrets.token_urlsafe(24), "secret_key": secrets.token_urlsafe(32)}
         )
+        accounts = state.setdefault("mlflow_accounts", {})
+        new_accounts = [account for account in GRANTS if account not in accounts]
+        for account in new_accounts:
+            accounts[account] = secrets.token_urlsafe(24)
         state["services"] = {n: s.record() for n, s in running.items()}
         starters = self._starters(state)
+        if new_accounts and "mlflow" in running:  # a stack made before the accounts, its MLflow still up
+            self.save(state)
+            provision_accounts(running["mlflow"].url, state["mlflow_login"]["password"], accounts)
+            say(f"stack: mlflow accounts {', '.join(new_accounts)} made")
         for group in start_groups(state["db"]):
             self._start_group(group, starters, running, state, say)
         return state
@@ -160,7 +183,7 @@ class Stack:
                 s3_env(env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
                 logs,
                 db_env,
-                {**state["mlflow_login"], "folder": str(self.root)},
+                {**state["mlflow_login"], "folder": str(self.root), "accounts": state["mlflow_accounts"]},
             ),
             "prefect": lambda: start_prefect(
                 self.root / "prefect-server", chosen["prefect"], logs, prefect_db_env, state["prefect_auth"]
@@ -234,8 +257,9 @@ class Stack:
         return rows
 
 
-def require_running(home: Path) -> dict:
-    """The client environment of a running stack, or a clear error."""
+def require_running(home: Path, reader: bool = False) -> dict:
+    """The client environment of a running stack (`reader`: only MLflow's, with the read-only account), or a clear
+    error."""
     stack = Stack(home)
     state = stack.load()
     needed = wanted_services(state.get("db"))
@@ -244,4 +268,4 @@ def require_running(home: Path) -> dict:
         raise BadInput(
             f"local stack under {stack.root}: not running ({', '.join(stopped)} down); run `llmops stack up`"
         )
-    return stack.client_env(state)
+    return stack.reader_env(state) if reader else stack.client_env(state)

@@ -43,9 +43,9 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         torch.set_num_threads(int(params.get("torch_threads", "1")))
         self.torch = torch
-        # cuda: fp16 weights on the GPU (a CUDA profile's Python-backend serving); cpu: fp32.
+        # cuda: the profile's hardware.compute_dtype (bf16 on the GPU profiles); cpu: fp32.
         self.device = params.get("device", "cpu")
-        dtype = torch.float16 if self.device.startswith("cuda") else torch.float32
+        dtype = getattr(torch, params.get("dtype", "float32"))
         # A relative model_dir is inside this model's version folder: the weights came with the load request.
         model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()

@@ -13,17 +13,30 @@ Why our own model and not upstream's (TensorRT-LLM v1.2.1 triton_backend/all_mod
   prompt unless `sampling_param_exclude_input_from_output` is sent (helpers.py): a translation in the router would
   make the router depend on the backend of each version it splits traffic between.
 What is kept from upstream: the same LLM() keyword arguments (its model.yaml's keys, here the `llm_args`
-parameter), the engine on an asyncio loop of its own with responses sent from another thread, and
-CUDA_VISIBLE_DEVICES set from `gpu_device_ids` before tensorrt_llm is imported (upstream's `initialize`).
+parameter), the engine on an asyncio loop of its own with responses sent from another thread, and the GPU pinning
+and MPI hygiene of its multi-instance mode (upstream's model.py, the 1.2 line as stored @044a90d; the r26.07 image
+copies triton_backend/all_models from TensorRT-LLM's release/1.2.1 branch, tensorrtllm_backend r26.07
+dockerfile/Dockerfile.triton.trt_llm_backend L18, L174; documented in its docs/llmapi.md "Running Multiple Model
+Instances"):
+- inherited MPI job variables cleared when this module is imported (upstream L39-80), so the LLM's own MPI world
+  never attaches to a job tritonserver may have been started in;
+- CUDA_VISIBLE_DEVICES and TRTLLM_VISIBLE_DEVICES set from `gpu_device_ids` before tensorrt_llm (torch) is
+  imported (upstream's initialize: CUDA opens the devices at import and spawned children inherit that state; its
+  MPI workers take TRTLLM_VISIBLE_DEVICES as their CUDA_VISIBLE_DEVICES);
+- LLM(gpus_per_node=<this instance's GPUs>) (upstream: `llm_engine_args["gpus_per_node"] = len(self._gpu_id_list)`).
 
-Tensor parallelism: tritonserver runs as one plain process; an LLM with tensor_parallel_size > 1 spawns its own
-MPI workers (tensorrt_llm/llmapi/llm.py BaseLLM.__init__: MpiPoolSession(n_workers=world_size) when no MPI world
-was started for it), so candidates load and unload one by one without `mpirun` or the C++ backend's orchestrator
-flags.
+Processes: tritonserver runs as one plain process (upstream's `--no-mpi` multi-instance mode); each LLM spawns its
+own MPI workers, at tensor parallelism 1 too (BaseLLM.__init__: MpiPoolSession(n_workers=world_size);
+executor.py GenerationExecutor.create), so candidates load and unload one by one without `mpirun` or the C++
+backend's orchestrator flags. Those workers are not tied to this stub's life: engine_guard.py kills them when
+tritonserver or the stub dies.
 
 TensorRT-LLM API used (v1.2.1, as upstream's model.py uses it): LLM(model, **kwargs); llm.generate_async(inputs,
 sampling_params, streaming=True) -> RequestOutput, async-iterable, with .outputs[0].text (cumulative), .finished,
 .abort(); llm.shutdown(); SamplingParams(max_tokens, min_tokens, temperature, top_k, seed) (sampling_params.py).
+A per-request seed is accepted by SamplingParams but ignored by 1.2's default sampler (TorchLlmArgs.sampler_type
+`auto` runs TorchSampler, which took per-request seeds only with NVIDIA/TensorRT-LLM#17172, merged 2026-08-04, after
+1.2.1): a sampled request with random_seed is refused there rather than answered unreproducibly.
 """
 
 import asyncio
@@ -33,13 +46,40 @@ import queue
 import re
 import threading
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
+# MPI job and namespace variables (not configuration: OMPI_MCA_*, PMIX_MCA_* stay), as upstream's model clears them
+MPI_JOB_VARIABLES = {
+    *("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    *("OMPI_COMM_WORLD_NODE_RANK", "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS"),
+    *("PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER_URI", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21", "PMIX_SERVER_URI3"),
+    *("PMIX_SERVER_TMPDIR", "PMIX_SYSTEM_TMPDIR", "PMIX_SECURITY_MODE", "PMIX_GDS_MODULE", "PMIX_BFROPS_MODULE"),
+    *("PMIX_PTL_MODULE", "PMIX_VERSION", "PMIX_HOSTNAME"),
+    *("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_SPAWNED", "PMI_APPNUM"),
+}
+MPI_JOB_PREFIXES = ("OMPI_MCA_orte_", "ORTE_")
 
-# model_text.py is tasks/text/model_text.py, copied next to this file when the model is rendered
-from model_text import chat_history, encode_prompt, input_value, stream_delta
+
+def clear_inherited_mpi_job(environ):
+    for key in [k for k in environ if k in MPI_JOB_VARIABLES or k.startswith(MPI_JOB_PREFIXES)]:
+        del environ[key]
+
+
+clear_inherited_mpi_job(os.environ)
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+# engine_guard.py (tasks/serving/) and model_text.py (tasks/text/) are copied next to this file when the model is rendered
+from engine_guard import engine_processes, guard_engine  # noqa: E402
+from model_text import chat_history, encode_prompt, input_value, stream_delta  # noqa: E402
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
+SEEDED_SAMPLING_FROM = (1, 3)  # TensorRT-LLM releases whose default sampler honours SamplingParams.seed (#17172)
+
+
+def honours_seeds(version):
+    """Whether this TensorRT-LLM's default sampler takes per-request seeds: from 1.3 on (#17172), never in 1.2."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= SEEDED_SAMPLING_FROM
 
 
 def instance_gpus(gpu_device_ids, instance_name):
@@ -57,10 +97,17 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        llm_args = json.loads(params["llm_args"])
-        # before tensorrt_llm (torch) opens the CUDA devices: the MPI workers the LLM spawns inherit it
-        os.environ["CUDA_VISIBLE_DEVICES"] = instance_gpus(params["gpu_device_ids"], args.get("model_instance_name"))
+        gpus = instance_gpus(params["gpu_device_ids"], args.get("model_instance_name"))
+        # before tensorrt_llm (torch) opens the CUDA devices: the MPI workers the LLM spawns inherit this state, and
+        # take TRTLLM_VISIBLE_DEVICES as their CUDA_VISIBLE_DEVICES
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["TRTLLM_VISIBLE_DEVICES"] = gpus
+        # OpenMPI refuses to start processes as root without these (mpirun's --allow-run-as-root): containers often
+        # run as root, and the LLM's workers are started by OpenMPI
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        llm_args = {**json.loads(params["llm_args"]), "gpus_per_node": len(gpus.split(","))}
         try:
+            import tensorrt_llm
             from tensorrt_llm import LLM, SamplingParams
             from transformers import AutoTokenizer
         except ImportError as exc:
@@ -69,6 +116,8 @@ class TritonPythonModel:
                 "NGC tritonserver:26.07-trtllm-python-py3"
             ) from exc
         self.SamplingParams = SamplingParams
+        self.trtllm_version = tensorrt_llm.__version__
+        self.seeded_sampling = honours_seeds(self.trtllm_version)
         # A relative model_dir is inside this model's version folder: the checkpoint came with the load request.
         model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
         if not any(name.endswith(".safetensors") for name in os.listdir(model_dir)):
@@ -92,6 +141,7 @@ class TritonPythonModel:
             self.llm = asyncio.run_coroutine_threadsafe(create(), self.loop).result()
         except Exception as exc:
             raise pb_utils.TritonModelException(f"TensorRT-LLM LLM for {model_dir} failed to start: {exc}") from exc
+        self.watcher = guard_engine(engine_processes())  # its MPI workers die with tritonserver or this stub
 
     def parse(self, request):
         text = input_value(request, "text_input", None)
@@ -109,12 +159,19 @@ class TritonPythonModel:
             )
         seed = input_value(request, "random_seed", None)
         top_k = int(input_value(request, "top_k", 0))
+        temperature = max(float(input_value(request, "temperature", 0.0)), 0.0)  # 0: greedy
+        if seed is not None and temperature > 0 and not self.seeded_sampling:
+            raise ValueError(
+                f"random_seed: TensorRT-LLM {self.trtllm_version} samples without per-request seeds (its TorchSampler "
+                "ignores them; NVIDIA/TensorRT-LLM#17172 added them after 1.2.1), so this answer could not be "
+                "reproduced; leave random_seed out, or ask for temperature 0"
+            )
         sampling = self.SamplingParams(
             max_tokens=max_tokens,
             min_tokens=min(int(input_value(request, "min_length", 0)), max_tokens) or None,
-            temperature=max(float(input_value(request, "temperature", 0.0)), 0.0),  # 0: greedy
+            temperature=temperature,
             top_k=top_k if top_k > 0 else None,  # None: all tokens
-            seed=int(seed) if seed is not None else None,
+            seed=int(seed) if seed is not None and temperature > 0 else None,  # greedy answers need no seed
         )
         stream = bool(input_value(request, "stream", False))
         echo = not bool(input_value(request, "exclude_input_in_output", False))
@@ -174,6 +231,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.llm.shutdown()
+        self.watcher.kill()
         self.responses.put(None)
         self.response_thread.join(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)

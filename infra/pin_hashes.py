@@ -1,0 +1,175 @@
+"""The sha256 of every file of every pinned release, for `pip install --require-hashes` (docs/security.md,
+"Hash-pinned installs").
+
+    python3 infra/pin_hashes.py              # regenerate infra/hashes/*.txt from infra/constraints-*.txt
+    python3 infra/pin_hashes.py cpu vllm     # only these environments
+    python3 infra/pin_hashes.py --check cpu  # exit 1 when infra/hashes/cpu.txt is not the one of the pins
+
+Each `infra/constraints-NAME.txt` (one `name==version` a line) becomes `infra/hashes/NAME.txt`: the same pins, each with
+the sha256 of every file PyPI publishes for that release (all platforms and Python versions, the sdist too), so
+that pip may pick any of them and nothing else. PyPI's JSON API gives the digests
+(https://pypi.org/pypi/NAME/json, `releases[VERSION][*].digests.sha256`; this machine's PyPI answers the per-version
+URL /pypi/NAME/VERSION/json with 404, so the project's document is read and the release picked from it). A release
+PyPI does not have (torch's `+cpu` build comes from PyTorch's own index) is hashed from the wheel files in the
+folders pip's `find-links` names (pip's configuration or PIP_FIND_LINKS): the file this machine installs, and only
+it. The header line keeps the sha256 of the pin file, so that a pin change without a regeneration is refused by
+the setup scripts (`--check`). Standard library only: it runs before any environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+INFRA = Path(__file__).resolve().parent
+OUT = INFRA / "hashes"
+PYPI = "https://pypi.org/pypi/{name}/json"
+HEADER = "# pins sha256: "
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
+
+
+def environments() -> list[str]:
+    return sorted(
+        path.name.removeprefix("constraints-").removesuffix(".txt") for path in INFRA.glob("constraints-*.txt")
+    )
+
+
+def pin_file(environment: str) -> Path:
+    return INFRA / f"constraints-{environment}.txt"
+
+
+def hash_file(environment: str) -> Path:
+    return OUT / f"{environment}.txt"
+
+
+def pins(path: Path) -> list[tuple[str, str]]:
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = PIN.match(line)
+        if match is None:
+            raise SystemExit(f"pin_hashes: error: {path}:{number}: not a `name==version` pin: {line!r}")
+        found.append((match[1], match[2]))
+    return found
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def find_links() -> list[Path]:
+    """The local folders pip reads wheels from: its `find-links` setting (configuration files or PIP_FIND_LINKS)."""
+    value = os.environ.get("PIP_FIND_LINKS", "")
+    try:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        listed = ""
+    for line in listed.splitlines():
+        key, _, setting = line.partition("=")
+        if key.endswith("find-links"):
+            value += " " + setting.strip("'\"")
+    folders = [Path(entry.removeprefix("file://")) for entry in value.split()]
+    return list(dict.fromkeys(folder for folder in folders if folder.is_dir()))
+
+
+def local_hashes(name: str, version: str, folders: list[Path]) -> list[str]:
+    """sha256 of the wheels for name==version in `folders` (a wheel's name: NAME-VERSION-TAGS.whl, NAME with `_`)."""
+    prefix = f"{normalize(name).replace('-', '_')}-{version}-"
+    return sorted(
+        digest(path) for folder in folders for path in folder.glob("*.whl") if path.name.lower().startswith(prefix)
+    )
+
+
+def pypi_hashes(name: str, version: str, cache: dict[str, dict]) -> list[str]:
+    key = normalize(name)
+    if key not in cache:
+        for attempt in range(4):
+            try:
+                with urllib.request.urlopen(PYPI.format(name=key), timeout=60) as response:
+                    cache[key] = json.load(response)
+                break
+            except urllib.error.HTTPError as exc:
+                if exc.code == 404:
+                    cache[key] = {"releases": {}}
+                    break
+                if attempt == 3:
+                    raise
+            except (urllib.error.URLError, TimeoutError):
+                if attempt == 3:
+                    raise
+            time.sleep(2**attempt)
+    return sorted({file["digests"]["sha256"] for file in cache[key]["releases"].get(version, [])})
+
+
+def render(environment: str, cache: dict[str, dict], folders: list[Path]) -> str:
+    source = pin_file(environment)
+    lines = [
+        f"# Generated by infra/pin_hashes.py from {source.relative_to(INFRA.parent)}: do not edit, regenerate.",
+        f"{HEADER}{digest(source)}",
+    ]
+    for name, version in pins(source):
+        hashes = pypi_hashes(name, version, cache) or local_hashes(name, version, folders)
+        if not hashes:
+            raise SystemExit(
+                f"pin_hashes: error: {source}: {name}=={version}: no file on PyPI nor in find-links {folders}"
+            )
+        lines.append(f"{name}=={version} \\")
+        lines += [
+            f"    --hash=sha256:{value}" + (" \\" if i < len(hashes) - 1 else "") for i, value in enumerate(hashes)
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def current(environment: str) -> bool:
+    try:
+        header = hash_file(environment).read_text().splitlines()[1]
+    except (OSError, IndexError):
+        return False
+    return header == f"{HEADER}{digest(pin_file(environment))}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("environments", nargs="*", help=f"default: all ({', '.join(environments())})")
+    parser.add_argument("--check", action="store_true", help="only check that the hash files match their pins")
+    args = parser.parse_args(argv)
+    chosen = args.environments or environments()
+    unknown = [name for name in chosen if not pin_file(name).is_file()]
+    if unknown:
+        parser.error(f"no infra/constraints-{unknown[0]}.txt")
+    if args.check:
+        stale = [name for name in chosen if not current(name)]
+        for name in stale:
+            print(
+                f"pin_hashes: error: {hash_file(name).relative_to(INFRA.parent)} does not match "
+                f"{pin_file(name).relative_to(INFRA.parent)}: run `python3 infra/pin_hashes.py {name}`",
+                file=sys.stderr,
+            )
+        return 1 if stale else 0
+    OUT.mkdir(exist_ok=True)
+    cache: dict[str, dict] = {}
+    folders = find_links()
+    for name in chosen:
+        hash_file(name).write_text(render(name, cache, folders))
+        print(f"pin_hashes: {hash_file(name).relative_to(INFRA.parent)}: {len(pins(pin_file(name)))} pins")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Library output that tells an llmops user nothing, silenced where it comes from: by message and category for
+warnings, by logger for log records, never all warnings at once (a warning not listed here still shows).
+
+Each entry says what it is and why it is noise here. `quiet_libraries()` is idempotent; the CLI calls it before a
+command runs and the release flow at its start (a worker's flow run does not go through the CLI).
+`quiet_transformers()` is called where the stages import transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# (message regex, category): warnings Python's `warnings` module would print once per place.
+WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # mlflow/data/dataset_source_registry.py: a local dataset folder matches MLflow's two local-artifact source
+    # classes, which are the same class registered twice; it picks one, rightly.
+    ("The specified dataset source can be interpreted in multiple ways", UserWarning),
+    # torch.onnx's dynamo exporter (torch 2.13) about its own use of pytree's LeafSpec: not ours to change.
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    # torch.onnx: our dynamic axes share their constraints (input_ids and attention_mask have the same batch and
+    # sequence), so their names are merged; the exported graph is the same.
+    (r"# The axis name: \w+ will not be used, since it shares the same shape constraints", UserWarning),
+)
+
+# logger name -> the lowest level still shown.
+LOGGERS: dict[str, int] = {
+    # torch.onnx registers torchvision's operators when torchvision exists: a text model has none.
+    "torch.onnx._internal.exporter._registration": logging.ERROR,
+    # bitsandbytes' CPU backend looks for the optional `kernels` package for a faster 4-bit GEMM, then falls back.
+    "bitsandbytes.backends.cpu.ops": logging.ERROR,
+    # MLflow's stores: the sqlite schema set-up on a fresh home, "Waiting up to 300 seconds for model version to
+    # finish creation" at each registration; and its system-metrics monitor starting and stopping.
+    "mlflow.store": logging.WARNING,
+    "mlflow.system_metrics": logging.WARNING,
+}
+
+# Messages logged on the root logger by libraries that use `logging.warning(...)` directly.
+ROOT_MESSAGES: tuple[str, ...] = (
+    # onnxruntime/quantization/quantize.py: shape inference before dynamic int8 quantization, an image-model tip;
+    # the quantize stage measures the quantized model's accuracy itself.
+    "Please consider to run pre-processing before quantization",
+)
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(message.startswith(prefix) for prefix in ROOT_MESSAGES)
+
+
+_ROOT_FILTER = _DropMessages()
+
+
+# Environment switches of libraries that print without a logger.
+ENVIRONMENT = {
+    # MLflow's client writes "🏃 View run ... at: URL" and "🧪 View experiment at: URL" to stdout when a run on a
+    # tracking server ends (mlflow/tracking/_tracking_service/client.py _log_url); our summary names the run's URL.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+
+
+def quiet_libraries() -> None:
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    for message, category in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name, level in LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+    root = logging.getLogger()
+    if _ROOT_FILTER not in root.filters:
+        root.addFilter(_ROOT_FILTER)
+
+
+def quiet_transformers() -> None:
+    """transformers' own progress bars, "Loading weights" and "Writing model shards": a second or two on these
+    models, a bar per load in the terminal. Called where a stage imports transformers (importing it for every
+    command would cost each one a second); Hugging Face Hub's download bars stay, downloads are long."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
