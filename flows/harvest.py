@@ -15,7 +15,7 @@ from tasks.data.harvest import MinRating, dataset_sha256, harvest, save
 from tasks.data.records import read_data
 from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput
-from tasks.platform.store import open_store
+from tasks.platform.stores import open_store
 
 FLYWHEEL_EXPERIMENT = "llm-flywheel"  # the MLflow experiment of the flywheel's runs (flows/flywheel.py)
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([mhd])$")

@@ -29,7 +29,7 @@ from tasks.platform.config import Profile, ProfileName, check_api_profile, load_
 from tasks.platform.errors import CheckFailed
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.stage_cache import RunContext, StageResult, stage_task
-from tasks.platform.store import open_store
+from tasks.platform.stores import open_store
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, start_run
 from tasks.prepare_data import DatasetMetrics, prepare_data
 from tasks.quality.checks import GateReport

@@ -18,7 +18,7 @@ from tasks.evaluate import evaluate
 from tasks.merge import merge
 from tasks.platform.config import Profile, check_machine, check_received_profile
 from tasks.platform.stage_cache import RunContext, StageResult
-from tasks.platform.store import open_store
+from tasks.platform.stores import open_store
 from tasks.platform.tracking import Tracker
 from tasks.quantize import quantize
 from tasks.train import train

@@ -7,8 +7,8 @@ from prefect import flow, get_run_logger
 
 from flows.cli.common import llmops_home
 from flows.release import default_services
-from tasks.platform.store import open_store
 from tasks.platform.store_gc import collect_garbage
+from tasks.platform.stores import open_store
 from tasks.platform.tracking import default_tracking_uri
 
 

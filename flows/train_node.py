@@ -19,7 +19,7 @@ from flows.release import llmops_home
 from tasks.platform.config import Profile, check_received_profile
 from tasks.platform.errors import LlmopsError
 from tasks.platform.stage_cache import RunContext, StageResult
-from tasks.platform.store import open_store
+from tasks.platform.stores import open_store
 from tasks.platform.tracking import Tracker
 from tasks.train import train, train_other_node
 from tasks.training.kubernetes import REQUEST_ENV, launch_variables

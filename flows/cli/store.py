@@ -44,8 +44,8 @@ def register(commands) -> None:
 
 
 def command_gc(args) -> str:
-    from tasks.platform.store import open_store
     from tasks.platform.store_gc import collect_garbage
+    from tasks.platform.stores import open_store
     from tasks.platform.tracking import default_tracking_uri
 
     if args.keep < 0 or args.min_age < 0:

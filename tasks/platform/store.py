@@ -302,15 +302,3 @@ def outlast_outage(
         reraise=True,
     )
     return retrying(call)
-
-
-def open_store(artifacts: str | None, home: Path) -> ArtifactStore:
-    if artifacts and artifacts.startswith("s3://"):
-        from tasks.platform.store_s3 import S3Store
-
-        return S3Store(artifacts, home / "cache" / "objects")
-    if artifacts and "://" in artifacts and not artifacts.startswith("file://"):
-        raise BadInput(f"--artifacts {artifacts}: expected a folder, file:// or s3:// URI")
-    if not artifacts:
-        return LocalStore(home / "store")
-    return LocalStore(Path(urlparse(artifacts).path) if artifacts.startswith("file://") else Path(artifacts))

@@ -89,13 +89,13 @@ def test_profile_digest_changes_with_any_value():
 # and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when the gateway became the router
 # (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "db38e40d1c0d30b29d61f46e72c9059bf1e89525152886aa3086c08766175883",
-    "cpu-tiny-qa-zh": "d0208fe439c6cc7ba5bf2fe67a4051f7ee6b126ede5f333ae44c492a70394e17",
-    "llama3-8b-h100-fp8": "0bf4299db95f3a9c3162111c6587af60bae4256c81233eb679ac7ba809afaf8b",
-    "qwen-7b-qlora-2xa10": "7211c1cd9c8bb4708250486bc39ad12ee3034df3e44adaba4aa11cdd4e58b83f",
-    "qwen-7b-vllm-h100": "9ef1055dce28e371b7c2460bbdefca47f06f98e9c4fe51c98be5b8ef8bbd935b",
-    "qwen2-14b-int4-tp2": "fa4b9b8c5f66323e6f2034132226852c7b85d141ddc52033728f65f5833faa0c",
-    "qwen2.5-72b-lora-2x8xh100": "c3e8630e0f77d00c7ed9263785d143ba492f0d6779bb600b33e166d97da2c19c",
+    "cpu-tiny": "fd6cb994216bccbd43edef28290568788e1a830e5203026c80b41e50fa5c1194",
+    "cpu-tiny-qa-zh": "f1f5c3a2bcff4776505274616bf42166d5315877f68fd72a4d328f7e0f442762",
+    "llama3-8b-h100-fp8": "7efeaef25fd82b09118dac39b5509738509e612c5a61dd050c226b50b7499f5a",
+    "qwen-7b-qlora-2xa10": "41cae8dc5f52be718af53681ff2da0a63c3bcf929186662f9439c0d9b8f60e3a",
+    "qwen-7b-vllm-h100": "37bd89ea40c4f580541847f00b180596d5f008326e0f4f7047b6094e4256ecd4",
+    "qwen2-14b-int4-tp2": "7e00a9855356cfc6182715d60ed8e6d1a9fd83e4f34a5043adca2b1a270cb5d1",
+    "qwen2.5-72b-lora-2x8xh100": "62660963db5648d698cdd6b68c0bd7ee8dde101766b917ea220ea3713a4b6290",
 }
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from tasks.platform.errors import ArtifactMissing
-from tasks.platform.store import LocalStore, open_store
+from tasks.platform.store import LocalStore
+from tasks.platform.stores import open_store
 
 
 def make_folder(path, files):
