@@ -101,9 +101,10 @@ class Prober:
             self.place(replica)
 
     def answering(self, replica: Replica) -> bool:
-        """Every routed version's last probe on `replica` answered."""
-        routed = self.routed()
-        return bool(routed) and all(self.state.get((replica.url, v.name), VersionHealth()).answered for v in routed)
+        """Every routed version's last probe on `replica` answered; with nothing routed yet (a first release's
+        candidate at 0%), every probed version's; with nothing to probe, nothing speaks against it."""
+        judged = self.routed() or self.versions()
+        return all(self.state.get((replica.url, v.name), VersionHealth()).answered for v in judged)
 
     def place(self, replica: Replica) -> None:
         if self.answering(replica):
@@ -158,6 +159,8 @@ class Prober:
     async def ready(self) -> bool:
         """A replica answers for every routed version: by its last probes, else by probing it now (a replica that
         just came back is ready at once, not at the next round)."""
+        if not self.routed():
+            return False
         if any(self.answering(replica) for replica in self.replicas.replicas):
             return True
         for replica in self.replicas.replicas:
