@@ -171,12 +171,25 @@ def served_of(ctx: RunContext, service: str, version: Version) -> Served:
 
 
 def champion_version(ctx: RunContext):
+    """The registry's champion version; None only where MLflow says there is none (no such model, no such alias).
+    Any other failure (unreachable, 5xx, a refused login, a locked database) is raised: read as "no champion" it
+    would make this a first release, routed 100% at once with no canary (tasks/platform/errors.py classifies it)."""
     from mlflow.exceptions import MlflowException
 
     try:
         return ctx.tracker.client.get_model_version_by_alias(ctx.profile.registry.model_name, "champion")
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if not_found(exc):
+            return None
+        raise
+
+
+def not_found(exc) -> bool:
+    """MLflow's answer for a registered model or alias that does not exist: RESOURCE_DOES_NOT_EXIST for the model,
+    INVALID_PARAMETER_VALUE "Registered model alias NAME not found." for the alias (mlflow/store/model_registry/
+    sqlalchemy_store.py and file_store.py, get_model_version_by_alias)."""
+    code = getattr(exc, "error_code", "")
+    return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(exc))
 
 
 def is_champion(ctx: RunContext, registered: Registered) -> bool:
@@ -192,10 +205,13 @@ def registry_champion(ctx: RunContext) -> Served | None:
 
 def serving_champion(ctx: RunContext, service: Service) -> Served | None:
     """The registry's champion as the service serves it now, where its routes name it (a merged champion stays
-    merged next to an adapter candidate, whatever this run's serve.lora); else as this run's profile says."""
+    merged next to an adapter candidate, whatever this run's serve.lora); else as this run's profile says. Where the
+    registry has no champion but the service's table names one, that one (the registry lost its alias, or was
+    reset): the release canaries against what clients get."""
     champion = registry_champion(ctx)
     routed = service.control.table().champion
-    if champion is not None and routed is not None and routed.name == champion.name and routed.source:
+    if routed is not None and routed.source and (champion is None or routed.name == champion.name):
+        # a service whose table names a champion is never a first release, whatever the registry says now
         return served_of(ctx, service.name, routed)
     return champion
 

@@ -258,3 +258,51 @@ def test_mlflow_faults_that_may_pass_are_transient_and_the_rest_are_not():
     assert [is_transient(e) for e in transient] == [True] * len(transient)
     assert [is_transient(e) for e in lasting] == [False] * len(lasting)
     assert {exit_code(e) for e in transient} == {4}
+
+
+def test_only_a_missing_model_or_alias_means_no_champion():
+    """A champion lookup that fails any other way (a 5xx after MLflow's retries, a timeout, a refused login) is
+    raised, never read as "no champion": that would make the release a first one, routed 100% with no canary."""
+    from types import SimpleNamespace
+
+    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE, UNAUTHENTICATED
+
+    from tasks.serving.champion import champion_version
+
+    def ctx_raising(exc: Exception):
+        def lookup(name, alias):
+            raise exc
+
+        client = SimpleNamespace(get_model_version_by_alias=lookup)
+        profile = SimpleNamespace(registry=SimpleNamespace(model_name="svc"))
+        return SimpleNamespace(tracker=SimpleNamespace(client=client), profile=profile)
+
+    missing = [
+        RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Registered Model with name=svc not found"}),
+        MlflowException("Registered model alias champion not found.", error_code=INVALID_PARAMETER_VALUE),
+    ]
+    assert [champion_version(ctx_raising(e)) for e in missing] == [None, None]
+    for failure in (
+        MlflowException("internal", error_code=INTERNAL_ERROR),
+        MlflowException("API request to http://127.0.0.1:5000/api failed with timeout exception ReadTimeout(...)."),
+        MlflowException("who are you", error_code=UNAUTHENTICATED),
+    ):
+        with pytest.raises(MlflowException):
+            champion_version(ctx_raising(failure))
+
+
+def test_a_service_whose_table_names_a_champion_is_not_a_first_release(monkeypatch):
+    """The registry says no champion (its alias was lost), the service's route table names one: the release
+    canaries against the champion clients get, not as a first release."""
+    from types import SimpleNamespace
+
+    from tasks.serving import champion as champion_module
+    from tasks.serving.routes import RouteTable, Version
+
+    routed = Version("svc-v3", "svc-v3", None, {"version": "3", "artifacts": {"merge": "abc"}, "settings": None})
+    table = RouteTable("svc", champion=routed, weights={"svc-v3": 100.0})
+    service = SimpleNamespace(name="svc", control=SimpleNamespace(table=lambda: table))
+    monkeypatch.setattr(champion_module, "registry_champion", lambda ctx: None)
+    monkeypatch.setattr(champion_module, "served_of", lambda ctx, name, version: ("served", version.name))
+    assert champion_module.serving_champion(SimpleNamespace(), service) == ("served", "svc-v3")
