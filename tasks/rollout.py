@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 from tasks.data.splits import eval_conversations
 from tasks.deploy_canary import Deployment
+from tasks.platform.errors import RegistryBehind
 from tasks.platform.stage_cache import RunContext, StageResult, logger
+from tasks.platform.store import outlast_outage
 from tasks.serving import prometheus
-from tasks.serving.champion import as_route
+from tasks.serving.champion import as_route, not_found
 from tasks.serving.routes import RouteTable
 from tasks.serving.service import ServiceControl, version_counters
 
@@ -143,15 +145,42 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
 
 
 def promote(ctx: RunContext, deployment: Deployment) -> None:
-    """The candidate is the champion: in the gateway's table (and its record) first, then in the registry."""
+    """The candidate is the champion: in the gateway's table (and its record) first, then in the registry. The
+    registry's writes outlast an MLflow outage of run.storage_outage_s; where they still fail, the service already
+    serves the candidate (its deployment record says so, and `llmops serve` restarts from it), and the error says
+    what each holds and that the same release run again moves the alias (deploy_canary finds the candidate serving
+    as the champion: unchanged, and the alias follows)."""
     candidate = as_route(deployment.candidate)
     deployment.control.put_table(RouteTable(deployment.service, candidate, weights={candidate.name: 100.0}))
-    client, name = ctx.tracker.client, ctx.profile.registry.model_name
-    client.set_registered_model_alias(name, "champion", deployment.candidate.version)
-    client.delete_registered_model_alias(name, "challenger")
     if deployment.champion and deployment.champion.name != deployment.candidate.name:
         deployment.retire(deployment.champion)
+    try:
+        name_champion(ctx, deployment.candidate.version)
+    except Exception as exc:
+        raise RegistryBehind(
+            f"the service {deployment.service} serves {deployment.candidate.name} as its champion (its route table "
+            f"and deployment record), but the registry's alias champion could not be moved to "
+            f"v{deployment.candidate.version} ({type(exc).__name__}: {str(exc)[:200]}); run the same release again "
+            "once MLflow answers: it finds the candidate serving and moves the alias"
+        ) from exc
     logger().info(f"canary: promoted {deployment.candidate.name}; alias champion -> v{deployment.candidate.version}")
+
+
+def name_champion(ctx: RunContext, version: str) -> None:
+    """Alias champion -> `version`, challenger removed: retried while MLflow is unreachable (transient faults)."""
+    client, name = ctx.tracker.client, ctx.profile.registry.model_name
+
+    def write() -> None:
+        from mlflow.exceptions import MlflowException
+
+        client.set_registered_model_alias(name, "champion", version)
+        try:
+            client.delete_registered_model_alias(name, "challenger")
+        except MlflowException as exc:  # none to remove (a rerun after the alias write failed) is fine
+            if not not_found(exc):
+                raise
+
+    outlast_outage("registry: alias champion", write, ctx.profile.run.storage_outage_s, logger().warning)
 
 
 def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
@@ -169,12 +198,17 @@ def rollout(ctx: RunContext, deployment: Deployment, approved: bool, rejection: 
     """promote | rollback: walk the canary steps after a passed gate (and a person's approval, where required);
     any breach rolls back. `rejection`: why a candidate that is not approved rolls back."""
     if deployment.unchanged:
+        name_champion(ctx, deployment.candidate.version)  # where an earlier run's alias write failed: it follows now
         outcome = "unchanged"
     elif not approved:
         rollback(ctx, deployment, rejection)
         outcome = "rejected"
     else:
-        problem = ramp(ctx, deployment, eval_prompts(ctx, data))
+        try:
+            problem = ramp(ctx, deployment, eval_prompts(ctx, data))
+        except BaseException as exc:  # MLflow, the gateway, Ctrl-C: live traffic is never left split
+            rollback(ctx, deployment, f"the ramp failed: {type(exc).__name__}: {str(exc)[:200]}")
+            raise
         if problem:
             rollback(ctx, deployment, f"canary breach: {problem}")
             outcome = "rolled_back"

@@ -16,7 +16,8 @@ EXIT_CODES: dict[int, str] = {
     2: "bad input: data, profile or arguments (nothing is written)",
     3: "a stage's check failed (evaluation margin, merge exactness, quantization accuracy, the train/serve "
     "contract, a model that fails to load)",
-    4: "a service (S3, MLflow, Prefect, Triton) stayed unreachable after retries, or the disk is full",
+    4: "a service (S3, MLflow, Prefect, Triton) stayed unreachable after retries, or the disk is full (a promotion "
+    "the registry could not record: the service serves the candidate; run the release again)",
     5: "an artifact is missing or does not match its sha256",
     REJECTED_EXIT_CODE: "the gate or a person rejected the candidate, or the canary rolled it back (the champion keeps serving)",
     130: "interrupted (Ctrl-C)",
@@ -57,6 +58,14 @@ class TransientError(LlmopsError):
 
 class DiskFull(LlmopsError):
     """No room left where a stage writes: not retried (a retry fills the same disk), exit 4 like an outage."""
+
+    exit_code = 4
+
+
+class RegistryBehind(LlmopsError):
+    """The service serves a version the registry does not yet name its champion (an alias write that failed after
+    retries): not retried inside the run (the traffic already moved), exit 4 like an outage; the release run again
+    moves the alias."""
 
     exit_code = 4
 

@@ -207,13 +207,18 @@ def serving_champion(ctx: RunContext, service: Service) -> Served | None:
     """The registry's champion as the service serves it now, where its routes name it (a merged champion stays
     merged next to an adapter candidate, whatever this run's serve.lora); else as this run's profile says. Where the
     registry has no champion but the service's table names one, that one (the registry lost its alias, or was
-    reset): the release canaries against what clients get."""
+    reset), or names another (a promotion whose alias write failed): the release canaries against what clients get,
+    and the deployment record, not the registry, says what that is."""
     champion = registry_champion(ctx)
     routed = service.control.table().champion
-    if routed is not None and routed.source and (champion is None or routed.name == champion.name):
-        # a service whose table names a champion is never a first release, whatever the registry says now
-        return served_of(ctx, service.name, routed)
-    return champion
+    if routed is None or not routed.source:
+        return champion
+    if champion is not None and routed.name != champion.name:
+        logger().warning(
+            f"canary: the registry's champion is {champion.name}, the service serves {routed.name}: the candidate is "
+            f"measured against {routed.name}, what clients get"
+        )
+    return served_of(ctx, service.name, routed)
 
 
 def serve_champion(ctx: RunContext, service: Service, champion: Served | None) -> Served | None:
