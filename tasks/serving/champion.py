@@ -14,7 +14,7 @@ from tasks.platform.ports import free_port
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.adapters import AdapterVersion, base_model_name, served_artifact
-from tasks.serving.client import Triton, TritonTarget
+from tasks.serving.client import Triton, TritonTarget, attach_control_key
 from tasks.serving.models import MergedVersion, Served, install_model, model_name
 from tasks.serving.routes import RouteTable, Version, record_path
 from tasks.serving.server import TritonServer, published, published_service
@@ -40,6 +40,7 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
             target.grpc_url,
             target.control_key,
         )
+        triton.reread_key = attach_control_key  # the operator's key file, read again where Triton refuses the key
         if target.serve_url and target.serve_key:  # the `llmops serve` in front of it routes
             return Service(service_name, [triton], ServiceControl(target.serve_url, target.serve_key))
     else:

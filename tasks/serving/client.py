@@ -18,7 +18,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -172,6 +172,9 @@ class Triton:
     metrics_url: str | None = None
     grpc_url: str | None = None
     control_key: str | None = field(default=None, repr=False)
+    # Where the key is read again when Triton refuses it: a Triton restarted by `llmops serve` has a new one (its
+    # control.keys), an operator may rotate a key file. None: the key given is the only one.
+    reread_key: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def attach(
@@ -207,17 +210,23 @@ class Triton:
     def control_headers(self) -> dict[str, str]:
         return {CONTROL_HEADER: self.control_key} if self.control_key else {}
 
+    def control_call(self, method: str, path: str, **kwargs) -> requests.Response:
+        """A call of Triton's restricted API with the control key; refused (401/403) and with a key that was read
+        again and changed since (the Triton restarted, the key rotated), once more with the new key."""
+        response = requests.request(method, f"{self.url}{path}", headers=self.control_headers(), **kwargs)
+        if response.status_code in (401, 403) and self.reread_key is not None:
+            fresh = self.reread_key()
+            if fresh and fresh != self.control_key:
+                self.control_key = fresh
+                response = requests.request(method, f"{self.url}{path}", headers=self.control_headers(), **kwargs)
+        return response
+
     def load(self, name: str, timeout: float = 300, model_folder: Path | None = None) -> None:
         """Load (or reload) model `name`: from the server's repository, or, with `model_folder`, from the
         config and files sent with the request."""
         body = {"parameters": load_parameters(model_folder)} if model_folder is not None else None
         try:
-            response = requests.post(
-                f"{self.url}/v2/repository/models/{name}/load",
-                json=body,
-                timeout=timeout,
-                headers=self.control_headers(),
-            )
+            response = self.control_call("POST", f"/v2/repository/models/{name}/load", json=body, timeout=timeout)
         except requests.RequestException as exc:
             raise TransientError(f"Triton at {self.url}: load {name}: {exc}") from None
         if response.status_code != 200:
@@ -226,11 +235,8 @@ class Triton:
 
     def unload(self, name: str) -> None:
         # unload_dependents: an ensemble's composing models go with it (a no-op for other models)
-        requests.post(
-            f"{self.url}/v2/repository/models/{name}/unload",
-            json={"parameters": {"unload_dependents": True}},
-            headers=self.control_headers(),
-            timeout=60,
+        self.control_call(
+            "POST", f"/v2/repository/models/{name}/unload", json={"parameters": {"unload_dependents": True}}, timeout=60
         ).raise_for_status()
 
     def is_ready(self, name: str) -> bool:
@@ -240,9 +246,7 @@ class Triton:
             return False
 
     def loaded_models(self) -> list[str]:
-        index = requests.post(
-            f"{self.url}/v2/repository/index", json={"ready": True}, headers=self.control_headers(), timeout=10
-        ).json()
+        index = self.control_call("POST", "/v2/repository/index", json={"ready": True}, timeout=10).json()
         return sorted(m["name"] for m in index)
 
     def generate(
@@ -264,7 +268,7 @@ class Triton:
 
     def model_config(self, name: str) -> dict:
         """The configuration Triton loaded for model `name` (what it serves, not what a file says)."""
-        response = requests.get(f"{self.url}/v2/models/{name}/config", headers=self.control_headers(), timeout=10)
+        response = self.control_call("GET", f"/v2/models/{name}/config", timeout=10)
         response.raise_for_status()
         return response.json()
 

@@ -28,6 +28,7 @@ The binary: $LLMOPS_TRITONSERVER or `serve.triton_binary`, else the one in the n
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -316,7 +317,9 @@ def published(home: Path) -> Triton | None:
     if info is None:
         return None
     repository = Path(info["repository"]) if info.get("repository") else None
-    triton = Triton(info["url"], repository, info["metrics_url"], info["grpc_url"], control_key(home))
+    triton = Triton(
+        info["url"], repository, info["metrics_url"], info["grpc_url"], control_key(home), lambda: control_key(home)
+    )
     return triton if triton.is_live() else None
 
 
@@ -336,8 +339,6 @@ def published_service(home: Path, name: str) -> Service | None:
 
 def published_replicas(home: Path, info: dict) -> list[Triton]:
     """Every Triton replica server.json lists, each with its own control key (control.keys)."""
-    keys_file = home / "triton" / CONTROL_KEYS_FILE
-    keys = json.loads(keys_file.read_text()) if keys_file.is_file() else {}
     replicas = info.get("replicas") or [{k: info.get(k) for k in ("url", "grpc_url", "metrics_url", "repository")}]
     return [
         Triton(
@@ -345,7 +346,18 @@ def published_replicas(home: Path, info: dict) -> list[Triton]:
             Path(r["repository"]) if r.get("repository") else None,
             r.get("metrics_url"),
             r.get("grpc_url"),
-            keys.get(r["url"]) or control_key(home),
+            replica_key(home, r["url"]),
+            reread_key=functools.partial(replica_key, home, r["url"]),  # a replica `llmops serve` restarted: new key
         )
         for r in replicas
     ]
+
+
+def replica_key(home: Path, url: str) -> str | None:
+    """The control key `llmops serve` keeps for its replica at `url` (control.keys), else this home's key."""
+    keys_file = home / "triton" / CONTROL_KEYS_FILE
+    try:
+        keys = json.loads(keys_file.read_text()) if keys_file.is_file() else {}
+    except (OSError, ValueError):  # being rewritten: the home's key, or the next read
+        keys = {}
+    return keys.get(url) or control_key(home)

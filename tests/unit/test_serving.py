@@ -521,3 +521,51 @@ def test_a_shadow_window_without_the_gateway_of_llmops_serve_is_refused_before_t
     (tmp_path / "triton" / "server.json").write_text(json.dumps({"gateway_url": "https://127.0.0.1:1", "pid": 999999}))
     with pytest.raises(BadInput, match="none runs for LLMOPS_HOME"):
         refuse_shadow_without_gateway(shadowed, None, tmp_path)
+
+
+def test_a_release_reads_the_control_key_again_when_a_restarted_triton_refuses_it(tmp_path):
+    """`llmops serve` restarts a replica with a new control key (control.keys): the release's client, refused with
+    the old one, reads the file again and loads with the new key; a key that did not change is not retried."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tasks.serving.client import CONTROL_HEADER
+    from tasks.serving.server import CONTROL_KEYS_FILE, published_replicas
+
+    current = {"key": "old-key"}
+    seen: list[str] = []
+
+    class Restricted(BaseHTTPRequestHandler):  # Triton's restricted model-control API: 403 without the key
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            seen.append(self.headers.get(CONTROL_HEADER, ""))
+            ok = self.headers.get(CONTROL_HEADER) == current["key"]
+            body = b"{}" if ok else b'{"error": "This API is restricted"}'
+            self.send_response(200 if ok else 403)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Restricted)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    keys = tmp_path / "triton" / CONTROL_KEYS_FILE
+    keys.parent.mkdir()
+    keys.write_text(json.dumps({url: "old-key"}))
+    try:
+        [triton] = published_replicas(tmp_path, {"replicas": [{"url": url}]})
+        triton.load("svc-v2")
+        current["key"] = "new-key"  # the replica restarted
+        keys.write_text(json.dumps({url: "new-key"}))
+        triton.load("svc-v3")
+        assert seen == ["old-key", "old-key", "new-key"]
+        current["key"] = "rotated-elsewhere"  # a key nobody wrote down: refused once, not retried
+        with pytest.raises(CheckFailed, match="svc-v4 failed to load: This API is restricted"):
+            triton.load("svc-v4")
+        assert seen[3:] == ["new-key"]
+    finally:
+        server.shutdown()
