@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
@@ -53,6 +53,30 @@ class ReleaseResult:
     gate_report: GateReport | None = None
     gate_report_path: Path | None = None
     approval: Approval | None = None
+    serving: list[ServingStep] = field(default_factory=list)  # deploy_canary, tune_serving, shadow, benchmark
+
+
+@dataclass
+class ServingStep:
+    """A serving stage of the run as the final table shows it: never cached (it measures what is live)."""
+
+    stage: str
+    seconds: float
+    headline: str
+
+
+def serving_stage(steps: list[ServingStep], fn, config: Profile):
+    """`stage_task(fn, config)` whose wall time and headline (its result's `headline()`) are kept for the table."""
+    run = stage_task(fn, config)
+
+    def timed(*args):
+        started = time.perf_counter()
+        result = run(*args)
+        headline = result.headline() if hasattr(result, "headline") else ""
+        steps.append(ServingStep(fn.__name__, time.perf_counter() - started, headline))
+        return result
+
+    return timed
 
 
 def llmops_home() -> Path:
@@ -141,6 +165,7 @@ def release(
     deployment: Deployment | None = None
     report: GateReport | None = None
     approval: Approval | None = None
+    steps: list[ServingStep] = []
     try:
         refuse_shadow_without_gateway(config, target, ctx.home)  # before training, not after it
         require_load_tool(config)
@@ -173,13 +198,13 @@ def release(
 
         with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
             served = open_service(ctx, target)
-            deployment = stage_task(deploy_canary, config)(ctx, registered, served)
+            deployment = serving_stage(steps, deploy_canary, config)(ctx, registered, served)
             approved, rejection = True, ""
             if not deployment.unchanged:
                 if config.tune.enabled:  # the candidate's serving settings, searched before anything measures it
-                    stage_task(tune_serving, config)(ctx, deployment)
-                shadowed = stage_task(shadow, config)(ctx, deployment)  # None unless canary.shadow_s
-                measured = stage_task(benchmark, config)(ctx, deployment)
+                    serving_stage(steps, tune_serving, config)(ctx, deployment)
+                shadowed = serving_stage(steps, shadow, config)(ctx, deployment)  # None unless canary.shadow_s
+                measured = serving_stage(steps, benchmark, config)(ctx, deployment)
                 report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
                 if report.passed and needs_approval(config, dataset):  # a person's decision is never cached
@@ -194,7 +219,7 @@ def release(
         let_go(served, deployment)
     end_run(ctx.tracker, "FINISHED")
     report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
-    return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval)
+    return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval, steps)
 
 
 def let_go(served: Service | None, deployment: Deployment | None) -> None:

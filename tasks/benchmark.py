@@ -192,6 +192,12 @@ class BenchmarkResult:
     champion: RoleBenchmark | None = None
     comparison: Comparison | None = None
 
+    def headline(self) -> str:
+        candidate = self.candidate.summary
+        return f"candidate p99 {candidate.latency_p99_ms:.1f} ms, {candidate.requests_per_s:.1f} req/s" + (
+            f" (champion {self.champion.summary.requests_per_s:.1f})" if self.champion else ""
+        )
+
     @property
     def roles(self) -> dict[str, RoleBenchmark]:
         return {"candidate": self.candidate} | ({"champion": self.champion} if self.champion else {})

@@ -33,6 +33,11 @@ class Deployment:
     steps: list[dict] = field(default_factory=list)
     holding: threading.Event = field(default_factory=threading.Event)  # set: not renewing
 
+    def headline(self) -> str:
+        if self.unchanged:
+            return f"{self.candidate.name} already the champion"
+        return f"{self.candidate.name} next to {self.champion.name if self.champion else 'no champion'}"
+
     @property
     def triton(self) -> Triton:
         """The first replica: where the benchmark measures and the gate reads what was loaded."""

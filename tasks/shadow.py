@@ -54,6 +54,10 @@ class ShadowResult:
     def answered(self) -> int:
         return self.requests - self.errors
 
+    def headline(self) -> str:
+        agreement = f"agreement {self.agreement:.2f}" if self.agreement is not None else "nothing compared"
+        return f"{self.answered} copies answered, {self.errors} failed, {agreement}"
+
     @property
     def latency_ratio(self) -> float | None:
         return self.shadow_seconds / self.primary_seconds if self.answered and self.primary_seconds > 0 else None

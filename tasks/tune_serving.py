@@ -64,7 +64,7 @@ class Tuned:
         gain = self.best.goodput_per_s / self.default.goodput_per_s if self.default.goodput_per_s else float("inf")
         source = "cached" if self.cached else f"{len(self.trials)} trials"
         return (
-            f"tune_serving: {self.settings} ({source}): goodput {self.best.goodput_per_s:.1f}/s against "
+            f"{self.settings} ({source}): goodput {self.best.goodput_per_s:.1f}/s against "
             f"{self.default.goodput_per_s:.1f}/s at the profile's settings ({gain:.2f}x)"
         )
 
@@ -130,7 +130,7 @@ def tune_serving(ctx: RunContext, deployment: Deployment) -> Tuned | None:
         ctx.store.put_record(RECORDS, key, asdict(tuned) | {"cached": False})
     load(profile, deployment, tuned.settings)
     track(ctx, tuned, deployment)
-    logger().info(tuned.headline())
+    logger().info(f"tune_serving: {tuned.headline()}")
     return tuned
 
 

@@ -188,6 +188,7 @@ def summary_rows(result) -> list[tuple[str, str, str, str]]:
             f"{result.registered.name} v{result.registered.version}",
         )
     )
+    rows += [(step.stage, "ran", f"{step.seconds:.1f}", step.headline[:60]) for step in result.serving]
     if result.gate_report is not None:
         rows.append(("gate", result.gate_report.decision, "", result.gate_report.summary()[:60]))
     rows.append(("rollout", result.outcome, "", ""))

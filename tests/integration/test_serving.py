@@ -291,6 +291,12 @@ def test_first_release_is_gated_and_promoted(home, first_release):
     assert run.data.metrics["canary/candidate_load_s"] > 0  # the adapter model's load, part of what a rollout costs
     output = first_release.stdout + first_release.stderr
     assert f"canary: {BASE} loaded in" in output and f"canary: {SERVICE}-v1 loaded in" in output  # engine, adapter
+    table = first_release.stdout.split("MLflow run:")[0].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table if line and not line.startswith(("stage", "-"))}
+    assert rows["deploy_canary"][:1] == ["ran"] and f"{SERVICE}-v1 next to no champion" in " ".join(
+        rows["deploy_canary"]
+    )
+    assert rows["benchmark"][0] == "ran" and "candidate p99" in " ".join(rows["benchmark"])  # the final table's rows
 
 
 def test_the_versions_are_adapters_on_one_vllm_engine_of_the_base_model(home, server):
