@@ -7,8 +7,9 @@ the champion's answers and never wait for a copy (tasks/serving/gateway/shadow.p
 inputs, both answers, both latencies. After `canary.shadow_s` the copy stops (the same API), and this stage scores
 the records: the candidate's answers against the champion's with the profile's metric
 (`evaluate.metric`; rouge_l where that is answer_loss, which needs a reference answer's tokens), on greedy
-requests only (a sampled answer differs by chance), and its errors and latencies. The records go to MLflow with
-the run: they hold live prompts and answers, for whoever approves the release to read.
+requests only (a sampled answer differs by chance), and its errors and latencies. The records (redacted by the
+gateway as it wrote them) are deleted once scored: MLflow gets the aggregates and a sample of `SAMPLE_RECORDS` of
+them, for whoever approves the release to read.
 
 The gateway is the one `llmops serve` publishes for this LLMOPS_HOME (server.json): it has the clients whose traffic
 is copied. A release attached to another Triton by URL, or one without `llmops serve`, routes through a temporary
@@ -34,6 +35,7 @@ from tasks.serving.gateway.shadow import records_file
 from tasks.serving.server import serving_gateway
 
 SETTLE_S = 1.0  # after the copy stopped: the copies in flight end
+SAMPLE_RECORDS = 20  # redacted copies MLflow keeps for a reviewer; the rest are only counted
 
 
 @dataclass
@@ -139,9 +141,10 @@ def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
     finally:
         deployment.route({champion: 100.0})
     time.sleep(SETTLE_S)
-    result = score(read_records(records), ctx.profile, time.monotonic() - started)
-    if records.is_file():
-        ctx.tracker.log_file(records, "shadow")
+    copies = read_records(records)
+    result = score(copies, ctx.profile, time.monotonic() - started)
+    ctx.tracker.log_json("shadow_sample.json", {"records": copies[:SAMPLE_RECORDS], "of": len(copies)})
+    records.unlink(missing_ok=True)  # live prompts and answers: kept no longer than scoring needs them
     numbers = {k: v for k, v in asdict(result).items() if isinstance(v, (int, float)) and k != "min_requests"}
     ctx.tracker.log_metrics(
         "shadow", numbers | ({"latency_ratio": result.latency_ratio} if result.latency_ratio else {})

@@ -417,17 +417,35 @@ def test_answered_requests_are_copied_to_the_tables_shadow_version_and_recorded(
     assert (counters["requests"], counters["errors"], counters["dropped"]) == (4, 0, 0)
     assert counters["primary_seconds"] > 0 and counters["shadow_seconds"] > 0
     records = [json.loads(line) for line in (tmp_path / "demo-v2.jsonl").read_text().splitlines()]
-    assert [(r["inputs"]["text_input"], r["champion"], r["candidate"]) for r in records] == [
+    assert sorted((r["inputs"]["text_input"], r["champion"], r["candidate"]) for r in records) == [
         ("big", "large", "large"),
         ("hot", "cold", "cold"),
         ("up", "cold", "warm"),
         ("up", "cold", "warm"),
-    ]
-    assert records[3]["inputs"]["temperature"] == 0.7 and records[0]["inputs"]["max_tokens"] == 64
+    ]  # in the order their copies ended
+    by_prompt = {r["inputs"]["text_input"]: r for r in records if "temperature" not in r["inputs"]}
+    assert [r["inputs"]["temperature"] for r in records if "temperature" in r["inputs"]] == [0.7]
+    assert by_prompt["big"]["inputs"]["max_tokens"] == 64
     assert all(r["error"] is None and r["champion_s"] > 0 and r["candidate_s"] > 0 for r in records)
     assert (tmp_path / "demo-v2.jsonl").stat().st_mode & 0o777 == 0o600  # live prompts and answers
     copies = [body for path, body in triton.requests if path.endswith("-v2/generate")]
     assert [c["text_input"] for c in copies] == ["big", "hot", "up", "up"] and not any(c["stream"] for c in copies)
+
+
+def test_shadow_records_are_redacted_and_an_opted_out_request_is_not_copied(gateway, tmp_path):
+    """A copy's record holds live text: its prompt and both answers go through the capture's redaction rules before
+    they reach the disk; a client that opted out of capture (X-LLMOps-Capture: off) is not copied at all."""
+    key = "sk-proj-Ab3dEf6hIj9kLm2nOp5qT3BlbkFJZy8xWv5uTs2rQp9oNm4l"  # an OpenAI key's shape (detect-secrets')
+    triton = ShadowedTriton({f"my key is {key}": f"noted {key}"})
+    client = gateway(triton, table=shadowed(), shadow_records=tmp_path)
+    client.post(CHAT, json={"messages": [{"role": "user", "content": "hot"}]}, headers={"X-LLMOps-Capture": "off"})
+    answer = client.post(CHAT, json={"messages": [{"role": "user", "content": f"my key is {key}"}]})
+    assert answer.json()["choices"][0]["message"]["content"] == "cold"  # the client's answer: the champion's
+    assert wait_for_copies(client, 1)["requests"] == 1  # only the second request was copied
+    written = (tmp_path / "demo-v2.jsonl").read_text()
+    assert key not in written and "[SECRET]" in written
+    (record,) = [json.loads(line) for line in written.splitlines()]
+    assert record["inputs"]["text_input"] == "my key is [SECRET]" and record["candidate"] == "noted [SECRET]"
 
 
 def test_a_failing_shadow_version_is_recorded_and_never_reaches_the_client(gateway, tmp_path):

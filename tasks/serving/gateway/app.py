@@ -119,7 +119,12 @@ class Gateway:
             lambda: self.table.routed(),
             config.recover,
         )
-        self.shadow = Shadow(self.triton.generate, self.metrics.registry, config.shadow_records)
+        self.shadow = Shadow(
+            self.triton.generate,
+            self.metrics.registry,
+            config.shadow_records,
+            redactor=config.capture.redactor if config.capture else None,
+        )
         self.random = random.Random()
         self.table = RouteTable(config.service)
         self.table_lock = asyncio.Lock()

@@ -8,7 +8,9 @@ counts on /metrics, labelled with the version (copies, errors, dropped, both lat
 
 A copy never delays nor changes a client's answer: it starts after the answer is complete, in a task of its own,
 at most `max_in_flight` at a time (more are dropped, recorded and counted), and its failures are recorded, never
-raised.
+raised. A request whose client opted out of capture (`X-LLMOps-Capture: off`) is not copied, and a record's prompt,
+history and both answers are redacted (tasks/data/redact.py, the capture's rules) before they reach the disk; the
+stage deletes the records once it scored them.
 
 Why in the gateway and not in Triton: copies made inside Triton 2.51's Python backend (from the BLS router model
 this project once had) crashed its stub (std::length_error from custom-metric increments, numpy object-array
@@ -32,6 +34,8 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter
 
+from tasks.data.redact import Redactor
+from tasks.serving.gateway.access import current
 from tasks.serving.gateway.protocol import RequestError
 from tasks.serving.gateway.stops import cut_at_stop
 from tasks.serving.routes import RouteTable, Version
@@ -71,8 +75,10 @@ class Shadow:
         registry: CollectorRegistry,
         records: Path | None = None,
         max_in_flight: int = 16,
+        redactor: Redactor | None = None,
     ):
         self.generate, self.records, self.max_in_flight = generate, records, max_in_flight
+        self.redactor = redactor or Redactor()
         self.metrics = ShadowMetrics(registry)
         self.target: tuple[Version, float] | None = None
         self.in_flight: set[asyncio.Task] = set()
@@ -91,7 +97,7 @@ class Shadow:
     def copy(self, inputs: Mapping[str, Any], answer: str, stop: list[str], primary_s: float) -> None:
         """Maybe send `inputs` again to the shadowed model, after the client got `answer` in `primary_s`."""
         target = self.target
-        if target is None or self.random.random() >= target[1]:
+        if target is None or not current().capture or self.random.random() >= target[1]:
             return
         version = target[0]
         if len(self.in_flight) >= self.max_in_flight:
@@ -119,23 +125,35 @@ class Shadow:
         except RequestError as exc:
             error = f"HTTP {exc.status}: {exc.message}"[:200]
         shadow_s = time.perf_counter() - started
-        self.metrics.requests.labels(model).inc()
+        fields = {
+            "inputs": {name: inputs[name] for name in RECORDED_INPUTS if name in inputs},
+            "champion": answer,
+            "candidate": text,
+            "error": error,
+            "champion_s": round(primary_s, 6),
+            "candidate_s": round(shadow_s, 6),
+        }
+        self.record(model, await asyncio.to_thread(self.redacted, fields))  # the rule set scans: off the event loop
+        self.metrics.requests.labels(model).inc()  # counted once recorded: a count is a record to read
         if text is None:
             self.metrics.errors.labels(model).inc()
         else:
             self.metrics.primary_seconds.labels(model).inc(primary_s)
             self.metrics.shadow_seconds.labels(model).inc(shadow_s)
-        self.record(
-            model,
-            {
-                "inputs": {name: inputs[name] for name in RECORDED_INPUTS if name in inputs},
-                "champion": answer,
-                "candidate": text,
-                "error": error,
-                "champion_s": round(primary_s, 6),
-                "candidate_s": round(shadow_s, 6),
-            },
-        )
+
+    def redacted(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """A record's live text (prompt, history, both answers) through the capture's redaction rules. Both answers
+        go through the same rules, so a secret both repeat stays equal in both and agreement is scored alike."""
+        clean = dict(fields)
+        inputs = dict(clean["inputs"])
+        for name in ("text_input", "chat_history"):
+            if isinstance(inputs.get(name), str):
+                inputs[name] = self.redactor.redact(inputs[name])[0]
+        clean["inputs"] = inputs
+        for name in ("champion", "candidate"):
+            if isinstance(clean.get(name), str):
+                clean[name] = self.redactor.redact(clean[name])[0]
+        return clean
 
     def record(self, model: str, fields: dict[str, Any]) -> None:
         """One line in the model's records file (mode 600: live prompts and answers). A line is a few hundred
