@@ -63,38 +63,67 @@ def register(commands) -> None:
 
 
 def command_predict(args) -> str:
-    import asyncio
-
     from tasks.platform.config import load_profile
-    from tasks.platform.tracking import default_tracking_uri
-    from tasks.serving.predict import Requests, predict, read_rows, registered_target
 
     if args.concurrency is not None and args.concurrency < 1:
         raise BadInput(f"--concurrency {args.concurrency}: must be 1 or more")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise BadInput(f"--max-tokens {args.max_tokens}: must be 1 or more")
     output = args.out or default_output(args.data)
-    errors = args.errors or output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    errors = args.errors or errors_beside(output)
     profile = load_profile(args.profile, args.overrides)
-    base_url = args.url or running_gateway()
-    rows = read_rows(args.data)
-    tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(llmops_home())
-    target = registered_target(profile, args.version, tracking_uri, batch_known=args.concurrency is not None)
-    concurrency = args.concurrency or target.batch
+    summary = run_predict(
+        profile, args.data, output, errors, args.version, args.concurrency, args.max_tokens, args.url, args.tracking_uri
+    )
+    return outcome(summary)
+
+
+def run_predict(
+    profile,
+    data: str,
+    output: Path,
+    errors: Path,
+    version: str = "champion",
+    concurrency: int | None = None,
+    max_tokens: int | None = None,
+    url: str | None = None,
+    tracking_uri: str | None = None,
+):
+    """`llmops predict` and the scheduled `predict` flow alike: the rows of `data` answered by `version` of the
+    service at `url` (default: the running `llmops serve` of this LLMOPS_HOME) into `output`."""
+    import asyncio
+
+    from tasks.platform.tracking import default_tracking_uri
+    from tasks.serving.predict import Requests, predict, read_rows, registered_target
+
+    base_url = url or running_gateway()
+    rows = read_rows(data)
+    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(llmops_home())
+    target = registered_target(profile, version, tracking_uri, batch_known=concurrency is not None)
     service = profile.registry.model_name
-    requests = Requests(base_url, service, args.max_tokens, os.environ.get(API_KEY_ENV))
+    requests = Requests(base_url, service, max_tokens, os.environ.get(API_KEY_ENV))
     bar = progress_bar(len(rows))
     try:
-        summary = asyncio.run(
-            predict(rows, requests, service, target, output, errors, concurrency, API_KEY_ENV, bar.update)
+        return asyncio.run(
+            predict(
+                rows, requests, service, target, output, errors, concurrency or target.batch, API_KEY_ENV, bar.update
+            )
         )
     finally:
         bar.close()
+
+
+def outcome(summary) -> str:
+    """The run's line; rows not answered make it an error: 4 where the service failed some, else 2."""
     if summary.service_failures:
         raise TransientError(summary.describe())
     if summary.failed:
         raise BadInput(summary.describe())
     return summary.describe()
+
+
+def errors_beside(output: Path) -> Path:
+    return output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
 
 
 def default_output(data: str) -> Path:
