@@ -284,13 +284,13 @@ class Target:
 def registered_target(profile, version: str, tracking_uri: str, batch_known: bool = False) -> Target:
     """`version` (champion, challenger or a number) of the profile's service in the registry, and its engine batch
     (from the settings it was released with); with `batch_known` and the champion, no registry is read."""
+    if version == "champion" and batch_known:
+        return Target(None, None, 0)
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     from tasks.serving.champion import released_profile
 
-    if version == "champion" and batch_known:
-        return Target(None, None, 0)
     if version not in ("champion", "challenger") and not version.isdigit():
         raise BadInput(f"--version {version}: expected champion, challenger or a version number")
     service = profile.registry.model_name
