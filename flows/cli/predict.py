@@ -102,15 +102,20 @@ def run_predict(
     target = registered_target(profile, version, tracking_uri, batch_known=concurrency is not None)
     service = profile.registry.model_name
     requests = Requests(base_url, service, max_tokens, os.environ.get(API_KEY_ENV))
-    bar = progress_bar(len(rows))
+    bars: list = []  # the bar starts with the first row, once the service has answered GET /v1/models
+
+    def advance(rows_done: int) -> None:
+        if not bars:
+            bars.append(progress_bar(len(rows)))
+        bars[0].update(rows_done)
+
     try:
         return asyncio.run(
-            predict(
-                rows, requests, service, target, output, errors, concurrency or target.batch, API_KEY_ENV, bar.update
-            )
+            predict(rows, requests, service, target, output, errors, concurrency or target.batch, API_KEY_ENV, advance)
         )
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
 
 
 def outcome(summary) -> str:
