@@ -70,8 +70,10 @@ def source_digest(files: list[SourceFile]) -> str:
     return h.hexdigest()
 
 
-def iter_raw_records(file: SourceFile):
-    """Yield (where, record) with `where` naming the file and line (JSONL) or index (JSON array)."""
+def iter_raw_records(file: SourceFile, keep_invalid: bool = False):
+    """Yield (where, record) with `where` naming the file and line (JSONL) or index (JSON array). A JSONL line that
+    is not JSON stops the reading, or with `keep_invalid` is yielded as its BadInput in place of the record (scoring
+    a file answers the rest; training from half a file would be wrong)."""
     try:
         # utf-8-sig: a byte-order mark (Windows and Excel exports) is read as no text; CRLF endings split like LF.
         text = file.content.decode("utf-8-sig")
@@ -88,10 +90,16 @@ def iter_raw_records(file: SourceFile):
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"data file {file.name} line {lineno}"
         try:
-            yield f"data file {file.name} line {lineno}", json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"data file {file.name} line {lineno}: invalid JSON ({exc.msg})") from None
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            invalid = BadInput(f"{where}: invalid JSON ({reason})")
+            if not keep_invalid:
+                raise invalid from None
+            record = invalid
+        yield where, record
 
 
 def _text(record: dict, field: str, where: str, required: bool = True) -> str:

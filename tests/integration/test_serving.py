@@ -399,6 +399,99 @@ def test_the_openai_client_gets_the_champions_answer_over_tls_with_its_key(serve
     )
 
 
+def test_predict_answers_a_dataset_in_input_order_as_the_endpoint_does_and_resumes_without_resending(
+    home, server, tls, tmp_path
+):
+    """`llmops predict` against this module's `llmops serve` (its public /v1, TLS, a client key): a run interrupted
+    with Ctrl-C leaves a valid partial output, the rerun answers only the rest (each row written once), the
+    malformed line goes to the errors file with its line number, the output follows the input's order, and each
+    answer is the one the openai client gets from the endpoint for the same prompt."""
+    records = [
+        json.loads(line) for line in (ROOT / "profiles" / "data" / "antonyms-eval.jsonl").read_text().splitlines()
+    ]
+    lines = [json.dumps(r) for r in records[:30]]
+    lines.insert(6, '{"instruction": "What is the opposite of up?", "output": ')  # line 7: cut off
+    data, out = tmp_path / "tickets.jsonl", tmp_path / "answers.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    env = {**llmops_env(home), "OPENAI_API_KEY": API_KEYS["team-b"], "SSL_CERT_FILE": str(tls[0])}
+    command = [str(LLMOPS), "predict", "--data", str(data), "--out", str(out), *ENGINE]
+
+    with open(tmp_path / "first.log", "w") as log:  # SIGINT as a terminal's Ctrl-C sends it, even where the
+        first = subprocess.Popen(  # tests run in a background job, whose children inherit SIGINT ignored
+            [*command, "--concurrency", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+    partial = tmp_path / ".answers.jsonl.partial"
+    deadline = time.monotonic() + 120
+    while not (partial.is_file() and len(partial.read_text().splitlines()) >= 5):
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)
+    assert first.wait(60) == 130, (tmp_path / "first.log").read_text()[-3000:]
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 5 <= len(kept) < 30 and not partial.exists()
+
+    rerun = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert rerun.returncode == 2, rerun.stderr[-3000:]  # the malformed row: bad input, after answering the rest
+    assert f"{30 - len(kept)} answered" in rerun.stderr and f"{len(kept)} already in {out}" in rerun.stderr
+    assert "rows/s" in rerun.stderr and "1 not answered" in rerun.stderr.splitlines()[-1]
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    expected_ids = [str(n) for n in range(1, 32) if n != 7]  # the input's line numbers, in its order, once each
+    assert [a["id"] for a in answers] == expected_ids and answers[: len(kept)] == kept
+    (error,) = [json.loads(line) for line in (tmp_path / "answers.errors.jsonl").read_text().splitlines()]
+    assert (error["id"], error["line"], error["kind"]) == ("7", 7, "unreadable") and "invalid JSON" in error["error"]
+    assert all(a["finish_reason"] in ("stop", "length") and a["tokens"] >= 1 and a["latency_s"] > 0 for a in answers)
+
+    client = openai_client(server, tls, API_KEYS["team-b"])
+    for answer, record in zip(answers, records[:30], strict=True):
+        prompt = f"{record['instruction']}\n\n{record['input']}" if record["input"] else record["instruction"]
+        assert answer["prompt"] == prompt and answer["reference"] == record["output"]
+        served = client.chat.completions.create(model=SERVICE, messages=[{"role": "user", "content": prompt}])
+        assert answer["answer"] == served.choices[0].message.content, answer
+
+
+def test_the_predict_flow_scores_an_s3_location_into_an_s3_output_as_the_command_does(home, server, tls, tmp_path):
+    """The `predict` deployment's flow (infra/prefect.yaml), run on this module's Prefect server: rows from an S3
+    prefix answered by the champion into an S3 object, the same answers `llmops predict` writes; a rerun with every
+    row there sends none."""
+    from tasks.platform.local_stack import start_s3
+    from tests.servers import S3_KEY, S3_SECRET, free_port, s3_env
+
+    records = (ROOT / "profiles" / "data" / "antonyms-eval.jsonl").read_text().splitlines()[:8]
+    s3 = start_s3(tmp_path / "s3", free_port(), S3_KEY, S3_SECRET, tmp_path)
+    try:
+        (tmp_path / "s3" / "datasets" / "score").mkdir(parents=True)
+        (tmp_path / "s3" / "datasets" / "score" / "tickets.jsonl").write_text("\n".join(records) + "\n")
+        env = {
+            **llmops_env(home), **s3_env(s3.url), "OPENAI_API_KEY": API_KEYS["team-a"], "SSL_CERT_FILE": str(tls[0])
+        }  # fmt: skip
+        flow = (
+            "from flows.predict import predict; "
+            "print(predict('s3://datasets/score/', 's3://datasets/scored/answers.jsonl', concurrency=4))"
+        )
+        for _ in range(2):
+            ran = subprocess.run(
+                [str(LLMOPS.parent / "python"), "-c", flow], capture_output=True, text=True, env=env, cwd=ROOT
+            )
+            assert ran.returncode == 0, ran.stderr[-3000:]
+        assert "predict: 0 answered" in ran.stdout and "8 already in" in ran.stdout
+        scored = [json.loads(line) for line in (tmp_path / "s3" / "datasets" / "scored" / "answers.jsonl").open()]
+        assert not (tmp_path / "s3" / "datasets" / "scored" / "answers.errors.jsonl").exists()
+    finally:
+        s3.stop()
+    data = tmp_path / "tickets.jsonl"
+    data.write_text("\n".join(records) + "\n")
+    env = {**llmops_env(home), "OPENAI_API_KEY": API_KEYS["team-a"], "SSL_CERT_FILE": str(tls[0])}
+    command = subprocess.run(
+        [str(LLMOPS), "predict", "--data", str(data), *ENGINE], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert command.returncode == 0, command.stderr[-3000:]
+    assert scored == [
+        json.loads(line) | {"latency_s": scored[i]["latency_s"]}
+        for i, line in enumerate((tmp_path / "tickets.answers.jsonl").open())
+    ]
+
+
 def curl(server: dict, tls, path: str, *args: str) -> tuple[int, dict | str]:
     """curl against the gateway, trusting the test's certificate; (status, JSON body or text)."""
     result = subprocess.run(

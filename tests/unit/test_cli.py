@@ -264,3 +264,17 @@ def test_the_approval_proxy_needs_the_operators_key(tmp_path):
     short.write_text("0123\n")
     too_short = subprocess.run([*run, "--key-file", str(short)], capture_output=True, text=True, env=env, timeout=120)
     assert too_short.returncode == 2 and f"approval proxy key file {short}: 4 bytes, at least 32" in too_short.stderr
+
+
+def test_predict_refuses_in_one_line_what_it_cannot_score(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Opposite of hot?\n")
+    for args, last_line in [
+        (["--data", str(tmp_path / "missing.jsonl")], f"--data {tmp_path / 'missing.jsonl'}: no such file or folder"),
+        (["--data", str(prompts)], f"no `llmops serve` runs for LLMOPS_HOME {tmp_path}: start one (`llmops serve`), or name a service with --url"),
+        (["--data", str(prompts), "--url", "http://127.0.0.1:9", "--concurrency", "2"], "http://127.0.0.1:9/v1/models: the service does not answer"),
+    ]:  # fmt: skip
+        result = llmops("predict", *args, env_home=tmp_path)
+        assert result.stderr.strip().splitlines()[-1].startswith(f"llmops: error: {last_line}"), result.stderr
+        assert result.returncode == (4 if "does not answer" in last_line else 2)
+    assert not list(tmp_path.glob("*.answers.jsonl"))

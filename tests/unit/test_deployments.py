@@ -117,6 +117,15 @@ def test_the_flywheel_pushes_its_harvest_where_the_retrain_deployment_watches():
     assert flywheel["schedules"][0]["cron"]
 
 
+def test_the_predict_deployment_names_its_input_version_and_output_and_waits_to_be_turned_on():
+    predict = deployments()["predict"]
+    assert predict["parameters"]["version"] == "champion"
+    assert predict["parameters"]["data_source"].startswith("s3://")
+    assert predict["parameters"]["output"].startswith("s3://") and predict["parameters"]["output"].endswith(".jsonl")
+    (schedule,) = predict["schedules"]
+    assert schedule["cron"] and schedule["active"] is False  # no nightly failures before data_source holds rows
+
+
 @pytest.mark.parametrize(("pool_type", "expected"), [("kubernetes", "/opt/llmops"), ("process", str(ROOT))])
 def test_stage_runs_start_where_their_worker_has_the_project(monkeypatch, pool_type, expected):
     """`prefect deploy` bakes environment placeholders into the pull steps (prefect/cli/deploy/_core.py,
