@@ -45,6 +45,7 @@ class Ports:
     http: int
     grpc: int
     metrics: int
+    gateway_metrics: int
 
 
 def choose_ports(listen: ListenSection) -> Ports:
@@ -54,6 +55,7 @@ def choose_ports(listen: ListenSection) -> Ports:
         "triton_http_port": listen.triton_http_port,
         "triton_grpc_port": listen.triton_grpc_port,
         "triton_metrics_port": listen.triton_metrics_port,
+        "gateway_metrics_port": listen.gateway_metrics_port,
     }
     for name, port in wanted.items():
         if port and port_in_use(port):
@@ -106,14 +108,21 @@ def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str
         scheme = "https" if listen.tls_cert else "http"
         local = "127.0.0.1" if listen.host in ("0.0.0.0", "::", "") else listen.host
         gateway_url = f"{scheme}://{local}:{ports.gateway}"
-        publish(home, server, gateway_url)
+        metrics_host = listen.gateway_metrics_host
+        metrics_url = (
+            f"http://{'127.0.0.1' if metrics_host in ('0.0.0.0', '::', '') else metrics_host}:{ports.gateway_metrics}"
+        )
+        publish(home, server, gateway_url, metrics_url)
         print(
             f"serving {service} (champion v{champion.version}) at {scheme}://{listen.host}:{ports.gateway}/v1 "
             f"(OpenAI) and /v2/models/{service}/generate; "
             f"{len(api_keys.keys) or 'no'} API key{'' if len(api_keys.keys) == 1 else 's'}; Triton {server.client.url} "
-            f"(gRPC {server.client.grpc_url}, metrics {server.client.metrics_url}); Ctrl-C stops",
+            f"(gRPC {server.client.grpc_url}, metrics {server.client.metrics_url}); the gateway's metrics "
+            f"{metrics_url}/metrics; Ctrl-C stops",
             flush=True,
         )
+        limits = profile.serve.limits
+        print(f"llmops serve: {gateway.gateway.limits.summary(limits.max_in_flight, bool(api_keys.keys))}", flush=True)
         deaths, started = 0, time.monotonic()
         while not stopped.wait(0.5):
             if server.running():
@@ -125,7 +134,7 @@ def serve(profile: Profile, home: Path, tracking_uri: str | None, artifacts: str
             if restarted is None:
                 return
             server = restarted
-            publish(home, server, gateway_url)
+            publish(home, server, gateway_url, metrics_url)
             started = time.monotonic()  # same ports: the gateway's upstream URL holds
     except KeyboardInterrupt:
         pass
@@ -226,14 +235,16 @@ def capture_settings(ctx: RunContext) -> CaptureSettings | None:
 
 
 class RunningGateway:
-    """The gateway's uvicorn server, in a thread of this process."""
+    """The gateway's uvicorn servers (the clients' listener, then its /metrics listener), each in a thread."""
 
-    def __init__(self, gateway: Gateway, server, thread: threading.Thread):
-        self.gateway, self.server, self.thread = gateway, server, thread
+    def __init__(self, gateway: Gateway, servers: list, threads: list[threading.Thread]):
+        self.gateway, self.servers, self.threads = gateway, servers, threads
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+        for server in self.servers:
+            server.should_exit = True
+        for thread in self.threads:
+            thread.join(15)
 
 
 def start_gateway(
@@ -258,6 +269,7 @@ def start_gateway(
             request_burst_s=ctx.profile.serve.limits.burst_s,
             tokens_per_minute=ctx.profile.serve.limits.tokens_per_minute,
             max_in_flight=ctx.profile.serve.limits.max_in_flight,
+            max_in_flight_per_key=ctx.profile.serve.limits.max_in_flight_per_key,
             shadow_poll_s=SHADOW_POLL_S,
             control_key=lambda: control_key(ctx.home),  # the published one: it changes when Triton restarts
             shadow_records=ctx.home / "shadow",
@@ -265,22 +277,31 @@ def start_gateway(
         )
     )
     show_access_log()
-    config = uvicorn.Config(
-        gateway.app(),
-        host=listen.host,
-        port=ports.gateway,
-        ssl_certfile=listen.tls_cert,
-        ssl_keyfile=listen.tls_key,
-        log_level="warning",
-        access_log=False,  # requests carry keys in headers; uvicorn's access log prints none, but stays off
-        lifespan="on",
-    )
-    uvicorn_server = uvicorn.Server(config)
-    thread = threading.Thread(target=uvicorn_server.run, name="gateway", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn_server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise BadInput(f"gateway on {listen.host}:{ports.gateway}: did not start (see the lines above)")
-        time.sleep(0.1)
-    return RunningGateway(gateway, uvicorn_server, thread)
+    running = RunningGateway(gateway, [], [])
+    listeners = [
+        (gateway.app(), listen.host, ports.gateway, listen.tls_cert, listen.tls_key),
+        (gateway.metrics_app(), listen.gateway_metrics_host, ports.gateway_metrics, None, None),
+    ]
+    for app, host, port, tls_cert, tls_key in listeners:
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            ssl_certfile=tls_cert,
+            ssl_keyfile=tls_key,
+            log_level="warning",
+            access_log=False,  # requests carry keys in headers; uvicorn's access log prints none, but stays off
+            lifespan="on",  # the clients' app's starts the gateway's background work; the metrics app has none
+        )
+        uvicorn_server = uvicorn.Server(config)
+        thread = threading.Thread(target=uvicorn_server.run, name=f"gateway:{port}", daemon=True)
+        thread.start()
+        running.servers.append(uvicorn_server)
+        running.threads.append(thread)
+        deadline = time.monotonic() + 30
+        while not uvicorn_server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                running.stop()
+                raise BadInput(f"gateway on {host}:{port}: did not start (see the lines above)")
+            time.sleep(0.1)
+    return running

@@ -213,9 +213,11 @@ def restricted_api_flags(key: str) -> list[str]:
     ]
 
 
-def publish(home: Path, server: TritonServer, gateway_url: str | None = None) -> Path:
+def publish(
+    home: Path, server: TritonServer, gateway_url: str | None = None, gateway_metrics_url: str | None = None
+) -> Path:
     """Write server.json: runs with this LLMOPS_HOME roll out on this server while it lives; clients of
-    this machine find the gateway there."""
+    this machine find the gateway there, and Prometheus (or a person) the gateway's /metrics."""
     state = home / "triton" / SERVER_FILE
     client = server.client
     state.parent.mkdir(parents=True, exist_ok=True)
@@ -230,6 +232,7 @@ def publish(home: Path, server: TritonServer, gateway_url: str | None = None) ->
                 "metrics_url": client.metrics_url,
                 "repository": str(client.repository),
                 "gateway_url": gateway_url,
+                "gateway_metrics_url": gateway_metrics_url,
                 "pid": os.getpid(),
             }
         ),

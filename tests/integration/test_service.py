@@ -482,6 +482,7 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
 
     log = tmp_path / "serve.log"
     ports = ["--port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0", "--metrics-port", "0"]
+    ports += ["--gateway-metrics-port", "0"]
     capture = ["--set", "serve.capture.enabled=true", "--set", "serve.capture.flush_s=0.5"]
     with open(log, "w") as out:
         serving = subprocess.Popen(
@@ -501,6 +502,8 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
             f"llmops serve publishing its gateway ({log})",
         )
         gateway = state["gateway_url"]
+        # the limits in force, said at start in one line (issue 41); the defaults leave a first load test room
+        assert "llmops serve: limits per client (no keys: all clients are one): 1,000 requests/s" in log.read_text()
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
         held_out = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).eval[0]
         asked = {prompt: served_answer(client, prompt) for prompt in CORRECTIONS}
@@ -520,7 +523,10 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         for feedback in judged:
             assert httpx.post(f"{gateway}/v1/feedback", json=feedback, timeout=10).status_code == 200
         wait_for(
-            lambda: 'llmops_capture_records_total{kind="feedback"} 9.0' in httpx.get(f"{gateway}/metrics").text,
+            lambda: (
+                'llmops_capture_records_total{kind="feedback"} 9.0'
+                in httpx.get(f"{state['gateway_metrics_url']}/metrics").text
+            ),
             30,
             "the gateway writing what it kept",
             interval=0.5,

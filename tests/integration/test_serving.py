@@ -111,6 +111,7 @@ def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *arg
     keys.write_text("".join(f"{name}: {key}\n" for name, key in API_KEYS.items()))
     keys.chmod(0o600)
     ports = ["--port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0", "--metrics-port", "0"]
+    ports += ["--gateway-metrics-port", "0"]
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
             [
@@ -473,8 +474,11 @@ def test_abuse_gets_an_answer_in_each_apis_shape_and_metrics_count_it_per_client
     for status, path, args in triton_cases:
         answer, body = curl(server, tls, path, *args)
         assert answer == status and isinstance(body["error"], str), (path, body)
-    answer, metrics = curl(server, tls, "/metrics")  # no key needed, none shown
-    assert answer == 200 and 'llmops_gateway_requests_total{client="team-a"' in metrics, metrics
+    answer, _ = curl(server, tls, "/metrics", *key)  # not on the clients' port, not even with a key: it names clients
+    assert answer == 404
+    assert server["gateway_metrics_url"].startswith("http://127.0.0.1:")  # its own listener, loopback
+    metrics = requests.get(f"{server['gateway_metrics_url']}/metrics", timeout=10).text  # no key needed, none shown
+    assert 'llmops_gateway_requests_total{client="team-a"' in metrics, metrics
     assert all(secret not in metrics for secret in API_KEYS.values())
 
 

@@ -86,15 +86,16 @@ def test_profile_digest_changes_with_any_value():
 # be planned (base_model.architecture; the 72B profile), and
 # when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3), and
 # when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1,
-# and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf).
+# and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when serve.limits' defaults were
+# raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_* added.
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "db38e40d1c0d30b29d61f46e72c9059bf1e89525152886aa3086c08766175883",
-    "cpu-tiny-qa-zh": "d0208fe439c6cc7ba5bf2fe67a4051f7ee6b126ede5f333ae44c492a70394e17",
-    "llama3-8b-h100-fp8": "0bf4299db95f3a9c3162111c6587af60bae4256c81233eb679ac7ba809afaf8b",
-    "qwen-7b-qlora-2xa10": "7211c1cd9c8bb4708250486bc39ad12ee3034df3e44adaba4aa11cdd4e58b83f",
-    "qwen-7b-vllm-h100": "9ef1055dce28e371b7c2460bbdefca47f06f98e9c4fe51c98be5b8ef8bbd935b",
-    "qwen2-14b-int4-tp2": "fa4b9b8c5f66323e6f2034132226852c7b85d141ddc52033728f65f5833faa0c",
-    "qwen2.5-72b-lora-2x8xh100": "c3e8630e0f77d00c7ed9263785d143ba492f0d6779bb600b33e166d97da2c19c",
+    "cpu-tiny": "baa9b8fac4e0b57743de9b8ef8f28cf7831e649d60068934d33db5ec61e9985f",
+    "cpu-tiny-qa-zh": "2b20c18588dda5c47e92026ad1cb7e99c520d815b83b6efd73ae1e1f918b9bca",
+    "llama3-8b-h100-fp8": "a65878cf07b784dd049407df43ccd11e47c1a4d466e18661ea21765b7068f10d",
+    "qwen-7b-qlora-2xa10": "464965c081815cf3ef208b31f2db9cec2a56dc022a8b5b80d13e46a6d24b6b4f",
+    "qwen-7b-vllm-h100": "4f2afb04bde5e69463bf51280436304d6f346887d3ba1f5460cef160c839dea5",
+    "qwen2-14b-int4-tp2": "bb6996c2c18ac4d7c35d7c74dae4be829a7535afac9152d93320e60d2842a80e",
+    "qwen2.5-72b-lora-2x8xh100": "7e52017d1a916aee187a38aa766fae2dcd3f8e3b754be70de443b2d3d04f2910",
 }
 
 

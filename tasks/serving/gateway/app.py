@@ -19,7 +19,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tasks.serving.gateway.access import GatewayMetrics, Guard, current, openai_error, shaped_error, triton_error
+from tasks.serving.gateway.access import (
+    GatewayMetrics,
+    Guard,
+    current,
+    openai_error,
+    reserve_tokens,
+    shaped_error,
+    triton_error,
+)
 from tasks.serving.gateway.auth import KeyRing, authorize
 from tasks.serving.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
 from tasks.serving.gateway.limits import ClientLimits
@@ -51,6 +59,7 @@ class GatewayConfig:
     request_burst_s: float = 1.0  # seconds of that rate a client may send at once (serve.limits.burst_s)
     tokens_per_minute: int = 0  # per client; 0: no limit
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
+    max_in_flight_per_key: int = 0  # requests being answered per client; 0: no limit
     # Shadow copies (tasks/serving/gateway/shadow.py): how often the router's `shadow` parameter is read (0: never,
     # no copies), with Triton's control key as it is now (it changes when Triton restarts).
     shadow_poll_s: float = 0
@@ -100,14 +109,16 @@ class Gateway:
             self.capture,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
-        self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute, config.request_burst_s)
+        self.limits = ClientLimits(
+            config.requests_per_second, config.tokens_per_minute, config.request_burst_s, config.max_in_flight_per_key
+        )
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
         client = authorize(self.keys.current(), request.headers.get("authorization"))
         current().client = client
         current().capture = request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
-        self.limits.admit(client)
+        current().hold = self.limits.admit(client)
         return client
 
     async def body(self, request: Request) -> bytes:
@@ -124,6 +135,11 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         """The per-client counters, for Prometheus: no key needed, none shown (clients by name only)."""
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def metrics_app(self) -> Starlette:
+        """GET /metrics on a listener of its own (serve.listen.gateway_metrics_*, loopback by default): it names
+        clients, so the clients' listener, open to whoever holds a key or to anyone without keys, does not serve it."""
+        return Starlette(routes=[Route("/metrics", self.prometheus)])
 
     async def not_routed(self, request: Request, exc: Exception) -> Response:
         """Starlette's 404 (no such path) and 405 (wrong method), in the API's own shape."""
@@ -183,18 +199,20 @@ class Gateway:
             )
             if generate.min_length is not None:
                 bounded_max_tokens(generate.min_length, "min_length", body["max_tokens"], 0)
-            current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
+            reserve_tokens(body["max_tokens"])
             path = f"/v2/models/{name}/{'generate_stream' if streaming else 'generate'}"
             if not streaming:
                 started = time.perf_counter()
                 answer = await self.triton.forward(path, body)
                 if answer.status_code != 200:
                     raise upstream_error(answer)
+                current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
                 self.shadow.copy_answer(body, answer, time.perf_counter() - started)
                 self.keep_generate(generate, answer, started)
                 media_type = answer.headers.get("content-type", "application/json")
                 return Response(answer.content, status_code=answer.status_code, media_type=media_type)
             upstream, chunks = await self.triton.forward_stream(path, body)
+            current().tokens = body["max_tokens"]  # a stream passed through is not counted: its budget is charged
         except RequestError as error:
             return triton_error(error)
         media_type = upstream.headers.get("content-type", "text/event-stream")
@@ -242,7 +260,6 @@ class Gateway:
         routes = [
             Route("/health/live", self.live),
             Route("/health/ready", self.ready),
-            Route("/metrics", self.prometheus),
             Route("/v1/models", self.models),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -250,9 +267,7 @@ class Gateway:
             Route("/v2/models/{model}/generate", self.triton_generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.triton_generate, methods=["POST"]),
         ]
-        guard = Middleware(
-            Guard, routes=routes, limits=self.limits, metrics=self.metrics, max_in_flight=self.config.max_in_flight
-        )
+        guard = Middleware(Guard, routes=routes, metrics=self.metrics, max_in_flight=self.config.max_in_flight)
         return Starlette(
             routes=routes,
             middleware=[guard],

@@ -19,7 +19,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tasks.quality.chat import encode_prompt
-from tasks.serving.gateway.access import current
+from tasks.serving.gateway.access import current, reserve_tokens
 from tasks.serving.gateway.capture import Capture
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
@@ -158,6 +158,7 @@ class OpenAIServing:
 
     async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
         started = time.perf_counter()
+        reserve_tokens(inputs.max_tokens)
         if not stream:
             text, stopped = cut_at_stop(await self.triton.generate(inputs.payload()), stop)
             self.copy_to_shadow(inputs, text, stop, started)
@@ -191,6 +192,7 @@ class OpenAIServing:
         try:
             piece = first
             while piece is not None:
+                current().produced += 1  # charged if the stream ends before its usage is counted
                 if delta := scanner.feed(piece):
                     yield reply.chunk({"content": delta})
                 if scanner.stopped:
