@@ -143,6 +143,15 @@ def test_a_failed_answer_gives_its_reservation_back_and_a_stream_cut_short_pays_
     assert refused.status_code == 429 and refused.headers["retry-after"] == "2"  # 1 token charged, at 0.5/s
 
 
+def test_on_v2_a_failed_answer_gives_its_reservation_back_and_an_answer_pays_its_max_tokens(gateway):
+    answers = [lambda request: httpx.Response(500, json={"error": "engine died"}), FakeTriton(), FakeTriton()]
+    client = gateway(lambda request: answers.pop(0)(request), api_keys=KEYS, tokens_per_minute=30)
+    assert client.post(GENERATE, json={"text_input": "hot", "max_tokens": 30}).status_code >= 500
+    assert client.post(GENERATE, json={"text_input": "hot", "max_tokens": 30}).status_code == 200  # all 30 came back
+    refused = client.post(GENERATE, json={"text_input": "hot", "max_tokens": 30})  # Triton counts none: 30 were paid
+    assert refused.status_code == 429 and "serve.limits.tokens_per_minute = 30" in refused.json()["error"]
+
+
 def test_a_client_that_hangs_up_mid_stream_pays_only_what_was_sent():
     """The ASGI conversation itself: the client disconnects after the first piece while Triton still generates."""
 
