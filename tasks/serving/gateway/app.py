@@ -1,6 +1,6 @@
-"""The gateway's routes (Starlette): health probes, /metrics, OpenAI's /v1 and Triton's /v2 generate API, each
-behind the API-key check, the client's rate limits, the body cap and JSON only, and each answering errors
-(unknown paths and wrong methods too) in its own API's shape."""
+"""The gateway's routes (Starlette): health probes, OpenAI's /v1 and Triton's /v2 generate API, each behind the
+API-key check, the client's limits, the body cap and JSON only, and each answering errors (unknown paths and
+wrong methods too) in its own API's shape; /metrics on a listener of its own (metrics_app)."""
 
 from __future__ import annotations
 
