@@ -27,6 +27,7 @@ GATEWAY = """
 import json, logging, os
 from pathlib import Path
 import uvicorn
+from starlette.routing import Route
 from tasks.serving.gateway import Gateway, GatewayConfig
 settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
 port, access_log, control_key = settings.pop("port"), settings.pop("access_log"), settings.pop("control_key")
@@ -42,7 +43,11 @@ access.addHandler(logging.FileHandler(access_log))
 access.setLevel(logging.INFO)
 access.propagate = False
 config = GatewayConfig(**settings, control_key=lambda: control_key)
-uvicorn.run(Gateway(config).app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+gateway = Gateway(config)
+app = gateway.app()
+# the benchmarks read the counters on the gateway's port; `llmops serve` serves them on a listener of its own
+app.router.routes.append(Route("/metrics", gateway.prometheus))
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 """
 
 
