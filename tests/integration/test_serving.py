@@ -610,6 +610,8 @@ def prometheus(server, tmp_path_factory):
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(ROOT / "infra" / "monitoring" / "alerts.yml")]
     config["scrape_configs"][0]["static_configs"][0]["targets"] = [server["metrics_url"].split("/")[2]]
+    (gateway,) = [job for job in config["scrape_configs"] if job["job_name"] == "llmops-gateway"]
+    gateway["static_configs"][0]["targets"] = [server["gateway_metrics_url"].split("/")[2]]  # its metrics listener
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{free_port()}"
     with open(folder / "prometheus.log", "w") as log:
@@ -625,7 +627,7 @@ def prometheus(server, tmp_path_factory):
         )
     try:
         deadline = time.monotonic() + 60
-        while not triton_scraped(url):
+        while not (scraped(url, "triton") and scraped(url, "llmops-gateway")):
             assert process.poll() is None and time.monotonic() < deadline, (folder / "prometheus.log").read_text()[
                 -2000:
             ]
@@ -636,9 +638,9 @@ def prometheus(server, tmp_path_factory):
         process.wait(30)
 
 
-def triton_scraped(url: str) -> bool:
+def scraped(url: str, job: str) -> bool:
     try:
-        result = requests.get(f"{url}/api/v1/query", params={"query": 'up{job="triton"}'}, timeout=5).json()
+        result = requests.get(f"{url}/api/v1/query", params={"query": f'up{{job="{job}"}}'}, timeout=5).json()
     except (requests.RequestException, ValueError):
         return False
     return bool(result.get("data", {}).get("result")) and result["data"]["result"][0]["value"][1] == "1"
