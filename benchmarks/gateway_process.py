@@ -27,6 +27,7 @@ GATEWAY = """
 import json, logging, os
 from pathlib import Path
 import uvicorn
+from starlette.routing import Route
 from tasks.serving.gateway import Gateway, GatewayConfig
 settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
 port, access_log = settings.pop("port"), settings.pop("access_log")
@@ -49,14 +50,17 @@ access.setLevel(logging.INFO)
 access.propagate = False
 control_port = settings.pop("control_port", None)
 gateway = Gateway(GatewayConfig(**settings))
+app = gateway.app()
+# the benchmarks read the counters on the gateway's port; `llmops serve` serves them on a listener of its own
+app.router.routes.append(Route("/metrics", gateway.prometheus))
 if control_port is None:
-    uvicorn.run(gateway.app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 else:  # with the control API too, as `llmops serve` runs it
     import threading
     from tasks.serving.gateway.control import ControlApi
     from tasks.serving.gateway.running import Listener, RunningGateway
     control = ControlApi(gateway, settings["control_key"]).app()
-    listeners = [Listener(gateway.app(), "127.0.0.1", port), Listener(control, "127.0.0.1", control_port)]
+    listeners = [Listener(app, "127.0.0.1", port), Listener(control, "127.0.0.1", control_port)]
     RunningGateway(listeners, gateway).start()
     threading.Event().wait()
 """

@@ -54,6 +54,7 @@ class Ports:
     grpc: int
     metrics: int
     control: int
+    gateway_metrics: int
 
 
 def choose_ports(listen: ListenSection) -> Ports:
@@ -64,6 +65,7 @@ def choose_ports(listen: ListenSection) -> Ports:
         "triton_grpc_port": listen.triton_grpc_port,
         "triton_metrics_port": listen.triton_metrics_port,
         "control_port": listen.control_port,
+        "gateway_metrics_port": listen.gateway_metrics_port,
     }
     for name, port in wanted.items():
         if port and port_in_use(port):
@@ -135,21 +137,29 @@ def serve(
         gateway_url = f"{scheme}://{local}:{ports.gateway}"
         control_local = "127.0.0.1" if listen.control_host in ("0.0.0.0", "::", "") else listen.control_host
         control_url = f"{scheme if listen.control_host not in LOOPBACK else 'http'}://{control_local}:{ports.control}"
-        publish(home, fleet.tritons, gateway_url, control_url, serve_key, service)
+        metrics_host = listen.gateway_metrics_host
+        metrics_url = (
+            f"http://{'127.0.0.1' if metrics_host in ('0.0.0.0', '::', '') else metrics_host}:{ports.gateway_metrics}"
+        )
+        publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url)
         tritons = ", ".join(f"{t.url} (gRPC {t.grpc_url}, metrics {t.metrics_url})" for t in fleet.tritons)
         print(
             f"serving {service} (champion v{champion.version} from {source}) at {scheme}://{listen.host}:{ports.gateway}/v1 "
             f"(OpenAI) and /v2/models/{service}/generate; "
             f"{len(api_keys.keys) or 'no'} API key{'' if len(api_keys.keys) == 1 else 's'}; control API {control_url}; "
-            f"Triton {tritons}; Ctrl-C stops",
+            f"Triton {tritons}; the gateway's metrics {metrics_url}/metrics; Ctrl-C stops",
             flush=True,
         )
+        limits = profile.serve.limits
+        print(f"llmops serve: {gateway.gateway.limits.summary(limits.max_in_flight, bool(api_keys.keys))}", flush=True)
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 unpublish(home, serve_stops=False)
                 if not fleet.restart(replica, stopped):
                     return
-                publish(home, fleet.tritons, gateway_url, control_url, serve_key, service)  # same ports, new key
+                publish(
+                    home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url
+                )  # same ports, new key
     except KeyboardInterrupt:
         pass
     finally:
@@ -236,6 +246,7 @@ def start_gateway(
             request_burst_s=ctx.profile.serve.limits.burst_s,
             tokens_per_minute=ctx.profile.serve.limits.tokens_per_minute,
             max_in_flight=ctx.profile.serve.limits.max_in_flight,
+            max_in_flight_per_key=ctx.profile.serve.limits.max_in_flight_per_key,
             shadow_records=ctx.home / "shadow",
             capture=capture_settings(ctx),
             record=record_path(ctx.home, service),
@@ -254,6 +265,7 @@ def start_gateway(
         [
             Listener(gateway.app(), listen.host, ports.gateway, **tls),
             Listener(ControlApi(gateway, serve_key).app(), listen.control_host, ports.control, **control_tls),
+            Listener(gateway.metrics_app(), listen.gateway_metrics_host, ports.gateway_metrics),
         ],
         gateway,
     ).start()

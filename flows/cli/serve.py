@@ -12,6 +12,18 @@ SERVE_LISTEN_FLAGS = (
     ("--port", "port", int, "gateway port (default 8080; 0: any free port)"),
     ("--control-host", "control_host", str, "the control API's bind address (default 127.0.0.1)"),
     ("--control-port", "control_port", int, "the control API's port (default 8081)"),
+    (
+        "--gateway-metrics-host",
+        "gateway_metrics_host",
+        str,
+        "bind address of the gateway's /metrics (default 127.0.0.1)",
+    ),
+    (
+        "--gateway-metrics-port",
+        "gateway_metrics_port",
+        int,
+        "port of the gateway's /metrics (default 8082; 0: any free)",
+    ),
     ("--triton-host", "triton_host", str, "Triton's bind address (default 127.0.0.1)"),
     ("--triton-http-port", "triton_http_port", int, "Triton HTTP port (default 8000)"),
     ("--triton-grpc-port", "triton_grpc_port", int, "Triton gRPC port (default 8001)"),
@@ -43,6 +55,7 @@ DESCRIPTION = (
 
 EPILOG = """examples:
   llmops serve &                         # gateway :8080, control API :8081, Triton :8000 (HTTP) :8001 (gRPC) :8002
+  llmops serve &                         # gateway :8080 (its /metrics :8082), Triton :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
   curl -s localhost:8080/health/ready
   curl -s localhost:8081/control/v1/deployment -H "llmops-control-key: $(cat .llmops/serving/control.key)"
   curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\

@@ -238,9 +238,11 @@ def publish(
     control_url: str | None = None,
     serve_key: str | None = None,
     service: str | None = None,
+    gateway_metrics_url: str | None = None,
 ) -> Path:
     """Write server.json: runs with this LLMOPS_HOME roll out on these Triton replicas (the first one first), through
-    the serve's control API, while it lives; clients of this machine find the gateway there."""
+    the serve's control API, while it lives; clients of this machine find the gateway there, and Prometheus (or a
+    person) the gateway's /metrics."""
     state = home / "triton" / SERVER_FILE
     first = tritons[0]
     state.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +272,7 @@ def publish(
                 "gateway_url": gateway_url,
                 "control_url": control_url,
                 "service": service,
+                "gateway_metrics_url": gateway_metrics_url,
                 "pid": os.getpid(),
             }
         ),

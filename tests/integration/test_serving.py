@@ -111,7 +111,7 @@ def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *arg
     keys.write_text("".join(f"{name}: {key}\n" for name, key in API_KEYS.items()))
     keys.chmod(0o600)
     ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
-    ports += ["--metrics-port", "0"]
+    ports += ["--metrics-port", "0", "--gateway-metrics-port", "0"]
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
             [
@@ -589,8 +589,11 @@ def test_abuse_gets_an_answer_in_each_apis_shape_and_metrics_count_it_per_client
     for status, path, args in triton_cases:
         answer, body = curl(server, tls, path, *args)
         assert answer == status and isinstance(body["error"], str), (path, body)
-    answer, metrics = curl(server, tls, "/metrics")  # no key needed, none shown
-    assert answer == 200 and 'llmops_gateway_requests_total{client="team-a"' in metrics, metrics
+    answer, _ = curl(server, tls, "/metrics", *key)  # not on the clients' port, not even with a key: it names clients
+    assert answer == 404
+    assert server["gateway_metrics_url"].startswith("http://127.0.0.1:")  # its own listener, loopback
+    metrics = requests.get(f"{server['gateway_metrics_url']}/metrics", timeout=10).text  # no key needed, none shown
+    assert 'llmops_gateway_requests_total{client="team-a"' in metrics, metrics
     assert all(secret not in metrics for secret in API_KEYS.values())
 
 
@@ -723,9 +726,8 @@ def prometheus(server, tls, tmp_path_factory):
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(ROOT / "infra" / "monitoring" / "alerts.yml")]
     config["scrape_configs"][0]["static_configs"][0]["targets"] = [server["metrics_url"].split("/")[2]]
-    gateway_job = config["scrape_configs"][1]
-    gateway_job["static_configs"][0]["targets"] = [server["gateway_url"].split("/")[2]]
-    gateway_job.update(scheme="https", tls_config={"ca_file": str(tls[0])})
+    (gateway,) = [job for job in config["scrape_configs"] if job["job_name"] == "llmops-gateway"]
+    gateway["static_configs"][0]["targets"] = [server["gateway_metrics_url"].split("/")[2]]  # its metrics listener
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{free_port()}"
     with open(folder / "prometheus.log", "w") as log:
@@ -741,7 +743,7 @@ def prometheus(server, tls, tmp_path_factory):
         )
     try:
         deadline = time.monotonic() + 60
-        while not (triton_scraped(url) and triton_scraped(url, "llmops-gateway")):
+        while not (scraped(url, "triton") and scraped(url, "llmops-gateway")):
             assert process.poll() is None and time.monotonic() < deadline, (folder / "prometheus.log").read_text()[
                 -2000:
             ]
@@ -752,7 +754,7 @@ def prometheus(server, tls, tmp_path_factory):
         process.wait(30)
 
 
-def triton_scraped(url: str, job: str = "triton") -> bool:
+def scraped(url: str, job: str) -> bool:
     try:
         result = requests.get(f"{url}/api/v1/query", params={"query": f'up{{job="{job}"}}'}, timeout=5).json()
     except (requests.RequestException, ValueError):

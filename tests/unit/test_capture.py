@@ -19,7 +19,7 @@ from tasks.data.records import CleanData, read_source
 from tasks.data.redact import Redactor
 from tasks.platform.errors import BadInput
 from tasks.serving.gateway.capture import CaptureSettings
-from tests.unit.test_gateway import CHAT, KEY, QUESTION, SERVICE, FakeTriton, gateway
+from tests.unit.test_gateway import CHAT, KEY, QUESTION, SERVICE, FakeTriton, gateway, scrape
 
 __all__ = ["gateway"]  # the fixture, used by name
 OTHER_KEY = "team-b-key-0123456789"
@@ -60,7 +60,7 @@ def wait_written(folder: Path, kind: str, count: int) -> list[dict]:
 
 
 def metric(client, name: str) -> float:
-    lines = [line for line in client.get("/metrics").text.splitlines() if line.startswith(name)]
+    lines = [line for line in scrape(client).text.splitlines() if line.startswith(name)]
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
@@ -117,7 +117,7 @@ def test_a_store_that_is_down_costs_records_never_a_request(gateway, tmp_path):
     assert statuses == [200] * 8
     deadline = time.monotonic() + 10
     while metric(client, 'llmops_capture_dropped_total{kind="exchanges",reason="store_error"}') == 0:
-        assert time.monotonic() < deadline, client.get("/metrics").text
+        assert time.monotonic() < deadline, scrape(client).text
         time.sleep(0.05)
     assert metric(client, "llmops_capture_records_total") == 0
     assert metric(client, "llmops_capture_dropped_total") >= 1

@@ -87,15 +87,16 @@ def test_profile_digest_changes_with_any_value():
 # when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3), and
 # when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1,
 # and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when the gateway became the router
-# (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas).
+# (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas), and when serve.limits'
+# defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*.
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "fd6cb994216bccbd43edef28290568788e1a830e5203026c80b41e50fa5c1194",
-    "cpu-tiny-qa-zh": "f1f5c3a2bcff4776505274616bf42166d5315877f68fd72a4d328f7e0f442762",
-    "llama3-8b-h100-fp8": "7efeaef25fd82b09118dac39b5509738509e612c5a61dd050c226b50b7499f5a",
-    "qwen-7b-qlora-2xa10": "41cae8dc5f52be718af53681ff2da0a63c3bcf929186662f9439c0d9b8f60e3a",
-    "qwen-7b-vllm-h100": "37bd89ea40c4f580541847f00b180596d5f008326e0f4f7047b6094e4256ecd4",
-    "qwen2-14b-int4-tp2": "7e00a9855356cfc6182715d60ed8e6d1a9fd83e4f34a5043adca2b1a270cb5d1",
-    "qwen2.5-72b-lora-2x8xh100": "62660963db5648d698cdd6b68c0bd7ee8dde101766b917ea220ea3713a4b6290",
+    "cpu-tiny": "e208464581a3be791c0f1d98b8f568dd52af24bb424310b1d040b980cccb3d53",
+    "cpu-tiny-qa-zh": "ddd8d41e3921563452b2056f2c40fb82d615ef8651fe523978ad0156bb2b53d5",
+    "llama3-8b-h100-fp8": "41581aa119b3eae41cb79406f9d6533d216a89f2ba9c3c249712de02f06866e9",
+    "qwen-7b-qlora-2xa10": "a863a0a74e0e3a4542a0d8484d46a1455c4a9d0294239ca0ca207363882a43d3",
+    "qwen-7b-vllm-h100": "1e9ed80d49c0775ad1afae8632350d48d5ffd1ec13a3445f792849350bab7799",
+    "qwen2-14b-int4-tp2": "ce279aafbc8e8cf4669558cf317cad3f95c290c905ade900def5a054b9898cb7",
+    "qwen2.5-72b-lora-2x8xh100": "e160abca9054bd77863889771934e1352b9f84b9e40b598e80a91e91267155b2",
 }
 
 

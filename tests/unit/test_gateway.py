@@ -58,7 +58,9 @@ def gateway():
     def start(triton: Callable[[httpx.Request], httpx.Response], **config) -> TestClient:
         config = {"api_keys": {KEY: "team-a"}, "table": TABLE, **config}
         settings = GatewayConfig(triton_url="http://triton.test:8000", service=SERVICE, context_tokens=512, **config)
-        app = Gateway(settings, transport=httpx.MockTransport(triton)).app()
+        running = Gateway(settings, transport=httpx.MockTransport(triton))
+        app = running.app()
+        app.state.gateway = running  # for scrape(): /metrics is on a listener of its own
         client = TestClient(app, headers=AUTH, raise_server_exceptions=False)
         clients.append(client.__enter__())
         return client
@@ -66,6 +68,11 @@ def gateway():
     yield start
     for client in clients:
         client.__exit__(None, None, None)
+
+
+def scrape(client: TestClient) -> httpx.Response:
+    """GET /metrics of the gateway behind `client`, from its metrics listener (the clients' one has no /metrics)."""
+    return TestClient(client.app.state.gateway.metrics_app()).get("/metrics")  # type: ignore[attr-defined]
 
 
 def events(response: httpx.Response) -> list:
@@ -381,7 +388,7 @@ def shadowed(fraction: float = 1.0) -> RouteTable:
 
 
 def shadow_counters(client: TestClient) -> dict[str, float]:
-    lines = client.get("/metrics").text.splitlines()
+    lines = scrape(client).text.splitlines()
     return {
         line.split("{")[0].removeprefix("llmops_shadow_").removesuffix("_total"): float(line.split()[-1])
         for line in lines

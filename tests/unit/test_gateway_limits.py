@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import anyio
 import httpx
@@ -14,7 +15,8 @@ import pytest
 
 from tasks.platform.errors import BadInput
 from tasks.serving.gateway import Gateway, GatewayConfig, read_api_keys
-from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, gateway
+from tasks.serving.gateway.protocol import RequestError
+from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, gateway, scrape
 
 __all__ = ["gateway"]  # the fixture, used by name
 OTHER_KEY = "team-b-key-0123456789"
@@ -32,9 +34,11 @@ def test_a_key_over_its_requests_per_second_gets_429_with_retry_after_and_other_
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     error = refused.json()["error"]
     assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
-    assert "1 requests per second" in error["message"]
+    assert re.fullmatch(
+        r"rate limit: serve.limits.requests_per_second = 1 per key; retry after [01]\.\d s", error["message"]
+    )
     on_v2 = client.post(GENERATE, json={"text_input": "hot"})
-    assert on_v2.status_code == 429 and "requests per second" in on_v2.json()["error"]  # Triton's shape
+    assert on_v2.status_code == 429 and "serve.limits.requests_per_second" in on_v2.json()["error"]  # Triton's
     other = {"Authorization": f"Bearer {OTHER_KEY}"}
     assert client.post(CHAT, json={"messages": QUESTION}, headers=other).status_code == 200
 
@@ -59,11 +63,12 @@ def test_a_key_may_send_burst_s_seconds_of_its_rate_at_once(burst_s, admitted_at
 
 def test_a_key_that_used_its_tokens_per_minute_waits_until_they_refill(gateway):
     client = gateway(FakeTriton(), api_keys=KEYS, tokens_per_minute=30)
-    # No tokenizer here: an answer counts its budget, max_tokens 40, 10 over the minute's 30.
+    # No tokenizer here: an answer counts its budget, max_tokens 40: the whole minute's 30 reserved, 10 more
+    # charged after (a debt).
     assert client.post(CHAT, json={"messages": QUESTION, "max_tokens": 40}).status_code == 200
     refused = client.post(GENERATE, json={"text_input": "hot"})
-    assert refused.status_code == 429 and refused.headers["retry-after"] == "22"  # (10 + 1) tokens at 0.5/s
-    assert "30 tokens per minute" in refused.json()["error"]
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "20"  # 10 tokens of debt at 0.5/s
+    assert refused.json()["error"].startswith("rate limit: serve.limits.tokens_per_minute = 30 per key; retry after")
     other = {"Authorization": f"Bearer {OTHER_KEY}"}
     assert client.post(GENERATE, json={"text_input": "hot"}, headers=other).status_code == 200
 
@@ -96,7 +101,168 @@ def test_requests_over_the_cap_in_flight_get_503_with_retry_after():
     first, busy = anyio.run(main)
     assert first.status_code == 200 and first.json()["text_output"] == "cold"
     assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
-    assert busy.json()["error"]["message"] == "the service is at its limit of requests in flight; retry shortly"
+    assert busy.json()["error"]["message"] == (
+        "the service is at its limit of requests in flight: serve.limits.max_in_flight = 1 for all keys together; "
+        "retry after 1 s"
+    )
+
+
+def test_max_tokens_are_reserved_at_admission_and_what_the_answer_did_not_use_comes_back():
+    from tasks.serving.gateway.limits import ClientLimits
+
+    now = [100.0]
+    limits = ClientLimits(requests_per_second=0, tokens_per_minute=60, clock=lambda: now[0])  # 1 token a second
+    first, second = limits.admit("team-a"), limits.admit("team-a")
+    first.reserve(40)  # before the model starts: 20 of the minute's 60 are left
+    with pytest.raises(RequestError) as refused:
+        second.reserve(40)  # the reservation counts, not what the first answer has used so far
+    assert refused.value.status == 429 and refused.value.retry_after == 20
+    assert refused.value.message == "rate limit: serve.limits.tokens_per_minute = 60 per key; retry after 20.0 s"
+    first.release(10)  # the answer used 10: 30 come back
+    second.reserve(40)  # 50 were there
+    second.release(45)  # 5 more than reserved (a prompt the reservation did not cover): charged, a debt
+    assert limits.tokens["team-a"].level == 5
+    first.release(10)  # a request ends once: a second release changes nothing
+    assert limits.tokens["team-a"].level == 5 and limits.in_flight == {}
+    huge = limits.admit("team-a")
+    now[0] += 55  # the bucket is full again
+    huge.reserve(500)  # more than a minute's budget: waits for a full bucket and takes all of it
+    assert huge.reserved == 60 and limits.tokens["team-a"].level == 0
+
+
+def test_a_failed_answer_gives_its_reservation_back_and_a_stream_cut_short_pays_what_it_sent(gateway):
+    answers = [
+        lambda request: httpx.Response(500, json={"error": "CUDA error: out of memory"}),
+        lambda request: httpx.Response(200, text='data: {"text_output": "co"}\n\ndata: {"error": "x"}\n\n'),
+    ]
+    client = gateway(lambda request: answers.pop(0)(request), api_keys=KEYS, tokens_per_minute=30)
+    assert client.post(CHAT, json={"messages": QUESTION, "max_tokens": 30}).status_code >= 500
+    streamed = client.post(CHAT, json={"messages": QUESTION, "max_tokens": 30, "stream": True})  # all 30 came back
+    assert streamed.status_code == 200 and '"server_error"' in streamed.text  # one piece sent, then it failed
+    refused = client.post(CHAT, json={"messages": QUESTION, "max_tokens": 30})
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "2"  # 1 token charged, at 0.5/s
+
+
+def test_on_v2_a_failed_answer_gives_its_reservation_back_and_an_answer_pays_its_max_tokens(gateway):
+    answers = [lambda request: httpx.Response(500, json={"error": "engine died"}), FakeTriton(), FakeTriton()]
+    client = gateway(lambda request: answers.pop(0)(request), api_keys=KEYS, tokens_per_minute=30)
+    assert client.post(GENERATE, json={"text_input": "hot", "max_tokens": 30}).status_code >= 500
+    assert client.post(GENERATE, json={"text_input": "hot", "max_tokens": 30}).status_code == 200  # all 30 came back
+    refused = client.post(GENERATE, json={"text_input": "hot", "max_tokens": 30})  # Triton counts none: 30 were paid
+    assert refused.status_code == 429 and "serve.limits.tokens_per_minute = 30" in refused.json()["error"]
+
+
+def test_a_client_that_hangs_up_mid_stream_pays_only_what_was_sent():
+    """The ASGI conversation itself: the client disconnects after the first piece while Triton still generates."""
+
+    class EndlessStream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"text_output": "co"}\n\n'
+            await anyio.sleep_forever()
+            yield b""
+
+    config = GatewayConfig("http://triton.test:8000", SERVICE, 512, api_keys=KEYS, tokens_per_minute=60, table=TABLE)
+    gateway = Gateway(
+        config, transport=httpx.MockTransport(lambda request: httpx.Response(200, stream=EndlessStream()))
+    )
+    requests = [{"type": "http.request", "body": json.dumps(STREAMED).encode(), "more_body": False}]
+    first_piece = anyio.Event()
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop(0)
+        await first_piece.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body" and b'"co"' in message.get("body", b""):
+            first_piece.set()
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            await gateway.app()(http_scope(CHAT), receive, send)
+
+    anyio.run(main)
+    assert first_piece.is_set() and gateway.limits.in_flight == {}
+    assert 58.5 < gateway.limits.tokens["team-a"].level <= 59.5  # 30 reserved, 29 back: one piece sent
+
+
+STREAMED = {"messages": QUESTION, "max_tokens": 30, "stream": True}
+
+
+def http_scope(path: str) -> dict:
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")]
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [*headers, (b"host", b"gw")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("gw", 80),
+    }
+
+
+def test_a_key_over_its_cap_in_flight_gets_429_naming_it_and_other_keys_do_not():
+    async def main() -> list[httpx.Response]:
+        release, called = anyio.Event(), anyio.Event()
+
+        async def slow_triton(request: httpx.Request) -> httpx.Response:
+            called.set()
+            await release.wait()
+            return httpx.Response(200, json={"text_output": "cold"})
+
+        config = GatewayConfig(
+            "http://triton.test:8000", SERVICE, 512, api_keys=KEYS, max_in_flight_per_key=1, table=TABLE
+        )
+        gateway = Gateway(config, transport=httpx.MockTransport(slow_triton))
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(gateway.app()), base_url="http://gw", headers=AUTH)
+        answers: list[httpx.Response] = []
+
+        async def post(headers: dict | None = None) -> None:
+            answers.append(await client.post(GENERATE, json={"text_input": "hot"}, headers=headers))
+
+        async with client:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(post)
+                await called.wait()  # team-a's long answer holds its one place
+                answers.append(await client.post(CHAT, json={"messages": QUESTION}))
+                other = await client.get("/v1/models", headers={"Authorization": f"Bearer {OTHER_KEY}"})  # team-b: in
+                release.set()
+            assert gateway.limits.in_flight == {}  # the place came back with the answer
+            answers += [other, await client.post(CHAT, json={"messages": QUESTION})]
+        return answers
+
+    busy, holding, other, again = anyio.run(main)
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+    assert (
+        busy.json()["error"]["message"]
+        == "rate limit: serve.limits.max_in_flight_per_key = 1 per key; retry after 1.0 s"
+    )
+    assert holding.status_code == 200 and other.status_code == 200 and again.status_code == 200
+
+
+def test_the_limits_in_force_are_said_in_one_line():
+    from tasks.serving.gateway.limits import ClientLimits
+
+    assert ClientLimits(400, 1_000_000, 1.0, 64).summary(128, keyed=True) == (
+        "limits per API key: 400 requests/s (bursts of 400), 1,000,000 tokens/min (max_tokens reserved at "
+        "admission), 64 requests in flight; all together: 128 requests in flight (serve.limits.*; 0 turns one off: "
+        "--set serve.limits.requests_per_second=0)"
+    )
+    assert (
+        ClientLimits(0, 0, 1.0, 0)
+        .summary(0, keyed=False)
+        .startswith(
+            "limits per client (no keys: all clients are one): no requests/s limit, no tokens/min limit, no requests in "
+            "flight limit; all together: no requests in flight limit"
+        )
+    )
 
 
 # --- the access log and the metrics ---------------------------------------------------------------------
@@ -118,7 +284,12 @@ def test_each_request_is_one_access_log_line_and_counted_per_client_on_metrics(g
     assert all(line["latency_ms"] >= 0 for line in lines)
     assert QUESTION[0]["content"] not in caplog.text and KEY not in caplog.text and "wrong" not in caplog.text
 
-    metrics = client.get("/metrics", headers={"Authorization": ""})  # no key needed
+    # not on the clients' listener, with a key or without: it names clients
+    assert (
+        client.get("/metrics").status_code == 404
+        and client.get("/metrics", headers={"Authorization": ""}).status_code == 404
+    )
+    metrics = scrape(client)  # on the metrics listener (loopback by default), no key needed
     assert metrics.status_code == 200
     assert (
         'llmops_gateway_requests_total{client="team-a",route="/v1/chat/completions",status="200"} 1.0' in metrics.text

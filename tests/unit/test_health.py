@@ -24,7 +24,7 @@ from starlette.testclient import TestClient
 from tasks.platform.config.serving import HealthSection
 from tasks.platform.ports import free_port
 from tasks.serving.gateway import Gateway, GatewayConfig
-from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE
+from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE, scrape
 
 DEADLINES = HealthSection(first_byte_s=0.5, between_chunks_s=0.5, probe_interval_s=0)
 
@@ -98,7 +98,7 @@ def test_no_answer_before_the_first_byte_deadline_is_504_in_each_apis_shape(upst
         assert answers[0].json()["error"]["code"] == "timeout" and answers[2].json() == {
             "error": "the model server did not answer in time"
         }
-        metrics = client.get("/metrics").text
+        metrics = scrape(client).text
         assert 'llmops_gateway_version_requests_total{outcome="failed",version="demo-v1"} 4.0' in metrics
 
 
@@ -141,7 +141,7 @@ def test_a_model_that_stops_answering_turns_readiness_false_is_recovered_and_rea
         while client.get("/health/ready").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.get("/health/ready").status_code == 200
-        metrics = client.get("/metrics").text
+        metrics = scrape(client).text
     replica = f'replica="{url}"'
     assert f'llmops_gateway_recoveries_total{{model="demo-v1",outcome="reloaded",{replica}}} 1.0' in metrics
     assert f'llmops_gateway_probes_total{{outcome="failed",{replica},version="demo-v1"}}' in metrics
@@ -158,7 +158,7 @@ def test_readiness_is_false_while_the_probes_fail(upstream):
         while client.get("/health/ready").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.get("/health/ready").status_code == 503
-        assert f'llmops_gateway_version_up{{replica="{url}",version="demo-v1"}} 0.0' in client.get("/metrics").text
+        assert f'llmops_gateway_version_up{{replica="{url}",version="demo-v1"}} 0.0' in scrape(client).text
 
 
 def test_the_transport_gets_the_deadline_between_chunks():
@@ -224,7 +224,7 @@ def test_a_replica_that_cannot_be_reached_leaves_the_pool_and_its_requests_go_to
         answers += [client.post(CHAT, json={"messages": QUESTION, "stream": stream}) for stream in (False, True)]
         assert [a.status_code for a in answers] == [200] * 6
         assert set(fleet.answered) == {2}
-        metrics = client.get("/metrics").text
+        metrics = scrape(client).text
         assert 'llmops_gateway_replica_up{replica="http://triton.test:1"} 0.0' in metrics
         fleet.down.add(2)  # both gone: a 503 in the API's shape, at once
         refused = client.post(CHAT, json={"messages": QUESTION})
@@ -277,11 +277,11 @@ def test_the_probes_put_a_replica_back_in_the_pool_once_it_answers():
     with two_replicas(fleet, health=health) as client:
         replica = 'llmops_gateway_replica_up{replica="http://triton.test:1"}'
         deadline = time.monotonic() + 5
-        while f"{replica} 0.0" not in client.get("/metrics").text and time.monotonic() < deadline:
+        while f"{replica} 0.0" not in scrape(client).text and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert f"{replica} 0.0" in client.get("/metrics").text
+        assert f"{replica} 0.0" in scrape(client).text
         assert client.get("/health/ready").status_code == 200  # the other replica answers
         fleet.down.clear()
-        while f"{replica} 1.0" not in client.get("/metrics").text and time.monotonic() < deadline:
+        while f"{replica} 1.0" not in scrape(client).text and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert f"{replica} 1.0" in client.get("/metrics").text
+        assert f"{replica} 1.0" in scrape(client).text

@@ -69,6 +69,7 @@ def test_the_container_runs_llmops_serve_with_probes_on_its_gateway(manifest):
         "triton-http": args.triton_http_port,
         "triton-grpc": args.triton_grpc_port,
         "metrics": args.triton_metrics_port,
+        "gateway-metrics": args.gateway_metrics_port,  # /metrics is not on the gateway's own port
     }
     paths = {name: container[name]["httpGet"] for name in ("startupProbe", "readinessProbe", "livenessProbe")}
     assert {p["port"] for p in paths.values()} == {"gateway"} and {p["scheme"] for p in paths.values()} == {"HTTPS"}
@@ -90,12 +91,14 @@ def test_secrets_come_from_kubernetes_secrets_into_the_variables_the_code_reads(
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS)
-def test_only_release_pods_and_prometheus_reach_tritons_own_ports(manifest):
+def test_only_release_pods_and_prometheus_reach_tritons_own_ports_and_the_gateways_metrics(manifest):
     policy = objects(manifest)["NetworkPolicy/llmops-serving"]["spec"]
     open_to_all = [rule for rule in policy["ingress"] if "from" not in rule]
     assert [p["port"] for rule in open_to_all for p in rule["ports"]] == [8080]
     triton_ports = {p["port"] for rule in policy["ingress"] if "from" in rule for p in rule["ports"]}
-    assert triton_ports == {8000, 8001, 8002}
+    assert triton_ports == {8000, 8001, 8002, 8082}
+    (monitoring,) = [rule for rule in policy["ingress"] if "namespaceSelector" in str(rule.get("from"))]
+    assert {p["port"] for p in monitoring["ports"]} == {8002, 8082}  # the gateway's metrics: Prometheus alone
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS)

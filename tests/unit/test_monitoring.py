@@ -50,7 +50,7 @@ def test_the_dashboard_compares_served_versions_side_by_side():
 def test_the_gateways_per_client_counters_are_scraped_and_shown():
     scrape = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     gateway = next(job for job in scrape["scrape_configs"] if job["job_name"] == "llmops-gateway")
-    assert gateway["metrics_path"] == "/metrics" and gateway["static_configs"][0]["targets"] == ["127.0.0.1:8080"]
+    assert gateway["metrics_path"] == "/metrics" and gateway["static_configs"][0]["targets"] == ["127.0.0.1:8082"]
     dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
     assert "by (client, status) (rate(llmops_gateway_requests_total" in exprs

@@ -20,7 +20,7 @@ from tasks.serving import adapter_registry
 from tasks.serving.gateway import Gateway, GatewayConfig
 from tasks.serving.gateway.control import ControlApi
 from tasks.serving.routes import RoutesError, RouteTable, Version, read_record, write_record
-from tests.unit.test_gateway import AUTH, CHAMPION, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton
+from tests.unit.test_gateway import AUTH, CHAMPION, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, scrape
 
 CONTROL_KEY = "serve-control-key-0123456789"
 CANDIDATE = Version(f"{SERVICE}-v2", f"{SERVICE}-base", f"{SERVICE}-v2", {"version": "2"})  # an adapter on the base
@@ -134,7 +134,7 @@ def test_a_canary_step_takes_effect_for_the_next_request_and_lands_in_the_record
     ]
     recorded = read_record(tmp_path / "serving" / f"{SERVICE}.json")
     assert recorded is not None and recorded.weights == {CANDIDATE.name: 100.0} and recorded.release == "run-7"
-    metrics = public.get("/metrics").text
+    metrics = scrape(public).text
     assert 'llmops_gateway_version_requests_total{outcome="ok",version="demo-v2"} 2.0' in metrics
     assert gateway.table.describe() == "demo-v2=100"
 
@@ -175,7 +175,7 @@ def test_a_release_that_lets_its_hold_lapse_leaves_the_champion_serving_alone(se
     while gateway.table.candidate is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gateway.table == replace(TABLE, updated_at=gateway.table.updated_at)  # the champion alone
-    assert "llmops_gateway_leases_expired_total 1.0" in public.get("/metrics").text
+    assert "llmops_gateway_leases_expired_total 1.0" in scrape(public).text
 
 
 def test_a_gateway_starts_from_its_record_with_the_champion_alone(service, tmp_path):

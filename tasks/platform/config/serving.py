@@ -84,6 +84,13 @@ class ListenSection(Section):
         "loopback it needs tls_cert and tls_key, as the key crosses the network.",
     )
     control_port: int = Field(8081, ge=0, le=65535, description="Port of the gateway's control API.")
+    gateway_metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address of the gateway's GET /metrics (its per-client counters, clients by name), on a listener "
+        "of its own with no key: the clients' port has no /metrics. Loopback, where this machine's Prometheus "
+        "scrapes it; off loopback only where a NetworkPolicy or firewall admits Prometheus alone (Kubernetes).",
+    )
+    gateway_metrics_port: int = Field(8082, ge=0, le=65535, description="Port of the gateway's /metrics.")
     triton_host: str = Field(
         "127.0.0.1",
         description="Address of Triton itself: its HTTP port carries the locked control API and inference without "
@@ -129,7 +136,11 @@ class LimitsSection(Section):
     with Retry-After. 0 turns a limit off."""
 
     requests_per_second: float = Field(
-        50, ge=0, description="Requests per second per API key (a token bucket: bursts up to burst_s seconds' worth)."
+        1000,
+        ge=0,
+        description="Requests per second per API key (a token bucket: bursts up to burst_s seconds' worth). Above "
+        "what one key gets from cpu-tiny at concurrency 32 (about 600/s through the gateway), so a first load test "
+        "is not refused; it stops a runaway client, while max_in_flight_per_key shares the model among keys.",
     )
     burst_s: float = Field(
         1.0,
@@ -140,17 +151,27 @@ class LimitsSection(Section):
         "together at Triton (docs/benchmarks.md, the gateway's cost).",
     )
     tokens_per_minute: int = Field(
-        100_000,
+        2_000_000,
         ge=0,
         description="Tokens per minute per API key: prompt + completion as the champion's tokenizer counts them "
-        "(on /v2, which reports no counts, the request's max_tokens); charged once the answer is done, so a "
-        "request is admitted while the key's budget is not in debt.",
+        "(on /v2, which reports no counts, the request's max_tokens). A request's max_tokens (serve."
+        "default_max_tokens where it gives none) is reserved when it is admitted, refused with 429 where the budget "
+        "lacks them; once the answer is done the unused part comes back (a failed or abandoned answer keeps only "
+        "what it produced) and a prompt over the reservation is charged as a debt. Above what one key uses of "
+        "cpu-tiny at concurrency 32, so a first load test is not refused.",
     )
     max_in_flight: int = Field(
         128,
         ge=0,
         description="Requests the gateway answers at once, all clients together; more get 503 at once rather "
         "than a place in Triton's queue.",
+    )
+    max_in_flight_per_key: int = Field(
+        64,
+        ge=0,
+        description="Requests the gateway answers at once for one API key; more get 429 naming this setting. Half "
+        "of max_in_flight by default: one key's long generations cannot hold every place, and a load test of one "
+        "key at concurrency 32 stays under it.",
     )
 
 

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tasks.serving.gateway.limits import ClientLimits
+from tasks.serving.gateway.limits import Hold
 from tasks.serving.gateway.protocol import ErrorResponse, RequestError
 
 ACCESS_LOG = logging.getLogger("llmops.gateway.access")
@@ -37,7 +37,9 @@ OUTCOMES = ("ok", "refused", "failed")  # of a request a version answered (llmop
 class RequestRecord:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     client: str = "-"  # the name authorize() gave; "-" before (or without) a key check
-    tokens: int = 0
+    tokens: int = 0  # what the answer used: prompt + completion where counted, else its budget; set once it is done
+    produced: int = 0  # pieces of a streamed answer sent so far: what an abandoned or failed stream is charged
+    hold: Hold | None = None  # the client's place in flight and reserved tokens (limits.py), once admitted
     capture: bool = True  # false: the client asked that this exchange is not kept (X-LLMOps-Capture: off)
 
 
@@ -50,6 +52,14 @@ def current() -> RequestRecord:
         return CURRENT.get()
     except LookupError:
         return RequestRecord()
+
+
+def reserve_tokens(tokens: int) -> None:
+    """Reserve the answer's `tokens` (its max_tokens) from the client's budget before it is generated (429 where
+    the budget lacks them); settled against what it used when the request ends."""
+    hold = current().hold
+    if hold is not None:
+        hold.reserve(tokens)
 
 
 def openai_error(error: RequestError) -> JSONResponse:
@@ -130,11 +140,10 @@ class Guard:
         self,
         app: ASGIApp,
         routes: Sequence[BaseRoute],
-        limits: ClientLimits,
         metrics: GatewayMetrics,
         max_in_flight: int,
     ):
-        self.app, self.routes, self.limits, self.metrics = app, routes, limits, metrics
+        self.app, self.routes, self.metrics = app, routes, metrics
         self.max_in_flight, self.in_flight = max_in_flight, 0
         # a path's route, matched once: matching every route's pattern on every request was a few % of the
         # gateway's CPU; bounded, as clients choose the paths
@@ -167,7 +176,10 @@ class Guard:
         try:
             if guarded and self.max_in_flight and self.in_flight >= self.max_in_flight:
                 busy = RequestError(
-                    503, "the service is at its limit of requests in flight; retry shortly", retry_after=1
+                    503,
+                    f"the service is at its limit of requests in flight: serve.limits.max_in_flight = "
+                    f"{self.max_in_flight} for all keys together; retry after 1 s",
+                    retry_after=1,
                 )
                 return await shaped_error(path, busy)(scope, receive, noting_status)
             self.in_flight += guarded
@@ -186,9 +198,10 @@ class Guard:
 
     def account(self, scope: Scope, record: RequestRecord, status: int, started: float) -> None:
         route = self.route(scope["path"])
+        if record.hold is not None:
+            record.hold.release(record.tokens or record.produced)
         if record.client != "-":
-            self.limits.charge_tokens(record.client, record.tokens)
-            self.metrics.tokens.labels(record.client).inc(record.tokens)
+            self.metrics.tokens.labels(record.client).inc(record.tokens or record.produced)
         self.metrics.requests.labels(record.client, route, str(status)).inc()
         if str(scope["path"]).startswith(QUIET) or not ACCESS_LOG.isEnabledFor(logging.INFO):
             return

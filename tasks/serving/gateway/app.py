@@ -1,11 +1,7 @@
-"""The gateway's routes (Starlette): health probes, /metrics, OpenAI's /v1 and Triton's /v2 generate API, each
-behind the API-key check, the client's rate limits, the body cap and JSON only, and each answering errors
-(unknown paths and wrong methods too) in its own API's shape.
-
-A request for the service's name goes to a version drawn from the route table (tasks/serving/routes.py), which the
-control API (tasks/serving/gateway/control.py) changes and the deployment record keeps; the gateway counts each
-version's requests, failures and seconds on /metrics (the canary's live checks read them).
-"""
+"""The gateway's routes (Starlette): health probes, OpenAI's /v1 and Triton's /v2 generate API, each behind the
+API-key check, the client's limits, the body cap and JSON only, each answering errors in its own API's shape;
+/metrics on a listener of its own (metrics_app). A request for the service's name goes to a version drawn from the
+route table (tasks/serving/routes.py), which the control API (control.py) changes and the deployment record keeps."""
 
 from __future__ import annotations
 
@@ -32,6 +28,7 @@ from tasks.serving.gateway.access import (
     Guard,
     current,
     openai_error,
+    reserve_tokens,
     shaped_error,
     triton_error,
 )
@@ -71,6 +68,7 @@ class GatewayConfig:
     request_burst_s: float = 1.0  # seconds of that rate a client may send at once (serve.limits.burst_s)
     tokens_per_minute: int = 0  # per client; 0: no limit
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
+    max_in_flight_per_key: int = 0  # requests being answered per client; 0: no limit
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
     # The deployment record the route table is kept in (tasks/serving/routes.py), read at start; None: kept in memory
     record: Path | None = None
@@ -149,7 +147,9 @@ class Gateway:
             lambda: self.table,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
-        self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute, config.request_burst_s)
+        self.limits = ClientLimits(
+            config.requests_per_second, config.tokens_per_minute, config.request_burst_s, config.max_in_flight_per_key
+        )
 
     # --- the route table ------------------------------------------------------------------------------------
 
@@ -223,7 +223,7 @@ class Gateway:
         client = authorize(self.keys.current(), request.headers.get("authorization"))
         current().client = client
         current().capture = request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
-        self.limits.admit(client)
+        current().hold = self.limits.admit(client)
         return client
 
     async def body(self, request: Request) -> bytes:
@@ -244,6 +244,11 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         """The per-client counters, for Prometheus: no key needed, none shown (clients by name only)."""
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def metrics_app(self) -> Starlette:
+        """GET /metrics on a listener of its own (serve.listen.gateway_metrics_*, loopback by default): it names
+        clients, so the clients' listener, open to whoever holds a key or to anyone without keys, does not serve it."""
+        return Starlette(routes=[Route("/metrics", self.prometheus)])
 
     async def not_routed(self, request: Request, exc: Exception) -> Response:
         """Starlette's 404 (no such path) and 405 (wrong method), in the API's own shape."""
@@ -308,7 +313,7 @@ class Gateway:
         )
         if generate.min_length is not None:
             bounded_max_tokens(generate.min_length, "min_length", body["max_tokens"], 0)
-        current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
+        reserve_tokens(body["max_tokens"])
         started = time.perf_counter()
         if not streaming:
             try:
@@ -317,6 +322,7 @@ class Gateway:
                 self.metrics.observe(version.name, error.status, time.perf_counter() - started)
                 raise
             self.metrics.observe(version.name, 200, time.perf_counter() - started)
+            current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
             self.shadow.copy_answer(body, answer, time.perf_counter() - started)
             self.keep_generate(generate, answer, started)
             media_type = answer.headers.get("content-type", "application/json")
@@ -330,6 +336,7 @@ class Gateway:
         except RequestError as error:
             self.metrics.observe(version.name, error.status, time.perf_counter() - started)
             raise
+        current().tokens = body["max_tokens"]  # a stream passed through is not counted: its budget is charged
         media_type = upstream.headers.get("content-type", "text/event-stream")
         return StreamingResponse(chunks, status_code=upstream.status_code, media_type=media_type)
 
@@ -375,7 +382,6 @@ class Gateway:
         routes = [
             Route("/health/live", self.live),
             Route("/health/ready", self.ready),
-            Route("/metrics", self.prometheus),
             Route("/v1/models", self.models),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -383,12 +389,12 @@ class Gateway:
             Route("/v2/models/{model}/generate", self.triton_generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.triton_generate, methods=["POST"]),
         ]
-        guard = Middleware(
-            Guard, routes=routes, limits=self.limits, metrics=self.metrics, max_in_flight=self.config.max_in_flight
-        )
-        return Starlette(
+        guard = Middleware(Guard, routes=routes, metrics=self.metrics, max_in_flight=self.config.max_in_flight)
+        app = Starlette(
             routes=routes,
             middleware=[guard],
             exception_handlers={HTTPException: self.not_routed},
             lifespan=self.lifespan,
         )
+        app.state.gateway = self  # where its /metrics listener (metrics_app) and tests find it
+        return app

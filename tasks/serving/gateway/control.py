@@ -36,7 +36,6 @@ from starlette.routing import Route
 from tasks.serving.client import CONTROL_HEADER
 from tasks.serving.gateway.access import Guard, current, triton_error
 from tasks.serving.gateway.app import Gateway
-from tasks.serving.gateway.limits import ClientLimits
 from tasks.serving.gateway.protocol import RequestError
 from tasks.serving.routes import RoutesError, RouteTable, parse_weights
 
@@ -157,7 +156,7 @@ class ControlApi:
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
         ]
-        guard = Middleware(Guard, routes=routes, limits=ClientLimits(0, 0, 1), metrics=gateway.metrics, max_in_flight=0)
+        guard = Middleware(Guard, routes=routes, metrics=gateway.metrics, max_in_flight=0)
         return Starlette(
             routes=routes,
             middleware=[guard],

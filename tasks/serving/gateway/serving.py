@@ -19,7 +19,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tasks.quality.chat import encode_prompt
-from tasks.serving.gateway.access import GatewayMetrics, current
+from tasks.serving.gateway.access import GatewayMetrics, current, reserve_tokens
 from tasks.serving.gateway.capture import Capture
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
@@ -168,6 +168,7 @@ class OpenAIServing:
     async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
         version = self.draw()
         started = time.perf_counter()
+        reserve_tokens(inputs.max_tokens)
         if not stream:
             try:
                 answer = await self.triton.generate(version, inputs.payload())
@@ -212,6 +213,7 @@ class OpenAIServing:
         try:
             piece = first
             while piece is not None:
+                current().produced += 1  # charged if the stream ends before its usage is counted
                 if delta := scanner.feed(piece):
                     yield reply.chunk({"content": delta})
                 if scanner.stopped:
