@@ -201,8 +201,6 @@ def registered_target(profile, version: str, tracking_uri: str, batch_known: boo
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tasks.serving.champion import released_profile
-
     if version not in ("champion", "challenger") and not version.isdigit():
         raise BadInput(f"--version {version}: expected champion, challenger or a version number")
     service = profile.registry.model_name
@@ -228,8 +226,14 @@ def registered_target(profile, version: str, tracking_uri: str, batch_known: boo
     return Target(
         None if version == "champion" else int(found.version),
         int(champion.version) if champion else None,
-        engine_batch(released_profile(profile, found)),
+        engine_batch(released_settings(profile, found.tags.get("serve.model_settings"))),
     )
+
+
+def released_settings(profile, recorded: str | None):
+    """`profile` with the serving settings a version was released with (its `serve.model_settings` tag), as the
+    service serves it; a version registered before the tag serves with `profile`'s."""
+    return profile.with_served_settings(json.loads(recorded)) if recorded else profile
 
 
 def engine_batch(profile) -> int:

@@ -36,6 +36,7 @@ PROBE = {"text_input": "ping", "max_tokens": 1, "exclude_input_in_output": True}
 @dataclass
 class VersionHealth:
     answered: bool = False  # the last probe's outcome
+    refused: bool = False  # the last probe failed with an answer (unreachable, not loaded, a dead stub), not a timeout
     failures: int = 0  # failed probes in a row
     probed_at: float = 0.0
 
@@ -106,24 +107,36 @@ class Prober:
         judged = self.routed() or self.versions()
         return all(self.state.get((replica.url, v.name), VersionHealth()).answered for v in judged)
 
+    def failing(self, replica: Replica) -> bool:
+        """A judged version's last probe on `replica` failed with an answer. One that only timed out keeps the replica
+        in the pool: a replica too busy to answer a probe in probe_timeout_s (a load test on its Triton, a full CPU)
+        is slow, not gone, and out of the pool it would cost every client a 503; readiness and recovery still count
+        the timeout."""
+        judged = self.routed() or self.versions()
+        return any(self.state.get((replica.url, v.name), VersionHealth()).refused for v in judged)
+
     def place(self, replica: Replica) -> None:
         if self.answering(replica):
             self.replicas.join(replica)
-        else:
+        elif self.failing(replica):
             self.replicas.leave(replica, "its probes do not answer")
 
     async def probe(self, replica: Replica, version: Version) -> bool:
         """One probe of `version` on `replica`; its state, counters and (where it keeps failing) its recovery."""
         token = CURRENT.set(RequestRecord(client="probe"))
+        refused = False
         try:
             async with asyncio.timeout(self.health.probe_timeout_s):
                 await replica.triton.generate(version, PROBE)
             answered = True
-        except (RequestError, TimeoutError):
+        except RequestError as error:
+            answered, refused = False, error.status != 504  # a 504: Triton's own deadline, a timeout as well
+        except TimeoutError:
             answered = False
         finally:
             CURRENT.reset(token)
         state = self.state.setdefault((replica.url, version.name), VersionHealth())
+        state.refused = refused
         if answered != state.answered and state.probed_at:
             change = "answers again" if answered else "stopped answering"
             LOG.warning("probes: %s on %s %s", version.name, replica.url, change)
