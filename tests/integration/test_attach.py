@@ -138,7 +138,18 @@ def test_a_bad_candidate_rolls_back_on_the_attached_triton_through_the_serve_in_
     ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
     with open(log, "w") as out:
         serving = subprocess.Popen(
-            [str(LLMOPS), "serve", "--artifacts", str(cpu_tiny_store), *ports, "--metrics-port", "0", *attach],
+            [
+                str(LLMOPS),
+                "serve",
+                "--artifacts",
+                str(cpu_tiny_store),
+                *ports,
+                "--metrics-port",
+                "0",
+                "--gateway-metrics-port",
+                "0",
+                *attach,
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=llmops_env(serve_home),
@@ -286,7 +297,17 @@ def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outli
     ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
     with open(log, "w") as out:
         serving = subprocess.Popen(
-            [str(LLMOPS), "serve", "--artifacts", str(cpu_tiny_store), *ports, "--metrics-port", "0"]
+            [
+                str(LLMOPS),
+                "serve",
+                "--artifacts",
+                str(cpu_tiny_store),
+                *ports,
+                "--metrics-port",
+                "0",
+                "--gateway-metrics-port",
+                "0",
+            ]
             + ["--set", "serve.replicas=2", "--set", "serve.limits.requests_per_second=0"]
             + ["--set", "serve.limits.tokens_per_minute=0"],
             stdout=out,
@@ -340,7 +361,7 @@ def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outli
         print("while a replica was killed and restarted:", dict(clients.statuses))
         assert set(clients.statuses) <= {200, 503}, clients.statuses
         assert clients.seen[-4:] == [200] * 4
-        metrics = requests.get(f"{state['gateway_url']}/metrics", timeout=10).text
+        metrics = requests.get(f"{state['gateway_metrics_url']}/metrics", timeout=10).text
         for replica in state["replicas"]:
             assert f'llmops_gateway_replica_up{{replica="{replica["url"]}"}} 1.0' in metrics, metrics
     finally:
