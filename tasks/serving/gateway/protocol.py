@@ -49,7 +49,7 @@ class OpenAIRequest(BaseModel):
     model: str | None = None
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None  # the engines' random_seed is a UINT64
     n: Literal[1] = 1  # one choice per request: the served model answers once
     stop: Annotated[list[StopSequence], Field(max_length=4)] = []
     stream: bool | None = False  # null too: some clients send every field
