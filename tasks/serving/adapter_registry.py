@@ -1,7 +1,8 @@
 """serve.lora adapter: the map from adapter names to adapter files that a base vLLM engine serves from.
 
-The map is on the Triton host, private to the tritonserver process: `<tmp>/llmops-lora-<tritonserver pid>/<base
-model>/`, mode 700. Only loading a version's Triton model writes it (infra/triton/lora: its `initialize` registers
+The map is on the Triton host, private to the tritonserver process: `<tmp>/llmops-lora-<tritonserver pid>-<its start
+time>/<base model>/`, mode 700 (the start time: a PID the system hands out again, to a later Triton, gets a map of
+its own instead of the earlier one's bindings); the Triton's owner removes it when the Triton ends (forget_map). Only loading a version's Triton model writes it (infra/triton/lora: its `initialize` registers
 the adapter it came with, its `finalize` retires it), and loading a model needs Triton's control key; a request to
 the base engine names an adapter by name only (`lora_name`) and the engine looks the name up here. A request cannot
 name a folder, and a name, once bound to an adapter's weights, is never bound to other weights while that Triton
@@ -29,12 +30,31 @@ class RegistryError(Exception):
 
 def registry_root(server_pid: int | None = None) -> str:
     """The map of the tritonserver process `server_pid` (the stub's parent), created private to this user."""
-    root = os.path.join(tempfile.gettempdir(), f"llmops-lora-{server_pid or os.getppid()}")
+    pid = server_pid or os.getppid()
+    root = os.path.join(tempfile.gettempdir(), f"llmops-lora-{pid}-{process_start(pid)}")
     os.makedirs(root, mode=0o700, exist_ok=True)
     status = os.stat(root)
     if status.st_uid != os.getuid() or status.st_mode & 0o077:
         raise RegistryError(f"adapter registry {root}: not private to this user (owner {status.st_uid})")
     return root
+
+
+def process_start(pid: int) -> str:
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/PID/stat, proc(5)); "0" where there
+    is no /proc. With the PID it names one process, not every process that is ever given that PID."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]  # fields 3.. follow the command name's ")"
+    except (OSError, IndexError):
+        return "0"
+
+
+def forget_map(server_pid: int) -> None:
+    """The maps of a tritonserver that has ended (whatever its start time: the PID is its own until it is reaped)."""
+    import glob
+
+    for root in glob.glob(os.path.join(tempfile.gettempdir(), f"llmops-lora-{server_pid}-*")):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def adapter_digest(folder: str) -> str:

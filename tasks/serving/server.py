@@ -46,6 +46,7 @@ from tasks.platform.child_env import child_env, write_secret
 from tasks.platform.errors import BadInput, CheckFailed, TransientError
 from tasks.platform.lifetime import dying_with_this_thread
 from tasks.platform.ports import free_port
+from tasks.serving import adapter_registry
 from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_ENV, CONTROL_KEY_FILE, Triton, control_key
 
 if TYPE_CHECKING:
@@ -197,15 +198,16 @@ class TritonServer:
         return self.process.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM (tritonserver started in the background ignores SIGINT), then SIGKILL if it hangs."""
-        if self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        """SIGTERM (tritonserver started in the background ignores SIGINT), then SIGKILL if it hangs; its adapter map
+        goes with it."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        adapter_registry.forget_map(self.process.pid)
 
     def log_tail(self, lines: int = 5) -> str:
         if not self.log_path or not self.log_path.is_file():

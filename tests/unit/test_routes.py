@@ -195,6 +195,24 @@ def adapter(folder: Path, weights: bytes) -> Path:
     return folder
 
 
+def test_a_pid_given_again_to_a_later_triton_gets_a_map_of_its_own_and_a_stopped_tritons_map_goes(
+    tmp_path: Path, monkeypatch
+):
+    """Maps were keyed by the PID alone: a Triton given the PID of an earlier one found that one's bindings and
+    refused to load its own v1 ("bound to other weights"), seen in test_serving after a day of Tritons here."""
+    monkeypatch.setattr(adapter_registry.tempfile, "gettempdir", lambda: str(tmp_path))
+    pid = os.getpid()
+    assert adapter_registry.process_start(pid) not in ("", "0")  # /proc/PID/stat's start time, on Linux
+    earlier = adapter_registry.registry_root(pid)
+    adapter_registry.register(earlier, "svc-base", "svc-v1", str(adapter(tmp_path / "a", b"one")))
+    monkeypatch.setattr(adapter_registry, "process_start", lambda _pid: "999999999")  # the same PID, started later
+    later = adapter_registry.registry_root(pid)
+    assert later != earlier
+    adapter_registry.register(later, "svc-base", "svc-v1", str(adapter(tmp_path / "b", b"two")))  # not refused
+    adapter_registry.forget_map(pid)
+    assert not os.path.exists(earlier) and not os.path.exists(later)
+
+
 def test_a_name_is_bound_to_one_adapter_and_never_bound_again(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(adapter_registry.tempfile, "gettempdir", lambda: str(tmp_path))
     root = adapter_registry.registry_root(12345)
