@@ -180,13 +180,21 @@ class Gateway:
 
     async def change(self, table: RouteTable) -> None:
         """`adopt`, one change at a time, the record written off the event loop."""
+        await self.amend(lambda _: table)
+
+    async def amend(self, change: Callable[[RouteTable], RouteTable | None]) -> RouteTable:
+        """The table `change` makes of the current one, adopted as `change` does, with no other change in between
+        (a read, a check and a write as one); None from `change`: nothing changes. The table after."""
         async with self.table_lock:
-            if self.config.record is not None:
-                await asyncio.to_thread(write_record, self.config.record, table)
-            self.table = table
-            self.shadow.follow(table)
-            for version in table.versions():
-                self.metrics.start_version(version.name)
+            table = change(self.table)
+            if table is not None:
+                if self.config.record is not None:
+                    await asyncio.to_thread(write_record, self.config.record, table)
+                self.table = table
+                self.shadow.follow(table)
+                for version in table.versions():
+                    self.metrics.start_version(version.name)
+            return self.table
 
     def draw(self) -> Version:
         """The version that answers a request for the service's name."""
@@ -216,7 +224,7 @@ class Gateway:
                     table.service,
                 )
                 self.metrics.leases_expired.inc()
-                await self.change(table.champion_alone())
+                await self.amend(lambda current: current.champion_alone())
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
