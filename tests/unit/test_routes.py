@@ -351,3 +351,17 @@ def test_a_release_suspended_for_approval_stays_the_owner_and_its_resumed_run_ow
         assert gateway.table.owner.since == owner.since and gateway.table.owner.waiting is None
     assert gateway.table.owner is None and "serving_lock/wait_s" not in resumed.metrics  # its first wait stands
     assert "serving_lock.released_at" in resumed.tags
+
+
+def test_the_gateways_of_one_home_share_the_services_owner_through_its_record(service):
+    """`llmops serve`'s gateway and a release's temporary one read and write the same record: a release that gave
+    the service up at one gateway frees it for a release queued at the other."""
+    _, _, first = service()
+    _, _, second = service(record=None)
+    assert first.put("/control/v1/owner", json={"release": "run-1", "lease_s": 600}).status_code == 200
+    refused = second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600})
+    assert refused.status_code == 409 and refused.json()["owner"]["release"] == "run-1"
+    first.put("/control/v1/routes", json={"weights": {CHAMPION.name: 100}, "release": "run-1"})  # keeps the owner
+    assert second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).status_code == 409
+    first.request("DELETE", "/control/v1/owner", json={"release": "run-1"})
+    assert second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).status_code == 200
