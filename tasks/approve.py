@@ -4,7 +4,7 @@ The flow pauses with Prefect's own human-in-the-loop input (`pause_flow_run(wait
 in the Prefect UI shows the gate report above a form (approve or reject, a reason, a name), and `llmops approve`
 and `llmops reject` resume it from a terminal or a CI job with the same values. No decision within
 `gate.approval_timeout_s` rejects. While the run waits, the champion serves all traffic and the candidate stays
-loaded at 0%; the run owns the service (waiting for approval), so other releases of the model fail at once naming it.
+loaded at 0%; the run keeps its worker and the serving lock, so other releases of the model wait their turn.
 
 Pause or suspend (`wait_for_decision(suspend=...)`): a pause keeps the waiting process; a suspension
 (`suspend_flow_run`, for a run of a Prefect deployment) ends it, and the decision starts the run again from its
@@ -145,19 +145,6 @@ def check_decision(answer: ApprovalInput, flow_run_id: str, subject: dict, polic
     return key
 
 
-def suspended_release(home: Path, flow_run_id: str) -> dict | None:
-    """The waiting record of `flow_run_id` where it is a release that suspended for approval (and was started again
-    by its decision); None otherwise."""
-    record = waiting_record(pending_folder(home) / f"{flow_run_id}.json") if flow_run_id else None
-    return record if record and record.get("suspended") and record.get("kind") == "release" else None
-
-
-def forget_waiting(home: Path, flow_run_id: str) -> None:
-    """No longer listed as waiting (a resumed release that ended before it came back to its decision)."""
-    if flow_run_id:
-        (pending_folder(home) / f"{flow_run_id}.json").unlink(missing_ok=True)
-
-
 def pending_folder(home: Path) -> Path:
     """Where a waiting run writes down which Prefect API holds it: a plain `llmops run` has a temporary one."""
     return home / "approvals"
@@ -281,9 +268,8 @@ def running_again(flow_run_id: str) -> None:
         client.set_flow_run_state(flow_run_id, Running(), force=True)
 
 
-def approve(ctx: RunContext, report: GateReport, flow_run_id: str, suspend: bool = False) -> Approval:
-    """The DAG's approve step: not a cached stage, a person decides every time. `suspend`: the run waits without a
-    process (wait_for_decision)."""
+def approve(ctx: RunContext, report: GateReport, flow_run_id: str) -> Approval:
+    """The DAG's approve step: not a cached stage, a person decides every time."""
     timeout_s = ctx.profile.gate.approval_timeout_s
     logger().info(
         f"approval: {report.model} v{report.candidate_version} passed the gate and waits up to {timeout_s:g}s for a "
@@ -298,7 +284,7 @@ def approve(ctx: RunContext, report: GateReport, flow_run_id: str, suspend: bool
         "mlflow_run_id": ctx.tracker.run_id,
     }
     policy = DecisionPolicy.of(ctx.profile.gate, run_creator())
-    approval = wait_for_decision(ctx.home, flow_run_id, report.markdown(), timeout_s, subject, policy, suspend)
+    approval = wait_for_decision(ctx.home, flow_run_id, report.markdown(), timeout_s, subject, policy)
     record(ctx, report, approval)
     logger().info(f"approval: {report.model} v{report.candidate_version} {approval.summary()}")
     return approval

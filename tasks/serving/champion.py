@@ -66,7 +66,7 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
         if server is not None:
             server.stop()
 
-    return Service(service_name, [triton], control, stop, temporary=True)
+    return Service(service_name, [triton], control, stop)
 
 
 def temporary_gateway(ctx: RunContext, triton: Triton):

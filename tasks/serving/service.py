@@ -150,7 +150,6 @@ class Service:
     tritons: list[Triton]
     control: ServiceControl
     stop: Callable[[], None] = lambda: None
-    temporary: bool = False  # the run's own gateway (and Triton), which end with its process
 
     @property
     def triton(self) -> Triton:

@@ -192,9 +192,8 @@ class GateSection(Section):
         86400,
         gt=0,
         description="With approval required: no decision within this many seconds rejects the candidate. The waiting "
-        "run owns the service until then: another release of the model fails at once, naming it, instead of "
-        "queueing. A run of a deployment on `llmops serve` waits suspended (no process); `llmops run` keeps its "
-        "process.",
+        "run holds its worker, and owns the service until then: another release of the model fails at once, naming "
+        "it, instead of queueing.",
     )
     allowed_signers: str | None = Field(
         None,
