@@ -4,14 +4,17 @@ The flow pauses with Prefect's own human-in-the-loop input (`pause_flow_run(wait
 in the Prefect UI shows the gate report above a form (approve or reject, a reason, a name), and `llmops approve`
 and `llmops reject` resume it from a terminal or a CI job with the same values. No decision within
 `gate.approval_timeout_s` rejects. While the run waits, the champion serves all traffic and the candidate stays
-loaded at 0%; the run keeps its worker and the serving lock, so other releases of the model wait their turn.
+loaded at 0%; the release owns the service, waiting for approval (tasks/serving/ownership.py), so other releases of
+the model fail at once naming it.
 
 Pause or suspend (`wait_for_decision(suspend=...)`): a pause keeps the waiting process; a suspension
 (`suspend_flow_run`, for a run of a Prefect deployment) ends it, and the decision starts the run again from its
 deployment in a new process, which replays the run up to here (its stages are cache hits) and, asking for the same
 pause key, gets the decision Prefect stored. What the waiting run needs then lives in the Prefect server's database
 (the Suspended state, its pause keys and the input) and in the pending record, none of it in a process: a restart
-of the Prefect server or of the worker during the wait loses nothing.
+of the Prefect server or of the worker during the wait loses nothing. The release flow still pauses: the retrain
+deployment runs it as a subflow, and Prefect suspends no subflow (prefect/server/orchestration/core_policy.py:
+1386-1391 at 3.7.2).
 
 With `gate.allowed_signers` a decision is an authorization, not a record: it counts only with a statement
 {run, kind, model, version, artifact_sha256, decision, reason, principal} signed by the principal's SSH key
