@@ -26,7 +26,6 @@ from tasks.evaluate import evaluate
 from tasks.gate import gate
 from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
-from tasks.platform.errors import CheckFailed
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.stage_cache import RunContext, StageResult, stage_task
 from tasks.platform.stores import open_store
@@ -38,6 +37,7 @@ from tasks.register import Registered, register
 from tasks.rollout import rollout
 from tasks.serving.champion import is_champion, open_service
 from tasks.serving.client import TritonTarget
+from tasks.serving.ownership import Ownership
 from tasks.serving.service import Service
 from tasks.shadow import refuse_shadow_without_gateway, shadow
 from tasks.train import train
@@ -196,8 +196,9 @@ def release(
             end_run(ctx.tracker, "FINISHED")
             return ReleaseResult(stages, registered, ctx.tracker, "unchanged")
 
-        with serving_lock(config, ctx.tracker):  # one release of a model deploys/promotes at a time
-            served = open_service(ctx, target)
+        served = open_service(ctx, target)
+        # one release of a service deploys .. promotes at a time; a resumed run is the same release (its flow run)
+        with serving_lock(config, ctx.tracker, served, str(runtime.flow_run.id or ctx.tracker.run_id)) as lock:
             deployment = serving_stage(steps, deploy_canary, config)(ctx, registered, served)
             approved, rejection = True, ""
             if not deployment.unchanged:
@@ -208,7 +209,9 @@ def release(
                 report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
                 if report.passed and needs_approval(config, dataset):  # a person's decision is never cached
+                    lock.wait_for_approval(config.gate.approval_timeout_s + config.canary.hold_s)
                     approval = approve(ctx, report, str(runtime.flow_run.id))
+                    lock.decided()
                     approved, rejection = approval.approved, approval.summary()
             outcome = stage_task(rollout, config)(ctx, deployment, approved, rejection, dataset)
     except BaseException as exc:
@@ -238,43 +241,26 @@ def needs_approval(config: Profile, dataset: StageResult) -> bool:
 
 
 @contextmanager
-def serving_lock(config: Profile, tracker: Tracker):
-    """A Prefect global concurrency limit of 1 per registered model, held from loading the candidate
-    until it is promoted or rolled back; a second release of the model waits here for its turn."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.asyncio import AcquireConcurrencySlotTimeoutError
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+def serving_lock(config: Profile, tracker: Tracker, served: Service, release: str):
+    """The service owned by this release (tasks/serving/ownership.py) from loading the candidate until it is
+    promoted or rolled back; a second release of the model queues here for its turn, or fails at once while this
+    one waits for a person."""
     from prefect.logging import get_run_logger
 
     name = f"llmops-serving-{config.registry.model_name}"
-    with get_client(sync_client=True) as client:
-        # Look before creating: a create of an existing limit makes the server log an IntegrityError traceback.
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-            except ObjectAlreadyExists:  # another release created it in between
-                pass
     log = get_run_logger()
     log.info(f"serving lock {name}: acquiring (another release of {config.registry.model_name} may hold it)")
-    waited = time.monotonic()
+    ownership = Ownership(served.control, served.name, release, config.canary.hold_s)
+    waited = ownership.take(config.run.serving_lock_timeout_s)
+    ownership.keep()
+    log.info(f"serving lock {name}: held after {waited:.1f}s")
+    tracker.log_metrics("serving_lock", {"wait_s": waited})
+    tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})
     try:
-        with concurrency(name, occupy=1, timeout_seconds=config.run.serving_lock_timeout_s, strict=True):
-            log.info(f"serving lock {name}: held after {time.monotonic() - waited:.1f}s")
-            tracker.log_metrics("serving_lock", {"wait_s": time.monotonic() - waited})
-            tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})
-            try:
-                yield
-            finally:
-                tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
-    except AcquireConcurrencySlotTimeoutError:
-        raise CheckFailed(
-            f"serving lock {name}: another release of {config.registry.model_name} held it for over "
-            f"{config.run.serving_lock_timeout_s:.0f}s (run.serving_lock_timeout_s); nothing was deployed"
-        ) from None
+        yield ownership
+    finally:
+        tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
+        ownership.give_up()
 
 
 def record_run(ctx: RunContext, stages: list[StageResult], registered: Registered) -> None:

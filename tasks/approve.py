@@ -4,10 +4,17 @@ The flow pauses with Prefect's own human-in-the-loop input (`pause_flow_run(wait
 in the Prefect UI shows the gate report above a form (approve or reject, a reason, a name), and `llmops approve`
 and `llmops reject` resume it from a terminal or a CI job with the same values. No decision within
 `gate.approval_timeout_s` rejects. While the run waits, the champion serves all traffic and the candidate stays
-loaded at 0%; the run keeps its worker and the serving lock, so other releases of the model wait their turn.
+loaded at 0%; the release owns the service, waiting for approval (tasks/serving/ownership.py), so other releases of
+the model fail at once naming it.
 
-Pause, not suspend: a suspended run exits its process and starts again from its deployment, but this run's Triton
-(when it started one), its loaded candidate and its serving lock live in that process.
+Pause or suspend (`wait_for_decision(suspend=...)`): a pause keeps the waiting process; a suspension
+(`suspend_flow_run`, for a run of a Prefect deployment) ends it, and the decision starts the run again from its
+deployment in a new process, which replays the run up to here (its stages are cache hits) and, asking for the same
+pause key, gets the decision Prefect stored. What the waiting run needs then lives in the Prefect server's database
+(the Suspended state, its pause keys and the input) and in the pending record, none of it in a process: a restart
+of the Prefect server or of the worker during the wait loses nothing. The release flow still pauses: the retrain
+deployment runs it as a subflow, and Prefect suspends no subflow (prefect/server/orchestration/core_policy.py:
+1386-1391 at 3.7.2).
 
 With `gate.allowed_signers` a decision is an authorization, not a record: it counts only with a statement
 {run, kind, model, version, artifact_sha256, decision, reason, principal} signed by the principal's SSH key
@@ -167,33 +174,44 @@ def wait_for_decision(
     timeout_s: float,
     subject: dict,
     policy: DecisionPolicy | None = None,
+    suspend: bool = False,
 ) -> Approval:
     """Pause the current flow run until a person decides as `policy` allows, or timeout_s passes (a rejection).
-    A decision the policy refuses is logged and the run waits again (a new pause, with the time that is left)."""
-    from prefect.exceptions import FlowPauseTimeout
-    from prefect.flow_runs import pause_flow_run
+    A decision the policy refuses is logged and the run waits again (a new pause, with the time that is left).
+
+    `suspend` (a run of a deployment): suspended instead, its process ends (Prefect's Pause propagates out of here
+    and the flow engine exits). The decision starts the run again; this call, reached again in the new process,
+    asks Prefect for the same keys in the same order and gets each decision it was given, so refused decisions are
+    refused again and the first accepted one is returned. The waiting time counts from the first wait (the pending
+    record's waiting_since); past timeout_s the Prefect server fails the suspended run (its pause expired) and no
+    process is left to roll back: the candidate is at 0% already and the service's ownership lapses."""
+    from prefect.exceptions import FlowPauseTimeout, Pause
 
     from tasks.platform.signatures import SignatureRefused
 
     policy = policy or DecisionPolicy()
     pending = pending_folder(home) / f"{flow_run_id}.json"
     pending.parent.mkdir(parents=True, exist_ok=True)
+    earlier = waiting_record(pending) if suspend else None  # a suspended run started again by its decision
+    waiting_since = float(earlier["waiting_since"]) if earlier and "waiting_since" in earlier else time.time()
     record = {"flow_run_id": flow_run_id, "api_url": os.environ.get("PREFECT_API_URL", ""), **subject}
     record["signed"] = policy.allowed_signers is not None
+    record["suspended"] = suspend
     partial = pending.with_suffix(".partial")  # whole or absent for `llmops approve` (a rename is atomic)
-    partial.write_text(json.dumps({**record, "waiting_since": time.time(), "timeout_s": timeout_s}))
+    partial.write_text(json.dumps({**record, "waiting_since": waiting_since, "timeout_s": timeout_s}))
     partial.replace(pending)
-    started = time.monotonic()
+    started = time.monotonic() - (time.time() - waiting_since)
+    suspended = False
     try:
         for attempt in range(1, MAX_REFUSED + 2):
             left = timeout_s - (time.monotonic() - started)
-            if left < 1:
+            if left < 1 and not suspend:  # a suspended run's timeout is the Prefect server's (its pause expiration)
                 raise FlowPauseTimeout()
-            answer = pause_flow_run(
-                wait_for_input=ApprovalInput.with_initial_data(description=report_markdown),
-                timeout=max(1, round(left)),
-                poll_interval=POLL_S,
-                key=APPROVAL_KEY if attempt == 1 else f"{APPROVAL_KEY}-{attempt}",
+            answer = wait_once(
+                ApprovalInput.with_initial_data(description=report_markdown),
+                max(1, round(left)),
+                APPROVAL_KEY if attempt == 1 else f"{APPROVAL_KEY}-{attempt}",
+                suspend,
             )
             try:
                 key = check_decision(answer, flow_run_id, subject, policy)
@@ -218,8 +236,29 @@ def wait_for_decision(
         running_again(flow_run_id)
         reason = f"no decision within {timeout_s:g}s (gate.approval_timeout_s)"
         return Approval(False, "timeout", reason, time.time(), time.monotonic() - started, timed_out=True)
+    except Pause:  # suspended: the run waits without a process, its record stays for `llmops approve`
+        suspended = True
+        raise
     finally:
-        pending.unlink(missing_ok=True)
+        if not suspended:
+            pending.unlink(missing_ok=True)
+
+
+def wait_once(form: type[ApprovalInput], timeout_s: int, key: str, suspend: bool) -> ApprovalInput:
+    """One wait for a decision under `key`. Suspended: Prefect proposes a Suspended state with this pause key
+    (prefect/flow_runs.py:682-698 at 3.7.2); the first time the server accepts it, the form's schema is saved
+    under keys derived from the pause key (flow_runs.py:684-687, 715-716) and Pause ends the process
+    (flow_runs.py:720-722); a run resumed with an input is started again, the server rejects the same key as fired
+    (prefect/server/orchestration/core_policy.py:1378-1383), the state stays Running and the stored input is loaded
+    and returned (flow_runs.py:700-706)."""
+    from prefect.flow_runs import pause_flow_run, suspend_flow_run
+
+    if suspend:
+        answer = suspend_flow_run(wait_for_input=form, timeout=timeout_s, key=key)
+    else:
+        answer = pause_flow_run(wait_for_input=form, timeout=timeout_s, poll_interval=POLL_S, key=key)
+    assert answer is not None  # wait_for_input given: Prefect returns the input or raises
+    return answer
 
 
 def running_again(flow_run_id: str) -> None:

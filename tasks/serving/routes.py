@@ -12,6 +12,12 @@ release that changes the routes holds them for a lease: past `expires_at` (the r
 gateway serves the champion alone again. Each version carries what is needed to load it again (`source`: the store
 artifacts and the serving settings it was released with), which the gateway itself never reads.
 
+The record also names the release that owns the service (`owner`): one release of a service deploys, waits for
+approval and promotes at a time. Ownership is data with an expiry, not a process: the owner renews it while it
+runs, gives it up at its end, and one that lapsed (the release died, or its wait for a person timed out) is taken
+over by the next release. A release waiting for approval without a process (suspended) owns the service until its
+approval timeout.
+
 Plain data and the standard library: the gateway, `llmops serve`, and the release runs that call the control API
 read and write the same JSON.
 """
@@ -60,6 +66,39 @@ class Version:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """The release that owns the service: since when, until when without renewal, and what it waits for."""
+
+    release: str
+    since: float  # unix time it took the service
+    expires_at: float  # past this, the next release takes the service over
+    waiting: str | None = None  # "approval": it waits for a person (others do not queue behind it)
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at
+
+    def describe(self) -> str:
+        from datetime import UTC, datetime
+
+        since = datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds")
+        waits = ", waiting for approval" if self.waiting == "approval" else ""
+        return f"release {self.release} (owner since {since}{waits})"
+
+    @classmethod
+    def of(cls, data: Any) -> Owner:
+        if not isinstance(data, dict) or not isinstance(data.get("release"), str) or not data["release"]:
+            raise RoutesError("owner.release: a run id")
+        try:
+            since, expires_at = float(data["since"]), float(data["expires_at"])
+        except (KeyError, TypeError, ValueError):
+            raise RoutesError("owner: since and expires_at are unix times") from None
+        waiting = data.get("waiting") or None
+        if waiting not in (None, "approval"):
+            raise RoutesError("owner.waiting: null or approval")
+        return cls(data["release"], since, expires_at, waiting)
+
+
+@dataclass(frozen=True)
 class RouteTable:
     service: str
     champion: Version | None = None
@@ -70,6 +109,7 @@ class RouteTable:
     release: str | None = None  # the run that holds the candidate's routes
     expires_at: float | None = None  # when that hold lapses: the champion alone again
     updated_at: float = 0.0
+    owner: Owner | None = None  # the release that owns the service (deploys .. promotes), independent of the routes
 
     def __post_init__(self) -> None:
         routed = [(self.version(name), weight) for name, weight in self.weights.items() if weight > 0]
@@ -101,7 +141,8 @@ class RouteTable:
         return ",".join(f"{name}={weight:g}" for name, weight in self.weights.items() if weight > 0)
 
     def champion_alone(self) -> RouteTable:
-        """The champion serving every request: no candidate, no copy, no release holding the routes."""
+        """The champion serving every request: no candidate, no copy, no release holding the routes (the service's
+        owner stays: its ownership has an expiry of its own)."""
         weights = {self.champion.name: 100.0} if self.champion else {}
         return replace(
             self, candidate=None, weights=weights, shadow=None, shadow_fraction=0.0, release=None, expires_at=None
@@ -131,6 +172,7 @@ class RouteTable:
             release=data.get("release") or None,
             expires_at=float(data["expires_at"]) if data.get("expires_at") is not None else None,
             updated_at=float(data.get("updated_at") or 0.0),
+            owner=Owner.of(data["owner"]) if data.get("owner") else None,
         )
         table.check()
         return table

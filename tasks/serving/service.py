@@ -16,7 +16,7 @@ import requests
 
 from tasks.platform.errors import CheckFailed, TransientError
 from tasks.serving.client import CONTROL_HEADER, Triton
-from tasks.serving.routes import RouteTable
+from tasks.serving.routes import Owner, RouteTable
 
 
 @dataclass
@@ -54,6 +54,26 @@ class ServiceControl:
 
     def renew(self, release: str, lease_s: float) -> RouteTable:
         return RouteTable.of(self.call("PUT", "/control/v1/lease", {"release": release, "lease_s": lease_s}))
+
+    def own(self, release: str, lease_s: float, waiting: str | None = None) -> Owner | None:
+        """Take (or renew, or take over from a lapsed owner) the service's ownership for `release`: None once it is
+        the owner, else the release that owns it."""
+        body = {"release": release, "lease_s": lease_s, "waiting": waiting}
+        try:
+            response = requests.put(
+                f"{self.url}/control/v1/owner", json=body, headers={CONTROL_HEADER: self.key}, timeout=30
+            )
+        except requests.RequestException as exc:
+            raise TransientError(f"the control API of the service at {self.url}: {type(exc).__name__}") from None
+        if response.status_code == 409 and isinstance(response.json().get("owner"), dict):
+            return Owner.of(response.json()["owner"])
+        if response.status_code != 200:
+            raise CheckFailed(f"the control API at {self.url}: PUT /control/v1/owner: {error_text(response)}")
+        return None
+
+    def disown(self, release: str) -> RouteTable:
+        """`release` gives the service up (nothing changes where it is not the owner)."""
+        return RouteTable.of(self.call("DELETE", "/control/v1/owner", {"release": release}))
 
     def stop_shadow(self) -> RouteTable:
         return RouteTable.of(self.call("DELETE", "/control/v1/shadow"))

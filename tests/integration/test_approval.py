@@ -147,6 +147,122 @@ def test_no_decision_within_the_timeout_rejects_and_the_run_goes_on(tmp_path, sh
     assert API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["type"] == "COMPLETED"
 
 
+# A flow of a deployment that waits for a decision as a release started through Prefect does: suspended. Each process
+# the run runs in leaves its PID; the decision it got is written down.
+SUSPENDING_FLOW = """
+import json, os
+from dataclasses import asdict
+from pathlib import Path
+from prefect import flow, runtime
+from tasks.approve import wait_for_decision
+
+@flow(name="approval-suspend-test")
+def suspends(home: str, timeout_s: float):
+    (Path(home) / "pids").mkdir(parents=True, exist_ok=True)
+    (Path(home) / "pids" / str(os.getpid())).touch()
+    subject = {"kind": "release", "model": "m", "candidate_version": "2", "artifact_sha256": "a" * 64}
+    approval = wait_for_decision(
+        Path(home), str(runtime.flow_run.id), "# Gate: PROMOTE m v2", timeout_s, subject, suspend=True
+    )
+    (Path(home) / "approval.json").write_text(json.dumps(asdict(approval)))
+"""
+SUSPEND_POOL = "approval-suspend"
+
+
+def deployed_run(api: str, folder: Path, parameters: dict) -> str:
+    """A deployment of SUSPENDING_FLOW (its code in `folder`) on the process pool, and one run of it: its id."""
+    (folder / "suspending.py").write_text(SUSPENDING_FLOW)
+    flow_id = API.post(f"{api}/flows/", json={"name": "approval-suspend-test"}, timeout=10).json()["id"]
+    deployment = API.post(
+        f"{api}/deployments/",
+        json={
+            "name": "suspends",
+            "flow_id": flow_id,
+            "entrypoint": "suspending.py:suspends",
+            "work_pool_name": SUSPEND_POOL,
+            "path": str(folder),
+            "pull_steps": [{"prefect.deployments.steps.set_working_directory": {"directory": str(folder)}}],
+        },
+        timeout=10,
+    )
+    assert deployment.status_code in (200, 201), deployment.text
+    run = API.post(
+        f"{api}/deployments/{deployment.json()['id']}/create_flow_run", json={"parameters": parameters}, timeout=10
+    )
+    assert run.status_code in (200, 201), run.text
+    return run.json()["id"]
+
+
+def flow_state(api: str, flow_run_id: str) -> dict:
+    return API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+
+
+def wait_state(api: str, flow_run_id: str, wanted: set[str], timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = flow_state(api, flow_run_id)
+        if state["name"] in wanted or state["type"] in ("FAILED", "CRASHED", "CANCELLED"):
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"flow run {flow_run_id} is {state['name']}, never one of {wanted}")
+
+
+def test_a_suspended_approval_holds_no_process_and_survives_a_restart_of_the_prefect_server_and_the_worker(
+    tmp_path,
+):
+    """A run of a deployment suspends for approval: its process exits and the worker holds none. The Prefect server
+    (same database, same port) and the worker are restarted during the wait; `llmops approve` then resumes it, and
+    the run goes on in a new process with the decision. Its own Prefect server: the session's is not restarted
+    under the other modules."""
+    import psutil
+
+    from tasks.platform.local_stack import start_prefect, start_worker
+    from tasks.platform.ports import free_port
+
+    home, port = tmp_path / "home", free_port()
+    prefect_home, logs = tmp_path / "prefect", tmp_path / "logs"
+    logs.mkdir()
+    servers = [start_prefect(prefect_home, port, logs)]
+    api = servers[0].url
+    worker_env = {"PREFECT_API_URL": api, "LLMOPS_HOME": str(home)}
+    try:
+        servers.append(start_worker(api, worker_env, logs, pool=SUSPEND_POOL, name="approval-worker"))
+        run_id = deployed_run(api, tmp_path, {"home": str(home), "timeout_s": 600})
+        assert wait_state(api, run_id, {"Suspended"})["name"] == "Suspended", (logs / "worker.log").read_text()[-3000:]
+        waiting = json.loads((pending_folder(home) / f"{run_id}.json").read_text())
+        assert waiting["suspended"] and waiting["api_url"] == api and waiting["model"] == "m"
+        # no process is held: the one the run waited in has exited, the worker runs nothing
+        deadline = time.monotonic() + 30
+        first = [int(p.name) for p in (home / "pids").iterdir()]
+        while time.monotonic() < deadline and (
+            psutil.pid_exists(first[0]) or psutil.Process(servers[1].pid).children()
+        ):
+            time.sleep(0.5)
+        assert len(first) == 1 and not psutil.pid_exists(first[0])
+        assert psutil.Process(servers[1].pid).children(recursive=True) == []
+        # the worker, then the Prefect server, go away and come back on the same database and port
+        servers.pop().stop()
+        servers.pop().stop()
+        servers.append(start_prefect(prefect_home, port, logs))
+        assert servers[0].url == api and flow_state(api, run_id)["name"] == "Suspended"
+        servers.append(start_worker(api, worker_env, logs, pool=SUSPEND_POOL, name="approval-worker"))
+        listed = cli(home, "approve")
+        assert listed.returncode == 0 and f"{run_id}  m v2" in listed.stdout, listed.stdout + listed.stderr
+        approved = cli(home, "approve", run_id, "--reason", "answers match v1's", "--by", "alice")
+        assert approved.returncode == 0, approved.stdout + approved.stderr
+        final = wait_state(api, run_id, {"Completed"})
+        assert final["type"] == "COMPLETED", (logs / "worker.log").read_text()[-3000:]
+    finally:
+        for server in reversed(servers):
+            server.stop()
+    approval = json.loads((home / "approval.json").read_text())
+    assert (approval["approved"], approval["decided_by"], approval["reason"]) == (True, "alice", "answers match v1's")
+    assert not approval["timed_out"] and approval["waited_s"] > 0
+    pids = sorted(int(p.name) for p in (home / "pids").iterdir())
+    assert len(pids) == 2, pids  # the decision ran on in a new process
+    assert not (pending_folder(home) / f"{run_id}.json").exists()  # decided: no longer listed
+
+
 # The flywheel flow as a worker runs it, on folders: the capture under LLMOPS_ARTIFACTS, the watched data, pending.
 FLYWHEEL = """
 import sys

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from starlette.testclient import TestClient
 from tasks.serving import adapter_registry
 from tasks.serving.gateway import Gateway, GatewayConfig
 from tasks.serving.gateway.control import ControlApi
-from tasks.serving.routes import RoutesError, RouteTable, Version, read_record, write_record
+from tasks.serving.routes import Owner, RoutesError, RouteTable, Version, read_record, write_record
 from tests.unit.test_gateway import AUTH, CHAMPION, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, scrape
 
 CONTROL_KEY = "serve-control-key-0123456789"
@@ -241,3 +242,106 @@ def test_only_the_release_that_holds_the_routes_renews_its_hold(service):
     assert gateway.table.describe() == "demo-v1=100"  # the routes themselves untouched
     other = control.put("/control/v1/lease", json={"release": "run-8", "lease_s": 600})
     assert other.status_code == 409 and other.json() == {"error": "release: the routes are held by run-7, not run-8"}
+
+
+# --- the service's ownership (the serving lock) -----------------------------------------------------------------
+
+
+def test_one_release_owns_the_service_until_it_gives_it_up_or_lets_it_lapse(service, tmp_path):
+    gateway, _, control = service()
+    taken = control.put("/control/v1/owner", json={"release": "run-7", "lease_s": 600})
+    assert taken.status_code == 200 and taken.json()["owner"]["release"] == "run-7"
+    since = taken.json()["owner"]["since"]
+    other = control.put("/control/v1/owner", json={"release": "run-8", "lease_s": 600})
+    assert other.status_code == 409 and other.json()["owner"]["release"] == "run-7"
+    assert other.json()["error"].startswith("demo is owned by release run-7 (owner since ")
+    # the owner's changes of the routes keep its ownership, and so does the record a restarted gateway reads
+    control.put("/control/v1/deployment", json={**with_candidate(0, release="run-7").as_json(), "lease_s": 60})
+    control.put("/control/v1/routes", json={"weights": {CHAMPION.name: 90, CANDIDATE.name: 10}, "release": "run-7"})
+    assert gateway.table.owner.release == "run-7"
+    assert read_record(tmp_path / "serving" / f"{SERVICE}.json").owner.release == "run-7"
+    restarted, _, _ = service(record=None)
+    assert restarted.table.owner.release == "run-7" and restarted.table.candidate is None
+    renewed = control.put("/control/v1/owner", json={"release": "run-7", "lease_s": 900, "waiting": "approval"})
+    assert renewed.json()["owner"]["since"] == since and renewed.json()["owner"]["waiting"] == "approval"
+    waiting = control.put("/control/v1/owner", json={"release": "run-8", "lease_s": 600})
+    assert "waiting for approval" in waiting.json()["error"]
+    assert control.request("DELETE", "/control/v1/owner", json={"release": "run-8"}).json()["owner"] is not None
+    assert control.request("DELETE", "/control/v1/owner", json={"release": "run-7"}).json()["owner"] is None
+    assert control.put("/control/v1/owner", json={"release": "run-8", "lease_s": 0.01}).status_code == 200
+    time.sleep(0.05)  # run-8 died: its ownership lapsed and the next release takes the service over
+    over = control.put("/control/v1/owner", json={"release": "run-9", "lease_s": 600})
+    assert over.status_code == 200 and over.json()["owner"]["release"] == "run-9"
+    for body, error in [
+        ({"lease_s": 5}, "release: a run id"),
+        ({"release": "run-9"}, "lease_s: required"),
+        ({"release": "run-9", "lease_s": 5, "waiting": "lunch"}, "waiting: null or approval"),
+    ]:
+        bad = control.put("/control/v1/owner", json=body)
+        assert bad.status_code == 400 and bad.json() == {"error": error}
+
+
+class OwnerControl:
+    """A release's view of the control API (ServiceControl.own/disown) over a TestClient."""
+
+    def __init__(self, control: TestClient):
+        self.client = control
+
+    def own(self, release: str, lease_s: float, waiting: str | None = None) -> Owner | None:
+        answer = self.client.put("/control/v1/owner", json={"release": release, "lease_s": lease_s, "waiting": waiting})
+        return Owner.of(answer.json()["owner"]) if answer.status_code == 409 else None
+
+    def disown(self, release: str) -> None:
+        self.client.request("DELETE", "/control/v1/owner", json={"release": release})
+
+
+def test_a_second_release_queues_behind_a_working_owner_and_fails_fast_behind_one_waiting_for_a_person(service):
+    from tasks.platform.errors import CheckFailed
+    from tasks.serving.ownership import Ownership
+
+    gateway, _, control = service()
+    first = Ownership(OwnerControl(control), SERVICE, "run-1", lease_s=600)  # type: ignore[arg-type]
+    assert first.take(timeout_s=1) < 1
+    second = Ownership(OwnerControl(control), SERVICE, "run-2", lease_s=600)  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(CheckFailed, match=r"^demo is still owned by release run-1 \(owner since .*\) after \d+s"):
+        second.take(timeout_s=1, poll_s=0.2)
+    assert time.monotonic() - started >= 1  # it queued
+    first.wait_for_approval(86_400)
+    assert gateway.table.owner.expires_at > time.time() + 86_000
+    started = time.monotonic()
+    with pytest.raises(CheckFailed, match=r"owned by release run-1 \(owner since .*, waiting for approval\); a rel"):
+        second.take(timeout_s=60)
+    assert time.monotonic() - started < 1  # it did not queue behind a person
+    first.decided()
+    assert gateway.table.owner.waiting is None
+    threading.Timer(0.5, first.give_up).start()  # the first one ends while the second queues
+    assert 0.4 < second.take(timeout_s=10, poll_s=0.1) < 5
+    assert gateway.table.owner.release == "run-2"
+
+
+def test_a_release_renews_its_ownership_while_it_runs_and_frees_the_service_at_its_end(service):
+    from tasks.serving.ownership import Ownership
+
+    gateway, _, control = service()
+    owning = Ownership(OwnerControl(control), SERVICE, "run-1", lease_s=0.6)  # type: ignore[arg-type]
+    owning.take(timeout_s=1)
+    owning.keep()
+    time.sleep(1.5)  # over two leases: renewed every third of one
+    assert gateway.table.owner.release == "run-1" and not gateway.table.owner.expired(time.time())
+    owning.give_up()
+    assert gateway.table.owner is None
+
+
+def test_the_gateways_of_one_home_share_the_services_owner_through_its_record(service):
+    """`llmops serve`'s gateway and a release's temporary one read and write the same record: a release that gave
+    the service up at one gateway frees it for a release queued at the other."""
+    _, _, first = service()
+    _, _, second = service(record=None)
+    assert first.put("/control/v1/owner", json={"release": "run-1", "lease_s": 600}).status_code == 200
+    refused = second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600})
+    assert refused.status_code == 409 and refused.json()["owner"]["release"] == "run-1"
+    first.put("/control/v1/routes", json={"weights": {CHAMPION.name: 100}, "release": "run-1"})  # keeps the owner
+    assert second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).status_code == 409
+    first.request("DELETE", "/control/v1/owner", json={"release": "run-1"})
+    assert second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).status_code == 200

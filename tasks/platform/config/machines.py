@@ -107,5 +107,8 @@ class RunSection(Section):
         "machines must share the s3:// store and MLflow. Empty: all in this process (`--set 'run.remote_stages={}'`).",
     )
     serving_lock_timeout_s: float = Field(
-        3600, gt=0, description="Longest wait, in seconds, for another release of the same model to finish deploying."
+        3600,
+        gt=0,
+        description="Longest wait, in seconds, for another release of the same service to finish deploying "
+        "(queued behind it); behind a release that waits for approval, a release fails at once instead.",
     )

@@ -38,7 +38,8 @@ class CanarySection(Section):
         description="How long a release's hold on the service's routes (its candidate, a step, a shadow copy) lasts "
         "without renewal; the release renews it every third of this while it runs. A release that dies, or that "
         "waits for a person's approval (no process) stops renewing, and this many seconds later the gateway of "
-        "`llmops serve` serves the champion alone again.",
+        "`llmops serve` serves the champion alone again. Also the lease of the release's ownership of the service "
+        "(the serving lock): one that lapsed is taken over by the next release.",
     )
     shadow_s: float = Field(
         0,
@@ -191,7 +192,8 @@ class GateSection(Section):
         86400,
         gt=0,
         description="With approval required: no decision within this many seconds rejects the candidate. The waiting "
-        "run holds its worker and the serving lock.",
+        "run holds its worker, and owns the service until then: another release of the model fails at once, naming "
+        "it, instead of queueing.",
     )
     allowed_signers: str | None = Field(
         None,

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -180,13 +181,42 @@ class Gateway:
 
     async def change(self, table: RouteTable) -> None:
         """`adopt`, one change at a time, the record written off the event loop."""
+        await self.amend(lambda _: table)
+
+    async def amend(self, change: Callable[[RouteTable], RouteTable | None]) -> RouteTable:
+        """The table `change` makes of the current one, adopted as `change` does, with no other change in between
+        (a read, a check and a write as one); None from `change`: nothing changes. The table after.
+
+        The service's owner is read from the record on disk first, under a file lock: every gateway of this
+        LLMOPS_HOME (`llmops serve`'s, and the temporary ones of releases on their own Triton) shares the record,
+        so a release that gave the service up through one gateway frees it for a release queued at another."""
         async with self.table_lock:
-            if self.config.record is not None:
-                await asyncio.to_thread(write_record, self.config.record, table)
+            if self.config.record is None:
+                current, table = self.table, change(self.table)
+            else:
+                current, table = await asyncio.to_thread(self.amend_record, self.config.record, change)
+            if table is None:
+                self.table = current  # the owner as the record has it now
+                return current
             self.table = table
             self.shadow.follow(table)
             for version in table.versions():
                 self.metrics.start_version(version.name)
+            return table
+
+    def amend_record(
+        self, path: Path, change: Callable[[RouteTable], RouteTable | None]
+    ) -> tuple[RouteTable, RouteTable | None]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            shared = read_record(path)
+            owner = shared.owner if shared is not None and shared.service == self.table.service else None
+            current = replace(self.table, owner=owner)
+            table = change(current)
+            if table is not None:
+                write_record(path, table)
+            return current, table
 
     def draw(self) -> Version:
         """The version that answers a request for the service's name."""
@@ -216,7 +246,7 @@ class Gateway:
                     table.service,
                 )
                 self.metrics.leases_expired.inc()
-                await self.change(table.champion_alone())
+                await self.amend(lambda current: current.champion_alone())
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""

@@ -8,6 +8,10 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
     PUT    /control/v1/shadow       {"version": VERSION, "fraction": F, "release": RUN, "lease_s": S}: copies start
     DELETE /control/v1/shadow       copies stop
     PUT    /control/v1/lease        {"release": RUN, "lease_s": S}: the release that holds the routes holds them longer
+    PUT    /control/v1/owner        {"release": RUN, "lease_s": S, "waiting": null|"approval"}: the release owns the
+                                    service for S seconds (taken, renewed, or taken over from a lapsed owner); 409
+                                    with {"error": ..., "owner": {...}} naming the owner while another one holds it
+    DELETE /control/v1/owner        {"release": RUN}: that release gives the service up (nothing where it is not owner)
     POST   /v2/models/NAME/generate[_stream]   the service's name (drawn by weight) or one version by its name:
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import orjson
@@ -37,10 +41,11 @@ from tasks.serving.client import CONTROL_HEADER
 from tasks.serving.gateway.access import Guard, current, triton_error
 from tasks.serving.gateway.app import Gateway
 from tasks.serving.gateway.protocol import RequestError
-from tasks.serving.routes import RoutesError, RouteTable, parse_weights
+from tasks.serving.routes import Owner, RoutesError, RouteTable, parse_weights
 
 CONTROL_CLIENT = "control"  # the client name the control key's requests are counted under
 MAX_LEASE_S = 24 * 3600.0
+MAX_OWNER_S = 366 * 24 * 3600.0  # a release waiting for a person owns the service until its approval timeout
 
 
 class ControlApi:
@@ -64,12 +69,12 @@ class ControlApi:
         return data
 
     @staticmethod
-    def lease(data: dict[str, Any]) -> float | None:
+    def lease(data: dict[str, Any], most: float = MAX_LEASE_S) -> float | None:
         value = data.get("lease_s")
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_LEASE_S:
-            raise RequestError(400, f"lease_s: seconds in (0, {MAX_LEASE_S:.0f}]")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
+            raise RequestError(400, f"lease_s: seconds in (0, {most:.0f}]")
         return float(value)
 
     async def apply(self, table: RouteTable, data: dict[str, Any]) -> Response:
@@ -82,7 +87,7 @@ class ControlApi:
         # a change that gives no lease keeps the hold there is (a shadow stopped while a candidate is routed)
         expires_at = now + lease if lease else table.expires_at if table.release else None
         held = replace(table, updated_at=now, expires_at=expires_at)
-        await self.gateway.change(held)
+        held = await self.gateway.amend(lambda current: replace(held, owner=current.owner))
         return JSONResponse(held.as_json())
 
     async def handle(self, request: Request) -> Response:
@@ -93,6 +98,9 @@ class ControlApi:
             data = await self.read_json(request) if request.method == "PUT" else {}
             if request.url.path.endswith("/lease"):
                 return await self.renew(data)
+            if request.url.path.endswith("/owner"):
+                data = await self.read_json(request) if request.method == "DELETE" else data
+                return await self.own(request.method, data)
             return await self.apply(self.changed(request.url.path, request.method, data), data)
         except RequestError as error:
             return triton_error(error)
@@ -104,9 +112,42 @@ class ControlApi:
             raise RequestError(
                 409, f"release: the routes are held by {table.release or 'no release'}, not {data.get('release')}"
             )
-        held = replace(table, expires_at=time.time() + lease)
-        await self.gateway.change(held)
+        until = time.time() + lease
+        held = await self.gateway.amend(lambda current: replace(current, expires_at=until))
         return JSONResponse(held.as_json())
+
+    async def own(self, method: str, data: dict[str, Any]) -> Response:
+        """Take, renew or give up the service's ownership; the check and the change under the table's lock (two
+        releases asking at once: one owns it, the other is told who)."""
+        release = data.get("release")
+        if not isinstance(release, str) or not release:
+            raise RequestError(400, "release: a run id")
+        lease = self.lease(data, MAX_OWNER_S)
+        waiting = data.get("waiting") or None
+        if method == "PUT" and lease is None:
+            raise RequestError(400, "lease_s: required")
+        if waiting not in (None, "approval"):
+            raise RequestError(400, "waiting: null or approval")
+        refused: list[Owner] = []
+
+        def change(table: RouteTable) -> RouteTable | None:
+            owner, now = table.owner, time.time()
+            mine = owner is not None and owner.release == release
+            if method == "DELETE":
+                return replace(table, owner=None) if mine else None
+            if owner is not None and not mine and not owner.expired(now):
+                refused.append(owner)
+                return None
+            since = owner.since if owner is not None and mine else now
+            return replace(table, owner=Owner(release, since, now + (lease or 0), waiting))
+
+        table = await self.gateway.amend(change)
+        if refused:
+            return JSONResponse(
+                {"error": f"{table.service} is owned by {refused[0].describe()}", "owner": asdict(refused[0])},
+                status_code=409,
+            )
+        return JSONResponse(table.as_json())
 
     def changed(self, path: str, method: str, data: dict[str, Any]) -> RouteTable:
         """The table a PUT or DELETE asks for."""
@@ -115,8 +156,9 @@ class ControlApi:
         if release is not None and not isinstance(release, str):
             raise RequestError(400, "release: a run id or null")
         try:
-            if path.endswith("/deployment"):
-                return RouteTable.of({**data, "service": table.service, "updated_at": time.time()})
+            if path.endswith("/deployment"):  # the service's owner is not a table's to change (PUT /owner is)
+                whole = RouteTable.of({**data, "service": table.service, "updated_at": time.time(), "owner": None})
+                return replace(whole, owner=table.owner)
             if path.endswith("/routes"):
                 return replace(table, weights=parse_weights(data.get("weights")), release=release)
             if method == "DELETE":
@@ -153,6 +195,7 @@ class ControlApi:
             Route("/control/v1/routes", self.handle, methods=["PUT"]),
             Route("/control/v1/shadow", self.handle, methods=["PUT", "DELETE"]),
             Route("/control/v1/lease", self.handle, methods=["PUT"]),
+            Route("/control/v1/owner", self.handle, methods=["PUT", "DELETE"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
         ]
