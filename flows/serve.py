@@ -262,6 +262,7 @@ def start_gateway(
             control_key=lambda: control_key(ctx.home),  # the published one: it changes when Triton restarts
             shadow_records=ctx.home / "shadow",
             capture=capture_settings(ctx),
+            backend=ctx.profile.serve.backend,
         )
     )
     show_access_log()

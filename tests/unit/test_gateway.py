@@ -84,7 +84,7 @@ def test_a_chat_request_becomes_tritons_generate_inputs_and_its_answer_a_complet
     triton = FakeTriton("cold")
     messages = [{"role": "system", "content": "One word."}, *QUESTION]
     body = {"model": SERVICE, "messages": messages, "temperature": 0, "seed": 7, "max_completion_tokens": 5}
-    response = gateway(triton).post(CHAT, json={**body, "max_tokens": 9, "top_p": 0.5})  # top_p: ignored
+    response = gateway(triton).post(CHAT, json={**body, "max_tokens": 9, "top_p": 1})  # top_p 1: asks nothing
     assert response.status_code == 200, response.text
     answer = response.json()
     assert answer["object"] == "chat.completion" and answer["model"] == SERVICE and answer["id"].startswith("chatcmpl-")
@@ -125,7 +125,7 @@ def test_temperature_from_0_to_2_is_accepted(gateway, temperature):
         ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
         ({"temperature": "1"}, "temperature", "temperature: Input should be a valid number"),
         ({"temperature": True}, "temperature", "a valid number"),
-        ({"n": 2}, "n", "n: Input should be 1"),
+        ({"n": 2}, "n", "n: one choice per request"),
         ({"seed": "7"}, "seed", "seed: Input should be a valid integer"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
         ({"max_tokens": 8.0}, "max_tokens", "a valid integer"),

@@ -23,6 +23,7 @@ from tasks.serving.gateway.access import GatewayMetrics, Guard, current, openai_
 from tasks.serving.gateway.auth import KeyRing, authorize
 from tasks.serving.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
 from tasks.serving.gateway.limits import ClientLimits
+from tasks.serving.gateway.openai_fields import Engine
 from tasks.serving.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,6 +58,7 @@ class GatewayConfig:
     control_key: Callable[[], str | None] = lambda: None
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
     capture: CaptureSettings | None = None  # serve.capture: exchanges and feedback kept; None: neither
+    backend: Engine = "python"  # serve.backend: the engine whose fields /v1 honours (openai_fields.py)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -98,6 +100,7 @@ class Gateway:
             config.apply_chat_template,
             self.shadow,
             self.capture,
+            config.backend,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute, config.request_burst_s)

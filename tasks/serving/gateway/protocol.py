@@ -2,9 +2,10 @@
 the error every refusal becomes.
 
 Requests are parsed from the raw body in pydantic's strict JSON mode, so a string is no number, a bool no
-integer and 1.0 no token count, as a hand-written check would have it; unknown fields are ignored on /v1, as
-OpenAI's own clients send more than this gateway uses, and refused on /v2, which Triton would pass to the
-model. The first problem becomes a 400 naming its field. Bodies nested deeper than pydantic's JSON parser
+integer and 1.0 no token count, as a hand-written check would have it. On /v1 the fields this gateway does not
+translate are kept (`extra="allow"`) for openai_fields.py to judge: honoured, neutral, or a 400 naming the field and
+why, never ignored; on /v2 any other field is refused, as Triton would pass it to the model. The first problem
+becomes a 400 naming its field. Bodies nested deeper than pydantic's JSON parser
 allows, and broken escapes such as a lone surrogate ("\\ud800"), are a 400 there too: parsed with `json.loads`
 they had been a RecursionError, or a string that later failed to encode (UnicodeEncodeError), each a 500.
 """
@@ -37,22 +38,38 @@ class RequestError(Exception):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # name, tool_calls, ...: nothing a served model reads, so refused
+
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None  # usage rides on the last event either way
+    include_obfuscation: Literal[False] | None = None  # no padding of events here
 
 
 class OpenAIRequest(BaseModel):
     """What chat and text completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # judged by openai_fields.check_fields, with the engine's table
 
     model: str | None = None
     max_tokens: Count | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None  # vLLM's extension: no end of sequence before that many
+    ignore_eos: bool | None = None  # vLLM's extension: the answer runs to max_tokens
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None  # vLLM's extension; 0 or -1: every token
     seed: int | None = None
-    n: Literal[1] = 1  # one choice per request: the served model answers once
     stop: Annotated[list[StopSequence], Field(max_length=4)] = []
     stream: bool | None = False  # null too: some clients send every field
+    stream_options: StreamOptions | None = None
+
+    def sent(self) -> dict[str, Any]:
+        """Every field the body carried, with its value: those parsed here, and those kept for openai_fields."""
+        return {name: getattr(self, name) for name in self.model_fields_set} | (self.model_extra or {})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -119,7 +136,9 @@ class GenerateInputs(BaseModel):
     text_input: str
     max_tokens: int
     chat_history: str | None = None  # the earlier messages as JSON, as the served model reads them
+    min_length: int | None = None  # no end of sequence before that many tokens (min_tokens; ignore_eos: max_tokens)
     temperature: float | None = None
+    top_k: int | None = None
     random_seed: int | None = None
     exclude_input_in_output: bool = True
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tasks.quality.chat import encode_prompt
 from tasks.serving.gateway.access import current
 from tasks.serving.gateway.capture import Capture
+from tasks.serving.gateway.openai_fields import Engine, check_fields
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
     ChatChunkChoice,
@@ -35,6 +36,7 @@ from tasks.serving.gateway.protocol import (
     ErrorResponse,
     GenerateInputs,
     GenerateRequest,
+    OpenAIRequest,
     RequestError,
     StreamChunk,
     UsageInfo,
@@ -58,6 +60,22 @@ def bounded_max_tokens(value: int | None, name: str, context_tokens: int, defaul
             code="context_length_exceeded",
         )
     return value
+
+
+def sampling(request: OpenAIRequest, max_tokens: int) -> dict[str, Any]:
+    """The generate inputs of a request's length and sampling fields (those openai_fields.py lets through)."""
+    min_length = request.min_tokens or None
+    if request.ignore_eos:  # vLLM's ignore_eos, as min_tokens = max_tokens: the answer runs to its budget
+        min_length = max_tokens
+    elif min_length is not None and min_length > max_tokens:
+        raise RequestError(400, f"min_tokens {min_length} is more than max_tokens {max_tokens}", param="min_tokens")
+    return {
+        "max_tokens": max_tokens,
+        "min_length": min_length,
+        "temperature": request.temperature,
+        "top_k": request.top_k if request.top_k and request.top_k > 0 else None,
+        "random_seed": request.seed,
+    }
 
 
 def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str]]:
@@ -116,10 +134,12 @@ class OpenAIServing:
         apply_chat_template=True,
         shadow: Shadow | None = None,
         capture: Capture | None = None,
+        engine: Engine = "python",
     ):
         self.triton, self.context_tokens, self.default_max_tokens = triton, context_tokens, default_max_tokens
         self.tokenizer, self.apply_chat_template, self.shadow = tokenizer, apply_chat_template, shadow
         self.capture = capture
+        self.engine = engine  # serve.backend: which request fields are honoured (openai_fields.py)
         self.tokenizer_lock = threading.Lock()
 
     def check_model(self, model: str | None) -> None:
@@ -131,6 +151,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> Response:
         self.check_model(request.model)
+        check_fields("chat", request.sent(), self.engine)
         *earlier, question = request.messages
         history = [m.model_dump() for m in earlier]
         if request.max_completion_tokens is not None:
@@ -140,20 +161,15 @@ class OpenAIServing:
         inputs = GenerateInputs(
             text_input=question.content,
             chat_history=json.dumps(history, ensure_ascii=False) if history else None,
-            max_tokens=max_tokens,
-            temperature=request.temperature,
-            random_seed=request.seed,
+            **sampling(request, max_tokens),
         )
         return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=True))
 
     async def completion(self, request: CompletionRequest) -> Response:
         self.check_model(request.model)
-        inputs = GenerateInputs(
-            text_input=request.prompt,
-            max_tokens=self.max_tokens(request.max_tokens, "max_tokens"),
-            temperature=request.temperature,
-            random_seed=request.seed,
-        )
+        check_fields("completions", request.sent(), self.engine)
+        max_tokens = self.max_tokens(request.max_tokens, "max_tokens")
+        inputs = GenerateInputs(text_input=request.prompt, **sampling(request, max_tokens))
         return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=False))
 
     async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:

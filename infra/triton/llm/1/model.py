@@ -55,6 +55,9 @@ class TritonPythonModel:
         self.context_tokens = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos = self.tokenizer.eos_token_id
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        # Suppressed while an answer is shorter than its min_length (the gateway's min_tokens, ignore_eos): the end of
+        # sequence, and every other special token, which decodes to nothing and would leave the answer short of it
+        self.unspoken = sorted({self.eos, *self.tokenizer.all_special_ids} - {None})
 
     def parse(self, request):
         text = input_value(request, "text_input", None)
@@ -115,7 +118,7 @@ class TritonPythonModel:
 
     def pick(self, job, logits):
         if len(job.tokens) < job.min_length:
-            logits[self.eos] = float("-inf")
+            logits[self.unspoken] = float("-inf")
         if job.temperature <= 0:
             return int(logits.argmax())
         logits = logits / job.temperature
