@@ -263,6 +263,7 @@ def start_gateway(
             shadow_records=ctx.home / "shadow",
             capture=capture_settings(ctx),
             backend=ctx.profile.serve.backend,
+            version_pinning=ctx.profile.serve.version_pinning,
         )
     )
     show_access_log()

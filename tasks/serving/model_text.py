@@ -139,17 +139,21 @@ def relay(pb_utils: Any, sender: Any, model_name: str, inputs: list) -> Any:
     request's final error response. Returns the BLS stream, for the caller to hold (STREAM_HOLD_S); None where there
     was none."""
     stream = None
+    # logprobs only where the request asks for them: only the python backend's model has that output
+    names = ["text_output", *(["logprobs"] if any(t.name() == "logprobs" for t in inputs) else [])]
     try:
-        call = pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=["text_output"])
+        call = pb_utils.InferenceRequest(model_name=model_name, inputs=inputs, requested_output_names=names)
         stream = call.exec(decoupled=True)
         for response in stream:
             if response.has_error():
                 raise RuntimeError(response.error().message())
-            output = pb_utils.get_output_tensor_by_name(response, "text_output")
-            if output is not None:
-                # a copy, not the BLS response's own tensor, which goes with the response
-                text = pb_utils.Tensor("text_output", output.as_numpy())
-                sender.send(pb_utils.InferenceResponse(output_tensors=[text]))
+            outputs = [pb_utils.get_output_tensor_by_name(response, name) for name in names]
+            if outputs[0] is not None:
+                # copies, not the BLS response's own tensors, which go with the response
+                copies = [
+                    pb_utils.Tensor(n, o.as_numpy()) for n, o in zip(names, outputs, strict=True) if o is not None
+                ]
+                sender.send(pb_utils.InferenceResponse(output_tensors=copies))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception as exc:
         sender.send(

@@ -86,15 +86,15 @@ def test_profile_digest_changes_with_any_value():
 # be planned (base_model.architecture; the 72B profile), and
 # when qwen-7b-qlora-2xa10 moved from fp16 to bf16 (GPU audit RISK 3), and
 # when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1,
-# and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf).
+# and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when serve.version_pinning came.
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "db38e40d1c0d30b29d61f46e72c9059bf1e89525152886aa3086c08766175883",
-    "cpu-tiny-qa-zh": "d0208fe439c6cc7ba5bf2fe67a4051f7ee6b126ede5f333ae44c492a70394e17",
-    "llama3-8b-h100-fp8": "0bf4299db95f3a9c3162111c6587af60bae4256c81233eb679ac7ba809afaf8b",
-    "qwen-7b-qlora-2xa10": "7211c1cd9c8bb4708250486bc39ad12ee3034df3e44adaba4aa11cdd4e58b83f",
-    "qwen-7b-vllm-h100": "9ef1055dce28e371b7c2460bbdefca47f06f98e9c4fe51c98be5b8ef8bbd935b",
-    "qwen2-14b-int4-tp2": "fa4b9b8c5f66323e6f2034132226852c7b85d141ddc52033728f65f5833faa0c",
-    "qwen2.5-72b-lora-2x8xh100": "c3e8630e0f77d00c7ed9263785d143ba492f0d6779bb600b33e166d97da2c19c",
+    "cpu-tiny": "c4b48a387b5ed9fe0762d0e6890e4aea9fc439ef8992c0abf705e4eb54173d7a",
+    "cpu-tiny-qa-zh": "be6f829a476de0290b9987b5f7709857d6692c996245a07986810c8ed41468b8",
+    "llama3-8b-h100-fp8": "29ad41c96d166cf621790854a1126f1cee640c0b12e0b51a1f40de4cd4404400",
+    "qwen-7b-qlora-2xa10": "19dcc6a56b725a026461f70db15ce178079aeac9531d687941c8c2294175f527",
+    "qwen-7b-vllm-h100": "50c4233d5ef406505d242e82f93714b443b80f136fe93c28d83f344a1b9cf39b",
+    "qwen2-14b-int4-tp2": "c1a4fb98c9d1718f3aa41a8fc6fe3662e50a021e1efe0a79200433e50b814f42",
+    "qwen2.5-72b-lora-2x8xh100": "bdc0c584517619d86ae1400ef8b1913fc05c48385d3e6572679bf30f141cb543",
 }
 
 

@@ -169,6 +169,36 @@ def test_a_model_not_served_here_is_404(gateway):
     assert [m["id"] for m in models["data"]] == [SERVICE]
 
 
+@pytest.mark.parametrize("pinning", [False, True])
+def test_models_lists_the_live_versions_and_a_request_pins_one_where_the_profile_allows_it(pinning):
+    """GET /v1/models: the service, then each version its routes name (as the gateway last read them from the
+    router); a request naming a version goes to that version alone with serve.version_pinning, else a 400 naming
+    the setting."""
+    triton = FakeTriton("cold")
+    config = GatewayConfig("http://triton.test", SERVICE, 512, version_pinning=pinning)
+    gateway = Gateway(config, transport=httpx.MockTransport(triton))
+    gateway.shadow.routes = f"{SERVICE}-v1=90,{SERVICE}-v2=10"
+    with TestClient(gateway.app()) as client:
+        models = client.get("/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [
+            (SERVICE, None),
+            (f"{SERVICE}-v1", SERVICE),
+            (f"{SERVICE}-v2", SERVICE),
+        ]
+        pinned = client.post(CHAT, json={"model": f"{SERVICE}-v2", "messages": QUESTION, "stream": True})
+        if not pinning:
+            assert pinned.status_code == 400 and "serve.version_pinning" in pinned.json()["error"]["message"]
+            assert triton.requests == []
+            return
+        assert pinned.status_code == 200 and events(pinned)[0]["model"] == f"{SERVICE}-v2"
+        answered = client.post("/v1/completions", json={"model": f"{SERVICE}-v1", "prompt": "hot:"})
+        assert answered.json()["model"] == f"{SERVICE}-v1"
+    assert [path for path, _ in triton.requests] == [
+        f"/v2/models/{SERVICE}-v2/generate_stream",
+        f"/v2/models/{SERVICE}-v1/generate",
+    ]
+
+
 @pytest.mark.parametrize("stop", ["\nUser:", ["\n\n", "\nUser:"]])
 def test_a_stop_sequence_cuts_the_answer_and_finishes_it(gateway, stop):
     triton = FakeTriton("cold\nUser: and warm?", pieces=["co", "ld\nUs", "er: and", " warm?"])

@@ -6,6 +6,8 @@ fixtures); the same through the real stack is in tests/integration/test_service.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tasks.serving.gateway.openai_fields import ENGINES, FIELDS, page
@@ -88,6 +90,8 @@ ASKING = {
     "priority": 1,
     "request_id": "r-1",
 }
+ASKING_TEXT = {"logprobs": 2}  # completions' logprobs is a count
+WITH = {"top_logprobs": {"logprobs": True}}  # what a field needs sent beside it
 # What an honoured field's asking value makes of Triton's generate inputs (each alone, on BASE)
 HONOURED_INPUTS = {
     "messages": {"chat_history": '[{"role": "system", "content": "One word."}]'},
@@ -99,7 +103,10 @@ HONOURED_INPUTS = {
     "temperature": {"temperature": 0.7},
     "seed": {"random_seed": 11},
     "top_k": {"top_k": 5},
+    "logprobs": {"logprobs": 0},  # chat: logprobs true, no alternatives
+    "top_logprobs": {"logprobs": 2},
 }
+HONOURED_TEXT_INPUTS = {"logprobs": {"logprobs": 2}}
 
 
 def sdk_fields(module) -> set[str]:
@@ -118,6 +125,8 @@ def test_the_table_holds_every_field_of_the_openai_sdks_request_types():
 
 
 def asking_value(path: str, name: str):
+    if path == TEXT and name in ASKING_TEXT:
+        return ASKING_TEXT[name]
     return ASKING[name] if not (name == "stream" and path == TEXT) else False
 
 
@@ -129,7 +138,9 @@ def test_each_field_is_honoured_or_refused_naming_it_on_each_engine(gateway, eng
     outcomes = {}
     for name, spec in FIELDS.items():
         triton = FakeTriton("cold")
-        body = {**BASE[path], name: asking_value(path, name)}
+        why = spec.refused.get(engine)
+        beside = WITH.get(name, {}) if why is None and api in spec.apis else {}  # else alone: it is the one named
+        body = {**BASE[path], **beside, name: asking_value(path, name)}
         response = gateway(triton, backend=engine, default_max_tokens=16).post(path, json=body)
         if api not in spec.apis:
             assert response.status_code == 400, (name, response.text)
@@ -137,10 +148,9 @@ def test_each_field_is_honoured_or_refused_naming_it_on_each_engine(gateway, eng
             assert error["param"] == name and error["code"] == "unknown_parameter", error
             outcomes[name] = "unknown"
             continue
-        why = spec.refused.get(engine)
         if why is None:
             assert response.status_code == 200, (name, response.text)
-            expected = HONOURED_INPUTS.get(name, {})
+            expected = (HONOURED_TEXT_INPUTS if path == TEXT else {}).get(name) or HONOURED_INPUTS.get(name, {})
             assert {k: triton.inputs.get(k) for k in expected} == expected, name
             outcomes[name] = "honoured"
         else:
@@ -219,3 +229,71 @@ def test_the_docs_table_is_the_codes():
         "docs/reference/openai-fields.md is stale: "
         "python -m tasks.serving.gateway.openai_fields > docs/reference/openai-fields.md"
     )
+
+
+class ScoringTriton(FakeTriton):
+    """The python backend's answer with logprobs: each piece carries its tokens, as infra/triton/llm sends them."""
+
+    TOKENS = [("co", -0.5), ("ld", -0.25), ("", -1.0)]  # the last decodes to nothing (a special token)
+
+    def __init__(self):
+        super().__init__("cold", pieces=["co", "ld", ""])
+
+    @staticmethod
+    def scored(token: str, logprob: float) -> dict:
+        alternative = {"token": "hot", "logprob": -2.0, "bytes": [104, 111, 116]}
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": [alternative]}
+
+    def __call__(self, request):
+        import httpx
+
+        self.requests.append((request.url.path, json.loads(request.content)))
+        tokens = [self.scored(*t) for t in self.TOKENS]
+        if request.url.path.endswith("/generate_stream"):
+            events = "".join(
+                f"data: {json.dumps({'text_output': p, 'logprobs': json.dumps([t])})}\n\n"
+                for p, t in zip(self.pieces, tokens, strict=True)
+            )
+            return httpx.Response(200, text=events, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"text_output": self.answer, "logprobs": json.dumps(tokens)})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_come_back_in_each_apis_shape_per_streamed_chunk(gateway, stream):
+    from tests.unit.test_gateway import events
+
+    triton = ScoringTriton()
+    client = gateway(triton)
+    chat = client.post(CHAT, json={"messages": QUESTION, "logprobs": True, "top_logprobs": 1, "stream": stream})
+    text = client.post(TEXT, json={"prompt": "hot:", "logprobs": 1, "stream": stream})
+    assert chat.status_code == text.status_code == 200, chat.text + text.text
+    assert [inputs["logprobs"] for _, inputs in triton.requests] == [1, 1]
+    scored = [ScoringTriton.scored(*t) for t in ScoringTriton.TOKENS]
+    if not stream:
+        assert chat.json()["choices"][0]["logprobs"] == {"content": scored, "refusal": None}
+        assert text.json()["choices"][0]["logprobs"] == {
+            "tokens": ["co", "ld", ""],
+            "token_logprobs": [-0.5, -0.25, -1.0],
+            "top_logprobs": [{"hot": -2.0}] * 3,
+            "text_offset": [0, 2, 4],
+        }
+        return
+    chunks = [c["choices"][0] for c in events(chat)[1:-1]]  # after the role's chunk, before [DONE]
+    assert [c["logprobs"] for c in chunks] == [{"content": [t], "refusal": None} for t in scored] + [None]
+    assert [c["delta"].get("content") for c in chunks] == ["co", "ld", "", None]
+    pieces = [c["choices"][0] for c in events(text)[:-1]]
+    assert [p["logprobs"] and (p["logprobs"]["tokens"], p["logprobs"]["text_offset"]) for p in pieces] == [
+        (["co"], [0]),
+        (["ld"], [2]),
+        ([""], [4]),
+        None,
+    ]
+
+
+def test_logprobs_with_stop_or_top_logprobs_alone_are_refused_naming_them(gateway):
+    client = gateway(FakeTriton())
+    response = client.post(CHAT, json={"messages": QUESTION, "logprobs": True, "stop": ["."]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+    response = client.post(CHAT, json={"messages": QUESTION, "top_logprobs": 2})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "top_logprobs needs logprobs: true"

@@ -59,6 +59,7 @@ class GatewayConfig:
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
     capture: CaptureSettings | None = None  # serve.capture: exchanges and feedback kept; None: neither
     backend: Engine = "python"  # serve.backend: the engine whose fields /v1 honours (openai_fields.py)
+    version_pinning: bool = False  # serve.version_pinning: a /v1 request may name a live version (GET /v1/models)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -101,6 +102,7 @@ class Gateway:
             self.shadow,
             self.capture,
             config.backend,
+            config.version_pinning,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(config.requests_per_second, config.tokens_per_minute, config.request_burst_s)
@@ -143,7 +145,8 @@ class Gateway:
         except RequestError as error:
             return openai_error(error)
         model = {"id": self.config.service, "object": "model", "created": 0, "owned_by": "llmops"}
-        return JSONResponse({"object": "list", "data": [model]})
+        versions = [{**model, "id": name, "parent": self.config.service} for name in self.openai.versions()]
+        return JSONResponse({"object": "list", "data": [model, *versions]})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai_route(request, lambda body: self.openai.chat(parse(ChatCompletionRequest, body)))

@@ -112,9 +112,12 @@ GUIDED: dict[Engine, str] = {
     "llmapi": "the gateway does not pass guided decoding to TensorRT-LLM's LLM API",
 }
 LOGPROBS: dict[Engine, str] = {
-    "python": "the python backend returns no log probabilities yet",
     "vllm": "the gateway does not pass logprobs to vLLM yet",
     "llmapi": "the gateway does not pass logprobs to TensorRT-LLM's LLM API yet",
+}
+PROMPT_LOGPROBS: dict[Engine, str] = {
+    **LOGPROBS,
+    "python": "the python backend returns the answer's log probabilities only (logprobs), not the prompt's",
 }
 PENALTIES: dict[Engine, str] = {
     "python": "the python backend applies no penalties or logit biases",
@@ -125,7 +128,10 @@ ONE_CHOICE = everywhere("one choice per request (the served model answers once);
 
 FIELDS: dict[str, OpenAIField] = {
     # the request itself
-    "model": honoured(BOTH, "the service's name (GET /v1/models); another name is 404"),
+    "model": honoured(
+        BOTH,
+        "the service's name, or a live version with serve.version_pinning (GET /v1/models lists them); another is 404",
+    ),
     "messages": honoured(CHAT, "system, user and assistant turns of text, ending with the user's"),
     "prompt": honoured(TEXT, "one string"),
     "stream": honoured(BOTH, "server-sent events, one per decoded piece, usage on the last"),
@@ -155,8 +161,10 @@ FIELDS: dict[str, OpenAIField] = {
     "presence_penalty": refused(BOTH, absent_or(0, 0.0), PENALTIES),
     "logit_bias": refused(BOTH, empty, PENALTIES),
     # what comes back
-    "logprobs": refused(BOTH, absent_or(False), LOGPROBS),
-    "top_logprobs": refused(CHAT, absent_or(0), LOGPROBS),
+    "logprobs": refused(
+        BOTH, absent_or(False), LOGPROBS, how="from the model's logits, per token, per streamed chunk; not with stop"
+    ),
+    "top_logprobs": refused(CHAT, absent_or(0), LOGPROBS, how="0 to 20, with logprobs: true"),
     "echo": refused(BOTH, absent_or(False), everywhere("the prompt is not echoed into the answer"), vllm_on=CHAT),
     "suffix": refused(TEXT, empty, everywhere("no engine here inserts text (suffix)")),
     "response_format": refused(BOTH, absent_or({"type": "text"}), GUIDED, vllm_on=TEXT),
@@ -195,8 +203,8 @@ FIELDS: dict[str, OpenAIField] = {
     "skip_special_tokens": refused(BOTH, absent_or(True), everywhere("special tokens are always skipped"), "vllm"),
     "spaces_between_special_tokens": refused(BOTH, absent_or(True), not_an_input("detokenizer options"), "vllm"),
     "truncate_prompt_tokens": refused(BOTH, absent_or(), everywhere("prompts are never truncated here"), "vllm"),
-    "prompt_logprobs": refused(BOTH, absent_or(), LOGPROBS, "vllm"),
-    "return_tokens_as_token_ids": refused(BOTH, absent_or(False), LOGPROBS, "vllm"),
+    "prompt_logprobs": refused(BOTH, absent_or(), PROMPT_LOGPROBS, "vllm"),
+    "return_tokens_as_token_ids": refused(BOTH, absent_or(False), PROMPT_LOGPROBS, "vllm"),
     "guided_json": refused(BOTH, empty, GUIDED, "vllm"),
     "guided_regex": refused(BOTH, empty, GUIDED, "vllm"),
     "guided_choice": refused(BOTH, empty, GUIDED, "vllm"),

@@ -67,6 +67,10 @@ class OpenAIRequest(BaseModel):
     stream: bool | None = False  # null too: some clients send every field
     stream_options: StreamOptions | None = None
 
+    def alternatives(self) -> int | None:
+        """How many most likely tokens to return with each answer token's log probability; None: no logprobs."""
+        return None
+
     def sent(self) -> dict[str, Any]:
         """Every field the body carried, with its value: those parsed here, and those kept for openai_fields."""
         return {name: getattr(self, name) for name in self.model_fields_set} | (self.model_extra or {})
@@ -82,6 +86,13 @@ class OpenAIRequest(BaseModel):
 class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens; it wins where both are sent
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def alternatives(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -93,6 +104,10 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the chosen token's, and that many alternatives
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 class GenerateRequest(BaseModel):
@@ -140,6 +155,7 @@ class GenerateInputs(BaseModel):
     temperature: float | None = None
     top_k: int | None = None
     random_seed: int | None = None
+    logprobs: int | None = None  # alternatives per token with each token's log probability (the python backend's)
     exclude_input_in_output: bool = True
 
     def payload(self) -> dict[str, Any]:
@@ -186,14 +202,14 @@ class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -217,12 +233,14 @@ class CompletionResponse(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role", "content"} first, {"content"} then, {} with the finish_reason
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
 class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -238,6 +256,25 @@ class StreamChunk(BaseModel):
 
     def event(self) -> bytes:
         return f"data: {self.model_dump_json(exclude={'usage'} if self.usage is None else None)}\n\n".encode()
+
+
+def chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` of answer tokens as the engine sends them ({token, logprob, bytes, top_logprobs})."""
+    return {"content": tokens, "refusal": None}
+
+
+def completion_logprobs(tokens: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` of the same tokens; `offset`: where the first one starts in the answer."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token["token"])
+    return {
+        "tokens": [t["token"] for t in tokens],
+        "token_logprobs": [t["logprob"] for t in tokens],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
+        "text_offset": offsets,
+    }
 
 
 class ErrorInfo(BaseModel):

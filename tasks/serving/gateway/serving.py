@@ -40,6 +40,8 @@ from tasks.serving.gateway.protocol import (
     RequestError,
     StreamChunk,
     UsageInfo,
+    chat_logprobs,
+    completion_logprobs,
 )
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.stops import StopScanner, cut_at_stop
@@ -69,13 +71,30 @@ def sampling(request: OpenAIRequest, max_tokens: int) -> dict[str, Any]:
         min_length = max_tokens
     elif min_length is not None and min_length > max_tokens:
         raise RequestError(400, f"min_tokens {min_length} is more than max_tokens {max_tokens}", param="min_tokens")
+    alternatives = request.alternatives()
+    if alternatives is not None and request.stop:
+        # the gateway cuts stop sequences from the text, after the engine made (and scored) the tokens
+        raise RequestError(
+            400,
+            "logprobs: not with stop (the gateway cuts stop sequences from the text, after the "
+            "engine scored its tokens); send one or the other",
+            param="logprobs",
+        )
     return {
         "max_tokens": max_tokens,
         "min_length": min_length,
         "temperature": request.temperature,
         "top_k": request.top_k if request.top_k and request.top_k > 0 else None,
         "random_seed": request.seed,
+        "logprobs": alternatives,
     }
+
+
+def scored_tokens(outputs: dict[str, Any], inputs: GenerateInputs) -> list[dict[str, Any]] | None:
+    """The answer tokens with their log probabilities that an engine's response carries, where they were asked for."""
+    if inputs.logprobs is None:
+        return None
+    return list(json.loads(outputs.get("logprobs") or "[]"))
 
 
 def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str]]:
@@ -91,31 +110,54 @@ class Reply:
     chat: bool
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0  # completions' logprobs: where the next streamed token starts in the answer
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
-    def whole(self, text: str, finish: str, usage: UsageInfo) -> dict[str, Any]:
+    def logprobs(self, tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """The `logprobs` of a choice in this kind's shape, for the answer tokens the engine scored (None: not asked)."""
+        if tokens is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokens)
+        shaped = completion_logprobs(tokens, self.text_offset)
+        self.text_offset += sum(len(t["token"]) for t in tokens)
+        return shaped
+
+    def whole(
+        self, text: str, finish: str, usage: UsageInfo, tokens: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         response: ChatCompletionResponse | CompletionResponse
         if self.chat:
-            choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=finish)
+            message = AssistantMessage(content=text)
+            choice = ChatCompletionChoice(message=message, finish_reason=finish, logprobs=self.logprobs(tokens))
             response = ChatCompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
             )
         else:
-            text_choice = CompletionChoice(text=text, finish_reason=finish)
+            text_choice = CompletionChoice(text=text, finish_reason=finish, logprobs=self.logprobs(tokens))
             response = CompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=[text_choice], usage=usage
             )
         return response.model_dump()
 
-    def chunk(self, delta: dict[str, str] | None, finish: str | None = None, usage: UsageInfo | None = None) -> bytes:
-        """One event; `delta` None is the last one's empty delta, which carries the finish_reason."""
+    def chunk(
+        self,
+        delta: dict[str, str] | None,
+        finish: str | None = None,
+        usage: UsageInfo | None = None,
+        tokens: list[dict[str, Any]] | None = None,
+    ) -> bytes:
+        """One event; `delta` None is the last one's empty delta, which carries the finish_reason; `tokens` the
+        scored answer tokens the event's text came from (logprobs), per chunk as OpenAI streams them."""
         choices: list[ChatChunkChoice] | list[CompletionChunkChoice]
+        logprobs = self.logprobs(tokens)
         if self.chat:
-            choices = [ChatChunkChoice(delta=delta or {}, finish_reason=finish)]
+            choices = [ChatChunkChoice(delta=delta or {}, finish_reason=finish, logprobs=logprobs)]
         else:
-            choices = [CompletionChunkChoice(text=(delta or {}).get("content", ""), finish_reason=finish)]
+            text = (delta or {}).get("content", "")
+            choices = [CompletionChunkChoice(text=text, finish_reason=finish, logprobs=logprobs)]
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return StreamChunk(
             id=self.id, object=kind, created=self.created, model=self.model, choices=choices, usage=usage
@@ -135,22 +177,37 @@ class OpenAIServing:
         shadow: Shadow | None = None,
         capture: Capture | None = None,
         engine: Engine = "python",
+        version_pinning: bool = False,
     ):
         self.triton, self.context_tokens, self.default_max_tokens = triton, context_tokens, default_max_tokens
         self.tokenizer, self.apply_chat_template, self.shadow = tokenizer, apply_chat_template, shadow
         self.capture = capture
         self.engine = engine  # serve.backend: which request fields are honoured (openai_fields.py)
+        self.version_pinning = version_pinning  # serve.version_pinning: a request may name a live version
         self.tokenizer_lock = threading.Lock()
 
-    def check_model(self, model: str | None) -> None:
-        if model not in (None, self.triton.model):
-            raise RequestError(404, f"model {model!r} is not served here; GET /v1/models lists it", "model")
+    def versions(self) -> list[str]:
+        """The service's live versions: the models its routes name, as the gateway last read them."""
+        routes = self.shadow.routes if self.shadow is not None else ""
+        return [part.partition("=")[0].strip() for part in routes.split(",") if part.strip()]
+
+    def check_model(self, model: str | None) -> str:
+        """The Triton model that answers a request for `model`: the service (its routes decide the version), or a
+        live version the request pins where serve.version_pinning allows it."""
+        if model in (None, self.triton.model):
+            return self.triton.model
+        if model in self.versions():
+            if self.version_pinning:
+                return model
+            message = f"model {model!r} is a version of {self.triton.model!r}; pinning a version is off here "
+            raise RequestError(400, message + "(serve.version_pinning): ask for the service", "model")
+        raise RequestError(404, f"model {model!r} is not served here; GET /v1/models lists it", "model")
 
     def max_tokens(self, value: int | None, name: str) -> int:
         return bounded_max_tokens(value, name, self.context_tokens, self.default_max_tokens)
 
     async def chat(self, request: ChatCompletionRequest) -> Response:
-        self.check_model(request.model)
+        model = self.check_model(request.model)
         check_fields("chat", request.sent(), self.engine)
         *earlier, question = request.messages
         history = [m.model_dump() for m in earlier]
@@ -163,26 +220,27 @@ class OpenAIServing:
             chat_history=json.dumps(history, ensure_ascii=False) if history else None,
             **sampling(request, max_tokens),
         )
-        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=True))
+        return await self.complete(inputs, request.stop, bool(request.stream), Reply(model, chat=True))
 
     async def completion(self, request: CompletionRequest) -> Response:
-        self.check_model(request.model)
+        model = self.check_model(request.model)
         check_fields("completions", request.sent(), self.engine)
         max_tokens = self.max_tokens(request.max_tokens, "max_tokens")
         inputs = GenerateInputs(text_input=request.prompt, **sampling(request, max_tokens))
-        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.triton.model, chat=False))
+        return await self.complete(inputs, request.stop, bool(request.stream), Reply(model, chat=False))
 
     async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
         started = time.perf_counter()
         if not stream:
-            text, stopped = cut_at_stop(await self.triton.generate(inputs.payload()), stop)
+            outputs = await self.triton.generate_outputs(inputs.payload(), reply.model)
+            text, stopped = cut_at_stop(str(outputs["text_output"]), stop)
             self.copy_to_shadow(inputs, text, stop, started)
             usage = await self.usage(inputs, text)
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
             finish = self.finish_reason(stopped, usage, inputs)
             self.keep_exchange(inputs, text, reply, usage, finish, started)
-            return JSONResponse(reply.whole(text, finish, usage))
-        pieces = self.triton.generate_stream(inputs.payload())
+            return JSONResponse(reply.whole(text, finish, usage, scored_tokens(outputs, inputs)))
+        pieces = self.triton.generate_stream_outputs(inputs.payload(), reply.model)
         first = await anext(pieces, None)  # errors before the first token still get a status code
         events = self.events(pieces, first, stop, reply, inputs, started)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -193,8 +251,8 @@ class OpenAIServing:
 
     async def events(
         self,
-        pieces: AsyncGenerator[str, None],
-        first: str | None,
+        pieces: AsyncGenerator[dict[str, Any], None],
+        first: dict[str, Any] | None,
         stop: list[str],
         reply: Reply,
         inputs: GenerateInputs,
@@ -207,8 +265,10 @@ class OpenAIServing:
         try:
             piece = first
             while piece is not None:
-                if delta := scanner.feed(piece):
-                    yield reply.chunk({"content": delta})
+                delta = scanner.feed(str(piece.get("text_output", "")))
+                tokens = scored_tokens(piece, inputs)
+                if delta or tokens:
+                    yield reply.chunk({"content": delta}, tokens=tokens)
                 if scanner.stopped:
                     break
                 piece = await anext(pieces, None)
@@ -257,8 +317,12 @@ class OpenAIServing:
 
     @staticmethod
     def finish_reason(stopped: bool, usage: UsageInfo, inputs: GenerateInputs) -> str:
-        """ "length" where the answer used its whole token budget, "stop" where it ended on its own or at a stop."""
-        return "stop" if stopped or usage.completion_tokens < inputs.max_tokens else "length"
+        """ "length" where the answer used its whole token budget (ignore_eos: always), "stop" where it ended on its own
+        or at a stop."""
+        if stopped:
+            return "stop"
+        forced = inputs.min_length == inputs.max_tokens  # re-encoding the text may count fewer tokens than were made
+        return "length" if forced or usage.completion_tokens >= inputs.max_tokens else "stop"
 
     async def usage(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
         """Token counts, in a worker thread: a long chat's tokenization would hold every other client's

@@ -95,19 +95,35 @@ class Triton:
         return response.status_code == 200
 
     async def generate(self, inputs: dict[str, Any]) -> str:
+        return str((await self.generate_outputs(inputs))["text_output"])
+
+    async def generate_outputs(self, inputs: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+        """Triton's answer: text_output, and the other outputs the model sent (logprobs). `model`: a version the
+        request pinned; the service's by default."""
         try:
-            response = await self.client.post(f"/v2/models/{self.model}/generate", json=inputs)
+            response = await self.client.post(f"/v2/models/{model or self.model}/generate", json=inputs)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         if response.status_code != 200:
             raise upstream_error(response)
-        return str(response.json()["text_output"])
+        return dict(response.json())
 
     async def generate_stream(self, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
-        """The text pieces of Triton's SSE stream. Any failure, before the first piece or after, raises
-        RequestError: an error event of Triton's, a broken connection, an event that is not JSON."""
+        """The text pieces of Triton's SSE stream (generate_stream_outputs' text_output)."""
+        events = self.generate_stream_outputs(inputs)
+        try:
+            async for event in events:
+                yield str(event.get("text_output", ""))
+        finally:
+            await events.aclose()
+
+    async def generate_stream_outputs(
+        self, inputs: dict[str, Any], model: str | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The events of Triton's SSE stream, each with its outputs. Any failure, before the first event or after,
+        raises RequestError: an error event of Triton's, a broken connection, an event that is not JSON."""
         request = self.client.build_request(
-            "POST", f"/v2/models/{self.model}/generate_stream", json={**inputs, "stream": True}
+            "POST", f"/v2/models/{model or self.model}/generate_stream", json={**inputs, "stream": True}
         )
         try:
             response = await self.client.send(request, stream=True)
@@ -120,7 +136,7 @@ class Triton:
             async for event in self.events(response):
                 if "error" in event:
                     raise server_fault(502, f"error event: {event['error']}")
-                yield str(event.get("text_output", ""))
+                yield event
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         finally:

@@ -28,8 +28,10 @@ class Job:
     echo: bool
     temperature: float
     top_k: int
+    logprobs: int = -1  # alternatives per token with each token's log probability; -1: no log probabilities
     generator: object = None
     tokens: list = field(default_factory=list)
+    pending_logprobs: list = field(default_factory=list)  # of the tokens not yet sent
     sent_text: str = ""
     done: bool = False
 
@@ -83,6 +85,7 @@ class TritonPythonModel:
             echo=not bool(input_value(request, "exclude_input_in_output", False)),
             temperature=float(input_value(request, "temperature", 0.0)),
             top_k=int(input_value(request, "top_k", 0)),
+            logprobs=int(input_value(request, "logprobs", -1)),
         )
         seed = input_value(request, "random_seed", None)
         if job.temperature > 0:
@@ -112,9 +115,25 @@ class TritonPythonModel:
         return None
 
     def respond(self, job, text, final):
-        output = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
+        outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        if job.logprobs >= 0:  # the tokens this response carries, each with its log probability (OpenAI's shape)
+            sent = json.dumps(job.pending_logprobs, ensure_ascii=False).encode("utf-8")
+            outputs.append(pb_utils.Tensor("logprobs", np.array([[sent]], dtype=np.object_)))
+            job.pending_logprobs = []
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        job.sender.send(pb_utils.InferenceResponse(output_tensors=[output]), flags=flags)
+        job.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def token_logprobs(self, logits, token, alternatives):
+        """The chosen token's log probability under the model (its logits before any sampling setting), and the
+        `alternatives` most likely tokens' (OpenAI's top_logprobs): each as {token, logprob, bytes}."""
+        logprobs = self.torch.log_softmax(logits, -1)
+
+        def entry(token_id):
+            text = self.tokenizer.decode([token_id])
+            return {"token": text, "logprob": float(logprobs[token_id]), "bytes": list(text.encode("utf-8"))}
+
+        top = self.torch.topk(logprobs, alternatives).indices.tolist() if alternatives > 0 else []
+        return {**entry(token), "top_logprobs": [entry(t) for t in top]}
 
     def pick(self, job, logits):
         if len(job.tokens) < job.min_length:
@@ -156,6 +175,8 @@ class TritonPythonModel:
                     finished = token == self.eos or len(job.tokens) + 1 >= job.max_tokens
                     if token != self.eos:
                         job.tokens.append(token)
+                        if job.logprobs >= 0:
+                            job.pending_logprobs.append(self.token_logprobs(logits[i], token, job.logprobs))
                     self.emit(job, finished)
                 if all(job.done for job in jobs):
                     break
