@@ -347,10 +347,11 @@ def openai_client(server: dict, tls, key: str = API_KEYS["team-a"]):
 QUESTION = [{"role": "user", "content": "What is the opposite of hot?"}]
 
 
-def test_the_openai_client_gets_the_champions_answer_over_tls_with_its_key(server, tls):
+def test_the_openai_client_gets_the_champions_answer_over_tls_with_its_key(home, server, tls):
     assert server["gateway_url"].startswith("https://127.0.0.1:")
     client = openai_client(server, tls)
-    assert [m.id for m in client.models.list().data] == [SERVICE]
+    # the service, then its live versions (the router's routes): the champion alone here
+    assert [m.id for m in client.models.list().data] == [SERVICE, f"{SERVICE}-v{champion(home)}"]
 
     chat = client.chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8)
     assert chat.choices[0].message.content == "cold"  # the fine-tuned answer, as /generate gives it

@@ -271,6 +271,7 @@ def test_logprobs_come_back_in_each_apis_shape_per_streamed_chunk(gateway, strea
     scored = [ScoringTriton.scored(*t) for t in ScoringTriton.TOKENS]
     if not stream:
         assert chat.json()["choices"][0]["logprobs"] == {"content": scored, "refusal": None}
+        assert chat.json()["usage"]["completion_tokens"] == 3  # the tokens the engine scored, whatever the text
         assert text.json()["choices"][0]["logprobs"] == {
             "tokens": ["co", "ld", ""],
             "token_logprobs": [-0.5, -0.25, -1.0],
@@ -278,6 +279,7 @@ def test_logprobs_come_back_in_each_apis_shape_per_streamed_chunk(gateway, strea
             "text_offset": [0, 2, 4],
         }
         return
+    assert events(chat)[-2]["usage"]["completion_tokens"] == events(text)[-2]["usage"]["completion_tokens"] == 3
     chunks = [c["choices"][0] for c in events(chat)[1:-1]]  # after the role's chunk, before [DONE]
     assert [c["logprobs"] for c in chunks] == [{"content": [t], "refusal": None} for t in scored] + [None]
     assert [c["delta"].get("content") for c in chunks] == ["co", "ld", "", None]

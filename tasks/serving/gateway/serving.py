@@ -235,11 +235,12 @@ class OpenAIServing:
             outputs = await self.triton.generate_outputs(inputs.payload(), reply.model)
             text, stopped = cut_at_stop(str(outputs["text_output"]), stop)
             self.copy_to_shadow(inputs, text, stop, started)
-            usage = await self.usage(inputs, text)
+            tokens = scored_tokens(outputs, inputs)
+            usage = await self.usage(inputs, text, None if tokens is None else len(tokens))
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
             finish = self.finish_reason(stopped, usage, inputs)
             self.keep_exchange(inputs, text, reply, usage, finish, started)
-            return JSONResponse(reply.whole(text, finish, usage, scored_tokens(outputs, inputs)))
+            return JSONResponse(reply.whole(text, finish, usage, tokens))
         pieces = self.triton.generate_stream_outputs(inputs.payload(), reply.model)
         first = await anext(pieces, None)  # errors before the first token still get a status code
         events = self.events(pieces, first, stop, reply, inputs, started)
@@ -261,12 +262,13 @@ class OpenAIServing:
         """The completion's server-sent events; a failure after the first piece ends them with an error event."""
         if reply.chat:
             yield reply.chunk({"role": "assistant", "content": ""})
-        scanner = StopScanner(stop)
+        scanner, made = StopScanner(stop), 0
         try:
             piece = first
             while piece is not None:
                 delta = scanner.feed(str(piece.get("text_output", "")))
                 tokens = scored_tokens(piece, inputs)
+                made += len(tokens or [])
                 if delta or tokens:
                     yield reply.chunk({"content": delta}, tokens=tokens)
                 if scanner.stopped:
@@ -281,7 +283,7 @@ class OpenAIServing:
         if rest := scanner.flush():
             yield reply.chunk({"content": rest})
         self.copy_to_shadow(inputs, scanner.text, stop, started)
-        usage = await self.usage(inputs, scanner.text)
+        usage = await self.usage(inputs, scanner.text, made if inputs.logprobs is not None else None)
         current().tokens = usage.total_tokens or inputs.max_tokens
         finish = self.finish_reason(scanner.stopped, usage, inputs)
         self.keep_exchange(inputs, scanner.text, reply, usage, finish, started)
@@ -324,13 +326,20 @@ class OpenAIServing:
         forced = inputs.min_length == inputs.max_tokens  # re-encoding the text may count fewer tokens than were made
         return "length" if forced or usage.completion_tokens >= inputs.max_tokens else "stop"
 
-    async def usage(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
+    async def usage(self, inputs: GenerateInputs, answer: str, made: int | None = None) -> UsageInfo:
         """Token counts, in a worker thread: a long chat's tokenization would hold every other client's
         request on the event loop meanwhile. One at a time: a fast tokenizer used from two threads at once
-        can fail with "Already borrowed"."""
+        can fail with "Already borrowed". `made`: the answer's tokens as the engine counted them (it scored each
+        for logprobs), which re-encoding the text can miss (a token of half a character decodes to U+FFFD)."""
         if self.tokenizer is None:
-            return UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-        return await asyncio.to_thread(self.count_tokens, inputs, answer)
+            usage = UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        else:
+            usage = await asyncio.to_thread(self.count_tokens, inputs, answer)
+        if made is None:
+            return usage
+        return UsageInfo(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=made, total_tokens=usage.prompt_tokens + made
+        )
 
     def count_tokens(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
         history = json.loads(inputs.chat_history or "[]")

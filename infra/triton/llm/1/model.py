@@ -40,6 +40,7 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -60,6 +61,8 @@ class TritonPythonModel:
         # Suppressed while an answer is shorter than its min_length (the gateway's min_tokens, ignore_eos): the end of
         # sequence, and every other special token, which decodes to nothing and would leave the answer short of it
         self.unspoken = sorted({self.eos, *self.tokenizer.all_special_ids} - {None})
+        # GPT-2's byte-level alphabet (the character that spells each byte), which Qwen2's tokenizer uses
+        self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
 
     def parse(self, request):
         text = input_value(request, "text_input", None)
@@ -123,6 +126,15 @@ class TritonPythonModel:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         job.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
+    def token_bytes(self, token_id, text):
+        """A token's own bytes (OpenAI's `bytes`): a byte-level BPE token (Qwen2's, GPT-2's) spells each byte as one
+        character of GPT-2's byte-to-unicode table, so half a character is its bytes, not U+FFFD's; other
+        tokenizers' tokens: their text's UTF-8."""
+        spelled = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(spelled, str) and spelled and all(char in self.byte_of for char in spelled):
+            return [self.byte_of[char] for char in spelled]
+        return list(text.encode("utf-8"))
+
     def token_logprobs(self, logits, token, alternatives):
         """The chosen token's log probability under the model (its logits before any sampling setting), and the
         `alternatives` most likely tokens' (OpenAI's top_logprobs): each as {token, logprob, bytes}."""
@@ -130,7 +142,7 @@ class TritonPythonModel:
 
         def entry(token_id):
             text = self.tokenizer.decode([token_id])
-            return {"token": text, "logprob": float(logprobs[token_id]), "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": float(logprobs[token_id]), "bytes": self.token_bytes(token_id, text)}
 
         top = self.torch.topk(logprobs, alternatives).indices.tolist() if alternatives > 0 else []
         return {**entry(token), "top_logprobs": [entry(t) for t in top]}
