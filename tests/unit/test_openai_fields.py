@@ -105,6 +105,7 @@ HONOURED_INPUTS = {
     "top_k": {"top_k": 5},
     "logprobs": {"logprobs": 0},  # chat: logprobs true, no alternatives
     "top_logprobs": {"logprobs": 2},
+    "response_format": {"structured_output": '{"json_object": true}'},  # vllm's StructuredOutputsParams
 }
 HONOURED_TEXT_INPUTS = {"logprobs": {"logprobs": 2}}
 
@@ -299,3 +300,15 @@ def test_logprobs_with_stop_or_top_logprobs_alone_are_refused_naming_them(gatewa
     response = client.post(CHAT, json={"messages": QUESTION, "top_logprobs": 2})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "top_logprobs needs logprobs: true"
+
+
+def test_a_json_schema_reaches_vllm_as_its_structured_output_and_a_bad_format_is_named(gateway):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["cold", "hot"]}}, "required": ["answer"]}
+    triton = FakeTriton('{"answer": "cold"}')
+    client = gateway(triton, backend="vllm")
+    asked = {"type": "json_schema", "json_schema": {"name": "antonym", "schema": schema}}
+    assert client.post(CHAT, json={"messages": QUESTION, "response_format": asked}).status_code == 200
+    assert json.loads(triton.inputs["structured_output"]) == {"json": schema}
+    for bad in ({"type": "json_schema"}, {"type": "yaml"}, {"type": "json_object", "schema": {}}):
+        response = client.post(CHAT, json={"messages": QUESTION, "response_format": bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "response_format", bad

@@ -106,18 +106,19 @@ TOOLS: dict[Engine, str] = {
     "vllm": "the gateway does not pass tools to vLLM yet (vLLM's own server: --tool-call-parser hermes)",
     "llmapi": "the gateway does not pass tools to TensorRT-LLM's LLM API",
 }
-GUIDED: dict[Engine, str] = {
-    "python": "the python backend has no guided decoding",
-    "vllm": "the gateway does not pass guided decoding to vLLM yet (vLLM's own server has structured outputs)",
+RESPONSE_FORMAT: dict[Engine, str] = {
+    "python": "the python backend has no guided decoding; serve with serve.backend vllm",
     "llmapi": "the gateway does not pass guided decoding to TensorRT-LLM's LLM API",
 }
-LOGPROBS: dict[Engine, str] = {
-    "vllm": "the gateway does not pass logprobs to vLLM yet",
-    "llmapi": "the gateway does not pass logprobs to TensorRT-LLM's LLM API yet",
+GUIDED: dict[Engine, str] = {
+    **RESPONSE_FORMAT,
+    "vllm": "vLLM's own guided_* fields are not passed; use response_format (json_object, json_schema)",
 }
+LOGPROBS: dict[Engine, str] = {"llmapi": "the gateway does not pass logprobs to TensorRT-LLM's LLM API yet"}
 PROMPT_LOGPROBS: dict[Engine, str] = {
     **LOGPROBS,
     "python": "the python backend returns the answer's log probabilities only (logprobs), not the prompt's",
+    "vllm": "the gateway passes the answer's log probabilities only (logprobs), not the prompt's",
 }
 PENALTIES: dict[Engine, str] = {
     "python": "the python backend applies no penalties or logit biases",
@@ -162,12 +163,21 @@ FIELDS: dict[str, OpenAIField] = {
     "logit_bias": refused(BOTH, empty, PENALTIES),
     # what comes back
     "logprobs": refused(
-        BOTH, absent_or(False), LOGPROBS, how="from the model's logits, per token, per streamed chunk; not with stop"
+        BOTH,
+        absent_or(False),
+        LOGPROBS,
+        how="python: from its logits; vllm: SamplingParams.logprobs; per token, per streamed chunk; not with stop",
     ),
     "top_logprobs": refused(CHAT, absent_or(0), LOGPROBS, how="0 to 20, with logprobs: true"),
     "echo": refused(BOTH, absent_or(False), everywhere("the prompt is not echoed into the answer"), vllm_on=CHAT),
     "suffix": refused(TEXT, empty, everywhere("no engine here inserts text (suffix)")),
-    "response_format": refused(BOTH, absent_or({"type": "text"}), GUIDED, vllm_on=TEXT),
+    "response_format": refused(
+        BOTH,
+        absent_or({"type": "text"}),
+        RESPONSE_FORMAT,
+        vllm_on=TEXT,
+        how="vllm: json_object, json_schema (its schema) through vLLM's structured outputs",
+    ),
     "tools": refused(CHAT, empty, TOOLS),
     "tool_choice": refused(CHAT, absent_or("none"), TOOLS),
     "parallel_tool_calls": OpenAIField(CHAT, "openai", how="accepted: it only qualifies tools, refused where they are"),

@@ -12,6 +12,7 @@ they had been a RecursionError, or a string that later failed to encode (Unicode
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -44,6 +45,36 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema with its schema (vLLM's structured outputs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def structured_output(self) -> str | None:
+        """The engine's structured_output input: vLLM's StructuredOutputsParams fields as JSON; None for text."""
+        if self.type == "json_object":
+            return json.dumps({"json_object": True})
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise RequestError(
+                    400, "response_format.json_schema is required with type json_schema", "response_format"
+                )
+            return json.dumps({"json": self.json_schema.schema_ or {}})
+        return None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -66,6 +97,7 @@ class OpenAIRequest(BaseModel):
     stop: Annotated[list[StopSequence], Field(max_length=4)] = []
     stream: bool | None = False  # null too: some clients send every field
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     def alternatives(self) -> int | None:
         """How many most likely tokens to return with each answer token's log probability; None: no logprobs."""
@@ -73,7 +105,12 @@ class OpenAIRequest(BaseModel):
 
     def sent(self) -> dict[str, Any]:
         """Every field the body carried, with its value: those parsed here, and those kept for openai_fields."""
-        return {name: getattr(self, name) for name in self.model_fields_set} | (self.model_extra or {})
+        parsed = {name: getattr(self, name) for name in self.model_fields_set}
+        plain = {
+            k: v.model_dump(exclude_none=True, by_alias=True) if isinstance(v, BaseModel) else v
+            for k, v in parsed.items()
+        }
+        return plain | (self.model_extra or {})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -155,7 +192,8 @@ class GenerateInputs(BaseModel):
     temperature: float | None = None
     top_k: int | None = None
     random_seed: int | None = None
-    logprobs: int | None = None  # alternatives per token with each token's log probability (the python backend's)
+    logprobs: int | None = None  # alternatives per token with each token's log probability
+    structured_output: str | None = None  # vLLM's StructuredOutputsParams as JSON (response_format)
     exclude_input_in_output: bool = True
 
     def payload(self) -> dict[str, Any]:

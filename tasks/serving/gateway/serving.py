@@ -87,6 +87,7 @@ def sampling(request: OpenAIRequest, max_tokens: int) -> dict[str, Any]:
         "top_k": request.top_k if request.top_k and request.top_k > 0 else None,
         "random_seed": request.seed,
         "logprobs": alternatives,
+        "structured_output": request.response_format.structured_output() if request.response_format else None,
     }
 
 

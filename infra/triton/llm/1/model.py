@@ -14,7 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 # model_text.py is tasks/serving/model_text.py, copied next to this file when the model is rendered
-from model_text import chat_history, encode_prompt, input_value, stream_delta
+from model_text import chat_history, encode_prompt, input_value, scored_token, stream_delta
 
 
 @dataclass
@@ -126,23 +126,13 @@ class TritonPythonModel:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         job.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
-    def token_bytes(self, token_id, text):
-        """A token's own bytes (OpenAI's `bytes`): a byte-level BPE token (Qwen2's, GPT-2's) spells each byte as one
-        character of GPT-2's byte-to-unicode table, so half a character is its bytes, not U+FFFD's; other
-        tokenizers' tokens: their text's UTF-8."""
-        spelled = self.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(spelled, str) and spelled and all(char in self.byte_of for char in spelled):
-            return [self.byte_of[char] for char in spelled]
-        return list(text.encode("utf-8"))
-
     def token_logprobs(self, logits, token, alternatives):
         """The chosen token's log probability under the model (its logits before any sampling setting), and the
         `alternatives` most likely tokens' (OpenAI's top_logprobs): each as {token, logprob, bytes}."""
         logprobs = self.torch.log_softmax(logits, -1)
 
         def entry(token_id):
-            text = self.tokenizer.decode([token_id])
-            return {"token": text, "logprob": float(logprobs[token_id]), "bytes": self.token_bytes(token_id, text)}
+            return scored_token(self.tokenizer, self.byte_of, token_id, logprobs[token_id])
 
         top = self.torch.topk(logprobs, alternatives).indices.tolist() if alternatives > 0 else []
         return {**entry(token), "top_logprobs": [entry(t) for t in top]}
