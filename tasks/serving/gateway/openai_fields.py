@@ -1,4 +1,5 @@
-"""Which OpenAI request fields each serving engine honours, and the 400 a request gets for one it would not.
+"""Which OpenAI request fields each serving engine honours, the 400 a request gets for one it would not, and the
+generate inputs the honoured ones become (`sampling`, and `scored_tokens` for the logprobs that come back).
 
 Every field of the `openai` SDK's own request types (openai 2.8.0: `openai/types/chat/completion_create_params.py`
 and `openai/types/completion_create_params.py`, CompletionCreateParamsBase, plus `stream`), and the vLLM
@@ -19,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tasks.serving.gateway.protocol import RequestError
+from tasks.serving.gateway.protocol import GenerateInputs, OpenAIRequest, RequestError
 
 Engine = Literal["python", "vllm", "llmapi"]
 ENGINES: tuple[Engine, ...] = ("python", "vllm", "llmapi")
@@ -261,6 +262,40 @@ def check_fields(api: Api, sent: Mapping[str, Any], engine: Engine) -> None:
         why = spec.refused.get(engine)
         if why is not None and not spec.neutral(value):
             raise RequestError(400, f"{name}: {why} (serve.backend {engine})", param=name, code="unsupported_parameter")
+
+
+def sampling(request: OpenAIRequest, max_tokens: int) -> dict[str, Any]:
+    """The generate inputs of a request's length and sampling fields (those check_fields lets through)."""
+    min_length = request.min_tokens or None
+    if request.ignore_eos:  # vLLM's ignore_eos, as min_tokens = max_tokens: the answer runs to its budget
+        min_length = max_tokens
+    elif min_length is not None and min_length > max_tokens:
+        raise RequestError(400, f"min_tokens {min_length} is more than max_tokens {max_tokens}", param="min_tokens")
+    alternatives = request.alternatives()
+    if alternatives is not None and request.stop:
+        # the gateway cuts stop sequences from the text, after the engine made (and scored) the tokens
+        raise RequestError(
+            400,
+            "logprobs: not with stop (the gateway cuts stop sequences from the text, after the "
+            "engine scored its tokens); send one or the other",
+            param="logprobs",
+        )
+    return {
+        "max_tokens": max_tokens,
+        "min_length": min_length,
+        "temperature": request.temperature,
+        "top_k": request.top_k if request.top_k and request.top_k > 0 else None,
+        "random_seed": request.seed,
+        "logprobs": alternatives,
+        "structured_output": request.response_format.structured_output() if request.response_format else None,
+    }
+
+
+def scored_tokens(outputs: dict[str, Any], inputs: GenerateInputs) -> list[dict[str, Any]] | None:
+    """The answer tokens with their log probabilities that an engine's response carries, where they were asked for."""
+    if inputs.logprobs is None:
+        return None
+    return list(json.loads(outputs.get("logprobs") or "[]"))
 
 
 def status(spec: OpenAIField, engine: Engine) -> str:

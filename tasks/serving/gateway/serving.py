@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tasks.quality.chat import encode_prompt
 from tasks.serving.gateway.access import current
 from tasks.serving.gateway.capture import Capture
-from tasks.serving.gateway.openai_fields import Engine, check_fields
+from tasks.serving.gateway.openai_fields import Engine, check_fields, sampling, scored_tokens
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
     ChatChunkChoice,
@@ -36,7 +36,6 @@ from tasks.serving.gateway.protocol import (
     ErrorResponse,
     GenerateInputs,
     GenerateRequest,
-    OpenAIRequest,
     RequestError,
     StreamChunk,
     UsageInfo,
@@ -62,40 +61,6 @@ def bounded_max_tokens(value: int | None, name: str, context_tokens: int, defaul
             code="context_length_exceeded",
         )
     return value
-
-
-def sampling(request: OpenAIRequest, max_tokens: int) -> dict[str, Any]:
-    """The generate inputs of a request's length and sampling fields (those openai_fields.py lets through)."""
-    min_length = request.min_tokens or None
-    if request.ignore_eos:  # vLLM's ignore_eos, as min_tokens = max_tokens: the answer runs to its budget
-        min_length = max_tokens
-    elif min_length is not None and min_length > max_tokens:
-        raise RequestError(400, f"min_tokens {min_length} is more than max_tokens {max_tokens}", param="min_tokens")
-    alternatives = request.alternatives()
-    if alternatives is not None and request.stop:
-        # the gateway cuts stop sequences from the text, after the engine made (and scored) the tokens
-        raise RequestError(
-            400,
-            "logprobs: not with stop (the gateway cuts stop sequences from the text, after the "
-            "engine scored its tokens); send one or the other",
-            param="logprobs",
-        )
-    return {
-        "max_tokens": max_tokens,
-        "min_length": min_length,
-        "temperature": request.temperature,
-        "top_k": request.top_k if request.top_k and request.top_k > 0 else None,
-        "random_seed": request.seed,
-        "logprobs": alternatives,
-        "structured_output": request.response_format.structured_output() if request.response_format else None,
-    }
-
-
-def scored_tokens(outputs: dict[str, Any], inputs: GenerateInputs) -> list[dict[str, Any]] | None:
-    """The answer tokens with their log probabilities that an engine's response carries, where they were asked for."""
-    if inputs.logprobs is None:
-        return None
-    return list(json.loads(outputs.get("logprobs") or "[]"))
 
 
 def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str]]:
