@@ -103,6 +103,7 @@ HONOURED_INPUTS = {
     "temperature": {"temperature": 0.7},
     "seed": {"random_seed": 11},
     "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.5},
     "logprobs": {"logprobs": 0},  # chat: logprobs true, no alternatives
     "top_logprobs": {"logprobs": 2},
     "response_format": {"structured_output": '{"json_object": true}'},  # vllm's StructuredOutputsParams

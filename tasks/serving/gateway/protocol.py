@@ -93,6 +93,7 @@ class OpenAIRequest(BaseModel):
     ignore_eos: bool | None = None  # vLLM's extension: the answer runs to max_tokens
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None  # vLLM's extension; 0 or -1: every token
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: int | None = None
     stop: Annotated[list[StopSequence], Field(max_length=4)] = []
     stream: bool | None = False  # null too: some clients send every field
@@ -191,6 +192,7 @@ class GenerateInputs(BaseModel):
     min_length: int | None = None  # no end of sequence before that many tokens (min_tokens; ignore_eos: max_tokens)
     temperature: float | None = None
     top_k: int | None = None
+    top_p: float | None = None
     random_seed: int | None = None
     logprobs: int | None = None  # alternatives per token with each token's log probability
     structured_output: str | None = None  # vLLM's StructuredOutputsParams as JSON (response_format)

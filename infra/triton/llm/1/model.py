@@ -28,6 +28,7 @@ class Job:
     echo: bool
     temperature: float
     top_k: int
+    top_p: float = 1.0  # nucleus: sample from the fewest most likely tokens whose probability reaches top_p
     logprobs: int = -1  # alternatives per token with each token's log probability; -1: no log probabilities
     generator: object = None
     tokens: list = field(default_factory=list)
@@ -88,6 +89,7 @@ class TritonPythonModel:
             echo=not bool(input_value(request, "exclude_input_in_output", False)),
             temperature=float(input_value(request, "temperature", 0.0)),
             top_k=int(input_value(request, "top_k", 0)),
+            top_p=float(input_value(request, "top_p", 1.0)),
             logprobs=int(input_value(request, "logprobs", -1)),
         )
         seed = input_value(request, "random_seed", None)
@@ -146,6 +148,9 @@ class TritonPythonModel:
         if job.top_k > 0:
             cutoff = self.torch.topk(logits, job.top_k).values[-1]
             logits[logits < cutoff] = float("-inf")
+        if job.top_p < 1:  # keep the most likely tokens until their probability reaches top_p (the first always)
+            ordered, order = self.torch.sort(self.torch.softmax(logits, -1), descending=True)
+            logits[order[(ordered.cumsum(-1) - ordered) >= job.top_p]] = float("-inf")
         return int(self.torch.multinomial(self.torch.softmax(logits, -1), 1, generator=job.generator))
 
     def generate(self, jobs):

@@ -162,6 +162,7 @@ class TritonPythonModel:
             )
         seed = input_value(request, "random_seed", None)
         top_k = int(input_value(request, "top_k", 0))
+        top_p = float(input_value(request, "top_p", 1.0))
         temperature = max(float(input_value(request, "temperature", 0.0)), 0.0)  # 0: greedy
         if seed is not None and temperature > 0 and not self.seeded_sampling:
             raise ValueError(
@@ -174,6 +175,7 @@ class TritonPythonModel:
             min_tokens=min(int(input_value(request, "min_length", 0)), max_tokens) or None,
             temperature=temperature,
             top_k=top_k if top_k > 0 else None,  # None: all tokens
+            top_p=top_p if top_p < 1 else None,  # None: all tokens (SamplingParams.top_p, sampling_params.py as above)
             seed=int(seed) if seed is not None and temperature > 0 else None,  # greedy answers need no seed
         )
         stream = bool(input_value(request, "stream", False))

@@ -34,7 +34,7 @@ and meanings, line numbers of 0.27.1 in brackets):
   lora/request.py:8-38 LoRARequest(lora_name, lora_int_id >= 1, lora_path); AsyncLLM.generate(...,
   lora_request=) (v1/engine/async_llm.py:698-708) loads an adapter on its first request; remove_lora(lora_id)
   (l.1193) frees it
-- vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
+- vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), top_p (1 = all), seed, max_tokens,
   min_tokens (l.336 [l.264]: no EOS nor stop_token_ids before that many; the gateway's min_tokens, and its
   ignore_eos as min_tokens = max_tokens), logprobs (l.339 [l.267]: the sampled token's and that many most likely
   tokens' log probabilities, of the model's raw logits by default), structured_outputs (l.404 [l.321]:
@@ -167,6 +167,7 @@ class TritonPythonModel:
             min_tokens=min(int(input_value(request, "min_length", 0)), max_tokens),
             temperature=max(float(input_value(request, "temperature", 0.0)), 0.0),
             top_k=max(int(input_value(request, "top_k", 0)), 0),
+            top_p=float(input_value(request, "top_p", 1.0)),
             seed=int(seed) if seed is not None else None,
             skip_special_tokens=True,
             logprobs=alternatives if alternatives >= 0 else None,
