@@ -62,6 +62,7 @@ class TritonPythonModel:
         # Suppressed while an answer is shorter than its min_length (the gateway's min_tokens, ignore_eos): the end of
         # sequence, and every other special token, which decodes to nothing and would leave the answer short of it
         self.unspoken = sorted({self.eos, *self.tokenizer.all_special_ids} - {None})
+        self.special = frozenset(self.tokenizer.all_special_ids)
         # GPT-2's byte-level alphabet (the character that spells each byte), which Qwen2's tokenizer uses
         self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
 
@@ -134,7 +135,7 @@ class TritonPythonModel:
         logprobs = self.torch.log_softmax(logits, -1)
 
         def entry(token_id):
-            return scored_token(self.tokenizer, self.byte_of, token_id, logprobs[token_id])
+            return scored_token(self.tokenizer, self.byte_of, self.special, token_id, logprobs[token_id])
 
         top = self.torch.topk(logprobs, alternatives).indices.tolist() if alternatives > 0 else []
         return {**entry(token), "top_logprobs": [entry(t) for t in top]}

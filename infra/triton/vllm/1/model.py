@@ -88,6 +88,7 @@ class TritonPythonModel:
                 "for serve.backend=vllm)"
             ) from exc
         from transformers.convert_slow_tokenizer import bytes_to_unicode
+        from vllm.config import StructuredOutputsConfig
         from vllm.sampling_params import StructuredOutputsParams
 
         self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
@@ -100,6 +101,7 @@ class TritonPythonModel:
             # vLLM would say only "Engine core initialization failed" (the cause is in its child's log)
             raise pb_utils.TritonModelException(f"vLLM: no model weights (*.safetensors, *.bin) in {model_dir}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.special = frozenset(self.tokenizer.all_special_ids)
         self.chat = params.get("apply_chat_template", "true") == "true"
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
         # serve.lora adapter: this engine serves the base model and, per request, the adapter it names
@@ -122,6 +124,11 @@ class TritonPythonModel:
             max_num_seqs=int(params["max_num_seqs"]),
             seed=0,
             disable_log_stats=True,
+            # response_format's JSON without free whitespace: xgrammar takes it per engine, not per request
+            # (v1/structured_output/backend_xgrammar.py:38-39, 110-120 [l.38-39, 83-87]; config/structured_outputs.py:25,
+            # 62-66 [l.26]: only for the xgrammar and guidance backends); a small model otherwise spends its whole
+            # budget on newlines inside the object and answers JSON cut short
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
             **{key: parse(params[key]) for key, parse in OPTIONAL_ENGINE_ARGS.items() if params.get(key)},
             **lora_args,
         )
@@ -193,15 +200,20 @@ class TritonPythonModel:
         ranks below them); None where the request asked for none."""
         if output.logprobs is None:
             return None
+        ids = list(output.token_ids)
+        if output.finish_reason == "stop" and ids and ids[-1] in self.special:
+            ids.pop()  # the end of sequence that ended the answer: not in its text (the llm model scores none)
         scored = []
-        for token_id, ranked in zip(output.token_ids[start:], output.logprobs[start:], strict=False):
+        for token_id, ranked in zip(ids[start:], output.logprobs[start:], strict=False):
             top = sorted(
                 (p.rank, t, p.logprob) for t, p in ranked.items() if p.rank is not None and p.rank <= alternatives
             )
             scored.append(
                 {
-                    **scored_token(self.tokenizer, self.byte_of, token_id, ranked[token_id].logprob),
-                    "top_logprobs": [scored_token(self.tokenizer, self.byte_of, t, lp) for _, t, lp in top],
+                    **scored_token(self.tokenizer, self.byte_of, self.special, token_id, ranked[token_id].logprob),
+                    "top_logprobs": [
+                        scored_token(self.tokenizer, self.byte_of, self.special, t, lp) for _, t, lp in top
+                    ],
                 }
             )
         return scored
