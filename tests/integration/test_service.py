@@ -492,8 +492,9 @@ def the_openai_api_keeps_its_word(client) -> None:
     assert len(forced.choices[0].logprobs.content) >= 8 and forced.usage.completion_tokens >= 8, forced
     to_the_end = client.chat.completions.create(max_tokens=12, logprobs=True, extra_body={"ignore_eos": True}, **ask)
     assert len(to_the_end.choices[0].logprobs.content) == 12 and to_the_end.choices[0].finish_reason == "length"
-    # sampled, but from a nucleus of the one most likely token: the greedy answer
-    nucleus = client.chat.completions.create(max_tokens=16, **{**ask, "temperature": 1.5}, top_p=0.01, seed=5)
+    # sampled, but from a nucleus of the most likely token alone (a second one would need a first below 1e-6):
+    # the greedy answer
+    nucleus = client.chat.completions.create(max_tokens=16, **{**ask, "temperature": 1.5}, top_p=1e-6, seed=5)
     assert nucleus.choices[0].message.content == plain.choices[0].message.content
 
     chunks = list(client.chat.completions.create(max_tokens=16, logprobs=True, top_logprobs=1, stream=True, **ask))
