@@ -253,6 +253,8 @@ def start_gateway(
             control_key=serve_key,
             health=ctx.profile.serve.health,
             recover=fleet.recover,
+            backend=ctx.profile.serve.backend,
+            version_pinning=ctx.profile.serve.version_pinning,
         )
     )
     if gateway.table.champion is None or gateway.table.champion.name != champion.name:  # no record yet: the registry's

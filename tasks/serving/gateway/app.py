@@ -35,6 +35,7 @@ from tasks.serving.gateway.access import (
 from tasks.serving.gateway.auth import KeyRing, authorize
 from tasks.serving.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
 from tasks.serving.gateway.limits import ClientLimits
+from tasks.serving.gateway.openai_fields import Engine
 from tasks.serving.gateway.probes import Prober, Recover
 from tasks.serving.gateway.protocol import (
     ChatCompletionRequest,
@@ -70,16 +71,16 @@ class GatewayConfig:
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
     max_in_flight_per_key: int = 0  # requests being answered per client; 0: no limit
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
-    # The deployment record the route table is kept in (tasks/serving/routes.py), read at start; None: kept in memory
-    record: Path | None = None
+    record: Path | None = None  # the route table's deployment record (tasks/serving/routes.py); None: in memory
     table: RouteTable | None = None  # the table to start with where no record holds one
     control_key: str | None = None  # the key of the control API (control.py); None: the gateway has none
-    # serve.health: deadlines, probes (off unless given: probe_interval_s 0) and `recover`, which loads a Triton model
-    # again (probes.py); None: no recovery
+    # serve.health: deadlines, probes (off unless given: probe_interval_s 0) and `recover` (probes.py)
     health: HealthSection = field(default_factory=lambda: HealthSection(probe_interval_s=0))
-    recover: Recover | None = None
+    recover: Recover | None = None  # what loads a Triton model again; None: no recovery
     more_replicas: list[str] = field(default_factory=list)  # the other Tritons' URLs: every version is on each
     capture: CaptureSettings | None = None  # serve.capture: exchanges and feedback kept; None: neither
+    backend: Engine = "python"  # serve.backend: the engine whose fields /v1 honours (openai_fields.py)
+    version_pinning: bool = False  # serve.version_pinning: a /v1 request may name a live version (GET /v1/models)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -128,23 +129,20 @@ class Gateway:
         self.table_lock = asyncio.Lock()
         self.adopt(self.starting_table())
         self.capture = Capture(config.capture, self.metrics.registry) if config.capture else None
-        tokenizer = None
-        if config.tokenizer_dir is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
         self.openai = OpenAIServing(
             self.triton,
             config.service,
             config.context_tokens,
             config.default_max_tokens,
-            tokenizer,
+            config.tokenizer_dir,
             config.apply_chat_template,
             self.shadow,
             self.capture,
             self.draw,
             self.metrics,
             lambda: self.table,
+            config.backend,
+            config.version_pinning,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(
@@ -264,8 +262,7 @@ class Gateway:
             self.authorize(request)
         except RequestError as error:
             return openai_error(error)
-        model = {"id": self.config.service, "object": "model", "created": 0, "owned_by": "llmops"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse(self.openai.models())
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai_route(request, lambda body: self.openai.chat(parse(ChatCompletionRequest, body)))
