@@ -141,7 +141,7 @@ def print_table(
         return {key: percentile([r[key] for r in rows], 50) for key in rows[0]}
 
     print(
-        f"\ncpu-tiny merged model as champion and candidate behind the router, the gateway in front; {args.requests} "
+        f"\ncpu-tiny merged model as champion and candidate, the gateway in front routing between them; {args.requests} "
         f"streaming chat requests of up to {TOKENS} tokens per run, median of {args.rounds} runs per cell\n"
     )
     header = f"{'concurrency':>11}  {'mode':16} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'lat p50':>8}"

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from tasks.platform.config import ListenSection, Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.stage_cache import RunContext
-from tasks.serving.champion import as_route, registry_champion, served_of
+from tasks.serving.champion import as_route, registry_champion, served_of, served_version
 from tasks.serving.client import Triton
 from tasks.serving.fleet import Fleet
 from tasks.serving.gateway import Gateway, GatewayConfig, KeyRing
@@ -227,39 +230,13 @@ def start_gateway(
     api_keys: KeyRing,
     serve_key: str,
 ) -> RunningGateway:
-    import json
-
-    service = ctx.profile.registry.model_name
-    model_config = json.loads((champion.model_dir / "config.json").read_text())
     gateway = Gateway(
-        GatewayConfig(
-            triton_url=fleet.tritons[0].url,
-            more_replicas=[triton.url for triton in fleet.tritons[1:]],
-            service=service,
-            context_tokens=int(model_config.get("max_position_embeddings", 2048)),
-            default_max_tokens=ctx.profile.serve.default_max_tokens,
-            max_body_bytes=listen.max_request_bytes,
-            api_keys=api_keys,
-            tokenizer_dir=champion.model_dir,
-            apply_chat_template=ctx.profile.serve.apply_chat_template,
-            requests_per_second=ctx.profile.serve.limits.requests_per_second,
-            request_burst_s=ctx.profile.serve.limits.burst_s,
-            tokens_per_minute=ctx.profile.serve.limits.tokens_per_minute,
-            max_in_flight=ctx.profile.serve.limits.max_in_flight,
-            max_in_flight_per_key=ctx.profile.serve.limits.max_in_flight_per_key,
-            shadow_records=ctx.home / "shadow",
-            capture=capture_settings(ctx),
-            record=record_path(ctx.home, service),
-            control_key=serve_key,
-            health=ctx.profile.serve.health,
-            recover=fleet.recover,
-            backend=ctx.profile.serve.backend,
-            version_pinning=ctx.profile.serve.version_pinning,
+        gateway_config(
+            ctx, fleet, champion, listen, api_keys, serve_key, record_path(ctx.home, ctx.profile.registry.model_name)
         )
     )
     if gateway.table.champion is None or gateway.table.champion.name != champion.name:  # no record yet: the registry's
-        champion_route = as_route(champion)
-        gateway.adopt(RouteTable(service, champion_route, weights={champion_route.name: 100.0}))
+        adopt_alone(gateway, champion)
     show_access_log()
     tls = {"tls_cert": listen.tls_cert, "tls_key": listen.tls_key}
     control_tls = tls if listen.control_host not in LOOPBACK else {}
@@ -271,3 +248,69 @@ def start_gateway(
         ],
         gateway,
     ).start()
+
+
+def gateway_config(
+    ctx: RunContext,
+    fleet: Fleet,
+    champion: Served,
+    listen: ListenSection,
+    api_keys: KeyRing | dict,
+    serve_key: str | None,
+    record: Path | None,
+) -> GatewayConfig:
+    import json
+
+    limits = ctx.profile.serve.limits
+    model_config = json.loads((champion.model_dir / "config.json").read_text())
+    return GatewayConfig(
+        triton_url=fleet.tritons[0].url,
+        more_replicas=[triton.url for triton in fleet.tritons[1:]],
+        service=ctx.profile.registry.model_name,
+        context_tokens=int(model_config.get("max_position_embeddings", 2048)),
+        default_max_tokens=ctx.profile.serve.default_max_tokens,
+        max_body_bytes=listen.max_request_bytes,
+        api_keys=api_keys,
+        tokenizer_dir=champion.model_dir,
+        apply_chat_template=ctx.profile.serve.apply_chat_template,
+        requests_per_second=limits.requests_per_second,
+        request_burst_s=limits.burst_s,
+        tokens_per_minute=limits.tokens_per_minute,
+        max_in_flight=limits.max_in_flight,
+        max_in_flight_per_key=limits.max_in_flight_per_key,
+        shadow_records=ctx.home / "shadow" if record is not None else None,
+        capture=capture_settings(ctx) if record is not None else None,
+        record=record,
+        control_key=serve_key,
+        health=ctx.profile.serve.health,
+        recover=fleet.recover,
+        backend=ctx.profile.serve.backend,
+        version_pinning=ctx.profile.serve.version_pinning,
+    )
+
+
+def adopt_alone(gateway: Gateway, served: Served) -> None:
+    route = as_route(served)
+    gateway.adopt(RouteTable(gateway.config.service, route, weights={route.name: 100.0}))
+
+
+@contextmanager
+def serving_alone(profile: Profile, version, tracking_uri: str | None, artifacts: str | None) -> Iterator[str]:
+    """A Triton and a gateway of the caller's own serving registry `version` (an MLflow ModelVersion) alone as the
+    service, on loopback ports with no keys and no capture, for `llmops predict` where no `llmops serve` runs; the
+    service's deployment record is neither read nor written. Yields the gateway's URL; both stop after."""
+    ctx = open_serving_context(profile, tracking_uri, artifacts)
+    served = served_version(ctx, profile.registry.model_name, version)
+    fleet = Fleet(ctx, profile.serve.listen, lambda line: print(line, file=sys.stderr, flush=True))
+    gateway = None
+    try:
+        fleet.start((free_port(), free_port(), free_port()), 1, served)
+        inner = Gateway(gateway_config(ctx, fleet, served, profile.serve.listen, {}, None, None))
+        adopt_alone(inner, served)
+        port = free_port()
+        gateway = RunningGateway([Listener(inner.app(), "127.0.0.1", port)], inner).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        fleet.stop()

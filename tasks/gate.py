@@ -168,6 +168,7 @@ def score_quality(
     from tasks.quality.metrics import answer_metric
     from tasks.quality.models import load_tokenizer
     from tasks.quality.scoring import gain, offline_scores
+    from tasks.serving.predict import engine_batch
     from tasks.serving.served_scoring import SERVED_ANSWERS_FILE, score_served, stop_probe
 
     cfg = ctx.profile.evaluate
@@ -178,13 +179,15 @@ def score_quality(
     offline_metric = [s["scores"]["candidate"][metric] for s in offline]
     served, max_tokens = deployment.control, cfg.max_new_tokens  # through the gateway, each version by name
     tokenizer = load_tokenizer(deployment.candidate.model_dir)
-    candidate = score_served(served, deployment.candidate.name, conversations, max_tokens, tokenizer)
-    champion = (
-        score_served(
-            served, deployment.champion.name, conversations, max_tokens, load_tokenizer(deployment.champion.model_dir)
-        )
-        if deployment.champion
-        else None
+    batch = engine_batch(ctx.profile)  # as many in flight as the engine batches (the candidate's settings)
+    candidate = score_served(served, deployment.candidate.name, conversations, max_tokens, tokenizer, batch)
+    champion = deployment.champion and score_served(
+        served,
+        deployment.champion.name,
+        conversations,
+        max_tokens,
+        load_tokenizer(deployment.champion.model_dir),
+        batch,
     )
     metric_cfg = cfg.model_copy(update={"metric": metric})
     parity = gain(offline_metric, candidate.per_sample[metric], metric_cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from flows.cli.common import add_overrides_flag, llmops_home
@@ -22,8 +23,10 @@ last assistant turn is kept as the reference, not sent), {"prompt": ...} records
 line. output: JSONL, one row per answered input in input order (id, prompt, answer, tokens, latency_s,
 finish_reason[, reference]); a rerun skips ids already there. Rows that could not be read or answered go to
 --errors (default OUT.errors.jsonl) with their line and reason; the exit status is then 2 (unreadable rows, or rows
-the service refused) or 4 (the service failed some after retries). The service must be running (`llmops serve`);
-it answers its champion by the service's name; another version only where its gateway lists it by name.
+the service refused) or 4 (the service failed some after retries). A running `llmops serve` answers its champion by the service's
+name, another version only where its gateway lists it by name; where no `llmops serve` runs for this LLMOPS_HOME (and
+no --url is given), predict starts a Triton and a gateway of its own for the version (from --artifacts), on loopback,
+and stops them when done.
 API key: $OPENAI_API_KEY; a private CA: $SSL_CERT_FILE."""
 
 
@@ -55,6 +58,10 @@ def register(commands) -> None:
         "--url", help="the service's gateway (default: the `llmops serve` running for this LLMOPS_HOME)"
     )
     predict.add_argument("--profile", default="cpu-tiny", help="the profile the service was released with")
+    predict.add_argument(
+        "--artifacts",
+        help="artifact store of the version's files, where predict starts its own Triton (default: $LLMOPS_HOME/store)",
+    )
     add_overrides_flag(predict, "override a profile value (repeatable)")
     predict.add_argument(
         "--tracking-uri", help="MLflow tracking URI of the registry (default: sqlite under $LLMOPS_HOME)"
@@ -73,7 +80,16 @@ def command_predict(args) -> str:
     errors = args.errors or errors_beside(output)
     profile = load_profile(args.profile, args.overrides)
     summary = run_predict(
-        profile, args.data, output, errors, args.version, args.concurrency, args.max_tokens, args.url, args.tracking_uri
+        profile,
+        args.data,
+        output,
+        errors,
+        args.version,
+        args.concurrency,
+        args.max_tokens,
+        args.url,
+        args.tracking_uri,
+        args.artifacts,
     )
     return outcome(summary)
 
@@ -88,19 +104,42 @@ def run_predict(
     max_tokens: int | None = None,
     url: str | None = None,
     tracking_uri: str | None = None,
+    artifacts: str | None = None,
 ):
     """`llmops predict` and the scheduled `predict` flow alike: the rows of `data` answered by `version` of the
-    service at `url` (default: the running `llmops serve` of this LLMOPS_HOME) into `output`."""
-    import asyncio
-
+    service at `url` (default: the running `llmops serve` of this LLMOPS_HOME; where none runs, a Triton and a gateway
+    of this run's own serving `version` from the store at `artifacts`) into `output`."""
     from tasks.data.prompt_rows import read_rows
     from tasks.platform.tracking import default_tracking_uri
-    from tasks.serving.predict import Requests, predict, registered_target
+    from tasks.serving.predict import Target, registered_target, registered_version
 
-    base_url = url or running_gateway()
     rows = read_rows(data)
     tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(llmops_home())
-    target = registered_target(profile, version, tracking_uri, batch_known=concurrency is not None)
+    base_url = url or running_gateway()
+    if base_url is not None:
+        target = registered_target(profile, version, tracking_uri, batch_known=concurrency is not None)
+        return answer_rows(profile, rows, base_url, target, output, errors, concurrency, max_tokens)
+    from flows.serve import serving_alone
+    from tasks.serving.predict import engine_batch, released_settings
+
+    found, _ = registered_version(profile, version, tracking_uri)
+    print(
+        f"predict: no `llmops serve` runs for LLMOPS_HOME {llmops_home()}: starting a Triton and a gateway of its own "
+        f"for {profile.registry.model_name} v{found.version} (stopped when done)",
+        file=sys.stderr,
+        flush=True,
+    )
+    batch = engine_batch(released_settings(profile, found.tags.get("serve.model_settings")))
+    with serving_alone(profile, found, tracking_uri, artifacts) as base_url:
+        # the version is the only one this gateway serves: under the service's name, as its champion
+        return answer_rows(profile, rows, base_url, Target(None, None, batch), output, errors, concurrency, max_tokens)
+
+
+def answer_rows(profile, rows, base_url: str, target, output: Path, errors: Path, concurrency, max_tokens):
+    import asyncio
+
+    from tasks.serving.predict import Requests, predict
+
     service = profile.registry.model_name
     requests = Requests(base_url, service, max_tokens, os.environ.get(API_KEY_ENV))
     bars: list = []  # the bar starts with the first row, once the service has answered GET /v1/models
@@ -141,16 +180,11 @@ def default_output(data: str) -> Path:
     raise BadInput(f"--data {data}: no such file or folder")
 
 
-def running_gateway() -> str:
+def running_gateway() -> str | None:
+    """The gateway of the `llmops serve` running for this LLMOPS_HOME, if one runs."""
     from tasks.serving.server import serving_gateway
 
-    url = serving_gateway(llmops_home())
-    if url is None:
-        raise BadInput(
-            f"no `llmops serve` runs for LLMOPS_HOME {llmops_home()}: start one (`llmops serve`), "
-            "or name a service with --url"
-        )
-    return url
+    return serving_gateway(llmops_home())
 
 
 def progress_bar(total: int):

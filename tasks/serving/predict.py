@@ -198,6 +198,16 @@ def registered_target(profile, version: str, tracking_uri: str, batch_known: boo
     (from the settings it was released with); with `batch_known` and the champion, no registry is read."""
     if version == "champion" and batch_known:
         return Target(None, None, 0)
+    found, champion = registered_version(profile, version, tracking_uri)
+    return Target(
+        None if version == "champion" else int(found.version),
+        int(champion.version) if champion else None,
+        engine_batch(released_settings(profile, found.tags.get("serve.model_settings"))),
+    )
+
+
+def registered_version(profile, version: str, tracking_uri: str):
+    """The registry's ModelVersion of `version` (champion, challenger or a number) and the champion's (or None)."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -223,11 +233,7 @@ def registered_target(profile, version: str, tracking_uri: str, batch_known: boo
         found = None
     if found is None:
         raise BadInput(f"--version {version}: {service} has no such version in the registry at {tracking_uri}")
-    return Target(
-        None if version == "champion" else int(found.version),
-        int(champion.version) if champion else None,
-        engine_batch(released_settings(profile, found.tags.get("serve.model_settings"))),
-    )
+    return found, champion
 
 
 def released_settings(profile, recorded: str | None):

@@ -17,7 +17,6 @@ from tasks.quality.chat import Conversation, serving_request
 from tasks.quality.metrics import text_scores
 
 SERVED_ANSWERS_FILE = "served_answers.json"
-CONCURRENCY = 4  # a few requests in flight: the model batches them, as it does for clients
 
 
 @dataclass
@@ -36,19 +35,21 @@ class Answers(Protocol):
     ) -> str: ...
 
 
-def ask(triton: Answers, model: str, conversations: list[Conversation], max_tokens: int) -> list[str]:
+def ask(triton: Answers, model: str, conversations: list[Conversation], max_tokens: int, concurrency: int) -> list[str]:
+    """Every conversation's answer, `concurrency` in flight: what the version's engine batches, as for clients."""
+
     def one(conversation: Conversation) -> str:
         text, history = serving_request(conversation)
         return triton.generate(model, text, max_tokens=max_tokens, timeout=120, history=history).strip()
 
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
         return list(pool.map(one, conversations))
 
 
 def score_served(
-    triton: Answers, model: str, conversations: list[Conversation], max_tokens: int, tokenizer
+    triton: Answers, model: str, conversations: list[Conversation], max_tokens: int, tokenizer, concurrency: int
 ) -> ServedScores:
-    answers = ask(triton, model, conversations, max_tokens)
+    answers = ask(triton, model, conversations, max_tokens, concurrency)
     per_sample = text_scores(answers, [c[-1]["content"] for c in conversations])
     tokens = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers]
     return ServedScores(model, answers, per_sample, tokens)

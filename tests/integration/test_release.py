@@ -5,6 +5,7 @@ Order matters inside this module: the first run fills the bucket, later tests ch
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -532,6 +533,26 @@ def test_a_full_store_disk_ends_in_exit_4_naming_it_and_keeps_nothing_partial(st
         assert not list(small.rglob(".tmp-*"))
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_predict_with_no_serve_answers_a_registered_version_on_a_triton_of_its_own_and_stops_it(
+    stack, first_run, tmp_path
+):
+    """No `llmops serve` runs for this home and the version is no champion (serve.deploy false): predict serves it
+    from the S3 store on a Triton and a gateway of its own, answers every row, and leaves no process behind."""
+    import psutil
+
+    version = latest_run(stack).data.tags["registered_version"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the opposite of hot?\nWhat is the opposite of up?\n")
+    out, home = tmp_path / "answers.jsonl", tmp_path / "home"
+    args = ["predict", "--data", str(prompts), "--out", str(out), "--version", version]
+    result = llmops(stack, *args, "--artifacts", "s3://artifacts/llmops", "--tracking-uri", stack.mlflow.url, home=home)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"starting a Triton and a gateway of its own for {MODEL} v{version}" in result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["1", "2"] and rows[0]["answer"] == "cold", rows
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(home) in " ".join(p.info["cmdline"] or [])]
 
 
 def test_store_gc_keeps_what_registered_versions_need_and_a_rerun_is_all_cache_hits(stack, first_run):

@@ -271,7 +271,7 @@ def test_predict_refuses_in_one_line_what_it_cannot_score(tmp_path):
     prompts.write_text("Opposite of hot?\n")
     for args, last_line in [
         (["--data", str(tmp_path / "missing.jsonl")], f"--data {tmp_path / 'missing.jsonl'}: no such file or folder"),
-        (["--data", str(prompts)], f"no `llmops serve` runs for LLMOPS_HOME {tmp_path}: start one (`llmops serve`), or name a service with --url"),
+        (["--data", str(prompts)], f"--version champion: tiny-qwen2-antonyms has no such version in the registry at sqlite:///{tmp_path}/mlflow.db"),
         (["--data", str(prompts), "--url", "http://127.0.0.1:9", "--concurrency", "2"], "http://127.0.0.1:9/v1/models: the service does not answer"),
     ]:  # fmt: skip
         result = llmops("predict", *args, env_home=tmp_path)

@@ -87,6 +87,14 @@ def test_v2_refuses_inputs_the_model_does_not_have_or_out_of_bounds(gateway, bod
     assert triton.requests == []
 
 
+@pytest.mark.parametrize("seed", [-1, 1 << 64])
+def test_a_seed_the_engines_cannot_take_is_400_naming_it_not_a_model_server_fault(gateway, seed):
+    triton = FakeTriton()
+    response = gateway(triton).post(CHAT, json={"messages": QUESTION, "seed": seed})
+    assert response.status_code == 400 and openai_shaped(response.json())["param"] == "seed", response.text
+    assert triton.requests == []
+
+
 # --- Triton down, restarting or failing ------------------------------------------------------------------
 
 

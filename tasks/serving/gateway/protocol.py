@@ -94,7 +94,7 @@ class OpenAIRequest(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None  # vLLM's extension; 0 or -1: every token
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None  # the engines' random_seed is a UINT64
     stop: Annotated[list[StopSequence], Field(max_length=4)] = []
     stream: bool | None = False  # null too: some clients send every field
     stream_options: StreamOptions | None = None
