@@ -284,6 +284,8 @@ def gateway_config(
         control_key=serve_key,
         health=ctx.profile.serve.health,
         recover=fleet.recover,
+        backend=ctx.profile.serve.backend,
+        version_pinning=ctx.profile.serve.version_pinning,
     )
 
 

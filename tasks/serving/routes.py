@@ -28,6 +28,7 @@ import json
 import os
 import random
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from itertools import accumulate
 from pathlib import Path
@@ -234,3 +235,22 @@ def write_record(path: Path, table: RouteTable) -> None:
     except BaseException:
         Path(staging).unlink(missing_ok=True)
         raise
+
+
+def amend_record(
+    path: Path, table: RouteTable, change: Callable[[RouteTable], RouteTable | None]
+) -> tuple[RouteTable, RouteTable | None]:
+    """`table` with the owner the record at `path` names now, and what `change` makes of it (written to the record
+    unless None), under a file lock: every gateway of a home shares the record and its owner."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        shared = read_record(path)
+        owner = shared.owner if shared is not None and shared.service == table.service else None
+        current = replace(table, owner=owner)
+        changed = change(current)
+        if changed is not None:
+            write_record(path, changed)
+        return current, changed

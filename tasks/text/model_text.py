@@ -48,6 +48,25 @@ def encode_prompt(tokenizer: Any, text: str, history: list, apply_chat_template:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def scored_token(
+    tokenizer: Any, byte_of: dict[str, int], special: frozenset[int], token_id: int, logprob: float
+) -> dict[str, Any]:
+    """One answer token with its log probability, as OpenAI's chat logprobs spell it: {token, logprob, bytes}.
+    `byte_of`: GPT-2's byte-level alphabet (transformers' bytes_to_unicode, inverted), in which a byte-level BPE
+    token (Qwen2's) spells each of its bytes, so a token of half a character gets its own bytes, not U+FFFD's;
+    another tokenizer's token gets its text's UTF-8. A `special` token is "" with no bytes, as the answer's text
+    (decoded without special tokens) has it."""
+    text = tokenizer.decode([token_id], skip_special_tokens=True)
+    spelled = tokenizer.convert_ids_to_tokens(token_id)
+    if token_id in special:
+        raw = []
+    elif isinstance(spelled, str) and spelled and all(char in byte_of for char in spelled):
+        raw = [byte_of[char] for char in spelled]
+    else:
+        raw = list(text.encode("utf-8"))
+    return {"token": text, "logprob": float(logprob), "bytes": raw}
+
+
 def stream_delta(text: str, sent: str, final: bool) -> tuple[str, str]:
     """What to stream next: the decoded answer so far is `text`, the client has `sent`. Decoding the whole
     answer each step (not token by token) keeps leading spaces and merges; a trailing U+FFFD is the first

@@ -480,6 +480,70 @@ async def posted_at_once(url: str, count: int) -> list:
         return await asyncio.gather(*(client.post(url, json=body) for _ in range(count)))
 
 
+def the_openai_api_keeps_its_word(client) -> None:
+    """/v1 through the real stack (llmops serve, Triton, the python backend, the openai SDK): forced lengths run as
+    asked, logprobs come from the model's logits (whole and per streamed chunk), and what this engine does not honour
+    is a 400 naming the field (every field against the protocol layer: tests/unit/test_openai_fields.py). Not captured
+    (opted out): the flywheel's counts stay its own."""
+    import openai
+
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the opposite of hot?"}],
+        "temperature": 0,
+        "extra_headers": {"X-LLMOps-Capture": "off"},
+    }
+    plain = client.chat.completions.create(max_tokens=16, logprobs=True, top_logprobs=2, **ask)
+    content = plain.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == plain.choices[0].message.content and len(content) < 8, plain
+    # greedy: each token is the model's most likely one, with its log probability under the model
+    assert all(len(t.top_logprobs) == 2 and t.logprob == t.top_logprobs[0].logprob <= 0 for t in content), content
+    forced = client.chat.completions.create(max_tokens=16, logprobs=True, extra_body={"min_tokens": 8}, **ask)
+    assert len(forced.choices[0].logprobs.content) >= 8 and forced.usage.completion_tokens >= 8, forced
+    to_the_end = client.chat.completions.create(max_tokens=12, logprobs=True, extra_body={"ignore_eos": True}, **ask)
+    assert len(to_the_end.choices[0].logprobs.content) == 12 and to_the_end.choices[0].finish_reason == "length"
+    # sampled, but from a nucleus of the most likely token alone (a second one would need a first below 1e-6):
+    # the greedy answer
+    nucleus = client.chat.completions.create(max_tokens=16, **{**ask, "temperature": 1.5}, top_p=1e-6, seed=5)
+    assert nucleus.choices[0].message.content == plain.choices[0].message.content
+
+    chunks = list(client.chat.completions.create(max_tokens=16, logprobs=True, top_logprobs=1, stream=True, **ask))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content and [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="What is the opposite of up?",
+        max_tokens=4,
+        logprobs=1,
+        temperature=0,
+        extra_headers={"X-LLMOps-Capture": "off"},
+    )
+    scored = completion.choices[0].logprobs
+    assert "".join(scored.tokens) == completion.choices[0].text and len(scored.top_logprobs[0]) == 1, scored
+
+    tool = {"type": "function", "function": {"name": "opposite", "parameters": {"type": "object"}}}
+    refusals = [
+        ({"tools": [tool]}, "tools", "the python backend has no tool parser"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "no guided decoding"),
+        ({"extra_body": {"beam_width": 2}}, "beam_width", "not a parameter of OpenAI's chat completions API"),
+    ]
+    for extra, param, reason in refusals:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(max_tokens=4, **ask, **extra)
+        assert refused.value.param == param and reason in refused.value.message, refused.value
+
+    # /v1/models: the service, then the live versions of the gateway's route table; naming one is refused here
+    # (serve.version_pinning is off by default)
+    models = [m.id for m in client.models.list()]
+    assert models[0] == MODEL and models[1:] and all(m.startswith(f"{MODEL}-v") for m in models[1:]), models
+    with pytest.raises(openai.BadRequestError) as pinned:
+        client.chat.completions.create(max_tokens=4, **{**ask, "model": models[1]})
+    assert pinned.value.param == "model" and "serve.version_pinning" in pinned.value.message, pinned.value
+
+
 def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_champion(
     service, first_release, tmp_path
 ):
@@ -517,6 +581,7 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         assert "llmops serve: limits per client (no keys: all clients are one): 1,000 requests/s" in log.read_text()
         assert ", 2 requests in flight; all together: 128 requests in flight" in log.read_text()
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
+        the_openai_api_keeps_its_word(client)
         held_out = clean_and_split(read_source(str(DATASET)), load_profile("cpu-tiny").data).eval[0]
         asked = {prompt: served_answer(client, prompt) for prompt in CORRECTIONS}
         # credentials of each kind pasted into a prompt and its correction: redacted before anything keeps them (the

@@ -371,10 +371,11 @@ def openai_client(server: dict, tls, key: str = API_KEYS["team-a"]):
 QUESTION = [{"role": "user", "content": "What is the opposite of hot?"}]
 
 
-def test_the_openai_client_gets_the_champions_answer_over_tls_with_its_key(server, tls):
+def test_the_openai_client_gets_the_champions_answer_over_tls_with_its_key(home, server, tls):
     assert server["gateway_url"].startswith("https://127.0.0.1:")
     client = openai_client(server, tls)
-    assert [m.id for m in client.models.list().data] == [SERVICE]
+    # the service, then its live versions (the gateway's route table): the champion alone here
+    assert [m.id for m in client.models.list().data] == [SERVICE, f"{SERVICE}-v{champion(home)}"]
 
     chat = client.chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8)
     assert chat.choices[0].message.content == "cold"  # the fine-tuned answer, as /generate gives it
@@ -393,6 +394,7 @@ def test_the_openai_client_gets_the_champions_answer_over_tls_with_its_key(serve
     assert stopped.choices[0].message.content == "c" and stopped.choices[0].finish_reason == "stop"
     completion = client.completions.create(model=SERVICE, prompt="What is the opposite of hot?", max_tokens=4)
     assert isinstance(completion.choices[0].text, str) and completion.usage.completion_tokens >= 1
+    vllm_keeps_the_openai_fields(client)
     other_team = openai_client(server, tls, API_KEYS["team-b"])  # each client its own key
     assert (
         other_team.chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=8).choices[0].message.content
@@ -491,6 +493,44 @@ def test_the_predict_flow_scores_an_s3_location_into_an_s3_output_as_the_command
         json.loads(line) | {"latency_s": scored[i]["latency_s"]}
         for i, line in enumerate((tmp_path / "tickets.answers.jsonl").open())
     ]
+
+
+def vllm_keeps_the_openai_fields(client) -> None:
+    """On vLLM (an adapter on its engine): forced lengths (SamplingParams.min_tokens), logprobs (whole and per
+    streamed chunk), a json_schema answer that validates 20 times in 20 (vLLM's structured outputs), and tools
+    refused naming the field (the python backend's side: tests/integration/test_service.py)."""
+    import jsonschema
+    import openai
+
+    ask = {"model": SERVICE, "messages": QUESTION, "temperature": 0}
+    plain = client.chat.completions.create(max_tokens=16, logprobs=True, top_logprobs=2, **ask)
+    content = plain.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == plain.choices[0].message.content == "cold", plain
+    assert all(len(t.top_logprobs) == 2 and t.logprob == t.top_logprobs[0].logprob <= 0 for t in content), content
+    forced = client.chat.completions.create(max_tokens=16, logprobs=True, extra_body={"min_tokens": 8}, **ask)
+    assert len(forced.choices[0].logprobs.content) >= 8, forced
+    to_the_end = client.chat.completions.create(max_tokens=12, logprobs=True, extra_body={"ignore_eos": True}, **ask)
+    assert len(to_the_end.choices[0].logprobs.content) == 12 and to_the_end.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(max_tokens=16, logprobs=True, stream=True, **ask))
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == [t.token for t in content]
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["cold", "warm", "hot"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "antonym", "schema": schema}}
+    for seed in range(20):  # sampled, so that the tries differ
+        shaped = client.chat.completions.create(
+            model=SERVICE, messages=QUESTION, max_tokens=32, temperature=1.0, seed=seed, response_format=response_format
+        )
+        jsonschema.validate(json.loads(shaped.choices[0].message.content), schema)
+    tool = {"type": "function", "function": {"name": "opposite", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(max_tokens=4, tools=[tool], **ask)
+    assert refused.value.param == "tools" and "vLLM" in refused.value.message
 
 
 def curl(server: dict, tls, path: str, *args: str) -> tuple[int, dict | str]:

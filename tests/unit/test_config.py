@@ -88,15 +88,16 @@ def test_profile_digest_changes_with_any_value():
 # when the GPU profiles' train image moved to PyTorch 25.12 and qwen-7b-vllm-h100 to serving ModelOpt FP8 on vLLM 0.27.1,
 # and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when the gateway became the router
 # (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas), and when serve.limits'
-# defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*.
+# defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*,
+# and when serve.version_pinning came.
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "e208464581a3be791c0f1d98b8f568dd52af24bb424310b1d040b980cccb3d53",
-    "cpu-tiny-qa-zh": "ddd8d41e3921563452b2056f2c40fb82d615ef8651fe523978ad0156bb2b53d5",
-    "llama3-8b-h100-fp8": "41581aa119b3eae41cb79406f9d6533d216a89f2ba9c3c249712de02f06866e9",
-    "qwen-7b-qlora-2xa10": "a863a0a74e0e3a4542a0d8484d46a1455c4a9d0294239ca0ca207363882a43d3",
-    "qwen-7b-vllm-h100": "1e9ed80d49c0775ad1afae8632350d48d5ffd1ec13a3445f792849350bab7799",
-    "qwen2-14b-int4-tp2": "ce279aafbc8e8cf4669558cf317cad3f95c290c905ade900def5a054b9898cb7",
-    "qwen2.5-72b-lora-2x8xh100": "e160abca9054bd77863889771934e1352b9f84b9e40b598e80a91e91267155b2",
+    "cpu-tiny": "43516c6dcaefb9de1e0a545874488a199c3b7038f693dca4e9ab90c3bc94c172",
+    "cpu-tiny-qa-zh": "2aeaf7a6b8f77fde4f19aaa2ce9ec128a8a46af5edb80c44fafd3ddb6e9ef37e",
+    "llama3-8b-h100-fp8": "115b02409cce118ee804c4108226ab73c0340c2fbea473337a0229fe6c407dd5",
+    "qwen-7b-qlora-2xa10": "de7758cd1c512e9b15cc6c43cf75d2e08dc3f6dafd58c732c910423e9c2195a7",
+    "qwen-7b-vllm-h100": "479773ae18ff83c2c99f44a6b26e7290ac683f88ff509c1cb72dcc8bbc02657b",
+    "qwen2-14b-int4-tp2": "cc2490cca4308c1d1a2d43c29f036fcff3e67e5f9f8a3f213d9b01f23ecf1175",
+    "qwen2.5-72b-lora-2x8xh100": "16eccd17f693f2eec875f981854e5af41f98e4b1bc2d91d491a44097a6476ff0",
 }
 
 

@@ -94,7 +94,7 @@ def test_a_chat_request_becomes_tritons_generate_inputs_and_its_answer_a_complet
     triton = FakeTriton("cold")
     messages = [{"role": "system", "content": "One word."}, *QUESTION]
     body = {"model": SERVICE, "messages": messages, "temperature": 0, "seed": 7, "max_completion_tokens": 5}
-    response = gateway(triton).post(CHAT, json={**body, "max_tokens": 9, "top_p": 0.5})  # top_p: ignored
+    response = gateway(triton).post(CHAT, json={**body, "max_tokens": 9, "top_p": 1})  # top_p 1: asks nothing
     assert response.status_code == 200, response.text
     answer = response.json()
     assert answer["object"] == "chat.completion" and answer["model"] == SERVICE and answer["id"].startswith("chatcmpl-")
@@ -135,7 +135,7 @@ def test_temperature_from_0_to_2_is_accepted(gateway, temperature):
         ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
         ({"temperature": "1"}, "temperature", "temperature: Input should be a valid number"),
         ({"temperature": True}, "temperature", "a valid number"),
-        ({"n": 2}, "n", "n: Input should be 1"),
+        ({"n": 2}, "n", "n: one choice per request"),
         ({"seed": "7"}, "seed", "seed: Input should be a valid integer"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
         ({"max_tokens": 8.0}, "max_tokens", "a valid integer"),
@@ -176,7 +176,41 @@ def test_a_model_not_served_here_is_404(gateway):
     error = response.json()["error"]
     assert (error["type"], error["param"]) == ("not_found_error", "model") and "'gpt-4o'" in error["message"]
     models = gateway(FakeTriton()).get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [SERVICE]
+    assert [m["id"] for m in models["data"]] == [SERVICE, CHAMPION.name]
+
+
+@pytest.mark.parametrize("pinning", [False, True])
+def test_models_lists_the_live_versions_and_a_request_pins_one_where_the_profile_allows_it(gateway, pinning):
+    """GET /v1/models: the service, then each version of the gateway's route table; a request naming a version is
+    answered by that version alone with serve.version_pinning (an adapter version by its base engine, asked for the
+    table's adapter), else a 400 naming the setting. A client names a version only, never a model or an adapter."""
+    triton = FakeTriton("cold")
+    candidate = Version(f"{SERVICE}-v2", f"{SERVICE}-base", f"{SERVICE}-v2")  # an adapter on the base engine
+    table = RouteTable(SERVICE, CHAMPION, candidate, weights={CHAMPION.name: 90.0, candidate.name: 10.0})
+    client = gateway(triton, table=table, version_pinning=pinning)
+    models = client.get("/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [
+        (SERVICE, None),
+        (CHAMPION.name, SERVICE),
+        (candidate.name, SERVICE),
+    ]
+    for model in (f"{SERVICE}-base", f"{SERVICE}-v3"):  # a Triton model that is no version, a version not served
+        refused = client.post(CHAT, json={"model": model, "messages": QUESTION})
+        assert refused.status_code == 404 and refused.json()["error"]["param"] == "model", refused.text
+    adapter = client.post(CHAT, json={"messages": QUESTION, "lora_name": "other"})
+    assert adapter.status_code == 400 and adapter.json()["error"]["param"] == "lora_name", adapter.text
+    pinned = client.post(CHAT, json={"model": candidate.name, "messages": QUESTION, "stream": True})
+    if not pinning:
+        assert pinned.status_code == 400 and "serve.version_pinning" in pinned.json()["error"]["message"]
+        assert pinned.json()["error"]["param"] == "model" and triton.requests == []
+        return
+    assert pinned.status_code == 200 and events(pinned)[0]["model"] == candidate.name
+    answered = client.post("/v1/completions", json={"model": CHAMPION.name, "prompt": "hot:"})
+    assert answered.json()["model"] == CHAMPION.name
+    assert [(path, body.get("lora_name")) for path, body in triton.requests] == [
+        (f"/v2/models/{candidate.model}/generate_stream", candidate.name),
+        (f"/v2/models/{CHAMPION.model}/generate", None),
+    ]
 
 
 @pytest.mark.parametrize("stop", ["\nUser:", ["\n\n", "\nUser:"]])

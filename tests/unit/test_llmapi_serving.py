@@ -195,7 +195,14 @@ def test_the_llmapi_model_encodes_like_training_and_streams_whole_characters(tmp
         request = types.SimpleNamespace(inputs=lambda inputs=inputs: inputs, is_cancelled=lambda: False)
         job = model.parse(request)
         assert job[0] == encode_prompt(tokenizer, "q", [], True)  # the chat template, as training
-        assert job[1] == {"max_tokens": 8, "min_tokens": None, "temperature": 0.0, "top_k": None, "seed": None}
+        assert job[1] == {
+            "max_tokens": 8,
+            "min_tokens": None,
+            "temperature": 0.0,
+            "top_k": None,
+            "top_p": None,
+            "seed": None,
+        }
         asyncio.run(model.generate(request, None, *job))
         pieces = []
         while not model.responses.empty():

@@ -98,10 +98,11 @@ def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_
     llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
 
     def inputs(text: str) -> list[str]:
-        return re.findall(r'name: "(\w+)"', text.split("input [")[1].split("]\noutput")[0])
+        return re.findall(r'name: "(\w+)"', text.split("input [")[1].split("\n]")[0])
 
-    # the llm model's inputs, and the adapter's name, which only the gateway sets (its clients cannot): never a path
-    assert inputs(config) == [*inputs(llm), "lora_name"]
+    # the llm model's inputs, vLLM's structured outputs (response_format), and the adapter's name, which only the
+    # gateway sets (its clients cannot): never a path
+    assert inputs(config) == [*inputs(llm), "structured_output", "lora_name"]
     assert serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64)[0] == "llm"
 
 
@@ -115,8 +116,9 @@ def test_llmapi_model_has_the_llm_interface_and_passes_the_llm_args_as_json(tmp_
     template, values = serving_model(profile, Path("/ckpt/v3"), "e" * 64, 40960)
     config = (render_model(template, tmp_path, "svc-v3", values) / "config.pbtxt").read_text()
     llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
-    inputs = lambda text: text.split("input [")[1].split("]\noutput")[0]  # noqa: E731
-    assert template == "llmapi" and inputs(config) == inputs(llm)
+    inputs = lambda text: re.findall(r'name: "(\w+)"', text.split("input [")[1].split("\n]")[0])  # noqa: E731
+    # the llm model's inputs but logprobs, which the gateway does not pass to the LLM API yet (openai_fields.py)
+    assert template == "llmapi" and inputs(config) == [name for name in inputs(llm) if name != "logprobs"]
     assert "dynamic_batching" not in config and "decoupled: true" in config and "count: 1" in config
     literal = config.split('key: "llm_args", value: { string_value: "')[1].split('" } }')[0]
     rendered = json.loads(literal.encode().decode("unicode_escape"))  # protobuf text-format unescaping

@@ -329,6 +329,12 @@ class ServeSection(Section):
         True, description="Encode prompts with the tokenizer's chat template, as training did."
     )
     load_timeout_s: float = Field(300, gt=0, description="Seconds a model may take to load in Triton.")
+    version_pinning: bool = Field(
+        False,
+        description="true: a /v1 request may name a live version (`<service>-vN`, listed by GET /v1/models) as its "
+        "`model` and be answered by that version alone, outside the routes' weights (to compare champion and "
+        "candidate, or reproduce an answer); false: such a request is refused (400) naming this setting.",
+    )
     listen: ListenSection = ListenSection()
     limits: LimitsSection = LimitsSection()
     health: HealthSection = HealthSection()

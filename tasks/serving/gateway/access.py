@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -215,3 +216,20 @@ class Guard:
             "latency_ms": round((time.perf_counter() - started) * 1000, 1),
         }
         ACCESS_LOG.info(orjson.dumps(line).decode())
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's JSON body, refused before it is read whole where it is not JSON or over the cap.
+
+    A declared length over the cap is refused at once; a chunked body (no length) is counted as it comes."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise RequestError(415, "Content-Type must be application/json")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise RequestError(413, f"request body of {declared} bytes is over the limit of {max_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise RequestError(413, f"request body is over the limit of {max_bytes} bytes")
+    return bytes(body)

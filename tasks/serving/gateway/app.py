@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -29,6 +28,7 @@ from tasks.serving.gateway.access import (
     Guard,
     current,
     openai_error,
+    read_body,
     reserve_tokens,
     shaped_error,
     triton_error,
@@ -36,6 +36,7 @@ from tasks.serving.gateway.access import (
 from tasks.serving.gateway.auth import KeyRing, authorize
 from tasks.serving.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
 from tasks.serving.gateway.limits import ClientLimits
+from tasks.serving.gateway.openai_fields import Engine
 from tasks.serving.gateway.probes import Prober, Recover
 from tasks.serving.gateway.protocol import (
     ChatCompletionRequest,
@@ -50,7 +51,7 @@ from tasks.serving.gateway.replicas import Replicas
 from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.upstream import Triton
-from tasks.serving.routes import RouteTable, Version, read_record, write_record
+from tasks.serving.routes import RouteTable, Version, amend_record, read_record, write_record
 
 LEASE_CHECK_S = 0.5  # how often the gateway looks for a release's hold on the routes that lapsed
 
@@ -71,33 +72,16 @@ class GatewayConfig:
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
     max_in_flight_per_key: int = 0  # requests being answered per client; 0: no limit
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
-    # The deployment record the route table is kept in (tasks/serving/routes.py), read at start; None: kept in memory
-    record: Path | None = None
+    record: Path | None = None  # the route table's deployment record (tasks/serving/routes.py); None: in memory
     table: RouteTable | None = None  # the table to start with where no record holds one
     control_key: str | None = None  # the key of the control API (control.py); None: the gateway has none
-    # serve.health: deadlines, probes (off unless given: probe_interval_s 0) and `recover`, which loads a Triton model
-    # again (probes.py); None: no recovery
+    # serve.health: deadlines, probes (off unless given: probe_interval_s 0) and `recover` (probes.py)
     health: HealthSection = field(default_factory=lambda: HealthSection(probe_interval_s=0))
-    recover: Recover | None = None
+    recover: Recover | None = None  # what loads a Triton model again; None: no recovery
     more_replicas: list[str] = field(default_factory=list)  # the other Tritons' URLs: every version is on each
     capture: CaptureSettings | None = None  # serve.capture: exchanges and feedback kept; None: neither
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request's JSON body, refused before it is read whole where it is not JSON or over the cap.
-
-    A declared length over the cap is refused at once; a chunked body (no length) is counted as it comes."""
-    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-        raise RequestError(415, "Content-Type must be application/json")
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise RequestError(413, f"request body of {declared} bytes is over the limit of {max_bytes}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise RequestError(413, f"request body is over the limit of {max_bytes} bytes")
-    return bytes(body)
+    backend: Engine = "python"  # serve.backend: the engine whose fields /v1 honours (openai_fields.py)
+    version_pinning: bool = False  # serve.version_pinning: a /v1 request may name a live version (GET /v1/models)
 
 
 class Gateway:
@@ -129,23 +113,20 @@ class Gateway:
         self.table_lock = asyncio.Lock()
         self.adopt(self.starting_table())
         self.capture = Capture(config.capture, self.metrics.registry) if config.capture else None
-        tokenizer = None
-        if config.tokenizer_dir is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
         self.openai = OpenAIServing(
             self.triton,
             config.service,
             config.context_tokens,
             config.default_max_tokens,
-            tokenizer,
+            config.tokenizer_dir,
             config.apply_chat_template,
             self.shadow,
             self.capture,
             self.draw,
             self.metrics,
             lambda: self.table,
+            config.backend,
+            config.version_pinning,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(
@@ -194,7 +175,7 @@ class Gateway:
             if self.config.record is None:
                 current, table = self.table, change(self.table)
             else:
-                current, table = await asyncio.to_thread(self.amend_record, self.config.record, change)
+                current, table = await asyncio.to_thread(amend_record, self.config.record, self.table, change)
             if table is None:
                 self.table = current  # the owner as the record has it now
                 return current
@@ -203,20 +184,6 @@ class Gateway:
             for version in table.versions():
                 self.metrics.start_version(version.name)
             return table
-
-    def amend_record(
-        self, path: Path, change: Callable[[RouteTable], RouteTable | None]
-    ) -> tuple[RouteTable, RouteTable | None]:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            shared = read_record(path)
-            owner = shared.owner if shared is not None and shared.service == self.table.service else None
-            current = replace(self.table, owner=owner)
-            table = change(current)
-            if table is not None:
-                write_record(path, table)
-            return current, table
 
     def draw(self) -> Version:
         """The version that answers a request for the service's name."""
@@ -294,8 +261,7 @@ class Gateway:
             self.authorize(request)
         except RequestError as error:
             return openai_error(error)
-        model = {"id": self.config.service, "object": "model", "created": 0, "owned_by": "llmops"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse(self.openai.models())
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai_route(request, lambda body: self.openai.chat(parse(ChatCompletionRequest, body)))

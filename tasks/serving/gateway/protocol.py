@@ -2,15 +2,17 @@
 the error every refusal becomes.
 
 Requests are parsed from the raw body in pydantic's strict JSON mode, so a string is no number, a bool no
-integer and 1.0 no token count, as a hand-written check would have it; unknown fields are ignored on /v1, as
-OpenAI's own clients send more than this gateway uses, and refused on /v2, which Triton would pass to the
-model. The first problem becomes a 400 naming its field. Bodies nested deeper than pydantic's JSON parser
+integer and 1.0 no token count, as a hand-written check would have it. On /v1 the fields this gateway does not
+translate are kept (`extra="allow"`) for openai_fields.py to judge: honoured, neutral, or a 400 naming the field and
+why, never ignored; on /v2 any other field is refused, as Triton would pass it to the model. The first problem
+becomes a 400 naming its field. Bodies nested deeper than pydantic's JSON parser
 allows, and broken escapes such as a lone surrogate ("\\ud800"), are a 400 there too: parsed with `json.loads`
 they had been a RecursionError, or a string that later failed to encode (UnicodeEncodeError), each a 500.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -37,22 +39,79 @@ class RequestError(Exception):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # name, tool_calls, ...: nothing a served model reads, so refused
+
     role: Literal["system", "user", "assistant"]
     content: str
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema with its schema (vLLM's structured outputs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def structured_output(self) -> str | None:
+        """The engine's structured_output input: vLLM's StructuredOutputsParams fields as JSON; None for text."""
+        if self.type == "json_object":
+            return json.dumps({"json_object": True})
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise RequestError(
+                    400, "response_format.json_schema is required with type json_schema", "response_format"
+                )
+            return json.dumps({"json": self.json_schema.schema_ or {}})
+        return None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None  # usage rides on the last event either way
+    include_obfuscation: Literal[False] | None = None  # no padding of events here
 
 
 class OpenAIRequest(BaseModel):
     """What chat and text completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # judged by openai_fields.check_fields, with the engine's table
 
     model: str | None = None
     max_tokens: Count | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None  # vLLM's extension: no end of sequence before that many
+    ignore_eos: bool | None = None  # vLLM's extension: the answer runs to max_tokens
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None  # vLLM's extension; 0 or -1: every token
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = None  # the engines' random_seed is a UINT64
-    n: Literal[1] = 1  # one choice per request: the served model answers once
     stop: Annotated[list[StopSequence], Field(max_length=4)] = []
     stream: bool | None = False  # null too: some clients send every field
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+    def alternatives(self) -> int | None:
+        """How many most likely tokens to return with each answer token's log probability; None: no logprobs."""
+        return None
+
+    def sent(self) -> dict[str, Any]:
+        """Every field the body carried, with its value: those parsed here, and those kept for openai_fields."""
+        parsed = {name: getattr(self, name) for name in self.model_fields_set}
+        plain = {
+            k: v.model_dump(exclude_none=True, by_alias=True) if isinstance(v, BaseModel) else v
+            for k, v in parsed.items()
+        }
+        return plain | (self.model_extra or {})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -65,6 +124,13 @@ class OpenAIRequest(BaseModel):
 class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens; it wins where both are sent
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def alternatives(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -76,6 +142,10 @@ class ChatCompletionRequest(OpenAIRequest):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the chosen token's, and that many alternatives
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 class GenerateRequest(BaseModel):
@@ -119,8 +189,13 @@ class GenerateInputs(BaseModel):
     text_input: str
     max_tokens: int
     chat_history: str | None = None  # the earlier messages as JSON, as the served model reads them
+    min_length: int | None = None  # no end of sequence before that many tokens (min_tokens; ignore_eos: max_tokens)
     temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     random_seed: int | None = None
+    logprobs: int | None = None  # alternatives per token with each token's log probability
+    structured_output: str | None = None  # vLLM's StructuredOutputsParams as JSON (response_format)
     exclude_input_in_output: bool = True
 
     def payload(self) -> dict[str, Any]:
@@ -167,14 +242,14 @@ class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -198,12 +273,14 @@ class CompletionResponse(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role", "content"} first, {"content"} then, {} with the finish_reason
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
 class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -219,6 +296,25 @@ class StreamChunk(BaseModel):
 
     def event(self) -> bytes:
         return f"data: {self.model_dump_json(exclude={'usage'} if self.usage is None else None)}\n\n".encode()
+
+
+def chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` of answer tokens as the engine sends them ({token, logprob, bytes, top_logprobs})."""
+    return {"content": tokens, "refusal": None}
+
+
+def completion_logprobs(tokens: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` of the same tokens; `offset`: where the first one starts in the answer."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token["token"])
+    return {
+        "tokens": [t["token"] for t in tokens],
+        "token_logprobs": [t["logprob"] for t in tokens],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
+        "text_offset": offsets,
+    }
 
 
 class ErrorInfo(BaseModel):

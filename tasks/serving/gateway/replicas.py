@@ -91,6 +91,9 @@ class Replicas:
     async def generate(self, version: Version, inputs: dict[str, Any]) -> str:
         return await self.on_one(lambda triton: triton.generate(version, inputs))
 
+    async def generate_outputs(self, version: Version, inputs: dict[str, Any]) -> dict[str, Any]:
+        return await self.on_one(lambda triton: triton.generate_outputs(version, inputs))
+
     async def forward(self, version: Version, body: dict[str, Any]) -> httpx.Response:
         return await self.on_one(lambda triton: triton.forward(version, body))
 
@@ -119,30 +122,42 @@ class Replicas:
         return response, relay()
 
     async def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
-        """Triton.generate_stream on a replica whose first piece came (before it, another replica may answer)."""
-        holder: list[tuple[Replica, AsyncGenerator[str, None]]] = []
+        """The text pieces of generate_stream_outputs' events."""
+        events = self.generate_stream_outputs(version, inputs)
+        try:
+            async for event in events:
+                yield str(event.get("text_output", ""))
+        finally:
+            await events.aclose()
 
-        async def first(triton: Triton) -> str | None:
-            pieces = triton.generate_stream(version, inputs)
+    async def generate_stream_outputs(
+        self, version: Version, inputs: dict[str, Any]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Triton.generate_stream_outputs on a replica whose first event came (before it, another replica may
+        answer)."""
+        holder: list[tuple[Replica, AsyncGenerator[dict[str, Any], None]]] = []
+
+        async def first(triton: Triton) -> dict[str, Any] | None:
+            events = triton.generate_stream_outputs(version, inputs)
             try:
-                piece = await anext(pieces, None)
+                event = await anext(events, None)
             except BaseException:
-                await pieces.aclose()
+                await events.aclose()
                 raise
             replica = next(r for r in self.replicas if r.triton is triton)
             replica.outstanding += 1
-            holder.append((replica, pieces))
-            return piece
+            holder.append((replica, events))
+            return event
 
-        piece = await self.on_one(first)
-        replica, pieces = holder[0]
+        event = await self.on_one(first)
+        replica, events = holder[0]
         try:
-            while piece is not None:
-                yield piece
-                piece = await anext(pieces, None)
+            while event is not None:
+                yield event
+                event = await anext(events, None)
         finally:
             replica.outstanding -= 1
-            await pieces.aclose()
+            await events.aclose()
 
     async def version_ready(self, version: Version) -> bool:
         """The version's model ready on a replica in the pool."""

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tasks.quality.chat import encode_prompt
 from tasks.serving.gateway.access import GatewayMetrics, current, reserve_tokens
 from tasks.serving.gateway.capture import Capture
+from tasks.serving.gateway.openai_fields import Engine, check_fields, sampling, scored_tokens
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
     ChatChunkChoice,
@@ -38,6 +40,8 @@ from tasks.serving.gateway.protocol import (
     RequestError,
     StreamChunk,
     UsageInfo,
+    chat_logprobs,
+    completion_logprobs,
 )
 from tasks.serving.gateway.replicas import Replicas
 from tasks.serving.gateway.shadow import Shadow
@@ -74,31 +78,54 @@ class Reply:
     chat: bool
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0  # completions' logprobs: where the next streamed token starts in the answer
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
-    def whole(self, text: str, finish: str, usage: UsageInfo) -> dict[str, Any]:
+    def logprobs(self, tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """The `logprobs` of a choice in this kind's shape, for the answer tokens the engine scored (None: not asked)."""
+        if tokens is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokens)
+        shaped = completion_logprobs(tokens, self.text_offset)
+        self.text_offset += sum(len(t["token"]) for t in tokens)
+        return shaped
+
+    def whole(
+        self, text: str, finish: str, usage: UsageInfo, tokens: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         response: ChatCompletionResponse | CompletionResponse
         if self.chat:
-            choice = ChatCompletionChoice(message=AssistantMessage(content=text), finish_reason=finish)
+            message = AssistantMessage(content=text)
+            choice = ChatCompletionChoice(message=message, finish_reason=finish, logprobs=self.logprobs(tokens))
             response = ChatCompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
             )
         else:
-            text_choice = CompletionChoice(text=text, finish_reason=finish)
+            text_choice = CompletionChoice(text=text, finish_reason=finish, logprobs=self.logprobs(tokens))
             response = CompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=[text_choice], usage=usage
             )
         return response.model_dump()
 
-    def chunk(self, delta: dict[str, str] | None, finish: str | None = None, usage: UsageInfo | None = None) -> bytes:
-        """One event; `delta` None is the last one's empty delta, which carries the finish_reason."""
+    def chunk(
+        self,
+        delta: dict[str, str] | None,
+        finish: str | None = None,
+        usage: UsageInfo | None = None,
+        tokens: list[dict[str, Any]] | None = None,
+    ) -> bytes:
+        """One event; `delta` None is the last one's empty delta, which carries the finish_reason; `tokens` the
+        scored answer tokens the event's text came from (logprobs), per chunk as OpenAI streams them."""
         choices: list[ChatChunkChoice] | list[CompletionChunkChoice]
+        logprobs = self.logprobs(tokens)
         if self.chat:
-            choices = [ChatChunkChoice(delta=delta or {}, finish_reason=finish)]
+            choices = [ChatChunkChoice(delta=delta or {}, finish_reason=finish, logprobs=logprobs)]
         else:
-            choices = [CompletionChunkChoice(text=(delta or {}).get("content", ""), finish_reason=finish)]
+            text = (delta or {}).get("content", "")
+            choices = [CompletionChunkChoice(text=text, finish_reason=finish, logprobs=logprobs)]
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return StreamChunk(
             id=self.id, object=kind, created=self.created, model=self.model, choices=choices, usage=usage
@@ -106,8 +133,8 @@ class Reply:
 
 
 class OpenAIServing:
-    """The /v1 completions of the service, each answered by the version `draw` gives, on Triton; `tokenizer` counts
-    usage (may be None)."""
+    """The /v1 completions of the service, each answered by the version `draw` gives, on Triton; the tokenizer of
+    `tokenizer_dir` counts usage (None: none counted)."""
 
     def __init__(
         self,
@@ -115,31 +142,62 @@ class OpenAIServing:
         service: str,
         context_tokens: int,
         default_max_tokens: int,
-        tokenizer=None,
+        tokenizer_dir: Path | None = None,
         apply_chat_template=True,
         shadow: Shadow | None = None,
         capture: Capture | None = None,
         draw: Callable[[], Version] | None = None,
         metrics: GatewayMetrics | None = None,
         table: Callable[[], RouteTable] | None = None,
+        engine: Engine = "python",
+        version_pinning: bool = False,
     ):
         self.triton, self.service = triton, service
         self.context_tokens, self.default_max_tokens = context_tokens, default_max_tokens
-        self.tokenizer, self.apply_chat_template, self.shadow = tokenizer, apply_chat_template, shadow
+        self.apply_chat_template, self.shadow = apply_chat_template, shadow
+        self.tokenizer: Any = None
+        if tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.capture, self.metrics = capture, metrics or GatewayMetrics()
         self.draw = draw or (lambda: Version(service, service))
         self.table = table or (lambda: RouteTable(service))
+        self.engine = engine  # serve.backend: which request fields are honoured (openai_fields.py)
+        self.version_pinning = version_pinning  # serve.version_pinning: a request may name a live version
         self.tokenizer_lock = threading.Lock()
 
-    def check_model(self, model: str | None) -> None:
-        if model not in (None, self.service):
+    def check_model(self, model: str | None) -> Version | None:
+        """The version a request for `model` pins: None for the service (the route table draws the version), or a
+        live version of the table where serve.version_pinning allows it. Only the table's versions, each with the
+        model and adapter the gateway gave it: a request never names a Triton model or an adapter."""
+        if model in (None, self.service):
+            return None
+        version = self.table().version(model)
+        if version is None:
             raise RequestError(404, f"model {model!r} is not served here; GET /v1/models lists it", "model")
+        if not self.version_pinning:
+            message = f"model {model!r} is a version of {self.service!r}; pinning a version is off here "
+            raise RequestError(400, message + "(serve.version_pinning): ask for the service", "model")
+        return version
+
+    def models(self) -> dict[str, Any]:
+        """GET /v1/models: the service, then its live versions as the route table has them (a request may name one
+        where serve.version_pinning allows it)."""
+        model = {"id": self.service, "object": "model", "created": 0, "owned_by": "llmops"}
+        versions = [{**model, "id": v.name, "parent": self.service} for v in self.table().versions()]
+        return {"object": "list", "data": [model, *versions]}
+
+    def named(self, pinned: Version | None) -> str:
+        """The model an answer names: the version a request pinned, or the service."""
+        return pinned.name if pinned is not None else self.service
 
     def max_tokens(self, value: int | None, name: str) -> int:
         return bounded_max_tokens(value, name, self.context_tokens, self.default_max_tokens)
 
     async def chat(self, request: ChatCompletionRequest) -> Response:
-        self.check_model(request.model)
+        pinned = self.check_model(request.model)
+        check_fields("chat", request.sent(), self.engine)
         *earlier, question = request.messages
         history = [m.model_dump() for m in earlier]
         if request.max_completion_tokens is not None:
@@ -149,41 +207,43 @@ class OpenAIServing:
         inputs = GenerateInputs(
             text_input=question.content,
             chat_history=json.dumps(history, ensure_ascii=False) if history else None,
-            max_tokens=max_tokens,
-            temperature=request.temperature,
-            random_seed=request.seed,
+            **sampling(request, max_tokens),
         )
-        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.service, chat=True))
+        return await self.complete(
+            inputs, request.stop, bool(request.stream), Reply(self.named(pinned), chat=True), pinned
+        )
 
     async def completion(self, request: CompletionRequest) -> Response:
-        self.check_model(request.model)
-        inputs = GenerateInputs(
-            text_input=request.prompt,
-            max_tokens=self.max_tokens(request.max_tokens, "max_tokens"),
-            temperature=request.temperature,
-            random_seed=request.seed,
+        pinned = self.check_model(request.model)
+        check_fields("completions", request.sent(), self.engine)
+        max_tokens = self.max_tokens(request.max_tokens, "max_tokens")
+        inputs = GenerateInputs(text_input=request.prompt, **sampling(request, max_tokens))
+        return await self.complete(
+            inputs, request.stop, bool(request.stream), Reply(self.named(pinned), chat=False), pinned
         )
-        return await self.complete(inputs, request.stop, bool(request.stream), Reply(self.service, chat=False))
 
-    async def complete(self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply) -> Response:
-        version = self.draw()
+    async def complete(
+        self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply, pinned: Version | None = None
+    ) -> Response:
+        version = pinned or self.draw()
         started = time.perf_counter()
         reserve_tokens(inputs.max_tokens)
         if not stream:
             try:
-                answer = await self.triton.generate(version, inputs.payload())
+                outputs = await self.triton.generate_outputs(version, inputs.payload())
             except RequestError as error:
                 self.metrics.observe(version.name, error.status, time.perf_counter() - started)
                 raise
             self.metrics.observe(version.name, 200, time.perf_counter() - started)
-            text, stopped = cut_at_stop(answer, stop)
-            self.copy_to_shadow(inputs, text, stop, started)
-            usage = await self.usage(inputs, text)
+            text, stopped = cut_at_stop(str(outputs["text_output"]), stop)
+            self.copy_to_shadow(inputs, text, stop, started, reply)
+            tokens = scored_tokens(outputs, inputs)
+            usage = await self.usage(inputs, text, None if tokens is None else len(tokens))
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
             finish = self.finish_reason(stopped, usage, inputs)
             self.keep_exchange(inputs, text, reply, usage, finish, started)
-            return JSONResponse(reply.whole(text, finish, usage))
-        pieces = self.triton.generate_stream(version, inputs.payload())
+            return JSONResponse(reply.whole(text, finish, usage, tokens))
+        pieces = self.triton.generate_stream_outputs(version, inputs.payload())
         try:
             first = await anext(pieces, None)  # errors before the first token still get a status code
         except RequestError as error:
@@ -192,14 +252,17 @@ class OpenAIServing:
         events = self.events(pieces, first, stop, reply, inputs, started, version)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    def copy_to_shadow(self, inputs: GenerateInputs, answer: str, stop: list[str], started: float) -> None:
-        if self.shadow is not None:
+    def copy_to_shadow(
+        self, inputs: GenerateInputs, answer: str, stop: list[str], started: float, reply: Reply
+    ) -> None:
+        """A copy for the shadowed version of an answer the routes gave (a pinned version's answer is no champion's)."""
+        if self.shadow is not None and reply.model == self.service:
             self.shadow.copy(inputs.payload(), answer, stop, time.perf_counter() - started)
 
     async def events(
         self,
-        pieces: AsyncGenerator[str, None],
-        first: str | None,
+        pieces: AsyncGenerator[dict[str, Any], None],
+        first: dict[str, Any] | None,
         stop: list[str],
         reply: Reply,
         inputs: GenerateInputs,
@@ -209,13 +272,16 @@ class OpenAIServing:
         """The completion's server-sent events; a failure after the first piece ends them with an error event."""
         if reply.chat:
             yield reply.chunk({"role": "assistant", "content": ""})
-        scanner = StopScanner(stop)
+        scanner, made = StopScanner(stop), 0
         try:
             piece = first
             while piece is not None:
                 current().produced += 1  # charged if the stream ends before its usage is counted
-                if delta := scanner.feed(piece):
-                    yield reply.chunk({"content": delta})
+                delta = scanner.feed(str(piece.get("text_output", "")))
+                tokens = scored_tokens(piece, inputs)
+                made += len(tokens or [])
+                if delta or tokens:
+                    yield reply.chunk({"content": delta}, tokens=tokens)
                 if scanner.stopped:
                     break
                 piece = await anext(pieces, None)
@@ -229,8 +295,8 @@ class OpenAIServing:
         self.metrics.observe(version.name, 200, time.perf_counter() - started)
         if rest := scanner.flush():
             yield reply.chunk({"content": rest})
-        self.copy_to_shadow(inputs, scanner.text, stop, started)
-        usage = await self.usage(inputs, scanner.text)
+        self.copy_to_shadow(inputs, scanner.text, stop, started, reply)
+        usage = await self.usage(inputs, scanner.text, made if inputs.logprobs is not None else None)
         current().tokens = usage.total_tokens or inputs.max_tokens
         finish = self.finish_reason(scanner.stopped, usage, inputs)
         self.keep_exchange(inputs, scanner.text, reply, usage, finish, started)
@@ -266,16 +332,27 @@ class OpenAIServing:
 
     @staticmethod
     def finish_reason(stopped: bool, usage: UsageInfo, inputs: GenerateInputs) -> str:
-        """ "length" where the answer used its whole token budget, "stop" where it ended on its own or at a stop."""
-        return "stop" if stopped or usage.completion_tokens < inputs.max_tokens else "length"
+        """ "length" where the answer used its whole token budget (ignore_eos: always), "stop" where it ended on its own
+        or at a stop."""
+        if stopped:
+            return "stop"
+        forced = inputs.min_length == inputs.max_tokens  # re-encoding the text may count fewer tokens than were made
+        return "length" if forced or usage.completion_tokens >= inputs.max_tokens else "stop"
 
-    async def usage(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
+    async def usage(self, inputs: GenerateInputs, answer: str, made: int | None = None) -> UsageInfo:
         """Token counts, in a worker thread: a long chat's tokenization would hold every other client's
         request on the event loop meanwhile. One at a time: a fast tokenizer used from two threads at once
-        can fail with "Already borrowed"."""
+        can fail with "Already borrowed". `made`: the answer's tokens as the engine counted them (it scored each
+        for logprobs), which re-encoding the text can miss (a token of half a character decodes to U+FFFD)."""
         if self.tokenizer is None:
-            return UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-        return await asyncio.to_thread(self.count_tokens, inputs, answer)
+            usage = UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        else:
+            usage = await asyncio.to_thread(self.count_tokens, inputs, answer)
+        if made is None:
+            return usage
+        return UsageInfo(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=made, total_tokens=usage.prompt_tokens + made
+        )
 
     def count_tokens(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
         history = json.loads(inputs.chat_history or "[]")

@@ -143,6 +143,10 @@ class Triton:
             raise RequestError(504, "the model server did not answer in time", code="timeout") from None
 
     async def generate(self, version: Version, inputs: dict[str, Any]) -> str:
+        return str((await self.generate_outputs(version, inputs))["text_output"])
+
+    async def generate_outputs(self, version: Version, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Triton's answer: text_output, and the other outputs the model sent (logprobs)."""
         try:
             async with self.first_byte():
                 response = await self.client.post(f"/v2/models/{version.model}/generate", json=version.inputs(inputs))
@@ -150,11 +154,22 @@ class Triton:
             raise self.unreachable(exc) from None
         if response.status_code != 200:
             raise upstream_error(response)
-        return str(response.json()["text_output"])
+        return dict(response.json())
 
     async def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
-        """The text pieces of Triton's SSE stream. Any failure, before the first piece or after, raises
-        RequestError: an error event of Triton's, a broken connection, an event that is not JSON."""
+        """The text pieces of Triton's SSE stream (generate_stream_outputs' text_output)."""
+        events = self.generate_stream_outputs(version, inputs)
+        try:
+            async for event in events:
+                yield str(event.get("text_output", ""))
+        finally:
+            await events.aclose()
+
+    async def generate_stream_outputs(
+        self, version: Version, inputs: dict[str, Any]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The events of Triton's SSE stream, each with its outputs. Any failure, before the first event or after,
+        raises RequestError: an error event of Triton's, a broken connection, an event that is not JSON."""
         request = self.client.build_request(
             "POST", f"/v2/models/{version.model}/generate_stream", json=version.inputs({**inputs, "stream": True})
         )
@@ -170,7 +185,7 @@ class Triton:
             async for event in self.events(response):
                 if "error" in event:
                     raise server_fault(502, f"error event: {event['error']}")
-                yield str(event.get("text_output", ""))
+                yield event
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         finally:

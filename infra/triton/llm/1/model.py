@@ -14,7 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 # model_text.py is tasks/text/model_text.py, copied next to this file when the model is rendered
-from model_text import chat_history, encode_prompt, input_value, stream_delta
+from model_text import chat_history, encode_prompt, input_value, scored_token, stream_delta
 
 
 @dataclass
@@ -28,8 +28,11 @@ class Job:
     echo: bool
     temperature: float
     top_k: int
+    top_p: float = 1.0  # nucleus: sample from the fewest most likely tokens whose probability reaches top_p
+    logprobs: int = -1  # alternatives per token with each token's log probability; -1: no log probabilities
     generator: object = None
     tokens: list = field(default_factory=list)
+    pending_logprobs: list = field(default_factory=list)  # of the tokens not yet sent
     sent_text: str = ""
     done: bool = False
 
@@ -38,6 +41,7 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -55,6 +59,12 @@ class TritonPythonModel:
         self.context_tokens = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos = self.tokenizer.eos_token_id
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        # Suppressed while an answer is shorter than its min_length (the gateway's min_tokens, ignore_eos): the end of
+        # sequence, and every other special token, which decodes to nothing and would leave the answer short of it
+        self.unspoken = sorted({self.eos, *self.tokenizer.all_special_ids} - {None})
+        self.special = frozenset(self.tokenizer.all_special_ids)
+        # GPT-2's byte-level alphabet (the character that spells each byte), which Qwen2's tokenizer uses
+        self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
 
     def parse(self, request):
         text = input_value(request, "text_input", None)
@@ -80,6 +90,8 @@ class TritonPythonModel:
             echo=not bool(input_value(request, "exclude_input_in_output", False)),
             temperature=float(input_value(request, "temperature", 0.0)),
             top_k=int(input_value(request, "top_k", 0)),
+            top_p=float(input_value(request, "top_p", 1.0)),
+            logprobs=int(input_value(request, "logprobs", -1)),
         )
         seed = input_value(request, "random_seed", None)
         if job.temperature > 0:
@@ -109,19 +121,37 @@ class TritonPythonModel:
         return None
 
     def respond(self, job, text, final):
-        output = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
+        outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        if job.logprobs >= 0:  # the tokens this response carries, each with its log probability (OpenAI's shape)
+            sent = json.dumps(job.pending_logprobs, ensure_ascii=False).encode("utf-8")
+            outputs.append(pb_utils.Tensor("logprobs", np.array([[sent]], dtype=np.object_)))
+            job.pending_logprobs = []
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        job.sender.send(pb_utils.InferenceResponse(output_tensors=[output]), flags=flags)
+        job.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def token_logprobs(self, logits, token, alternatives):
+        """The chosen token's log probability under the model (its logits before any sampling setting), and the
+        `alternatives` most likely tokens' (OpenAI's top_logprobs): each as {token, logprob, bytes}."""
+        logprobs = self.torch.log_softmax(logits, -1)
+
+        def entry(token_id):
+            return scored_token(self.tokenizer, self.byte_of, self.special, token_id, logprobs[token_id])
+
+        top = self.torch.topk(logprobs, alternatives).indices.tolist() if alternatives > 0 else []
+        return {**entry(token), "top_logprobs": [entry(t) for t in top]}
 
     def pick(self, job, logits):
         if len(job.tokens) < job.min_length:
-            logits[self.eos] = float("-inf")
+            logits[self.unspoken] = float("-inf")
         if job.temperature <= 0:
             return int(logits.argmax())
         logits = logits / job.temperature
         if job.top_k > 0:
             cutoff = self.torch.topk(logits, job.top_k).values[-1]
             logits[logits < cutoff] = float("-inf")
+        if job.top_p < 1:  # keep the most likely tokens until their probability reaches top_p (the first always)
+            ordered, order = self.torch.sort(self.torch.softmax(logits, -1), descending=True)
+            logits[order[(ordered.cumsum(-1) - ordered) >= job.top_p]] = float("-inf")
         return int(self.torch.multinomial(self.torch.softmax(logits, -1), 1, generator=job.generator))
 
     def generate(self, jobs):
@@ -153,6 +183,8 @@ class TritonPythonModel:
                     finished = token == self.eos or len(job.tokens) + 1 >= job.max_tokens
                     if token != self.eos:
                         job.tokens.append(token)
+                        if job.logprobs >= 0:
+                            job.pending_logprobs.append(self.token_logprobs(logits[i], token, job.logprobs))
                     self.emit(job, finished)
                 if all(job.done for job in jobs):
                     break

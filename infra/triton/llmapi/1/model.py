@@ -33,7 +33,10 @@ tritonserver or the stub dies.
 
 TensorRT-LLM API used (v1.2.1, as upstream's model.py uses it): LLM(model, **kwargs); llm.generate_async(inputs,
 sampling_params, streaming=True) -> RequestOutput, async-iterable, with .outputs[0].text (cumulative), .finished,
-.abort(); llm.shutdown(); SamplingParams(max_tokens, min_tokens, temperature, top_k, seed) (sampling_params.py).
+.abort(); llm.shutdown(); SamplingParams(max_tokens, min_tokens, temperature, top_k, seed) (sampling_params.py). min_tokens
+is the gateway's min_tokens, and its ignore_eos as min_tokens = max_tokens ("Lower bound on the number of tokens to
+generate. Values < 1 have no effect": SamplingParams' docstring and field, read at the only stored revision of
+tensorrt_llm/sampling_params.py, 000a01de (1.0.0rc4); the index holds no copy at the 1.2.1 tag to check it there).
 A per-request seed is accepted by SamplingParams but ignored by 1.2's default sampler (TorchLlmArgs.sampler_type
 `auto` runs TorchSampler, which took per-request seeds only with NVIDIA/TensorRT-LLM#17172, merged 2026-08-04, after
 1.2.1): a sampled request with random_seed is refused there rather than answered unreproducibly.
@@ -159,6 +162,7 @@ class TritonPythonModel:
             )
         seed = input_value(request, "random_seed", None)
         top_k = int(input_value(request, "top_k", 0))
+        top_p = float(input_value(request, "top_p", 1.0))
         temperature = max(float(input_value(request, "temperature", 0.0)), 0.0)  # 0: greedy
         if seed is not None and temperature > 0 and not self.seeded_sampling:
             raise ValueError(
@@ -171,6 +175,7 @@ class TritonPythonModel:
             min_tokens=min(int(input_value(request, "min_length", 0)), max_tokens) or None,
             temperature=temperature,
             top_k=top_k if top_k > 0 else None,  # None: all tokens
+            top_p=top_p if top_p < 1 else None,  # None: all tokens (SamplingParams.top_p, sampling_params.py as above)
             seed=int(seed) if seed is not None and temperature > 0 else None,  # greedy answers need no seed
         )
         stream = bool(input_value(request, "stream", False))

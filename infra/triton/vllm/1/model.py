@@ -35,8 +35,13 @@ and meanings, line numbers of 0.27.1 in brackets):
   lora_request=) (v1/engine/async_llm.py:698-708) loads an adapter on its first request; remove_lora(lora_id)
   (l.1193) frees it. A request names an adapter by name only: its files come from the adapter map that loading the
   version's model (infra/triton/lora, with the control key) wrote (adapter_registry.py), never from the request
-- vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), seed, max_tokens,
-  min_tokens, skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE)
+- vllm/sampling_params.py: SamplingParams(temperature, top_k (0 = all), top_p (1 = all), seed, max_tokens,
+  min_tokens (l.336 [l.264]: no EOS nor stop_token_ids before that many; the gateway's min_tokens, and its
+  ignore_eos as min_tokens = max_tokens), logprobs (l.339 [l.267]: the sampled token's and that many most likely
+  tokens' log probabilities, of the model's raw logits by default), structured_outputs (l.404 [l.321]:
+  StructuredOutputsParams l.99 [l.72], json (a schema) or json_object (l.101, l.105 [l.74, l.78]), only one of
+  them), skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE), CompletionOutput.logprobs
+  one {token id: Logprob(logprob, rank, decoded_token)} per answer token (logprobs.py:13-25 [l.13-24])
   [l.199: temperature l.236, top_k l.243, seed l.250, max_tokens l.262, min_tokens l.264,
   skip_special_tokens l.295, output_kind l.301; outputs.py: RequestOutput l.85, outputs/finished l.118-119,
   CompletionOutput.text l.41]
@@ -58,7 +63,7 @@ import triton_python_backend_utils as pb_utils
 # copied next to this file when the model is rendered
 from adapter_registry import active, registry_root
 from engine_guard import engine_processes, guard_engine
-from model_text import chat_history, encode_prompt, input_value, stream_delta
+from model_text import chat_history, encode_prompt, input_value, scored_token, stream_delta
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
 RETIRED_CHECK_S = 2.0  # how often the engine frees the adapters whose version was unloaded
@@ -86,7 +91,13 @@ class TritonPythonModel:
                 "with the vLLM serving environment first on PATH (make setup-vllm; llmops serve/run do this "
                 "for serve.backend=vllm)"
             ) from exc
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        from vllm.config import StructuredOutputsConfig
+        from vllm.sampling_params import StructuredOutputsParams
+
         self.SamplingParams, self.TokensPrompt, self.LoRARequest = SamplingParams, TokensPrompt, LoRARequest
+        self.StructuredOutputsParams = StructuredOutputsParams
+        self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()}  # model_text.scored_token
         # A relative model_dir is inside this model's version folder: the weights came with the load request.
         model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
         files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
@@ -94,6 +105,7 @@ class TritonPythonModel:
             # vLLM would say only "Engine core initialization failed" (the cause is in its child's log)
             raise pb_utils.TritonModelException(f"vLLM: no model weights (*.safetensors, *.bin) in {model_dir}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.special = frozenset(self.tokenizer.all_special_ids)
         self.chat = params.get("apply_chat_template", "true") == "true"
         self.default_max_tokens = int(params.get("default_max_tokens", "16"))
         # serve.lora adapter: this engine serves the base model and, per request, the adapter it names
@@ -118,6 +130,11 @@ class TritonPythonModel:
             max_num_seqs=int(params["max_num_seqs"]),
             seed=0,
             disable_log_stats=True,
+            # response_format's JSON without free whitespace: xgrammar takes it per engine, not per request
+            # (v1/structured_output/backend_xgrammar.py:38-39, 110-120 [l.38-39, 83-87]; config/structured_outputs.py:25,
+            # 62-66 [l.26]: only for the xgrammar and guidance backends); a small model otherwise spends its whole
+            # budget on newlines inside the object and answers JSON cut short
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
             **{key: parse(params[key]) for key, parse in OPTIONAL_ENGINE_ARGS.items() if params.get(key)},
             **lora_args,
         )
@@ -159,17 +176,55 @@ class TritonPythonModel:
                 f"{self.context_tokens} tokens; ask for at most {max(self.context_tokens - len(ids), 0)}"
             )
         seed = input_value(request, "random_seed", None)
+        alternatives = int(input_value(request, "logprobs", -1))
         sampling = self.SamplingParams(
             max_tokens=max_tokens,
             min_tokens=min(int(input_value(request, "min_length", 0)), max_tokens),
             temperature=max(float(input_value(request, "temperature", 0.0)), 0.0),
             top_k=max(int(input_value(request, "top_k", 0)), 0),
+            top_p=float(input_value(request, "top_p", 1.0)),
             seed=int(seed) if seed is not None else None,
             skip_special_tokens=True,
+            logprobs=alternatives if alternatives >= 0 else None,
+            structured_outputs=self.structured_outputs(input_value(request, "structured_output", "")),
         )
         stream = bool(input_value(request, "stream", False))
         echo = not bool(input_value(request, "exclude_input_in_output", False))
         return ids, sampling, text, stream, echo, self.adapter(request)
+
+    def structured_outputs(self, text):
+        """vLLM's StructuredOutputsParams from the structured_output input (the gateway's response_format as its
+        fields, JSON: {"json": schema} or {"json_object": true}); None without one."""
+        if not text:
+            return None
+        fields = json.loads(text)
+        if not isinstance(fields, dict) or not set(fields) <= {"json", "json_object"}:
+            raise ValueError("structured_output must be a JSON object of json or json_object")
+        return self.StructuredOutputsParams(**fields)
+
+    def scored(self, output, start, alternatives):
+        """The answer tokens from `start` on, each with its log probability and the `alternatives` most likely
+        tokens' ({token, logprob, bytes, top_logprobs}: vLLM ranks them from 1, and adds the sampled token where it
+        ranks below them); None where the request asked for none."""
+        if output.logprobs is None:
+            return None
+        ids = list(output.token_ids)
+        if output.finish_reason == "stop" and ids and ids[-1] in self.special:
+            ids.pop()  # the end of sequence that ended the answer: not in its text (the llm model scores none)
+        scored = []
+        for token_id, ranked in zip(ids[start:], output.logprobs[start:], strict=False):
+            top = sorted(
+                (p.rank, t, p.logprob) for t, p in ranked.items() if p.rank is not None and p.rank <= alternatives
+            )
+            scored.append(
+                {
+                    **scored_token(self.tokenizer, self.byte_of, self.special, token_id, ranked[token_id].logprob),
+                    "top_logprobs": [
+                        scored_token(self.tokenizer, self.byte_of, self.special, t, lp) for _, t, lp in top
+                    ],
+                }
+            )
+        return scored
 
     def adapter(self, request):
         """The LoRARequest of the adapter a request names by name (the gateway sets it), or None: the base model.
@@ -223,7 +278,7 @@ class TritonPythonModel:
 
     async def generate(self, request, sender, ids, sampling, prompt, stream, echo, lora_request):
         request_id = uuid.uuid4().hex
-        sent, finished, steps = "", False, 0
+        sent, finished, steps, scored_sent = "", False, 0, 0
         try:
             async for output in self.engine.generate(
                 self.TokensPrompt(prompt_token_ids=ids), sampling, request_id, lora_request=lora_request
@@ -238,20 +293,26 @@ class TritonPythonModel:
                 text, finished = output.outputs[0].text, output.finished
                 if stream:
                     delta, sent = stream_delta(text, sent, finished)
-                    if delta or finished:
-                        self.respond(sender, delta, finished)
+                    if delta or finished:  # the tokens scored since the last response ride with this one
+                        scored = self.scored(output.outputs[0], scored_sent, sampling.logprobs)
+                        scored_sent = len(output.outputs[0].token_ids)
+                        self.respond(sender, delta, finished, scored)
                 elif finished:
-                    self.respond(sender, (prompt + text) if echo else text, True)
+                    scored = self.scored(output.outputs[0], 0, sampling.logprobs)
+                    self.respond(sender, (prompt + text) if echo else text, True, scored)
             if not finished:
                 raise RuntimeError("vLLM ended the request without a final output")
         except Exception as exc:
             error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"vLLM: {exc}"))
             self.responses.put((sender, error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
-    def respond(self, sender, text, final):
-        output = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
+    def respond(self, sender, text, final, scored=None):
+        outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        if scored is not None:  # logprobs asked: this response's tokens, as infra/triton/llm sends them
+            sent = json.dumps(scored, ensure_ascii=False).encode("utf-8")
+            outputs.append(pb_utils.Tensor("logprobs", np.array([[sent]], dtype=np.object_)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self.responses.put((sender, pb_utils.InferenceResponse(output_tensors=[output]), flags))
+        self.responses.put((sender, pb_utils.InferenceResponse(output_tensors=outputs), flags))
 
     def send_responses(self):
         """Sending a response is a blocking round trip to Triton: done here, off the engine's event loop, which
