@@ -542,7 +542,7 @@ def test_predict_with_no_serve_answers_a_registered_version_on_a_triton_of_its_o
     from the S3 store on a Triton and a gateway of its own, answers every row, and leaves no process behind."""
     import psutil
 
-    version = latest_run(stack).data.tags["registered_version"]
+    version = str(max(int(v) for v in versions(stack)))  # any registered one; the latest run may have failed
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the opposite of hot?\nWhat is the opposite of up?\n")
     out, home = tmp_path / "answers.jsonl", tmp_path / "home"
