@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
-from tasks.serving.gateway.upstream import Triton, Unanswered, server_fault
+from tasks.serving.gateway.upstream import Triton, Unanswered, server_fault, text_pieces
 from tasks.serving.routes import Version
 
 LOG = logging.getLogger("llmops.gateway")
@@ -121,14 +121,9 @@ class Replicas:
 
         return response, relay()
 
-    async def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
+    def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
         """The text pieces of generate_stream_outputs' events."""
-        events = self.generate_stream_outputs(version, inputs)
-        try:
-            async for event in events:
-                yield str(event.get("text_output", ""))
-        finally:
-            await events.aclose()
+        return text_pieces(self.generate_stream_outputs(version, inputs))
 
     async def generate_stream_outputs(
         self, version: Version, inputs: dict[str, Any]

@@ -156,14 +156,9 @@ class Triton:
             raise upstream_error(response)
         return dict(response.json())
 
-    async def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
+    def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
         """The text pieces of Triton's SSE stream (generate_stream_outputs' text_output)."""
-        events = self.generate_stream_outputs(version, inputs)
-        try:
-            async for event in events:
-                yield str(event.get("text_output", ""))
-        finally:
-            await events.aclose()
+        return text_pieces(self.generate_stream_outputs(version, inputs))
 
     async def generate_stream_outputs(
         self, version: Version, inputs: dict[str, Any]
@@ -257,3 +252,12 @@ class Triton:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+async def text_pieces(events: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[str, None]:
+    """The text_output of each event, the events closed whatever happens."""
+    try:
+        async for event in events:
+            yield str(event.get("text_output", ""))
+    finally:
+        await events.aclose()
