@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import requests
@@ -258,9 +259,7 @@ class Triton:
         history: Sequence[Mapping[str, object]] | None = None,
     ) -> str:
         """Greedy answer of model `name` to `text`, after `history` (earlier messages, e.g. a system prompt)."""
-        body = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True}
-        if history:
-            body["chat_history"] = json.dumps(history, ensure_ascii=False)
+        body = generate_body(text, max_tokens, history)
         response = requests.post(f"{self.url}/v2/models/{name}/generate", timeout=timeout, json=body)
         if response.status_code != 200:
             raise CheckFailed(f"Triton: {name} generate failed: {response.text[:300]}")
@@ -302,3 +301,11 @@ def parse_metric(text: str, metric: str, model: str) -> float:
     """Sum of a Prometheus counter over the versions of one model (Triton's nv_inference_* family)."""
     pattern = re.compile(rf'^{metric}{{[^}}]*model="{re.escape(model)}"[^}}]*}} ([0-9.eE+-]+)$', re.M)
     return sum(float(v) for v in pattern.findall(text))
+
+
+def generate_body(text: str, max_tokens: int, history: Sequence[Mapping[str, object]] | None) -> dict[str, Any]:
+    """Triton's generate request for a greedy answer to `text` after `history` (earlier messages), the answer alone."""
+    body: dict[str, Any] = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True}
+    if history:
+        body["chat_history"] = json.dumps(list(history), ensure_ascii=False)
+    return body

@@ -15,7 +15,7 @@ from typing import Any
 import requests
 
 from tasks.platform.errors import CheckFailed, TransientError
-from tasks.serving.client import CONTROL_HEADER, Triton
+from tasks.serving.client import CONTROL_HEADER, Triton, generate_body
 from tasks.serving.routes import Owner, RouteTable
 
 
@@ -88,11 +88,7 @@ class ServiceControl:
     ) -> str:
         """Greedy answer of `name` (the service: a version drawn by weight; or one version by its name) through the
         gateway, after `history` (earlier messages)."""
-        import json
-
-        body: dict[str, Any] = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True}
-        if history:
-            body["chat_history"] = json.dumps(list(history), ensure_ascii=False)
+        body = generate_body(text, max_tokens, history)
         response = requests.post(
             f"{self.url}/v2/models/{name}/generate", json=body, headers={CONTROL_HEADER: self.key}, timeout=timeout
         )
