@@ -56,6 +56,32 @@ def curl(*args: str) -> str:
     ).stdout
 
 
+def start_serve(home: Path, store: Path, log: Path, *args: str) -> subprocess.Popen:
+    """`llmops serve` of `home` on free ports, its output in `log`."""
+    from tests.servers import LLMOPS, ROOT, llmops_env
+
+    ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
+    ports += ["--metrics-port", "0", "--gateway-metrics-port", "0"]
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [str(LLMOPS), "serve", "--artifacts", str(store), *ports, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=llmops_env(home),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+
+def published(home: Path, serving: subprocess.Popen, log: Path, timeout: float) -> dict:
+    """What the serve published (its server.json), once it has; the serve's log where it died or took too long."""
+    state_file, deadline = home / "triton" / "server.json", time.monotonic() + timeout
+    while not state_file.is_file():
+        assert serving.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return json.loads(state_file.read_text())
+
+
 def test_the_control_api_needs_the_key_and_inference_does_not(triton):
     url = triton.client.url
     assert curl("-X", "POST", f"{url}/v2/repository/index") == "403"
@@ -125,7 +151,6 @@ def test_a_bad_candidate_rolls_back_on_the_attached_triton_through_the_serve_in_
     import signal
 
     from tasks.serving.service import ServiceControl
-    from tests.servers import LLMOPS, ROOT, llmops_env
 
     champion = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
     serve_home, log = tmp_path / "serve-home", tmp_path / "serve.log"
@@ -135,33 +160,9 @@ def test_a_bad_candidate_rolls_back_on_the_attached_triton_through_the_serve_in_
     assert client.grpc_url and client.metrics_url
     attach = ["--triton-url", client.url, "--triton-grpc-url", client.grpc_url]
     attach += ["--triton-metrics-url", client.metrics_url, "--triton-control-key-file", key_file]
-    ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
-    with open(log, "w") as out:
-        serving = subprocess.Popen(
-            [
-                str(LLMOPS),
-                "serve",
-                "--artifacts",
-                str(cpu_tiny_store),
-                *ports,
-                "--metrics-port",
-                "0",
-                "--gateway-metrics-port",
-                "0",
-                *attach,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=llmops_env(serve_home),
-            cwd=ROOT,
-            start_new_session=True,
-        )
+    serving = start_serve(serve_home, cpu_tiny_store, log, *attach)
     try:
-        state_file, deadline = serve_home / "triton" / "server.json", time.monotonic() + 120
-        while not state_file.is_file():
-            assert serving.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        state = json.loads(state_file.read_text())
+        state = published(serve_home, serving, log, 120)
         serve_key = serve_home / "serving" / "control.key"
         remote = ["--serve-control-url", state["control_url"], "--serve-control-key-file", str(serve_key)]
         # The champion serves them while the candidate is tuned: the search's load tests run on the same Triton and
@@ -291,37 +292,11 @@ def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outli
 
     import psutil
 
-    from tests.servers import LLMOPS, ROOT, llmops_env
-
     log = tmp_path / "serve.log"
-    ports = ["--port", "0", "--control-port", "0", "--triton-http-port", "0", "--triton-grpc-port", "0"]
-    with open(log, "w") as out:
-        serving = subprocess.Popen(
-            [
-                str(LLMOPS),
-                "serve",
-                "--artifacts",
-                str(cpu_tiny_store),
-                *ports,
-                "--metrics-port",
-                "0",
-                "--gateway-metrics-port",
-                "0",
-            ]
-            + ["--set", "serve.replicas=2", "--set", "serve.limits.requests_per_second=0"]
-            + ["--set", "serve.limits.tokens_per_minute=0"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=llmops_env(release),
-            cwd=ROOT,
-            start_new_session=True,
-        )
+    replicas = ["--set", "serve.replicas=2", "--set", "serve.limits.requests_per_second=0"]
+    serving = start_serve(release, cpu_tiny_store, log, *replicas, "--set", "serve.limits.tokens_per_minute=0")
     try:
-        state_file, deadline = release / "triton" / "server.json", time.monotonic() + 240
-        while not state_file.is_file():
-            assert serving.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        state = json.loads(state_file.read_text())
+        state = published(release, serving, log, 240)
         assert len(state["replicas"]) == 2
         before = str(registry(release).get_model_version_by_alias(SERVICE, "champion").version)
         with GatewayClients(state["gateway_url"]) as clients:
