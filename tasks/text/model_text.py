@@ -37,6 +37,13 @@ def chat_history(text: str) -> list[dict[str, str]]:
     return history
 
 
+def chat_template_on(request: Any, model_default: bool) -> bool:
+    """Whether a request's prompt goes through the chat template: the model's setting (serve.apply_chat_template),
+    unless the request's optional `apply_chat_template` input turns it off (the gateway's /v1/completions, whose
+    prompt is raw text as in OpenAI's and vLLM's completions)."""
+    return model_default and bool(input_value(request, "apply_chat_template", True))
+
+
 def encode_prompt(tokenizer: Any, text: str, history: list, apply_chat_template: bool) -> list[int]:
     """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
     through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
@@ -65,6 +72,12 @@ def scored_token(
     else:
         raw = list(text.encode("utf-8"))
     return {"token": text, "logprob": float(logprob), "bytes": raw}
+
+
+def unscored_token(tokenizer: Any, byte_of: dict[str, int], special: frozenset[int], token_id: int) -> dict[str, Any]:
+    """The prompt's first token as OpenAI's echoed completions logprobs have it: no log probability (nothing comes
+    before it), no alternatives."""
+    return {**scored_token(tokenizer, byte_of, special, token_id, 0.0), "logprob": None, "top_logprobs": None}
 
 
 def stream_delta(text: str, sent: str, final: bool) -> tuple[str, str]:

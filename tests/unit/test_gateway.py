@@ -113,12 +113,14 @@ def test_a_chat_request_becomes_tritons_generate_inputs_and_its_answer_a_complet
     }
 
 
-def test_max_tokens_defaults_to_the_profiles_and_a_text_completion_gets_the_prompt(gateway):
+def test_max_tokens_defaults_to_the_profiles_and_a_text_completion_gets_the_prompt_raw(gateway):
+    """A text completion's prompt is raw text, as OpenAI's and vLLM's: not put through the chat template."""
     triton = FakeTriton("cold")
     response = gateway(triton, default_max_tokens=16).post("/v1/completions", json={"prompt": "hot:"})
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "text_completion" and response.json()["choices"][0]["text"] == "cold"
-    assert triton.inputs == {"text_input": "hot:", "max_tokens": 16, "exclude_input_in_output": True}
+    expected = {"text_input": "hot:", "max_tokens": 16, "apply_chat_template": False, "exclude_input_in_output": True}
+    assert triton.inputs == expected
 
 
 @pytest.mark.parametrize("temperature", [0, 2, 0.7])

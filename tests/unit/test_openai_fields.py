@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from tasks.serving.gateway.openai_fields import ENGINES, FIELDS, page
-from tests.unit.test_gateway import CHAT, QUESTION, FakeTriton, gateway
+from tests.unit.test_gateway import CHAT, QUESTION, FakeTriton, events, gateway
 
 __all__ = ["gateway"]  # the fixture, used by name
 
@@ -108,7 +109,11 @@ HONOURED_INPUTS = {
     "top_logprobs": {"logprobs": 2},
     "response_format": {"structured_output": '{"json_object": true}'},  # vllm's StructuredOutputsParams
 }
-HONOURED_TEXT_INPUTS = {"logprobs": {"logprobs": 2}}
+HONOURED_TEXT_INPUTS = {
+    "logprobs": {"logprobs": 2},
+    "prompt": {"text_input": "cold:", "apply_chat_template": False},  # raw, as OpenAI's completions
+    "echo": {"apply_chat_template": False},  # the gateway echoes; the engine scores the prompt only with logprobs
+}
 
 
 def sdk_fields(module) -> set[str]:
@@ -140,7 +145,7 @@ def test_each_field_is_honoured_or_refused_naming_it_on_each_engine(gateway, eng
     outcomes = {}
     for name, spec in FIELDS.items():
         triton = FakeTriton("cold")
-        why = spec.refused.get(engine)
+        why = spec.refused_on.get(api) or spec.refused.get(engine)
         beside = WITH.get(name, {}) if why is None and api in spec.apis else {}  # else alone: it is the one named
         body = {**BASE[path], **beside, name: asking_value(path, name)}
         response = gateway(triton, backend=engine, default_max_tokens=16).post(path, json=body)
@@ -313,3 +318,54 @@ def test_a_json_schema_reaches_vllm_as_its_structured_output_and_a_bad_format_is
     for bad in ({"type": "json_schema"}, {"type": "yaml"}, {"type": "json_object", "schema": {}}):
         response = client.post(CHAT, json={"messages": QUESTION, "response_format": bad})
         assert response.status_code == 400 and response.json()["error"]["param"] == "response_format", bad
+
+
+def scored(token: str, logprob: float | None, alternatives: int = 1) -> dict:
+    top = None if logprob is None else [{"token": token, "logprob": logprob, "bytes": []}][:alternatives]
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": top}
+
+
+class EchoingTriton(FakeTriton):
+    """An engine that scores: the answer's tokens in `logprobs`, the prompt's in `prompt_logprobs` (on the first
+    response), as infra/triton/llm and infra/triton/vllm send them."""
+
+    PROMPT = [scored("hot", None), scored(":", -1.5)]
+    ANSWER = [scored("co", -0.25), scored("ld", -0.5)]
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append((request.url.path, json.loads(request.content or b"{}")))
+        prompt = json.dumps(self.PROMPT)
+        if request.url.path.endswith("/generate_stream"):
+            first = {"text_output": "co", "logprobs": json.dumps(self.ANSWER[:1]), "prompt_logprobs": prompt}
+            then = {"text_output": "ld", "logprobs": json.dumps(self.ANSWER[1:])}
+            events = "".join(f"data: {json.dumps(e)}\n\n" for e in (first, then))
+            return httpx.Response(200, text=events, headers={"content-type": "text/event-stream"})
+        answer = {"text_output": "cold", "logprobs": json.dumps(self.ANSWER), "prompt_logprobs": prompt}
+        return httpx.Response(200, json=answer)
+
+
+def test_echo_puts_the_prompt_and_its_scored_tokens_before_the_answer_as_loglikelihood_harnesses_read_them(gateway):
+    """lm-evaluation-harness's local-completions scores a continuation from `token_logprobs[ctxlen:-1]` of an echoed
+    prompt (lm_eval/models/openai_completions.py): the prompt's tokens first, the first one null, then the answer's."""
+    triton = EchoingTriton()
+    body = {"prompt": "hot:", "max_tokens": 2, "logprobs": 1, "echo": True, "temperature": 0}
+    choice = gateway(triton, backend="python").post(TEXT, json=body).json()["choices"][0]
+    assert triton.inputs["prompt_logprobs"] == 1 and triton.inputs["apply_chat_template"] is False
+    assert choice["text"] == "hot:cold"
+    assert choice["logprobs"] == {
+        "tokens": ["hot", ":", "co", "ld"],
+        "token_logprobs": [None, -1.5, -0.25, -0.5],
+        "top_logprobs": [None, {":": -1.5}, {"co": -0.25}, {"ld": -0.5}],
+        "text_offset": [0, 3, 4, 6],
+    }
+
+    triton = EchoingTriton()
+    streamed = gateway(triton, backend="vllm").post(TEXT, json={**body, "stream": True})
+    chunks = [c for c in events(streamed) if isinstance(c, dict)]
+    assert [c["choices"][0]["text"] for c in chunks] == ["hot:", "co", "ld", ""]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks[:3]] == [["hot", ":"], ["co"], ["ld"]]
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in chunks[:3]] == [[0, 3], [4], [6]]
+
+    triton = FakeTriton("cold")  # echo alone: the prompt's text, and no scoring asked of the engine
+    plain = gateway(triton).post(TEXT, json={"prompt": "hot:", "echo": True}).json()["choices"][0]
+    assert plain["text"] == "hot:cold" and plain["logprobs"] is None and "prompt_logprobs" not in triton.inputs

@@ -117,8 +117,9 @@ def test_llmapi_model_has_the_llm_interface_and_passes_the_llm_args_as_json(tmp_
     config = (render_model(template, tmp_path, "svc-v3", values) / "config.pbtxt").read_text()
     llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
     inputs = lambda text: re.findall(r'name: "(\w+)"', text.split("input [")[1].split("\n]")[0])  # noqa: E731
-    # the llm model's inputs but logprobs, which the gateway does not pass to the LLM API yet (openai_fields.py)
-    assert template == "llmapi" and inputs(config) == [name for name in inputs(llm) if name != "logprobs"]
+    # the llm model's inputs but the logprobs ones, which the gateway does not pass to the LLM API yet (openai_fields.py)
+    scoring = ("logprobs", "prompt_logprobs")
+    assert template == "llmapi" and inputs(config) == [name for name in inputs(llm) if name not in scoring]
     assert "dynamic_batching" not in config and "decoupled: true" in config and "count: 1" in config
     literal = config.split('key: "llm_args", value: { string_value: "')[1].split('" } }')[0]
     rendered = json.loads(literal.encode().decode("unicode_escape"))  # protobuf text-format unescaping

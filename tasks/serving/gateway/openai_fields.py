@@ -81,6 +81,7 @@ class OpenAIField:
     refused: Mapping[Engine, str] = field(default_factory=dict)  # engine -> why it does not honour the field
     how: str = ""  # how it is honoured, for the docs
     vllm_on: frozenset[Api] = frozenset()  # an OpenAI field that only vLLM's server takes on these APIs
+    refused_on: Mapping[Api, str] = field(default_factory=dict)  # API -> why no engine honours it there
 
     def origin(self, api: Api) -> str:
         return "vllm" if api in self.vllm_on else self.source
@@ -118,8 +119,8 @@ GUIDED: dict[Engine, str] = {
 LOGPROBS: dict[Engine, str] = {"llmapi": "the gateway does not pass logprobs to TensorRT-LLM's LLM API yet"}
 PROMPT_LOGPROBS: dict[Engine, str] = {
     **LOGPROBS,
-    "python": "the python backend returns the answer's log probabilities only (logprobs), not the prompt's",
-    "vllm": "the gateway passes the answer's log probabilities only (logprobs), not the prompt's",
+    "python": "the prompt's log probabilities come with echo and logprobs on completions",
+    "vllm": "the prompt's log probabilities come with echo and logprobs on completions",
 }
 PENALTIES: dict[Engine, str] = {
     "python": "the python backend applies no penalties or logit biases",
@@ -135,7 +136,7 @@ FIELDS: dict[str, OpenAIField] = {
         "the service's name, or a live version with serve.version_pinning (GET /v1/models lists them); another is 404",
     ),
     "messages": honoured(CHAT, "system, user and assistant turns of text, ending with the user's"),
-    "prompt": honoured(TEXT, "one string"),
+    "prompt": honoured(TEXT, "one string, encoded as it is (no chat template), as OpenAI's and vLLM's completions"),
     "stream": honoured(BOTH, "server-sent events, one per decoded piece, usage on the last"),
     "stream_options": honoured(BOTH, "include_usage: usage rides on the last event (always)"),
     # length
@@ -162,7 +163,15 @@ FIELDS: dict[str, OpenAIField] = {
         how="python: from its logits; vllm: SamplingParams.logprobs; per token, per streamed chunk; not with stop",
     ),
     "top_logprobs": refused(CHAT, absent_or(0), LOGPROBS, how="0 to 20, with logprobs: true"),
-    "echo": refused(BOTH, absent_or(False), everywhere("the prompt is not echoed into the answer"), vllm_on=CHAT),
+    "echo": OpenAIField(
+        BOTH,
+        "openai",
+        absent_or(False),
+        refused_on={"chat": "a chat answer does not echo the conversation (vLLM's extension); use completions"},
+        how="completions: the prompt before the answer; with logprobs, the prompt's tokens scored first (the first "
+        "null), as lm-evaluation-harness's loglikelihood reads them",
+        vllm_on=CHAT,
+    ),
     "suffix": refused(TEXT, empty, everywhere("no engine here inserts text (suffix)")),
     "response_format": refused(
         BOTH,
@@ -207,7 +216,9 @@ FIELDS: dict[str, OpenAIField] = {
     "spaces_between_special_tokens": refused(BOTH, absent_or(True), not_an_input("detokenizer options"), "vllm"),
     "truncate_prompt_tokens": refused(BOTH, absent_or(), everywhere("prompts are never truncated here"), "vllm"),
     "prompt_logprobs": refused(BOTH, absent_or(), PROMPT_LOGPROBS, "vllm"),
-    "return_tokens_as_token_ids": refused(BOTH, absent_or(False), PROMPT_LOGPROBS, "vllm"),
+    "return_tokens_as_token_ids": refused(
+        BOTH, absent_or(False), everywhere("logprobs name their tokens by text and bytes, not by id"), "vllm"
+    ),
     "guided_json": refused(BOTH, empty, GUIDED, "vllm"),
     "guided_regex": refused(BOTH, empty, GUIDED, "vllm"),
     "guided_choice": refused(BOTH, empty, GUIDED, "vllm"),
@@ -251,7 +262,7 @@ def check_fields(api: Api, sent: Mapping[str, Any], engine: Engine) -> None:
         )
     for name, value in sent.items():
         spec = FIELDS[name]
-        why = spec.refused.get(engine)
+        why = spec.refused_on.get(api) or spec.refused.get(engine)
         if why is not None and not spec.neutral(value):
             raise RequestError(400, f"{name}: {why} (serve.backend {engine})", param=name, code="unsupported_parameter")
 
@@ -291,9 +302,18 @@ def scored_tokens(outputs: dict[str, Any], inputs: GenerateInputs) -> list[dict[
     return list(json.loads(outputs.get("logprobs") or "[]"))
 
 
+def scored_prompt(outputs: dict[str, Any], inputs: GenerateInputs) -> list[dict[str, Any]] | None:
+    """The prompt's tokens with their log probabilities (the first with none), where echo asked for them."""
+    if inputs.prompt_logprobs is None:
+        return None
+    return list(json.loads(outputs.get("prompt_logprobs") or "[]"))
+
+
 def status(spec: OpenAIField, engine: Engine) -> str:
     why = spec.refused.get(engine)
-    return "honoured" if why is None else f"refused: {why}"
+    if why is not None:
+        return f"refused: {why}"
+    return "honoured" + "".join(f"; refused on {api}: {reason}" for api, reason in spec.refused_on.items())
 
 
 def table(apis: Iterable[Api] = ("chat", "completions")) -> str:
@@ -307,7 +327,7 @@ def table(apis: Iterable[Api] = ("chat", "completions")) -> str:
         where = " + ".join(api for api in apis if api in spec.apis)
         origin = " + ".join(sorted({spec.origin(api) for api in apis if api in spec.apis}))
         cells = [status(spec, engine) for engine in ENGINES]
-        neutral = str(spec.neutral) if spec.refused else "-"
+        neutral = str(spec.neutral) if spec.refused or spec.refused_on else "-"
         lines.append(f"| `{name}` | {where} | {origin} | " + " | ".join(cells) + f" | {neutral} | {spec.how} |")
     return "\n".join(lines)
 

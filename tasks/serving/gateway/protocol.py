@@ -143,6 +143,7 @@ class ChatCompletionRequest(OpenAIRequest):
 class CompletionRequest(OpenAIRequest):
     prompt: str
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the chosen token's, and that many alternatives
+    echo: bool | None = None  # the prompt before the answer, and with logprobs its tokens' scores
 
     def alternatives(self) -> int | None:
         return self.logprobs
@@ -196,6 +197,8 @@ class GenerateInputs(BaseModel):
     random_seed: int | None = None
     logprobs: int | None = None  # alternatives per token with each token's log probability
     structured_output: str | None = None  # vLLM's StructuredOutputsParams as JSON (response_format)
+    apply_chat_template: bool | None = None  # False: the text as it is (completions); None: the model's setting
+    prompt_logprobs: int | None = None  # the prompt's tokens scored too (echo with logprobs)
     exclude_input_in_output: bool = True
 
     def payload(self) -> dict[str, Any]:
@@ -304,7 +307,8 @@ def chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def completion_logprobs(tokens: list[dict[str, Any]], offset: int) -> dict[str, Any]:
-    """OpenAI's completions `logprobs` of the same tokens; `offset`: where the first one starts in the answer."""
+    """OpenAI's completions `logprobs` of the same tokens; `offset`: where the first one starts in the answer. An
+    echoed prompt's first token has neither log probability nor alternatives (null, as OpenAI and vLLM send it)."""
     offsets = []
     for token in tokens:
         offsets.append(offset)
@@ -312,7 +316,9 @@ def completion_logprobs(tokens: list[dict[str, Any]], offset: int) -> dict[str, 
     return {
         "tokens": [t["token"] for t in tokens],
         "token_logprobs": [t["logprob"] for t in tokens],
-        "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens],
+        "top_logprobs": [
+            None if t["top_logprobs"] is None else {a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens
+        ],
         "text_offset": offsets,
     }
 

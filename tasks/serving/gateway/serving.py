@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tasks.quality.chat import encode_prompt
 from tasks.serving.gateway.access import GatewayMetrics, current, reserve_tokens
 from tasks.serving.gateway.capture import Capture
-from tasks.serving.gateway.openai_fields import Engine, check_fields, sampling, scored_tokens
+from tasks.serving.gateway.openai_fields import Engine, check_fields, sampling, scored_prompt, scored_tokens
 from tasks.serving.gateway.protocol import (
     AssistantMessage,
     ChatChunkChoice,
@@ -70,6 +70,12 @@ def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str
     return [*json.loads(inputs.chat_history or "[]"), {"role": "user", "content": inputs.text_input}]
 
 
+def ended_on_its_own(tokens: list[dict[str, Any]] | None) -> bool:
+    """Whether scored answer tokens end with the end of sequence (a special token: no text, no bytes), which the
+    engines score and count as a made token, as vLLM's server does: the answer stopped, whatever its length."""
+    return tokens is not None and len(tokens) > 0 and tokens[-1]["token"] == "" and not tokens[-1]["bytes"]
+
+
 @dataclass
 class Reply:
     """The completion being answered: its id, its kind (chat or text) and the shapes that kind sends."""
@@ -79,6 +85,7 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0  # completions' logprobs: where the next streamed token starts in the answer
+    echo: str | None = None  # completions' echo: the prompt, sent before the answer
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -94,9 +101,18 @@ class Reply:
         return shaped
 
     def whole(
-        self, text: str, finish: str, usage: UsageInfo, tokens: list[dict[str, Any]] | None = None
+        self,
+        text: str,
+        finish: str,
+        usage: UsageInfo,
+        tokens: list[dict[str, Any]] | None = None,
+        prompt_tokens: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """The whole completion; an echoed prompt (and its scored tokens) before the answer."""
         response: ChatCompletionResponse | CompletionResponse
+        if self.echo is not None:
+            text = self.echo + text
+            tokens = None if tokens is None else [*(prompt_tokens or []), *tokens]
         if self.chat:
             message = AssistantMessage(content=text)
             choice = ChatCompletionChoice(message=message, finish_reason=finish, logprobs=self.logprobs(tokens))
@@ -217,10 +233,15 @@ class OpenAIServing:
         pinned = self.check_model(request.model)
         check_fields("completions", request.sent(), self.engine)
         max_tokens = self.max_tokens(request.max_tokens, "max_tokens")
-        inputs = GenerateInputs(text_input=request.prompt, **sampling(request, max_tokens))
-        return await self.complete(
-            inputs, request.stop, bool(request.stream), Reply(self.named(pinned), chat=False), pinned
+        # raw text, as OpenAI's and vLLM's completions: harnesses score a prompt's own tokens (echo)
+        inputs = GenerateInputs(
+            text_input=request.prompt,
+            apply_chat_template=False,
+            prompt_logprobs=request.logprobs if request.echo else None,
+            **sampling(request, max_tokens),
         )
+        reply = Reply(self.named(pinned), chat=False, echo=request.prompt if request.echo else None)
+        return await self.complete(inputs, request.stop, bool(request.stream), reply, pinned)
 
     async def complete(
         self, inputs: GenerateInputs, stop: list[str], stream: bool, reply: Reply, pinned: Version | None = None
@@ -240,9 +261,9 @@ class OpenAIServing:
             tokens = scored_tokens(outputs, inputs)
             usage = await self.usage(inputs, text, None if tokens is None else len(tokens))
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
-            finish = self.finish_reason(stopped, usage, inputs)
+            finish = self.finish_reason(stopped or ended_on_its_own(tokens), usage, inputs)
             self.keep_exchange(inputs, text, reply, usage, finish, started)
-            return JSONResponse(reply.whole(text, finish, usage, tokens))
+            return JSONResponse(reply.whole(text, finish, usage, tokens, scored_prompt(outputs, inputs)))
         pieces = self.triton.generate_stream_outputs(version, inputs.payload())
         try:
             first = await anext(pieces, None)  # errors before the first token still get a status code
@@ -272,7 +293,9 @@ class OpenAIServing:
         """The completion's server-sent events; a failure after the first piece ends them with an error event."""
         if reply.chat:
             yield reply.chunk({"role": "assistant", "content": ""})
-        scanner, made = StopScanner(stop), 0
+        if reply.echo is not None:  # the prompt first, with its scored tokens (which ride on the first piece)
+            yield reply.chunk({"content": reply.echo}, tokens=scored_prompt(first or {}, inputs))
+        scanner, made, last = StopScanner(stop), 0, None
         try:
             piece = first
             while piece is not None:
@@ -280,6 +303,7 @@ class OpenAIServing:
                 delta = scanner.feed(str(piece.get("text_output", "")))
                 tokens = scored_tokens(piece, inputs)
                 made += len(tokens or [])
+                last = tokens or last  # the last scored tokens: whether the answer ended on its own
                 if delta or tokens:
                     yield reply.chunk({"content": delta}, tokens=tokens)
                 if scanner.stopped:
@@ -298,7 +322,7 @@ class OpenAIServing:
         self.copy_to_shadow(inputs, scanner.text, stop, started, reply)
         usage = await self.usage(inputs, scanner.text, made if inputs.logprobs is not None else None)
         current().tokens = usage.total_tokens or inputs.max_tokens
-        finish = self.finish_reason(scanner.stopped, usage, inputs)
+        finish = self.finish_reason(scanner.stopped or ended_on_its_own(last), usage, inputs)
         self.keep_exchange(inputs, scanner.text, reply, usage, finish, started)
         yield reply.chunk(None, finish, usage)
         yield DONE
@@ -356,8 +380,9 @@ class OpenAIServing:
 
     def count_tokens(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
         history = json.loads(inputs.chat_history or "[]")
+        templated = self.apply_chat_template and inputs.apply_chat_template is not False
         with self.tokenizer_lock:
-            prompt_tokens = len(encode_prompt(self.tokenizer, inputs.text_input, history, self.apply_chat_template))
+            prompt_tokens = len(encode_prompt(self.tokenizer, inputs.text_input, history, templated))
             completion_tokens = len(self.tokenizer.encode(answer, add_special_tokens=False)) if answer else 0
         return UsageInfo(
             prompt_tokens=prompt_tokens,

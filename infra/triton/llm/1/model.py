@@ -14,7 +14,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 # model_text.py is tasks/text/model_text.py, copied next to this file when the model is rendered
-from model_text import chat_history, encode_prompt, input_value, scored_token, stream_delta
+from model_text import (
+    chat_history,
+    chat_template_on,
+    encode_prompt,
+    input_value,
+    scored_token,
+    stream_delta,
+    unscored_token,
+)
 
 
 @dataclass
@@ -30,6 +38,8 @@ class Job:
     top_k: int
     top_p: float = 1.0  # nucleus: sample from the fewest most likely tokens whose probability reaches top_p
     logprobs: int = -1  # alternatives per token with each token's log probability; -1: no log probabilities
+    prompt_logprobs: int = -1  # the same for the prompt's tokens (the gateway's echo); -1: none
+    prompt_scores: list | None = None  # the prompt's tokens, scored by the prefill; sent with the first response
     generator: object = None
     tokens: list = field(default_factory=list)
     pending_logprobs: list = field(default_factory=list)  # of the tokens not yet sent
@@ -74,7 +84,7 @@ class TritonPythonModel:
         max_tokens = int(input_value(request, "max_tokens", self.default_max_tokens))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = encode_prompt(self.tokenizer, text, history, self.chat)
+        ids = encode_prompt(self.tokenizer, text, history, chat_template_on(request, self.chat))
         if len(ids) + max_tokens > self.context_tokens:
             raise ValueError(
                 f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "
@@ -92,6 +102,7 @@ class TritonPythonModel:
             top_k=int(input_value(request, "top_k", 0)),
             top_p=float(input_value(request, "top_p", 1.0)),
             logprobs=int(input_value(request, "logprobs", -1)),
+            prompt_logprobs=int(input_value(request, "prompt_logprobs", -1)),
         )
         seed = input_value(request, "random_seed", None)
         if job.temperature > 0:
@@ -126,6 +137,10 @@ class TritonPythonModel:
             sent = json.dumps(job.pending_logprobs, ensure_ascii=False).encode("utf-8")
             outputs.append(pb_utils.Tensor("logprobs", np.array([[sent]], dtype=np.object_)))
             job.pending_logprobs = []
+        if job.prompt_scores is not None:  # the first response carries the prompt's scores
+            sent = json.dumps(job.prompt_scores, ensure_ascii=False).encode("utf-8")
+            outputs.append(pb_utils.Tensor("prompt_logprobs", np.array([[sent]], dtype=np.object_)))
+            job.prompt_scores = None
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         job.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
@@ -139,6 +154,21 @@ class TritonPythonModel:
 
         top = self.torch.topk(logprobs, alternatives).indices.tolist() if alternatives > 0 else []
         return {**entry(token), "top_logprobs": [entry(t) for t in top]}
+
+    def score_prompts(self, jobs, logits, width):
+        """Each prompt's tokens with their log probabilities, where its job asked (echo), from the prefill's `logits`
+        (left-padded to `width` columns; the logits at a column predict the next column's token): the first token
+        has none."""
+        for i, job in enumerate(jobs):
+            if job.prompt_logprobs < 0:
+                continue
+            start, row = width - len(job.ids), logits[i].float().cpu()
+            first = unscored_token(self.tokenizer, self.byte_of, self.special, job.ids[0])
+            scored = [
+                self.token_logprobs(row[start + j - 1], token, job.prompt_logprobs)
+                for j, token in enumerate(job.ids[1:], start=1)
+            ]
+            job.prompt_scores = [first, *scored]
 
     def pick(self, job, logits):
         if len(job.tokens) < job.min_length:
@@ -173,6 +203,8 @@ class TritonPythonModel:
                     past_key_values=past,
                     use_cache=True,
                 )
+                if past is None:  # the prefill: the prompts' scores, where asked (echo)
+                    self.score_prompts(jobs, out.logits, width)
                 past, logits = out.past_key_values, out.logits[:, -1, :].float().cpu()
                 next_ids = torch.full((len(jobs),), self.pad, dtype=torch.long)
                 for i, job in enumerate(jobs):
@@ -181,10 +213,10 @@ class TritonPythonModel:
                     token = self.pick(job, logits[i].clone())
                     next_ids[i] = token
                     finished = token == self.eos or len(job.tokens) + 1 >= job.max_tokens
+                    if job.logprobs >= 0:  # every token made, the end of sequence too (as vLLM's server scores)
+                        job.pending_logprobs.append(self.token_logprobs(logits[i], token, job.logprobs))
                     if token != self.eos:
                         job.tokens.append(token)
-                        if job.logprobs >= 0:
-                            job.pending_logprobs.append(self.token_logprobs(logits[i], token, job.logprobs))
                     self.emit(job, finished)
                 if all(job.done for job in jobs):
                     break

@@ -73,7 +73,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 # engine_guard.py (tasks/serving/) and model_text.py (tasks/text/) are copied next to this file when the model is rendered
 from engine_guard import engine_processes, guard_engine  # noqa: E402
-from model_text import chat_history, encode_prompt, input_value, stream_delta  # noqa: E402
+from model_text import chat_history, chat_template_on, encode_prompt, input_value, stream_delta  # noqa: E402
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
 SEEDED_SAMPLING_FROM = (1, 3)  # TensorRT-LLM releases whose default sampler honours SamplingParams.seed (#17172)
@@ -154,7 +154,7 @@ class TritonPythonModel:
         max_tokens = int(input_value(request, "max_tokens", self.default_max_tokens))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = encode_prompt(self.tokenizer, text, history, self.chat)
+        ids = encode_prompt(self.tokenizer, text, history, chat_template_on(request, self.chat))
         if len(ids) + max_tokens > self.context_tokens:
             raise ValueError(
                 f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "

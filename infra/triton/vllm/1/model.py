@@ -40,7 +40,9 @@ and meanings, line numbers of 0.27.1 in brackets):
   ignore_eos as min_tokens = max_tokens), logprobs (l.339 [l.267]: the sampled token's and that many most likely
   tokens' log probabilities, of the model's raw logits by default), structured_outputs (l.404 [l.321]:
   StructuredOutputsParams l.99 [l.72], json (a schema) or json_object (l.101, l.105 [l.74, l.78]), only one of
-  them), skip_special_tokens); outputs are cumulative (RequestOutputKind.CUMULATIVE), CompletionOutput.logprobs
+  them), prompt_logprobs (l.347: the prompt's tokens, with that many most likely each; the gateway's echo),
+  skip_special_tokens); RequestOutput.prompt_logprobs (outputs.py:140, 190: one {token id: Logprob} per prompt
+  token, None for the first; kept on every cumulative output, v1/engine/output_processor.py:408-409); outputs are cumulative (RequestOutputKind.CUMULATIVE), CompletionOutput.logprobs
   one {token id: Logprob(logprob, rank, decoded_token)} per answer token (logprobs.py:13-25 [l.13-24])
   [l.199: temperature l.236, top_k l.243, seed l.250, max_tokens l.262, min_tokens l.264,
   skip_special_tokens l.295, output_kind l.301; outputs.py: RequestOutput l.85, outputs/finished l.118-119,
@@ -63,7 +65,15 @@ import triton_python_backend_utils as pb_utils
 # copied next to this file when the model is rendered
 from adapter_registry import active, registry_root
 from engine_guard import engine_processes, guard_engine
-from model_text import chat_history, encode_prompt, input_value, scored_token, stream_delta
+from model_text import (
+    chat_history,
+    chat_template_on,
+    encode_prompt,
+    input_value,
+    scored_token,
+    stream_delta,
+    unscored_token,
+)
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
 RETIRED_CHECK_S = 2.0  # how often the engine frees the adapters whose version was unloaded
@@ -169,7 +179,7 @@ class TritonPythonModel:
         max_tokens = int(input_value(request, "max_tokens", self.default_max_tokens))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = encode_prompt(self.tokenizer, text, history, self.chat)
+        ids = encode_prompt(self.tokenizer, text, history, chat_template_on(request, self.chat))
         if len(ids) + max_tokens > self.context_tokens:
             raise ValueError(
                 f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "
@@ -177,6 +187,7 @@ class TritonPythonModel:
             )
         seed = input_value(request, "random_seed", None)
         alternatives = int(input_value(request, "logprobs", -1))
+        prompt_alternatives = int(input_value(request, "prompt_logprobs", -1))
         sampling = self.SamplingParams(
             max_tokens=max_tokens,
             min_tokens=min(int(input_value(request, "min_length", 0)), max_tokens),
@@ -186,6 +197,7 @@ class TritonPythonModel:
             seed=int(seed) if seed is not None else None,
             skip_special_tokens=True,
             logprobs=alternatives if alternatives >= 0 else None,
+            prompt_logprobs=prompt_alternatives if prompt_alternatives >= 0 else None,
             structured_outputs=self.structured_outputs(input_value(request, "structured_output", "")),
         )
         stream = bool(input_value(request, "stream", False))
@@ -208,23 +220,33 @@ class TritonPythonModel:
         ranks below them); None where the request asked for none."""
         if output.logprobs is None:
             return None
+        # every token made, the end of sequence that ended the answer too ("", no bytes), as vLLM's own server
+        # scores them (entrypoints/openai/completion/serving.py:558-559, output.token_ids with output.logprobs)
         ids = list(output.token_ids)
-        if output.finish_reason == "stop" and ids and ids[-1] in self.special:
-            ids.pop()  # the end of sequence that ended the answer: not in its text (the llm model scores none)
-        scored = []
-        for token_id, ranked in zip(ids[start:], output.logprobs[start:], strict=False):
-            top = sorted(
-                (p.rank, t, p.logprob) for t, p in ranked.items() if p.rank is not None and p.rank <= alternatives
-            )
-            scored.append(
-                {
-                    **scored_token(self.tokenizer, self.byte_of, self.special, token_id, ranked[token_id].logprob),
-                    "top_logprobs": [
-                        scored_token(self.tokenizer, self.byte_of, self.special, t, lp) for _, t, lp in top
-                    ],
-                }
-            )
+        return [
+            self.ranked_token(token_id, ranked, alternatives)
+            for token_id, ranked in zip(ids[start:], output.logprobs[start:], strict=False)
+        ]
+
+    def scored_prompt(self, output, alternatives):
+        """The prompt's tokens, each with its log probability and the `alternatives` most likely tokens' (vLLM's
+        prompt_logprobs: one {token id: Logprob} per prompt token, None for the first); None where none was asked."""
+        if output.prompt_logprobs is None:
+            return None
+        ids = list(output.prompt_token_ids)
+        scored = [unscored_token(self.tokenizer, self.byte_of, self.special, ids[0])]
+        for token_id, ranked in zip(ids[1:], output.prompt_logprobs[1:], strict=True):
+            scored.append(self.ranked_token(token_id, ranked, alternatives))
         return scored
+
+    def ranked_token(self, token_id, ranked, alternatives):
+        """One token with its log probability and the `alternatives` most likely tokens' ({token id: Logprob}, ranked
+        from 1 by vLLM, which adds the token itself where it ranks below them)."""
+        top = sorted((p.rank, t, p.logprob) for t, p in ranked.items() if p.rank is not None and p.rank <= alternatives)
+        return {
+            **scored_token(self.tokenizer, self.byte_of, self.special, token_id, ranked[token_id].logprob),
+            "top_logprobs": [scored_token(self.tokenizer, self.byte_of, self.special, t, lp) for _, t, lp in top],
+        }
 
     def adapter(self, request):
         """The LoRARequest of the adapter a request names by name (the gateway sets it), or None: the base model.
@@ -279,6 +301,7 @@ class TritonPythonModel:
     async def generate(self, request, sender, ids, sampling, prompt, stream, echo, lora_request):
         request_id = uuid.uuid4().hex
         sent, finished, steps, scored_sent = "", False, 0, 0
+        prompt_unsent = sampling.prompt_logprobs is not None  # the prompt's scores ride with the first response
         try:
             async for output in self.engine.generate(
                 self.TokensPrompt(prompt_token_ids=ids), sampling, request_id, lora_request=lora_request
@@ -296,21 +319,26 @@ class TritonPythonModel:
                     if delta or finished:  # the tokens scored since the last response ride with this one
                         scored = self.scored(output.outputs[0], scored_sent, sampling.logprobs)
                         scored_sent = len(output.outputs[0].token_ids)
-                        self.respond(sender, delta, finished, scored)
+                        prompt_scored = self.scored_prompt(output, sampling.prompt_logprobs) if prompt_unsent else None
+                        prompt_unsent = False
+                        self.respond(sender, delta, finished, scored, prompt_scored)
                 elif finished:
                     scored = self.scored(output.outputs[0], 0, sampling.logprobs)
-                    self.respond(sender, (prompt + text) if echo else text, True, scored)
+                    prompt_scored = self.scored_prompt(output, sampling.prompt_logprobs) if prompt_unsent else None
+                    self.respond(sender, (prompt + text) if echo else text, True, scored, prompt_scored)
             if not finished:
                 raise RuntimeError("vLLM ended the request without a final output")
         except Exception as exc:
             error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"vLLM: {exc}"))
             self.responses.put((sender, error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
-    def respond(self, sender, text, final, scored=None):
+    def respond(self, sender, text, final, scored=None, prompt_scored=None):
         outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
-        if scored is not None:  # logprobs asked: this response's tokens, as infra/triton/llm sends them
-            sent = json.dumps(scored, ensure_ascii=False).encode("utf-8")
-            outputs.append(pb_utils.Tensor("logprobs", np.array([[sent]], dtype=np.object_)))
+        # logprobs asked: this response's tokens (and, on the first, the prompt's), as infra/triton/llm sends them
+        for name, tokens in (("logprobs", scored), ("prompt_logprobs", prompt_scored)):
+            if tokens is not None:
+                sent = json.dumps(tokens, ensure_ascii=False).encode("utf-8")
+                outputs.append(pb_utils.Tensor(name, np.array([[sent]], dtype=np.object_)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.responses.put((sender, pb_utils.InferenceResponse(output_tensors=outputs), flags))
 
