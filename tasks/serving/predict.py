@@ -288,9 +288,14 @@ async def answer_row(client, requests: Requests, row: Row) -> tuple[dict, float]
                 return response.json(), time.perf_counter() - started
             if response.status_code not in RETRY_STATUSES or last:
                 try:
-                    message = response.json()["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    message = response.text[:200]
+                    error = response.json()["error"]
+                    message, param = error["message"], error.get("param")
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    message, param = response.text[:200], None
+                if response.status_code in (400, 404) and param == "model":
+                    # the model asked for (a pinned version with serve.version_pinning off, say): no row can be
+                    # answered, so the run stops with the service's reason instead of failing each row with it
+                    raise BadInput(f"{requests.base_url} refused the model {requests.model!r}: {message}")
                 refused = 400 <= response.status_code < 500 and response.status_code not in RETRY_STATUSES
                 raise (RowRefused if refused else RuntimeError)(f"HTTP {response.status_code}: {message}")
             retry_after = response.headers.get("retry-after")

@@ -170,3 +170,23 @@ def test_an_interrupted_run_leaves_a_valid_output_and_the_rerun_completes_it(tmp
     final = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert final == [str(i) for i in range(1, 31)]  # each row once, in input order
     assert not set(seen) & {f"p{int(i) - 1}" for i in first} and len(sent_before) >= 12
+
+
+def test_a_model_the_service_refuses_stops_the_run_with_its_reason_instead_of_failing_each_row(tmp_path):
+    """A version the gateway lists but will not answer by name (serve.version_pinning off): one line naming the
+    setting, exit 2 (BadInput), not a 400 in the errors file for every row."""
+    from tasks.platform.errors import BadInput
+
+    data = tmp_path / "prompts.txt"
+    data.write_text("".join(f"p{i}\n" for i in range(20)))
+    reason = "model 'svc-v2' is a version of 'svc'; pinning a version is off here (serve.version_pinning)"
+
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": reason, "param": "model"}})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+    requests = Requests("http://svc", "svc-v2")
+    out, errors = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
+    with pytest.raises(BadInput, match=r"refused the model 'svc-v2': .*serve.version_pinning"):
+        asyncio.run(predict_rows(read_rows(str(data)), requests, out, errors, 4, client))
+    assert not errors.exists() or "serve.version_pinning" not in errors.read_text()
