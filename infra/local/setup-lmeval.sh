@@ -36,8 +36,11 @@ trap 'rm -rf "$TMPDIR"' EXIT
 
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r infra/hashes/pip.txt
+# rouge_score, sqlitedict and word2number are sdists only: they are built with the pinned setuptools, installed
+# first from its own hashed lines, not with one pip would fetch unchecked into an isolated build environment.
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r <(sed -n '/^setuptools==/,/[^\\]$/p' "$HASH_FILE")
 say "installing $(grep -c '^[^#]*==' "$PIN_FILE") pinned packages for lm_eval (no dependency resolution, no torch)"
-"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-compile --progress-bar off --require-hashes -r "$HASH_FILE"
+"$VENV/bin/python" -m pip install --quiet --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-compile --progress-bar off --require-hashes -r "$HASH_FILE"
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(torch|nvidia-(cu|cuda)[a-z0-9-]*|cuda-[a-z0-9-]+|triton)==' || true)
 if [ -n "$cuda" ]; then
