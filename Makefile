@@ -1,5 +1,5 @@
 # The two commands of the README, plus the benchmark. Each sets up .venv first (idempotent).
-.PHONY: setup setup-vllm setup-compat setup-aiperf environments test-tools run test test-unit lint format benchmark docs gpu-smoke gpu-smoke-wheels
+.PHONY: setup setup-vllm setup-compat setup-aiperf setup-lmeval environments test-tools run test test-unit lint format benchmark docs gpu-smoke gpu-smoke-wheels
 
 setup:
 	bash infra/local/setup.sh
@@ -12,6 +12,10 @@ setup-vllm:
 setup-aiperf:
 	bash infra/local/setup-aiperf.sh
 
+# lm-evaluation-harness (.venv-lmeval): scores a served model through its OpenAI API; about 690 MB, no torch
+setup-lmeval:
+	bash infra/local/setup-lmeval.sh
+
 # The serving images' transformers 4.x without torch (.venv-compat), for tests/unit/test_serving_compat.py; about 260 MB
 setup-compat:
 	bash infra/local/setup-compat.sh
@@ -23,11 +27,11 @@ test-tools:
 run: setup
 	.venv/bin/llmops run
 
-# The four environments side by side: they share nothing, and built one after another they leave a core idle
+# The five environments side by side: they share nothing, and built one after another they leave a core idle
 # (from a fresh clone on 2 cores: 95 s instead of 129 s for the first three). Each target's output stays together
 # (--output-sync).
 environments:
-	$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm setup-compat setup-aiperf
+	$(MAKE) --no-print-directory -j5 --output-sync=target setup setup-vllm setup-compat setup-aiperf setup-lmeval
 
 # Two worker processes, one test module at a time each (a module's servers and releases stay in one process), the
 # slowest modules first (tests/conftest.py): the integration tests wait on servers and releases about half of the

@@ -34,7 +34,7 @@ def pinned_with_hashes(text: str) -> dict[tuple[str, str], list[str]]:
 
 
 def test_every_environment_installs_only_the_files_its_pins_hash():
-    assert set(pin_hashes.environments()) == {"aiperf", "compat", "cpu", "perf-analyzer", "pip", "vllm"}
+    assert set(pin_hashes.environments()) == {"aiperf", "compat", "cpu", "lmeval", "perf-analyzer", "pip", "vllm"}
     checked = subprocess.run(
         [sys.executable, ROOT / "infra" / "pin_hashes.py", "--check"], capture_output=True, text=True
     )
