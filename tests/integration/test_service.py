@@ -24,6 +24,7 @@ import requests
 from tasks.data.records import clean_and_split, read_source
 from tasks.platform.config import available_profiles, load_profile
 from tasks.platform.local_stack import prefect_api, prefect_session
+from tests import harness
 from tests.browser import decide_paused_run, start_run_from_form, ui_api_url
 from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow
@@ -687,6 +688,10 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         kept += "".join(json.dumps(mlflow_artifacts(service.tracking_uri, r.info.run_id)) for r in tracked)
         leaks = leaks_in_mlflow(PASTED, service.tracking_uri) + leaks_in_prefect(PASTED, service.api, service.http)
         assert [name for name, value in PASTED.items() if value in kept] == [] and leaks == []
+        # lm-evaluation-harness through the gateway (loglikelihoods from echoed completions, answers from chat)
+        # scores as the served champion's own folder does in this process (issue 43; last: its exchanges are kept)
+        scores = harness.compare(gateway, MODEL, harness.served_model_dir(Path(state["repository"]), MODEL))
+        print(f"lm-evaluation-harness through the gateway, as in-process: {scores}")
     finally:
         os.killpg(serving.pid, signal.SIGTERM)
         serving.wait(60)
