@@ -63,7 +63,7 @@ import triton_python_backend_utils as pb_utils
 # copied next to this file when the model is rendered
 from adapter_registry import active, registry_root
 from engine_guard import engine_processes, guard_engine
-from model_text import chat_history, encode_prompt, input_value, scored_token, stream_delta
+from model_text import chat_history, encode_prompt, input_value, scored_token, stream_delta, tool_definitions
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
 RETIRED_CHECK_S = 2.0  # how often the engine frees the adapters whose version was unloaded
@@ -169,7 +169,11 @@ class TritonPythonModel:
         max_tokens = int(input_value(request, "max_tokens", self.default_max_tokens))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = encode_prompt(self.tokenizer, text, history, self.chat)
+        # tools: rendered by the chat template, as vLLM's server renders them (tokenizer.apply_chat_template(...,
+        # tools=), vllm/renderers/hf.py:826-830 [l.515]); the gateway reads the calls from the text
+        # (tasks/serving/gateway/tool_calls.py), and a forced tool_choice arrives as structured_output
+        tools = tool_definitions(input_value(request, "tools", ""))
+        ids = encode_prompt(self.tokenizer, text, history, self.chat, tools)
         if len(ids) + max_tokens > self.context_tokens:
             raise ValueError(
                 f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "
