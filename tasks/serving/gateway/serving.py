@@ -46,6 +46,7 @@ from tasks.serving.gateway.protocol import (
 from tasks.serving.gateway.replicas import Replicas
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.stops import StopScanner, cut_at_stop
+from tasks.serving.gateway.tool_calls import CallReader, Delta, TemplateProbe, ToolCalling
 from tasks.serving.routes import RouteTable, Version
 
 DONE = b"data: [DONE]\n\n"
@@ -72,16 +73,20 @@ def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str
 
 @dataclass
 class Reply:
-    """The completion being answered: its id, its kind (chat or text) and the shapes that kind sends."""
+    """The completion being answered: its id, its kind (chat or text) and the shapes that kind sends; with `tools`,
+    the tool calls read from its text (tool_calls.py)."""
 
     model: str
     chat: bool
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0  # completions' logprobs: where the next streamed token starts in the answer
+    tools: ToolCalling | None = None
+    calls: CallReader | None = None
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.calls = self.tools.reader() if self.tools else None
 
     def logprobs(self, tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
         """The `logprobs` of a choice in this kind's shape, for the answer tokens the engine scored (None: not asked)."""
@@ -103,6 +108,8 @@ class Reply:
             response = ChatCompletionResponse(
                 id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
             )
+            if self.tools is not None:
+                return response.model_dump() | {"choices": [choice.model_dump() | self.tools.choice_of(text, finish)]}
         else:
             text_choice = CompletionChoice(text=text, finish_reason=finish, logprobs=self.logprobs(tokens))
             response = CompletionResponse(
@@ -112,7 +119,7 @@ class Reply:
 
     def chunk(
         self,
-        delta: dict[str, str] | None,
+        delta: Delta | None,
         finish: str | None = None,
         usage: UsageInfo | None = None,
         tokens: list[dict[str, Any]] | None = None,
@@ -130,6 +137,18 @@ class Reply:
         return StreamChunk(
             id=self.id, object=kind, created=self.created, model=self.model, choices=choices, usage=usage
         ).event()
+
+    def text_events(self, text: str, tokens: list[dict[str, Any]] | None = None, last: bool = False) -> list[bytes]:
+        """The events of a decoded piece of the answer (the `last`: what is left when it has ended), the tool calls
+        read from it where tools were sent; its scored tokens ride on the first (an empty delta where the text is held
+        back, as a tool call's beginning is)."""
+        if self.calls is None:
+            deltas: list[Delta] = [{"content": text}] if text or not last else []
+        else:
+            deltas = [*self.calls.feed(text), *(self.calls.close() if last else [])]
+        if tokens and not deltas:
+            deltas = [{}]
+        return [self.chunk(delta, tokens=tokens if n == 0 else None) for n, delta in enumerate(deltas)]
 
 
 class OpenAIServing:
@@ -166,6 +185,7 @@ class OpenAIServing:
         self.engine = engine  # serve.backend: which request fields are honoured (openai_fields.py)
         self.version_pinning = version_pinning  # serve.version_pinning: a request may name a live version
         self.tokenizer_lock = threading.Lock()
+        self.tool_template = TemplateProbe(self.tokenizer, apply_chat_template, self.tokenizer_lock)
 
     def check_model(self, model: str | None) -> Version | None:
         """The version a request for `model` pins: None for the service (the route table draws the version), or a
@@ -198,6 +218,7 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest) -> Response:
         pinned = self.check_model(request.model)
         check_fields("chat", request.sent(), self.engine)
+        tools = ToolCalling.of(request, self.tool_template.renders_tools() if request.tools else None)
         *earlier, question = request.messages
         history = [m.model_dump() for m in earlier]
         if request.max_completion_tokens is not None:
@@ -207,10 +228,10 @@ class OpenAIServing:
         inputs = GenerateInputs(
             text_input=question.content,
             chat_history=json.dumps(history, ensure_ascii=False) if history else None,
-            **sampling(request, max_tokens),
+            **(sampling(request, max_tokens) | (tools.inputs() if tools else {})),
         )
         return await self.complete(
-            inputs, request.stop, bool(request.stream), Reply(self.named(pinned), chat=True), pinned
+            inputs, request.stop, bool(request.stream), Reply(self.named(pinned), chat=True, tools=tools), pinned
         )
 
     async def completion(self, request: CompletionRequest) -> Response:
@@ -281,7 +302,8 @@ class OpenAIServing:
                 tokens = scored_tokens(piece, inputs)
                 made += len(tokens or [])
                 if delta or tokens:
-                    yield reply.chunk({"content": delta}, tokens=tokens)
+                    for event in reply.text_events(delta, tokens):
+                        yield event
                 if scanner.stopped:
                     break
                 piece = await anext(pieces, None)
@@ -293,21 +315,24 @@ class OpenAIServing:
         finally:
             await pieces.aclose()
         self.metrics.observe(version.name, 200, time.perf_counter() - started)
-        if rest := scanner.flush():
-            yield reply.chunk({"content": rest})
+        for event in reply.text_events(scanner.flush(), last=True):
+            yield event
         self.copy_to_shadow(inputs, scanner.text, stop, started, reply)
         usage = await self.usage(inputs, scanner.text, made if inputs.logprobs is not None else None)
         current().tokens = usage.total_tokens or inputs.max_tokens
         finish = self.finish_reason(scanner.stopped, usage, inputs)
         self.keep_exchange(inputs, scanner.text, reply, usage, finish, started)
+        if reply.tools is not None and reply.calls is not None:
+            finish = reply.tools.finish_reason(finish, reply.calls.called)
         yield reply.chunk(None, finish, usage)
         yield DONE
 
     def keep_exchange(
         self, inputs: GenerateInputs, answer: str, reply: Reply, usage: UsageInfo, finish: str, started: float
     ) -> None:
-        """The exchange, for capture (serve.capture), unless capture is off or the client opted out."""
-        if self.capture is None:
+        """The exchange, for capture (serve.capture), unless capture is off or the client opted out. Not one with tools:
+        a harvest makes training conversations of text answers, with no tools in their prompts."""
+        if self.capture is None or reply.tools is not None:
             return
         request = current()
         if not request.capture:
@@ -355,9 +380,10 @@ class OpenAIServing:
         )
 
     def count_tokens(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
-        history = json.loads(inputs.chat_history or "[]")
+        history, tools = json.loads(inputs.chat_history or "[]"), json.loads(inputs.tools or "null")
         with self.tokenizer_lock:
-            prompt_tokens = len(encode_prompt(self.tokenizer, inputs.text_input, history, self.apply_chat_template))
+            prompt = encode_prompt(self.tokenizer, inputs.text_input, history, self.apply_chat_template, tools)
+            prompt_tokens = len(prompt)
             completion_tokens = len(self.tokenizer.encode(answer, add_special_tokens=False)) if answer else 0
         return UsageInfo(
             prompt_tokens=prompt_tokens,
