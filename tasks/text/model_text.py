@@ -44,13 +44,29 @@ def chat_template_on(request: Any, model_default: bool) -> bool:
     return model_default and bool(input_value(request, "apply_chat_template", True))
 
 
-def encode_prompt(tokenizer: Any, text: str, history: list, apply_chat_template: bool) -> list[int]:
+def tool_definitions(text: str) -> list[dict[str, Any]] | None:
+    """The optional `tools` input: a JSON list of OpenAI tool definitions ({type, function: {name, ...}}), which the
+    chat template renders into the prompt; None where none was sent."""
+    if not text:
+        return None
+    tools = json.loads(text)
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"] for t in tools
+    ):
+        raise ValueError("tools must be a JSON list of {type, function: {name, ...}} tool definitions")
+    return tools
+
+
+def encode_prompt(
+    tokenizer: Any, text: str, history: list, apply_chat_template: bool, tools: list | None = None
+) -> list[int]:
     """Token ids of a prompt: `history` (earlier messages, a system prompt among them) then the user's `text`,
-    through the tokenizer's chat template with the assistant's generation prompt; or `text` alone, raw."""
+    through the tokenizer's chat template with the assistant's generation prompt (and `tools`, OpenAI tool
+    definitions, where the template renders them); or `text` alone, raw."""
     if not apply_chat_template:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     ids = tokenizer.apply_chat_template(
-        [*history, {"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        [*history, {"role": "user", "content": text}], tools=tools, add_generation_prompt=True, tokenize=True
     )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

@@ -497,10 +497,9 @@ def test_the_predict_flow_scores_an_s3_location_into_an_s3_output_as_the_command
 
 def vllm_keeps_the_openai_fields(client) -> None:
     """On vLLM (an adapter on its engine): forced lengths (SamplingParams.min_tokens), logprobs (whole and per
-    streamed chunk), a json_schema answer that validates 20 times in 20 (vLLM's structured outputs), and tools
-    refused naming the field (the python backend's side: tests/integration/test_service.py)."""
+    streamed chunk), a json_schema answer that validates 20 times in 20 (vLLM's structured outputs), and tool calls
+    (vllm_answers_tool_calls; the python backend refuses tools: tests/integration/test_service.py)."""
     import jsonschema
-    import openai
 
     ask = {"model": SERVICE, "messages": QUESTION, "temperature": 0}
     plain = client.chat.completions.create(max_tokens=16, logprobs=True, top_logprobs=2, **ask)
@@ -527,10 +526,82 @@ def vllm_keeps_the_openai_fields(client) -> None:
             model=SERVICE, messages=QUESTION, max_tokens=32, temperature=1.0, seed=seed, response_format=response_format
         )
         jsonschema.validate(json.loads(shaped.choices[0].message.content), schema)
-    tool = {"type": "function", "function": {"name": "opposite", "parameters": {"type": "object"}}}
+    vllm_answers_tool_calls(client, ask)
+
+    # completions: the prompt raw, echoed and scored token by token (vLLM's prompt_logprobs), the first with none, as
+    # lm-evaluation-harness's loglikelihood reads it (token_logprobs[ctxlen:-1]; tests/harness.py, on the python backend)
+    prompt = "What is the opposite of hot? cold"
+    echoed = client.completions.create(model=SERVICE, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    scored = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith(prompt) and "".join(scored.tokens).startswith(prompt), echoed
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None, scored
+    assert len(scored.tokens) == echoed.usage.prompt_tokens + 1  # every prompt token, then the one made
+    assert all(lp <= 0 for lp in scored.token_logprobs[1:]) and all(len(t) >= 1 for t in scored.top_logprobs[1:])
+
+
+OPPOSITE = {
+    "type": "function",
+    "function": {
+        "name": "opposite",
+        "description": "Look up the opposite of a word.",
+        "parameters": {
+            "type": "object",
+            "properties": {"word": {"type": "string", "enum": ["cold", "warm", "hot"]}},
+            "required": ["word"],
+            "additionalProperties": False,
+        },
+    },
+}
+SPELL = {
+    "type": "function",
+    "function": {
+        "name": "spell",
+        "parameters": {
+            "type": "object",
+            "properties": {"letters": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["letters"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def vllm_answers_tool_calls(client, ask: dict) -> None:
+    """Through the openai SDK, a named tool_choice and "required" each answer parsed tool calls whose arguments
+    validate against their tool's parameters (guided decoding), whole and streamed (the deltas gathered by the SDK's
+    own accumulator); tool_choice auto on cpu-tiny's template, which renders no tools, is a 400 naming tools."""
+    import jsonschema
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    tools = [OPPOSITE, SPELL]
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    named = {"type": "function", "function": {"name": "opposite"}}
+    asks = [
+        ({"tool_choice": named}, "stop"),  # as vLLM's server ends a named call
+        ({"tool_choice": "required", "parallel_tool_calls": False}, "tool_calls"),
+        ({"tool_choice": "required"}, "tool_calls"),
+    ]
+    for choice, finish in asks:
+        whole = client.chat.completions.create(tools=tools, max_tokens=96, **choice, **ask)
+        state = ChatCompletionStreamState(input_tools=tools)
+        for chunk in client.chat.completions.create(tools=tools, max_tokens=96, stream=True, **choice, **ask):
+            state.handle_chunk(chunk)
+        for answer in (whole, state.get_final_completion()):
+            assert answer.choices[0].finish_reason == finish, (choice, answer)
+            calls = answer.choices[0].message.tool_calls
+            assert calls and (len(calls) == 1 or choice.get("parallel_tool_calls") is not False), (choice, answer)
+            for call in calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                if choice["tool_choice"] == named:
+                    assert call.function.name == "opposite"
+                jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        assert [c.function.arguments for c in whole.choices[0].message.tool_calls] == [
+            c.function.arguments for c in state.get_final_completion().choices[0].message.tool_calls
+        ]  # greedy: the same calls, streamed or not
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(max_tokens=4, tools=[tool], **ask)
-    assert refused.value.param == "tools" and "vLLM" in refused.value.message
+        client.chat.completions.create(max_tokens=4, tools=tools, **ask)  # tool_choice auto, the default
+    assert refused.value.param == "tools" and "does not render tools" in refused.value.message
 
 
 def curl(server: dict, tls, path: str, *args: str) -> tuple[int, dict | str]:

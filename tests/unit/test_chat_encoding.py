@@ -201,3 +201,21 @@ def test_chinese_streams_whole_characters_even_when_tokens_split_them(rendered, 
         assert "".join(pieces) == answer and not any("\ufffd" in p for p in pieces)
         naive = [prefixes[0]] + [b[len(a) :] for a, b in zip(prefixes, prefixes[1:], strict=False)]
         assert "".join(naive) != answer  # what slicing the text without holding back sends
+
+
+def test_the_vllm_model_renders_the_tools_it_is_given_with_the_chat_template(rendered, tokenizer_dir, monkeypatch):
+    """The `tools` input (tool_calls.py sends it) reaches the prompt through the template, as vLLM's server renders
+    tools; without it the prompt is training's."""
+    from tasks.quality.models import load_tokenizer
+    from tests.unit.test_tool_calls import TOOLS_TEMPLATE, WEATHER
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    model = served_model(rendered["vllm"], monkeypatch)
+    tools = model.tool_definitions(json.dumps([WEATHER]))
+    prompt = tokenizer.decode(model.encode_prompt(tokenizer, "Weather in Paris?", [], True, tools))
+    assert json.dumps(WEATHER) in prompt and prompt.endswith("Weather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    assert model.tool_definitions("") is None
+    assert model.encode_prompt(tokenizer, "hi", [], True, None) == encode_prompt(tokenizer, "hi", [], True)
+    with pytest.raises(ValueError, match="tools must be a JSON list"):
+        model.tool_definitions('{"type": "function", "function": {"name": "f"}}')

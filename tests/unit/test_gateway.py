@@ -146,7 +146,8 @@ def test_temperature_from_0_to_2_is_accepted(gateway, temperature):
         ({"stream": "yes"}, "stream", "a valid boolean"),
         ({"messages": []}, "messages", "at least 1 item"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages", "the last message must be the user's"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0].role: Input should be 'system'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "messages[0]: a tool call's turn (role tool"),
+        ({"messages": [{"role": "critic", "content": "x"}]}, "messages", "messages[0].role: Input should be"),
         ({"messages": [{"role": "user"}]}, "messages", "messages[0].content: Field required"),
     ],
 )

@@ -47,7 +47,7 @@ ASKING = {
     "suffix": "end",
     "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "auto",
+    "tool_choice": "required",
     "parallel_tool_calls": False,
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": "auto",
@@ -92,7 +92,7 @@ ASKING = {
     "request_id": "r-1",
 }
 ASKING_TEXT = {"logprobs": 2}  # completions' logprobs is a count
-WITH = {"top_logprobs": {"logprobs": True}}  # what a field needs sent beside it
+WITH = {"top_logprobs": {"logprobs": True}, "tool_choice": {"tools": ASKING["tools"]}}  # what a field needs beside it
 # What an honoured field's asking value makes of Triton's generate inputs (each alone, on BASE)
 HONOURED_INPUTS = {
     "messages": {"chat_history": '[{"role": "system", "content": "One word."}]'},
@@ -108,6 +108,29 @@ HONOURED_INPUTS = {
     "logprobs": {"logprobs": 0},  # chat: logprobs true, no alternatives
     "top_logprobs": {"logprobs": 2},
     "response_format": {"structured_output": '{"json_object": true}'},  # vllm's StructuredOutputsParams
+    "tools": {"tools": json.dumps(ASKING["tools"])},  # for the chat template; tool_choice auto: read from the answer
+    "tool_choice": {  # required: a non-empty array of calls, as vLLM's get_json_schema_from_tools makes it
+        "structured_output": json.dumps(
+            {
+                "json": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "anyOf": [
+                            {
+                                "properties": {
+                                    "name": {"type": "string", "enum": ["f"]},
+                                    "parameters": {"type": "object"},
+                                },
+                                "required": ["name", "parameters"],
+                            }
+                        ],
+                    },
+                }
+            }
+        )
+    },
 }
 HONOURED_TEXT_INPUTS = {
     "logprobs": {"logprobs": 2},

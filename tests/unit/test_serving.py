@@ -100,9 +100,9 @@ def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_
     def inputs(text: str) -> list[str]:
         return re.findall(r'name: "(\w+)"', text.split("input [")[1].split("\n]")[0])
 
-    # the llm model's inputs, vLLM's structured outputs (response_format), and the adapter's name, which only the
-    # gateway sets (its clients cannot): never a path
-    assert inputs(config) == [*inputs(llm), "structured_output", "lora_name"]
+    # the llm model's inputs, vLLM's structured outputs (response_format), the adapter's name, which only the
+    # gateway sets (its clients cannot): never a path; and the tools the chat template renders
+    assert inputs(config) == [*inputs(llm), "structured_output", "lora_name", "tools"]
     assert serving_model(load_profile("cpu-tiny"), Path("/m"), "a" * 64)[0] == "llm"
 
 

@@ -104,10 +104,10 @@ def refused(
 
 INFORMATIONAL = "accepted; it asks nothing of the answer (an identifier or a hint)"
 TOOLS: dict[Engine, str] = {
-    "python": "the python backend has no tool parser",
-    "vllm": "the gateway does not pass tools to vLLM yet (vLLM's own server: --tool-call-parser hermes)",
-    "llmapi": "the gateway does not pass tools to TensorRT-LLM's LLM API",
+    "python": "the python backend has no tool parser; serve with serve.backend vllm",
+    "llmapi": "the gateway does not pass tools to TensorRT-LLM's LLM API; serve with serve.backend vllm",
 }
+FUNCTIONS: dict[Engine, str] = {**TOOLS, "vllm": "deprecated by OpenAI for tools and tool_choice; send those"}
 RESPONSE_FORMAT: dict[Engine, str] = {
     "python": "the python backend has no guided decoding; serve with serve.backend vllm",
     "llmapi": "the gateway does not pass guided decoding to TensorRT-LLM's LLM API",
@@ -180,11 +180,22 @@ FIELDS: dict[str, OpenAIField] = {
         vllm_on=TEXT,
         how="vllm: json_object, json_schema (its schema) through vLLM's structured outputs",
     ),
-    "tools": refused(CHAT, empty, TOOLS),
-    "tool_choice": refused(CHAT, absent_or("none"), TOOLS),
-    "parallel_tool_calls": OpenAIField(CHAT, "openai", how="accepted: it only qualifies tools, refused where they are"),
-    "functions": refused(CHAT, empty, TOOLS),
-    "function_call": refused(CHAT, absent_or("none"), TOOLS),
+    "tools": refused(
+        CHAT,
+        empty,
+        TOOLS,
+        how="vllm: rendered by the model's chat template; function tools; tool_calls.py",
+    ),
+    "tool_choice": refused(
+        CHAT,
+        absent_or("none"),
+        TOOLS,
+        how="vllm: auto (hermes `<tool_call>` parsing; refused where the template renders no tools), required and "
+        "a named function (guided decoding), none",
+    ),
+    "parallel_tool_calls": OpenAIField(CHAT, "openai", how="false: at most one tool call; refused where tools are"),
+    "functions": refused(CHAT, empty, FUNCTIONS),
+    "function_call": refused(CHAT, absent_or("none"), FUNCTIONS),
     "audio": refused(CHAT, empty, everywhere("the served models answer in text only")),
     "modalities": refused(CHAT, absent_or(["text"]), everywhere("the served models answer in text only")),
     "prediction": refused(CHAT, empty, everywhere("no engine here takes a predicted output")),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 Count = Annotated[int, Field(ge=1)]
@@ -39,10 +39,56 @@ class RequestError(Exception):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # name, tool_calls, ...: nothing a served model reads, so refused
+    model_config = ConfigDict(extra="forbid")  # name, ...: nothing a served model reads, so refused
 
     role: Literal["system", "user", "assistant"]
     content: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def no_tool_turn(cls, data: Any) -> Any:
+        """A tool's result (role tool) or an assistant's tool_calls in the history: the second turn of a tool call,
+        which the served models' inputs (the user's question and the turns before it, as text) do not carry."""
+        if isinstance(data, dict) and (data.get("role") == "tool" or "tool_calls" in data):
+            raise PydanticCustomError(
+                "tool_turn",
+                "a tool call's turn (role tool, or an assistant's tool_calls) is not taken here: send the tool's "
+                "result as text in the user's message",
+            )
+        return data
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function, as OpenAI defines it: its `parameters` are the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": N}}: the answer is a call of N."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchema(BaseModel):
@@ -107,10 +153,7 @@ class OpenAIRequest(BaseModel):
     def sent(self) -> dict[str, Any]:
         """Every field the body carried, with its value: those parsed here, and those kept for openai_fields."""
         parsed = {name: getattr(self, name) for name in self.model_fields_set}
-        plain = {
-            k: v.model_dump(exclude_none=True, by_alias=True) if isinstance(v, BaseModel) else v
-            for k, v in parsed.items()
-        }
+        plain = {k: dumped(v) for k, v in parsed.items()}
         return plain | (self.model_extra or {})
 
     @field_validator("stop", mode="before")
@@ -121,11 +164,23 @@ class OpenAIRequest(BaseModel):
         return [value] if isinstance(value, str) else value
 
 
+def dumped(value: Any) -> Any:
+    """A parsed field's value as the body sent it."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_none=True, by_alias=True)
+    if isinstance(value, list):
+        return [dumped(item) for item in value]
+    return value
+
+
 class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens; it wins where both are sent
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ToolDefinition] | None = None  # tool_calls.py: on vLLM
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def alternatives(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -200,6 +255,7 @@ class GenerateInputs(BaseModel):
     apply_chat_template: bool | None = None  # False: the text as it is (completions); None: the model's setting
     prompt_logprobs: int | None = None  # the prompt's tokens scored too (echo with logprobs)
     exclude_input_in_output: bool = True
+    tools: str | None = None  # the tool definitions as JSON, which vLLM's engine renders with the chat template
 
     def payload(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
@@ -238,7 +294,7 @@ class UsageInfo(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null where the answer is tool calls (tool_calls.py adds them)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -275,7 +331,7 @@ class CompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role", "content"} first, {"content"} then, {} with the finish_reason
+    delta: dict[str, Any]  # {"role", "content"} first, {"content"} or {"tool_calls"} then, {} with the finish_reason
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 

@@ -11,9 +11,7 @@ import asyncio
 import json
 import threading
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +22,20 @@ from tasks.serving.gateway.access import GatewayMetrics, current, reserve_tokens
 from tasks.serving.gateway.capture import Capture
 from tasks.serving.gateway.openai_fields import Engine, check_fields, sampling, scored_prompt, scored_tokens
 from tasks.serving.gateway.protocol import (
-    AssistantMessage,
-    ChatChunkChoice,
-    ChatCompletionChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionChunkChoice,
     CompletionRequest,
-    CompletionResponse,
     ErrorInfo,
     ErrorResponse,
     GenerateInputs,
     GenerateRequest,
     RequestError,
-    StreamChunk,
     UsageInfo,
-    chat_logprobs,
-    completion_logprobs,
 )
 from tasks.serving.gateway.replicas import Replicas
+from tasks.serving.gateway.reply import Reply, ended_on_its_own
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.stops import StopScanner, cut_at_stop
+from tasks.serving.gateway.tool_calls import TemplateProbe, ToolCalling
 from tasks.serving.routes import RouteTable, Version
 
 DONE = b"data: [DONE]\n\n"
@@ -68,84 +58,6 @@ def bounded_max_tokens(value: int | None, name: str, context_tokens: int, defaul
 def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str]]:
     """The messages a generate request carries: its earlier turns (chat_history), then the question."""
     return [*json.loads(inputs.chat_history or "[]"), {"role": "user", "content": inputs.text_input}]
-
-
-def ended_on_its_own(tokens: list[dict[str, Any]] | None) -> bool:
-    """Whether scored answer tokens end with the end of sequence (a special token: no text, no bytes), which the
-    engines score and count as a made token, as vLLM's server does: the answer stopped, whatever its length."""
-    return tokens is not None and len(tokens) > 0 and tokens[-1]["token"] == "" and not tokens[-1]["bytes"]
-
-
-@dataclass
-class Reply:
-    """The completion being answered: its id, its kind (chat or text) and the shapes that kind sends."""
-
-    model: str
-    chat: bool
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # completions' logprobs: where the next streamed token starts in the answer
-    echo: str | None = None  # completions' echo: the prompt, sent before the answer
-
-    def __post_init__(self) -> None:
-        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-
-    def logprobs(self, tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-        """The `logprobs` of a choice in this kind's shape, for the answer tokens the engine scored (None: not asked)."""
-        if tokens is None:
-            return None
-        if self.chat:
-            return chat_logprobs(tokens)
-        shaped = completion_logprobs(tokens, self.text_offset)
-        self.text_offset += sum(len(t["token"]) for t in tokens)
-        return shaped
-
-    def whole(
-        self,
-        text: str,
-        finish: str,
-        usage: UsageInfo,
-        tokens: list[dict[str, Any]] | None = None,
-        prompt_tokens: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        """The whole completion; an echoed prompt (and its scored tokens) before the answer."""
-        response: ChatCompletionResponse | CompletionResponse
-        if self.echo is not None:
-            text = self.echo + text
-            tokens = None if tokens is None else [*(prompt_tokens or []), *tokens]
-        if self.chat:
-            message = AssistantMessage(content=text)
-            choice = ChatCompletionChoice(message=message, finish_reason=finish, logprobs=self.logprobs(tokens))
-            response = ChatCompletionResponse(
-                id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
-            )
-        else:
-            text_choice = CompletionChoice(text=text, finish_reason=finish, logprobs=self.logprobs(tokens))
-            response = CompletionResponse(
-                id=self.id, created=self.created, model=self.model, choices=[text_choice], usage=usage
-            )
-        return response.model_dump()
-
-    def chunk(
-        self,
-        delta: dict[str, str] | None,
-        finish: str | None = None,
-        usage: UsageInfo | None = None,
-        tokens: list[dict[str, Any]] | None = None,
-    ) -> bytes:
-        """One event; `delta` None is the last one's empty delta, which carries the finish_reason; `tokens` the
-        scored answer tokens the event's text came from (logprobs), per chunk as OpenAI streams them."""
-        choices: list[ChatChunkChoice] | list[CompletionChunkChoice]
-        logprobs = self.logprobs(tokens)
-        if self.chat:
-            choices = [ChatChunkChoice(delta=delta or {}, finish_reason=finish, logprobs=logprobs)]
-        else:
-            text = (delta or {}).get("content", "")
-            choices = [CompletionChunkChoice(text=text, finish_reason=finish, logprobs=logprobs)]
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return StreamChunk(
-            id=self.id, object=kind, created=self.created, model=self.model, choices=choices, usage=usage
-        ).event()
 
 
 class OpenAIServing:
@@ -182,6 +94,7 @@ class OpenAIServing:
         self.engine = engine  # serve.backend: which request fields are honoured (openai_fields.py)
         self.version_pinning = version_pinning  # serve.version_pinning: a request may name a live version
         self.tokenizer_lock = threading.Lock()
+        self.tool_template = TemplateProbe(self.tokenizer, apply_chat_template, self.tokenizer_lock)
 
     def check_model(self, model: str | None) -> Version | None:
         """The version a request for `model` pins: None for the service (the route table draws the version), or a
@@ -214,6 +127,7 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest) -> Response:
         pinned = self.check_model(request.model)
         check_fields("chat", request.sent(), self.engine)
+        tools = ToolCalling.of(request, self.tool_template.renders_tools() if request.tools else None)
         *earlier, question = request.messages
         history = [m.model_dump() for m in earlier]
         if request.max_completion_tokens is not None:
@@ -223,10 +137,10 @@ class OpenAIServing:
         inputs = GenerateInputs(
             text_input=question.content,
             chat_history=json.dumps(history, ensure_ascii=False) if history else None,
-            **sampling(request, max_tokens),
+            **(sampling(request, max_tokens) | (tools.inputs() if tools else {})),
         )
         return await self.complete(
-            inputs, request.stop, bool(request.stream), Reply(self.named(pinned), chat=True), pinned
+            inputs, request.stop, bool(request.stream), Reply(self.named(pinned), chat=True, tools=tools), pinned
         )
 
     async def completion(self, request: CompletionRequest) -> Response:
@@ -305,7 +219,8 @@ class OpenAIServing:
                 made += len(tokens or [])
                 last = tokens or last  # the last scored tokens: whether the answer ended on its own
                 if delta or tokens:
-                    yield reply.chunk({"content": delta}, tokens=tokens)
+                    for event in reply.text_events(delta, tokens):
+                        yield event
                 if scanner.stopped:
                     break
                 piece = await anext(pieces, None)
@@ -317,21 +232,24 @@ class OpenAIServing:
         finally:
             await pieces.aclose()
         self.metrics.observe(version.name, 200, time.perf_counter() - started)
-        if rest := scanner.flush():
-            yield reply.chunk({"content": rest})
+        for event in reply.text_events(scanner.flush(), last=True):
+            yield event
         self.copy_to_shadow(inputs, scanner.text, stop, started, reply)
         usage = await self.usage(inputs, scanner.text, made if inputs.logprobs is not None else None)
         current().tokens = usage.total_tokens or inputs.max_tokens
         finish = self.finish_reason(scanner.stopped or ended_on_its_own(last), usage, inputs)
         self.keep_exchange(inputs, scanner.text, reply, usage, finish, started)
+        if reply.tools is not None and reply.calls is not None:
+            finish = reply.tools.finish_reason(finish, reply.calls.called)
         yield reply.chunk(None, finish, usage)
         yield DONE
 
     def keep_exchange(
         self, inputs: GenerateInputs, answer: str, reply: Reply, usage: UsageInfo, finish: str, started: float
     ) -> None:
-        """The exchange, for capture (serve.capture), unless capture is off or the client opted out."""
-        if self.capture is None:
+        """The exchange, for capture (serve.capture), unless capture is off or the client opted out. Not one with tools:
+        a harvest makes training conversations of text answers, with no tools in their prompts."""
+        if self.capture is None or reply.tools is not None:
             return
         request = current()
         if not request.capture:
@@ -379,10 +297,11 @@ class OpenAIServing:
         )
 
     def count_tokens(self, inputs: GenerateInputs, answer: str) -> UsageInfo:
-        history = json.loads(inputs.chat_history or "[]")
+        history, tools = json.loads(inputs.chat_history or "[]"), json.loads(inputs.tools or "null")
         templated = self.apply_chat_template and inputs.apply_chat_template is not False
         with self.tokenizer_lock:
-            prompt_tokens = len(encode_prompt(self.tokenizer, inputs.text_input, history, templated))
+            prompt = encode_prompt(self.tokenizer, inputs.text_input, history, templated, tools)
+            prompt_tokens = len(prompt)
             completion_tokens = len(self.tokenizer.encode(answer, add_special_tokens=False)) if answer else 0
         return UsageInfo(
             prompt_tokens=prompt_tokens,

@@ -72,6 +72,7 @@ from model_text import (
     input_value,
     scored_token,
     stream_delta,
+    tool_definitions,
     unscored_token,
 )
 
@@ -179,7 +180,11 @@ class TritonPythonModel:
         max_tokens = int(input_value(request, "max_tokens", self.default_max_tokens))
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = encode_prompt(self.tokenizer, text, history, chat_template_on(request, self.chat))
+        # tools: rendered by the chat template, as vLLM's server renders them (tokenizer.apply_chat_template(...,
+        # tools=), vllm/renderers/hf.py:826-830 [l.515]); the gateway reads the calls from the text
+        # (tasks/serving/gateway/tool_calls.py), and a forced tool_choice arrives as structured_output
+        tools = tool_definitions(input_value(request, "tools", ""))
+        ids = encode_prompt(self.tokenizer, text, history, chat_template_on(request, self.chat), tools)
         if len(ids) + max_tokens > self.context_tokens:
             raise ValueError(
                 f"max_tokens {max_tokens} + {len(ids)} prompt tokens exceed the model's context of "
