@@ -79,7 +79,6 @@ def run_lm_eval(
         "tokenized_requests": "False",  # the gateway takes a prompt as text, not token ids
         "num_concurrent": "1",
         "max_retries": "1",
-        **({"ca_cert_path": str(cacert)} if cacert is not None else {}),  # TLS with a private CA
     }
     output = work / f"lm_eval-{task}"
     command = [
@@ -95,6 +94,8 @@ def run_lm_eval(
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["HF_HOME"] = str(work / "hf-home")  # lm_eval's datasets cache: not the user's
     env.pop("OPENAI_API_KEY", None)
+    if cacert is not None:  # a private CA: lm_eval's requests and aiohttp read these (its ca_cert_path does not reach
+        env["REQUESTS_CA_BUNDLE"] = env["SSL_CERT_FILE"] = str(cacert)  # its inference requests, api_models.py:464)
     if api_key is not None:
         env["OPENAI_API_KEY"] = api_key  # local-completions sends it as a Bearer token (its api_key property)
     # the tasks name their data relative to the repository root (tests/data/lmeval/*.yaml)
