@@ -121,7 +121,8 @@ class Tensor:
 
 class StubLLM:
     """tensorrt_llm.LLM.generate_async's result as the model uses it: async-iterable RequestOutputs whose
-    outputs[0].text is the whole answer so far (one more token decoded each step)."""
+    outputs[0].text is the whole answer so far (one more token decoded each step), .length the tokens made so far,
+    and .finish_reason "stop" on the last."""
 
     def __init__(self, prefixes):
         self.prefixes, self.calls = prefixes, []
@@ -136,7 +137,8 @@ class StubLLM:
 
             async def __aiter__(self):
                 for n, text in enumerate(prefixes, 1):
-                    completion = types.SimpleNamespace(text=text)
+                    last = n == len(prefixes)
+                    completion = types.SimpleNamespace(text=text, length=n, finish_reason="stop" if last else None)
                     yield types.SimpleNamespace(outputs=[completion], finished=n == len(prefixes))
 
         return Outputs()
@@ -204,12 +206,16 @@ def test_the_llmapi_model_encodes_like_training_and_streams_whole_characters(tmp
             "seed": None,
         }
         asyncio.run(model.generate(request, None, *job))
-        pieces = []
+        pieces, counted, reasons = [], 0, []
         while not model.responses.empty():
             _, (tensors, error), flags = model.responses.get()
             assert error is None
             pieces.append(tensors[0].as_numpy().reshape(-1)[0].decode())
+            named = {t.name(): t.as_numpy().reshape(-1)[0] for t in tensors}
+            counted += int(named["token_count"])
+            reasons += [named["finish_reason"].decode()] if "finish_reason" in named else []
         assert flags == 1 and not any("\ufffd" in p for p in pieces)
+        assert counted == len(ids) and reasons == ["stop"]  # usage: the tokens the LLM made, and why it stopped
         if stream:
             assert "".join(pieces) == answer and len(pieces) > 3
         else:

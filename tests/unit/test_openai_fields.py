@@ -392,3 +392,27 @@ def test_echo_puts_the_prompt_and_its_scored_tokens_before_the_answer_as_loglike
     triton = FakeTriton("cold")  # echo alone: the prompt's text, and no scoring asked of the engine
     plain = gateway(triton).post(TEXT, json={"prompt": "hot:", "echo": True}).json()["choices"][0]
     assert plain["text"] == "hot:cold" and plain["logprobs"] is None and "prompt_logprobs" not in triton.inputs
+
+
+class CountingTriton(FakeTriton):
+    """An engine that says how many tokens each response came from and why it stopped, as every engine here does:
+    16 tokens made for text that re-encodes to 24 (a forced answer of odd tokens), ended by max_tokens."""
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append((request.url.path, json.loads(request.content or b"{}")))
+        if request.url.path.endswith("/generate_stream"):
+            pieces = [{"text_output": "co", "token_count": 9}, {"text_output": "ld", "token_count": 7}]
+            pieces[-1]["finish_reason"] = "length"
+            events = "".join(f"data: {json.dumps(p)}\n\n" for p in pieces)
+            return httpx.Response(200, text=events, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"text_output": "cold", "token_count": 16, "finish_reason": "length"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_the_tokens_the_engine_made_and_the_finish_reason_is_the_engines(gateway, stream):
+    """usage.completion_tokens is the engine's count (AIPerf and genai-perf read it, and limits charge it), not a
+    re-encoding of the text, and finish_reason is the engine's where no stop sequence cut the answer."""
+    body = {"messages": QUESTION, "max_tokens": 16, "stream": stream}
+    response = gateway(CountingTriton()).post(CHAT, json=body)
+    last = events(response)[-2] if stream else response.json()
+    assert last["usage"]["completion_tokens"] == 16 and last["choices"][0]["finish_reason"] == "length"

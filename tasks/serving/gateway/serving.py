@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,30 @@ def bounded_max_tokens(value: int | None, name: str, context_tokens: int, defaul
 def conversation(inputs: GenerateInputs | GenerateRequest) -> list[dict[str, str]]:
     """The messages a generate request carries: its earlier turns (chat_history), then the question."""
     return [*json.loads(inputs.chat_history or "[]"), {"role": "user", "content": inputs.text_input}]
+
+
+def made_tokens(outputs: dict[str, Any], scored: list[dict[str, Any]] | None) -> int | None:
+    """The tokens an engine made for one of its responses: its token_count (every engine here sends it), or where
+    it sent none, its scored tokens (logprobs); None where it said neither (usage then re-encodes the text)."""
+    if outputs.get("token_count") is not None:
+        return int(outputs["token_count"])
+    return None if scored is None else len(scored)
+
+
+@dataclass
+class Tally:
+    """What an engine's streamed responses said besides their text: the tokens made (None: it counted none), the
+    last scored ones (whether the answer ended on its own) and its finish reason, on its last response."""
+
+    made: int | None = None
+    last: list[dict[str, Any]] | None = None
+    reason: str | None = None
+
+    def add(self, piece: dict[str, Any], scored: list[dict[str, Any]] | None) -> None:
+        if (count := made_tokens(piece, scored)) is not None:
+            self.made = (self.made or 0) + count
+        self.last = scored or self.last
+        self.reason = piece.get("finish_reason") or self.reason
 
 
 class OpenAIServing:
@@ -173,9 +198,10 @@ class OpenAIServing:
             text, stopped = cut_at_stop(str(outputs["text_output"]), stop)
             self.copy_to_shadow(inputs, text, stop, started, reply)
             tokens = scored_tokens(outputs, inputs)
-            usage = await self.usage(inputs, text, None if tokens is None else len(tokens))
+            usage = await self.usage(inputs, text, made_tokens(outputs, tokens))
             current().tokens = usage.total_tokens or inputs.max_tokens  # uncounted (no tokenizer): the budget
-            finish = self.finish_reason(stopped or ended_on_its_own(tokens), usage, inputs)
+            ended = stopped or ended_on_its_own(tokens)
+            finish = self.finish_reason(ended, usage, inputs, outputs.get("finish_reason"))
             self.keep_exchange(inputs, text, reply, usage, finish, started)
             return JSONResponse(reply.whole(text, finish, usage, tokens, scored_prompt(outputs, inputs)))
         pieces = self.triton.generate_stream_outputs(version, inputs.payload())
@@ -209,15 +235,14 @@ class OpenAIServing:
             yield reply.chunk({"role": "assistant", "content": ""})
         if reply.echo is not None:  # the prompt first, with its scored tokens (which ride on the first piece)
             yield reply.chunk({"content": reply.echo}, tokens=scored_prompt(first or {}, inputs))
-        scanner, made, last = StopScanner(stop), 0, None
+        scanner, tally = StopScanner(stop), Tally()
         try:
             piece = first
             while piece is not None:
                 current().produced += 1  # charged if the stream ends before its usage is counted
                 delta = scanner.feed(str(piece.get("text_output", "")))
                 tokens = scored_tokens(piece, inputs)
-                made += len(tokens or [])
-                last = tokens or last  # the last scored tokens: whether the answer ended on its own
+                tally.add(piece, tokens)
                 if delta or tokens:
                     for event in reply.text_events(delta, tokens):
                         yield event
@@ -235,9 +260,9 @@ class OpenAIServing:
         for event in reply.text_events(scanner.flush(), last=True):
             yield event
         self.copy_to_shadow(inputs, scanner.text, stop, started, reply)
-        usage = await self.usage(inputs, scanner.text, made if inputs.logprobs is not None else None)
+        usage = await self.usage(inputs, scanner.text, tally.made)
         current().tokens = usage.total_tokens or inputs.max_tokens
-        finish = self.finish_reason(scanner.stopped or ended_on_its_own(last), usage, inputs)
+        finish = self.finish_reason(scanner.stopped or ended_on_its_own(tally.last), usage, inputs, tally.reason)
         self.keep_exchange(inputs, scanner.text, reply, usage, finish, started)
         if reply.tools is not None and reply.calls is not None:
             finish = reply.tools.finish_reason(finish, reply.calls.called)
@@ -273,18 +298,20 @@ class OpenAIServing:
         )
 
     @staticmethod
-    def finish_reason(stopped: bool, usage: UsageInfo, inputs: GenerateInputs) -> str:
-        """ "length" where the answer used its whole token budget (ignore_eos: always), "stop" where it ended on its own
-        or at a stop."""
+    def finish_reason(stopped: bool, usage: UsageInfo, inputs: GenerateInputs, engines: str | None = None) -> str:
+        """ "stop" where the gateway cut the answer at a stop sequence, else the engine's own reason (each engine here
+        sends it); without one, "length" where the answer used its whole token budget (ignore_eos: always)."""
         if stopped:
             return "stop"
+        if engines in ("stop", "length"):
+            return engines
         forced = inputs.min_length == inputs.max_tokens  # re-encoding the text may count fewer tokens than were made
         return "length" if forced or usage.completion_tokens >= inputs.max_tokens else "stop"
 
     async def usage(self, inputs: GenerateInputs, answer: str, made: int | None = None) -> UsageInfo:
         """Token counts, in a worker thread: a long chat's tokenization would hold every other client's
         request on the event loop meanwhile. One at a time: a fast tokenizer used from two threads at once
-        can fail with "Already borrowed". `made`: the answer's tokens as the engine counted them (it scored each
+        can fail with "Already borrowed". `made`: the answer's tokens as the engine counted them (it counts each
         for logprobs), which re-encoding the text can miss (a token of half a character decodes to U+FFFD)."""
         if self.tokenizer is None:
             usage = UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)

@@ -40,6 +40,9 @@ class Job:
     logprobs: int = -1  # alternatives per token with each token's log probability; -1: no log probabilities
     prompt_logprobs: int = -1  # the same for the prompt's tokens (the gateway's echo); -1: none
     prompt_scores: list | None = None  # the prompt's tokens, scored by the prefill; sent with the first response
+    made: int = 0  # tokens picked, the end of sequence included (usage)
+    counted: int = 0  # of them, those a response has counted
+    finish_reason: str = ""  # stop (the end of sequence) or length (max_tokens), once finished
     generator: object = None
     tokens: list = field(default_factory=list)
     pending_logprobs: list = field(default_factory=list)  # of the tokens not yet sent
@@ -132,7 +135,13 @@ class TritonPythonModel:
         return None
 
     def respond(self, job, text, final):
-        outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+        outputs = [
+            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+            pb_utils.Tensor("token_count", np.array([[job.made - job.counted]], dtype=np.int32)),
+        ]
+        job.counted = job.made
+        if final:
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([[job.finish_reason.encode()]], dtype=np.object_)))
         if job.logprobs >= 0:  # the tokens this response carries, each with its log probability (OpenAI's shape)
             sent = json.dumps(job.pending_logprobs, ensure_ascii=False).encode("utf-8")
             outputs.append(pb_utils.Tensor("logprobs", np.array([[sent]], dtype=np.object_)))
@@ -213,6 +222,8 @@ class TritonPythonModel:
                     token = self.pick(job, logits[i].clone())
                     next_ids[i] = token
                     finished = token == self.eos or len(job.tokens) + 1 >= job.max_tokens
+                    job.finish_reason = "stop" if token == self.eos else "length"
+                    job.made += 1
                     if job.logprobs >= 0:  # every token made, the end of sequence too (as vLLM's server scores)
                         job.pending_logprobs.append(self.token_logprobs(logits[i], token, job.logprobs))
                     if token != self.eos:

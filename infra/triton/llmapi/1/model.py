@@ -197,7 +197,7 @@ class TritonPythonModel:
         return None
 
     async def generate(self, request, sender, ids, sampling, prompt, stream, echo):
-        sent, finished, steps = "", False, 0
+        sent, finished, steps, counted = "", False, 0, 0
         try:
             outputs = self.llm.generate_async(ids, sampling, streaming=True)
             async for output in outputs:
@@ -208,22 +208,34 @@ class TritonPythonModel:
                     self.responses.put((sender, None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
                     return
                 text, finished = output.outputs[0].text, output.finished
+                # CompletionOutput.token_ids: extended by each response (cumulative); .length is its length
+                # (tensorrt_llm/executor/result.py, CompletionOutput and _handle_sequence)
+                made = output.outputs[0].length
                 if stream:
                     delta, sent = stream_delta(text, sent, finished)
                     if delta or finished:
-                        self.respond(sender, delta, finished)
+                        reason = output.outputs[0].finish_reason if finished else None
+                        self.respond(sender, delta, finished, made - counted, reason)
+                        counted = made
                 elif finished:
-                    self.respond(sender, (prompt + text) if echo else text, True)
+                    self.respond(sender, (prompt + text) if echo else text, True, made, output.outputs[0].finish_reason)
             if not finished:
                 raise RuntimeError("the LLM ended the request without a final output")
         except Exception as exc:
             error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"TensorRT-LLM: {exc}"))
             self.responses.put((sender, error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
-    def respond(self, sender, text, final):
-        output = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
+    def respond(self, sender, text, final, made, finish_reason=None):
+        """One response: its text, the tokens it came from (`made`: usage), and on the last one the LLM's
+        finish_reason (CompletionOutput.finish_reason: stop, length, ...)."""
+        outputs = [
+            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+            pb_utils.Tensor("token_count", np.array([[made]], dtype=np.int32)),
+        ]
+        if finish_reason:
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)))
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self.responses.put((sender, pb_utils.InferenceResponse(output_tensors=[output]), flags))
+        self.responses.put((sender, pb_utils.InferenceResponse(output_tensors=outputs), flags))
 
     def send_responses(self):
         """Sending is a blocking round trip to Triton: done here, off the engine's loop (as upstream's _response_loop)."""

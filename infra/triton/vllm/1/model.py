@@ -305,7 +305,7 @@ class TritonPythonModel:
 
     async def generate(self, request, sender, ids, sampling, prompt, stream, echo, lora_request):
         request_id = uuid.uuid4().hex
-        sent, finished, steps, scored_sent = "", False, 0, 0
+        sent, finished, steps, scored_sent, counted = "", False, 0, 0, 0
         prompt_unsent = sampling.prompt_logprobs is not None  # the prompt's scores ride with the first response
         try:
             async for output in self.engine.generate(
@@ -326,19 +326,31 @@ class TritonPythonModel:
                         scored_sent = len(output.outputs[0].token_ids)
                         prompt_scored = self.scored_prompt(output, sampling.prompt_logprobs) if prompt_unsent else None
                         prompt_unsent = False
-                        self.respond(sender, delta, finished, scored, prompt_scored)
+                        made = len(output.outputs[0].token_ids)  # cumulative: this response counts what is new
+                        reason = output.outputs[0].finish_reason if finished else None
+                        self.respond(sender, delta, finished, made - counted, scored, prompt_scored, reason)
+                        counted = made
                 elif finished:
                     scored = self.scored(output.outputs[0], 0, sampling.logprobs)
                     prompt_scored = self.scored_prompt(output, sampling.prompt_logprobs) if prompt_unsent else None
-                    self.respond(sender, (prompt + text) if echo else text, True, scored, prompt_scored)
+                    made = len(output.outputs[0].token_ids)
+                    reason = output.outputs[0].finish_reason
+                    self.respond(sender, (prompt + text) if echo else text, True, made, scored, prompt_scored, reason)
             if not finished:
                 raise RuntimeError("vLLM ended the request without a final output")
         except Exception as exc:
             error = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"vLLM: {exc}"))
             self.responses.put((sender, error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
 
-    def respond(self, sender, text, final, scored=None, prompt_scored=None):
-        outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+    def respond(self, sender, text, final, made, scored=None, prompt_scored=None, finish_reason=None):
+        """One response: its text, the tokens it came from (`made`: usage), the scored ones where asked, and on the
+        last one vLLM's finish_reason (CompletionOutput.finish_reason: stop, length)."""
+        outputs = [
+            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+            pb_utils.Tensor("token_count", np.array([[made]], dtype=np.int32)),
+        ]
+        if finish_reason:
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)))
         # logprobs asked: this response's tokens (and, on the first, the prompt's), as infra/triton/llm sends them
         for name, tokens in (("logprobs", scored), ("prompt_logprobs", prompt_scored)):
             if tokens is not None:
