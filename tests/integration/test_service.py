@@ -690,11 +690,36 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         assert [name for name, value in PASTED.items() if value in kept] == [] and leaks == []
         # lm-evaluation-harness through the gateway (loglikelihoods from echoed completions, answers from chat)
         # scores as the served champion's own folder does in this process (issue 43; last: its exchanges are kept)
-        scores = harness.compare(gateway, MODEL, harness.served_model_dir(Path(state["repository"]), MODEL))
+        served_dir = harness.served_model_dir(Path(state["repository"]), MODEL)
+        scores = harness.compare(gateway, MODEL, served_dir)
         print(f"lm-evaluation-harness through the gateway, as in-process: {scores}")
+        # AIPerf's chat load with min_tokens gets the lengths it asked for, counted by the engine (issue 43)
+        lengths = aiperf_output_lengths(gateway, served_dir, tmp_path / "aiperf")
+        assert lengths["mismatches"] == 0 and lengths["min"] == lengths["max"] == 16, lengths
     finally:
         os.killpg(serving.pid, signal.SIGTERM)
         serving.wait(60)
+
+
+def aiperf_output_lengths(gateway: str, tokenizer_dir: Path, work: Path) -> dict:
+    """One AIPerf run on the gateway's chat completions, asking 16 tokens an answer with vLLM's min_tokens (as AIPerf
+    itself advises) and reading the lengths from usage (--use-server-token-count: the engine's count; AIPerf would
+    otherwise re-encode the text with the tokenizer); the output lengths it measured and its mismatch warnings."""
+    command = [
+        str(ROOT / ".venv-aiperf" / "bin" / "aiperf"),
+        *("profile", "--model", MODEL, "--url", gateway, "--endpoint-type", "chat", "--streaming"),
+        *("--tokenizer", str(tokenizer_dir), "--synthetic-input-tokens-mean", "20"),
+        *("--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", "16", "--output-tokens-stddev", "0"),
+        *("--extra-inputs", "min_tokens:16", "--use-server-token-count"),
+        *("--concurrency", "2", "--request-count", "8", "--random-seed", "0", "--ui-type", "none"),
+        *("--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(work)),
+    ]
+    # not HF_HUB_OFFLINE: AIPerf 0.13.0 then looks a local tokenizer folder up as a hub snapshot (tasks/serving/aiperf.py)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lengths = json.loads((work / "profile_export_aiperf.json").read_text())["output_sequence_length"]
+    return {**lengths, "mismatches": (done.stdout + done.stderr).count("OSL mismatch")}
 
 
 def test_no_secret_leaks_into_files_tracking_or_prefect(service, first_release):
