@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
+from prefect.exceptions import Pause
 
-from tasks.approve import Approval, approve
+from tasks.approve import Approval, approve, forget_waiting, suspended_release
 from tasks.base_model import base_model
 from tasks.benchmark import benchmark, require_load_tool
 from tasks.build_engine import build_engine
@@ -27,9 +28,9 @@ from tasks.gate import gate
 from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.quiet import quiet_libraries
-from tasks.platform.stage_cache import RunContext, StageResult, stage_task
+from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
 from tasks.platform.stores import open_store
-from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, start_run
+from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, resume_run, start_run
 from tasks.prepare_data import DatasetMetrics, prepare_data
 from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
@@ -94,6 +95,10 @@ def default_services(tracking_uri: str | None, artifacts: str | None) -> tuple[s
 def open_context(profile: Profile, tracking_uri: str | None, artifacts: str | None) -> RunContext:
     tracking_uri, artifacts = default_services(tracking_uri, artifacts)
     home = llmops_home()
+    waiting = suspended_release(home, str(runtime.flow_run.id or ""))
+    if waiting is not None and waiting.get("mlflow_run_id"):  # started again by its decision: the same MLflow run
+        tracker = resume_run(tracking_uri or default_tracking_uri(home), waiting["mlflow_run_id"])
+        return RunContext(profile, open_store(artifacts, home), tracker, home)
     # A local store keeps its artifacts under LLMOPS_HOME; a tracking server decides for itself.
     artifact_root = None if tracking_uri else home / "mlartifacts"
     tracker = start_run(
@@ -198,7 +203,8 @@ def release(
 
         served = open_service(ctx, target)
         # one release of a service deploys .. promotes at a time; a resumed run is the same release (its flow run)
-        with serving_lock(config, ctx.tracker, served, str(runtime.flow_run.id or ctx.tracker.run_id)) as lock:
+        release_id = str(runtime.flow_run.id or ctx.tracker.run_id)
+        with serving_lock(config, ctx.tracker, served, release_id, started_again(ctx)) as lock:
             deployment = serving_stage(steps, deploy_canary, config)(ctx, registered, served)
             approved, rejection = True, ""
             if not deployment.unchanged:
@@ -209,17 +215,24 @@ def release(
                 report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
                 if report.passed and needs_approval(config, dataset):  # a person's decision is never cached
+                    # a run of a deployment waits without a process: suspended, the service owned (waiting) until
+                    # the approval timeout; it is started again by the decision and comes back here
                     lock.wait_for_approval(config.gate.approval_timeout_s + config.canary.hold_s)
-                    approval = approve(ctx, report, str(runtime.flow_run.id))
+                    approval = approve(ctx, report, str(runtime.flow_run.id), can_suspend())
                     lock.decided()
                     approved, rejection = approval.approved, approval.summary()
             outcome = stage_task(rollout, config)(ctx, deployment, approved, rejection, dataset)
+    except Pause:  # suspended for approval: the MLflow run goes on when the decision starts the flow run again
+        ctx.tracker.set_tags({"release.outcome": "waiting for approval"})
+        raise
     except BaseException as exc:
         ctx.tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
         end_run(ctx.tracker, "FAILED")
+        forget_waiting(ctx.home, str(runtime.flow_run.id or ""))  # a resumed run that failed before its decision
         raise
     finally:
         let_go(served, deployment)
+    forget_waiting(ctx.home, str(runtime.flow_run.id or ""))  # a resumed run whose gate rejected on measuring again
     end_run(ctx.tracker, "FINISHED")
     report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
     return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval, steps)
@@ -234,6 +247,15 @@ def let_go(served: Service | None, deployment: Deployment | None) -> None:
         served.stop()
 
 
+def can_suspend() -> bool:
+    """Whether this flow run can wait for a person without a process: Prefect suspends a run of a deployment that is
+    no subflow (prefect/server/orchestration/core_policy.py:1386-1395 at 3.7.2), and starts it again from that
+    deployment. `llmops run` (no deployment), or a release someone runs as a subflow of a flow of theirs, pauses in
+    its process. The service it runs on may be a Triton and gateway of the run's own: they stop with the process, and
+    the run started again starts them again and loads the champion and the candidate on them (deploy_canary)."""
+    return bool(runtime.deployment.id) and not runtime.flow_run.parent_flow_run_id
+
+
 def needs_approval(config: Profile, dataset: StageResult) -> bool:
     """gate.approval required, or harvested and the training data holds records clients wrote (the flywheel's)."""
     harvested = (DatasetMetrics.of(dataset).harvested_records or 0) > 0
@@ -241,31 +263,47 @@ def needs_approval(config: Profile, dataset: StageResult) -> bool:
 
 
 @contextmanager
-def serving_lock(config: Profile, tracker: Tracker, served: Service, release: str):
+def serving_lock(config: Profile, tracker: Tracker, served: Service, release: str, resumed: bool = False):
     """The service owned by this release (tasks/serving/ownership.py) from loading the candidate until it is
     promoted or rolled back; a second release of the model queues here for its turn, or fails at once while this
-    one waits for a person."""
-    from prefect.logging import get_run_logger
-
+    one waits for a person. `resumed`: started again after a suspension, it owns the service already (what it
+    waited and when it took it are those of its first process). Suspended, it stays the owner."""
     name = f"llmops-serving-{config.registry.model_name}"
-    log = get_run_logger()
+    log = logger()
     log.info(f"serving lock {name}: acquiring (another release of {config.registry.model_name} may hold it)")
     ownership = Ownership(served.control, served.name, release, config.canary.hold_s)
     waited = ownership.take(config.run.serving_lock_timeout_s)
     ownership.keep()
     log.info(f"serving lock {name}: held after {waited:.1f}s")
-    tracker.log_metrics("serving_lock", {"wait_s": waited})
-    tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})
+    if not resumed:
+        tracker.log_metrics("serving_lock", {"wait_s": waited})
+        tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})
+    suspended = False
     try:
         yield ownership
+    except Pause:
+        suspended = True
+        raise
     finally:
-        tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
-        ownership.give_up()
+        if suspended:  # owned, waiting for approval, until the approval timeout, with no process to renew it
+            ownership.suspend(config.gate.approval_timeout_s + config.canary.hold_s)
+        else:
+            tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
+            ownership.give_up()
+
+
+def started_again(ctx: RunContext) -> bool:
+    """This flow run suspended for approval earlier and its decision started it again (tasks/approve.py)."""
+    return suspended_release(ctx.home, str(runtime.flow_run.id or "")) is not None
 
 
 def record_run(ctx: RunContext, stages: list[StageResult], registered: Registered) -> None:
-    """Every artifact of the run, reachable from the MLflow run and from the Prefect UI."""
+    """Every artifact of the run, reachable from the MLflow run and from the Prefect UI. A run started again by its
+    decision recorded them in its first process: here every stage is a cache hit, which is not what ran."""
     from prefect.artifacts import create_table_artifact
+
+    if started_again(ctx):
+        return
 
     ctx.tracker.log_json(
         "artifacts.json", {s.stage: {"uri": s.artifact.uri, "sha256": s.artifact.digest} for s in stages}

@@ -74,9 +74,13 @@ def retrain(
         log.info(message)
         return message
     key = f"{config.registry.model_name}:{config.digest[:16]}:{fingerprint}:after-v{last[0] if last else 0}"
+    # A top-level run of the release deployment, not a subflow of this one (run_deployment links it as one by
+    # default: prefect/deployments/flow_runs.py:62,145 at 3.7.2): Prefect suspends no subflow
+    # (prefect/server/orchestration/core_policy.py:1386-1391), and a release that waits for approval suspends.
     run: FlowRun = run_deployment(  # type: ignore[assignment]  # a sync call returns the FlowRun
         release_deployment,
         timeout=0,
+        as_subflow=False,
         idempotency_key=key,
         parameters={"profile": profile, "data_source": data_source, "overrides": overrides},
         tags=["retrain", f"data:{fingerprint[:12]}"],

@@ -12,9 +12,9 @@ Pause or suspend (`wait_for_decision(suspend=...)`): a pause keeps the waiting p
 deployment in a new process, which replays the run up to here (its stages are cache hits) and, asking for the same
 pause key, gets the decision Prefect stored. What the waiting run needs then lives in the Prefect server's database
 (the Suspended state, its pause keys and the input) and in the pending record, none of it in a process: a restart
-of the Prefect server or of the worker during the wait loses nothing. The release flow still pauses: the retrain
-deployment runs it as a subflow, and Prefect suspends no subflow (prefect/server/orchestration/core_policy.py:
-1386-1391 at 3.7.2).
+of the Prefect server or of the worker during the wait loses nothing. Prefect suspends no subflow
+(prefect/server/orchestration/core_policy.py:1386-1391 at 3.7.2): the retrain flow starts its release as a
+top-level run of the release deployment (flows/retrain.py).
 
 With `gate.allowed_signers` a decision is an authorization, not a record: it counts only with a statement
 {run, kind, model, version, artifact_sha256, decision, reason, principal} signed by the principal's SSH key
@@ -148,6 +148,19 @@ def check_decision(answer: ApprovalInput, flow_run_id: str, subject: dict, polic
     return key
 
 
+def suspended_release(home: Path, flow_run_id: str) -> dict | None:
+    """The waiting record of `flow_run_id` where it is a release that suspended for approval (and was started again
+    by its decision); None otherwise."""
+    record = waiting_record(pending_folder(home) / f"{flow_run_id}.json") if flow_run_id else None
+    return record if record and record.get("suspended") and record.get("kind") == "release" else None
+
+
+def forget_waiting(home: Path, flow_run_id: str) -> None:
+    """No longer listed as waiting (a resumed release that ended before it came back to its decision)."""
+    if flow_run_id:
+        (pending_folder(home) / f"{flow_run_id}.json").unlink(missing_ok=True)
+
+
 def pending_folder(home: Path) -> Path:
     """Where a waiting run writes down which Prefect API holds it: a plain `llmops run` has a temporary one."""
     return home / "approvals"
@@ -271,8 +284,9 @@ def running_again(flow_run_id: str) -> None:
         client.set_flow_run_state(flow_run_id, Running(), force=True)
 
 
-def approve(ctx: RunContext, report: GateReport, flow_run_id: str) -> Approval:
-    """The DAG's approve step: not a cached stage, a person decides every time."""
+def approve(ctx: RunContext, report: GateReport, flow_run_id: str, suspend: bool = False) -> Approval:
+    """The DAG's approve step: not a cached stage, a person decides every time. `suspend`: the run waits without a
+    process (wait_for_decision)."""
     timeout_s = ctx.profile.gate.approval_timeout_s
     logger().info(
         f"approval: {report.model} v{report.candidate_version} passed the gate and waits up to {timeout_s:g}s for a "
@@ -287,7 +301,7 @@ def approve(ctx: RunContext, report: GateReport, flow_run_id: str) -> Approval:
         "mlflow_run_id": ctx.tracker.run_id,
     }
     policy = DecisionPolicy.of(ctx.profile.gate, run_creator())
-    approval = wait_for_decision(ctx.home, flow_run_id, report.markdown(), timeout_s, subject, policy)
+    approval = wait_for_decision(ctx.home, flow_run_id, report.markdown(), timeout_s, subject, policy, suspend)
     record(ctx, report, approval)
     logger().info(f"approval: {report.model} v{report.candidate_version} {approval.summary()}")
     return approval

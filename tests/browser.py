@@ -123,12 +123,13 @@ def decide_paused_run(
     screenshots: Path,
     auth_string: str | None = None,
 ) -> Decision:
-    """Open a release paused for approval, read its artifacts and the gate report on the Resume form, fill the
-    form (decision, reason, name) and press Submit, as a release manager does."""
+    """Open a release waiting for approval (Suspended: a run of a deployment, without a process; Paused: in its
+    process), read its artifacts and the gate report on the Resume form, fill the form (decision, reason, name) and
+    press Submit, as a release manager does. The UI offers the same Resume form for both."""
     from playwright.sync_api import expect
 
     with browser_page(f"{ui_url}/runs/flow-run/{flow_run_id}", auth_string) as page:
-        expect(page.get_by_text("Paused", exact=True).first).to_be_visible()
+        expect(page.get_by_text(re.compile(r"^(Suspended|Paused)$")).first).to_be_visible()
         page.locator("li.p-tab#artifacts").click()  # tabs are <li>s without role="tab"
         expect(page.get_by_text("gate-report").first).to_be_visible()
         artifacts = [key for key in ("gate-report", "release-summary") if page.get_by_text(key).count()]

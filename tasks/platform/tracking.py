@@ -117,5 +117,12 @@ def start_run(tracking_uri: str, artifact_root: Path | None, run_name: str, tags
     return Tracker(tracking_uri, run.info.run_id, experiment_id)
 
 
+def resume_run(tracking_uri: str, run_id: str) -> Tracker:
+    """An MLflow run started by an earlier process of the same release (one suspended for approval), continued."""
+    from mlflow import MlflowClient
+
+    return Tracker(tracking_uri, run_id, MlflowClient(tracking_uri).get_run(run_id).info.experiment_id)
+
+
 def end_run(tracker: Tracker, status: str) -> None:
     tracker.client.set_terminated(tracker.run_id, status=status)

@@ -31,6 +31,7 @@ class Ownership:
     lease_s: float  # how long it holds without renewal
     waiting: str | None = None  # "approval" while it waits for a person
     stopped: threading.Event = field(default_factory=threading.Event)
+    renewing: threading.Thread | None = None
 
     def take(self, timeout_s: float, poll_s: float = POLL_S) -> float:
         """Own the service, queued behind a working owner for up to timeout_s; the seconds waited. CheckFailed
@@ -65,7 +66,14 @@ class Ownership:
             while not self.stopped.wait(self.lease_s / 3):
                 self.renew()
 
-        threading.Thread(target=renew, name="own-service", daemon=True).start()
+        self.renewing = threading.Thread(target=renew, name="own-service", daemon=True)
+        self.renewing.start()
+
+    def stop_renewing(self) -> None:
+        """No renewal after this returns (one in flight has landed)."""
+        self.stopped.set()
+        if self.renewing is not None and self.renewing is not threading.current_thread():
+            self.renewing.join()
 
     def renew(self, lease_s: float | None = None) -> Owner | None:
         """Renewed now (for lease_s, where given); the other release that owns the service where this one lost it
@@ -84,13 +92,21 @@ class Ownership:
         self.waiting = "approval"
         self.renew(lease_s)
 
+    def suspend(self, lease_s: float) -> None:
+        """Owned, waiting for approval, for lease_s from now with no process left to renew it (the release suspended;
+        its run, started again by the decision, owns the service on). The renewals stop first: one of a lease (a
+        third of canary.hold_s) landing after this would let the service go while the release waits."""
+        self.stop_renewing()
+        self.waiting = "approval"
+        self.renew(lease_s)
+
     def decided(self) -> None:
         self.waiting = None
         self.renew()
 
     def give_up(self) -> None:
         """Renewing stops and the service is free (where the service cannot be reached, the ownership lapses)."""
-        self.stopped.set()
+        self.stop_renewing()
         try:
             self.control.disown(self.release)
         except (CheckFailed, TransientError) as exc:

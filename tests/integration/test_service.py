@@ -136,6 +136,28 @@ def wait_for(check, timeout: float, what: str, interval: float = 1.0):
     raise AssertionError(f"{what}: not reached within {timeout:.0f}s")
 
 
+def flow_run_processes(flow_run_id: str) -> list[psutil.Process]:
+    """The processes that run a flow run: the worker starts it with PREFECT__FLOW_RUN_ID in its environment
+    (prefect/runner/runner.py:1026 at 3.7.2), which whatever it starts (a Triton of its own) inherits."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                found.append(process)
+        except psutil.Error:  # gone, or another user's
+            continue
+    return found
+
+
+def waits_suspended_without_a_process(service: "Service", flow_run_id: str) -> None:
+    """The release waits for approval suspended (Prefect's state Suspended, of type PAUSED) and no process of it is
+    left: the one it ran in exited once it suspended."""
+    run = service.get(f"/flow_runs/{flow_run_id}")
+    assert (run["state_type"], run["state_name"]) == ("PAUSED", "Suspended"), service.logs(flow_run_id)[-3000:]
+    wait_for(lambda: not flow_run_processes(flow_run_id), 60, f"the processes of flow run {flow_run_id} exiting")
+    assert service.mlflow_run(flow_run_id).data.tags["release.outcome"] == "waiting for approval"
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     home = tmp_path_factory.mktemp("service") / "home"
@@ -312,6 +334,8 @@ def test_a_release_started_from_the_ui_waits_for_the_serving_lock_is_approved_in
         interval=2,
     )
     assert state == "PAUSED", service.logs(second["id"])[-3000:]
+    waits_suspended_without_a_process(service, second["id"])  # its Triton and gateway of its own stopped with it
+    started = time.monotonic()
     decided = decide_paused_run(
         service.api.removesuffix("/api"),
         second["id"],
@@ -324,6 +348,9 @@ def test_a_release_started_from_the_ui_waits_for_the_serving_lock_is_approved_in
     assert "Gate: PROMOTE tiny-qwen2-antonyms v" in decided.report and "gate-report" in decided.artifacts
     final = service.wait_final(second["id"])
     assert final["state_type"] == "COMPLETED", service.logs(second["id"])[-3000:]
+    print(
+        f"\nthe suspended release, approved in the UI, went on in a new process and ended {time.monotonic() - started:.1f}s later"
+    )
     first_run, second_run = service.mlflow_run(release["id"]), service.mlflow_run(second["id"])
     assert second_run.data.params["profile/canary.probe_concurrency"] == "2"  # the form's parameters were used
     assert second["parameters"]["data_source"] == "s3://datasets/sft/"
@@ -545,6 +572,25 @@ def the_openai_api_keeps_its_word(client) -> None:
     assert pinned.value.param == "model" and "serve.version_pinning" in pinned.value.message, pinned.value
 
 
+def restart_prefect_and_worker(service: Service) -> None:
+    """The stack's worker and Prefect server stopped, then started again by `llmops stack up` on the same port and
+    database (PostgreSQL)."""
+    from tasks.platform.local_stack import Server
+
+    stack = service.home / "stack" / "stack.json"
+    before = json.loads(stack.read_text())["services"]
+    for name in ("worker", "prefect"):
+        Server(**before[name]).stop()
+    up = service.llmops("stack", "up", timeout=400)
+    assert up.returncode == 0, up.stdout + up.stderr
+    after = json.loads(stack.read_text())["services"]
+    assert after["prefect"]["url"] == before["prefect"]["url"]
+    assert {name: after[name]["pid"] != before[name]["pid"] for name in ("worker", "prefect")} == {
+        "worker": True,
+        "prefect": True,
+    }
+
+
 def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_champion(
     service, first_release, tmp_path
 ):
@@ -661,17 +707,32 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
             120,
             "the release run the harvested data started",
         )[0]
-        # A release trained on harvested data waits for a person too (gate.approval harvested, cpu-tiny's default)
+        wait_for(lambda: flow_run_processes(release["id"]), 120, "the process the worker runs the release in")
+        # A release trained on harvested data waits for a person too (gate.approval harvested, cpu-tiny's default):
+        # suspended, its process gone, through a restart of the Prefect server and of the worker
         wait_for(
             lambda: service.get(f"/flow_runs/{release['id']}")["state_type"] == "PAUSED", RELEASE_TIMEOUT, "approval"
         )
+        waits_suspended_without_a_process(service, release["id"])
+        started = time.monotonic()
+        restart_prefect_and_worker(service)
+        print(f"\nPrefect server and worker restarted in {time.monotonic() - started:.1f}s while the release waited")
+        assert service.get(f"/flow_runs/{release['id']}")["state_name"] == "Suspended"
+        listed = service.llmops("approve")
+        assert f"{release['id']}  {MODEL} v" in listed.stdout, listed.stdout + listed.stderr
+        started = time.monotonic()
         approved = service.llmops("approve", release["id"], "--reason", "the gate passed; answers read")
         assert approved.returncode == 0, approved.stdout + approved.stderr
         final = service.wait_final(release["id"])
         assert final["state_type"] == "COMPLETED", service.logs(release["id"])[-3000:]
-        run = service.mlflow_run(release["id"])
+        print(
+            f"approved with llmops approve: the release went on in a new process, ended {time.monotonic() - started:.1f}s later"
+        )
+        run = service.mlflow_run(release["id"])  # one MLflow run: the resumed process continued it
         assert run.data.tags["release.outcome"] == "promoted", run.data.tags.get("gate.reasons")
         assert run.data.tags["data.harvested_records"] == "7" and run.data.tags["approval.decision"] == "approved"
+        assert run.data.tags["stage.train"] == "ran"  # its first process trained; the resumed one hit the cache
+        service.wait_log(release["id"], "train: cache hit")
         served = {prompt: served_answer(client, prompt)[1].strip() for prompt in CORRECTIONS}
         print(f"the new champion v{run.data.tags['registered_version']} answers: {served}")
         assert served == CORRECTIONS

@@ -333,6 +333,46 @@ def test_a_release_renews_its_ownership_while_it_runs_and_frees_the_service_at_i
     assert gateway.table.owner is None
 
 
+class Tags:
+    """The MLflow run's tags and metrics as the serving lock writes them."""
+
+    def __init__(self):
+        self.tags: dict[str, str] = {}
+        self.metrics: dict[str, float] = {}
+
+    def set_tags(self, tags: dict) -> None:
+        self.tags.update(tags)
+
+    def log_metrics(self, prefix: str, metrics: dict) -> None:
+        self.metrics.update({f"{prefix}/{k}": v for k, v in metrics.items()})
+
+
+def test_a_release_suspended_for_approval_stays_the_owner_and_its_resumed_run_owns_the_service_again(service):
+    from prefect.exceptions import Pause
+
+    from flows.release import serving_lock
+    from tasks.platform.config import load_profile
+    from tasks.serving.service import Service
+
+    gateway, _, control = service()
+    config = load_profile("cpu-tiny", ["canary.hold_s=0.3"])  # renewed every 0.1 s for 0.3 s while it runs
+    served = Service(SERVICE, [], OwnerControl(control))  # type: ignore[arg-type]
+    first = Tags()
+    with pytest.raises(Pause), serving_lock(config, first, served, "flow-run-1") as lock:  # type: ignore[arg-type]
+        lock.wait_for_approval(86_400)
+        time.sleep(0.5)  # the renewals of a working release go on until it suspends
+        raise Pause()  # what suspend_flow_run raises: the process exits
+    time.sleep(0.5)  # no renewal of a short lease lands after the suspension
+    owner = gateway.table.owner
+    assert (owner.release, owner.waiting) == ("flow-run-1", "approval") and owner.expires_at > time.time() + 86_000
+    assert "serving_lock.released_at" not in first.tags and not lock.renewing.is_alive()
+    resumed = Tags()
+    with serving_lock(config, resumed, served, "flow-run-1", resumed=True) as lock:  # the decision started it again
+        assert gateway.table.owner.since == owner.since and gateway.table.owner.waiting is None
+    assert gateway.table.owner is None and "serving_lock/wait_s" not in resumed.metrics  # its first wait stands
+    assert "serving_lock.released_at" in resumed.tags
+
+
 def test_the_gateways_of_one_home_share_the_services_owner_through_its_record(service):
     """`llmops serve`'s gateway and a release's temporary one read and write the same record: a release that gave
     the service up at one gateway frees it for a release queued at the other."""

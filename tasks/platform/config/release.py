@@ -192,8 +192,9 @@ class GateSection(Section):
         86400,
         gt=0,
         description="With approval required: no decision within this many seconds rejects the candidate. The waiting "
-        "run holds its worker, and owns the service until then: another release of the model fails at once, naming "
-        "it, instead of queueing.",
+        "run owns the service until then: another release of the model fails at once, naming it, instead of "
+        "queueing. A run of a Prefect deployment waits suspended (no process; undecided, Prefect fails it at this "
+        "timeout and its ownership lapses canary.hold_s later); `llmops run` waits in its process.",
     )
     allowed_signers: str | None = Field(
         None,
