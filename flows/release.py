@@ -208,11 +208,7 @@ def release(
             deployment = serving_stage(steps, deploy_canary, config)(ctx, registered, served)
             approved, rejection = True, ""
             if not deployment.unchanged:
-                if config.tune.enabled:  # the candidate's serving settings, searched before anything measures it
-                    serving_stage(steps, tune_serving, config)(ctx, deployment)
-                shadowed = serving_stage(steps, shadow, config)(ctx, deployment)  # None unless canary.shadow_s
-                measured = serving_stage(steps, benchmark, config)(ctx, deployment)
-                report = stage_task(gate, config)(ctx, deployment, measured, dataset, evaluation, checked, shadowed)
+                report = measure(ctx, steps, deployment, [dataset, evaluation, checked])
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
                 if report.passed and needs_approval(config, dataset):  # a person's decision is never cached
                     # a run of a deployment waits without a process: suspended, the service owned (waiting) until
@@ -290,6 +286,38 @@ def serving_lock(config: Profile, tracker: Tracker, served: Service, release: st
         else:
             tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
             ownership.give_up()
+
+
+def measure(ctx: RunContext, steps: list[ServingStep], deployment: Deployment, inputs: list) -> GateReport:
+    """The loaded candidate's serving settings searched (tune.enabled), its shadow window, the benchmark, and the
+    gate's decision; `inputs`: the gate's dataset, evaluation and engine check stages. A run started again by its
+    decision: the report its first process measured, where it still holds."""
+    earlier = measured_before_suspension(ctx, deployment)
+    if earlier is not None:
+        return earlier
+    config = ctx.profile
+    if config.tune.enabled:  # the candidate's serving settings, searched before anything measures it
+        serving_stage(steps, tune_serving, config)(ctx, deployment)
+    shadowed = serving_stage(steps, shadow, config)(ctx, deployment)  # None unless canary.shadow_s
+    measured = serving_stage(steps, benchmark, config)(ctx, deployment)
+    return stage_task(gate, config)(ctx, deployment, measured, *inputs, shadowed)
+
+
+def measured_before_suspension(ctx: RunContext, deployment: Deployment) -> GateReport | None:
+    """A run started again by its decision: the gate report its first process measured, the one the person read and
+    decided on, where it measured this candidate against this champion (the service was owned all along, so no other
+    release moved either). Measuring again could decide otherwise than what was approved, and takes minutes."""
+    if not started_again(ctx):
+        return None
+    path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json"
+    report = GateReport.read(path) if path.is_file() else None
+    champion = deployment.champion.version if deployment.champion else None
+    measured = (deployment.candidate.version, champion, deployment.candidate.artifact_sha256)
+    if report is None or (report.candidate_version, report.champion_version, report.served_artifact) != measured:
+        logger().info("gate: no report of this candidate against this champion from before the suspension; measuring")
+        return None
+    logger().info(f"gate: {report.decision.upper()} as measured before the suspension (report {path})")
+    return report
 
 
 def started_again(ctx: RunContext) -> bool:

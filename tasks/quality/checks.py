@@ -88,6 +88,13 @@ class GateReport:
             )
         return "\n".join(lines) + "\n"
 
+    @classmethod
+    def read(cls, path: Path) -> GateReport:
+        """A report as `write` left it (its `decision` is derived, not read)."""
+        fields = json.loads(path.read_text())
+        fields.pop("decision", None)
+        return cls(**{**fields, "checks": [Check(**check) for check in fields.get("checks", [])]})
+
     def write(self, folder: Path) -> tuple[Path, Path]:
         folder.mkdir(parents=True, exist_ok=True)
         json_path, md_path = folder / "gate_report.json", folder / "gate_report.md"

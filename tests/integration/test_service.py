@@ -366,6 +366,8 @@ def test_a_release_started_from_the_ui_waits_for_the_serving_lock_is_approved_in
     assert held[0][1] <= held[1][0], f"both releases held the serving lock at once: {held}"
     assert second_run.data.metrics["serving_lock/wait_s"] > 1
     service.wait_log(second["id"], "serving lock llmops-serving-tiny-qwen2-antonyms: acquiring")
+    # started again on a Triton of its own, it loaded both versions and rolled out on the report the person read
+    service.wait_log(second["id"], "gate: PROMOTE as measured before the suspension")
     # The same weights under a new profile digest: the gate finds no drop, the canary walks, it promotes.
     assert second_run.data.tags["release.outcome"] == "promoted", second_run.data.tags.get("gate.reasons")
     assert (second_run.data.tags["approval.by"], second_run.data.tags["approval.reason"]) == (
@@ -733,6 +735,7 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
         assert run.data.tags["data.harvested_records"] == "7" and run.data.tags["approval.decision"] == "approved"
         assert run.data.tags["stage.train"] == "ran"  # its first process trained; the resumed one hit the cache
         service.wait_log(release["id"], "train: cache hit")
+        service.wait_log(release["id"], "gate: PROMOTE as measured before the suspension")  # no second measurement
         served = {prompt: served_answer(client, prompt)[1].strip() for prompt in CORRECTIONS}
         print(f"the new champion v{run.data.tags['registered_version']} answers: {served}")
         assert served == CORRECTIONS

@@ -13,6 +13,7 @@ from tasks.benchmark import Comparison, ServingSummary, require_load_tool
 from tasks.gate import decide
 from tasks.platform.config import BenchSection, GateSection, load_profile
 from tasks.platform.errors import BadInput, CheckFailed
+from tasks.quality.checks import GateReport
 from tasks.quality.stats import mean_interval
 from tasks.serving.aiperf import PAYLOAD_TEMPLATE, aiperf_command, aiperf_executable, first_error, parse_run_export
 from tasks.serving.load_level import LoadLevel
@@ -163,6 +164,16 @@ def test_the_gate_report_states_each_checks_sample_size(tmp_path: Path):
     )
     row = next(line for line in report.markdown().splitlines() if "first token" in line)
     assert row.split("|")[4].strip() == "3"
+
+
+def test_a_written_gate_report_reads_back_as_it_was(tmp_path: Path):
+    """A release started again after its approval applies the decision to the report its first process wrote."""
+    runs = [replace(LEVEL, ttft_p99_ms=v) for v in (10, 11, 30)]
+    report = decide(
+        GateSection(p99_time_to_first_token_ms=20), "svc", "2", "1", ServingSummary.of({4: runs}, 0.0, 8, 0.9), None
+    )
+    json_path, _ = report.write(tmp_path)
+    assert GateReport.read(json_path) == report and not report.passed
 
 
 def test_a_failed_run_is_explained_by_the_first_error_in_aiperfs_logs(tmp_path):
