@@ -11,6 +11,9 @@ tokenizes genai-perf's whole 142,719-line corpus (inputs/retrievers/synthetic_pr
 machine. Its output depends only on the tokenizer and the prompt settings
 (fixed seed), so it is also kept in `$LLMOPS_HOME/cache/genai-perf-prompts/` for the next release with the
 same tokenizer, which then skips it too and runs on the same prompts as the releases before it.
+
+The runs of one GenaiPerf fork from one process that imported genai-perf and transformers' tokenizer once
+(tasks/runners/genai_perf_fork.py): those imports took 8 s of CPU every run, several times the measurement.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import hashlib
 import json
 import os
 import secrets
+import select
 import shutil
+import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,6 +124,85 @@ def prompts_key(tokenizer_dir: Path, cfg: BenchSection) -> str:
     return digest.hexdigest()[:32]
 
 
+RUN_TIMEOUT_S = 900.0
+
+
+class ForkedRuns:
+    """genai-perf runs, each forked from one process started at the first run (tasks/runners/genai_perf_fork.py);
+    that process exits when this object goes away (its stdin closes) or its run outlives the timeout (killed)."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env, self.log = env, log
+        self.process: subprocess.Popen | None = None
+
+    def run(self, command: list[str], output: Path, timeout_s: float = RUN_TIMEOUT_S) -> int:
+        """genai-perf `command` (its executable first), its output to `output` and its errors to `output`.err;
+        its exit code."""
+        process = self.started()
+        assert process.stdin is not None and process.stdout is not None
+        request = {"args": command[1:], "stdout": str(output), "stderr": f"{output}.err"}
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.flush()
+        ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+        answer = process.stdout.readline() if ready else ""
+        if not answer:
+            self.stop()
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] if self.log.is_file() else []
+            why = f"no answer within {timeout_s:g}s" if not ready else f"its runner ended: {(tail or ['?'])[0][:300]}"
+            raise CheckFailed(f"benchmark: genai-perf: {why}")
+        return int(json.loads(answer)["returncode"])
+
+    def started(self) -> subprocess.Popen:
+        if self.process is None or self.process.poll() is not None:
+            with open(self.log, "a") as log:  # the runner's own errors; each run's output goes to its own file
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "tasks.runners.genai_perf_fork"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    env=self.env,
+                    start_new_session=True,  # a run that hangs is killed with its perf_analyzer
+                )
+            weakref.finalize(self, stop_runner, self.process)
+        return self.process
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_runner(self.process, kill=True)
+            self.process = None
+
+
+def stop_runner(process: subprocess.Popen, kill: bool = False) -> None:
+    """End of input: the runner exits after the run in progress; `kill`: at once, with what it forked."""
+    if kill and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if process.stdin is not None and not process.stdin.closed:
+        try:
+            process.stdin.close()
+        except BrokenPipeError:
+            pass
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def runner_env() -> dict[str, str]:
+    """genai-perf needs none of this process's secrets; offline, with this environment's executables first."""
+    return child_env(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        }
+    )
+
+
 @dataclass
 class GenaiPerf:
     """genai-perf runs against one Triton, its files kept under `out_dir`; every run sends the prompts the
@@ -129,6 +214,7 @@ class GenaiPerf:
     prompts: Path | None = None
     prompts_cache: Path | None = None  # a folder; None: no reuse across releases
     goodput: dict[str, float] | None = None  # objectives in ms; the export then has request_goodput (goodput_of)
+    forked: ForkedRuns | None = field(default=None, repr=False)
 
     runs_per_round = 1
 
@@ -155,17 +241,16 @@ class GenaiPerf:
             self.goodput,
             adapter,
         )
-        env = child_env(  # genai-perf needs none of this process's secrets
-            {
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-            }
-        )
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            raise CheckFailed(f"benchmark: genai-perf on {served.name} exited with {done.returncode}: {tail[0][:300]}")
+        if self.forked is None:
+            self.forked = ForkedRuns(runner_env(), self.out_dir / "genai-perf-runner.log")
+        output = artifact_dir.with_name(f"{artifact_dir.name}.log")
+        returncode = self.forked.run(command, output)
+        if returncode != 0:
+            said = [path.read_text(errors="replace").strip() for path in (Path(f"{output}.err"), output)]
+            tail = next((text.splitlines()[-1:] for text in said if text), [])
+            raise CheckFailed(
+                f"benchmark: genai-perf on {served.name} exited with {returncode}: {(tail or ['(no output)'])[0][:300]}"
+            )
         exports = sorted(artifact_dir.rglob("profile_export_genai_perf.json"))
         measured = parse_profile_export(exports[0] if exports else artifact_dir / "profile_export_genai_perf.json")
         if self.prompts is None:
