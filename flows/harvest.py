@@ -146,7 +146,7 @@ def recorded_datasets() -> list[str]:
     and waiting for review in this home (their pending records)."""
     from mlflow import MlflowClient
 
-    from tasks.approve import waiting_records
+    from tasks.platform.decisions import waiting_records
     from tasks.platform.tracking import default_tracking_uri
 
     found = [w["dataset"] for w in waiting_records(llmops_home()) if w.get("kind") == "harvest" and w.get("dataset")]

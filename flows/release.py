@@ -18,7 +18,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, runtime
 from prefect.exceptions import Pause
 
-from tasks.approve import Approval, approve, forget_waiting, suspended_release
+from tasks.approve import Approval, approve
 from tasks.base_model import base_model
 from tasks.benchmark import benchmark, require_load_tool
 from tasks.build_engine import build_engine
@@ -27,6 +27,7 @@ from tasks.evaluate import evaluate
 from tasks.gate import gate
 from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
+from tasks.platform.decisions import forget_waiting, suspended_release
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
 from tasks.platform.stores import open_store

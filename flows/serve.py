@@ -16,6 +16,8 @@
 - If a Triton it started dies, it is started again on the same ports with backoff (1, 2, 4 ... 30 s), and every
   version of the route table loaded again; after `serve.listen.restart_limit` deaths in a row (each within a minute
   of its start) `llmops serve` exits 4. Its Tritons die with this process, even a SIGKILLed one.
+- Every 30 s, the suspended releases of this home past their approval timeout are rejected on their behalf, so
+  that they go on and roll back (tasks/platform/decisions.py).
 - SIGTERM or Ctrl-C stops the gateway and Triton and removes server.json and the control key.
 """
 
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from flows.release import open_serving_context
 from tasks.platform.config import ListenSection, Profile
+from tasks.platform.decisions import EXPIRY_CHECK_S, expire_overdue
 from tasks.platform.errors import BadInput
 from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.stage_cache import RunContext
@@ -155,6 +158,7 @@ def serve(
         )
         limits = profile.serve.limits
         print(f"llmops serve: {gateway.gateway.limits.summary(limits.max_in_flight, bool(api_keys.keys))}", flush=True)
+        threading.Thread(target=expire_approvals, args=(home, stopped), daemon=True, name="approval-expiry").start()
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 unpublish(home, serve_stops=False)
@@ -171,6 +175,14 @@ def serve(
             gateway.stop()
         fleet.stop()
         print("llmops serve: stopped", flush=True)
+
+
+def expire_approvals(home: Path, stopped: threading.Event, every_s: float = EXPIRY_CHECK_S) -> None:
+    """While serving: the suspended releases (and harvests) of this home past their approval timeout are rejected
+    on their behalf, so that they roll back (tasks/platform/decisions.py)."""
+    while not stopped.wait(every_s):
+        for line in expire_overdue(home):
+            print(f"llmops serve: {line}", flush=True)
 
 
 def starting_champion(ctx: RunContext, table: RouteTable | None) -> Served:

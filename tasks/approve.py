@@ -43,6 +43,12 @@ from prefect.input import RunInput
 from pydantic import Field
 
 from tasks.platform.attestation import KEY_FILE_ENV, attested, configured_key
+from tasks.platform.decisions import (
+    EXPIRY_GRACE_S,
+    TIMED_OUT,
+    pending_folder,
+    waiting_record,
+)
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import GateReport
 
@@ -148,38 +154,6 @@ def check_decision(answer: ApprovalInput, flow_run_id: str, subject: dict, polic
     return key
 
 
-def suspended_release(home: Path, flow_run_id: str) -> dict | None:
-    """The waiting record of `flow_run_id` where it is a release that suspended for approval (and was started again
-    by its decision); None otherwise."""
-    record = waiting_record(pending_folder(home) / f"{flow_run_id}.json") if flow_run_id else None
-    return record if record and record.get("suspended") and record.get("kind") == "release" else None
-
-
-def forget_waiting(home: Path, flow_run_id: str) -> None:
-    """No longer listed as waiting (a resumed release that ended before it came back to its decision)."""
-    if flow_run_id:
-        (pending_folder(home) / f"{flow_run_id}.json").unlink(missing_ok=True)
-
-
-def pending_folder(home: Path) -> Path:
-    """Where a waiting run writes down which Prefect API holds it: a plain `llmops run` has a temporary one."""
-    return home / "approvals"
-
-
-def waiting_record(path: Path) -> dict | None:
-    """A waiting run's record (flow_run_id, api_url, model, candidate_version, waiting_since, ...); None once the
-    run was decided (the record is removed) or when it does not read."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def waiting_records(home: Path) -> list[dict]:
-    """The records of this home's releases that wait for a decision, oldest name first."""
-    return [r for p in sorted(pending_folder(home).glob("*.json")) if (r := waiting_record(p)) is not None]
-
-
 def wait_for_decision(
     home: Path,
     flow_run_id: str,
@@ -222,10 +196,15 @@ def wait_for_decision(
                 raise FlowPauseTimeout()
             answer = wait_once(
                 ApprovalInput.with_initial_data(description=report_markdown),
-                max(1, round(left)),
+                max(1, round(left)) + (EXPIRY_GRACE_S if suspend else 0),
                 APPROVAL_KEY if attempt == 1 else f"{APPROVAL_KEY}-{attempt}",
                 suspend,
             )
+            if answer.decided_by == TIMED_OUT and answer.decision == "reject":
+                if time.time() - waiting_since >= timeout_s:
+                    raise FlowPauseTimeout()
+                logger().warning("approval: a timeout before the approval timeout was refused, still waiting")
+                continue
             try:
                 key = check_decision(answer, flow_run_id, subject, policy)
             except SignatureRefused as refused:

@@ -13,6 +13,7 @@ from pathlib import Path
 from uuid import UUID
 
 from flows.cli.common import llmops_home, prefect_api_env
+from tasks.platform.decisions import auth_for, resume
 from tasks.platform.errors import BadInput
 
 EPILOG = """examples:
@@ -128,7 +129,8 @@ def command_decide(args) -> str:
 def signed(home: Path, args, principal: str) -> dict[str, str]:
     """The statement and its signature, where a key is given; refused where the waiting run asks for one and none
     is, or where this home does not hold the run's record (what it decides on: model, version, artifact)."""
-    from tasks.approve import pending_folder, statement_of, waiting_record
+    from tasks.approve import statement_of
+    from tasks.platform.decisions import pending_folder, waiting_record
     from tasks.platform.signatures import sign, statement_text
 
     record = waiting_record(pending_folder(home) / f"{args.flow_run_id}.json")
@@ -150,7 +152,7 @@ def signed(home: Path, args, principal: str) -> dict[str, str]:
 
 
 def waiting_list(home: Path) -> str:
-    from tasks.approve import waiting_records
+    from tasks.platform.decisions import waiting_records
 
     lines = []
     for waiting in waiting_records(home):
@@ -169,7 +171,7 @@ def waiting_list(home: Path) -> str:
 
 def api_for(home: Path, flow_run_id: str) -> str:
     """The Prefect API holding the run: the one it wrote down while waiting, else PREFECT_API_URL or the stack's."""
-    from tasks.approve import pending_folder, waiting_record
+    from tasks.platform.decisions import pending_folder, waiting_record
 
     recorded = waiting_record(pending_folder(home) / f"{flow_run_id}.json")
     if recorded and recorded.get("api_url"):
@@ -182,41 +184,3 @@ def api_for(home: Path, flow_run_id: str) -> str:
             f"them), and no Prefect API to ask ({exc}; or set PREFECT_API_URL)"
         ) from None
     return os.environ["PREFECT_API_URL"]
-
-
-def auth_for(home: Path, api_url: str) -> str | None:
-    """The Prefect auth string for `api_url`: PREFECT_API_AUTH_STRING where set, else the local stack's when the
-    run waits on the stack's API (the stack's Prefect asks for one; a temporary API of `llmops run` does not)."""
-    from tasks.platform.local_stack import require_running
-    from tasks.platform.local_stack.prefect_server import AUTH_ENV
-
-    if os.environ.get(AUTH_ENV):
-        return os.environ[AUTH_ENV]
-    try:
-        stack = require_running(home)
-    except BadInput:
-        return None
-    return stack.get(AUTH_ENV) if stack["PREFECT_API_URL"] == api_url else None
-
-
-def resume(api_url: str, auth_string: str | None, flow_run_id: str, run_input: dict) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.responses import SetStateStatus
-    from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
-    run_id = UUID(flow_run_id)
-    # Prefect reads its settings once, when it is imported; the run's API is known only now.
-    settings = {PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: auth_string} if auth_string else {})}
-    with temporary_settings(settings), get_client(sync_client=True) as client:
-        try:
-            flow_run = client.read_flow_run(run_id)
-        except ObjectNotFound:
-            raise BadInput(f"flow run {flow_run_id}: not found on the Prefect API at {api_url}") from None
-        if not flow_run.state or not flow_run.state.is_paused():
-            state = flow_run.state.name if flow_run.state else "no state"
-            raise BadInput(f"flow run {flow_run_id} is not waiting for approval (its state: {state})")
-        response = client.resume_flow_run(run_id, run_input=run_input)
-    if response.status != SetStateStatus.ACCEPT:
-        reason = getattr(response.details, "reason", None) or response.status.value
-        raise BadInput(f"flow run {flow_run_id}: Prefect refused the decision: {reason}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.approve import pending_folder
+from tasks.platform.decisions import pending_folder
 from tasks.platform.local_stack import API
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -211,15 +211,18 @@ def test_a_suspended_approval_holds_no_process_and_survives_a_restart_of_the_pre
     tmp_path,
 ):
     """A run of a deployment suspends for approval: its process exits and the worker holds none. The Prefect server
-    (same database, same port) and the worker are restarted during the wait; `llmops approve` then resumes it, and
-    the run goes on in a new process with the decision. Its own Prefect server: the session's is not restarted
-    under the other modules."""
+    (same database, same port) and the worker are restarted during the wait; a "timeout" sent before its timeout is
+    refused (the run checks it on its own clock) and it suspends again; `llmops approve` then resumes it, and the run
+    goes on in a new process with the decision. A second run, past its 4 s timeout, is rejected on its behalf (what
+    `llmops serve` does every 30 s, tasks/platform/decisions.py) and goes on to its rollback. Its own Prefect server: the
+    session's is not restarted under the other modules."""
     import psutil
 
+    from tasks.platform.decisions import expire_overdue, resume
     from tasks.platform.local_stack import start_prefect, start_worker
     from tasks.platform.ports import free_port
 
-    home, port = tmp_path / "home", free_port()
+    home, expiring, port = tmp_path / "home", tmp_path / "expiring", free_port()
     prefect_home, logs = tmp_path / "prefect", tmp_path / "logs"
     logs.mkdir()
     servers = [start_prefect(prefect_home, port, logs)]
@@ -228,7 +231,9 @@ def test_a_suspended_approval_holds_no_process_and_survives_a_restart_of_the_pre
     try:
         servers.append(start_worker(api, worker_env, logs, pool=SUSPEND_POOL, name="approval-worker"))
         run_id = deployed_run(api, tmp_path, {"home": str(home), "timeout_s": 600})
+        overdue = deployed_run(api, tmp_path, {"home": str(expiring), "timeout_s": 4})
         assert wait_state(api, run_id, {"Suspended"})["name"] == "Suspended", (logs / "worker.log").read_text()[-3000:]
+        assert wait_state(api, overdue, {"Suspended"})["name"] == "Suspended"
         waiting = json.loads((pending_folder(home) / f"{run_id}.json").read_text())
         assert waiting["suspended"] and waiting["api_url"] == api and waiting["model"] == "m"
         # no process is held: the one the run waited in has exited, the worker runs nothing
@@ -246,6 +251,20 @@ def test_a_suspended_approval_holds_no_process_and_survives_a_restart_of_the_pre
         servers.append(start_prefect(prefect_home, port, logs))
         assert servers[0].url == api and flow_state(api, run_id)["name"] == "Suspended"
         servers.append(start_worker(api, worker_env, logs, pool=SUSPEND_POOL, name="approval-worker"))
+        # past its timeout (the restart took longer than 4 s): rejected on its behalf, it goes on and rolls back
+        (said,) = expire_overdue(expiring)
+        assert said.startswith(f"approval: release {overdue} of m: no decision within 4s") and "rolls back" in said
+        assert wait_state(api, overdue, {"Completed"})["type"] == "COMPLETED"
+        assert expire_overdue(expiring) == []  # decided: no longer listed
+        timed_out = json.loads((expiring / "approval.json").read_text())
+        assert (timed_out["approved"], timed_out["decided_by"], timed_out["timed_out"]) == (False, "timeout", True)
+        # a "timeout" 590 s early is refused by the run itself, which suspends again
+        resume(api, None, run_id, {"decision": "reject", "reason": "early", "decided_by": "timeout"})
+        deadline = time.monotonic() + 120
+        while len(list((home / "pids").iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)  # started again in a new process
+        assert wait_state(api, run_id, {"Suspended"})["name"] == "Suspended"
+        assert expire_overdue(home) == []  # not overdue: nothing sent
         listed = cli(home, "approve")
         assert listed.returncode == 0 and f"{run_id}  m v2" in listed.stdout, listed.stdout + listed.stderr
         approved = cli(home, "approve", run_id, "--reason", "answers match v1's", "--by", "alice")
@@ -259,7 +278,7 @@ def test_a_suspended_approval_holds_no_process_and_survives_a_restart_of_the_pre
     assert (approval["approved"], approval["decided_by"], approval["reason"]) == (True, "alice", "answers match v1's")
     assert not approval["timed_out"] and approval["waited_s"] > 0
     pids = sorted(int(p.name) for p in (home / "pids").iterdir())
-    assert len(pids) == 2, pids  # the decision ran on in a new process
+    assert len(pids) == 3, pids  # the refused "timeout" and then the decision each ran on in a new process
     assert not (pending_folder(home) / f"{run_id}.json").exists()  # decided: no longer listed
 
 

@@ -193,8 +193,9 @@ class GateSection(Section):
         gt=0,
         description="With approval required: no decision within this many seconds rejects the candidate. The waiting "
         "run owns the service until then: another release of the model fails at once, naming it, instead of "
-        "queueing. A run of a Prefect deployment waits suspended (no process; undecided, Prefect fails it at this "
-        "timeout and its ownership lapses canary.hold_s later); `llmops run` waits in its process.",
+        "queueing. A run of a Prefect deployment waits suspended (no process): at this timeout `llmops serve` "
+        "rejects it on its behalf and it rolls back (with no serve, Prefect fails it 10 minutes later); `llmops run` "
+        "waits in its process.",
     )
     allowed_signers: str | None = Field(
         None,
