@@ -8,7 +8,8 @@ tasks/serving/aiperf.py (bench.profile_runs runs, Triton's HTTP stream through A
 the same bench settings (prompt and output tokens, request count, warm-up) and cpu-tiny's goodput objective.
 Prints per tool and concurrency: the median of its runs for req/s, goodput, TTFT p50/p99, ITL and request
 latency p99, the spread of req/s over the runs (min..max and coefficient of variation), and wall seconds per run
-(the tool's start-up included).
+(the tool's start-up included). genai-perf twice: as the benchmark stage runs it (each run forked from one process
+that imported it once, tasks/runners/genai_perf_fork.py) and as a user runs its CLI, a new process per run.
 
     .venv/bin/python benchmarks/bench_tools.py [--home LLMOPS_HOME] [--concurrency 1,4] [--rounds 3]
         [--requests 128]
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,12 +30,20 @@ from serving_batching import int_list  # this script's folder is first on sys.pa
 from tasks.platform.config import load_profile
 from tasks.serving.aiperf import AIPerf, aiperf_executable
 from tasks.serving.champion import triton_launch
-from tasks.serving.genai_perf import GenaiPerf
+from tasks.serving.genai_perf import ForkedRuns, GenaiPerf, runner_env
 from tasks.serving.load_level import LoadLevel, LoadTool
 from tasks.serving.models import MergedVersion, install_model
 from tasks.serving.server import TritonServer
 
-TOOLS = ("genai-perf", "aiperf")
+TOOLS = ("genai-perf", "genai-perf CLI", "aiperf")
+
+
+class ProcessPerRun(ForkedRuns):
+    """The baseline: `genai-perf profile ...` as a new process for every run, as its CLI is used."""
+
+    def run(self, command: list[str], output: Path, timeout_s: float = 900) -> int:
+        with open(output, "w") as out, open(f"{output}.err", "w") as err:
+            return subprocess.run(command, stdout=out, stderr=err, env=self.env, timeout=timeout_s).returncode
 
 
 def main() -> None:
@@ -54,6 +64,13 @@ def main() -> None:
             objectives = profile.goodput_objectives()
             tools: dict[str, LoadTool] = {
                 "genai-perf": GenaiPerf(server.client.grpc_url or "", profile.bench, scratch / "g", goodput=objectives),
+                "genai-perf CLI": GenaiPerf(
+                    server.client.grpc_url or "",
+                    profile.bench,
+                    scratch / "c",
+                    goodput=objectives,
+                    forked=ProcessPerRun(runner_env(), scratch / "c.log"),
+                ),
                 "aiperf": AIPerf(
                     server.client.url, profile.bench, scratch / "a", aiperf_executable(profile.bench), objectives
                 ),
@@ -85,7 +102,7 @@ def print_table(args, profile, runs: dict[tuple[str, int], list[LoadLevel]], sec
         f"{profile.bench.profile_runs} runs a round; medians over the runs\n"
     )
     header = (
-        f"{'conc':>4} {'tool':10} {'runs':>4} {'req/s':>7} {'req/s min..max':>15} {'CV':>6} {'goodput':>8} "
+        f"{'conc':>4} {'tool':14} {'runs':>4} {'req/s':>7} {'req/s min..max':>15} {'CV':>6} {'goodput':>8} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL avg':>8} {'lat p99':>8} {'s/run':>6}"
     )
     print(header + "\n" + "-" * len(header))
@@ -99,7 +116,7 @@ def print_table(args, profile, runs: dict[tuple[str, int], list[LoadLevel]], sec
             rates = [level.requests_per_s for level in measured]
             spread = statistics.stdev(rates) / statistics.mean(rates) if len(rates) > 1 else 0.0
             print(
-                f"{concurrency:>4} {tool:10} {len(measured):>4} {median('requests_per_s'):>7.1f} "
+                f"{concurrency:>4} {tool:14} {len(measured):>4} {median('requests_per_s'):>7.1f} "
                 f"{min(rates):>7.1f}..{max(rates):<7.1f} {spread:>6.1%} {median('goodput_per_s'):>8.1f} "
                 f"{median('ttft_p50_ms'):>9.1f} {median('ttft_p99_ms'):>9.1f} {median('itl_avg_ms'):>8.2f} "
                 f"{median('latency_p99_ms'):>8.1f} {seconds[(tool, concurrency)] / len(measured):>6.1f}"
