@@ -241,6 +241,7 @@ class GenaiPerf:
             self.goodput,
             adapter,
         )
+        self.out_dir.mkdir(parents=True, exist_ok=True)  # where the run's output files go, beside its own folder
         if self.forked is None:
             self.forked = ForkedRuns(runner_env(), self.out_dir / "genai-perf-runner.log")
         output = artifact_dir.with_name(f"{artifact_dir.name}.log")
