@@ -596,7 +596,8 @@ def restart_prefect_and_worker(service: Service) -> None:
 def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_champion(
     service, first_release, tmp_path
 ):
-    """Capture on: clients ask, rate and correct answers; `llmops data harvest` builds a dataset (corrections in,
+    """`llmops serve` starts while MLflow is frozen (from its deployment record). Capture on: clients ask, rate and
+    correct answers; `llmops data harvest` builds a dataset (corrections in,
     redacted values and held-out prompts out); the flywheel deployment lands it pending and starts nothing until a
     person approves it; then the retrain's release passes the gate on the served Triton, waits for a person's
     approval (it trained on harvested data), and the new champion answers with the corrections."""
@@ -608,6 +609,10 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
     ports += ["--metrics-port", "0", "--gateway-metrics-port", "0"]
     capture = ["--set", "serve.capture.enabled=true", "--set", "serve.capture.flush_s=0.5"]
     capture += ["--set", "serve.limits.max_in_flight_per_key=2"]  # this test's requests come one at a time
+    # MLflow frozen (SIGSTOP: its port takes connections, nothing answers) while `llmops serve` starts: it serves the
+    # champion its deployment record names, from the store, without the registry (issue 37)
+    mlflow = json.loads((service.home / "stack" / "stack.json").read_text())["services"]["mlflow"]["pid"]
+    os.killpg(mlflow, signal.SIGSTOP)
     with open(log, "w") as out:
         serving = subprocess.Popen(
             [LLMOPS, "serve", *ports, *capture],
@@ -617,14 +622,18 @@ def test_served_exchanges_and_their_corrections_become_data_that_retrains_the_ch
             start_new_session=True,
         )
     try:
-        state = wait_for(
-            lambda: (
-                (service.home / "triton" / "server.json").is_file()
-                and json.loads((service.home / "triton" / "server.json").read_text())
-            ),
-            180,
-            f"llmops serve publishing its gateway ({log})",
-        )
+        try:
+            state = wait_for(
+                lambda: (
+                    (service.home / "triton" / "server.json").is_file()
+                    and json.loads((service.home / "triton" / "server.json").read_text())
+                ),
+                180,
+                f"llmops serve publishing its gateway ({log})",
+            )
+        finally:
+            os.killpg(mlflow, signal.SIGCONT)
+        assert f"serving {MODEL} (champion v" in log.read_text() and "from the deployment record)" in log.read_text()
         gateway = state["gateway_url"]
         # the limits in force, said at start in one line (issue 41); the defaults leave a first load test room
         assert "llmops serve: limits per client (no keys: all clients are one): 1,000 requests/s" in log.read_text()
