@@ -247,7 +247,8 @@ class GenaiPerf:
         output = artifact_dir.with_name(f"{artifact_dir.name}.log")
         returncode = self.forked.run(command, output)
         if returncode != 0:
-            said = [path.read_text(errors="replace").strip() for path in (Path(f"{output}.err"), output)]
+            files = (Path(f"{output}.err"), output)  # absent where the run failed before it could open them
+            said = [path.read_text(errors="replace").strip() for path in files if path.is_file()]
             tail = next((text.splitlines()[-1:] for text in said if text), [])
             raise CheckFailed(
                 f"benchmark: genai-perf on {served.name} exited with {returncode}: {(tail or ['(no output)'])[0][:300]}"
