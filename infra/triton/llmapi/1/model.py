@@ -43,7 +43,6 @@ A per-request seed is accepted by SamplingParams but ignored by 1.2's default sa
 """
 
 import asyncio
-import gc
 import json
 import os
 import queue
@@ -254,7 +253,3 @@ class TritonPythonModel:
         self.response_thread.join(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=10)
-        # The stub ends with the interpreter's finalization, whose last garbage collection walks every object torch
-        # and TensorRT-LLM made: about 3 s an instance here, and an unload finalizes instances one after another. Frozen,
-        # they are left to the process's exit.
-        gc.freeze()

@@ -50,7 +50,6 @@ and meanings, line numbers of 0.27.1 in brackets):
 """
 
 import asyncio
-import gc
 import itertools
 import json
 import locale
@@ -377,7 +376,3 @@ class TritonPythonModel:
         self.response_thread.join(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=10)
-        # The stub ends with the interpreter's finalization, whose last garbage collection walks every object torch
-        # and vLLM made: about 3 s an instance here, and an unload finalizes instances one after another. Frozen,
-        # they are left to the process's exit (gc.freeze: 0.3 s instead of 3 s for cpu-tiny's model).
-        gc.freeze()
