@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 from tasks.platform.config.serving import HealthSection
 from tasks.platform.ports import free_port
 from tasks.serving.gateway import Gateway, GatewayConfig
+from tasks.serving.routes import RouteTable, Version
 from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE, scrape
 
 DEADLINES = HealthSection(first_byte_s=0.5, between_chunks_s=0.5, probe_interval_s=0)
@@ -35,11 +36,12 @@ class Upstream:
     def __init__(self) -> None:
         self.stall: str | None = None
         self.failing = False
+        self.failing_models: set[str] = set()
         self.generated = 0
 
     async def generate(self, request: Request):
         self.generated += 1
-        if self.failing:
+        if self.failing or request.path_params["model"] in self.failing_models:
             return JSONResponse({"error": "Stub process 'demo-v1_0_0' is not healthy."}, status_code=400)
         if self.stall == "first byte":
             await asyncio.sleep(1.5)
@@ -78,7 +80,7 @@ def upstream() -> Iterator[tuple[Upstream, str]]:
 
 
 def gateway(url: str, **config) -> TestClient:
-    settings = GatewayConfig(url, SERVICE, 512, api_keys={KEY: "team-a"}, table=TABLE, **config)
+    settings = GatewayConfig(url, SERVICE, 512, api_keys={KEY: "team-a"}, **{"table": TABLE, **config})
     return TestClient(Gateway(settings).app(), headers=AUTH, raise_server_exceptions=False)
 
 
@@ -113,6 +115,29 @@ def test_a_stream_that_stops_between_chunks_ends_with_an_error_event(upstream):
     assert chat.status_code == 200 and '"content":"co"' in chat.text.replace(" ", "")
     assert '"type":"server_error"' in chat.text.replace(" ", "") and "[DONE]" not in chat.text
     assert v2.status_code == 200 and '{"error": "the model server did not answer in time"}' in v2.text
+
+
+def test_a_candidate_at_0_percent_that_stops_answering_is_left_to_its_release(upstream):
+    """The release loads its candidate again with other settings (tune_serving) while the probes run: a recovery
+    would load it once more under the release's feet. Only what clients are routed to is recovered."""
+    fake, url = upstream
+    recovered: list[str] = []
+    candidate = Version(f"{SERVICE}-v2", f"{SERVICE}-v2")
+    table = RouteTable(SERVICE, TABLE.champion, candidate, {f"{SERVICE}-v1": 100.0, candidate.name: 0.0})
+    health = HealthSection(probe_interval_s=0.05, probe_timeout_s=1, recover_after=2, recover_cooldown_s=60)
+    with gateway(
+        url, table=table, health=health, recover=lambda _, model: recovered.append(model) or "reloaded"
+    ) as client:
+        fake.failing_models = {candidate.name}
+        time.sleep(1)  # 20 probe rounds: the candidate failed every one
+        assert recovered == []
+        fake.failing_models = {f"{SERVICE}-v1"}
+        deadline = time.monotonic() + 5
+        while not recovered and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert recovered == [f"{SERVICE}-v1"]
+        metrics = scrape(client).text
+    assert f'llmops_gateway_probes_total{{outcome="failed",replica="{url}",version="{candidate.name}"}}' in metrics
 
 
 def test_a_model_that_stops_answering_turns_readiness_false_is_recovered_and_ready_again(upstream):

@@ -144,9 +144,15 @@ class Prober:
         state.failures = 0 if answered else state.failures + 1
         self.probes.labels(replica.url, version.name, "ok" if answered else "failed").inc()
         self.up.labels(replica.url, version.name).set(1 if answered else 0)
-        if state.failures >= self.health.recover_after:
+        if state.failures >= self.health.recover_after and self.recoverable(version):
             self.start_recovery(replica.url, version.model)
         return answered
+
+    def recoverable(self, version: Version) -> bool:
+        """A version clients are routed to. One at 0% (a candidate, shadowed or not) is its release's: the release
+        loads it, loads it again with other settings (tune_serving), measures and unloads it, and a recovery here
+        would load it again under the release's feet (a reload unloads the version before the new one is ready)."""
+        return any(routed.name == version.name for routed in self.routed())
 
     def start_recovery(self, replica: str, model: str) -> None:
         key = (replica, model)
