@@ -6,6 +6,7 @@ token costs the same at step 1 and step 100). Streaming requests get one respons
 the others one response at the end; every request ends with the FINAL flag (decoupled mode).
 """
 
+import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -78,6 +79,12 @@ class TritonPythonModel:
         self.special = frozenset(self.tokenizer.all_special_ids)
         # GPT-2's byte-level alphabet (the character that spells each byte), which Qwen2's tokenizer uses
         self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def finalize(self):
+        # The stub ends with the interpreter's finalization, whose last garbage collection walks every object torch
+        # and the model made: about 3 s an instance here, and an unload finalizes instances one after another. Frozen,
+        # they are left to the process's exit (gc.freeze: 0.3 s instead of 3 s for cpu-tiny's model).
+        gc.freeze()
 
     def parse(self, request):
         text = input_value(request, "text_input", None)
