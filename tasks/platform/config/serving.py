@@ -204,8 +204,8 @@ class HealthSection(Section):
     recover_after: int = Field(
         3,
         ge=1,
-        description="Failed probes in a row after which the version's model is loaded again (its Triton restarted "
-        "where that fails).",
+        description="Failed probes in a row after which a version clients are routed to has its model loaded again "
+        "(its Triton restarted where that fails); a candidate at 0% is left to its release.",
     )
     recover_cooldown_s: float = Field(
         60, ge=0, description="Seconds after a recovery before the same model is recovered again."
