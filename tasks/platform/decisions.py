@@ -28,7 +28,12 @@ EXPIRY_GRACE_S = 600
 
 
 class NotWaiting(BadInput):
-    """The run is not on that Prefect API, or does not wait for a decision (any more)."""
+    """The run is not on that Prefect API, or does not wait for a decision now; `ended`: gone or in a final state
+    (not one started again by a decision, whose new process has yet to reach it)."""
+
+    def __init__(self, message: str, ended: bool) -> None:
+        super().__init__(message)
+        self.ended = ended
 
 
 def suspended_release(home: Path, flow_run_id: str) -> dict | None:
@@ -79,9 +84,11 @@ def expire_overdue(home: Path, now: float | None = None) -> list[str]:
                 api_url, auth_for(home, api_url), run, {"decision": "reject", "reason": reason, "decided_by": TIMED_OUT}
             )
             said.append(f"approval: {what}: {reason}; rejected on its behalf, it rolls back now")
-        except NotWaiting as exc:  # ended some other way (the Prefect server failed it, a person cancelled it)
-            forget_waiting(home, run)
-            said.append(f"approval: {what} is past its timeout and no longer waits ({exc}); no longer listed")
+        except NotWaiting as exc:
+            if exc.ended:  # ended some other way (the Prefect server failed it, a person cancelled it)
+                forget_waiting(home, run)
+                said.append(f"approval: {what} is past its timeout and no longer waits ({exc}); no longer listed")
+            # else decided already and started again: its new process needs the record (its waiting time, its MLflow run)
         except BadInput as exc:
             said.append(f"approval: {what} is past its timeout but could not be rejected: {exc}")
         except Exception as exc:  # the Prefect API down or refusing: the next check tries again
@@ -117,10 +124,11 @@ def resume(api_url: str, auth_string: str | None, flow_run_id: str, run_input: d
         try:
             flow_run = client.read_flow_run(run_id)
         except ObjectNotFound:
-            raise NotWaiting(f"flow run {flow_run_id}: not found on the Prefect API at {api_url}") from None
+            raise NotWaiting(f"flow run {flow_run_id}: not found on the Prefect API at {api_url}", ended=True) from None
         if not flow_run.state or not flow_run.state.is_paused():
             state = flow_run.state.name if flow_run.state else "no state"
-            raise NotWaiting(f"flow run {flow_run_id} is not waiting for approval (its state: {state})")
+            ended = flow_run.state is None or flow_run.state.is_final()
+            raise NotWaiting(f"flow run {flow_run_id} is not waiting for approval (its state: {state})", ended=ended)
         response = client.resume_flow_run(run_id, run_input=run_input)
     if response.status != SetStateStatus.ACCEPT:
         reason = getattr(response.details, "reason", None) or response.status.value

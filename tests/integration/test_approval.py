@@ -254,6 +254,8 @@ def test_a_suspended_approval_holds_no_process_and_survives_a_restart_of_the_pre
         # past its timeout (the restart took longer than 4 s): rejected on its behalf, it goes on and rolls back
         (said,) = expire_overdue(expiring)
         assert said.startswith(f"approval: release {overdue} of m: no decision within 4s") and "rolls back" in said
+        # checked again before its new process has reached the decision: nothing sent, its record kept for that process
+        assert expire_overdue(expiring) == [] and (pending_folder(expiring) / f"{overdue}.json").is_file()
         assert wait_state(api, overdue, {"Completed"})["type"] == "COMPLETED"
         assert expire_overdue(expiring) == []  # decided: no longer listed
         timed_out = json.loads((expiring / "approval.json").read_text())
