@@ -31,7 +31,7 @@ from tasks.platform.decisions import forget_waiting, suspended_release
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
 from tasks.platform.stores import open_store
-from tasks.platform.tracking import Tracker, default_tracking_uri, end_run, resume_run, start_run
+from tasks.platform.tracking import Tracker, default_tracking_uri, end_failed, end_run, resume_run, start_run
 from tasks.prepare_data import DatasetMetrics, prepare_data
 from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
@@ -223,8 +223,7 @@ def release(
         ctx.tracker.set_tags({"release.outcome": "waiting for approval"})
         raise
     except BaseException as exc:
-        ctx.tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
-        end_run(ctx.tracker, "FAILED")
+        end_failed(ctx.tracker, exc, get_run_logger().warning)
         forget_waiting(ctx.home, str(runtime.flow_run.id or ""))  # a resumed run that failed before its decision
         raise
     finally:
@@ -284,9 +283,12 @@ def serving_lock(config: Profile, tracker: Tracker, served: Service, release: st
     finally:
         if suspended:  # owned, waiting for approval, until the approval timeout, with no process to renew it
             ownership.suspend(config.gate.approval_timeout_s + config.canary.hold_s)
-        else:
-            tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
+        else:  # given up first: the tag is a record, the ownership is what the next release waits for
             ownership.give_up()
+            try:
+                tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
+            except Exception as exc:  # MLflow away (the failure being raised, often): said, not raised over it
+                log.warning(f"serving lock {name}: released; MLflow did not record when ({type(exc).__name__})")
 
 
 def measure(ctx: RunContext, steps: list[ServingStep], deployment: Deployment, inputs: list) -> GateReport:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from tasks.data.splits import eval_conversations
 from tasks.deploy_canary import Deployment
-from tasks.platform.errors import RegistryBehind
+from tasks.platform.errors import RampFailed, RegistryBehind
+from tasks.platform.run_log import exit_code
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.store import outlast_outage
 from tasks.serving import prometheus
@@ -190,6 +191,18 @@ def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
     logger().warning(f"canary: rolled back {deployment.candidate.name}: {reason}")
 
 
+def ramp_failed(ctx: RunContext, deployment: Deployment, exc: Exception) -> RampFailed:
+    """Rolled back, traffic first: what the service serves now and why, as one line with the cause's exit code.
+    Raised as a RampFailed, which no Prefect retry runs again: the candidate it would route to is unloaded."""
+    cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+    rollback(ctx, deployment, f"the ramp failed: {cause}")
+    serving = f"{deployment.champion.name} serves alone" if deployment.champion else "nothing is routed"
+    return RampFailed(
+        f"canary: {deployment.candidate.name} rolled back during its ramp ({serving}; no alias moved): {cause}",
+        exit_code(exc),
+    )
+
+
 def eval_prompts(ctx: RunContext, data: StageResult) -> list[str]:
     return [c[-2]["content"] for c in eval_conversations(ctx, data)]
 
@@ -206,8 +219,10 @@ def rollout(ctx: RunContext, deployment: Deployment, approved: bool, rejection: 
     else:
         try:
             problem = ramp(ctx, deployment, eval_prompts(ctx, data))
-        except BaseException as exc:  # MLflow, the gateway, Ctrl-C: live traffic is never left split
-            rollback(ctx, deployment, f"the ramp failed: {type(exc).__name__}: {str(exc)[:200]}")
+        except Exception as exc:  # MLflow, the gateway: live traffic is never left split, and no retry routes again
+            raise ramp_failed(ctx, deployment, exc) from exc
+        except BaseException as exc:  # Ctrl-C
+            rollback(ctx, deployment, f"the ramp was interrupted ({type(exc).__name__})")
             raise
         if problem:
             rollback(ctx, deployment, f"canary breach: {problem}")

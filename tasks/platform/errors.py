@@ -70,6 +70,16 @@ class RegistryBehind(LlmopsError):
     exit_code = 4
 
 
+class RampFailed(LlmopsError):
+    """The canary's ramp failed (a service away, an error) after the candidate had live traffic, and was rolled back
+    first: the champion serves alone. Not retried inside the run (the candidate is unloaded: a retry would route
+    traffic to it); the exit code is its cause's (4 for a service that stayed unreachable)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class ArtifactMissing(LlmopsError):
     """An artifact is missing or its content does not match its digest."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,3 +127,16 @@ def resume_run(tracking_uri: str, run_id: str) -> Tracker:
 
 def end_run(tracker: Tracker, status: str) -> None:
     tracker.client.set_terminated(tracker.run_id, status=status)
+
+
+def end_failed(tracker: Tracker, exc: BaseException, warn: Callable[[str], None]) -> None:
+    """The failure's error tag and status FAILED, where MLflow answers: the failure being raised (an MLflow outage,
+    often) is what the caller sees, never an error of recording it."""
+    try:
+        tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
+        end_run(tracker, "FAILED")
+    except Exception as unrecorded:
+        warn(
+            f"MLflow: the failure was not recorded in run {tracker.run_id}, which stays RUNNING there "
+            f"({type(unrecorded).__name__}: {str(unrecorded)[:200]})"
+        )

@@ -512,6 +512,63 @@ def test_mlflow_stopped_mid_release_ends_in_exit_4_and_one_line(stack, first_run
     assert " - Retry 1/" in output  # Prefect retried the stage that met it
 
 
+def test_mlflow_stopped_during_the_ramp_rolls_the_candidate_back_first_and_ends_in_exit_4(stack, first_run, tmp_path):
+    """A champion serves (a registered version, aliased here) and a new candidate (the same adapter unquantized:
+    nothing trains) passes its gate on a Triton and a gateway of the run's own. MLflow's server stops answering
+    once the canary's 50% step is recorded: the 100% step cannot be, so the ramp rolls back (the champion alone in
+    the routes, the candidate unloaded), no Prefect retry routes to the unloaded candidate again, the serving lock is
+    given up, and the run ends with exit 4 and one line that says what the service serves."""
+    import signal
+    import time
+
+    import psutil
+
+    client = MlflowClient(stack.mlflow.url)
+    champion = str(max(int(v) for v in versions(stack)))
+    client.set_registered_model_alias(MODEL, "champion", champion)
+    args = release_args(
+        stack,
+        *("--set", "serve.deploy=true", "--set", "quantize.backend=none", "--set", "serve.instance_count=1"),
+        *("--set", "bench.concurrency=[2]", "--set", "bench.request_count=16", "--set", "bench.rounds=1"),
+        *("--set", "bench.max_rounds=1", "--set", "gate.min_throughput_ratio=null"),
+        *("--set", "gate.max_task_metric_drop=1", "--set", "canary.steps=[50,100]", "--set", "canary.window_s=1"),
+    )
+    home = tmp_path / "home"
+    env = {**os.environ, **SHARED_PREFECT, **stack.env, "LLMOPS_HOME": str(home)}
+    env |= {"MLFLOW_HTTP_REQUEST_TIMEOUT": "2", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_HOME", None)
+    log_path = tmp_path / "run.log"
+    try:
+        with open(log_path, "w") as log:
+            process = subprocess.Popen([str(LLMOPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            deadline = time.monotonic() + 600
+            while "canary: 50% to " not in log_path.read_text():
+                assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.05)
+            os.killpg(stack.mlflow.pid, signal.SIGSTOP)  # the server and its worker processes
+            try:
+                code = process.wait(300)
+            finally:
+                os.killpg(stack.mlflow.pid, signal.SIGCONT)
+        output = log_path.read_text()
+        assert code == 4, output[-3000:]
+        last = output.strip().splitlines()[-1]
+        assert last.startswith(f"llmops: error: canary: {MODEL}-v"), output[-3000:]
+        assert (
+            f"rolled back during its ramp ({MODEL}-v{champion} serves alone; no alias moved): MlflowException" in last
+        )
+        assert stack.mlflow.url in last and "Traceback" not in output
+        lines = output.splitlines()
+        rolled_back = next(i for i, line in enumerate(lines) if "canary: rolled back" in line)
+        assert "the ramp failed: MlflowException" in lines[rolled_back]
+        assert not [line for line in lines[rolled_back:] if "canary: 50% to " in line or " - Retry 1/" in line]
+        assert "serving lock llmops-serving-tiny-qwen2-antonyms: released; MLflow did not record when" in output
+        assert client.get_model_version_by_alias(MODEL, "champion").version == champion  # nothing moved
+        assert not [p for p in psutil.process_iter(["cmdline"]) if str(home) in " ".join(p.info["cmdline"] or [])]
+    finally:
+        client.delete_registered_model_alias(MODEL, "champion")
+
+
 def test_a_full_store_disk_ends_in_exit_4_naming_it_and_keeps_nothing_partial(stack, first_run, tmp_path):
     """The artifact store on a filesystem of 600 KiB (tmpfs): the first stages' artifacts fit, a later one does not.
     The run ends with exit 4 naming the store's folder; the stage that met the full disk left no object, record or

@@ -13,8 +13,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 
 from tasks import rollout as rollout_module
-from tasks.platform.errors import RegistryBehind
+from tasks.platform.errors import RampFailed, RegistryBehind
 from tasks.platform.run_log import exit_code
+from tasks.platform.stage_cache import retry_if_transient
 
 
 class Registry:
@@ -73,12 +74,29 @@ def test_an_exception_during_the_ramp_routes_the_champion_alone_before_it_is_rai
 
     monkeypatch.setattr(rollout_module, "ramp", failing_ramp)
     deployment, registry = Deployment(), Registry()
-    with pytest.raises(MlflowException) as raised:
+    with pytest.raises(RampFailed) as raised:
         rollout_module.rollout(context(registry), deployment, True, "", None)
-    assert exit_code(raised.value) == 4
+    assert exit_code(raised.value) == 4  # its cause's: MLflow stayed unreachable
+    assert str(raised.value) == (
+        "canary: svc-v2 rolled back during its ramp (svc-v1 serves alone; no alias moved): MlflowException: API "
+        "request to http://127.0.0.1:5000 failed with timeout exception ReadTimeout()"
+    )
+    # no Prefect retry runs the rollout again: it would route traffic to the candidate it just unloaded
+    assert not retry_if_transient(None, None, SimpleNamespace(data=raised.value))
     split = deployment.events.index(("table", {"svc-v2": 10.0, "svc-v1": 90.0}))
     assert deployment.events[split + 1 :] == [("champion alone", None), ("retire", "svc-v2")]  # traffic, then models
     assert registry.aliases["champion"] == "1"
+
+
+def test_an_interrupted_ramp_routes_the_champion_alone_and_stays_an_interruption(monkeypatch):
+    def interrupted_ramp(ctx, deployment, prompts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rollout_module, "ramp", interrupted_ramp)
+    deployment = Deployment()
+    with pytest.raises(KeyboardInterrupt):
+        rollout_module.rollout(context(Registry()), deployment, True, "", None)
+    assert deployment.events == [("champion alone", None), ("retire", "svc-v2")]
 
 
 def test_a_registry_write_during_promotion_outlasts_a_short_outage(monkeypatch):
