@@ -9,6 +9,7 @@ the others one response at the end; every request ends with the FINAL flag (deco
 import gc
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,10 @@ class Job:
 
 class TritonPythonModel:
     def initialize(self, args):
+        # transformers imports scikit-learn whenever it is installed (for assisted generation's confidence threshold,
+        # generation/candidate_generator.py), about 1 s of every instance's start; this model never uses it. A None
+        # entry in sys.modules makes importlib.util.find_spec, and so transformers, find it absent.
+        sys.modules.setdefault("sklearn", None)
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.convert_slow_tokenizer import bytes_to_unicode
