@@ -22,11 +22,12 @@ from tasks.platform.config import EvaluateSection
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality import metrics
-from tasks.quality.chat import Conversation
+from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 from tasks.quality.metrics import higher_is_better
 from tasks.quality.models import Compute, load_model, load_tokenizer
-from tasks.quality.scoring import EVALUATION_FILE, Scores, describe, gain, score
+from tasks.quality.scoring import EVALUATION_FILE, Scores, decoded, describe, gain, score, scores_of
 from tasks.quality.stats import Difference
+from tasks.serving.eval_engine import answer_on_engine, engine_version
 
 
 @dataclass
@@ -82,19 +83,22 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
         "data": data.artifact.digest,
         "base": base.artifact.digest,
         "adapter": adapter.artifact.digest,
-        "evaluate": cfg.model_dump(),
+        "evaluate": cfg.model_dump(exclude={"engine"}),  # transformers' answers keep the keys they had
     }
+    if cfg.engine == "vllm":  # the engine, and its release: another vLLM may answer otherwise
+        key["engine"] = f"vllm {engine_version(ctx.profile)}"
 
     def produce(out_dir: Path) -> dict:
         conversations = eval_conversations(ctx, data, cfg.max_samples)
         require_samples(len(conversations), cfg, "evaluate")
-        base_dir = ctx.store.fetch(base.artifact.digest)
+        base_dir, adapter_dir = ctx.store.fetch(base.artifact.digest), ctx.store.fetch(adapter.artifact.digest)
         tokenizer = load_tokenizer(base_dir)
-        compute = Compute.of(ctx.profile)
-        base_scores = score(load_model(base_dir, compute=compute), tokenizer, conversations, cfg)
-        candidate_scores = score(
-            load_model(base_dir, ctx.store.fetch(adapter.artifact.digest), compute), tokenizer, conversations, cfg
-        )
+        if cfg.engine == "vllm":
+            base_scores, candidate_scores = engine_scores(ctx, base_dir, adapter_dir, tokenizer, conversations)
+        else:
+            compute = Compute.of(ctx.profile)
+            base_scores = score(load_model(base_dir, compute=compute), tokenizer, conversations, cfg)
+            candidate_scores = score(load_model(base_dir, adapter_dir, compute), tokenizer, conversations, cfg)
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
         result = EvaluationMetrics.of_scores(base_scores, candidate_scores, improvement)
         write_evaluation(
@@ -106,6 +110,30 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
 
     return run_cached(
         ctx, "evaluate", key, produce, headline=lambda m: EvaluationMetrics.from_mlflow(m).headline(cfg.metric)
+    )
+
+
+def engine_scores(
+    ctx: RunContext, base_dir: Path, adapter_dir: Path, tokenizer, conversations: list[Conversation]
+) -> tuple[Scores, Scores]:
+    """The base's and the candidate's scores from the serving engine (evaluate.engine vllm): the same prompt and
+    answer ids as transformers gets, the answers decoded as generate's are."""
+    sequences = [(prompt_ids(tokenizer, c), answer_ids(tokenizer, c)) for c in conversations]
+    work = ctx.home / "work" / "evaluate" / ctx.tracker.run_id
+    answered = answer_on_engine(
+        ctx.profile,
+        ctx.home,
+        base_dir,
+        adapter_dir,
+        sequences,
+        ctx.profile.evaluate.max_new_tokens,
+        [tokenizer.eos_token_id],
+        work,
+        logger(),
+    )
+    return tuple(  # type: ignore[return-value]
+        scores_of(decoded(tokenizer, model.answers), model.answer_losses, conversations)
+        for model in (answered.base, answered.candidate)
     )
 
 

@@ -78,6 +78,8 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
     # quantize (ModelOpt) and build_engine's check (TensorRT-LLM's LLM API), with the MPI world a TP x PP run starts
     "tensorrt_llm": (*BASICS, *COMPUTE, "TLLM_*", "TRTLLM_*", "OMPI_*", "PMIX_*", "PMI_*", "UCX_*", "MODELOPT_*"),
     "git": (*BASICS, "GIT_DIR", "GIT_WORK_TREE", "GIT_CEILING_DIRECTORIES"),
+    # evaluate.engine vllm: vLLM's offline engine answering the eval split (tasks/runners/vllm_answers.py)
+    "vllm": (*BASICS, *COMPUTE, "VLLM_*"),
 }
 
 

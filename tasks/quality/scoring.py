@@ -84,8 +84,7 @@ def generate_answers(model, tokenizer, conversations: list[Conversation], max_ne
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
             )
-        new_tokens = out[:, batch["input_ids"].shape[1] :]
-        answers += [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new_tokens]
+        answers += decoded(tokenizer, out[:, batch["input_ids"].shape[1] :])
     return answers
 
 
@@ -106,11 +105,17 @@ def scored_metric(values: dict, model: str) -> str | None:
 
 def score(model, tokenizer, conversations: list[Conversation], cfg: EvaluateSection) -> Scores:
     predictions = generate_answers(model, tokenizer, conversations, cfg.max_new_tokens)
-    per_sample = {
-        **text_scores(predictions, references(conversations)),
-        "answer_loss": answer_losses(model, tokenizer, conversations),
-    }
-    return Scores(per_sample, predictions)
+    return scores_of(predictions, answer_losses(model, tokenizer, conversations), conversations)
+
+
+def scores_of(predictions: list[str], losses: list[float], conversations: list[Conversation]) -> Scores:
+    """Every metric per sample, from a model's answers and its answer losses (however they were computed)."""
+    return Scores({**text_scores(predictions, references(conversations)), "answer_loss": losses}, predictions)
+
+
+def decoded(tokenizer, answers: list[list[int]]) -> list[str]:
+    """Generated token ids as answers, decoded as `generate_answers` decodes them."""
+    return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in answers]
 
 
 def gain(candidate: list[float], reference: list[float], cfg: EvaluateSection) -> Difference:

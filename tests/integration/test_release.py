@@ -196,7 +196,12 @@ def test_deleted_artifact_reruns_its_stage_and_dependents_follow_content(stack, 
 
 
 def test_eval_change_reruns_evaluation_and_what_follows_only(stack, first_run):
-    result = llmops(stack, *release_args(stack, "--set", "evaluate.max_new_tokens=6"))
+    """The change: fewer answer tokens, which quantize's accuracy check uses too, and the eval split answered by the
+    serving engine (evaluate.engine vllm: the base model and base + adapter on one vLLM engine with LoRA) instead of
+    transformers' generate. Only evaluate and quantize run again. The engine's scores are transformers' (the same
+    ids in, greedy, float32 on CPU): the same exact matches (one-word antonyms end well within 6 tokens) and answer
+    losses."""
+    result = llmops(stack, *release_args(stack, "--set", "evaluate.max_new_tokens=6", "--set", "evaluate.engine=vllm"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert stage_results(stack) == {
         "prepare_data": "cached",
@@ -206,6 +211,13 @@ def test_eval_change_reruns_evaluation_and_what_follows_only(stack, first_run):
         "merge": "cached",
         "quantize": "ran",
     }
+    assert re.search(r"evaluate: vLLM [0-9.]+ answered in [0-9.]+s", result.stdout + result.stderr)
+    engine = latest_run(stack).data.metrics
+    transformers = MlflowClient(stack.mlflow.url).get_run(mlflow_run_id(first_run)).data.metrics
+    for model in ("base", "candidate"):
+        match, loss = f"evaluate/{model}_exact_match", f"evaluate/{model}_answer_loss"
+        assert engine[match] == transformers[match], (match, engine[match], transformers[match])
+        assert math.isclose(engine[loss], transformers[loss], rel_tol=1e-3), (loss, engine[loss], transformers[loss])
 
 
 def mlflow_run_id(result) -> str:

