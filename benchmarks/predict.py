@@ -151,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from tasks.platform.config import load_profile
-    from tasks.platform.store import open_store
+    from tasks.platform.stores import open_store
 
     profile = load_profile("cpu-tiny")
     home = args.home.resolve()

@@ -1,0 +1,39 @@
+"""The benchmarks import what the project still has: every `from tasks|flows|tests.X import name` in benchmarks/*.py
+(at the top or inside a function) names a module and an attribute that exist. A benchmark runs for minutes on a
+service; a name moved elsewhere would otherwise be found only then (benchmarks/predict.py once imported open_store
+from its old module)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT_PACKAGES = ("tasks", "flows", "tests")
+
+
+def project_imports(script: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of each name the script imports from this project."""
+    found = []
+    for node in ast.walk(ast.parse(script.read_text(), str(script))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PROJECT_PACKAGES:
+            found += [(node.lineno, node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, "") for a in node.names if a.name.split(".")[0] in PROJECT_PACKAGES]
+    return found
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda path: path.name)
+def test_a_benchmark_imports_only_what_the_project_has(script: Path):
+    missing = []
+    for line, module_name, name in project_imports(script):
+        module = importlib.import_module(module_name)
+        if name and not hasattr(module, name):
+            try:  # a submodule imported by name (from tasks.serving import vllm)
+                importlib.import_module(f"{module_name}.{name}")
+            except ModuleNotFoundError:
+                missing.append(f"{script.name}:{line}: {module_name} has no {name}")
+    assert missing == []
