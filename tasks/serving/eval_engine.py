@@ -55,12 +55,14 @@ def engine_version(profile: Profile) -> str:
 
 
 def engine_args(profile: Profile) -> dict:
-    """LLM(...)'s arguments: the serving engine's settings (serve.vllm) with LoRA for one adapter; on CPU the KV
-    cache by size, on cuda by share of the GPU (tasks/serving/vllm.py model_values, as Triton's vLLM model gets them)."""
+    """LLM(...)'s arguments: the serving engine's settings (serve.vllm) with LoRA for one adapter, in evaluate's dtype;
+    on CPU the KV cache by size, on cuda by share of the GPU (as Triton's vLLM model gets them, tasks/serving/vllm.py)."""
     cfg = profile.serve.vllm
     cuda = profile.hardware.accelerator == "cuda"
     args: dict = {
-        "dtype": cfg.dtype,
+        # evaluate's dtype, as transformers gets it (hardware.compute_dtype), not serve.vllm.dtype: vLLM's "auto"
+        # downcasts a float32 checkpoint to bfloat16 on CPU, and the scores would then differ from transformers'
+        "dtype": profile.hardware.compute_dtype,
         "enforce_eager": cfg.enforce_eager,
         "seed": 0,
         "enable_lora": True,

@@ -34,7 +34,7 @@ def test_the_profile_allows_the_engine_where_it_can_load_the_adapter():
 def test_the_engine_gets_serve_vllms_settings_with_lora_for_one_adapter():
     cpu = eval_engine.engine_args(load_profile("cpu-tiny", ENGINE))
     assert cpu == {
-        "dtype": "auto",
+        "dtype": "float32",  # hardware.compute_dtype, as transformers gets it (vLLM's auto: bfloat16 on CPU)
         "enforce_eager": True,
         "seed": 0,
         "enable_lora": True,

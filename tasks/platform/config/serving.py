@@ -35,7 +35,10 @@ class VllmServing(Section):
         "GiB, docs/benchmarks.md, 'Choosing the engine for cpu-tiny'). CPU only.",
     )
     dtype: str = Field(
-        "auto", description="Model dtype; auto: the checkpoint's own (float32 for cpu-tiny); bfloat16/float16 on GPUs."
+        "auto",
+        description="Model dtype; auto: vLLM's choice, the checkpoint's own except that a float32 checkpoint (cpu-tiny's) "
+        "is downcast to the platform's first dtype, bfloat16 on CPU (vllm/config/model.py _resolve_auto_dtype); "
+        "float32 keeps it; bfloat16/float16 on GPUs.",
     )
     enforce_eager: bool = Field(
         True,
