@@ -106,7 +106,9 @@ def answer_on_engine(
             }
         )
     )
-    env = program_env("vllm", vllm.triton_env(profile, home))
+    # The engine core in the runner's own process (vllm/envs.py VLLM_ENABLE_V1_MULTIPROCESSING; the offline LLM's
+    # in-process client, v1/engine/core_client.py:125-133 [l.109-112]): no second process importing vLLM and torch again
+    env = program_env("vllm", {**vllm.triton_env(profile, home), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     log.info(f"evaluate: answering {len(sequences)} eval prompts on vLLM ({python} {RUNNER.name})")
     started = time.perf_counter()
     last: deque[str] = deque(maxlen=3)
