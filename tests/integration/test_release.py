@@ -493,30 +493,37 @@ def test_training_outlasts_a_storage_outage(stack, first_run, tmp_path):
     assert stored_after, "\n".join(lines[met:trained])[-3000:]  # training went on and stored checkpoints again
 
 
-def test_mlflow_stopped_mid_release_ends_in_exit_4_and_one_line(stack, first_run, tmp_path):
-    """MLflow's server stops answering (SIGSTOP: its port still takes connections, nothing answers) once the run is
-    past its first cached stage: MLflow's faults are transient, so the stage is retried, and then the run ends with
-    exit 4 and one line naming the server, not a traceback (before: exit 1)."""
+def frozen_mlflow_once(stack, args: list[str], home: Path, line: str) -> tuple[int, str]:
+    """`llmops ARGS` on `home`, MLflow's server stopped (SIGSTOP: its port still takes connections, nothing answers;
+    the server and its worker processes) once the run's log shows `line`, and started again after the run ended;
+    MLflow's client gives up on a call after 2 s. The run's exit code and its output."""
     import signal
     import time
 
-    args = release_args(stack)
-    env = {**os.environ, **SHARED_PREFECT, **stack.env, "LLMOPS_HOME": str(tmp_path / "home")}
+    env = {**os.environ, **SHARED_PREFECT, **stack.env, "LLMOPS_HOME": str(home)}
     env |= {"MLFLOW_HTTP_REQUEST_TIMEOUT": "2", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "PYTHONUNBUFFERED": "1"}
     env.pop("PREFECT_HOME", None)
-    log_path = tmp_path / "run.log"
+    log_path = home.parent / f"{home.name}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen([str(LLMOPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        deadline = time.monotonic() + 300
-        while "prepare_data: cache hit" not in log_path.read_text():
+        deadline = time.monotonic() + 600
+        while line not in log_path.read_text():
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        os.killpg(stack.mlflow.pid, signal.SIGSTOP)  # the server and its worker processes
+            time.sleep(0.05)
+        os.killpg(stack.mlflow.pid, signal.SIGSTOP)
         try:
             code = process.wait(300)
         finally:
             os.killpg(stack.mlflow.pid, signal.SIGCONT)
-    output = log_path.read_text()
+    return code, log_path.read_text()
+
+
+def test_mlflow_stopped_mid_release_ends_in_exit_4_and_one_line(stack, first_run, tmp_path):
+    """MLflow's server stops answering (SIGSTOP: its port still takes connections, nothing answers) once the run is
+    past its first cached stage: MLflow's faults are transient, so the stage is retried, and then the run ends with
+    exit 4 and one line naming the server, not a traceback (before: exit 1)."""
+
+    code, output = frozen_mlflow_once(stack, release_args(stack), tmp_path / "home", "prepare_data: cache hit")
     assert code == 4, output[-3000:]
     last = output.strip().splitlines()[-1]
     assert last.startswith("llmops: error: unreachable after retries: MlflowException"), output[-3000:]
@@ -530,8 +537,6 @@ def test_mlflow_stopped_during_the_ramp_rolls_the_candidate_back_first_and_ends_
     once the canary's 50% step is recorded: the 100% step cannot be, so the ramp rolls back (the champion alone in
     the routes, the candidate unloaded), no Prefect retry routes to the unloaded candidate again, the serving lock is
     given up, and the run ends with exit 4 and one line that says what the service serves."""
-    import signal
-    import time
 
     import psutil
 
@@ -546,23 +551,8 @@ def test_mlflow_stopped_during_the_ramp_rolls_the_candidate_back_first_and_ends_
         *("--set", "gate.max_task_metric_drop=1", "--set", "canary.steps=[50,100]", "--set", "canary.window_s=1"),
     )
     home = tmp_path / "home"
-    env = {**os.environ, **SHARED_PREFECT, **stack.env, "LLMOPS_HOME": str(home)}
-    env |= {"MLFLOW_HTTP_REQUEST_TIMEOUT": "2", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_HOME", None)
-    log_path = tmp_path / "run.log"
     try:
-        with open(log_path, "w") as log:
-            process = subprocess.Popen([str(LLMOPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            deadline = time.monotonic() + 600
-            while "canary: 50% to " not in log_path.read_text():
-                assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-                time.sleep(0.05)
-            os.killpg(stack.mlflow.pid, signal.SIGSTOP)  # the server and its worker processes
-            try:
-                code = process.wait(300)
-            finally:
-                os.killpg(stack.mlflow.pid, signal.SIGCONT)
-        output = log_path.read_text()
+        code, output = frozen_mlflow_once(stack, args, home, "canary: 50% to ")
         assert code == 4, output[-3000:]
         last = output.strip().splitlines()[-1]
         assert last.startswith(f"llmops: error: canary: {MODEL}-v"), output[-3000:]
