@@ -43,6 +43,10 @@ RELEASE_TIMEOUT = 600
 SERVING_OVERRIDES = [
     *("bench.request_count=16", "bench.concurrency=[2]", "quantize.backend=none", "canary.window_s=1.5"),
     *("bench.rounds=1", "bench.max_rounds=1", "gate.min_throughput_ratio=null"),
+    # One model instance (cpu-tiny's profile has two): this module is about the service, and each instance's stub
+    # imports torch and transformers, 8 to 16 s a load here with two on 2 shared cores. Two instances are served in
+    # test_attach (tune_serving tries both counts) and test_quality_gate (cpu-tiny-qa-zh has two as well).
+    "serve.instance_count=1",
 ]
 
 
