@@ -27,7 +27,7 @@ from tasks.quality.metrics import higher_is_better
 from tasks.quality.models import Compute, load_model, load_tokenizer
 from tasks.quality.scoring import EVALUATION_FILE, Scores, decoded, describe, gain, score, scores_of
 from tasks.quality.stats import Difference
-from tasks.serving.eval_engine import answer_on_engine, engine_version
+from tasks.serving.eval_engine import EngineAnswers, answer_on_engine, engine_version
 
 
 @dataclass
@@ -131,10 +131,11 @@ def engine_scores(
         work,
         logger(),
     )
-    return tuple(  # type: ignore[return-value]
-        scores_of(decoded(tokenizer, model.answers), model.answer_losses, conversations)
-        for model in (answered.base, answered.candidate)
-    )
+
+    def scores(model: EngineAnswers) -> Scores:
+        return scores_of(decoded(tokenizer, model.answers), model.answer_losses, conversations)
+
+    return scores(answered.base), scores(answered.candidate)
 
 
 def write_evaluation(

@@ -194,7 +194,7 @@ def rollback(ctx: RunContext, deployment: Deployment, reason: str) -> None:
 def ramp_failed(ctx: RunContext, deployment: Deployment, exc: Exception) -> RampFailed:
     """Rolled back, traffic first: what the service serves now and why, as one line with the cause's exit code.
     Raised as a RampFailed, which no Prefect retry runs again: the candidate it would route to is unloaded."""
-    cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+    cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
     rollback(ctx, deployment, f"the ramp failed: {cause}")
     serving = f"{deployment.champion.name} serves alone" if deployment.champion else "nothing is routed"
     return RampFailed(

@@ -16,7 +16,12 @@ from __future__ import annotations
 import fnmatch
 import os
 import secrets
+import subprocess
+from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
+
+from tasks.platform.errors import CheckFailed
 
 SECRETS = (
     "LLMOPS_API_KEYS",
@@ -105,3 +110,24 @@ def write_secret(path, text: str) -> None:
         if os.path.exists(staged):
             os.unlink(staged)
         raise
+
+
+def run_logged(command: list[str], log_file: Path, what: str, log, env: dict, cwd: Path, echo: bool = True) -> None:
+    """Run a program in `env`, its output to log_file (and, with `echo`, each line to the run log as `what: ...`); a
+    failure is CheckFailed naming its exit code, the log file and its last lines."""
+    log.info(f"{what}: {' '.join(command)}")
+    last: deque[str] = deque(maxlen=5)
+    with open(log_file, "w") as sink:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env
+        )
+        assert process.stdout is not None  # stdout=PIPE
+        for line in process.stdout:
+            sink.write(line)
+            if line.strip():
+                last.append(line.strip()[:300])
+                if echo:
+                    log.info(f"{what}: {line.rstrip()[:300]}")
+        code = process.wait()
+    if code != 0:
+        raise CheckFailed(f"{what} failed (exit {code}; full log {log_file}): {' | '.join(last)}")

@@ -10,16 +10,13 @@ answers come back as token ids, which the caller decodes as it decodes `generate
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.platform.child_env import program_env
+from tasks.platform.child_env import program_env, run_logged
 from tasks.platform.config import Profile
-from tasks.platform.errors import CheckFailed
 from tasks.serving import vllm
 
 RUNNER = Path(__file__).resolve().parents[1] / "runners" / "vllm_answers.py"
@@ -37,9 +34,6 @@ class EngineAnswers:
 class EngineEvaluation:
     base: EngineAnswers
     candidate: EngineAnswers
-    vllm_version: str
-    load_s: float
-    answer_s: float
 
 
 def engine_version(profile: Profile) -> str:
@@ -88,7 +82,7 @@ def answer_on_engine(
     log,
 ) -> EngineEvaluation:
     """`sequences`: (prompt ids, reference answer ids) per eval sample. The runner's output goes to work/vllm.log;
-    a failure is one line with its last lines."""
+    a failure is one line with its last lines (CheckFailed)."""
     venv = vllm.environment(profile)
     python = str(venv / "bin" / "python") if venv else sys.executable
     work.mkdir(parents=True, exist_ok=True)
@@ -109,35 +103,12 @@ def answer_on_engine(
     # The engine core in the runner's own process (vllm/envs.py VLLM_ENABLE_V1_MULTIPROCESSING; the offline LLM's
     # in-process client, v1/engine/core_client.py:125-133 [l.109-112]): no second process importing vLLM and torch again
     env = program_env("vllm", {**vllm.triton_env(profile, home), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    log.info(f"evaluate: answering {len(sequences)} eval prompts on vLLM ({python} {RUNNER.name})")
     started = time.perf_counter()
-    last: deque[str] = deque(maxlen=3)
-    with open(log_file, "w") as sink:
-        process = subprocess.Popen(
-            [python, str(RUNNER), str(request), str(result)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=work,
-        )
-        assert process.stdout is not None  # stdout=PIPE
-        for line in process.stdout:
-            sink.write(line)
-            if line.strip():
-                last.append(line.strip()[:300])
-        code = process.wait()
-    if code != 0 or not result.is_file():
-        raise CheckFailed(f"evaluate: the vLLM engine failed (exit {code}; full log {log_file}): {' | '.join(last)}")
+    # vLLM's own lines (its warnings, a progress bar) stay in the log file: they tell the user nothing
+    run_logged([python, str(RUNNER), str(request), str(result)], log_file, "evaluate: vLLM", log, env, work, echo=False)
     answered = json.loads(result.read_text())
     log.info(
-        f"evaluate: vLLM {answered['vllm_version']} answered in {time.perf_counter() - started:.1f}s "
-        f"(engine start {answered['load_s']:.1f}s)"
+        f"evaluate: vLLM {answered['vllm_version']} answered {len(sequences)} eval prompts twice in "
+        f"{time.perf_counter() - started:.1f}s (engine start {answered['load_s']:.1f}s)"
     )
-    return EngineEvaluation(
-        EngineAnswers(**answered["base"]),
-        EngineAnswers(**answered["candidate"]),
-        answered["vllm_version"],
-        answered["load_s"],
-        answered["answer_s"],
-    )
+    return EngineEvaluation(EngineAnswers(**answered["base"]), EngineAnswers(**answered["candidate"]))

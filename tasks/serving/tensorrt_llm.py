@@ -15,13 +15,12 @@ is in the log, so a user can rerun one by hand.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 
+from tasks.platform import child_env
 from tasks.platform.config import ModelOptQuantize
-from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
 
 PINNED_VERSION = "1.2.1"  # nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3; the `gpu` extra should pin the same
@@ -98,32 +97,11 @@ def check_command(
 def command_env() -> dict:
     """A TensorRT-LLM command's environment: the allow-list of tasks/platform/child_env.py, with this project on
     PYTHONPATH for its runners (it reads and writes local folders; this process stores and tracks)."""
-    from tasks.platform.child_env import program_env
-
-    env = program_env("tensorrt_llm")
+    env = child_env.program_env("tensorrt_llm")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
     return env
 
 
 def run_logged(command: list[str], log_file: Path, what: str, log) -> None:
     """Run a TensorRT-LLM command, its output to log_file and the run log; a failure names its last lines."""
-    log.info(f"{what}: {' '.join(command)}")
-    last: deque[str] = deque(maxlen=5)
-    with open(log_file, "w") as sink:
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=PROJECT_ROOT,
-            env=command_env(),
-        )
-        assert process.stdout is not None  # stdout=PIPE
-        for line in process.stdout:
-            sink.write(line)
-            last.append(line.rstrip())
-            if line.strip():
-                log.info(f"{what}: {line.rstrip()[:300]}")
-        code = process.wait()
-    if code != 0:
-        raise CheckFailed(f"{what} failed (exit {code}; full log {log_file}): {' | '.join(last)}")
+    child_env.run_logged(command, log_file, what, log, command_env(), PROJECT_ROOT)

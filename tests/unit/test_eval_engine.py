@@ -84,6 +84,6 @@ def test_a_failing_engine_is_one_line_with_its_last_words(tmp_path: Path, monkey
             logging.getLogger("test"),
         )
     message = str(raised.value)
-    assert message.startswith("evaluate: the vLLM engine failed (exit 1; full log ")
+    assert message.startswith("evaluate: vLLM failed (exit 1; full log ")
     assert message.endswith("loading the base model | ValueError: max_model_len 512 < prompt 900")
     assert (tmp_path / "work" / "vllm.log").read_text().count("\n") == 2
