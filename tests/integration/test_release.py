@@ -211,7 +211,9 @@ def test_eval_change_reruns_evaluation_and_what_follows_only(stack, first_run):
         "merge": "cached",
         "quantize": "ran",
     }
-    assert re.search(r"evaluate: vLLM [0-9.]+ answered \d+ eval prompts twice in [0-9.]+s", result.stdout + result.stderr)
+    assert re.search(
+        r"evaluate: vLLM [0-9.]+ answered \d+ eval prompts twice in [0-9.]+s", result.stdout + result.stderr
+    )
     engine = latest_run(stack).data.metrics
     transformers = MlflowClient(stack.mlflow.url).get_run(mlflow_run_id(first_run)).data.metrics
     for model in ("base", "candidate"):
