@@ -9,8 +9,9 @@ Every level below the highest is measured once per model. With a champion, the h
 rounds of paired single runs (one for genai-perf, bench.profile_runs for AIPerf), the two models in turn and in
 alternating order (champion, candidate; candidate, champion; ...), so drift of a shared machine hits both models
 alike; each pair gives a candidate/champion ratio and the gate reads their interval (tasks/quality/stats.py). While
-the throughput interval straddles gate.min_throughput_ratio, rounds continue up to bench.max_rounds. With AIPerf, the
-candidate's own latency and rate checks are decided on the interval of its runs' mean as well (its runs at the level concerned).
+a check the gate decides on an interval straddles its threshold, rounds continue up to bench.max_rounds. With AIPerf, the
+candidate's own latency and rate checks are decided on the interval of its runs' mean as well (its runs at the level
+concerned), and count among those.
 
 Why the ratio is of requests/s and not of genai-perf's output tokens/s: genai-perf counts output
 tokens by re-tokenizing the streamed text, and two models generating the same 8 tokens count 10 to
@@ -24,12 +25,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
-from tasks.quality.stats import MeanInterval, RatioInterval, mean_interval, ratio_interval
+from tasks.quality.stats import Decides, MeanInterval, RatioInterval, mean_interval, ratio_interval
 from tasks.serving.client import parse_metric
 from tasks.serving.genai_perf import GenaiPerf, check_tokenizer
 from tasks.serving.load_level import LoadLevel, LoadTool
@@ -128,7 +129,7 @@ class Comparison:
     throughput: RatioInterval  # of requests/s (each request generates exactly bench.output_tokens)
     latency_p99: RatioInterval
     ttft_p99: RatioInterval
-    planned_rounds: int  # bench.rounds; more were measured when the throughput verdict was inconclusive
+    planned_rounds: int  # bench.rounds; more were measured while a check on an interval was undecided
     goodput: RatioInterval | None = None  # None without latency objectives, or where the champion met none
 
     @classmethod
@@ -321,11 +322,11 @@ def benchmark(ctx: RunContext, deployment: Deployment) -> BenchmarkResult:
 def compare_in_rounds(
     tool: LoadTool, champion: Served, candidate: Served, concurrency: int, profile: Profile
 ) -> tuple[dict[str, list[LoadLevel]], Comparison]:
-    """bench.rounds rounds at `concurrency`; then one more at a time while the throughput ratio's interval straddles
-    gate.min_throughput_ratio, up to bench.max_rounds. A round is tool.runs_per_round pairs of single runs, the two
+    """bench.rounds rounds at `concurrency`; then one more at a time while a gate check decided on an interval
+    straddles its threshold (`undecided_checks`), up to bench.max_rounds. A round is tool.runs_per_round pairs of single runs, the two
     models in turn and the first of each pair alternating (champion, candidate, then candidate, champion, ...), so a
     pair's runs are neighbours in time and whatever else the machine does falls on both alike."""
-    cfg, threshold = profile.bench, profile.gate.min_throughput_ratio
+    cfg = profile.bench
     rounds: dict[str, list[LoadLevel]] = {champion.name: [], candidate.name: []}
     per_round = tool.runs_per_round
     number = 0
@@ -346,14 +347,45 @@ def compare_in_rounds(
         comparison = Comparison.of(
             list(zip(rounds[champion.name], rounds[candidate.name], strict=True)), concurrency, cfg
         )
-        undecided = threshold is not None and comparison.throughput.verdict(threshold, ">=") == "inconclusive"
+        undecided = undecided_checks(comparison, rounds[candidate.name], profile)
         logger().info(
             f"benchmark: round {number}: {comparison.describe()}"
-            + (f"; straddles gate.min_throughput_ratio {threshold:g}" if undecided else "")
+            + (f"; undecided: {', '.join(undecided)}" if undecided else "")
         )
         if not undecided or number >= cfg.max_rounds:
             return rounds, comparison
         logger().info(f"benchmark: one more round (at most {cfg.max_rounds})")
+
+
+def undecided_checks(comparison: Comparison, candidate_runs: list[LoadLevel], profile: Profile) -> list[str]:
+    """The gate's checks decided on an interval (tasks/gate.py) whose interval these rounds leave straddling the
+    threshold, each as `setting threshold (interval)`: one more round may decide them. The candidate/champion ratios
+    always; with AIPerf, the candidate's own latency and rate at this level too (the gate decides those on the
+    interval of its runs' mean)."""
+    gate, cfg = profile.gate, profile.bench
+    estimates: list[tuple[str, Decides | None, float | None, Literal[">=", "<="]]] = [
+        ("gate.min_throughput_ratio", comparison.throughput, gate.min_throughput_ratio, ">="),
+        ("gate.max_latency_ratio", comparison.latency_p99, gate.max_latency_ratio, "<="),
+        ("gate.min_goodput_ratio", comparison.goodput, gate.min_goodput_ratio, ">="),
+    ]
+    if cfg.tool == "aiperf" and len(candidate_runs) > 1:
+        own: list[tuple[str, str, float | None, Literal[">=", "<="]]] = [
+            ("gate.p99_request_latency_ms", "latency_p99_ms", gate.p99_request_latency_ms, "<="),
+            ("gate.p99_time_to_first_token_ms", "ttft_p99_ms", gate.p99_time_to_first_token_ms, "<="),
+            ("gate.min_requests_per_s", "requests_per_s", gate.min_requests_per_s, ">="),
+        ]
+        for setting, statistic, threshold, direction in own:
+            mean = mean_interval([getattr(run, statistic) for run in candidate_runs], cfg.confidence)
+            estimates.append((setting, mean, threshold, direction))
+    undecided = []
+    for setting, estimate, threshold, direction in estimates:
+        if estimate is None or threshold is None or estimate.verdict(threshold, direction) != "inconclusive":
+            continue
+        interval = estimate.interval()
+        undecided.append(
+            f"{setting} {threshold:g}" + (f" ({interval[0]:.3g}..{interval[1]:.3g})" if interval is not None else "")
+        )
+    return undecided
 
 
 def failed_share(before: str, after: str, model: str) -> float:

@@ -113,8 +113,9 @@ class BenchSection(Section):
     max_rounds: int = Field(
         8,
         ge=1,
-        description="While the throughput ratio's interval straddles gate.min_throughput_ratio, more rounds "
-        "up to this many; still undecided, the check is inconclusive and the gate rejects.",
+        description="While a gate check decided on an interval straddles its threshold (the candidate/champion "
+        "ratios; with AIPerf also the candidate's own p99s and rate), more rounds up to this many; still undecided, "
+        "the check is inconclusive and the gate rejects.",
     )
     confidence: float = Field(0.9, gt=0, lt=1, description="Two-sided confidence of the ratios' intervals.")
 
