@@ -228,6 +228,10 @@ class Triton:
         body = {"parameters": load_parameters(model_folder)} if model_folder is not None else None
         try:
             response = self.control_call("POST", f"/v2/repository/models/{name}/load", json=body, timeout=timeout)
+        except requests.Timeout:
+            raise TransientError(
+                f"Triton at {self.url}: {name} did not load within {timeout:.0f}s (serve.load_timeout_s)"
+            ) from None
         except requests.RequestException as exc:
             raise TransientError(f"Triton at {self.url}: load {name}: {exc}") from None
         if response.status_code != 200:

@@ -71,10 +71,35 @@ class Fleet:
                 server = self.spawn(index, ports)
                 replica = Replica(index, server.client, server, ports)
                 self.replicas.append(replica)
-                self.load(replica, [champion])
+                self.load_at_start(replica, champion)
         except BaseException:
             self.stop()
             raise
+
+    def load_at_start(self, replica: Replica, champion: Served) -> None:
+        """The champion loaded on a Triton this serve just started. Where the load fails without an answer (it
+        outlasted serve.load_timeout_s, or the connection broke), that Triton is killed with its model processes
+        and started again, up to serve.listen.restart_limit times: Triton 2.51's Python backend waits for a model
+        process's first message without a deadline (python_backend#408 gave it one upstream, in a later release),
+        and such a load hung here for 300 s under the test suite's load, every instance's weights loaded."""
+        while True:
+            try:
+                self.load(replica, [champion])
+                return
+            except TransientError as exc:
+                assert replica.server is not None
+                replica.server.kill()
+                replica.deaths += 1
+                if replica.deaths > self.listen.restart_limit:
+                    raise TransientError(
+                        f"{exc}; Triton started {replica.deaths} {'time' if replica.deaths == 1 else 'times'} "
+                        f"(serve.listen.restart_limit {self.listen.restart_limit}); see {replica.server.log_path}"
+                    ) from None
+                self.say(
+                    f"llmops serve: {exc}; starting that Triton again ({replica.deaths} of {self.listen.restart_limit})"
+                )
+                replica.server = self.spawn(replica.index, replica.ports)
+                replica.client, replica.started = replica.server.client, time.monotonic()
 
     def attach(self, tritons: list[Triton], champion: Served) -> None:
         """Tritons this serve does not own, `champion` loaded on each (its files sent where none shares a disk)."""
@@ -135,6 +160,7 @@ class Fleet:
                 self.load(replica, self.table_versions())
             except (TransientError, OSError, CheckFailed) as exc:
                 self.say(f"llmops serve: restart failed: {exc}")
+                replica.server.kill()  # one that started but did not load: it would hold the ports of the next try
                 replica.deaths += 1
                 continue
             self.probe()

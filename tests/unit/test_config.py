@@ -91,8 +91,8 @@ def test_profile_digest_changes_with_any_value():
 # defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*,
 # and when serve.version_pinning came, and evaluate.engine.
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "abf9832e76c2880916873701cd4371173d97c6e405496187b5c29eb677da73b4",
-    "cpu-tiny-qa-zh": "b4cc89d5818ef0cb321764ff3a1d83100d4f52c0b5426de1d2f653e34690c813",
+    "cpu-tiny": "25b4cdedefa00e2812ad88481baaf4a1e266a5738c0e952ed7f8947727a927ac",
+    "cpu-tiny-qa-zh": "3ceb10b5120a582ce5417da1e65ebaf221966b43dec7936eff8fd725dd140036",
     "llama3-8b-h100-fp8": "96d2b6d5a432bbdf47bc037b862efd1f1536c6231ec923c5e7bda02e86011fa6",
     "qwen-7b-qlora-2xa10": "a8c22b8802532fb7dc4b283c93376e7f5289301c87fe0c6b70ad30b06a9c6104",
     "qwen-7b-vllm-h100": "faa053d104eb7502698ad8344cb29be933af225e98dcc676e033f1093502274a",
