@@ -109,17 +109,22 @@ class Deployment:
 def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> Deployment:
     client = ctx.tracker.client
     candidate = served_version(ctx, served.name, client.get_model_version(registered.name, registered.version))
-    champion = serve_champion(ctx, served, serving_champion(ctx, served))
-    deployment = Deployment(served, candidate, champion, ctx.tracker.run_id, ctx.profile.canary.hold_s)
+    try:
+        deployment, load_s = load_both(ctx, served, candidate)
+    except TransientError as exc:
+        if served.restart is None:  # a Triton the release does not own: Prefect's retry, and then its error
+            raise
+        # A load past serve.load_timeout_s on the run's own Triton: Triton 2.51 waits for a hung model process
+        # without a deadline, and a retry on the same server waits behind it (tasks/serving/fleet.py, the same for
+        # `llmops serve`). Nobody but this run is served by it: start it again, once, and load both again.
+        logger().warning(f"canary: {exc}; starting the run's own Triton again")
+        served.restart()
+        deployment, load_s = load_both(ctx, served, candidate)
     if deployment.unchanged:
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
         return deployment
-    try:
-        load_s = max(install_model(triton, ctx.profile, candidate) for triton in served.tritons)
-        ctx.tracker.log_metrics("canary", {"candidate_load_s": load_s})
-    except CheckFailed:
-        deployment.retire(candidate)
-        raise
+    ctx.tracker.log_metrics("canary", {"candidate_load_s": load_s})
+    champion = deployment.champion
     deployment.route({champion.name: 100.0} if champion else {})
     deployment.keep_holding()
     client.set_registered_model_alias(registered.name, "challenger", registered.version)
@@ -128,3 +133,17 @@ def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> D
         f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}"
     )
     return deployment
+
+
+def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Deployment, float]:
+    """The champion (the service's, else the registry's) and the candidate loaded on every replica; the seconds the
+    candidate's load took (0: nothing to load). A candidate that fails to load is retired again."""
+    champion = serve_champion(ctx, served, serving_champion(ctx, served))
+    deployment = Deployment(served, candidate, champion, ctx.tracker.run_id, ctx.profile.canary.hold_s)
+    if deployment.unchanged:
+        return deployment, 0.0
+    try:
+        return deployment, max(install_model(triton, ctx.profile, candidate) for triton in served.tritons)
+    except CheckFailed:
+        deployment.retire(candidate)
+        raise

@@ -66,7 +66,16 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
         if server is not None:
             server.stop()
 
-    return Service(service_name, [triton], control, stop)
+    def restart() -> None:
+        nonlocal server
+        assert server is not None
+        server.kill()
+        server = TritonServer.start(
+            ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env, ports=server.ports
+        )
+        triton.control_key = server.client.control_key  # a new Triton, a new key; the same ports
+
+    return Service(service_name, [triton], control, stop, restart if server is not None else None)
 
 
 def temporary_gateway(ctx: RunContext, triton: Triton):

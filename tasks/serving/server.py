@@ -114,6 +114,7 @@ class TritonServer:
     process: subprocess.Popen
     log_path: Path
     client: Triton
+    ports: tuple[int, int, int] = (0, 0, 0)  # HTTP, gRPC, metrics: where it is started again
 
     @classmethod
     def start(
@@ -176,7 +177,7 @@ class TritonServer:
         client = Triton(
             f"http://{local}:{http}", repository, f"http://{local}:{metrics}/metrics", f"{local}:{grpc}", key
         )
-        server = cls(process, log_path, client)
+        server = cls(process, log_path, client, (http, grpc, metrics))
         try:
             server.wait_live(timeout)
         except Exception:

@@ -146,6 +146,9 @@ class Service:
     tritons: list[Triton]
     control: ServiceControl
     stop: Callable[[], None] = lambda: None
+    # a Triton the release started for itself: killed with its model processes and started again on its ports (None
+    # where the release attached to one it does not own)
+    restart: Callable[[], None] | None = None
 
     @property
     def triton(self) -> Triton:
