@@ -12,8 +12,6 @@ and so restarted.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -199,7 +197,7 @@ class Fleet:
                 raise
             assert replica.server is not None
             self.say(f"llmops serve: {model} did not load again on {url} ({exc}); restarting that Triton")
-            os.killpg(replica.server.process.pid, signal.SIGKILL)
+            replica.server.kill()  # the serve's watch starts it again and loads the table's versions
             return "restarted"
 
     def stop(self) -> None:

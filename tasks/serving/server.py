@@ -206,9 +206,8 @@ class TritonServer:
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        adapter_registry.forget_map(self.process.pid)
+                pass
+        self.kill()
 
     def kill(self) -> None:
         """SIGKILL for it and every process of its session (its model processes, which a hung load left waiting);
