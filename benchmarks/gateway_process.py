@@ -26,7 +26,6 @@ from tasks.platform.config import Profile, load_profile
 GATEWAY = """
 import json, logging, os
 from pathlib import Path
-import uvicorn
 from starlette.routing import Route
 from tasks.serving.gateway import Gateway, GatewayConfig
 settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
@@ -53,16 +52,16 @@ gateway = Gateway(GatewayConfig(**settings))
 app = gateway.app()
 # the benchmarks read the counters on the gateway's port; `llmops serve` serves them on a listener of its own
 app.router.routes.append(Route("/metrics", gateway.prometheus))
-if control_port is None:
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-else:  # with the control API too, as `llmops serve` runs it
-    import threading
+# as `llmops serve` runs it: its listeners on one event loop in a thread (tasks/serving/gateway/running.py), the
+# control API on a listener of its own where asked
+import threading
+from tasks.serving.gateway.running import Listener, RunningGateway
+listeners = [Listener(app, "127.0.0.1", port)]
+if control_port is not None:
     from tasks.serving.gateway.control import ControlApi
-    from tasks.serving.gateway.running import Listener, RunningGateway
-    control = ControlApi(gateway, settings["control_key"]).app()
-    listeners = [Listener(app, "127.0.0.1", port), Listener(control, "127.0.0.1", control_port)]
-    RunningGateway(listeners, gateway).start()
-    threading.Event().wait()
+    listeners.append(Listener(ControlApi(gateway, settings["control_key"]).app(), "127.0.0.1", control_port))
+RunningGateway(listeners, gateway).start()
+threading.Event().wait()
 """
 
 
