@@ -19,8 +19,13 @@ log written, as `llmops serve` runs it. The client is one asyncio process (aioht
    sent, answered (200) and refused (429), and the answered requests' p50/p99, with p99 against the baseline; once
    with the default bucket (serve.limits.burst_s 1: one second of the rate at once) and once with 0.1.
 
+`--apart` runs the overhead part with the model server's compute apart from the hop's, as where the model's work is
+on a GPU and the gateway has cores of its own: Triton's processes (server and model stubs) on CPU 0 alone, the client
+and the gateway (or the bare relay) on CPU 1, for every path alike (the direct path's client is on CPU 1 too). The
+gateway then shares its core with the client, not with Triton.
+
     .venv/bin/python benchmarks/gateway_overhead.py [--home LLMOPS_HOME] [--concurrency 1,8,32] [--requests 256]
-        [--rounds 2] [--rate 10] [--seconds 20]
+        [--rounds 2] [--rate 10] [--seconds 20] [--apart]
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ def cpu_seconds(pid: int) -> float:
             times = process.cpu_times()
             total += times.user + times.system
     return total
+
+
+def pin(pid: int, cores: list[int] | None) -> None:
+    """A process and its descendants (this process: itself only) on `cores`; None: on every core again. Applied
+    before each run: Triton starts a model's stub processes when it loads it."""
+    cores = cores if cores is not None else list(range(psutil.cpu_count() or 1))
+    root = psutil.Process(pid)
+    for process in [root] if pid == os.getpid() else [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.cpu_affinity(cores)
 
 
 def measured(groups: dict[str, int], url: str, key: str | None, concurrency: int, requests: int) -> Run:
@@ -161,7 +176,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="overhead runs per concurrency and path")
     parser.add_argument("--rate", type=float, default=10, help="each key's requests/s limit in the burst part")
     parser.add_argument("--seconds", type=float, default=20, help="length of each burst phase")
+    parser.add_argument(
+        "--apart", action="store_true", help="overhead runs with Triton on CPU 0 alone, client and gateway on CPU 1"
+    )
     args = parser.parse_args()
+    if args.apart and (psutil.cpu_count() or 1) < 2:
+        parser.error("--apart needs 2 CPUs")
     scratch, bench, profile = cpu_tiny_bench(
         args.home, TOKENS, args.concurrency, args.requests, "llmops-gateway-bench-"
     )
@@ -189,20 +209,12 @@ def main() -> None:
                 "gateway": (f"http://127.0.0.1:{port}/v2/models/svc/generate", KEYS["steady"], gateway.pid),
                 "bare": (f"http://127.0.0.1:{bare_port}/v2/models/svc-a/generate", None, bare.pid),
             }
-            overhead: dict[tuple[str, int], list[Run]] = {}
-            for concurrency in args.concurrency:
-                for round_index in range(args.rounds):
-                    for path in list(paths) if round_index % 2 == 0 else list(reversed(paths)):  # ABC, CBA, ...
-                        print(f"bench: {path} at concurrency {concurrency}, round {round_index + 1} ...", flush=True)
-                        url, key, gateway_pid = paths[path]
-                        groups = {"Triton": server.process.pid, "client": os.getpid()}
-                        if gateway_pid is not None:
-                            groups["gateway"] = gateway_pid
-                        run = measured(groups, url, key, concurrency, args.requests)
-                        overhead.setdefault((path, concurrency), []).append(run)
+            overhead = overhead_runs(args, server.process.pid, paths)
             for process in (gateway, bare):
                 process.terminate()
                 process.wait(30)
+            for pid in (server.process.pid, os.getpid()):
+                pin(pid, None)
             phases = {}
             for burst_s in BURST_S:
                 port = free_port()
@@ -224,11 +236,34 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def overhead_runs(
+    args: argparse.Namespace, triton_pid: int, paths: dict[str, tuple[str, str | None, int | None]]
+) -> dict[tuple[str, int], list[Run]]:
+    """args.rounds runs per path and concurrency, the paths in turn and in reverse order the next round."""
+    overhead: dict[tuple[str, int], list[Run]] = {}
+    for concurrency in args.concurrency:
+        for round_index in range(args.rounds):
+            for path in list(paths) if round_index % 2 == 0 else list(reversed(paths)):  # ABC, CBA, ...
+                print(f"bench: {path} at concurrency {concurrency}, round {round_index + 1} ...", flush=True)
+                url, key, hop_pid = paths[path]
+                groups = {"Triton": triton_pid, "client": os.getpid()}
+                if hop_pid is not None:
+                    groups["gateway"] = hop_pid
+                if args.apart:
+                    pin(triton_pid, [0])
+                    for _, _, pid in paths.values():
+                        pin(pid if pid is not None else os.getpid(), [1])
+                run = measured(groups, url, key, concurrency, args.requests)
+                overhead.setdefault((path, concurrency), []).append(run)
+    return overhead
+
+
 def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list[Run]]) -> None:
     print(
         f"\n1. overhead: cpu-tiny's version model direct and the service through the gateway, {args.requests} "
         f"non-streaming generate requests of {TOKENS} "
-        f"tokens per run, median of {args.rounds} runs per cell; CPU ms per answered request by process group\n"
+        f"tokens per run, median of {args.rounds} runs per cell; CPU ms per answered request by process group"
+        f"{'; Triton on CPU 0 alone, client and gateway on CPU 1 (--apart)' if args.apart else ''}\n"
     )
     print(
         f"{'concurrency':>11}  {'path':8} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'failed':>6} "

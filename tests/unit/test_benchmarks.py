@@ -37,3 +37,29 @@ def test_a_benchmark_imports_only_what_the_project_has(script: Path):
             except ModuleNotFoundError:
                 missing.append(f"{script.name}:{line}: {module_name} has no {name}")
     assert missing == []
+
+
+def test_the_gateway_benchmark_pins_a_process_tree_apart_and_back(monkeypatch):
+    """`gateway_overhead.py --apart`: a process and its children on the cores given, then on every core again."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    gateway_overhead = importlib.import_module("gateway_overhead")
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '30'])"])
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = [psutil.Process(parent.pid), *psutil.Process(parent.pid).children(recursive=True)]
+        gateway_overhead.pin(parent.pid, [0])
+        assert len(tree) == 2 and [p.cpu_affinity() for p in tree] == [[0], [0]]
+        gateway_overhead.pin(parent.pid, None)
+        assert [p.cpu_affinity() for p in tree] == [list(range(psutil.cpu_count()))] * 2
+    finally:
+        for process in psutil.Process(parent.pid).children(recursive=True):
+            process.kill()
+        parent.kill()
