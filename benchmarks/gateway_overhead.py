@@ -76,13 +76,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 def pin(pid: int, cores: list[int] | None) -> None:
-    """A process and its descendants (this process: itself only) on `cores`; None: on every core again. Applied
-    before each run: Triton starts a model's stub processes when it loads it."""
+    """Every thread of a process and its descendants (this process: itself only) on `cores`; None: on every core
+    again. Applied before each run: Triton starts a model's stub processes when it loads it."""
     cores = cores if cores is not None else list(range(psutil.cpu_count() or 1))
     root = psutil.Process(pid)
     for process in [root] if pid == os.getpid() else [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.cpu_affinity(cores)
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            for thread in process.threads():  # each thread's own: sched_setaffinity of a pid sets one thread's
+                os.sched_setaffinity(thread.id, cores)
 
 
 def measured(groups: dict[str, int], url: str, key: str | None, concurrency: int, requests: int) -> Run:

@@ -40,7 +40,9 @@ def test_a_benchmark_imports_only_what_the_project_has(script: Path):
 
 
 def test_the_gateway_benchmark_pins_a_process_tree_apart_and_back(monkeypatch):
-    """`gateway_overhead.py --apart`: a process and its children on the cores given, then on every core again."""
+    """`gateway_overhead.py --apart`: every thread of a process and its children on the cores given, then on every
+    core again."""
+    import os
     import subprocess
     import sys
     import time
@@ -49,16 +51,20 @@ def test_the_gateway_benchmark_pins_a_process_tree_apart_and_back(monkeypatch):
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     gateway_overhead = importlib.import_module("gateway_overhead")
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '30'])"])
+    # a parent with a second thread that started before the pinning, and a child
+    script = "import subprocess, threading; threading.Thread(target=subprocess.run, args=(['sleep', '30'],)).start()"
+    parent = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 10
         while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
         tree = [psutil.Process(parent.pid), *psutil.Process(parent.pid).children(recursive=True)]
+        threads = [thread.id for process in tree for thread in process.threads()]
         gateway_overhead.pin(parent.pid, [0])
-        assert len(tree) == 2 and [p.cpu_affinity() for p in tree] == [[0], [0]]
+        assert len(tree) == 2 and len(threads) >= 3
+        assert [os.sched_getaffinity(tid) for tid in threads] == [{0}] * len(threads)
         gateway_overhead.pin(parent.pid, None)
-        assert [p.cpu_affinity() for p in tree] == [list(range(psutil.cpu_count()))] * 2
+        assert [os.sched_getaffinity(tid) for tid in threads] == [set(range(psutil.cpu_count()))] * len(threads)
     finally:
         for process in psutil.Process(parent.pid).children(recursive=True):
             process.kill()
