@@ -113,6 +113,33 @@ def test_the_control_api_needs_the_serves_control_key_not_a_client_key(service):
     assert public.get("/control/v1/deployment").status_code == 404  # not on the clients' listener
 
 
+def test_the_gateways_listeners_share_one_uvloop_in_a_thread_as_uvicorn_run_would_give_them(tmp_path: Path):
+    """`llmops serve`'s listeners run on uvicorn's own choice of loop (uvloop), not the standard library's."""
+    from tasks.platform.ports import free_port
+    from tasks.serving.gateway.running import Listener, RunningGateway
+
+    write_record(tmp_path / f"{SERVICE}.json", TABLE)
+    config = GatewayConfig("http://triton.test:8000", SERVICE, 512, record=tmp_path / f"{SERVICE}.json")
+    gateway = Gateway(config, transport=httpx.MockTransport(FakeTriton()))
+    public, control = free_port(), free_port()
+    listeners = [
+        Listener(gateway.app(), "127.0.0.1", public),
+        Listener(ControlApi(gateway, CONTROL_KEY).app(), "127.0.0.1", control),
+    ]
+    running = RunningGateway(listeners, gateway).start()
+    try:
+        assert type(running.loop).__module__.startswith("uvloop")
+        answer = httpx.post(f"http://127.0.0.1:{public}/v2/models/{SERVICE}/generate", json={"text_input": "hot"})
+        assert answer.status_code == 200, answer.text
+        table = httpx.get(
+            f"http://127.0.0.1:{control}/control/v1/deployment", headers={"llmops-control-key": CONTROL_KEY}
+        )
+        assert table.json()["champion"]["name"] == CHAMPION.name
+    finally:
+        running.stop()
+    assert not running.thread.is_alive()
+
+
 def test_a_canary_step_takes_effect_for_the_next_request_and_lands_in_the_record(service, tmp_path):
     triton = FakeTriton()
     gateway, public, control = service(triton)
