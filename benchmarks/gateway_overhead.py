@@ -22,10 +22,12 @@ log written, as `llmops serve` runs it. The client is one asyncio process (aioht
 `--apart` runs the overhead part with the model server's compute apart from the hop's, as where the model's work is
 on a GPU and the gateway has cores of its own: Triton's processes (server and model stubs) on CPU 0 alone, the client
 and the gateway (or the bare relay) on CPU 1, for every path alike (the direct path's client is on CPU 1 too). The
-gateway then shares its core with the client, not with Triton.
+gateway then shares its core with the client, not with Triton. `--set` serves the model with other settings than
+cpu-tiny's (`serve.max_queue_delay_us=0`: Triton batches only what is already queued, so when requests arrive
+matters less to what a request costs).
 
     .venv/bin/python benchmarks/gateway_overhead.py [--home LLMOPS_HOME] [--concurrency 1,8,32] [--requests 256]
-        [--rounds 2] [--rate 10] [--seconds 20] [--apart]
+        [--rounds 2] [--rate 10] [--seconds 20] [--apart] [--set serve.KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import psutil
 from gateway_process import cpu_tiny_bench, routes, start_bare_proxy, start_gateway  # this script's folder: sys.path[0]
 from serving_batching import int_list, percentile, prompts, python_serve, triton_model
 
+from flows.cli.common import add_overrides_flag
 from tasks.platform.ports import free_port
 
 TOKENS = 8  # cpu-tiny's bench.output_tokens
@@ -180,6 +183,7 @@ def main() -> None:
     parser.add_argument(
         "--apart", action="store_true", help="overhead runs with Triton on CPU 0 alone, client and gateway on CPU 1"
     )
+    add_overrides_flag(parser, "a serving setting of the model's Triton (e.g. serve.max_queue_delay_us=0)")
     args = parser.parse_args()
     if args.apart and (psutil.cpu_count() or 1) < 2:
         parser.error("--apart needs 2 CPUs")
@@ -187,7 +191,7 @@ def main() -> None:
         args.home, TOKENS, args.concurrency, args.requests, "llmops-gateway-bench-"
     )
     try:
-        with triton_model(bench, python_serve(bench), "svc-a") as server:
+        with triton_model(bench, [*python_serve(bench), *args.overrides], "svc-a") as server:
             triton = server.client
             health = profile.serve.health.model_dump()  # deadlines and probes as `llmops serve` runs them
             common = {"triton_url": triton.url, "service": "svc", "context_tokens": 512, "health": health}
@@ -264,7 +268,8 @@ def print_overhead(args: argparse.Namespace, results: dict[tuple[str, int], list
         f"\n1. overhead: cpu-tiny's version model direct and the service through the gateway, {args.requests} "
         f"non-streaming generate requests of {TOKENS} "
         f"tokens per run, median of {args.rounds} runs per cell; CPU ms per answered request by process group"
-        f"{'; Triton on CPU 0 alone, client and gateway on CPU 1 (--apart)' if args.apart else ''}\n"
+        f"{'; Triton on CPU 0 alone, client and gateway on CPU 1 (--apart)' if args.apart else ''}"
+        f"{'; the model served with ' + ', '.join(args.overrides) if args.overrides else ''}\n"
     )
     print(
         f"{'concurrency':>11}  {'path':8} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'failed':>6} "
