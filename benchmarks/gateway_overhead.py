@@ -48,6 +48,8 @@ from gateway_process import cpu_tiny_bench, routes, start_bare_proxy, start_gate
 from serving_batching import int_list, percentile, prompts, python_serve, triton_model
 
 from flows.cli.common import add_overrides_flag
+from tasks.platform.config import load_profile
+from tasks.platform.errors import BadInput
 from tasks.platform.ports import free_port
 
 TOKENS = 8  # cpu-tiny's bench.output_tokens
@@ -187,6 +189,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.apart and (psutil.cpu_count() or 1) < 2:
         parser.error("--apart needs 2 CPUs")
+    try:  # a wrong setting named before anything starts
+        load_profile("cpu-tiny", args.overrides)
+    except BadInput as error:
+        parser.error(str(error))
     scratch, bench, profile = cpu_tiny_bench(
         args.home, TOKENS, args.concurrency, args.requests, "llmops-gateway-bench-"
     )

@@ -69,3 +69,19 @@ def test_the_gateway_benchmark_pins_a_process_tree_apart_and_back(monkeypatch):
         for process in psutil.Process(parent.pid).children(recursive=True):
             process.kill()
         parent.kill()
+
+
+def test_the_gateway_benchmark_names_a_wrong_serving_setting_before_it_starts_anything():
+    """`gateway_overhead.py --set`: each setting validated as `llmops run --set` is, a wrong one refused in one line."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gateway_overhead.py"), "--set", "serve.max_queue_delay_us=-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "serve.max_queue_delay_us" in done.stderr.splitlines()[-1], done.stderr
