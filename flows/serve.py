@@ -44,6 +44,7 @@ from tasks.serving.fleet import Fleet
 from tasks.serving.gateway import Gateway, GatewayConfig, KeyRing
 from tasks.serving.gateway.capture import CaptureSettings
 from tasks.serving.gateway.control import ControlApi
+from tasks.serving.gateway.logs import LogWriter
 from tasks.serving.gateway.running import Listener, RunningGateway
 from tasks.serving.models import Served
 from tasks.serving.routes import RouteTable, read_record, record_path
@@ -133,7 +134,7 @@ def serve(
         fleet.attach(attach, champion)
     else:
         fleet.start((ports.http, ports.grpc, ports.metrics), profile.serve.replicas, champion)
-    gateway, serve_key = None, new_serve_key()
+    gateway, serve_key, logs = None, new_serve_key(), show_access_log()
     try:
         gateway = start_gateway(ctx, fleet, champion, listen, ports, api_keys, serve_key)
         fleet.table = lambda: gateway.gateway.table if gateway is not None else None
@@ -173,6 +174,8 @@ def serve(
         unpublish(home)
         if gateway is not None:
             gateway.stop()
+        if logs is not None:
+            logs.close()
         fleet.stop()
         print("llmops serve: stopped", flush=True)
 
@@ -196,18 +199,14 @@ def starting_champion(ctx: RunContext, table: RouteTable | None) -> Served:
     return champion
 
 
-def show_access_log() -> None:
-    """The gateway's access log (one JSON line a request) and its fault log on stderr, beside serve's own lines."""
+def show_access_log() -> LogWriter | None:
+    """The gateway's access log (one JSON line a request) and its fault log on stderr, beside serve's own lines,
+    written by a thread of their own (tasks/serving/gateway/logs.py): a stderr nobody reads stops no request. None
+    where the loggers have handlers already (a test's)."""
     import logging
 
-    for name in ("llmops.gateway", "llmops.gateway.access"):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
-            logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False
+    names = [name for name in ("llmops.gateway", "llmops.gateway.access") if not logging.getLogger(name).handlers]
+    return LogWriter(sys.stderr).start(names) if names else None
 
 
 def capture_settings(ctx: RunContext) -> CaptureSettings | None:
@@ -249,7 +248,6 @@ def start_gateway(
     )
     if gateway.table.champion is None or gateway.table.champion.name != champion.name:  # no record yet: the registry's
         adopt_alone(gateway, champion)
-    show_access_log()
     tls = {"tls_cert": listen.tls_cert, "tls_key": listen.tls_key}
     control_tls = tls if listen.control_host not in LOOPBACK else {}
     return RunningGateway(

@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import select
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -199,6 +202,51 @@ def test_the_transport_gets_the_deadline_between_chunks():
         assert client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}).status_code == 200
         assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200
     assert [t["read"] for t in seen] == [7, 7] and seen[0]["connect"] == 5
+
+
+def test_a_log_stream_nobody_reads_stops_no_request_and_the_dropped_lines_are_said(upstream):
+    """The gateway's access log as `llmops serve` writes it (flows/serve.py show_access_log: a LogWriter), to a pipe
+    nobody reads: with a handler on the event loop's thread, `llmops serve` stopped answering after 385 requests once
+    the pipe was full. Here every request is answered; once the pipe is read, the writer says how many lines it
+    dropped meanwhile."""
+    from tasks.serving.gateway.logs import LogWriter
+    from tasks.serving.gateway.running import Listener, RunningGateway
+
+    _, url = upstream
+    read_end, write_end = os.pipe()
+    stream = open(write_end, "w", buffering=1)  # noqa: SIM115 -- closed below, after the writer
+    writer = LogWriter(stream, lines=50).start(["llmops.gateway.access"])
+    inner = Gateway(GatewayConfig(url, SERVICE, 512, api_keys={KEY: "team-a"}, table=TABLE))
+    port = free_port()
+    running = RunningGateway([Listener(inner.app(), "127.0.0.1", port)], inner).start()
+    generate = f"http://127.0.0.1:{port}/v2/models/{SERVICE}/generate"
+    try:
+        with httpx.Client(headers=AUTH, timeout=10) as client:
+            statuses = Counter(client.post(generate, json={"text_input": "hot"}).status_code for _ in range(1500))
+            assert statuses == {200: 1500}  # about 170 bytes a line: the pipe's 64 KiB hold about 390
+            written = drain(read_end)  # the pipe's lines, then the 50 the writer held
+            assert client.post(generate, json={"text_input": "hot"}).status_code == 200
+            writer.close()  # its line is written, after the count of the lines dropped
+            written += drain(read_end)
+    finally:
+        running.stop()
+        writer.close(timeout_s=0)
+        stream.close()
+        os.close(read_end)
+    lines = written.decode().splitlines()
+    notices = [line for line in lines if " llmops.gateway log: " in line and "lines dropped" in line]
+    dropped = sum(int(line.split("log: ")[1].split()[0]) for line in notices)
+    assert notices and dropped > 0, lines[-3:]
+    assert dropped + len(lines) - len(notices) == 1501  # each request's line written, or counted where dropped
+    assert json.loads(lines[-1].split(" llmops.gateway.access ")[1])["status"] == 200
+
+
+def drain(fd: int) -> bytes:
+    """What comes out of the pipe `fd` until nothing more comes for half a second."""
+    data = b""
+    while select.select([fd], [], [], 0.5)[0]:
+        data += os.read(fd, 1 << 20)
+    return data
 
 
 # --- several Tritons behind one gateway ---------------------------------------------------------------------
