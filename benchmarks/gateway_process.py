@@ -24,7 +24,7 @@ from serving_batching import Bench, merged_model, python_serve  # this script's 
 from tasks.platform.config import Profile, load_profile
 
 GATEWAY = """
-import json, logging, os
+import json, os
 from pathlib import Path
 from starlette.routing import Route
 from tasks.serving.gateway import Gateway, GatewayConfig
@@ -43,10 +43,8 @@ if settings.get("capture"):  # {"location": ..., other CaptureSettings fields}: 
     from tasks.serving.gateway.capture import CaptureSettings
     capture = settings["capture"]
     settings["capture"] = CaptureSettings(log=open_exchange_log(capture.pop("location")), service=settings["service"], **capture)
-access = logging.getLogger("llmops.gateway.access")
-access.addHandler(logging.FileHandler(access_log))
-access.setLevel(logging.INFO)
-access.propagate = False
+from tasks.serving.gateway.logs import LogWriter  # as `llmops serve` writes its log (flows/serve.py), to a file
+LogWriter(open(access_log, "a")).start(["llmops.gateway", "llmops.gateway.access"])
 control_port = settings.pop("control_port", None)
 gateway = Gateway(GatewayConfig(**settings))
 app = gateway.app()
