@@ -46,6 +46,8 @@ class Upstream:
         self.generated += 1
         if self.failing or request.path_params["model"] in self.failing_models:
             return JSONResponse({"error": "Stub process 'demo-v1_0_0' is not healthy."}, status_code=400)
+        if (await request.json())["text_input"] == "refuse me":
+            return JSONResponse({"error": "the prompt is over the model's context"}, status_code=400)
         if self.stall == "first byte":
             await asyncio.sleep(1.5)
         if request.url.path.endswith("_stream"):
@@ -105,6 +107,27 @@ def test_no_answer_before_the_first_byte_deadline_is_504_in_each_apis_shape(upst
         }
         metrics = scrape(client).text
         assert 'llmops_gateway_version_requests_total{outcome="failed",version="demo-v1"} 4.0' in metrics
+
+
+def test_a_v2_answer_a_refusal_and_a_fault_reach_the_client_as_triton_and_the_gateway_say(upstream):
+    """The /v2 generate forward on aiohttp's session (upstream.py post_on_aiohttp, what `llmops serve` runs) against a
+    real socket: the answer as Triton sent it, its refusal a 400 with its words, a dead model process and a Triton
+    that is not there 503s with Retry-After and none of Triton's words."""
+    fake, url = upstream
+    generate = f"/v2/models/{SERVICE}/generate"
+    with gateway(url) as client:
+        answer = client.post(generate, json={"text_input": "hot", "max_tokens": 4})
+        refused = client.post(generate, json={"text_input": "refuse me"})
+        fake.failing = True
+        dead = client.post(generate, json={"text_input": "hot"})
+    with gateway(f"http://127.0.0.1:{free_port()}") as client:
+        away = client.post(generate, json={"text_input": "hot"})
+    assert answer.status_code == 200 and answer.json() == {"text_output": "cold"}
+    assert answer.headers["content-type"] == "application/json" and answer.headers["x-request-id"]
+    assert refused.status_code == 400 and refused.json() == {"error": "the prompt is over the model's context"}
+    for fault in (dead, away):
+        assert fault.status_code == 503 and fault.headers["retry-after"] == "2", fault.text
+        assert "not available" in fault.json()["error"] and "Stub" not in fault.text
 
 
 def test_a_stream_that_stops_between_chunks_ends_with_an_error_event(upstream):

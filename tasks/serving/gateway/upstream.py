@@ -21,9 +21,11 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 from httpx_aiohttp import AiohttpTransport
+from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from tasks.serving.gateway.access import ERROR_LOG, current
 from tasks.serving.gateway.protocol import RequestError
@@ -33,7 +35,8 @@ from tasks.serving.routes import Version
 # transport parses HTTP in pure Python (h11), which a profile of the gateway found in 49% of its busy samples at
 # concurrency 1; aiohttp's parser is C (benchmarks/gateway_overhead.py, one run: 0.88x -> 0.91x of Triton's
 # requests/s at concurrency 1, 0.30x -> 0.53x at 32).
-# Tests give a transport of their own (httpx.MockTransport).
+# A non-streaming /v2 forward goes on the transport's aiohttp session itself (Triton.post_on_aiohttp). Tests give a
+# transport of their own (httpx.MockTransport), which every call then goes through.
 FIRST_BYTE_S, BETWEEN_CHUNKS_S = 120.0, 30.0  # serve.health's defaults
 JSON = {"content-type": "application/json"}
 
@@ -105,11 +108,20 @@ class Triton:
         between_chunks_s: float = BETWEEN_CHUNKS_S,
     ):
         self.url, self.first_byte_s = url, first_byte_s
-        self.transport = transport or AiohttpTransport()
+        self.transport: httpx.AsyncBaseTransport
+        self.aiohttp: AiohttpTransport | None  # None: a transport given (a test's)
+        if transport is None:
+            self.transport = self.aiohttp = AiohttpTransport()
+        else:
+            self.transport, self.aiohttp = transport, None
         self.timeout = chunk_timeouts(between_chunks_s)
         self.timeouts = self.timeout.as_dict()  # the form a transport reads them in (request.extensions["timeout"])
+        # the same, as httpx-aiohttp 0.2.0 hands them to aiohttp (httpx_aiohttp/transport.py, handle_async_request)
+        self.session_timeout = aiohttp.ClientTimeout(
+            sock_connect=self.timeouts["connect"], sock_read=self.timeouts["read"], connect=self.timeouts["pool"]
+        )
         self.client = httpx.AsyncClient(base_url=url, timeout=self.timeout, transport=self.transport)
-        self.urls: dict[str, httpx.URL] = {}  # the /v2 paths forwarded (generate and generate_stream per model)
+        self.urls: dict[str, str] = {}  # the /v2 URLs forwarded to (generate and generate_stream per model)
 
     def unreachable(self, exc: httpx.HTTPError) -> RequestError:
         """The error a client gets when Triton could not be asked or did not answer."""
@@ -196,31 +208,69 @@ class Triton:
             except ValueError:
                 raise server_fault(502, f"an event that is not JSON: {line[:200]!r}") from None
 
+    def url_of(self, version: Version, streaming: bool) -> str:
+        path = f"{version.model}/{'generate_stream' if streaming else 'generate'}"
+        url = self.urls.get(path)
+        if url is None:
+            url = self.urls[path] = f"{self.url}/v2/models/{path}"
+        return url
+
     async def send(self, version: Version, streaming: bool, body: dict[str, Any]) -> httpx.Response:
         """A /v2 request straight to the transport, its answer's body not yet read.
 
         Not through AsyncClient.send: its layers (auth, redirects, cookies, URL merging) do nothing for a POST to
         Triton and were a sixth of the gateway's CPU per request at concurrency 32 (py-spy of
         benchmarks/gateway_overhead.py). Its timeouts go as AsyncClient would hand them over."""
-        path = f"{version.model}/{'generate_stream' if streaming else 'generate'}"
-        url = self.urls.get(path)
-        if url is None:
-            url = self.urls[path] = httpx.URL(f"{self.url}/v2/models/{path}")
         content = orjson.dumps(version.inputs(body))
-        request = httpx.Request("POST", url, content=content, headers=JSON, extensions={"timeout": self.timeouts})
+        request = httpx.Request(
+            "POST",
+            self.url_of(version, streaming),
+            content=content,
+            headers=JSON,
+            extensions={"timeout": self.timeouts},
+        )
         async with self.first_byte():
             return await self.transport.handle_async_request(request)
 
     async def forward(self, version: Version, body: dict[str, Any]) -> httpx.Response:
         """Triton's answer to a /v2 request, read whole; a refusal or fault raised as RequestError."""
         try:
-            response = await self.send(version, False, body)
-            await response.aread()  # closes it, the connection back in the pool
+            if self.aiohttp is not None:
+                response = await self.post_on_aiohttp(self.aiohttp, version, body)
+            else:
+                response = await self.send(version, False, body)
+                await response.aread()  # closes it, the connection back in the pool
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         if response.status_code != 200:
             raise upstream_error(response)
         return response
+
+    async def post_on_aiohttp(
+        self, transport: AiohttpTransport, version: Version, body: dict[str, Any]
+    ) -> httpx.Response:
+        """A /v2 generate request on the transport's aiohttp session itself, its answer read whole into an
+        httpx.Response; aiohttp's errors as httpx's, as the transport maps them.
+
+        Not through the transport's handle_async_request: httpx's request object, and the response stream it reads
+        through, were a tenth of the gateway's CPU per request (0.557 -> 0.488 ms at concurrency 8, 0.488 -> 0.439
+        at 32: medians of 4 paired runs of the gateway of benchmarks/gateway_overhead.py, Triton apart)."""
+        if not isinstance(transport.client, aiohttp.ClientSession):
+            transport.client = transport.get_client()  # made on first use, in the loop, as the transport does
+        content = orjson.dumps(version.inputs(body))
+        with map_aiohttp_exceptions():
+            async with (
+                self.first_byte(),
+                transport.client.post(
+                    self.url_of(version, False),
+                    data=content,
+                    headers=JSON,
+                    timeout=self.session_timeout,
+                    allow_redirects=False,
+                    auto_decompress=False,  # httpx decodes by Content-Encoding, as for the transport's answers
+                ) as answer,
+            ):
+                return httpx.Response(answer.status, headers=answer.raw_headers, content=await answer.read())
 
     async def forward_stream(
         self, version: Version, body: dict[str, Any], ended: Callable[[bool], None] = lambda ok: None
