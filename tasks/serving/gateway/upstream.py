@@ -159,14 +159,7 @@ class Triton:
 
     async def generate_outputs(self, version: Version, inputs: dict[str, Any]) -> dict[str, Any]:
         """Triton's answer: text_output, and the other outputs the model sent (logprobs)."""
-        try:
-            async with self.first_byte():
-                response = await self.client.post(f"/v2/models/{version.model}/generate", json=version.inputs(inputs))
-        except httpx.HTTPError as exc:
-            raise self.unreachable(exc) from None
-        if response.status_code != 200:
-            raise upstream_error(response)
-        return dict(response.json())
+        return dict(orjson.loads((await self.forward(version, inputs)).content))
 
     def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
         """The text pieces of Triton's SSE stream (generate_stream_outputs' text_output)."""
@@ -177,12 +170,8 @@ class Triton:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """The events of Triton's SSE stream, each with its outputs. Any failure, before the first event or after,
         raises RequestError: an error event of Triton's, a broken connection, an event that is not JSON."""
-        request = self.client.build_request(
-            "POST", f"/v2/models/{version.model}/generate_stream", json=version.inputs({**inputs, "stream": True})
-        )
         try:
-            async with self.first_byte():
-                response = await self.client.send(request, stream=True)
+            response = await self.send(version, True, {**inputs, "stream": True})
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         try:
