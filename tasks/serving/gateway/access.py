@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +36,7 @@ OUTCOMES = ("ok", "refused", "failed")  # of a request a version answered (llmop
 
 @dataclass
 class RequestRecord:
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    id: str = field(default_factory=lambda: secrets.token_hex(8))  # 16 hex digits
     client: str = "-"  # the name authorize() gave; "-" before (or without) a key check
     tokens: int = 0  # what the answer used: prompt + completion where counted, else its budget; set once it is done
     produced: int = 0  # pieces of a streamed answer sent so far: what an abandoned or failed stream is charged

@@ -50,7 +50,7 @@ from tasks.serving.gateway.protocol import (
 from tasks.serving.gateway.replicas import Replicas
 from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
 from tasks.serving.gateway.shadow import Shadow
-from tasks.serving.gateway.upstream import Triton
+from tasks.serving.gateway.upstream import Answer, Triton
 from tasks.serving.routes import RouteTable, Version, amend_record, read_record, write_record
 
 LEASE_CHECK_S = 0.5  # how often the gateway looks for a release's hold on the routes that lapsed
@@ -321,8 +321,7 @@ class Gateway:
             current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
             self.shadow.copy_answer(body, answer, time.perf_counter() - started)
             self.keep_generate(generate, answer, started)
-            media_type = answer.headers.get("content-type", "application/json")
-            return Response(answer.content, status_code=answer.status_code, media_type=media_type)
+            return Response(answer.content, status_code=answer.status_code, media_type=answer.content_type)
 
         def ended(whole: bool) -> None:
             self.metrics.observe(version.name, 200 if whole else 502, time.perf_counter() - started)
@@ -336,7 +335,7 @@ class Gateway:
         media_type = upstream.headers.get("content-type", "text/event-stream")
         return StreamingResponse(chunks, status_code=upstream.status_code, media_type=media_type)
 
-    def keep_generate(self, generate: GenerateRequest, answer: httpx.Response, started: float) -> None:
+    def keep_generate(self, generate: GenerateRequest, answer: Answer, started: float) -> None:
         """A /v2 generate exchange, for capture; its id is the request id the client got (X-Request-Id)."""
         request = current()
         if self.capture is None or not request.capture:
@@ -375,15 +374,15 @@ class Gateway:
         await self.triton.aclose()
 
     def app(self) -> Starlette:
-        routes = [
-            Route("/health/live", self.live),
-            Route("/health/ready", self.ready),
-            Route("/v1/models", self.models),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/feedback", self.feedback, methods=["POST"]),
+        routes = [  # the inference routes first: Starlette tries each route's pattern in turn
             Route("/v2/models/{model}/generate", self.triton_generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.triton_generate, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models),
+            Route("/v1/feedback", self.feedback, methods=["POST"]),
+            Route("/health/live", self.live),
+            Route("/health/ready", self.ready),
         ]
         guard = Middleware(Guard, routes=routes, metrics=self.metrics, max_in_flight=self.config.max_in_flight)
         app = Starlette(

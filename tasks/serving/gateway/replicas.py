@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
-from tasks.serving.gateway.upstream import Triton, Unanswered, server_fault, text_pieces
+from tasks.serving.gateway.upstream import Answer, Triton, Unanswered, server_fault, text_pieces
 from tasks.serving.routes import Version
 
 LOG = logging.getLogger("llmops.gateway")
@@ -94,7 +94,7 @@ class Replicas:
     async def generate_outputs(self, version: Version, inputs: dict[str, Any]) -> dict[str, Any]:
         return await self.on_one(lambda triton: triton.generate_outputs(version, inputs))
 
-    async def forward(self, version: Version, body: dict[str, Any]) -> httpx.Response:
+    async def forward(self, version: Version, body: dict[str, Any]) -> Answer:
         return await self.on_one(lambda triton: triton.forward(version, body))
 
     async def forward_stream(

@@ -31,13 +31,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter
 
 from tasks.data.redact import Redactor
 from tasks.serving.gateway.access import current
 from tasks.serving.gateway.protocol import RequestError
 from tasks.serving.gateway.stops import cut_at_stop
+from tasks.serving.gateway.upstream import Answer
 from tasks.serving.routes import RouteTable, Version
 
 LOG = logging.getLogger("llmops.gateway")
@@ -108,7 +108,7 @@ class Shadow:
         self.in_flight.add(task)
         task.add_done_callback(self.in_flight.discard)
 
-    def copy_answer(self, inputs: Mapping[str, Any], answer: httpx.Response, primary_s: float) -> None:
+    def copy_answer(self, inputs: Mapping[str, Any], answer: Answer, primary_s: float) -> None:
         """`copy` for a /v2 generate answer, relayed as Triton sent it."""
         if self.target is not None:
             with contextlib.suppress(ValueError, KeyError, TypeError):

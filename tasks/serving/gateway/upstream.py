@@ -19,6 +19,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -56,6 +57,22 @@ BUSY = re.compile(r"Exceeds maximum queue size")
 RETRY_AFTER_S = 2  # Triton restarts with backoff from 1 s; a retry sooner would only find it down again
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Triton's answer to a request, read whole: what the gateway relays and reads of it."""
+
+    status_code: int
+    content: bytes
+    content_type: str = "application/json"
+
+    def json(self) -> Any:
+        return orjson.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
 class Unanswered(RequestError):
     """A 503 for a request this Triton did not start answering (nothing reached the client yet): it could not be
     reached (`down`), or the version's model is not (or no longer) loaded there. Another replica may answer it."""
@@ -78,7 +95,7 @@ def server_fault(status: int, detail: str, down: bool | None = None) -> RequestE
     return RequestError(status, f"the model server failed to answer (request id {request_id})", code="server_error")
 
 
-def upstream_error(response: httpx.Response) -> RequestError:
+def upstream_error(response: httpx.Response | Answer) -> RequestError:
     """Triton's refusal (400) as it is; its not knowing the service's model, or its own fault, a 503."""
     message = upstream_message(response)
     if BUSY.search(message):
@@ -90,7 +107,7 @@ def upstream_error(response: httpx.Response) -> RequestError:
     )
 
 
-def upstream_message(response: httpx.Response) -> str:
+def upstream_message(response: httpx.Response | Answer) -> str:
     try:
         return str(response.json().get("error", response.text))
     except ValueError:
@@ -159,7 +176,7 @@ class Triton:
 
     async def generate_outputs(self, version: Version, inputs: dict[str, Any]) -> dict[str, Any]:
         """Triton's answer: text_output, and the other outputs the model sent (logprobs)."""
-        return dict(orjson.loads((await self.forward(version, inputs)).content))
+        return dict((await self.forward(version, inputs)).json())
 
     def generate_stream(self, version: Version, inputs: dict[str, Any]) -> AsyncGenerator[str, None]:
         """The text pieces of Triton's SSE stream (generate_stream_outputs' text_output)."""
@@ -221,29 +238,31 @@ class Triton:
         async with self.first_byte():
             return await self.transport.handle_async_request(request)
 
-    async def forward(self, version: Version, body: dict[str, Any]) -> httpx.Response:
-        """Triton's answer to a /v2 request, read whole; a refusal or fault raised as RequestError."""
+    async def forward(self, version: Version, body: dict[str, Any]) -> Answer:
+        """Triton's answer to a generate request, read whole; a refusal or fault raised as RequestError."""
         try:
             if self.aiohttp is not None:
                 response = await self.post_on_aiohttp(self.aiohttp, version, body)
             else:
-                response = await self.send(version, False, body)
-                await response.aread()  # closes it, the connection back in the pool
+                given = await self.send(version, False, body)
+                await given.aread()  # closes it, the connection back in the pool
+                content_type = given.headers.get("content-type", "application/json")
+                response = Answer(given.status_code, given.content, content_type)
         except httpx.HTTPError as exc:
             raise self.unreachable(exc) from None
         if response.status_code != 200:
             raise upstream_error(response)
         return response
 
-    async def post_on_aiohttp(
-        self, transport: AiohttpTransport, version: Version, body: dict[str, Any]
-    ) -> httpx.Response:
-        """A /v2 generate request on the transport's aiohttp session itself, its answer read whole into an
-        httpx.Response; aiohttp's errors as httpx's, as the transport maps them.
+    async def post_on_aiohttp(self, transport: AiohttpTransport, version: Version, body: dict[str, Any]) -> Answer:
+        """A generate request on the transport's aiohttp session itself, its answer read whole; aiohttp's errors
+        as httpx's, as the transport maps them.
 
         Not through the transport's handle_async_request: httpx's request object, and the response stream it reads
         through, were a tenth of the gateway's CPU per request (0.557 -> 0.488 ms at concurrency 8, 0.488 -> 0.439
-        at 32: medians of 4 paired runs of the gateway of benchmarks/gateway_overhead.py, Triton apart)."""
+        at 32: medians of 4 paired runs of the gateway of benchmarks/gateway_overhead.py, Triton apart), and the
+        httpx.Response it was read into most of another tenth (0.508 -> 0.459 and 0.449 -> 0.410, with the request
+        id and the route order of 98d69d2's successor)."""
         if not isinstance(transport.client, aiohttp.ClientSession):
             transport.client = transport.get_client()  # made on first use, in the loop, as the transport does
         content = orjson.dumps(version.inputs(body))
@@ -256,10 +275,11 @@ class Triton:
                     headers=JSON,
                     timeout=self.session_timeout,
                     allow_redirects=False,
-                    auto_decompress=False,  # httpx decodes by Content-Encoding, as for the transport's answers
                 ) as answer,
             ):
-                return httpx.Response(answer.status, headers=answer.raw_headers, content=await answer.read())
+                return Answer(
+                    answer.status, await answer.read(), answer.headers.get("content-type", "application/json")
+                )
 
     async def forward_stream(
         self, version: Version, body: dict[str, Any], ended: Callable[[bool], None] = lambda ok: None
