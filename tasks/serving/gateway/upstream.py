@@ -36,8 +36,9 @@ from tasks.serving.routes import Version
 # transport parses HTTP in pure Python (h11), which a profile of the gateway found in 49% of its busy samples at
 # concurrency 1; aiohttp's parser is C (benchmarks/gateway_overhead.py, one run: 0.88x -> 0.91x of Triton's
 # requests/s at concurrency 1, 0.30x -> 0.53x at 32).
-# A non-streaming /v2 forward goes on the transport's aiohttp session itself (Triton.post_on_aiohttp). Tests give a
-# transport of their own (httpx.MockTransport), which every call then goes through.
+# A generate request answered whole (/v2, and /v1's) goes on the transport's aiohttp session itself
+# (Triton.post_on_aiohttp), a streamed one straight to the transport (Triton.send). Tests give a transport of their
+# own (httpx.MockTransport), which every call then goes through.
 FIRST_BYTE_S, BETWEEN_CHUNKS_S = 120.0, 30.0  # serve.health's defaults
 JSON = {"content-type": "application/json"}
 
