@@ -63,6 +63,7 @@ benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/bench_tools.py
 	.venv/bin/python benchmarks/adapter_canary.py
 	.venv/bin/python benchmarks/stack_idle.py
+	.venv/bin/python benchmarks/vllm_engine_idle.py
 	.venv/bin/python benchmarks/predict.py
 
 # The documentation site (mkdocs.yml, docs/): strict, so a page missing from the nav or a broken link fails.

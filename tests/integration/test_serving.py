@@ -312,6 +312,12 @@ def test_the_versions_are_adapters_on_one_vllm_engine_of_the_base_model(home, se
     served = f"{tags['artifact.train.sha256']}@{tags['artifact.base_model.sha256']}"
     assert version["artifact_sha256"]["string_value"] == served  # the adapter on its base, as the gate checks
     assert len(engine_processes(server)) == 1
+    # on CPU the model runs in the engine core itself: no worker process polling a queue beside it (its probes
+    # every 2 s kept one busy, half a core; tasks/serving/vllm.py)
+    import psutil
+
+    processes = psutil.Process(server["serve_pid"]).children(recursive=True)
+    assert not [p for p in processes if "VLLM::Worker" in " ".join(p.cmdline())]
 
 
 def test_served_model_answers_generate_and_generate_stream(home, server, tls):

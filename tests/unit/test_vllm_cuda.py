@@ -80,6 +80,15 @@ def test_the_cpu_vllm_engine_gets_the_arguments_it_got_before(tmp_path):
     assert parameter(config, "gpu_memory_utilization") == parameter(config, "tensor_parallel_size") == ""
 
 
+def test_a_cpu_engine_runs_its_model_in_its_core_and_cuda_keeps_vllms_choice(tmp_path, monkeypatch):
+    """On CPU Triton's environment holds VLLM_ENABLE_V1_MULTIPROCESSING=0: the model in the engine core's process,
+    no worker polling a queue beside it (benchmarks/vllm_engine_idle.py); on cuda vLLM's own executor."""
+    monkeypatch.setattr(vllm_serving, "environment", lambda profile: None)
+    cpu = vllm_serving.triton_env(load_profile("cpu-tiny", ["serve.backend=vllm"]), tmp_path)
+    assert cpu["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_serving.triton_env(load_profile(PROFILE), tmp_path)
+
+
 def test_the_model_passes_exactly_the_arguments_that_may_be_rendered_empty():
     """infra/triton/vllm/1/model.py gives AsyncEngineArgs an optional argument only when its parameter is not
     empty; every value model_values may leave empty must be one of those, or the engine would get int('')."""
