@@ -109,6 +109,25 @@ def test_no_answer_before_the_first_byte_deadline_is_504_in_each_apis_shape(upst
         assert 'llmops_gateway_version_requests_total{outcome="failed",version="demo-v1"} 4.0' in metrics
 
 
+def test_a_whole_answer_has_the_first_byte_deadline_not_the_one_between_chunks(upstream, caplog):
+    """A non-streaming answer is its first byte (serve.health.first_byte_s): Triton answering after 1.5 s is a 200
+    within a first-byte deadline of 3 s, even with 0.5 s between chunks (aiohttp's read deadline cut it at 0.5 s, and
+    the fault line named the first byte's); past the first byte's own deadline it is a 504 that says so."""
+    fake, url = upstream
+    fake.stall = "first byte"
+    generate = f"/v2/models/{SERVICE}/generate"
+    patient = HealthSection(first_byte_s=3, between_chunks_s=0.5, probe_interval_s=0)
+    with gateway(url, health=patient) as client:
+        answers = [client.post(generate, json={"text_input": "hot"}), client.post(CHAT, json={"messages": QUESTION})]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    impatient = HealthSection(first_byte_s=0.8, between_chunks_s=30, probe_interval_s=0)
+    with caplog.at_level("WARNING", logger="llmops.gateway"), gateway(url, health=impatient) as client:
+        started = time.monotonic()
+        late = client.post(generate, json={"text_input": "hot"})
+    assert late.status_code == 504 and 0.8 <= time.monotonic() - started < 1.5
+    assert "no answer within 0.8s" in caplog.text
+
+
 def test_a_v2_answer_a_refusal_and_a_fault_reach_the_client_as_triton_and_the_gateway_say(upstream):
     """The /v2 generate forward on aiohttp's session (upstream.py post_on_aiohttp, what `llmops serve` runs) against a
     real socket: the answer as Triton sent it, its refusal a 400 with its words, a dead model process and a Triton

@@ -135,8 +135,10 @@ class Triton:
         self.timeout = chunk_timeouts(between_chunks_s)
         self.timeouts = self.timeout.as_dict()  # the form a transport reads them in (request.extensions["timeout"])
         # the same, as httpx-aiohttp 0.2.0 hands them to aiohttp (httpx_aiohttp/transport.py, handle_async_request)
-        self.session_timeout = aiohttp.ClientTimeout(
-            sock_connect=self.timeouts["connect"], sock_read=self.timeouts["read"], connect=self.timeouts["pool"]
+        # A whole answer has serve.health.first_byte_s (first_byte): no read deadline of its own, which would end it
+        # at between_chunks_s and say it was the first byte's (aiohttp's read timeout is a TimeoutError too)
+        self.whole_answer_timeout = aiohttp.ClientTimeout(
+            sock_connect=self.timeouts["connect"], connect=self.timeouts["pool"]
         )
         self.client = httpx.AsyncClient(base_url=url, timeout=self.timeout, transport=self.transport)
         self.urls: dict[str, str] = {}  # the /v2 URLs forwarded to (generate and generate_stream per model)
@@ -274,7 +276,7 @@ class Triton:
                     self.url_of(version, False),
                     data=content,
                     headers=JSON,
-                    timeout=self.session_timeout,
+                    timeout=self.whole_answer_timeout,
                     allow_redirects=False,
                 ) as answer,
             ):
