@@ -253,7 +253,12 @@ def start_gateway(
     return RunningGateway(
         [
             Listener(gateway.app(), listen.host, ports.gateway, **tls),
-            Listener(ControlApi(gateway, serve_key).app(), listen.control_host, ports.control, **control_tls),
+            Listener(
+                ControlApi(gateway, serve_key, fleet.start_again).app(),
+                listen.control_host,
+                ports.control,
+                **control_tls,
+            ),
             Listener(gateway.metrics_app(), listen.gateway_metrics_host, ports.gateway_metrics),
         ],
         gateway,

@@ -106,19 +106,31 @@ class Deployment:
         self.control.put_table(self.table({self.champion.name: 100.0} if self.champion else {}, candidate=False))
 
 
+class LoadHung(TransientError):
+    """A load on `triton` that got no answer: it outlasted serve.load_timeout_s, or its connection broke."""
+
+    def __init__(self, message: str, triton: Triton):
+        super().__init__(message)
+        self.triton = triton
+
+    def __reduce__(self):  # Prefect keeps a task's exception: pickled as the TransientError it is to the run
+        return (TransientError, (str(self),))
+
+
 def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> Deployment:
     client = ctx.tracker.client
     candidate = served_version(ctx, served.name, client.get_model_version(registered.name, registered.version))
     try:
         deployment, load_s = load_both(ctx, served, candidate)
     except TransientError as exc:
-        if served.restart is None:  # a Triton the release does not own: Prefect's retry, and then its error
+        if served.restart is None:  # a Triton nobody here owns: Prefect's retry, and then its error
             raise
-        # A load past serve.load_timeout_s on the run's own Triton: Triton 2.51 waits for a hung model process
-        # without a deadline, and a retry on the same server waits behind it (tasks/serving/fleet.py, the same for
-        # `llmops serve`). Nobody but this run is served by it: start it again, once, and load both again.
-        logger().warning(f"canary: {exc}; starting the run's own Triton again")
-        served.restart()
+        # Triton 2.51 waits for a hung model process without a deadline, and a retry on the same server waits behind
+        # it: that Triton is started again, once, by this run where it started it, else by the `llmops serve` that
+        # serves it (its control API; tasks/serving/fleet.py does the same for its own loads), and both load again.
+        hung = exc.triton if isinstance(exc, LoadHung) else served.triton
+        logger().warning(f"canary: {exc}; starting Triton {hung.url} again")
+        served.restart(hung, 2 * ctx.profile.serve.load_timeout_s + 60)
         deployment, load_s = load_both(ctx, served, candidate)
     if deployment.unchanged:
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
@@ -142,8 +154,13 @@ def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Depl
     deployment = Deployment(served, candidate, champion, ctx.tracker.run_id, ctx.profile.canary.hold_s)
     if deployment.unchanged:
         return deployment, 0.0
-    try:
-        return deployment, max(install_model(triton, ctx.profile, candidate) for triton in served.tritons)
-    except CheckFailed:
-        deployment.retire(candidate)
-        raise
+    seconds = []
+    for triton in served.tritons:
+        try:
+            seconds.append(install_model(triton, ctx.profile, candidate))
+        except CheckFailed:
+            deployment.retire(candidate)
+            raise
+        except TransientError as exc:
+            raise LoadHung(str(exc), triton) from None
+    return deployment, max(seconds)

@@ -66,7 +66,7 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
         if server is not None:
             server.stop()
 
-    def restart() -> None:
+    def restart(_: Triton, timeout_s: float) -> None:  # the one Triton of this run's
         nonlocal server
         assert server is not None
         server.kill()

@@ -200,6 +200,23 @@ class Fleet:
             replica.server.kill()  # the serve's watch starts it again and loads the table's versions
             return "restarted"
 
+    def start_again(self, url: str, timeout_s: float) -> None:
+        """A release's load hung on replica `url` (its control API, tasks/serving/gateway/control.py): that Triton
+        killed with its model processes; back once the serve's watch started it again with the table's versions.
+        A retry on the same server would wait behind the hung model process (Triton 2.51 gives it no deadline)."""
+        replica = next((r for r in self.replicas if r.client.url == url), None)
+        if replica is None or replica.server is None:
+            raise CheckFailed(f"Triton {url} is not one this serve started; restart it where it was started")
+        self.say(f"llmops serve: a release's load hung on Triton {url}; starting that Triton again")
+        started = replica.started
+        if not replica.restarting:  # else the watch is starting it already
+            replica.server.kill()
+        deadline = time.monotonic() + timeout_s
+        while replica.started == started or replica.restarting or not replica.running():
+            if time.monotonic() > deadline:
+                raise TransientError(f"Triton {url} did not serve again within {timeout_s:.0f}s of its restart")
+            time.sleep(0.2)
+
     def stop(self) -> None:
         for replica in self.replicas:
             if replica.server is not None:

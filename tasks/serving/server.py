@@ -345,9 +345,8 @@ def published_service(home: Path, name: str) -> Service | None:
     key_file = home / SERVE_KEY_FILE
     if info is None or triton is None or info.get("service") != name or not key_file.is_file():
         return None
-    return Service(
-        name, published_replicas(home, info), ServiceControl(info["control_url"], key_file.read_text().strip())
-    )
+    control = ServiceControl(info["control_url"], key_file.read_text().strip())
+    return Service(name, published_replicas(home, info), control, restart=control.restart_replica)
 
 
 def published_replicas(home: Path, info: dict) -> list[Triton]:

@@ -75,6 +75,11 @@ class ServiceControl:
         """`release` gives the service up (nothing changes where it is not the owner)."""
         return RouteTable.of(self.call("DELETE", "/control/v1/owner", {"release": release}))
 
+    def restart_replica(self, triton: Triton, timeout_s: float) -> None:
+        """`llmops serve` starts its Triton at triton.url again (a load hung there) and answers once it serves the
+        table's versions again; CheckFailed where the serve does not own that Triton."""
+        self.call("POST", "/control/v1/replicas/restart", {"url": triton.url, "timeout_s": timeout_s}, timeout_s + 30)
+
     def stop_shadow(self) -> RouteTable:
         return RouteTable.of(self.call("DELETE", "/control/v1/shadow"))
 
@@ -146,9 +151,9 @@ class Service:
     tritons: list[Triton]
     control: ServiceControl
     stop: Callable[[], None] = lambda: None
-    # a Triton the release started for itself: killed with its model processes and started again on its ports (None
-    # where the release attached to one it does not own)
-    restart: Callable[[], None] | None = None
+    # (replica, timeout_s): a replica where a load hung, killed with its model processes and started again on its
+    # ports, by the release where it started that Triton, by `llmops serve` where it serves; None where neither owns it
+    restart: Callable[[Triton, float], None] | None = None
 
     @property
     def triton(self) -> Triton:

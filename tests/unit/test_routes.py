@@ -271,6 +271,44 @@ def test_only_the_release_that_holds_the_routes_renews_its_hold(service):
     assert other.status_code == 409 and other.json() == {"error": "release: the routes are held by run-7, not run-8"}
 
 
+def test_a_release_asks_the_serve_to_start_a_replica_again_and_hears_why_not_where_it_cannot(service):
+    """POST /control/v1/replicas/restart: the serve's restart, awaited; each refusal in Triton's error shape. The
+    restart itself (a hung load, a real `llmops serve` of two replicas) is test_attach's two-replica test."""
+    from tasks.platform.errors import CheckFailed, TransientError
+
+    gateway, _, control = service()
+    url = "http://127.0.0.1:8000"
+    assert control.post("/control/v1/replicas/restart", json={"url": url, "timeout_s": 60}).json() == {
+        "error": "this gateway starts no Triton: restart it where it was started"
+    }
+    asked: list[tuple[str, float]] = []
+
+    def restart(triton_url: str, timeout_s: float) -> None:
+        asked.append((triton_url, timeout_s))
+        if triton_url.endswith(":9"):
+            raise CheckFailed(f"Triton {triton_url} is not one this serve started")
+        if triton_url.endswith(":10"):
+            raise TransientError(f"Triton {triton_url} did not serve again within 60s of its restart")
+
+    with TestClient(ControlApi(gateway, CONTROL_KEY, restart).app(), headers={"llmops-control-key": CONTROL_KEY}) as c:
+        done = c.post("/control/v1/replicas/restart", json={"url": url, "timeout_s": 60})
+        assert done.status_code == 200 and done.json() == {"url": url, "restarted": True} and asked == [(url, 60.0)]
+        for body, status, error in [
+            ({"url": "http://h:9", "timeout_s": 60}, 409, "Triton http://h:9 is not one this serve started"),
+            ({"url": "http://h:10", "timeout_s": 60}, 504, "did not serve again within 60s"),
+            ({"timeout_s": 60}, 400, "url: the URL of one of the serve's Tritons"),
+            ({"url": url, "timeout_s": 0}, 400, "timeout_s: seconds in (0, 3600]"),
+            ({"url": url, "timeout_s": True}, 400, "timeout_s"),
+        ]:
+            refused = c.post("/control/v1/replicas/restart", json=body)
+            assert refused.status_code == status and error in refused.json()["error"], (body, refused.text)
+        assert (
+            c.post("/control/v1/replicas/restart", json={"url": url}, headers={"llmops-control-key": "x"}).status_code
+            == 401
+        )
+    assert len(asked) == 3
+
+
 # --- the service's ownership (the serving lock) -----------------------------------------------------------------
 
 

@@ -12,6 +12,10 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
                                     service for S seconds (taken, renewed, or taken over from a lapsed owner); 409
                                     with {"error": ..., "owner": {...}} naming the owner while another one holds it
     DELETE /control/v1/owner        {"release": RUN}: that release gives the service up (nothing where it is not owner)
+    POST   /control/v1/replicas/restart   {"url": TRITON_URL, "timeout_s": S}: a release's load hung on that replica
+                                    (Triton 2.51 waits for a model process without a deadline): the serve kills it
+                                    with its model processes and answers once its watch started it again with the
+                                    table's versions (504 past S; 409 for a Triton the serve does not own or none)
     POST   /v2/models/NAME/generate[_stream]   the service's name (drawn by weight) or one version by its name:
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
@@ -24,8 +28,10 @@ refusal is Triton's error shape, {"error": "..."}, naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -37,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tasks.platform.errors import CheckFailed, TransientError
 from tasks.serving.client import CONTROL_HEADER
 from tasks.serving.gateway.access import Guard, current, triton_error
 from tasks.serving.gateway.app import Gateway
@@ -46,11 +53,16 @@ from tasks.serving.routes import Owner, RoutesError, RouteTable, parse_weights
 CONTROL_CLIENT = "control"  # the client name the control key's requests are counted under
 MAX_LEASE_S = 24 * 3600.0
 MAX_OWNER_S = 366 * 24 * 3600.0  # a release waiting for a person owns the service until its approval timeout
+MAX_RESTART_S = 3600.0
+
+RestartReplica = Callable[[str, float], None]  # (Triton URL, timeout_s): blocks until it serves again
 
 
 class ControlApi:
-    def __init__(self, gateway: Gateway, key: str):
-        self.gateway, self.key = gateway, key
+    def __init__(self, gateway: Gateway, key: str, restart_replica: RestartReplica | None = None):
+        """`restart_replica`: the serve's (tasks/serving/fleet.py:Fleet.start_again); None where the gateway starts
+        no Triton (a release's temporary gateway)."""
+        self.gateway, self.key, self.restart_replica = gateway, key, restart_replica
 
     def authorize(self, request: Request) -> None:
         given = request.headers.get(CONTROL_HEADER, "")
@@ -172,6 +184,27 @@ class ControlApi:
         except RoutesError as exc:
             raise RequestError(400, str(exc)) from None
 
+    async def restart(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+            data = await self.read_json(request)
+            url, timeout = data.get("url"), data.get("timeout_s")
+            if not isinstance(url, str) or not url:
+                raise RequestError(400, "url: the URL of one of the serve's Tritons")
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_RESTART_S:
+                raise RequestError(400, f"timeout_s: seconds in (0, {MAX_RESTART_S:.0f}]")
+            if self.restart_replica is None:
+                raise RequestError(409, "this gateway starts no Triton: restart it where it was started")
+            try:
+                await asyncio.to_thread(self.restart_replica, url, float(timeout))
+            except CheckFailed as exc:
+                raise RequestError(409, str(exc)) from None
+            except TransientError as exc:
+                raise RequestError(504, str(exc)) from None
+            return JSONResponse({"url": url, "restarted": True})
+        except RequestError as error:
+            return triton_error(error)
+
     async def generate(self, request: Request) -> Response:
         try:
             self.authorize(request)
@@ -196,6 +229,7 @@ class ControlApi:
             Route("/control/v1/shadow", self.handle, methods=["PUT", "DELETE"]),
             Route("/control/v1/lease", self.handle, methods=["PUT"]),
             Route("/control/v1/owner", self.handle, methods=["PUT", "DELETE"]),
+            Route("/control/v1/replicas/restart", self.restart, methods=["POST"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
         ]
