@@ -1039,11 +1039,12 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
 
 def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server, run):
     """A second service on the same Triton (its releases route through a temporary gateway of their own: the serve
-    routes the first service). Its first release, an adapter, loads a base engine of its own; the gate rejects it
-    (an absolute rate no model reaches), and the rollback unloads its adapter and engine. Its next
-    first release is merged and promoted; an adapter candidate then serves next to that merged champion on a new base
-    engine (a service moving to adapters), is rejected, and its engine goes with it while the merged champion serves
-    on. The first service is untouched throughout."""
+    routes the first service). Its first release is merged and promoted; an adapter candidate then serves next to
+    that merged champion on a base engine of its own (a service moving to adapters), the gate rejects it (an
+    absolute rate no model reaches), and the rollback unloads its adapter and its engine, which no adapter uses any
+    more, while the merged champion serves on. The first service is untouched throughout. (A first release that is
+    an adapter and is rejected leaves the same: its rollback is this one's, with no champion to serve on; it was a
+    release of its own here, 50 to 60 s of the suite.)"""
     other, unreachable = "tiny-qwen2-other", ("--set", "gate.min_requests_per_s=1000000")
     before, engines, triton = champion(home), engine_processes(server), served_by(home, server)
     models = triton.loaded_models()
@@ -1059,12 +1060,6 @@ def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server,
             time.sleep(0.5)  # an engine core exits after its model unloaded
         return engine_processes(server)
 
-    output = release(*unreachable)
-    assert f"canary: loading the base engine {other}-base" in output
-    assert "rejected: candidate rejected: request throughput (req/s)" in output.strip().splitlines()[-1]
-    assert ready_models(triton, models) == models  # adapter and base engine unloaded
-    assert engines_settle(engines) == engines
-
     output = release(*MERGED)
     assert f"canary: promoted {other}-v" in output, output[-3000:]
     merged = f"{other}-v{registry(home).get_model_version_by_alias(other, 'champion').version}"
@@ -1073,9 +1068,10 @@ def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server,
     merged_engine = engine_processes(server) - engines
     assert len(merged_engine) == 1
 
-    output = release(*unreachable, "--set", "canary.window_s=1.4")  # another profile digest: a new version
+    output = release(*unreachable)
     assert f"canary: loading the base engine {other}-base" in output
-    assert f"ready next to {merged}" in output and "rejected: candidate rejected" in output.strip().splitlines()[-1]
+    assert f"ready next to {merged}" in output
+    assert "rejected: candidate rejected: request throughput (req/s)" in output.strip().splitlines()[-1]
     assert ready_models(triton, with_merged) == with_merged  # the merged champion alone, no engine of adapters
     assert engines_settle(engines | merged_engine) == engines | merged_engine
     assert champion(home) == before
