@@ -4,7 +4,9 @@ vLLM's engine core (a child of the Triton Python stub) and TensorRT-LLM's MPI wo
 `tensorrt_llm.LLM`, at tensor parallelism 1 too) run in processes that nothing ties to the stub's life: SIGKILL
 tritonserver and they outlive it as orphans holding their GPU memory, so the next start's memory plan (or vLLM's
 free-memory check) fails. The model starts this watcher once its engine is up: a separate process, since nothing in
-a dead one can act, that kills the engine's processes as soon as tritonserver or the stub is gone.
+a dead one can act, that kills the engine's processes as soon as tritonserver or the stub is gone, and the stub too
+once tritonserver is: a vLLM stub whose tritonserver was SIGKILLed was seen stuck in its own exit (1 run in 2), an
+orphan holding its memory with the killed engine core its zombie child.
 
 Copied next to each rendered model's model.py (tasks/serving/repository.py:MODEL_HELPERS), so standard library only
 at import and no project import; psutil, which vLLM and TensorRT-LLM both require, is imported where it is used.
@@ -19,20 +21,32 @@ import sys
 # The file name of the copy in a rendered model's version folder; model.py imports it by this name.
 FILE_NAME = "engine_guard.py"
 
+# argv[1]: the watched pids, tritonserver first, then the stub; argv[2]: the engine's pids. Each pid is taken as a
+# psutil.Process at the start, so a pid the kernel hands to a new process later is not killed (psutil checks the
+# process's start time before it signals).
 WATCHER = """
 import sys, time
 import psutil
-watched, victims = [int(p) for p in sys.argv[1].split(",")], [int(p) for p in sys.argv[2].split(",") if p]
-def alive(pid):  # a SIGKILLed tritonserver stays a zombie until its parent reaps it
+def process(pid):
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(int(pid))
+    except psutil.NoSuchProcess:
+        return None
+watched = [process(pid) for pid in sys.argv[1].split(",")]
+victims = [process(pid) for pid in sys.argv[2].split(",") if pid]
+def alive(process):  # a SIGKILLed tritonserver stays a zombie until its parent reaps it
+    try:
+        return process is not None and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-while all(alive(pid) for pid in watched):
+while all(alive(process) for process in watched):
     time.sleep(0.5)
-for pid in victims:
+if not alive(watched[0]):  # tritonserver is gone: nothing will talk to its stub again
+    victims += watched[1:]
+for victim in victims:
     try:
-        psutil.Process(pid).kill()
+        if victim is not None and victim.is_running():
+            victim.kill()
     except psutil.NoSuchProcess:
         pass
 """
@@ -46,7 +60,8 @@ def engine_processes() -> list[int]:
 
 
 def guard_engine(victims: list[int], watched: list[int] | None = None) -> subprocess.Popen:
-    """Kill `victims` once any of `watched` is gone (default: the stub's parent, tritonserver, and the stub)."""
+    """Kill `victims` once any of `watched` is gone (default: the stub's parent, tritonserver, and the stub), and the
+    rest of `watched` too once its first, tritonserver, is."""
     watched = watched if watched is not None else [os.getppid(), os.getpid()]
     return subprocess.Popen(
         [sys.executable, "-c", WATCHER, ",".join(map(str, watched)), ",".join(map(str, victims))],

@@ -560,16 +560,20 @@ def test_mlflow_stopped_during_the_ramp_rolls_the_candidate_back_first_and_ends_
         *("--set", "serve.load_timeout_s=40"),
     )
     home = tmp_path / "home"
-    hung: list[psutil.Process] = []
+    hung: list[str] = []
     done = threading.Event()
 
     def stop_the_candidates_first_model_process() -> None:
         while not done.wait(0.1) and not hung:
             for process in psutil.process_iter(["cmdline"]):
-                model = " ".join(process.info["cmdline"] or [])
-                if str(home) in model and f"/{MODEL}-v" in model and f"/{MODEL}-v{champion}/" not in model:
-                    process.suspend()  # a model process: its command names its model.py in the home's repository
-                    hung.append(process)
+                command = process.info["cmdline"] or [""]
+                model = " ".join(command)
+                # only a Python backend's stub, whose command names its model.py in the home's repository: matching
+                # any process that named the candidate's folder once suspended another one, and the load did not hang
+                stub = Path(command[0]).name == "triton_python_backend_stub"
+                if stub and str(home) in model and f"/{MODEL}-v" in model and f"/{MODEL}-v{champion}/" not in model:
+                    process.suspend()
+                    hung.append(model)
                     return
 
     watcher = threading.Thread(target=stop_the_candidates_first_model_process, daemon=True)
@@ -577,7 +581,11 @@ def test_mlflow_stopped_during_the_ramp_rolls_the_candidate_back_first_and_ends_
     try:
         code, output = frozen_mlflow_once(stack, args, home, "canary: 50% to ")
         done.set()
-        assert hung and "did not load within 40s (serve.load_timeout_s); starting Triton http://127.0.0.1:" in output
+        assert hung, output[-3000:]
+        assert "did not load within 40s (serve.load_timeout_s); starting Triton http://127.0.0.1:" in output, (
+            hung,
+            output[-3000:],
+        )
         assert code == 4, output[-3000:]
         last = output.strip().splitlines()[-1]
         assert last.startswith(f"llmops: error: canary: {MODEL}-v"), output[-3000:]
