@@ -41,7 +41,9 @@ def browser_page(url: str, auth_string: str | None = None) -> Iterator[Any]:
                 origin = "/".join(url.split("/")[:3])
                 page.goto(f"{origin}/login")
                 login = page.get_by_placeholder("admin:pass")
-                login.fill(auth_string)
+                # the first page of a fresh Chromium: the UI's bundle took over 30 s to show it when three pytest
+                # workers shared the 2 cores (a trial of TEST_WORKERS=3)
+                login.fill(auth_string, timeout=90_000)
                 login.press("Enter")
                 expect(page).not_to_have_url(re.compile(r"/login"))
             page.goto(url)

@@ -54,17 +54,18 @@ def _stop_prefect_at_the_end():
     stop_prefect_services()
 
 
-# The slowest modules, slowest first (seconds on 2 cores with two workers, build/junit.xml of a CI run, 2026-11-26):
-# `make test`'s two workers take whole modules in this order, so the long ones start at once and the short ones fill
-# the end. In that run the tests summed to 2,052 s and the suite took 1,043 s: the two workers were busy to the end.
+# The slowest modules, slowest first (seconds on 2 cores with two workers, build/junit.xml of the fresh-clone CI run
+# of f3e3b0e, 2026-11-28): `make test`'s workers take whole modules in this order, so the long ones start at once and
+# the short ones fill the end. In that run the tests summed to 2,276 s and pytest took 1,156 s: the two workers were
+# busy to the end. A module's time varies by a minute or two between runs of one commit.
 SLOWEST_FIRST = (
-    "integration/test_serving.py",  # 771
-    "integration/test_service.py",  # 533
-    "integration/test_release.py",  # 316
-    "integration/test_attach.py",  # 207
-    "integration/test_quality_gate.py",  # 106
-    "unit/test_cli.py",  # 36
-    "integration/test_approval.py",  # 17
+    "integration/test_serving.py",  # 585
+    "integration/test_release.py",  # 564
+    "integration/test_service.py",  # 446
+    "integration/test_attach.py",  # 304
+    "integration/test_approval.py",  # 124
+    "integration/test_quality_gate.py",  # 88
+    "unit/test_cli.py",  # 46
 )
 
 
