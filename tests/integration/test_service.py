@@ -10,6 +10,7 @@ its scheduler and triggers, a process worker, Triton and genai-perf inside the r
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import requests
 
 from tasks.data.records import clean_and_split, read_source
 from tasks.platform.config import available_profiles, load_profile
-from tasks.platform.local_stack import prefect_api, prefect_session
+from tasks.platform.local_stack import postgres_data_dir, prefect_api, prefect_session
 from tests import harness
 from tests.browser import decide_paused_run, start_run_from_form, ui_api_url
 from tests.leaks import in_files as leaks_in_files
@@ -213,6 +214,8 @@ def service(tmp_path_factory):
         assert down.returncode == 0, down.stderr
         state = json.loads((home / "stack" / "stack.json").read_text())
         assert state["services"] == {}
+        # as root the cluster lives in /var/lib/postgresql, outside pytest's folders: about 80 MB a run otherwise
+        shutil.rmtree(postgres_data_dir(home / "stack"), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -218,3 +218,30 @@ def test_stopping_a_service_also_stops_children_that_left_its_process_group(tmp_
     server.stop(timeout=5)
     assert not server.alive()
     assert psutil.wait_procs([child], timeout=10)[1] == []
+
+
+@pytest.mark.skipif(
+    not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")), reason="no PostgreSQL (make test-tools installs it)"
+)
+def test_a_postgres_cluster_whose_password_file_is_gone_is_replaced_not_waited_on(tmp_path, capsys):
+    """As root a stack's cluster lives outside its folder (postgres_data_dir): a stack removed and made again at the
+    same path found the old cluster, whose password had gone with the old folder, and `stack up` waited 120 s on
+    refused logins ("postgres not ready after 120s", seen when pytest reused a removed basetemp's path). Now the
+    orphan is replaced by a new cluster with a new password, and the stack says so."""
+    from tasks.platform.local_stack.postgres import postgres_data_dir, prepare_postgres
+
+    stack_root = tmp_path / "home" / "stack"
+    data_dir, passfile = postgres_data_dir(stack_root), stack_root / "postgres.pgpass"
+    try:
+        prepare_postgres(data_dir, passfile, stack_root / "logs")
+        first = passfile.read_text()
+        prepare_postgres(data_dir, passfile, stack_root / "logs")  # the stack's own cluster: kept
+        assert passfile.read_text() == first and "starting a new one" not in capsys.readouterr().err
+        passfile.unlink()  # as `rm -rf home` leaves it (as root)
+        prepare_postgres(data_dir, passfile, stack_root / "logs")
+        assert f"{data_dir} holds the cluster of a stack removed from this folder" in capsys.readouterr().err
+        assert (data_dir / "PG_VERSION").is_file() and passfile.read_text() != first
+    finally:
+        import shutil
+
+        shutil.rmtree(data_dir, ignore_errors=True)

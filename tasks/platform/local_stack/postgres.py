@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from tasks.platform.child_env import write_secret
@@ -51,9 +52,19 @@ def postgres_client_env(passfile: Path) -> dict:
 
 
 def prepare_postgres(data_dir: Path, passfile: Path, log_dir: Path) -> None:
-    """initdb once: the `llmops` superuser with a password (scram-sha-256 over TCP), no trust auth."""
+    """initdb once: the `llmops` superuser with a password (scram-sha-256 over TCP), no trust auth. A cluster whose
+    password file is gone is one nobody can log in to: as root the data lives outside the stack's folder
+    (postgres_data_dir), so a stack removed and made again at the same path found its predecessor's cluster, and its
+    start waited out its 120 s with every login refused. Such a cluster is replaced, and the stack says so."""
     if (data_dir / "PG_VERSION").is_file():
-        return
+        if passfile.is_file():
+            return
+        print(
+            f"stack: postgres: {data_dir} holds the cluster of a stack removed from this folder (its password file"
+            f" {passfile} is gone); starting a new one",
+            file=sys.stderr,
+        )
+        shutil.rmtree(data_dir)
     account = postgres_account()
     password = secrets.token_urlsafe(24)
     data_dir.mkdir(parents=True, exist_ok=True)
