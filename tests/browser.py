@@ -41,9 +41,7 @@ def browser_page(url: str, auth_string: str | None = None) -> Iterator[Any]:
                 origin = "/".join(url.split("/")[:3])
                 page.goto(f"{origin}/login")
                 login = page.get_by_placeholder("admin:pass")
-                # the first page of a fresh Chromium: the UI's bundle took over 30 s to show it when three pytest
-                # workers shared the 2 cores (a trial of TEST_WORKERS=3)
-                login.fill(auth_string, timeout=90_000)
+                login.fill(auth_string)
                 login.press("Enter")
                 expect(page).not_to_have_url(re.compile(r"/login"))
             page.goto(url)
@@ -57,6 +55,15 @@ class FormRun:
     flow_run: dict  # the create_flow_run response: id, name, parameters
     offered_profiles: list[str]  # the choices the form's profile select offered
     screenshot: Path
+
+
+def ui_script_type(ui_url: str) -> str:
+    """The content type the UI served at ui_url answers its own page's module script with (JavaScript when whole)."""
+    with urllib.request.urlopen(f"{ui_url}/", timeout=10) as response:
+        script = re.search(r'<script type="module"[^>]* src="([^"]+)"', response.read().decode())
+    assert script, "the UI's page names no module script"
+    with urllib.request.urlopen(f"{ui_url}{script.group(1)}", timeout=10) as response:
+        return response.headers.get_content_type()
 
 
 def ui_api_url(ui_url: str) -> str:

@@ -26,7 +26,7 @@ from tasks.data.records import clean_and_split, read_source
 from tasks.platform.config import available_profiles, load_profile
 from tasks.platform.local_stack import postgres_data_dir, prefect_api, prefect_session
 from tests import harness
-from tests.browser import decide_paused_run, start_run_from_form, ui_api_url
+from tests.browser import decide_paused_run, start_run_from_form, ui_api_url, ui_script_type
 from tests.leaks import in_files as leaks_in_files
 from tests.leaks import in_mlflow as leaks_in_mlflow
 from tests.leaks import in_prefect as leaks_in_prefect
@@ -906,6 +906,9 @@ def test_the_default_stack_runs_on_sqlite_and_its_ui_follows_its_port(tmp_path):
         assert (tmp_path / "home" / "stack" / "mlflow.db").is_file()
         api = f"http://127.0.0.1:{state['ports']['prefect']}/api"
         assert ui_api_url(api.removesuffix("/api")) == api
+        # the UI whole, from a folder of the stack's own (one shared in the venv was emptied by two servers at once)
+        assert ui_script_type(api.removesuffix("/api")) in ("text/javascript", "application/javascript")
+        assert (tmp_path / "home" / "stack" / "prefect-server" / "ui-build" / "v1" / "index.html").is_file()
         # Prefect answers only with the stack's auth string (other local users reach the port too)
         assert prefect_api().post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401
         assert prefect_api("llmops:wrong").post(f"{api}/flow_runs/filter", json={}, timeout=10).status_code == 401

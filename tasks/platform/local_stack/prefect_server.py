@@ -53,7 +53,17 @@ AUTH_ENV = "PREFECT_API_AUTH_STRING"  # the client's; the server's is PREFECT_SE
 
 
 def prefect_server_env(prefect_home: Path) -> dict:
-    return {"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": ""}
+    """A server's own UI folder: by default every server of one install serves the UI from one folder inside the
+    package (prefect/server/ui_build), which a starting server empties and fills again when its marker file does not
+    match (prefect/server/api/server.py:711-729 at 3.7.2). Two servers started at once in a fresh venv (the test
+    workers' Prefect servers) interleaved that: the marker was written over a folder missing 70 of 116 assets, so
+    every later server of that venv answered the UI's script with its HTML page (a login page that never came)."""
+    return {
+        "PREFECT_HOME": str(prefect_home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": "",
+        "PREFECT_SERVER_UI_STATIC_DIRECTORY": str(prefect_home / "ui-build"),
+    }
 
 
 def start_prefect(
