@@ -46,6 +46,7 @@ say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resol
 # No byte-compiling here (pip's --no-compile, and no compileall): Python compiles a module when it is first
 # imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
 # as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.
+# (Unless PYTHONDONTWRITEBYTECODE is set: the Makefile's targets unset it.)
 
 problems=$("$VENV/bin/python" -m pip check 2>&1 | grep -v '^No broken requirements found' || true)
 if [ -n "$problems" ]; then

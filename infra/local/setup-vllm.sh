@@ -47,6 +47,7 @@ say "installing $(grep -c '==' "$PIN_FILE") pinned packages for vLLM (CPU build,
 # No byte-compiling here (pip's --no-compile, and no compileall): Python compiles a module when it is first
 # imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
 # as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.
+# (Unless PYTHONDONTWRITEBYTECODE is set: the Makefile's targets unset it.)
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+|triton|torchvision|torchaudio|torchcodec)==' || true)
 if [ -n "$cuda" ]; then

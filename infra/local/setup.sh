@@ -46,6 +46,7 @@ say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resol
 # No byte-compiling here (pip's --no-compile, and no compileall): Python compiles a module when it is first
 # imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
 # as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.
+# (Unless PYTHONDONTWRITEBYTECODE is set: the Makefile's targets unset it.)
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(nvidia-[a-z0-9-]+-cu[0-9]+|nvidia-(cublas|cudnn|cuda|nccl|cusparse|cufft|curand|cusolver|nvjitlink|nvtx)|cuda-|triton==)' || true)
