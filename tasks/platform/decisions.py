@@ -16,15 +16,23 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from uuid import UUID
 
 from tasks.platform.errors import BadInput
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
 
 EXPIRY_CHECK_S = 30.0
 TIMED_OUT = "timeout"  # who rejects a suspended run past its timeout: the run checks that on its own clock
 # A suspended run's pause outlives its timeout by this much, so that `llmops serve` rejects it first (the run goes on
 # and rolls back) rather than the Prefect server failing it (no code of the run then runs).
 EXPIRY_GRACE_S = 600
+# Prefect pauses a run that waits for input in two calls: the Paused state, then its input's schema
+# (prefect/flow_runs.py:410-443 at 3.7.2); a decision sent between them is refused ("Run input schema not found.",
+# prefect/server/api/flow_runs.py:440-453), so one waits for the schema this long, then sends it regardless.
+INPUT_SCHEMA_WAIT_S = 15.0
 
 
 class NotWaiting(BadInput):
@@ -111,6 +119,23 @@ def auth_for(home: Path, api_url: str) -> str | None:
     return stack.get(AUTH_ENV) if stack["PREFECT_API_URL"] == api_url else None
 
 
+def wait_for_input_schema(
+    client: SyncPrefectClient, run_id: UUID, key: str, timeout_s: float = INPUT_SCHEMA_WAIT_S
+) -> None:
+    """Until the paused run's input schema is on the server (its `key` of the pause's keyset), at most `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.read_flow_run_input(run_id, key)
+            return
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 404 or time.monotonic() > deadline:
+                return
+        time.sleep(0.2)
+
+
 def resume(api_url: str, auth_string: str | None, flow_run_id: str, run_input: dict) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.responses import SetStateStatus
@@ -129,6 +154,9 @@ def resume(api_url: str, auth_string: str | None, flow_run_id: str, run_input: d
             state = flow_run.state.name if flow_run.state else "no state"
             ended = flow_run.state is None or flow_run.state.is_final()
             raise NotWaiting(f"flow run {flow_run_id} is not waiting for approval (its state: {state})", ended=ended)
+        keyset = flow_run.state.state_details.run_input_keyset
+        if keyset:
+            wait_for_input_schema(client, run_id, keyset["schema"])
         response = client.resume_flow_run(run_id, run_input=run_input)
     if response.status != SetStateStatus.ACCEPT:
         reason = getattr(response.details, "reason", None) or response.status.value

@@ -95,6 +95,75 @@ def paused_state(api: str, flow_run_id: str) -> str:
     raise AssertionError(f"flow run {flow_run_id} never paused")
 
 
+def takes_input(api: str, flow_run_id: str) -> None:
+    """Until the paused run's input schema is saved: Prefect pauses a run in two calls, the Paused state and then the
+    schema (prefect/flow_runs.py:410-443 at 3.7.2), and a resume sent to its API between them is refused."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        keyset = API.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]["state_details"]
+        key = (keyset.get("run_input_keyset") or {}).get("schema")
+        if key and API.get(f"{api}/flow_runs/{flow_run_id}/input/{key}", timeout=10).status_code == 200:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"flow run {flow_run_id} saved no input schema")
+
+
+def test_a_decision_sent_before_the_paused_run_saved_its_input_schema_waits_for_it(shared_prefect):
+    """A decision (`llmops approve`'s call) that reaches a run between its Paused state and its input's schema, which
+    Prefect refuses ("Run input schema not found."), waits for the schema and is accepted. The run here is made
+    through the API, its schema saved 1.5 s after its pause, so that the gap is wide (in a flow it is one request)."""
+    import threading
+    from datetime import UTC, datetime, timedelta
+
+    from tasks.platform.decisions import resume
+
+    flow_id = API.post(f"{shared_prefect}/flows/", json={"name": "approval-schema-gap"}, timeout=10).json()["id"]
+    run = API.post(
+        f"{shared_prefect}/flow_runs/", json={"flow_id": flow_id, "state": {"type": "RUNNING"}}, timeout=10
+    ).json()
+    keyset = {"description": "approval-description", "response": "approval-response", "schema": "approval-schema"}
+    paused = API.post(
+        f"{shared_prefect}/flow_runs/{run['id']}/set_state",
+        json={
+            "state": {
+                "type": "PAUSED",
+                "name": "Paused",
+                "state_details": {
+                    "pause_key": "approval",
+                    "pause_timeout": (datetime.now(UTC) + timedelta(minutes=5)).isoformat(),
+                    "pause_reschedule": False,
+                    "run_input_keyset": keyset,
+                },
+            }
+        },
+        timeout=10,
+    )
+    assert paused.json()["status"] == "ACCEPT", paused.text
+    decided: list[BaseException | None] = []
+
+    def decide() -> None:
+        try:
+            resume(shared_prefect, None, run["id"], {"decision": "approve"})
+            decided.append(None)
+        except BaseException as exc:
+            decided.append(exc)
+
+    deciding = threading.Thread(target=decide)
+    deciding.start()
+    time.sleep(1.5)
+    assert decided == [], decided  # it waits: sent now, Prefect would refuse it
+    schema = {"type": "object", "properties": {"decision": {"type": "string"}}, "required": ["decision"]}
+    saved = API.post(
+        f"{shared_prefect}/flow_runs/{run['id']}/input",
+        json={"key": keyset["schema"], "value": json.dumps(schema)},
+        timeout=10,
+    )
+    assert saved.status_code == 201, saved.text
+    deciding.join(30)
+    assert decided == [None]
+    assert API.get(f"{shared_prefect}/flow_runs/{run['id']}", timeout=10).json()["state"]["type"] == "RUNNING"
+
+
 def test_a_release_rejected_from_the_terminal_goes_on_with_the_reason(tmp_path, shared_prefect):
     home = tmp_path / "home"
     flow = start_waiting_flow(home, shared_prefect, timeout_s=120)
@@ -553,6 +622,7 @@ def test_behind_a_trusted_proxy_only_the_person_it_logged_in_decides(tmp_path, s
             time.sleep(0.3)
         run_id = waiting_run(home, flow)["flow_run_id"]
         paused_state(shared_prefect, run_id)
+        takes_input(shared_prefect, run_id)  # this resume goes straight to Prefect, not through `resume`
         state = API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"]
         decision = {"decision": "approve", "reason": "answers read well", "decided_by": "mallory@example.com"}
         direct = API.post(f"{shared_prefect}/flow_runs/{run_id}/resume", json={"run_input": decision}, timeout=10)
