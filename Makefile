@@ -69,6 +69,7 @@ benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/bench_tools.py
 	.venv/bin/python benchmarks/adapter_canary.py
 	.venv/bin/python benchmarks/stack_idle.py
+	.venv/bin/python benchmarks/bytecode_cache.py
 	.venv/bin/python benchmarks/vllm_engine_idle.py
 	.venv/bin/python benchmarks/predict.py
 
