@@ -1179,12 +1179,15 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     assert engine_processes(server) == engines  # rolled back on the one engine
     assert load.failed == 0, load.errors[:5]
     # Both versions answered the openai client during the step: the champion's answer to every prompt, and
-    # for some prompt another (the base model's).
+    # for some prompt another (the base model's). vLLM's greedy answers are not batch-invariant: in a batch with
+    # the load's requests the champion once went on past where it stopped alone ("closed" became "closedull",
+    # fresh-clone CI of 504843a), so an answer is the champion's when it begins with the champion's answer.
     assert len(seen) == len(PROMPTS), seen
-    assert all(champions[prompt] in answers for prompt, answers in seen.items()), (champions, seen)
+    by_champion = {prompt: {a for a in answers if a.startswith(champions[prompt])} for prompt, answers in seen.items()}
+    assert all(by_champion.values()), (champions, seen)
     # and the client met the candidate too: the gateway draws each request's version (with the router in Triton,
     # three of five CI runs saw only the champion's answers while the canary's probes met the candidate: issue 20)
-    assert any(len(answers) > 1 for answers in seen.values()), (champions, seen)
+    assert any(seen[prompt] - by_champion[prompt] for prompt in seen), (champions, seen)
     # after the rollback the champion answers alone again
     assert {
         prompt: client.chat.completions.create(
