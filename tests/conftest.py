@@ -55,17 +55,17 @@ def _stop_prefect_at_the_end():
 
 
 # The slowest modules, slowest first (seconds on 2 cores with two workers, build/junit.xml of the fresh-clone CI run
-# of f3e3b0e, 2026-11-28): `make test`'s workers take whole modules in this order, so the long ones start at once and
-# the short ones fill the end. In that run the tests summed to 2,276 s and pytest took 1,156 s: the two workers were
+# of 7a55cd0, 2026-11-28): `make test`'s workers take whole modules in this order, so the long ones start at once and
+# the short ones fill the end. In that run the tests summed to 2,719 s and pytest took 1,380 s: the two workers were
 # busy to the end. A module's time varies by a minute or two between runs of one commit.
 SLOWEST_FIRST = (
-    "integration/test_serving.py",  # 585
-    "integration/test_release.py",  # 564
-    "integration/test_service.py",  # 446
-    "integration/test_attach.py",  # 304
-    "integration/test_approval.py",  # 124
-    "integration/test_quality_gate.py",  # 88
-    "unit/test_cli.py",  # 46
+    "integration/test_serving.py",  # 722
+    "integration/test_release.py",  # 747
+    "integration/test_service.py",  # 492
+    "integration/test_attach.py",  # 408
+    "integration/test_approval.py",  # 103
+    "integration/test_quality_gate.py",  # 85
+    "unit/test_cli.py",  # 36
 )
 
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 PLACEHOLDER = Path(__file__).resolve().parents[2] / "infra" / "images" / "torchaudio-placeholder"
+TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # transformers' default optimizers (training_args.py)
 
 
 def _use_placeholder_torchaudio() -> None:
@@ -26,7 +27,47 @@ def _use_placeholder_torchaudio() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLACEHOLDER), os.environ.get("PYTHONPATH")]))
 
 
+def unused_libraries(args: list[str]) -> list[str]:
+    """Libraries that transformers and peft import whenever they are installed, which the training of `args`
+    (LlamaFactory's argv) never calls: about 3 of the ~17 s from this launcher's start to the first step of cpu-tiny.
+
+    - scikit-learn: transformers imports it for assisted generation's confidence threshold
+      (generation/candidate_generator.py:27-28 at 5.6), with pandas, scipy and narwhals: 1.45 s of the 10.4 s of
+      imports before LlamaFactory's first line (`python -X importtime`); LlamaFactory never imports it.
+    - bitsandbytes, unless the training quantizes (quantization_bit), names an optimizer other than torch's AdamW
+      (bitsandbytes has 8-bit and paged ones: transformers' trainer_optimizer.py:561-575), or its base model is
+      stored quantized (a quantization_config in its config.json, or a base this launcher cannot read): peft imports
+      it to offer its 8- and 4-bit LoRA layers whenever it is installed (tuners/lora/model.py:311-319 at 0.18),
+      about 2 s.
+    """
+    unused = ["sklearn"]
+    config_file = Path(args[1]) if len(args) == 2 and args[0] == "train" else None
+    if config_file is None or config_file.suffix not in (".yaml", ".yml", ".json"):
+        return unused
+    import yaml  # JSON is YAML
+
+    config = yaml.safe_load(config_file.read_text()) or {}
+    model_config = Path(str(config.get("model_name_or_path", ""))) / "config.json"
+    may_use_bitsandbytes = (
+        config.get("quantization_bit") is not None
+        or config.get("optim", "adamw_torch") not in TORCH_ADAMW
+        or not model_config.is_file()
+        or "quantization_config" in yaml.safe_load(model_config.read_text())
+    )
+    if not may_use_bitsandbytes:
+        unused.append("bitsandbytes")
+    return unused
+
+
+def _without(libraries: list[str]) -> None:
+    """A None entry in sys.modules makes importlib.util.find_spec, and so transformers' and peft's checks, find a
+    library absent, and an import of it fail. torchrun's workers (several processes or nodes) import them as before."""
+    for name in libraries:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]  # None: absent, by the import system's rules
+
+
 def main() -> None:
+    _without(unused_libraries(sys.argv[1:]))
     try:
         import torchaudio  # noqa: F401
     except Exception:  # missing, or a build that cannot load beside this torch
