@@ -75,3 +75,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return SLOWEST_FIRST.index(module) if module in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
     items.sort(key=rank)  # stable: a module's tests keep their order
+
+
+# Modules whose releases use the worker's cpu_tiny_store: one unit of `make test`'s --dist=loadfile, so one worker
+# runs them one after the other and test_attach's release finds cpu-tiny trained by test_serving's (a module each,
+# test_attach ran on the other worker about one run in two and trained it again: base model, training, merge).
+# Not xdist's loadgroup: it marks a group in item._nodeid, which pytest 9 no longer reads (nodes.py:289-292).
+SHARE_A_WORKER = {"tests/integration/test_serving.py": "cpu-tiny", "tests/integration/test_attach.py": "cpu-tiny"}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModulesSharingAStore(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SHARE_A_WORKER.get(module, module)
+
+    return ModulesSharingAStore(config, log)
