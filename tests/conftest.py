@@ -57,7 +57,8 @@ def _stop_prefect_at_the_end():
 # The slowest modules, slowest first (seconds on 2 cores with two workers, build/junit.xml of the fresh-clone CI run
 # of 7a55cd0, 2026-11-28): `make test`'s workers take whole modules in this order, so the long ones start at once and
 # the short ones fill the end. In that run the tests summed to 2,719 s and pytest took 1,380 s: the two workers were
-# busy to the end. A module's time varies by a minute or two between runs of one commit.
+# busy to the end. A module's time varies by a minute or two between runs of one commit. test_serving goes first
+# although test_release took longer: with test_attach it is one unit of work (SHARE_A_WORKER below), 1,130 s.
 SLOWEST_FIRST = (
     "integration/test_serving.py",  # 722
     "integration/test_release.py",  # 747
