@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from tasks.runners.unused_imports import BOTO3, SCIKIT_LEARN, leave_out
+
 PLACEHOLDER = Path(__file__).resolve().parents[2] / "infra" / "images" / "torchaudio-placeholder"
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # transformers' default optimizers (training_args.py)
 
@@ -28,19 +30,19 @@ def _use_placeholder_torchaudio() -> None:
 
 
 def unused_libraries(args: list[str]) -> list[str]:
-    """Libraries that transformers and peft import whenever they are installed, which the training of `args`
-    (LlamaFactory's argv) never calls: about 3 of the ~17 s from this launcher's start to the first step of cpu-tiny.
+    """Libraries that transformers, peft and accelerate import whenever they are installed, which the training of
+    `args` (LlamaFactory's argv) never calls (tasks/runners/unused_imports.py): about 4 of the ~17 s from this
+    launcher's start to the first step of cpu-tiny.
 
-    - scikit-learn: transformers imports it for assisted generation's confidence threshold
-      (generation/candidate_generator.py:27-28 at 5.6), with pandas, scipy and narwhals: 1.45 s of the 10.4 s of
-      imports before LlamaFactory's first line (`python -X importtime`); LlamaFactory never imports it.
+    - scikit-learn and boto3 always: LlamaFactory imports neither, and the training reports to nothing
+      (`report_to: none`), so nothing in its process writes to S3 (the train stage stores what it wrote).
     - bitsandbytes, unless the training quantizes (quantization_bit), names an optimizer other than torch's AdamW
       (bitsandbytes has 8-bit and paged ones: transformers' trainer_optimizer.py:561-575), or its base model is
       stored quantized (a quantization_config in its config.json, or a base this launcher cannot read): peft imports
       it to offer its 8- and 4-bit LoRA layers whenever it is installed (tuners/lora/model.py:311-319 at 0.18),
       about 2 s.
     """
-    unused = ["sklearn"]
+    unused = [SCIKIT_LEARN, BOTO3]
     config_file = Path(args[1]) if len(args) == 2 and args[0] == "train" else None
     if config_file is None or config_file.suffix not in (".yaml", ".yml", ".json"):
         return unused
@@ -59,15 +61,8 @@ def unused_libraries(args: list[str]) -> list[str]:
     return unused
 
 
-def _without(libraries: list[str]) -> None:
-    """A None entry in sys.modules makes importlib.util.find_spec, and so transformers' and peft's checks, find a
-    library absent, and an import of it fail. torchrun's workers (several processes or nodes) import them as before."""
-    for name in libraries:
-        sys.modules.setdefault(name, None)  # type: ignore[arg-type]  # None: absent, by the import system's rules
-
-
 def main() -> None:
-    _without(unused_libraries(sys.argv[1:]))
+    leave_out(unused_libraries(sys.argv[1:]))
     try:
         import torchaudio  # noqa: F401
     except Exception:  # missing, or a build that cannot load beside this torch

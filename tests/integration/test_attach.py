@@ -307,6 +307,10 @@ def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outli
         tritons = [p for p in psutil.Process(serving.pid).children(recursive=True) if p.name() == "tritonserver"]
         second = next(p for p in tritons if f"--http-port={second_url.rsplit(':', 1)[1]}" in p.cmdline())
         champions_models, stopped = set(second.children()), []
+        # the champion's model processes loaded torch and transformers without scikit-learn or scipy (infra/triton's
+        # llm model.py): no library of theirs is mapped into them
+        mapped = [Path(f"/proc/{model.pid}/maps").read_text() for model in champions_models]
+        assert mapped and all("libtorch" in m and "/scipy" not in m and "/sklearn/" not in m for m in mapped)
 
         def stop_the_candidates_models() -> None:
             while not done.wait(0.1):

@@ -28,5 +28,9 @@ def test_runs_fork_from_one_process_each_with_its_own_exit_code_and_output(tmp_p
     assert genai_perf.forked.run([*usage, "--help"], tmp_path / "help.log") == 0
     assert "usage: genai-perf" in (tmp_path / "help.log").read_text()
     assert genai_perf.forked.process.pid == runner  # the same runner, imported once
+    # it imported transformers' tokenizers without scikit-learn (nor the scipy that comes with it): no library of
+    # theirs is mapped into the runner's memory
+    libraries = Path(f"/proc/{runner}/maps").read_text()
+    assert "tokenizers" in libraries and "/sklearn/" not in libraries and "/scipy" not in libraries
     genai_perf.forked.stop()
     assert genai_perf.forked.process is None

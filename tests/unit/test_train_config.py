@@ -52,8 +52,8 @@ def test_resume_and_extra_args_pass_through():
 
 
 def test_the_launcher_leaves_out_only_what_the_training_never_calls(tmp_path):
-    """scikit-learn always; bitsandbytes only where nothing of the training could use it: no quantization_bit, torch's
-    AdamW, and a base whose config.json says it is not stored quantized."""
+    """scikit-learn and boto3 always; bitsandbytes only where nothing of the training could use it: no
+    quantization_bit, torch's AdamW, and a base whose config.json says it is not stored quantized."""
     from tasks.runners.llamafactory_launch import unused_libraries
 
     base = tmp_path / "base"
@@ -65,14 +65,14 @@ def test_the_launcher_leaves_out_only_what_the_training_never_calls(tmp_path):
         (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
         return unused_libraries(["train", str(tmp_path / "train.yaml")])
 
-    assert unused() == ["sklearn", "bitsandbytes"]
-    assert unused("train.quantization_bit=4") == ["sklearn"]  # QLoRA
-    assert unused(extra={"optim": "paged_adamw_8bit"}) == ["sklearn"]  # an optimizer of bitsandbytes
-    assert unused(extra={"optim": "adamw_torch_fused"}) == ["sklearn", "bitsandbytes"]
-    assert unused(extra={"model_name_or_path": "Qwen/Qwen2.5-7B"}) == ["sklearn"]  # a hub id: not read here
+    assert unused() == ["sklearn", "boto3", "bitsandbytes"]
+    assert unused("train.quantization_bit=4") == ["sklearn", "boto3"]  # QLoRA
+    assert unused(extra={"optim": "paged_adamw_8bit"}) == ["sklearn", "boto3"]  # an optimizer of bitsandbytes
+    assert unused(extra={"optim": "adamw_torch_fused"}) == ["sklearn", "boto3", "bitsandbytes"]
+    assert unused(extra={"model_name_or_path": "Qwen/Qwen2.5-7B"}) == ["sklearn", "boto3"]  # a hub id: not read here
     (base / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "bitsandbytes"}}))
-    assert unused() == ["sklearn"]  # stored in 4 bits
-    assert unused_libraries(["version"]) == ["sklearn"]
+    assert unused() == ["sklearn", "boto3"]  # stored in 4 bits
+    assert unused_libraries(["version"]) == ["sklearn", "boto3"]
 
 
 def test_launch_is_llamafactory_cli_and_multi_gpu_uses_torchrun():
