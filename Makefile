@@ -70,6 +70,7 @@ benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/adapter_canary.py
 	.venv/bin/python benchmarks/stack_idle.py
 	.venv/bin/python benchmarks/bytecode_cache.py
+	.venv/bin/python benchmarks/unused_imports.py
 	.venv/bin/python benchmarks/vllm_engine_idle.py
 	.venv/bin/python benchmarks/predict.py
 
