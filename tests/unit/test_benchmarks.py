@@ -85,3 +85,15 @@ def test_the_gateway_benchmark_names_a_wrong_serving_setting_before_it_starts_an
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "serve.max_queue_delay_us" in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_the_unused_imports_benchmark_starts_a_process_without_what_it_leaves_out(tmp_path, monkeypatch):
+    """benchmarks/unused_imports.py's start: a process whose left-out library is absent to importlib's checks (as
+    transformers makes them), with its CPU, its own peak memory and its modules; a start that fails stops it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    unused_imports = importlib.import_module("unused_imports")
+    code = "import importlib.util\nassert importlib.util.find_spec('sklearn') is None"
+    cpu, peak_mib, modules = unused_imports.start(code, ["sklearn"], tmp_path, tmp_path)
+    assert cpu > 0 and 1 < peak_mib < 200 and modules > 10
+    with pytest.raises(SystemExit, match="exited with 1"):  # installed here: with it, the check fails
+        unused_imports.start(code, [], tmp_path, tmp_path)
