@@ -32,6 +32,7 @@ from tasks.platform.quiet import quiet_libraries
 from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
 from tasks.platform.stores import open_store
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_failed, end_run, resume_run, start_run
+from tasks.platform.unused_imports import PIPELINE, leave_out
 from tasks.prepare_data import DatasetMetrics, prepare_data
 from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
@@ -159,7 +160,8 @@ def release(
         triton_metrics_url: that Triton's Prometheus metrics URL, for the canary's live checks; or
             LLMOPS_TRITON_METRICS_URL.
     """
-    quiet_libraries()  # a worker's flow run does not go through the CLI, which does this too
+    quiet_libraries()  # a worker's flow run does not go through the CLI, which does these too
+    leave_out(PIPELINE)
     if runtime.deployment.id:  # started through the Prefect API (UI, schedule, retrain): shipped profiles only
         check_api_profile(profile)
     config = load_profile(profile, overrides or [], data_source)

@@ -15,6 +15,7 @@ from flows.cli import approval, data, deploy, gate, predict, profiles, run, serv
 from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.run_log import RunLog, exit_code
+from tasks.platform.unused_imports import PIPELINE, leave_out
 
 COMMANDS = (run, serve, predict, gate, approval, stack, store, deploy, data, profiles)  # in --help's order
 
@@ -55,6 +56,7 @@ def prepare_environment(home: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_libraries()
+    leave_out(PIPELINE)
 
 
 @dataclass

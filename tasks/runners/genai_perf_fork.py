@@ -18,7 +18,7 @@ import os
 import sys
 from typing import NoReturn
 
-from tasks.runners.unused_imports import ACCELERATE, SCIKIT_LEARN, leave_out
+from tasks.platform.unused_imports import ACCELERATE, SCIKIT_LEARN, leave_out
 
 
 def main() -> None:

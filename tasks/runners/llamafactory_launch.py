@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from tasks.runners.unused_imports import BOTO3, SCIKIT_LEARN, leave_out
+from tasks.platform.unused_imports import BOTO3, SCIKIT_LEARN, leave_out
 
 PLACEHOLDER = Path(__file__).resolve().parents[2] / "infra" / "images" / "torchaudio-placeholder"
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # transformers' default optimizers (training_args.py)
@@ -31,7 +31,7 @@ def _use_placeholder_torchaudio() -> None:
 
 def unused_libraries(args: list[str]) -> list[str]:
     """Libraries that transformers, peft and accelerate import whenever they are installed, which the training of
-    `args` (LlamaFactory's argv) never calls (tasks/runners/unused_imports.py): about 4 of the ~17 s from this
+    `args` (LlamaFactory's argv) never calls (tasks/platform/unused_imports.py): about 4 of the ~17 s from this
     launcher's start to the first step of cpu-tiny.
 
     - scikit-learn and boto3 always: LlamaFactory imports neither, and the training reports to nothing

@@ -162,6 +162,18 @@ def test_bad_input_is_one_line_and_debug_adds_its_traceback(tmp_path):
     assert not home.exists()  # no run log for a command that ran no flow
 
 
+def test_a_commands_process_leaves_out_what_no_stage_calls(tmp_path):
+    """Before any command runs, scikit-learn is absent to importlib (transformers, which stages import, imports it
+    whenever it is installed: tasks/platform/unused_imports.py); scipy, which the quality gate calls, is not."""
+    check = (
+        "import importlib.util, sys; from pathlib import Path; from flows.cli.app import prepare_environment; "
+        "prepare_environment(Path(sys.argv[1])); "
+        "print(importlib.util.find_spec('sklearn') is None, importlib.util.find_spec('scipy') is None)"
+    )
+    result = subprocess.run([sys.executable, "-c", check, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout.split() == ["True", "False"], result.stderr[-2000:]
+
+
 # The real entry point with one more command, `llmops fail check|bug`: a release flow whose stage (the real
 # stage_task wrapper) fails the way evaluate refuses a candidate, or with a bug.
 FAILING_STAGE = """

@@ -10,6 +10,10 @@ library absent, and an import of it fail. What each costs and who imports it, at
   1.12, through accelerate.hooks, which transformers' auto classes import): 1.55 s of a training's imports.
 - accelerate itself, where nothing loads a model with a device_map (its big-model hooks are all transformers takes
   from it then).
+
+`llmops` and the flows a worker runs leave scikit-learn out too (PIPELINE): their stages import transformers (the base
+model's tokenizer, evaluate, merge, quantize, the gateway's tokenizer) and nothing of theirs calls scikit-learn; scipy
+they keep (the quality gate's statistics), and accelerate (peft's merge) and boto3 (the S3 store).
 """
 
 import sys
@@ -17,6 +21,7 @@ import sys
 SCIKIT_LEARN = "sklearn"
 BOTO3 = "boto3"
 ACCELERATE = "accelerate"
+PIPELINE = [SCIKIT_LEARN]  # what the `llmops` command and the release flow leave out
 
 
 def leave_out(libraries: list[str]) -> None:
