@@ -47,7 +47,10 @@ say "installing $(grep -c '==' "$PIN_FILE") pinned packages (no dependency resol
 # imported and keeps the .pyc, so only what runs is compiled. Compiling every installed file (compileall -j 0,
 # as before) was about 40 s of both cores for .venv alone, mostly torch, transformers and vLLM files no run imports.
 # (Unless PYTHONDONTWRITEBYTECODE is set: the Makefile's targets unset it.)
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+# setuptools warns on every editable install that a folder named like the package may shadow it (a 9-line
+# BuildBackendWarning, command/editable_wheel.py); this project's packages are those folders. That one is filtered.
+PYTHONWARNINGS="ignore:Editable installation:UserWarning" \
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 
 cuda=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(nvidia-[a-z0-9-]+-cu[0-9]+|nvidia-(cublas|cudnn|cuda|nccl|cusparse|cufft|curand|cusolver|nvjitlink|nvtx)|cuda-|triton==)' || true)
 if [ -n "$cuda" ]; then
