@@ -7,7 +7,7 @@ library absent, and an import of it fail. What each costs and who imports it, at
 - scikit-learn: transformers, for assisted generation's confidence threshold (generation/candidate_generator.py:27-28
   at 5.6), with pandas, scipy and narwhals: 1.45 s of the 10.4 s of imports before LlamaFactory's first line.
 - accelerate's boto3: accelerate imports boto3 for its SageMaker config command (commands/config/sagemaker.py:34 at
-  1.12, through accelerate.hooks, which transformers' auto classes import): 1.55 s of a training's imports.
+  1.11.0, through accelerate.hooks, which transformers' auto classes import): 1.55 s of a training's imports.
 - accelerate itself, where nothing loads a model with a device_map (its big-model hooks are all transformers takes
   from it then).
 
