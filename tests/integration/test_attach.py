@@ -160,7 +160,11 @@ def test_a_bad_candidate_rolls_back_on_the_attached_triton_through_the_serve_in_
     assert client.grpc_url and client.metrics_url
     attach = ["--triton-url", client.url, "--triton-grpc-url", client.grpc_url]
     attach += ["--triton-metrics-url", client.metrics_url, "--triton-control-key-file", key_file]
-    serving = start_serve(serve_home, cpu_tiny_store, log, *attach)
+    # The gateway waits as long as its clients do: a stream's next chunk once came after serve.health.between_chunks_s
+    # (30 s; a 504, one of 210 answers, in a CI run whose suite took 42 min instead of 29), and the champion's probes
+    # may time out as long without it being recovered (reloaded) under its clients
+    patient = ["--set", "serve.health.between_chunks_s=90", "--set", "serve.health.probe_timeout_s=30"]
+    serving = start_serve(serve_home, cpu_tiny_store, log, *attach, *patient)
     try:
         state = published(serve_home, serving, log, 120)
         serve_key = serve_home / "serving" / "control.key"
