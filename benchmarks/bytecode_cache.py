@@ -46,6 +46,16 @@ def cpu_seconds(python: Path, code: str, env: dict[str, str]) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def measure(python: Path, code: str, base: dict[str, str], prefix: Path, rounds: int) -> tuple[float, float]:
+    """Median CPU seconds of `code` compiled from source and read from bytecode kept under `prefix`: the source runs
+    write nothing there, one run then keeps what the "kept" runs read."""
+    source_env = {**base, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(prefix)}
+    kept_env = {**base, "PYTHONPYCACHEPREFIX": str(prefix)}
+    source = statistics.median(cpu_seconds(python, code, source_env) for _ in range(rounds))
+    cpu_seconds(python, code, kept_env)  # keeps the bytecode the "kept" side reads
+    return source, statistics.median(cpu_seconds(python, code, kept_env) for _ in range(rounds))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side per kind; the median is shown")
@@ -78,11 +88,7 @@ def main() -> None:
             # a prefix per kind: modules one kind kept would otherwise be read by the next kind's "from source"
             prefix = Path(scratch) / f"kind-{number}"
             shutil.copytree(stdlib_only, prefix)
-            source_env = {**base, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(prefix)}
-            kept_env = {**base, "PYTHONPYCACHEPREFIX": str(prefix)}
-            source = statistics.median(cpu_seconds(python, code, source_env) for _ in range(args.rounds))
-            cpu_seconds(python, code, kept_env)  # keeps the bytecode the "kept" side reads
-            cached = statistics.median(cpu_seconds(python, code, kept_env) for _ in range(args.rounds))
+            source, cached = measure(python, code, base, prefix, args.rounds)
             print(f"{name:24s} {source:12.2f} {cached:8.2f} {source - cached:7.2f}", flush=True)
 
 

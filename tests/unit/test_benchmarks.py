@@ -97,3 +97,23 @@ def test_the_unused_imports_benchmark_starts_a_process_without_what_it_leaves_ou
     assert cpu > 0 and 1 < peak_mib < 200 and modules > 10
     with pytest.raises(SystemExit, match="exited with 1"):  # installed here: with it, the check fails
         unused_imports.start(code, [], tmp_path, tmp_path)
+
+
+def test_the_bytecode_benchmark_reads_kept_bytecode_from_its_own_prefix_only(tmp_path, monkeypatch):
+    """benchmarks/bytecode_cache.py's measure: the bytecode its "kept" runs read is kept under the benchmark's prefix,
+    and the module's own folder gets no __pycache__ (the environments stay as they were)."""
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    bytecode_cache = importlib.import_module("bytecode_cache")
+    package = tmp_path / "src"
+    package.mkdir()
+    (package / "tiny_module.py").write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(200)))
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    base["PYTHONPATH"] = str(package)
+    prefix = tmp_path / "prefix"
+    source, kept = bytecode_cache.measure(Path(sys.executable), "import tiny_module", base, prefix, rounds=1)
+    assert source > 0 and kept > 0
+    assert [p.name for p in prefix.rglob("tiny_module*.pyc")] == [f"tiny_module.{sys.implementation.cache_tag}.pyc"]
+    assert not (package / "__pycache__").exists()
