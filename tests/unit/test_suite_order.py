@@ -1,7 +1,8 @@
 """How `make test` spreads the suite over its workers (tests/conftest.py), and what tests/README.md says of it: the
 modules that share the cpu-tiny store
 are one unit of work, so one worker runs them and the second finds the first's training; the modules it orders and
-groups by path still exist (a renamed module would fall silently to the end of the queue, or train twice)."""
+groups by path still exist (a renamed module would fall silently to the end of the queue, or train twice); and
+tests/cpu_by_kind.py, which says where the suite's CPU goes, counts a real command's processes by kind."""
 
 from __future__ import annotations
 
@@ -60,3 +61,31 @@ def test_every_test_module_says_what_it_proves_in_the_tests_readme():
     readme = (ROOT / "tests" / "README.md").read_text()
     modules = sorted(path.name for path in (ROOT / "tests").glob("*/test_*.py"))
     assert [name for name in modules if f"`{name}`" not in readme] == []
+
+
+def test_cpu_by_kind_counts_each_process_the_command_started_by_its_kind():
+    """A real command that spins for a second of CPU: it is counted to its kind (one of `--kind`, so that no process
+    of a test running beside this one matches it) with about that second, and the exit code is the command's."""
+    spin = "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < 1: pass\nsys.exit(3)"
+    command = [sys.executable, "-c", spin, "probe-3f9c1e"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cpu_by_kind.py"), "--every", "0.1", "--kind", "probe-3f9c1e=probe"]
+        + ["--", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 3, result.stderr
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in result.stdout.splitlines()[3:]}
+    count, cpu_s, _ = rows["probe"]
+    assert int(count) == 1 and 0.8 <= float(cpu_s) <= 1.3
+
+
+def test_cpu_by_kind_refuses_a_kind_without_its_name():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cpu_by_kind.py"), "--kind", "probe", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "--kind 'probe': expected PATTERN=NAME" in result.stderr
