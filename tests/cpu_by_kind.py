@@ -1,13 +1,14 @@
 """Where a command's CPU goes, by kind of process: runs the command, reads every process of the machine once a second
 while it runs (psutil), and prints each kind's CPU seconds, process count and share, with how busy the cores were.
 
-    .venv/bin/python tests/cpu_by_kind.py [--every 1] -- make test
+    .venv/bin/python tests/cpu_by_kind.py [--every 1] [--kind PATTERN=NAME]... -- make test
 
 Every process of the machine is counted, not only the command's children: the suite's servers start their own
 sessions (Triton, vLLM, Prefect), so a process tree would miss them. A process that lives less than one interval is
 not seen; one seen is counted with the CPU it had used when last seen (a process ending between two reads loses at
-most one interval). A process that was running before the command counts only what it used since. The kinds are the first pattern of KINDS found in the command line; what matches none is
-"other" with its program's name.
+most one interval). A process that was running before the command counts only what it used since. A process's kind
+is that of the first pattern of `--kind` or KINDS found in its command line; what matches none is "other" with its
+program's name.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import os
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter
 from dataclasses import dataclass
 
 import psutil
 
-# (substring of the command line, kind), first match wins: the specific before the general (a Prefect flow run's
-# command line names prefect too, Triton's Python stub names tritonserver's paths).
+# (substring of the command line, kind), first match wins: the specific before the general (Triton's Python stub runs
+# from tritonserver's folder, vLLM's engine core is a vllm process).
 KINDS = (
     ("triton_python_backend_stub", "Triton Python model"),
     ("tritonserver", "tritonserver"),
@@ -66,17 +67,18 @@ def kind_of(command_line: str, kinds: tuple[tuple[str, str], ...] = KINDS) -> st
 @dataclass
 class Seen:
     kind: str
-    started_before: bool  # running before the command: counted only where it used CPU since
-    cpu_at_start: float  # what such a process had used when the command started
+    cpu_at_start: float | None  # what a process running before the command had used then; None: started since
     cpu_now: float = 0.0
 
     @property
     def cpu_s(self) -> float:
-        return self.cpu_now - self.cpu_at_start
+        return self.cpu_now - (self.cpu_at_start or 0.0)
 
 
-def read_processes(seen: dict[tuple[int, float], Seen], started_at: float, kinds: tuple[tuple[str, str], ...]) -> None:
-    """Each process's CPU so far, keyed by pid and start time (a pid used again is another process)."""
+def read_processes(seen: dict[tuple[int, float], Seen], kinds: tuple[tuple[str, str], ...], before: bool) -> None:
+    """Each process's CPU so far, keyed by pid and start time (a pid used again is another process); `before`: this
+    read is the one before the command starts. (Not by comparing start times with the clock: psutil's are counted
+    from a boot time in whole seconds, up to a second early.)"""
     for process in psutil.process_iter(["cmdline", "create_time", "cpu_times"]):
         info = process.info
         if info["cpu_times"] is None or info["create_time"] is None or process.pid == os.getpid():
@@ -84,8 +86,7 @@ def read_processes(seen: dict[tuple[int, float], Seen], started_at: float, kinds
         cpu = info["cpu_times"].user + info["cpu_times"].system
         key = (process.pid, info["create_time"])
         if key not in seen:
-            before = info["create_time"] < started_at
-            seen[key] = Seen(kind_of(" ".join(info["cmdline"] or []), kinds), before, cpu if before else 0.0)
+            seen[key] = Seen(kind_of(" ".join(info["cmdline"] or []), kinds), cpu if before else None)
         seen[key].cpu_now = cpu
 
 
@@ -94,38 +95,34 @@ def measure(
 ) -> tuple[int, float, float, dict[str, tuple[int, float]]]:
     """Run `command`; its exit code, wall seconds, the cores' busy share, and per kind (processes, CPU seconds)."""
     seen: dict[tuple[int, float], Seen] = {}
-    started_at = time.time()
-    read_processes(seen, started_at, kinds)
+    read_processes(seen, kinds, before=True)
     before = psutil.cpu_times()
     started = time.monotonic()
     child = subprocess.Popen(command)
     while child.poll() is None:
-        read_processes(seen, started_at, kinds)
+        read_processes(seen, kinds, before=False)
         time.sleep(every)
     wall = time.monotonic() - started
     after = psutil.cpu_times()
-    idle = (
-        (after.idle + after.iowait - before.idle - before.iowait)
-        if hasattr(after, "iowait")
-        else after.idle - before.idle
-    )
+    idle = after.idle + after.iowait - before.idle - before.iowait  # Linux's fields, as the suite's machines
     busy = 1 - idle / max(sum(after) - sum(before), 1e-9)
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    processes: Counter[str] = Counter()
+    cpu_s: Counter[str] = Counter()
     for process in seen.values():
-        if process.cpu_s > 0 or not process.started_before:
-            by_kind[process.kind][0] += 1
-            by_kind[process.kind][1] += process.cpu_s
-    return child.returncode, wall, busy, {kind: (int(n), cpu) for kind, (n, cpu) in by_kind.items()}
+        if process.cpu_s > 0 or process.cpu_at_start is None:
+            processes[process.kind] += 1
+            cpu_s[process.kind] += process.cpu_s
+    return child.returncode, wall, busy, {kind: (processes[kind], cpu_s[kind]) for kind in processes}
 
 
-def table(wall: float, busy: float, by_kind: dict[str, tuple[int, float]], top: int = 20) -> str:
+def table(wall: float, busy: float, by_kind: dict[str, tuple[int, float]]) -> str:
     total = sum(cpu for _, cpu in by_kind.values())
     lines = [
         f"{total:.0f} CPU-s in {wall:.0f} s on {psutil.cpu_count()} cores ({busy:.0%} busy)",
         "| kind | processes | CPU-s | share |",
         "|---|---|---|---|",
     ]
-    for kind, (count, cpu) in sorted(by_kind.items(), key=lambda item: -item[1][1])[:top]:
+    for kind, (count, cpu) in sorted(by_kind.items(), key=lambda item: -item[1][1]):
         lines.append(f"| {kind} | {count} | {cpu:.1f} | {cpu / max(total, 1e-9):.0%} |")
     return "\n".join(lines)
 
@@ -133,7 +130,6 @@ def table(wall: float, busy: float, by_kind: dict[str, tuple[int, float]], top: 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=float, default=1.0, help="seconds between two reads (default 1)")
-    parser.add_argument("--top", type=int, default=20, help="kinds printed, most CPU first (default 20)")
     parser.add_argument(
         "--kind", action="append", default=[], metavar="PATTERN=NAME", help="a kind of your own, matched before KINDS"
     )
@@ -146,7 +142,7 @@ def main(argv: list[str]) -> int:
             parser.error(f"--kind {given!r}: expected PATTERN=NAME")
         own.append((pattern, name))
     code, wall, busy, by_kind = measure(args.command, args.every, (*own, *KINDS))
-    print(table(wall, busy, by_kind, args.top))
+    print(table(wall, busy, by_kind))
     return code
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import ROOT, SHARE_A_WORKER, SLOWEST_FIRST
@@ -65,20 +66,31 @@ def test_every_test_module_says_what_it_proves_in_the_tests_readme():
 
 def test_cpu_by_kind_counts_each_process_the_command_started_by_its_kind():
     """A real command that spins for a second of CPU: it is counted to its kind (one of `--kind`, so that no process
-    of a test running beside this one matches it) with about that second, and the exit code is the command's."""
-    spin = "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < 1: pass\nsys.exit(3)"
-    command = [sys.executable, "-c", spin, "probe-3f9c1e"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "cpu_by_kind.py"), "--every", "0.1", "--kind", "probe-3f9c1e=probe"]
-        + ["--", *command],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    of a test running beside this one matches it) with about that second, and the exit code is the command's; a
+    process that spent its second before the command started and sleeps through it is not counted."""
+    import psutil
+
+    spin = "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < 1: pass\n"
+    earlier = subprocess.Popen([sys.executable, "-c", spin + "time.sleep(30)", "probe-3f9c1e-earlier"])
+    try:
+        deadline = time.monotonic() + 30
+        while sum(psutil.Process(earlier.pid).cpu_times()[:2]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        command = [sys.executable, "-c", spin + "sys.exit(3)", "probe-3f9c1e"]
+        kinds = ["--kind", "probe-3f9c1e-earlier=earlier", "--kind", "probe-3f9c1e=probe"]
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "cpu_by_kind.py"), "--every", "0.1", *kinds, "--", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        earlier.kill()
     assert result.returncode == 3, result.stderr
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in result.stdout.splitlines()[3:]}
     count, cpu_s, _ = rows["probe"]
     assert int(count) == 1 and 0.8 <= float(cpu_s) <= 1.3
+    assert "earlier" not in rows
 
 
 def test_cpu_by_kind_refuses_a_kind_without_its_name():
