@@ -1,5 +1,6 @@
 """The local stack at idle: CPU and memory of each service's processes, with MLflow's job execution on (MLflow's own
-default) and off (the stack's default), side by side in one run. Prints a table.
+default) and off (the stack's default), and then with the Prefect server's ten loop services off too (the stack keeps
+them: what an idle Prefect server costs without them), side by side in one run. Prints a table.
 
 Each round starts `llmops stack up` on free ports in a fresh LLMOPS_HOME, waits for the stack to settle, samples
 every process of each service (the process the stack started and its children, from stack.json) for the window,
@@ -26,6 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 LLMOPS = str(Path(sys.executable).parent / "llmops")
 PORTS = ["--prefect-port", "0", "--mlflow-port", "0", "--s3-port", "0"]
 JOBS = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+# Prefect 3.7.2's server services (prefect/settings/models/server/services.py), each with its own ENABLED setting
+PREFECT_SERVICES = (
+    *("CANCELLATION_CLEANUP", "DB_VACUUM", "EVENT_PERSISTER", "FOREMAN", "LATE_RUNS", "PAUSE_EXPIRATIONS"),
+    *("REPOSSESSOR", "SCHEDULER", "TASK_RUN_RECORDER", "TRIGGERS"),
+)
+SERVICES_OFF = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in PREFECT_SERVICES}
 
 
 def service_processes(home: Path) -> dict[str, list[psutil.Process]]:
@@ -61,10 +68,12 @@ def rss_mb(processes: list[psutil.Process]) -> float:
     return total / 2**20
 
 
-def measure(job_execution: bool, settle: float, window: float) -> dict[str, dict[str, float]]:
+def measure(
+    job_execution: bool, settle: float, window: float, extra: dict | None = None
+) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="stack-idle-") as folder:
         home = Path(folder)
-        env = {**os.environ, "LLMOPS_HOME": str(home), JOBS: str(job_execution).lower()}
+        env = {**os.environ, "LLMOPS_HOME": str(home), JOBS: str(job_execution).lower(), **(extra or {})}
         subprocess.run([LLMOPS, "stack", "up", *PORTS], env=env, cwd=ROOT, check=True, capture_output=True)
         try:
             time.sleep(settle)
@@ -93,6 +102,7 @@ def main() -> None:
     rounds = {
         "jobs on (MLflow's default)": measure(True, args.settle, args.window),
         "jobs off (the stack's default)": measure(False, args.settle, args.window),
+        "jobs off, Prefect's services off": measure(False, args.settle, args.window, SERVICES_OFF),
     }
     print(f"\nlocal stack at idle, {args.window:.0f} s sampled after {args.settle:.0f} s (CPU: % of one core)\n")
     print(f"{'service':<10}" + "".join(f"{label:>44}" for label in rounds))
