@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
 # (message regex, category): warnings Python's `warnings` module would print once per place.
@@ -36,21 +37,32 @@ LOGGERS: dict[str, int] = {
     "mlflow.system_metrics": logging.WARNING,
 }
 
-# Messages logged on the root logger by libraries that use `logging.warning(...)` directly.
-ROOT_MESSAGES: tuple[str, ...] = (
-    # onnxruntime/quantization/quantize.py: shape inference before dynamic int8 quantization, an image-model tip;
-    # the quantize stage measures the quantized model's accuracy itself.
-    "Please consider to run pre-processing before quantization",
-)
+# logger name ("" for the root logger) -> regular expressions of the messages of it that are dropped (re.match).
+MESSAGES: dict[str, tuple[str, ...]] = {
+    # onnxruntime/quantization/quantize.py logs on the root logger (`logging.warning`): shape inference before
+    # dynamic int8 quantization, an image-model tip; the quantize stage measures the quantized model's accuracy itself.
+    "": (r"Please consider to run pre-processing before quantization",),
+    # urllib3 (under MLflow's client and our requests sessions) retrying a request whose kept-alive connection the
+    # server closed as it was sent: a server's keep-alive timeout racing the request (seen in a CI run: MLflow's
+    # runs/get, RemoteDisconnected). The retry is answered. Retries after a refused or timed-out connection still
+    # show: they are an outage in progress, which ends in our one-line error if it outlasts the retries.
+    "urllib3.connectionpool": (r"Retrying \(.*\) after connection broken by 'RemoteDisconnected\(",),
+}
 
 
 class _DropMessages(logging.Filter):
+    def __init__(self, patterns: tuple[str, ...]):
+        super().__init__()
+        self.patterns = [re.compile(pattern) for pattern in patterns]
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(message.startswith(prefix) for prefix in ROOT_MESSAGES)
+        return not any(pattern.match(message) for pattern in self.patterns)
 
 
-_ROOT_FILTER = _DropMessages()
+# A logger's filters apply to the records created on it (not to those that reach it from a child logger), so each
+# logger of MESSAGES gets its own.
+_FILTERS = {name: _DropMessages(patterns) for name, patterns in MESSAGES.items()}
 
 
 # Environment switches of libraries that print without a logger.
@@ -68,9 +80,10 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, level in LOGGERS.items():
         logging.getLogger(name).setLevel(level)
-    root = logging.getLogger()
-    if _ROOT_FILTER not in root.filters:
-        root.addFilter(_ROOT_FILTER)
+    for name, dropping in _FILTERS.items():
+        logger = logging.getLogger(name)
+        if dropping not in logger.filters:
+            logger.addFilter(dropping)
 
 
 def quiet_transformers() -> None:
