@@ -13,8 +13,9 @@ from tasks.platform.ports import free_port
 ROOT = Path(__file__).resolve().parents[2]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n{}"
 
-# Two requests through MLflow's own retrying session (as its tracking client sends them), then one to a port where
-# nothing listens; what the libraries log goes to stderr as a CLI's console handler would print it.
+# Two requests through MLflow's own retrying session (its tracking client's http_request calls it:
+# mlflow/utils/rest_utils.py:298 at 3.17.2), then one to a port where nothing listens; what the libraries log goes
+# to stderr as a CLI's console handler would print it.
 CLIENT = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s - %(message)s")
