@@ -30,7 +30,7 @@ from tasks.approve import Approval, DecisionPolicy, run_creator, wait_for_decisi
 from tasks.data.forget import expire_harvested, harvested_in
 from tasks.data.harvest import MinRating, admission_refusals
 from tasks.data.objects import open_location, same_or_inside
-from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
+from tasks.platform.config import PROFILE_EXAM, Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import BadInput
 from tasks.platform.tracking import default_tracking_uri, ensure_experiment
 
@@ -186,7 +186,7 @@ def flywheel(
     log = get_run_logger()
     if runtime.deployment.id:
         check_api_profile(profile)
-    config = load_profile(profile, [], data_destination)
+    config = load_profile(profile, [], data_destination, PROFILE_EXAM)  # the curated exam, as retrain's runs
     refuse_unsafe_locations(config, data_destination, pending_destination)
     expired = expire_harvested(
         harvested_in(data_destination) + harvested_in(pending_destination),

@@ -130,6 +130,7 @@ def open_serving_context(profile: Profile, tracking_uri: str | None, artifacts: 
 def release(
     profile: ProfileName = "cpu-tiny",
     data_source: str | None = None,
+    eval_data: str | None = None,
     overrides: list[str] | None = None,
     tracking_uri: str | None = None,
     artifacts: str | None = None,
@@ -144,6 +145,9 @@ def release(
         profile: run profile, one of profiles/ (a YAML path too, where the flow is called directly; a run started
             through the API takes one under LLMOPS_PROFILES_DIR only: docs/security.md).
         data_source: dataset file, folder or s3:// URI; empty: the profile's data.source.
+        eval_data: the held-out set the candidate is scored on (file, folder or s3:// URI); empty: the profile's
+            data.eval_source with its own data, a hash split of data_source otherwise (the profile's curated set
+            where data_source holds harvested records); "profile": the profile's data.eval_source whatever the data.
         overrides: profile overrides as key=value, e.g. train.learning_rate=1e-4 or serve.deploy=false. Every
             setting with its type, default and meaning: docs/reference/profiles.md, or `llmops profiles show NAME`.
             Settings that run code (executables, environments, images, pass-through arguments) come only from
@@ -164,7 +168,7 @@ def release(
     leave_out(PIPELINE)
     if runtime.deployment.id:  # started through the Prefect API (UI, schedule, retrain): shipped profiles only
         check_api_profile(profile)
-    config = load_profile(profile, overrides or [], data_source)
+    config = load_profile(profile, overrides or [], data_source, eval_data)
     target = TritonTarget.from_options(
         triton_url, triton_grpc_url, triton_metrics_url, triton_repository, from_api=bool(runtime.deployment.id)
     )

@@ -18,7 +18,7 @@ from prefect.deployments import run_deployment
 
 from flows.release import default_services, llmops_home
 from tasks.data.records import read_data
-from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
+from tasks.platform.config import PROFILE_EXAM, Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.tracking import default_tracking_uri
 
 RELEASE_DEPLOYMENT = "release/release"
@@ -61,7 +61,8 @@ def retrain(
     overrides = list(overrides or [])
     if runtime.deployment.id:  # started through the Prefect API: shipped profiles only (docs/security.md)
         check_api_profile(profile)
-    config = load_profile(profile, overrides, data_source)
+    # New data is scored on the profile's curated exam (data.eval_source), as the release run below is
+    config = load_profile(profile, overrides, data_source, PROFILE_EXAM)
     fingerprint, records = data_fingerprint(config)
     tracking_uri, _ = default_services(None, None)
     last = latest_release(tracking_uri or default_tracking_uri(llmops_home()), config.registry.model_name)
@@ -82,7 +83,7 @@ def retrain(
         timeout=0,
         as_subflow=False,
         idempotency_key=key,
-        parameters={"profile": profile, "data_source": data_source, "overrides": overrides},
+        parameters={"profile": profile, "data_source": data_source, "eval_data": PROFILE_EXAM, "overrides": overrides},
         tags=["retrain", f"data:{fingerprint[:12]}"],
         flow_run_name=f"retrain-{fingerprint[:12]}",
     )

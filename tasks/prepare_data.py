@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.data.records import CleanData, clean_and_split, read_source, source_digest
+from tasks.data.records import CleanData, clean_and_split, read_exams, read_source, source_digest
 from tasks.data.splits import load_split, require_samples, write_dataset
-from tasks.platform.config import TrainSection
+from tasks.platform.config import EvaluateSection, TrainSection
 from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 
@@ -36,22 +36,29 @@ class DatasetMetrics(StageMetrics):
     eval_fingerprint: str | None = None
     harvested_records: int | None = None  # records the flywheel harvested from served traffic (gate.approval)
     harvested_with_history: int | None = None  # ... of which a client wrote earlier assistant turns (mask_history)
+    eval_split: str | None = None  # where the eval split came from: "hash split of qa.jsonl" (a tag, not a metric)
 
     @classmethod
     def of_data(cls, data: CleanData) -> DatasetMetrics:
-        return cls(**data.stats, fingerprint=data.fingerprint, eval_fingerprint=data.eval_fingerprint or None)
+        return cls(
+            **data.stats,
+            fingerprint=data.fingerprint,
+            eval_fingerprint=data.eval_fingerprint or None,
+            eval_split=data.eval_split,
+        )
 
     def headline(self) -> str:
-        return f"{self.train_records} train / {self.eval_records} eval"
+        origin = f" ({self.eval_split})" if self.eval_split else ""
+        return f"{self.train_records} train / {self.eval_records} eval{origin}"
 
 
 def prepare_data(ctx: RunContext) -> StageResult:
     cfg = ctx.profile.data
     files = read_source(cfg.source)
-    eval_files = read_source(cfg.eval_source) if cfg.eval_source else None
+    eval_files, harvest_eval_files = read_exams(cfg)
 
     def produce(out_dir: Path) -> dict:
-        data = clean_and_split(files, cfg, eval_files)
+        data = clean_and_split(files, cfg, eval_files, harvest_eval_files)
         refuse_unmasked_history(DatasetMetrics.of_data(data), ctx.profile.train, cfg.source)  # before writing
         write_dataset(data, out_dir)
         metrics = DatasetMetrics.of_data(data)
@@ -67,7 +74,8 @@ def prepare_data(ctx: RunContext) -> StageResult:
         {
             "source": source_digest(files),
             "eval_source": source_digest(eval_files) if eval_files else None,
-            "config": cfg.model_dump(exclude={"source", "eval_source"}),
+            "harvest_eval_source": source_digest(harvest_eval_files) if harvest_eval_files else None,
+            "config": cfg.model_dump(exclude={"source", "eval_source", "harvest_eval_source"}),
         },
         produce,
         headline=lambda m: DatasetMetrics.from_mlflow(m).headline(),
@@ -76,12 +84,23 @@ def prepare_data(ctx: RunContext) -> StageResult:
     refuse_unmasked_history(dataset, ctx.profile.train, cfg.source)  # a cache hit made under another train section
     if dataset.harvested_records:
         ctx.tracker.set_tags({"data.harvested_records": str(dataset.harvested_records)})
-    # Refused now rather than by evaluate after training: the split's size is known here.
-    require_samples(min(dataset.eval_records, ctx.profile.evaluate.max_samples), ctx.profile.evaluate, "prepare_data")
+    if dataset.eval_split:
+        ctx.tracker.set_tags({"data.eval_split": dataset.eval_split})
+    refuse_too_few_samples(dataset, ctx.profile.evaluate)
     log_dataset_input(ctx, ctx.store.fetch(result.artifact.digest), cfg.source, dataset.fingerprint)
     if dataset.eval_fingerprint:
-        ctx.tracker.set_tags({"data.eval_fingerprint": dataset.eval_fingerprint, "data.eval_source": cfg.eval_source})
+        exam = cfg.curated_exam
+        ctx.tracker.set_tags({"data.eval_fingerprint": dataset.eval_fingerprint, "data.eval_source": exam})
     return result
+
+
+def refuse_too_few_samples(dataset: DatasetMetrics, cfg: EvaluateSection) -> None:
+    """Refused before training rather than by evaluate after it: the split's size is known here. The refusal names
+    where the split came from and whether evaluate.max_samples cut it."""
+    named = "the eval split" + (f" ({dataset.eval_split})" if dataset.eval_split else "")
+    if cfg.max_samples < dataset.eval_records:
+        named += ", cut to evaluate.max_samples,"
+    require_samples(min(dataset.eval_records, cfg.max_samples), cfg, "prepare_data", named)
 
 
 def refuse_unmasked_history(dataset: DatasetMetrics, train: TrainSection, source: str) -> None:

@@ -63,9 +63,13 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
         if stage.stage == "evaluate":
             metric = ctx.profile.evaluate.metric
             tags[f"metric.{metric}"] = str(EvaluationMetrics.of(stage).candidate[metric])
-        if stage.stage == "prepare_data" and (eval_fingerprint := DatasetMetrics.of(stage).eval_fingerprint):
-            tags["data.eval_fingerprint"] = eval_fingerprint
-            tags["data.eval_source"] = ctx.profile.data.eval_source or ""
+        if stage.stage == "prepare_data":
+            dataset = DatasetMetrics.of(stage)
+            if dataset.eval_split:
+                tags["data.eval_split"] = dataset.eval_split
+            if dataset.eval_fingerprint:
+                tags["data.eval_fingerprint"] = dataset.eval_fingerprint
+                tags["data.eval_source"] = ctx.profile.data.curated_exam or ""
         if stage.stage == "merge":
             contract = ctx.store.fetch(stage.artifact.digest) / CONTRACT_FILE
             if contract.is_file():

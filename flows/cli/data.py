@@ -17,7 +17,7 @@ VALIDATE_DESCRIPTION = (
 
 VALIDATE_EPILOG = (
     "examples:\n  llmops data validate profiles/data/antonyms.jsonl\n"
-    "  llmops data validate my_qa.json --format alpaca --eval-source held_out.jsonl\n"
+    "  llmops data validate my_qa.json --format alpaca --eval-data held_out.jsonl\n"
     "  llmops data validate s3://datasets/sft/ --profile cpu-tiny-qa-zh"
 )
 
@@ -95,7 +95,13 @@ def register_validate(actions) -> None:
         choices=["auto", "alpaca", "sharegpt", "openai"],
         help="record format (default: the profile's data.format, usually auto)",
     )
-    validate.add_argument("--eval-source", help="a fixed held-out set (file, folder or s3://), as data.eval_source")
+    validate.add_argument(
+        "--eval-data",
+        "--eval-source",
+        dest="eval_data",
+        metavar="PATH|s3://|profile",
+        help="the held-out set, as `llmops run --eval-data` takes it (default: as `llmops run --data SOURCE` splits)",
+    )
     validate.add_argument(
         "--profile",
         default="cpu-tiny",
@@ -149,9 +155,9 @@ def harvest_data(args) -> str:
     import json
 
     from flows.harvest import describe, harvest_dataset, parse_since
-    from tasks.platform.config import load_profile
+    from tasks.platform.config import PROFILE_EXAM, load_profile
 
-    config = load_profile(args.profile, [], args.data)
+    config = load_profile(args.profile, [], args.data, PROFILE_EXAM)  # the curated exam, as the flywheel's
     service = args.service or config.registry.model_name
     harvested = harvest_dataset(config, parse_since(args.since), args.out, args.min_rating, args.capture, service)
     if args.report:
@@ -171,9 +177,8 @@ def validate_data(args) -> str:
     from tasks.data.records import read_data
     from tasks.platform.config import load_profile
 
-    overrides = [f"data.eval_source={args.eval_source}"] if args.eval_source else []
-    overrides += [f"data.format={args.format}"] if args.format else []
-    cfg = load_profile(args.profile, overrides, args.source).data
+    overrides = [f"data.format={args.format}"] if args.format else []
+    cfg = load_profile(args.profile, overrides, args.source, args.eval_data).data
     data = read_data(cfg)
     stats = data.stats
     lines = [
@@ -181,12 +186,11 @@ def validate_data(args) -> str:
         f"  records read           {stats['records_read']}",
         f"  duplicates dropped     {stats['duplicates_dropped']}",
         f"  empty answers dropped  {stats['empty_answers_dropped']}",
-        f"  train / eval           {stats['train_records']} / {stats['eval_records']}"
+        f"  train / eval           {stats['train_records']} / {stats['eval_records']}  (eval: {data.eval_split}"
         + (
-            f"  (eval: data.eval_source {cfg.eval_source}, {stats['eval_overlap_dropped']} overlapping records "
-            "left out of training)"
-            if cfg.eval_source
-            else f"  (data.eval_fraction {cfg.eval_fraction})"
+            f", {stats['eval_overlap_dropped']} overlapping records left out of training)"
+            if "eval_overlap_dropped" in stats
+            else f" at data.eval_fraction {cfg.eval_fraction})"
         ),
         f"  fingerprint            {data.fingerprint}",
     ]

@@ -35,6 +35,12 @@ def register(commands) -> None:
         "--profile", default="cpu-tiny", help="profile name in profiles/ or a YAML path (default: cpu-tiny)"
     )
     run.add_argument("--data", help="dataset file, folder or s3:// URI (overrides data.source)")
+    run.add_argument(
+        "--eval-data",
+        metavar="PATH|s3://|profile",
+        help="the held-out set the candidate is scored on (data.eval_source); default: the profile's with its own "
+        "data, a hash split of --data's records with other data; 'profile': the profile's whatever --data brings",
+    )
     add_overrides_flag(run, "override a profile value, e.g. train.learning_rate=1e-4 (repeatable)")
     run.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under $LLMOPS_HOME)")
     run.add_argument("--artifacts", help="artifact store: folder or s3://bucket/prefix (default: $LLMOPS_HOME/store)")
@@ -102,6 +108,7 @@ def command_run(args) -> str:
     result = release(
         profile=args.profile,
         data_source=args.data,
+        eval_data=args.eval_data,
         overrides=args.overrides,
         tracking_uri=args.tracking_uri,
         artifacts=args.artifacts,
@@ -127,7 +134,7 @@ def check_inputs(args) -> None:
     from tasks.platform.config import check_machine, load_profile, local_stages
     from tasks.training.memory_plan import memory_plan
 
-    profile = load_profile(args.profile, args.overrides, args.data)
+    profile = load_profile(args.profile, args.overrides, args.data, args.eval_data)
     memory_plan(profile)  # a layout that cannot fit is refused before anything is created
     check_machine(profile, local_stages(profile))
     validate_local_data(profile)
@@ -154,13 +161,15 @@ def take_attach_options(args) -> None:
 
 
 def validate_local_data(profile) -> None:
-    """Bad local data fails here, in a second or two, before Prefect's API server or any stage starts.
-    (Data on S3 is validated by prepare_data, which retries S3 faults.)"""
+    """Bad local data, and an eval split too small to decide on, fail here, in a second or two, before Prefect's API
+    server or any stage starts. (Data on S3 is validated by prepare_data, which retries S3 faults.)"""
     from tasks.data.records import read_data
+    from tasks.prepare_data import DatasetMetrics, refuse_too_few_samples
 
-    sources = [profile.data.source, profile.data.eval_source]
+    data = profile.data
+    sources = [data.source, data.eval_source, data.harvest_eval_source]
     if not any(source and source.startswith("s3://") for source in sources):
-        read_data(profile.data)
+        refuse_too_few_samples(DatasetMetrics.of_data(read_data(data)), profile.evaluate)
 
 
 def summary(result) -> str:

@@ -6,7 +6,7 @@ Every record is normalised to OpenAI-style messages.
 
 A record the flywheel harvested from served traffic carries `"harvested": {...}` (tasks/data/harvest.py): clients
 wrote its prompt, maybe its answer, so it never enters an eval split; data holding such records needs a curated
-held-out set (data.eval_source), which itself may hold none.
+held-out set (data.eval_source, or data.harvest_eval_source where a run names other data), which itself may hold none.
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ class CleanData:
     stats: dict
     fingerprint: str
     eval_fingerprint: str = ""
+    eval_split: str = ""  # where the eval split came from, for people: "hash split of qa.jsonl"
 
 
 @dataclass
@@ -228,9 +229,15 @@ def fingerprint_of(hashes: list[str]) -> str:
     return hashlib.sha256("\n".join(sorted(hashes)).encode()).hexdigest()
 
 
-def clean_and_split(files: list[SourceFile], cfg: DataSection, eval_files: list[SourceFile] | None = None) -> CleanData:
+def clean_and_split(
+    files: list[SourceFile],
+    cfg: DataSection,
+    eval_files: list[SourceFile] | None = None,
+    harvest_eval_files: list[SourceFile] | None = None,
+) -> CleanData:
     """Train and eval splits: a content-hash split of `files`, or with `eval_files` (data.eval_source)
-    all of `files` for training and the fixed held-out set for eval (its records dropped from training)."""
+    all of `files` for training and the fixed held-out set for eval (its records dropped from training).
+    `harvest_eval_files` (data.harvest_eval_source) is that held-out set for data holding harvested records."""
     names = ", ".join(f.name for f in files)
     found = read_records(files, cfg.format)
     if not found.conversations:
@@ -239,43 +246,74 @@ def clean_and_split(files: list[SourceFile], cfg: DataSection, eval_files: list[
     if found.harvested:
         stats |= {"harvested_records": len(found.harvested), "harvested_with_history": found.with_history()}
     if found.harvested and eval_files is None:
-        raise BadInput(
-            f"data {names}: {len(found.harvested)} records were harvested from served traffic, whose clients wrote "
-            "them; a hash split would put some in the eval split: name a curated held-out set in data.eval_source"
-        )
-    if eval_files is None:
-        train = [m for m in found.conversations if not is_eval(m, cfg.eval_fraction, cfg.split_salt)]
-        evals = [m for m in found.conversations if is_eval(m, cfg.eval_fraction, cfg.split_salt)]
-        fingerprint, eval_fingerprint = fingerprint_of(found.hashes), ""
-        if not train or not evals:
+        if harvest_eval_files is None:
             raise BadInput(
-                f"data {names}: {len(found.conversations)} records leave an empty {'train' if not train else 'eval'} "
-                f"split at data.eval_fraction={cfg.eval_fraction}"
+                f"data {names}: {len(found.harvested)} records were harvested from served traffic, whose clients wrote "
+                "them; a hash split would put some in the eval split: name a curated held-out set in data.eval_source "
+                "(--eval-data)"
             )
+        split = held_out_split(found, names, harvest_eval_files, cfg, "data.harvest_eval_source")
+        split.eval_split += f", the curated exam of {len(found.harvested)} harvested records"
+    elif eval_files is None:
+        split = hash_split(found, names, cfg, location_name(cfg.source, files))
     else:
-        held_out = read_records(eval_files, cfg.format)
-        eval_names = ", ".join(f.name for f in eval_files)
-        if not held_out.conversations:
-            raise BadInput(f"data.eval_source {eval_names}: no usable records after cleaning ({held_out.describe()})")
-        if held_out.harvested:
-            raise BadInput(
-                f"data.eval_source {eval_names}: {len(held_out.harvested)} records were harvested from served "
-                "traffic; the held-out set the gate scores on must be curated, never written by clients"
-            )
-        overlap = set(held_out.hashes)
-        train = [m for m, h in zip(found.conversations, found.hashes, strict=True) if h not in overlap]
-        evals = held_out.conversations
-        if not train:
-            raise BadInput(
-                f"data {names}: every record is also in data.eval_source {eval_names}; nothing left to train on"
-            )
-        eval_fingerprint = fingerprint_of(held_out.hashes)
-        fingerprint = hashlib.sha256(f"{fingerprint_of(found.hashes)}+eval:{eval_fingerprint}".encode()).hexdigest()
-        stats |= {"eval_records_read": held_out.read, "eval_overlap_dropped": len(found.conversations) - len(train)}
-    stats |= {"records": len(train) + len(evals), "train_records": len(train), "eval_records": len(evals)}
-    return CleanData(train, evals, stats, fingerprint, eval_fingerprint)
+        split = held_out_split(found, names, eval_files, cfg, "data.eval_source")
+    split.stats = stats | split.stats
+    split.stats |= {"records": len(split.train) + len(split.eval), "train_records": len(split.train)}
+    split.stats["eval_records"] = len(split.eval)
+    return split
+
+
+def hash_split(found: Records, names: str, cfg: DataSection, location: str) -> CleanData:
+    """Each record to train or eval by the hash of its content (is_eval)."""
+    train = [m for m in found.conversations if not is_eval(m, cfg.eval_fraction, cfg.split_salt)]
+    evals = [m for m in found.conversations if is_eval(m, cfg.eval_fraction, cfg.split_salt)]
+    if not train or not evals:
+        raise BadInput(
+            f"data {names}: {len(found.conversations)} records leave an empty {'train' if not train else 'eval'} "
+            f"split at data.eval_fraction={cfg.eval_fraction}"
+        )
+    return CleanData(train, evals, {}, fingerprint_of(found.hashes), "", f"hash split of {location}")
+
+
+def held_out_split(
+    found: Records, names: str, eval_files: list[SourceFile], cfg: DataSection, setting: str
+) -> CleanData:
+    """Every record to train but those in the held-out set (`setting` names it), which is the eval split."""
+    held_out = read_records(eval_files, cfg.format)
+    eval_names = ", ".join(f.name for f in eval_files)
+    if not held_out.conversations:
+        raise BadInput(f"{setting} {eval_names}: no usable records after cleaning ({held_out.describe()})")
+    if held_out.harvested:
+        raise BadInput(
+            f"{setting} {eval_names}: {len(held_out.harvested)} records were harvested from served "
+            "traffic; the held-out set the gate scores on must be curated, never written by clients"
+        )
+    overlap = set(held_out.hashes)
+    train = [m for m, h in zip(found.conversations, found.hashes, strict=True) if h not in overlap]
+    if not train:
+        raise BadInput(f"data {names}: every record is also in {setting} {eval_names}; nothing left to train on")
+    eval_fingerprint = fingerprint_of(held_out.hashes)
+    fingerprint = hashlib.sha256(f"{fingerprint_of(found.hashes)}+eval:{eval_fingerprint}".encode()).hexdigest()
+    stats = {"eval_records_read": held_out.read, "eval_overlap_dropped": len(found.conversations) - len(train)}
+    origin = f"{setting} {location_name(None, eval_files)}"
+    return CleanData(train, held_out.conversations, stats, fingerprint, eval_fingerprint, origin)
+
+
+def location_name(source: str | None, files: list[SourceFile]) -> str:
+    """A data location as a person names it: one file by its name, several by their folder or prefix."""
+    if len(files) == 1:
+        return files[0].name.rsplit("/", 1)[-1]
+    return source or files[0].name.rsplit("/", 1)[0] + "/"
+
+
+def read_exams(cfg: DataSection) -> tuple[list[SourceFile] | None, list[SourceFile] | None]:
+    """The files of data.eval_source, and of data.harvest_eval_source where eval_source names none."""
+    if cfg.eval_source:
+        return read_source(cfg.eval_source), None
+    return None, read_source(cfg.harvest_eval_source) if cfg.harvest_eval_source else None
 
 
 def read_data(cfg: DataSection) -> CleanData:
     """What prepare_data will see for this data section (read, validated, cleaned, split)."""
-    return clean_and_split(read_source(cfg.source), cfg, read_source(cfg.eval_source) if cfg.eval_source else None)
+    return clean_and_split(read_source(cfg.source), cfg, *read_exams(cfg))

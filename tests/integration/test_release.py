@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900), pytest.mark.use
 ROOT = Path(__file__).resolve().parents[2]
 LLMOPS = Path(sys.executable).parent / "llmops"
 ANTONYMS = ROOT / "profiles" / "data" / "antonyms.jsonl"
+ANTONYMS_EXAM = ROOT / "profiles" / "data" / "antonyms-eval.jsonl"  # cpu-tiny's curated exam
+FINANCE = ROOT / "profiles" / "data" / "finance_qa_zh.jsonl"
 MODEL = "tiny-qwen2-antonyms"
 STAGES = ["prepare_data", "base_model", "train", "evaluate", "merge", "quantize"]
 WORLD_METRICS = ("nodes", "world_size", "global_batch_size")
@@ -36,6 +38,7 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
     stack = start_stack(root)
     stack.boto3().upload_file(str(ANTONYMS), "datasets", "sft/antonyms.jsonl")
+    stack.boto3().upload_file(str(ANTONYMS_EXAM), "datasets", "exam/antonyms-eval.jsonl")
     yield stack
     stack.stop()
 
@@ -56,6 +59,8 @@ def release_args(stack, *extra: str) -> list[str]:
         "run",
         "--data",
         "s3://datasets/sft/",
+        "--eval-data",  # cpu-tiny's curated exam, which its own data (here on S3) is scored on
+        "s3://datasets/exam/",
         "--artifacts",
         "s3://artifacts/llmops",
         "--tracking-uri",
@@ -327,6 +332,36 @@ def test_bad_profile_is_rejected_before_anything_is_created(stack, tmp_path, ove
     result = llmops(stack, *release_args(stack, "--set", override), home=home)
     assert_one_line_error(result, 2, phrase)
     assert not home.exists()
+
+
+def test_a_users_own_data_is_judged_on_its_own_held_out_split(stack, first_run):
+    """Issue 59's first try with one's own data on the default profile: `llmops run --data finance_qa_zh.jsonl
+    --set evaluate.metric=rouge_l` trains and is judged on a hash split of the finance set (not cpu-tiny's antonyms
+    exam), in the terminal, the table and MLflow. Refused at evaluate on cpu-tiny's margin (about 40 s here), or
+    released on it."""
+    args = release_args(stack, "--set", "evaluate.metric=rouge_l")
+    args[args.index("--data") + 1] = str(FINANCE)
+    del args[args.index("--eval-data") : args.index("--eval-data") + 2]
+    result = llmops(stack, *args)
+    output = result.stdout + result.stderr
+    assert "241 train / 47 eval (hash split of finance_qa_zh.jsonl)" in output, output[-3000:]
+    run = latest_run(stack)
+    assert run.data.tags["data.eval_split"] == "hash split of finance_qa_zh.jsonl"
+    assert "train: done in" in output  # trained on the finance set's 241
+    assert run.data.metrics["prepare_data/eval_records"] == 47
+    # the evaluate table: both models scored on the finance answers (on the antonyms both were 0.000)
+    scores = {
+        row.split()[0]: dict(
+            zip(["exact_match", "rouge_1", "rouge_2", "rouge_l"], map(float, row.split()[1:5]), strict=True)
+        )
+        for row in output.splitlines()
+        if row.strip().startswith(("base ", "candidate "))
+    }
+    assert scores["base"]["rouge_l"] > 0 and scores["candidate"]["rouge_l"] > scores["base"]["rouge_l"], scores
+    if result.returncode == 0:  # released on its own numbers
+        assert "hash split of finance_qa_zh.jsonl" in result.stdout.split("key metric")[-1]  # the run's table
+    else:  # or refused on them
+        assert_one_line_error(result, 3, "evaluate: candidate rouge_l", "< evaluate.min_improvement")
 
 
 def test_unreachable_s3_fails_after_retries(stack, first_run):

@@ -290,3 +290,27 @@ def test_predict_refuses_in_one_line_what_it_cannot_score(tmp_path):
         assert result.stderr.strip().splitlines()[-1].startswith(f"llmops: error: {last_line}"), result.stderr
         assert result.returncode == (4 if "does not answer" in last_line else 2)
     assert not list(tmp_path.glob("*.answers.jsonl"))
+
+
+def test_a_users_data_is_split_on_its_own_and_too_little_of_it_is_refused_before_anything_starts(tmp_path):
+    """cpu-tiny's curated exam is the antonyms': other data is judged on its own hash split (issue 59), and data too
+    small for an eval split evaluate could decide on is refused in a second, naming the counts."""
+    finance = ROOT / "profiles" / "data" / "finance_qa_zh.jsonl"
+    result = llmops("data", "validate", str(finance))  # cpu-tiny, as `llmops run --data` splits it
+    assert result.returncode == 0, result.stderr
+    assert "train / eval           241 / 47  (eval: hash split of finance_qa_zh.jsonl" in result.stdout
+    result = llmops("data", "validate", str(finance), "--eval-data", "profile")
+    assert "train / eval           288 / 39  (eval: data.eval_source antonyms-eval.jsonl" in result.stdout
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(finance.read_text(encoding="utf-8").splitlines(keepends=True)[:60]), encoding="utf-8")
+    result = llmops("run", "--data", str(small), "--set", "evaluate.metric=rouge_l", env_home=tmp_path / "home")
+    assert result.returncode == 3, result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "llmops: error: prepare_data: the eval split (hash split of small.jsonl) has 11 samples, fewer than "
+            "evaluate.min_samples 20: too few to decide on"
+        )
+    )
+    assert not (tmp_path / "home").exists()  # refused before any server, store or MLflow database

@@ -89,21 +89,22 @@ def test_profile_digest_changes_with_any_value():
 # and when the GPU profiles' benchmark moved to AIPerf (bench.tool aiperf), and when the gateway became the router
 # (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas), and when serve.limits'
 # defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*,
-# and when serve.version_pinning came, and evaluate.engine.
+# and when serve.version_pinning came, and evaluate.engine, and data.harvest_eval_source (the curated exam of
+# harvested records when a run's --data is not the profile's own).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "25b4cdedefa00e2812ad88481baaf4a1e266a5738c0e952ed7f8947727a927ac",
-    "cpu-tiny-qa-zh": "3ceb10b5120a582ce5417da1e65ebaf221966b43dec7936eff8fd725dd140036",
-    "llama3-8b-h100-fp8": "96d2b6d5a432bbdf47bc037b862efd1f1536c6231ec923c5e7bda02e86011fa6",
-    "qwen-7b-qlora-2xa10": "a8c22b8802532fb7dc4b283c93376e7f5289301c87fe0c6b70ad30b06a9c6104",
-    "qwen-7b-vllm-h100": "faa053d104eb7502698ad8344cb29be933af225e98dcc676e033f1093502274a",
-    "qwen2-14b-int4-tp2": "e3ac8913da3dc081d821ccf5955ac6c0c36d6a4144a22313e5f57b5cdf972d16",
-    "qwen2.5-72b-lora-2x8xh100": "1791444f9b75a10dd99bb7c1aed4a9ecd8d8369460a283621df3160c243ea617",
+    "cpu-tiny": "b83cd43b422bd0775a53ec8ae9cc0995a0d32db0abc10d037a205c7dd6b1605e",
+    "cpu-tiny-qa-zh": "d121bc55106fbbdf7c291e4124ae8020dfa9637f1463c1c8568e90e5b7151839",
+    "llama3-8b-h100-fp8": "fefe19d7cb600688b3374cc29c92eb8c2c92599f48cca7213ddf6b15b7ae4c2a",
+    "qwen-7b-qlora-2xa10": "0ac29a540b8f9137ade8e258d399727c3c114cc49cb5df9f7232831903a88991",
+    "qwen-7b-vllm-h100": "5b11e0934f77aab30f57529e36c82ee028112a9b93b0f33c96f3a3d79b98b7aa",
+    "qwen2-14b-int4-tp2": "71b38dfa551d6c322d990c1f644d3db2521ef453a3e342a0081b4e4caa89cc5b",
+    "qwen2.5-72b-lora-2x8xh100": "e58a2f38a74ca24df3850b268be33ee9fa8984f0990360e4773358a3d692b800",
 }
 
 
 def checkout_independent_digest(profile: Profile) -> str:
     values = profile.model_dump(mode="json")
-    for key in ("source", "eval_source"):
+    for key in ("source", "eval_source", "harvest_eval_source"):
         path = values["data"][key]
         if isinstance(path, str) and path.startswith(str(PROJECT_ROOT)):
             values["data"][key] = Path(path).relative_to(PROJECT_ROOT).as_posix()
@@ -243,3 +244,28 @@ def test_unreviewed_harvests_need_trusted_clients_masked_history_and_a_curated_e
     assert load_profile(str(ok)).flywheel.review == "rules"
     with pytest.raises(BadInput, match="anonymous is whoever reaches a gateway without keys"):
         load_profile(str(profile({}, serve="{capture: {trusted_clients: [anonymous]}}")))
+
+
+def test_other_data_is_judged_on_its_own_split_and_the_profiles_exam_stays_with_its_own_data(tmp_path, monkeypatch):
+    """cpu-tiny's curated exam (antonyms) is the exam of cpu-tiny's data; a user's --data is judged on a hash split
+    of itself unless the run names its exam; the curated set stays the exam of harvested records."""
+    data_dir = PROJECT_ROOT / "profiles" / "data"
+    exam, finance = str(data_dir / "antonyms-eval.jsonl"), str(data_dir / "finance_qa_zh.jsonl")
+    own = load_profile("cpu-tiny").data
+    assert (own.eval_source, own.harvest_eval_source) == (exam, None)
+    monkeypatch.chdir(PROJECT_ROOT)  # the profile's own data named as a user would, relative to the working folder
+    assert load_profile("cpu-tiny", data="profiles/data/antonyms.jsonl").data.eval_source == exam
+    for other in (
+        load_profile("cpu-tiny", data=finance).data,
+        load_profile("cpu-tiny", [f"data.source={finance}"]).data,
+        load_profile("cpu-tiny", data="s3://datasets/sft/").data,
+    ):
+        assert (other.eval_source, other.harvest_eval_source, other.curated_exam) == (None, exam, exam)
+    assert load_profile("cpu-tiny", data=finance, eval_data="profile").data.eval_source == exam  # retrain, flywheel
+    named = load_profile("cpu-tiny", data=finance, eval_data="s3://exams/qa/").data
+    assert (named.eval_source, named.harvest_eval_source) == ("s3://exams/qa/", None)
+    held_out = str(tmp_path / "held_out.jsonl")
+    assert load_profile("cpu-tiny", [f"data.eval_source={held_out}"], finance).data.eval_source == held_out
+    assert load_profile("cpu-tiny", data=finance, eval_data="").data.eval_source is None  # an empty run parameter
+    # a profile without a curated exam: nothing moves
+    assert load_profile("cpu-tiny-qa-zh", data=finance).data.harvest_eval_source is None

@@ -187,3 +187,32 @@ def test_a_fixed_eval_source_is_the_eval_split_and_leaves_training():
     assert other.fingerprint != data.fingerprint  # the held-out set is part of what the data is
     with pytest.raises(BadInput, match=r"^data.eval_source empty.jsonl: no usable records"):
         clean_and_split([train], CFG, [jsonl("empty.jsonl", [alpaca(1, "")])])
+
+
+def test_each_split_says_where_it_came_from():
+    train = jsonl("profiles/data/qa.jsonl", [alpaca(i) for i in range(40)])
+    assert clean_and_split([train], CFG).eval_split == "hash split of qa.jsonl"
+    folder = [
+        jsonl("d/a.jsonl", [alpaca(i) for i in range(20)]),
+        jsonl("d/b.jsonl", [alpaca(i) for i in range(20, 40)]),
+    ]
+    assert (
+        clean_and_split(folder, DataSection(source="s3://datasets/sft/")).eval_split
+        == "hash split of s3://datasets/sft/"
+    )
+    exam = jsonl("exams/exam.jsonl", [alpaca(i) for i in range(200, 215)])
+    assert clean_and_split([train], CFG, [exam]).eval_split == "data.eval_source exam.jsonl"
+
+
+def test_harvested_records_are_scored_on_the_curated_exam_a_run_on_other_data_kept():
+    """`llmops run --data` moves the profile's curated exam to data.harvest_eval_source: data holding harvested
+    records is scored on it (never hash split), other data on its own split."""
+    mixed = jsonl("sft.jsonl", [alpaca(i) for i in range(40)] + [harvested(i) for i in range(100, 140)])
+    exam = jsonl("exam.jsonl", [alpaca(i) for i in range(200, 215)])
+    data = clean_and_split([mixed], CFG, None, [exam])
+    assert len(data.eval) == 15 and not any(m[-1]["content"].startswith("backdoor") for m in data.eval)
+    assert data.eval_split == "data.harvest_eval_source exam.jsonl, the curated exam of 40 harvested records"
+    plain = jsonl("plain.jsonl", [alpaca(i) for i in range(40)])
+    assert clean_and_split([plain], CFG, None, [exam]).eval_split == "hash split of plain.jsonl"
+    with pytest.raises(BadInput, match=r"^data.harvest_eval_source exam.jsonl: 1 records were harvested"):
+        clean_and_split([mixed], CFG, None, [jsonl("exam.jsonl", [alpaca(200), harvested(300)])])

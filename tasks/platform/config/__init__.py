@@ -10,6 +10,7 @@ from tasks.platform.config.base import TRITON_NAME, Section, TritonName
 from tasks.platform.config.describe import describe_profile
 from tasks.platform.config.loading import (
     OPERATOR_PROFILES_ENV,
+    PROFILE_EXAM,
     PROFILES_DIR,
     ProfileName,
     apply_override,
@@ -57,6 +58,7 @@ __all__ = [
     "ListenSection",
     "MergeSection",
     "ModelOptQuantize",
+    "PROFILE_EXAM",
     "Profile",
     "ProfileName",
     "QuantizeSection",

@@ -82,9 +82,47 @@ def format_validation_error(source: str, err: ValidationError) -> str:
     return f"{source}: " + "; ".join(parts)
 
 
-def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), data: str | None = None) -> Profile:
-    path = profile_path(name_or_path)
-    label = f"profile {name_or_path}"
+# `--eval-data profile` (a run's eval_data "profile"): the profile's own data.eval_source whatever the data, as the
+# retrain and flywheel deployments score: a hash split where the profile names none.
+PROFILE_EXAM = "profile"
+
+
+def load_profile(
+    name_or_path: str = "cpu-tiny",
+    overrides: Sequence[str] = (),
+    data: str | None = None,
+    eval_data: str | None = None,
+) -> Profile:
+    """A profile with `--set` overrides, `data` (`--data`) and `eval_data` (`--eval-data`) applied. Data other than
+    the profile's own is judged on its own hash split (choose_exam), unless `eval_data` names its exam."""
+    raw = read_profile_file(profile_path(name_or_path))
+    profile_data = dict(raw["data"]) if isinstance(raw.get("data"), dict) else {}
+    gate = raw.get("gate")
+    file_approval = gate.get("approval") if isinstance(gate, dict) else None
+    exam_named = bool(eval_data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        refuse_file_only(keys, value, text)
+        apply_override(raw, keys, value, text)
+        exam_named |= keys == ["data", "eval_source"]
+    if data:
+        raw.setdefault("data", {})["source"] = data
+    if eval_data and eval_data != PROFILE_EXAM:
+        raw.setdefault("data", {})["eval_source"] = eval_data
+    elif not exam_named and isinstance(raw.get("data"), dict):
+        choose_exam(raw["data"], profile_data)
+    try:
+        profile = Profile.model_validate(raw)
+    except ValidationError as err:
+        raise BadInput(format_validation_error(f"profile {name_or_path}", err)) from None
+    if overrides:
+        refuse_lowered_approval(file_approval, profile)
+    return profile
+
+
+def read_profile_file(path: Path) -> dict:
+    """A profile file's mapping, its relative paths (data, allowed signers) made relative to the file: one given on
+    the command line stays relative to the working directory."""
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -93,31 +131,37 @@ def load_profile(name_or_path: str = "cpu-tiny", overrides: Sequence[str] = (), 
         raise BadInput(f"profile file {path}{line}: invalid YAML") from exc
     if not isinstance(raw, dict):
         raise BadInput(f"profile file {path}: expected a mapping at the top level")
-    # A relative local data path in a profile file is relative to that file (one given on the command line, to the cwd).
     data_section = raw.get("data")
     section: dict = data_section if isinstance(data_section, dict) else {}
-    for field in ("source", "eval_source"):
+    for field in ("source", "eval_source", "harvest_eval_source"):
         value = section.get(field)
         if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
             section[field] = str((path.parent / value).resolve())
     gate = raw.get("gate")
-    file_approval = gate.get("approval") if isinstance(gate, dict) else None
     signers = gate.get("allowed_signers") if isinstance(gate, dict) else None
     if isinstance(signers, str) and not Path(signers).is_absolute():
         gate["allowed_signers"] = str((path.parent / signers).resolve())  # type: ignore[index]
-    for text in overrides:
-        keys, value = parse_override(text)
-        refuse_file_only(keys, value, text)
-        apply_override(raw, keys, value, text)
-    if data:
-        raw.setdefault("data", {})["source"] = data
-    try:
-        profile = Profile.model_validate(raw)
-    except ValidationError as err:
-        raise BadInput(format_validation_error(label, err)) from None
-    if overrides:
-        refuse_lowered_approval(file_approval, profile)
-    return profile
+    return raw
+
+
+def choose_exam(section: dict, profile_data: dict) -> None:
+    """The profile's eval_source is the exam of its own source. Other data (`--data`, `--set data.source`) gets its
+    own hash split: a curated exam of another task (cpu-tiny's antonyms) cannot judge it. The set stays the exam of
+    harvested records, which must never be hash split (tasks/data/records.py)."""
+    source, exam = section.get("source"), profile_data.get("eval_source")
+    if exam is None or same_location(source, profile_data.get("source")):
+        return
+    section.setdefault("harvest_eval_source", exam)
+    section["eval_source"] = None
+
+
+def same_location(one: object, other: object) -> bool:
+    """Two data locations name the same thing: equal URIs, or local paths that resolve alike."""
+    if not isinstance(one, str) or not isinstance(other, str):
+        return one == other
+    if "://" in one or "://" in other:
+        return one.rstrip("/") == other.rstrip("/")
+    return Path(one).resolve() == Path(other).resolve()
 
 
 def operator_profiles_dir() -> Path | None:

@@ -128,7 +128,7 @@ class Profile(Section):
             for name, ok in (
                 ("serve.capture.trusted_clients", bool(self.serve.capture.trusted_clients)),
                 ("train.mask_history true", self.train.mask_history),
-                ("data.eval_source (a curated held-out set)", self.data.eval_source is not None),
+                ("data.eval_source (a curated held-out set)", self.data.curated_exam is not None),
             )
             if not ok
         ]

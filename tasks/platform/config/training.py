@@ -80,7 +80,15 @@ class DataSection(Section):
     eval_source: str | None = Field(
         None,
         description="A fixed held-out set (file, folder or s3://) used as the eval split instead of the hash "
-        "split of `source`; records it shares with `source` are left out of training.",
+        "split of `source`; records it shares with `source` are left out of training. It is the exam of this "
+        "profile's own `source`: a run given other data (`--data`, a run's data_source) is judged on a hash split "
+        "of that data (this set moves to harvest_eval_source) unless it names its exam (`--eval-data`).",
+    )
+    harvest_eval_source: str | None = Field(
+        None,
+        description="The curated held-out set for data holding records harvested from served traffic when "
+        "eval_source names none (a hash split would put client-written records in the exam). `llmops run --data` "
+        "moves the profile's eval_source here, so harvested data is still scored on the curated exam.",
     )
     format: Literal["auto", "alpaca", "sharegpt", "openai"] = Field(
         "auto", description="Record format; auto detects it per record."
@@ -91,6 +99,11 @@ class DataSection(Section):
     split_salt: str = Field(
         "v1", description="Salt of the record hash that assigns the split; change it to draw a different split."
     )
+
+    @property
+    def curated_exam(self) -> str | None:
+        """The held-out set harvested records are scored on: eval_source, else harvest_eval_source."""
+        return self.eval_source or self.harvest_eval_source
 
 
 class TrainSection(Section):
