@@ -7,14 +7,16 @@ from prefect import flow, get_run_logger
 
 from flows.cli.common import llmops_home
 from flows.release import default_services
-from tasks.platform.store_gc import collect_garbage
+from tasks.platform.store_gc import collect_garbage, registered_digests, why_kept
 from tasks.platform.stores import open_store
 from tasks.platform.tracking import default_tracking_uri
+from tasks.serving.routes import recorded_digests
 
 
 @flow(name="store-gc", log_prints=True)
 def store_gc(keep: int = 3, min_age_hours: float = 24.0, dry_run: bool = False) -> str:
-    """Free the artifact store and the work folders of what no registered version and no recent record needs.
+    """Free the artifact store and the work folders of what no registered version, no deployment record and no recent
+    record needs.
 
     Args:
         keep: the newest records of each kind (stage results, checkpoints, tuning) kept, with their artifacts.
@@ -23,14 +25,8 @@ def store_gc(keep: int = 3, min_age_hours: float = 24.0, dry_run: bool = False) 
     """
     tracking_uri, artifacts = default_services(None, None)
     home = llmops_home()
-    gc = collect_garbage(
-        open_store(artifacts, home),
-        home,
-        tracking_uri or default_tracking_uri(home),
-        keep,
-        min_age_hours * 3600,
-        dry_run,
-    )
+    live = why_kept(registered_digests(tracking_uri or default_tracking_uri(home)), recorded_digests(home))
+    gc = collect_garbage(open_store(artifacts, home), home, live, keep, min_age_hours * 3600, dry_run)
     table = gc.table(dry_run)
     get_run_logger().info("\n" + table)
     return table

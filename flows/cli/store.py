@@ -13,23 +13,26 @@ EPILOG = """examples:
   llmops store gc                        # keep the 3 newest records of each kind and everything of the last 24 h
   llmops store gc --keep 1 --min-age 0   # keep only what registered versions and the newest records name
 
-kept: every object a registered model version names (source and lineage), so the champion's and a candidate's
-stages stay cache hits; the newest --keep records of each kind with their objects; anything younger than
---min-age hours. A daily `store-gc` deployment runs the same collection (infra/prefect.yaml)."""
+kept: every object a registered model version names (source and lineage; every page of the registry), so the
+champion's and a candidate's stages stay cache hits; every object a deployment record of `llmops serve` names
+($LLMOPS_HOME/serving/*.json: what it loads again at its next start, also for a version deleted from the registry);
+the newest --keep records of each kind with their objects; anything younger than --min-age hours. --dry-run lists
+each object kept for a version or a record, and why. A daily `store-gc` deployment runs the same collection
+(infra/prefect.yaml)."""
 
 
 def register(commands) -> None:
     store = commands.add_parser(
         "store",
-        help="manage the artifact store: gc frees what no registered version or recent record needs",
+        help="manage the artifact store: gc frees what no registered version, deployment or recent record needs",
         description="The content-addressed artifact store ($LLMOPS_HOME/store, or --artifacts).",
     )
     actions = store.add_subparsers(dest="action", required=True, metavar="ACTION")
     gc = actions.add_parser(
         "gc",
         help="delete objects, records and work folders nothing needs",
-        description="Delete store objects and records that no registered model version and no recent record names, "
-        "the work folders of finished stages, and unfinished writes.",
+        description="Delete store objects and records that no registered model version, no deployment record and no "
+        "recent record names, the work folders of finished stages, and unfinished writes.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,14 +47,16 @@ def register(commands) -> None:
 
 
 def command_gc(args) -> str:
-    from tasks.platform.store_gc import collect_garbage
+    from tasks.platform.store_gc import collect_garbage, registered_digests, why_kept
     from tasks.platform.stores import open_store
     from tasks.platform.tracking import default_tracking_uri
+    from tasks.serving.routes import recorded_digests
 
     if args.keep < 0 or args.min_age < 0:
         raise BadInput(f"--keep {args.keep} / --min-age {args.min_age}: must be 0 or more")
     home = llmops_home()
     artifacts = args.artifacts or os.environ.get("LLMOPS_ARTIFACTS")
     tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(home)
-    gc = collect_garbage(open_store(artifacts, home), home, tracking_uri, args.keep, args.min_age * 3600, args.dry_run)
+    live = why_kept(registered_digests(tracking_uri), recorded_digests(home))
+    gc = collect_garbage(open_store(artifacts, home), home, live, args.keep, args.min_age * 3600, args.dry_run)
     return gc.table(args.dry_run)

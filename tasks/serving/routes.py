@@ -210,6 +210,24 @@ def record_path(home: Path, service: str) -> Path:
     return home / "serving" / f"{service}.json"
 
 
+def recorded_digests(home: Path) -> dict[str, set[str]]:
+    """Every store object a deployment record of this home names, with why: `llmops serve` loads the champion and the
+    candidate again from these at its next start, whether or not the registry still lists their versions. A record
+    that cannot be read is an error (read_record): nothing may be collected on a guess."""
+    live: dict[str, set[str]] = {}
+    folder = home / "serving"
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        table = read_record(path) if not path.name.startswith(".") else None
+        for role, version in (("champion", table.champion), ("candidate", table.candidate)) if table else ():
+            if version is None:
+                continue
+            for stage, digest in dict(version.source.get("artifacts") or {}).items():
+                live.setdefault(str(digest), set()).add(
+                    f"deployment record {path.name}: {role} {version.name} ({stage})"
+                )
+    return live
+
+
 def read_record(path: Path) -> RouteTable | None:
     """The record at `path`; None where there is none. A record that cannot be read is an error naming it."""
     try:

@@ -683,22 +683,58 @@ def test_predict_with_no_serve_answers_a_registered_version_on_a_triton_of_its_o
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(home) in " ".join(p.info["cmdline"] or [])]
 
 
-def test_store_gc_keeps_what_registered_versions_need_and_a_rerun_is_all_cache_hits(stack, first_run):
+def test_store_gc_keeps_what_registered_versions_need_and_a_rerun_is_all_cache_hits(
+    stack, first_run, tmp_path, monkeypatch
+):
     """Last in this module: it deletes what the earlier tests left (checkpoints, failed runs' objects, older
-    records). Every object a registered version names is kept; the first run's release is all cache hits after."""
+    records). Every object a registered version names is kept, through every page of a registry shared with 150
+    other models (issue 60: the first page only was read), and so is what a deployment record of `llmops serve` names
+    for a version since deleted from the registry (its next start loads it from the record); the first run's release
+    is all cache hits after."""
+    from tasks.platform.stores import open_store
+    from tasks.serving.routes import RouteTable, Version, record_path, write_record
+
+    client = MlflowClient(stack.mlflow.url)
+    for n in range(150):  # other teams' models, each with a version, before ours by name
+        client.create_registered_model(f"a-team-model-{n:03d}")
+        client.create_model_version(
+            f"a-team-model-{n:03d}", f"s3://elsewhere/{n}", tags={"artifact.merge.sha256": "0" * 64}
+        )
     registered = {
         digest
-        for version in MlflowClient(stack.mlflow.url).search_model_versions(f"name = '{MODEL}'")
-        for key, digest in MlflowClient(stack.mlflow.url).get_model_version(MODEL, version.version).tags.items()
+        for version in client.search_model_versions(f"name = '{MODEL}'")
+        for key, digest in client.get_model_version(MODEL, version.version).tags.items()
         if key.startswith("artifact.") and key.endswith(".sha256")
     }
+    # A version served, then deleted from the registry: only the deployment record names its weights now.
+    for name, value in stack.env.items():
+        monkeypatch.setenv(name, value)
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(os.urandom(4096))
+    served_only = open_store("s3://artifacts/llmops", tmp_path / "cache").put_dir(weights).digest
+    gone = client.create_model_version(MODEL, f"s3://artifacts/llmops/objects/{served_only}")
+    home = tmp_path / "gc-home"
+    version = Version(
+        f"{MODEL}-v{gone.version}",
+        f"{MODEL}-v{gone.version}",
+        None,
+        {"version": gone.version, "artifacts": {"merge": served_only}},
+    )
+    write_record(record_path(home, MODEL), RouteTable(MODEL, champion=version, weights={version.name: 100.0}))
+    client.delete_model_version(MODEL, gone.version)
+
     before = {key.split("/")[2] for key in bucket_keys(stack) if key.startswith("llmops/objects/")}
     gc_args = ["store", "gc", "--keep", "0", "--min-age", "0", "--artifacts", "s3://artifacts/llmops"]
-    gc = llmops(stack, *gc_args, "--tracking-uri", stack.mlflow.url)
+    dry = llmops(stack, *gc_args, "--dry-run", "--tracking-uri", stack.mlflow.url, home=home)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert f"kept {served_only[:12]}" in dry.stdout and f"deployment record {MODEL}.json: champion" in dry.stdout
+    write_record(record_path(home, MODEL), RouteTable(MODEL, champion=version, weights={version.name: 100.0}))
+    gc = llmops(stack, *gc_args, "--tracking-uri", stack.mlflow.url, home=home)
     assert gc.returncode == 0, gc.stderr[-3000:]
     assert "store gc: freed" in gc.stdout
     after = {key.split("/")[2] for key in bucket_keys(stack) if key.startswith("llmops/objects/")}
-    assert registered <= after < before and not (after - registered)
+    assert registered | {served_only} <= after < before and not (after - registered - {served_only})
     rerun = llmops(stack, *release_args(stack))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert stage_results(stack) == {stage: "cached" for stage in STAGES}

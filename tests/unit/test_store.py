@@ -175,14 +175,15 @@ def test_gc_keeps_what_registered_versions_and_the_newest_records_name(tmp_path)
     for path in [leftover, *leftover.rglob("*")]:
         os.utime(path, (old, old))
 
-    gc = plan(store, home, {digests["registered"]}, keep=1, min_age_s=3600)
+    gc = plan(store, home, {digests["registered"]: {"registered m v1"}}, keep=1, min_age_s=3600)
     assert {o.digest for o in gc.objects} == {digests["older"], digests["orphan"]}
     assert [(r.namespace, r.key) for r in gc.records] == [("stages/merge", "older")]
     assert [path for path, _ in gc.work] == [finished] and [p for p, _ in gc.leftovers] == [leftover]
     assert gc.freed_bytes > 0 and "would free" in gc.table(dry_run=True)
+    assert f"kept {digests['registered'][:12]} 0.000 GiB: registered m v1" in gc.table(dry_run=True)
 
     collect(store, gc)
     assert {name for name, d in digests.items() if store.exists(d)} == {"registered", "newest", "young"}
     assert store.get_record("stages/merge", "older") is None and store.get_record("stages/merge", "newest")
     assert not finished.exists() and running.exists() and not leftover.exists()
-    assert plan(store, home, {digests["registered"]}, keep=1, min_age_s=3600).freed_bytes == 0
+    assert plan(store, home, {digests["registered"]: {"registered m v1"}}, keep=1, min_age_s=3600).freed_bytes == 0
