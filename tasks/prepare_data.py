@@ -99,8 +99,9 @@ def refuse_too_few_samples(dataset: DatasetMetrics, cfg: EvaluateSection) -> Non
     where the split came from and whether evaluate.max_samples cut it."""
     named = "the eval split" + (f" ({dataset.eval_split})" if dataset.eval_split else "")
     if cfg.max_samples < dataset.eval_records:
-        named += ", cut to evaluate.max_samples,"
-    require_samples(min(dataset.eval_records, cfg.max_samples), cfg, "prepare_data", named)
+        advice = f"raise evaluate.max_samples (the split holds {dataset.eval_records})"
+        require_samples(cfg.max_samples, cfg, "prepare_data", f"{named} cut to evaluate.max_samples", advice)
+    require_samples(dataset.eval_records, cfg, "prepare_data", named)
 
 
 def refuse_unmasked_history(dataset: DatasetMetrics, train: TrainSection, source: str) -> None:

@@ -46,11 +46,15 @@ def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = N
     return load_split(ctx.store.fetch(data.artifact.digest), "eval")[:limit]
 
 
-def require_samples(count: int, cfg: EvaluateSection, where: str, split: str = "the eval split") -> None:
+ADD_SAMPLES = "add data, raise data.eval_fraction, or name a held-out set with --eval-data (data.eval_source)"
+
+
+def require_samples(
+    count: int, cfg: EvaluateSection, where: str, split: str = "the eval split", advice: str = ADD_SAMPLES
+) -> None:
     """A decision on a handful of samples is noise: refuse it, saying what to do."""
     if count < cfg.min_samples:
         raise CheckFailed(
             f"{where}: {split} has {count} samples, fewer than evaluate.min_samples {cfg.min_samples}: too few "
-            "to decide on; add data, raise data.eval_fraction, or name a held-out set with --eval-data "
-            "(data.eval_source)"
+            f"to decide on; {advice}"
         )

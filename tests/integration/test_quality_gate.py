@@ -74,6 +74,7 @@ def test_an_eval_split_too_small_to_decide_says_so_before_training(home, release
     # refused by prepare_data: the training a new learning rate asks for never started
     assert "Task run 'train" not in result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        "llmops: error: prepare_data: the eval split has 5 samples, fewer than evaluate.min_samples 20: too few to decide "
-        "on; add data, raise data.eval_fraction, or name a held-out set with data.eval_source"
+        "llmops: error: prepare_data: the eval split (hash split of finance_qa_zh.jsonl) cut to evaluate.max_samples "
+        "has 5 samples, fewer than evaluate.min_samples 20: too few to decide on; raise evaluate.max_samples (the "
+        "split holds 47)"
     )
