@@ -276,7 +276,8 @@ def serving_lock(config: Profile, tracker: Tracker, served: Service, release: st
     ownership = Ownership(served.control, served.name, release, config.canary.hold_s)
     waited = ownership.take(config.run.serving_lock_timeout_s)
     ownership.keep()
-    log.info(f"serving lock {name}: held after {waited:.1f}s")
+    log.info(f"serving lock {name}: held by release {release} (epoch {ownership.epoch}) after {waited:.1f}s")
+    tracker.set_tags({"release.id": release, "serving_lock.epoch": str(ownership.epoch)})
     if not resumed:
         tracker.log_metrics("serving_lock", {"wait_s": waited})
         tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})

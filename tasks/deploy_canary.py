@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
-from tasks.platform.errors import CheckFailed, TransientError
+from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.platform.tracking import Registered
 from tasks.serving.champion import as_route, serve_champion, served_version, serving_champion
@@ -49,7 +49,8 @@ class Deployment:
         return self.served.tritons
 
     def retire(self, served: Served) -> None:
-        """`served` unloaded from every replica."""
+        """`served` unloaded from every replica; nothing where this release lost the service (the next owner's)."""
+        self.control.refuse_if_lost()
         for triton in self.tritons:
             retire(triton, self.service, served)
 
@@ -93,6 +94,8 @@ class Deployment:
             while not self.holding.wait(self.hold_s / 3):
                 try:
                     self.control.renew(self.release, self.hold_s)
+                except LostService:
+                    return  # said by whoever found it; the release's next write ends it
                 except (CheckFailed, TransientError) as exc:  # another release holds the routes, or the service is away
                     logger().warning(f"canary: the hold on {self.service}'s routes was not renewed: {exc}")
 
@@ -151,11 +154,14 @@ def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Depl
     """The champion (the service's, else the registry's) and the candidate loaded on every replica; the seconds the
     candidate's load took (0: nothing to load). A candidate that fails to load is retired again."""
     champion = serve_champion(ctx, served, serving_champion(ctx, served))
-    deployment = Deployment(served, candidate, champion, ctx.tracker.run_id, ctx.profile.canary.hold_s)
+    # the release's one id: the one its ownership of the service carries (the Prefect flow run's), in the routes too
+    release = served.control.fence.release if served.control.fence else ctx.tracker.run_id
+    deployment = Deployment(served, candidate, champion, release, ctx.profile.canary.hold_s)
     if deployment.unchanged:
         return deployment, 0.0
     seconds = []
     for triton in served.tritons:
+        served.control.refuse_if_lost()
         try:
             seconds.append(install_model(triton, ctx.profile, candidate))
         except CheckFailed:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tasks.data.splits import eval_conversations
 from tasks.deploy_canary import Deployment
-from tasks.platform.errors import RampFailed, RegistryBehind
+from tasks.platform.errors import LostService, RampFailed, RegistryBehind
 from tasks.platform.run_log import exit_code
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.store import outlast_outage
@@ -219,6 +219,8 @@ def rollout(ctx: RunContext, deployment: Deployment, approved: bool, rejection: 
     else:
         try:
             problem = ramp(ctx, deployment, eval_prompts(ctx, data))
+        except LostService:  # another release owns the service: its routes are not this one's to roll back
+            raise
         except Exception as exc:  # MLflow, the gateway: live traffic is never left split, and no retry routes again
             raise ramp_failed(ctx, deployment, exc) from exc
         except BaseException as exc:  # Ctrl-C

@@ -6,6 +6,7 @@ bad input and failed checks are deterministic, retrying them only delays the mes
 
 from __future__ import annotations
 
+LOST_SERVICE_EXIT_CODE = 6  # a release fenced off its service: another release owns it now
 REJECTED_EXIT_CODE = 10  # `llmops gate` / `llmops run` when the gate rejects the candidate or the canary rolls it back
 
 # The one table of exit codes: the CLI's --help and error mapping use it, and the README's table is
@@ -19,6 +20,8 @@ EXIT_CODES: dict[int, str] = {
     4: "a service (S3, MLflow, Prefect, Triton) stayed unreachable after retries, or the disk is full (a promotion "
     "the registry could not record: the service serves the candidate; run the release again)",
     5: "an artifact is missing or does not match its sha256",
+    LOST_SERVICE_EXIT_CODE: "the release lost the service to another release (taken over, or its lease lapsed): it "
+    "wrote nothing more; the line names who owns the service now",
     REJECTED_EXIT_CODE: "the gate or a person rejected the candidate, or the canary rolled it back (the champion keeps serving)",
     130: "interrupted (Ctrl-C)",
 }
@@ -78,6 +81,13 @@ class RampFailed(LlmopsError):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class LostService(LlmopsError):
+    """The release no longer owns its service: another release took it over, or its lease lapsed before a renewal
+    landed. Not retried: it writes nothing more (tasks/serving/service.py refuses every write once it is lost)."""
+
+    exit_code = LOST_SERVICE_EXIT_CODE
 
 
 class ArtifactMissing(LlmopsError):

@@ -7,6 +7,11 @@ takes the service over; nothing is bound to a process or to the Prefect server (
 nothing). Another release of the service queues while the owner deploys, measures and ramps (up to
 run.serving_lock_timeout_s), and fails at once, naming the owner and since when, while the owner waits for a person:
 a wait for approval may last a day, and a retrain schedule that queued behind it would only pile up.
+
+Taking the service gives the release a fencing epoch, which every write it sends carries (ServiceControl.fence): a
+release that lost the service (another took it over after its lease lapsed, or its renewals stopped landing for a
+whole lease) is refused by the gateway and refuses itself from then on, so it never writes over the next release's
+canary. It ends with one line naming the owner now (LostService, exit 6).
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
-from tasks.platform.errors import CheckFailed, TransientError
+from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.platform.stage_cache import logger
-from tasks.serving.routes import Owner
-from tasks.serving.service import ServiceControl
+from tasks.serving.service import Fence, ServiceControl
 
 POLL_S = 2.0  # how often a queued release asks again
 
@@ -32,6 +37,8 @@ class Ownership:
     waiting: str | None = None  # "approval" while it waits for a person
     stopped: threading.Event = field(default_factory=threading.Event)
     renewing: threading.Thread | None = None
+    epoch: int | None = None  # the fencing epoch the service gave this release's ownership
+    renewed_at: float = 0.0  # monotonic time the last renewal landed
 
     def take(self, timeout_s: float, poll_s: float = POLL_S) -> float:
         """Own the service, queued behind a working owner for up to timeout_s; the seconds waited. CheckFailed
@@ -40,7 +47,9 @@ class Ownership:
         noted: str | None = None
         while True:
             owner = self.control.own(self.release, self.lease_s, self.waiting)
-            if owner is None:
+            if owner.release == self.release:
+                self.epoch, self.renewed_at = owner.epoch, time.monotonic()
+                self.control.fence = Fence(self.release, owner.epoch)
                 return time.monotonic() - started
             if owner.waiting == "approval":
                 raise CheckFailed(
@@ -64,7 +73,10 @@ class Ownership:
 
         def renew() -> None:
             while not self.stopped.wait(self.lease_s / 3):
-                self.renew()
+                try:
+                    self.renew()
+                except LostService:
+                    return  # said; the release's next write ends it
 
         self.renewing = threading.Thread(target=renew, name="own-service", daemon=True)
         self.renewing.start()
@@ -75,17 +87,32 @@ class Ownership:
         if self.renewing is not None and self.renewing is not threading.current_thread():
             self.renewing.join()
 
-    def renew(self, lease_s: float | None = None) -> Owner | None:
-        """Renewed now (for lease_s, where given); the other release that owns the service where this one lost it
-        (it let its ownership lapse and was taken over), logged."""
+    def renew(self, lease_s: float | None = None) -> None:
+        """Renewed now (for lease_s, where given). LostService where this release lost the service: taken over (its
+        ownership lapsed and another release took it; or it was given a new epoch, so another owned it meanwhile),
+        or no renewal landed for a whole lease: it writes nothing more from then on."""
+        self.control.refuse_if_lost()
         try:
             owner = self.control.own(self.release, lease_s or self.lease_s, self.waiting)
         except (CheckFailed, TransientError) as exc:  # the service is away for a moment: the lease outlasts it
-            logger().warning(f"serving lock: the ownership of {self.service} was not renewed: {exc}")
-            return None
-        if owner is not None:
-            logger().warning(f"serving lock: {self.service} was taken over by {owner.describe()}")
-        return owner
+            if time.monotonic() - self.renewed_at < self.lease_s:
+                logger().warning(f"serving lock: the ownership of {self.service} was not renewed: {exc}")
+                return
+            self.lose(f"{self.service}: no renewal of this release's ownership landed for {self.lease_s:g}s ({exc})")
+        if owner.release == self.release and owner.epoch != self.epoch:
+            # it lapsed and another release owned the service meanwhile (which may have changed it since): the
+            # ownership just given is not this release's to use, and is given up at once for the next one
+            self.control.disown(self.release, owner.epoch)
+            self.lose(f"{self.service} was owned by another release after this one's lease lapsed")
+        if owner.release != self.release:
+            self.lose(f"{self.service} is owned by {owner.describe()} now")
+        self.renewed_at = time.monotonic()
+
+    def lose(self, why: str) -> NoReturn:
+        """The service is lost: renewals stop, every write is refused unsent, and the release ends with `why`."""
+        self.stopped.set()
+        logger().error(f"serving lock: {why}; this release writes nothing more")
+        self.control.lose(f"{why}; this release wrote nothing more")
 
     def wait_for_approval(self, lease_s: float) -> None:
         """Marked as waiting for a person (others fail fast instead of queueing), owned for lease_s from now."""
@@ -105,8 +132,11 @@ class Ownership:
         self.renew()
 
     def give_up(self) -> None:
-        """Renewing stops and the service is free (where the service cannot be reached, the ownership lapses)."""
+        """Renewing stops and the service is free (where the service cannot be reached, the ownership lapses; where
+        this release lost it, it is another's)."""
         self.stop_renewing()
+        if self.control.lost:
+            return
         try:
             self.control.disown(self.release)
         except (CheckFailed, TransientError) as exc:

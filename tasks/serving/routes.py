@@ -74,6 +74,7 @@ class Owner:
     since: float  # unix time it took the service
     expires_at: float  # past this, the next release takes the service over
     waiting: str | None = None  # "approval": it waits for a person (others do not queue behind it)
+    epoch: int = 0  # its fencing token: every write of the release carries it, and one of an older owner is refused
 
     def expired(self, now: float) -> bool:
         return now >= self.expires_at
@@ -83,7 +84,7 @@ class Owner:
 
         since = datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds")
         waits = ", waiting for approval" if self.waiting == "approval" else ""
-        return f"release {self.release} (owner since {since}{waits})"
+        return f"release {self.release} (epoch {self.epoch}, owner since {since}{waits})"
 
     @classmethod
     def of(cls, data: Any) -> Owner:
@@ -96,7 +97,13 @@ class Owner:
         waiting = data.get("waiting") or None
         if waiting not in (None, "approval"):
             raise RoutesError("owner.waiting: null or approval")
-        return cls(data["release"], since, expires_at, waiting)
+        return cls(data["release"], since, expires_at, waiting, parse_epoch(data.get("epoch", 0), "owner.epoch"))
+
+
+def parse_epoch(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RoutesError(f"{where}: a whole number, 0 or more")
+    return value
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ class RouteTable:
     expires_at: float | None = None  # when that hold lapses: the champion alone again
     updated_at: float = 0.0
     owner: Owner | None = None  # the release that owns the service (deploys .. promotes), independent of the routes
+    last_epoch: int = 0  # the last fencing epoch an owner was given: each new owner gets the next (never reused)
 
     def __post_init__(self) -> None:
         routed = [(self.version(name), weight) for name, weight in self.weights.items() if weight > 0]
@@ -174,6 +182,7 @@ class RouteTable:
             expires_at=float(data["expires_at"]) if data.get("expires_at") is not None else None,
             updated_at=float(data.get("updated_at") or 0.0),
             owner=Owner.of(data["owner"]) if data.get("owner") else None,
+            last_epoch=parse_epoch(data.get("last_epoch", 0), "last_epoch"),
         )
         table.check()
         return table

@@ -10,78 +10,111 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import requests
 
-from tasks.platform.errors import CheckFailed, TransientError
+from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.serving.client import CONTROL_HEADER, Triton, generate_body
 from tasks.serving.routes import Owner, RouteTable
 
 
+@dataclass(frozen=True)
+class Fence:
+    """What every write of a release carries: the epoch its ownership of the service was given (PUT /owner)."""
+
+    release: str
+    epoch: int
+
+
 @dataclass
 class ServiceControl:
-    """The control API of a gateway: its URL (its control listener) and the serve's control key (never printed)."""
+    """The control API of a gateway: its URL (its control listener) and the serve's control key (never printed).
+
+    A release's writes carry its `fence` once it owns the service. Once it `lost` the service (a write refused by
+    the fence, a takeover seen at renewal, a lease that lapsed before a renewal landed), every write is refused here,
+    unsent, with the line that says who owns the service now."""
 
     url: str
     key: str = field(repr=False)
+    fence: Fence | None = None
+    lost: str | None = None
 
     def call(self, method: str, path: str, body: Mapping[str, Any] | None = None, timeout: float = 30) -> dict:
+        response = self.send(method, path, body, timeout)
+        if response.status_code != 200:
+            raise CheckFailed(f"the control API at {self.url}: {method} {path}: {error_text(response)}")
+        return response.json()
+
+    def send(self, method: str, path: str, body: Mapping[str, Any] | None, timeout: float) -> requests.Response:
         try:
-            response = requests.request(
+            return requests.request(
                 method, f"{self.url}{path}", json=body, headers={CONTROL_HEADER: self.key}, timeout=timeout
             )
         except requests.RequestException as exc:
             raise TransientError(f"the control API of the service at {self.url}: {type(exc).__name__}") from None
+
+    def write(self, method: str, path: str, body: Mapping[str, Any], timeout: float = 30) -> dict:
+        """A change of the service, fenced: with the release's epoch, never once the release lost the service."""
+        self.refuse_if_lost()
+        fenced = {**body, "epoch": self.fence.epoch} if self.fence else dict(body)
+        response = self.send(method, path, fenced, timeout)
+        if response.status_code == 409 and "owner" in refusal(response) and self.fence is not None:
+            self.lose(f"{error_text(response)}; this release wrote nothing more")
         if response.status_code != 200:
             raise CheckFailed(f"the control API at {self.url}: {method} {path}: {error_text(response)}")
         return response.json()
+
+    def lose(self, why: str) -> NoReturn:
+        """The release lost the service: no write after this one is sent."""
+        self.lost = why
+        raise LostService(why)
+
+    def refuse_if_lost(self) -> None:
+        if self.lost:
+            raise LostService(self.lost)
 
     def table(self) -> RouteTable:
         return RouteTable.of(self.call("GET", "/control/v1/deployment"))
 
     def put_table(self, table: RouteTable, lease_s: float | None = None) -> RouteTable:
         body = {**table.as_json(), "lease_s": lease_s if table.release else None}
-        return RouteTable.of(self.call("PUT", "/control/v1/deployment", body))
+        return RouteTable.of(self.write("PUT", "/control/v1/deployment", body))
 
     def set_weights(self, weights: Mapping[str, float], release: str | None, lease_s: float | None) -> RouteTable:
         body = {"weights": dict(weights), "release": release, "lease_s": lease_s if release else None}
-        return RouteTable.of(self.call("PUT", "/control/v1/routes", body))
+        return RouteTable.of(self.write("PUT", "/control/v1/routes", body))
 
     def start_shadow(self, version: str, fraction: float, release: str, lease_s: float) -> RouteTable:
         body = {"version": version, "fraction": fraction, "release": release, "lease_s": lease_s}
-        return RouteTable.of(self.call("PUT", "/control/v1/shadow", body))
+        return RouteTable.of(self.write("PUT", "/control/v1/shadow", body))
 
     def renew(self, release: str, lease_s: float) -> RouteTable:
-        return RouteTable.of(self.call("PUT", "/control/v1/lease", {"release": release, "lease_s": lease_s}))
+        return RouteTable.of(self.write("PUT", "/control/v1/lease", {"release": release, "lease_s": lease_s}))
 
-    def own(self, release: str, lease_s: float, waiting: str | None = None) -> Owner | None:
-        """Take (or renew, or take over from a lapsed owner) the service's ownership for `release`: None once it is
-        the owner, else the release that owns it."""
+    def own(self, release: str, lease_s: float, waiting: str | None = None) -> Owner:
+        """Take (or renew, or take over from a lapsed owner) the service's ownership for `release`: the owner after
+        the call, `release` with its epoch where it owns the service, else the release that does."""
         body = {"release": release, "lease_s": lease_s, "waiting": waiting}
-        try:
-            response = requests.put(
-                f"{self.url}/control/v1/owner", json=body, headers={CONTROL_HEADER: self.key}, timeout=30
-            )
-        except requests.RequestException as exc:
-            raise TransientError(f"the control API of the service at {self.url}: {type(exc).__name__}") from None
-        if response.status_code == 409 and isinstance(response.json().get("owner"), dict):
-            return Owner.of(response.json()["owner"])
-        if response.status_code != 200:
+        response = self.send("PUT", "/control/v1/owner", body, 30)
+        owner = refusal(response).get("owner") if response.status_code in (200, 409) else None
+        if not isinstance(owner, dict):
             raise CheckFailed(f"the control API at {self.url}: PUT /control/v1/owner: {error_text(response)}")
-        return None
+        return Owner.of(owner)
 
-    def disown(self, release: str) -> RouteTable:
-        """`release` gives the service up (nothing changes where it is not the owner)."""
-        return RouteTable.of(self.call("DELETE", "/control/v1/owner", {"release": release}))
+    def disown(self, release: str, epoch: int | None = None) -> RouteTable:
+        """`release` gives up the service's ownership of `epoch` (its fence's by default): nothing changes where it is
+        not the owner, or another epoch of it."""
+        body = {"release": release, "epoch": epoch if epoch is not None else self.fence.epoch if self.fence else None}
+        return RouteTable.of(self.call("DELETE", "/control/v1/owner", body))
 
     def restart_replica(self, triton: Triton, timeout_s: float) -> None:
         """`llmops serve` starts its Triton at triton.url again (a load hung there) and answers once it serves the
         table's versions again; CheckFailed where the serve does not own that Triton."""
-        self.call("POST", "/control/v1/replicas/restart", {"url": triton.url, "timeout_s": timeout_s}, timeout_s + 30)
+        self.write("POST", "/control/v1/replicas/restart", {"url": triton.url, "timeout_s": timeout_s}, timeout_s + 30)
 
     def stop_shadow(self) -> RouteTable:
-        return RouteTable.of(self.call("DELETE", "/control/v1/shadow"))
+        return RouteTable.of(self.write("DELETE", "/control/v1/shadow", {}))
 
     def generate(
         self,
@@ -106,6 +139,15 @@ class ServiceControl:
             return requests.get(f"{self.url}/metrics", timeout=10).text
         except requests.RequestException as exc:
             raise TransientError(f"the gateway's /metrics at {self.url}: {type(exc).__name__}") from None
+
+
+def refusal(response: requests.Response) -> dict:
+    """An answer's JSON object; {} where it is none."""
+    try:
+        data = response.json()
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def error_text(response: requests.Response) -> str:

@@ -20,7 +20,8 @@ from starlette.testclient import TestClient
 from tasks.serving import adapter_registry
 from tasks.serving.gateway import Gateway, GatewayConfig
 from tasks.serving.gateway.control import ControlApi
-from tasks.serving.routes import Owner, RoutesError, RouteTable, Version, read_record, write_record
+from tasks.serving.routes import RoutesError, RouteTable, Version, read_record, write_record
+from tasks.serving.service import ServiceControl
 from tests.unit.test_gateway import AUTH, CHAMPION, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, scrape
 
 CONTROL_KEY = "serve-control-key-0123456789"
@@ -316,13 +317,19 @@ def test_one_release_owns_the_service_until_it_gives_it_up_or_lets_it_lapse(serv
     gateway, _, control = service()
     taken = control.put("/control/v1/owner", json={"release": "run-7", "lease_s": 600})
     assert taken.status_code == 200 and taken.json()["owner"]["release"] == "run-7"
-    since = taken.json()["owner"]["since"]
+    since, epoch = taken.json()["owner"]["since"], taken.json()["owner"]["epoch"]
+    assert epoch == 1 == taken.json()["last_epoch"]
     other = control.put("/control/v1/owner", json={"release": "run-8", "lease_s": 600})
     assert other.status_code == 409 and other.json()["owner"]["release"] == "run-7"
-    assert other.json()["error"].startswith("demo is owned by release run-7 (owner since ")
-    # the owner's changes of the routes keep its ownership, and so does the record a restarted gateway reads
-    control.put("/control/v1/deployment", json={**with_candidate(0, release="run-7").as_json(), "lease_s": 60})
-    control.put("/control/v1/routes", json={"weights": {CHAMPION.name: 90, CANDIDATE.name: 10}, "release": "run-7"})
+    assert other.json()["error"].startswith("demo is owned by release run-7 (epoch 1, owner since ")
+    # the owner's changes of the routes (with its epoch) keep its ownership, and so does the record a restarted
+    # gateway reads
+    held = control.put(
+        "/control/v1/deployment", json={**with_candidate(0, release="run-7").as_json(), "lease_s": 60, "epoch": 1}
+    )
+    assert held.status_code == 200, held.text
+    step = {"weights": {CHAMPION.name: 90, CANDIDATE.name: 10}, "release": "run-7", "epoch": epoch}
+    assert control.put("/control/v1/routes", json=step).status_code == 200
     assert gateway.table.owner.release == "run-7"
     assert read_record(tmp_path / "serving" / f"{SERVICE}.json").owner.release == "run-7"
     restarted, _, _ = service(record=None)
@@ -332,6 +339,7 @@ def test_one_release_owns_the_service_until_it_gives_it_up_or_lets_it_lapse(serv
     waiting = control.put("/control/v1/owner", json={"release": "run-8", "lease_s": 600})
     assert "waiting for approval" in waiting.json()["error"]
     assert control.request("DELETE", "/control/v1/owner", json={"release": "run-8"}).json()["owner"] is not None
+    assert control.request("DELETE", "/control/v1/owner", json={"release": "run-7", "epoch": 2}).json()["owner"]
     assert control.request("DELETE", "/control/v1/owner", json={"release": "run-7"}).json()["owner"] is None
     assert control.put("/control/v1/owner", json={"release": "run-8", "lease_s": 0.01}).status_code == 200
     time.sleep(0.05)  # run-8 died: its ownership lapsed and the next release takes the service over
@@ -346,18 +354,15 @@ def test_one_release_owns_the_service_until_it_gives_it_up_or_lets_it_lapse(serv
         assert bad.status_code == 400 and bad.json() == {"error": error}
 
 
-class OwnerControl:
-    """A release's view of the control API (ServiceControl.own/disown) over a TestClient."""
+class OwnerControl(ServiceControl):
+    """A release's view of the control API (ServiceControl, its fence included) over a TestClient."""
 
     def __init__(self, control: TestClient):
+        super().__init__("http://control.test", CONTROL_KEY)
         self.client = control
 
-    def own(self, release: str, lease_s: float, waiting: str | None = None) -> Owner | None:
-        answer = self.client.put("/control/v1/owner", json={"release": release, "lease_s": lease_s, "waiting": waiting})
-        return Owner.of(answer.json()["owner"]) if answer.status_code == 409 else None
-
-    def disown(self, release: str) -> None:
-        self.client.request("DELETE", "/control/v1/owner", json={"release": release})
+    def send(self, method: str, path: str, body, timeout: float):  # type: ignore[override]
+        return self.client.request(method, path, json=body)
 
 
 def test_a_second_release_queues_behind_a_working_owner_and_fails_fast_behind_one_waiting_for_a_person(service):
@@ -365,17 +370,21 @@ def test_a_second_release_queues_behind_a_working_owner_and_fails_fast_behind_on
     from tasks.serving.ownership import Ownership
 
     gateway, _, control = service()
-    first = Ownership(OwnerControl(control), SERVICE, "run-1", lease_s=600)  # type: ignore[arg-type]
+    first = Ownership(OwnerControl(control), SERVICE, "run-1", lease_s=600)
     assert first.take(timeout_s=1) < 1
-    second = Ownership(OwnerControl(control), SERVICE, "run-2", lease_s=600)  # type: ignore[arg-type]
+    second = Ownership(OwnerControl(control), SERVICE, "run-2", lease_s=600)
     started = time.monotonic()
-    with pytest.raises(CheckFailed, match=r"^demo is still owned by release run-1 \(owner since .*\) after \d+s"):
+    with pytest.raises(
+        CheckFailed, match=r"^demo is still owned by release run-1 \(epoch 1, owner since .*\) after \d+s"
+    ):
         second.take(timeout_s=1, poll_s=0.2)
     assert time.monotonic() - started >= 1  # it queued
     first.wait_for_approval(86_400)
     assert gateway.table.owner.expires_at > time.time() + 86_000
     started = time.monotonic()
-    with pytest.raises(CheckFailed, match=r"owned by release run-1 \(owner since .*, waiting for approval\); a rel"):
+    with pytest.raises(
+        CheckFailed, match=r"owned by release run-1 \(epoch 1, owner since .*, waiting for approval\); a rel"
+    ):
         second.take(timeout_s=60)
     assert time.monotonic() - started < 1  # it did not queue behind a person
     first.decided()
@@ -389,7 +398,7 @@ def test_a_release_renews_its_ownership_while_it_runs_and_frees_the_service_at_i
     from tasks.serving.ownership import Ownership
 
     gateway, _, control = service()
-    owning = Ownership(OwnerControl(control), SERVICE, "run-1", lease_s=0.6)  # type: ignore[arg-type]
+    owning = Ownership(OwnerControl(control), SERVICE, "run-1", lease_s=0.6)
     owning.take(timeout_s=1)
     owning.keep()
     time.sleep(1.5)  # over two leases: renewed every third of one
@@ -421,7 +430,7 @@ def test_a_release_suspended_for_approval_stays_the_owner_and_its_resumed_run_ow
 
     gateway, _, control = service()
     config = load_profile("cpu-tiny", ["canary.hold_s=0.3"])  # renewed every 0.1 s for 0.3 s while it runs
-    served = Service(SERVICE, [], OwnerControl(control))  # type: ignore[arg-type]
+    served = Service(SERVICE, [], OwnerControl(control))
     first = Tags()
     with pytest.raises(Pause), serving_lock(config, first, served, "flow-run-1") as lock:  # type: ignore[arg-type]
         lock.wait_for_approval(86_400)
@@ -450,3 +459,99 @@ def test_the_gateways_of_one_home_share_the_services_owner_through_its_record(se
     assert second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).status_code == 409
     first.request("DELETE", "/control/v1/owner", json={"release": "run-1"})
     assert second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).status_code == 200
+
+
+# --- fencing: a release that lost the service writes nothing more ------------------------------------------------
+
+
+@pytest.fixture
+def control_url(tmp_path: Path):
+    """The control listener of a real gateway (uvicorn on a free port), as releases reach it over HTTP."""
+    from tasks.platform.ports import free_port
+    from tasks.serving.gateway.running import Listener, RunningGateway
+
+    record = tmp_path / "serving" / f"{SERVICE}.json"
+    write_record(record, TABLE)
+    config = GatewayConfig("http://triton.test:8000", SERVICE, 512, record=record, control_key=CONTROL_KEY)
+    gateway = Gateway(config, transport=httpx.MockTransport(FakeTriton()))
+    port = free_port()
+    running = RunningGateway([Listener(ControlApi(gateway, CONTROL_KEY).app(), "127.0.0.1", port)], gateway).start()
+    yield f"http://127.0.0.1:{port}", gateway
+    running.stop()
+
+
+def test_a_release_whose_lease_lapsed_is_fenced_off_once_another_owns_the_service(control_url):
+    """Issue 60, finding 1: release A stops renewing (SIGSTOPped, a long benchmark) past its lease; B takes the service
+    over with the next epoch and canaries. A's next write is refused by the gateway (409 naming B), A's writes after
+    it are refused unsent, and B's routes and ownership are untouched."""
+    from tasks.platform.errors import LOST_SERVICE_EXIT_CODE, LostService
+    from tasks.serving.ownership import Ownership
+    from tasks.serving.service import Fence
+
+    url, gateway = control_url
+    first = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-a", lease_s=0.5)
+    first.take(timeout_s=1)
+    assert (first.epoch, first.control.fence) == (1, Fence("flow-run-a", 1))
+    first.control.put_table(with_candidate(0, release="flow-run-a"), 60)
+    time.sleep(0.6)  # A renews nothing: its lease lapses
+    second = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-b", lease_s=600)
+    assert second.take(timeout_s=1) < 1 and second.epoch == 2
+    second.control.put_table(with_candidate(10, release="flow-run-b"), 60)
+    with pytest.raises(LostService, match=r"^demo is owned by release flow-run-b \(epoch 2, .*a write with epoch 1"):
+        first.control.set_weights({CHAMPION.name: 50, CANDIDATE.name: 50}, "flow-run-a", 60)
+    assert (
+        gateway.table.weights == {CHAMPION.name: 90.0, CANDIDATE.name: 10.0} and gateway.table.release == "flow-run-b"
+    )
+    first.control.url = "http://127.0.0.1:9"  # nothing listens: a write sent would be a TransientError
+    for write in (lambda: first.control.put_table(TABLE), first.control.stop_shadow, lambda: first.renew()):
+        with pytest.raises(LostService, match="this release wrote nothing more"):
+            write()
+    first.give_up()  # frees nothing of B's
+    assert gateway.table.owner.release == "flow-run-b" and gateway.table.owner.epoch == 2
+    assert LostService.exit_code == LOST_SERVICE_EXIT_CODE == 6
+    # B's renewal keeps its epoch; a writer without one (an operator) waits until no release owns the service
+    second.renew()
+    assert gateway.table.owner.epoch == 2
+    operator = {"weights": {CHAMPION.name: 100}}
+    assert ServiceControl(url, CONTROL_KEY).send("PUT", "/control/v1/routes", operator, 10).status_code == 409
+    second.give_up()
+    assert gateway.table.owner is None and gateway.table.last_epoch == 2
+    third = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-c", lease_s=600)
+    third.take(timeout_s=1)
+    assert third.epoch == 3  # an epoch is never given twice
+
+
+def test_a_release_whose_renewals_stop_landing_for_a_whole_lease_stops_itself(control_url):
+    """The service unreachable from the release for longer than its lease (a partition): the release cannot know
+    whether another took the service over, so it writes nothing more and says why."""
+    from tasks.platform.errors import LostService
+    from tasks.serving.ownership import Ownership
+
+    url, gateway = control_url
+    owning = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-a", lease_s=0.4)
+    owning.take(timeout_s=1)
+    owning.control.url = "http://127.0.0.1:9"
+    owning.renew()  # within its lease: a warning, and on
+    time.sleep(0.45)
+    with pytest.raises(LostService, match=r"^demo: no renewal of this release's ownership landed for 0.4s"):
+        owning.renew()
+    with pytest.raises(LostService):
+        owning.control.set_weights({CHAMPION.name: 100}, "flow-run-a", 60)
+
+
+def test_a_release_that_owns_the_service_again_after_another_did_gives_that_ownership_up_and_stops(control_url):
+    """A's lease lapsed, B owned the service and gave it up (its promotion done); A's renewal is answered with a new
+    epoch: B may have changed everything since, so A frees the service at once and stops."""
+    from tasks.platform.errors import LostService
+    from tasks.serving.ownership import Ownership
+
+    url, gateway = control_url
+    first = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-a", lease_s=0.3)
+    first.take(timeout_s=1)
+    time.sleep(0.35)
+    second = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-b", lease_s=600)
+    second.take(timeout_s=1)
+    second.give_up()
+    with pytest.raises(LostService, match="owned by another release after this one's lease lapsed"):
+        first.renew()
+    assert gateway.table.owner is None and gateway.table.last_epoch == 3

@@ -9,9 +9,12 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
     DELETE /control/v1/shadow       copies stop
     PUT    /control/v1/lease        {"release": RUN, "lease_s": S}: the release that holds the routes holds them longer
     PUT    /control/v1/owner        {"release": RUN, "lease_s": S, "waiting": null|"approval"}: the release owns the
-                                    service for S seconds (taken, renewed, or taken over from a lapsed owner); 409
-                                    with {"error": ..., "owner": {...}} naming the owner while another one holds it
-    DELETE /control/v1/owner        {"release": RUN}: that release gives the service up (nothing where it is not owner)
+                                    service for S seconds (taken, renewed, or taken over from a lapsed owner) and is
+                                    given its fencing epoch (owner.epoch: the next one for a new owner, the same on a
+                                    renewal); 409 with {"error": ..., "owner": {...}} naming the owner while another
+                                    one holds it
+    DELETE /control/v1/owner        {"release": RUN, "epoch": N}: that release gives the service up (nothing where it
+                                    is not the owner)
     POST   /control/v1/replicas/restart   {"url": TRITON_URL, "timeout_s": S}: a release's load hung on that replica
                                     (Triton 2.51 waits for a model process without a deadline): the serve kills it
                                     with its model processes and answers once its watch started it again with the
@@ -19,6 +22,13 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
     POST   /v2/models/NAME/generate[_stream]   the service's name (drawn by weight) or one version by its name:
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
+
+Fencing: every write (deployment, routes, shadow, lease, replicas/restart) of a release carries the epoch its
+ownership was given ({"epoch": N}); while a release owns the service, a write whose epoch is not the owner's, or
+that carries none, is a 409 {"error": ..., "owner": {...}} naming the owner, and so is a write with an epoch once
+that ownership lapsed: a release that lost the service (taken over, or its lease lapsed in a long benchmark) cannot
+write over the next one's canary (Chubby's sequencers, Kubernetes' resourceVersion). A write without an epoch (an
+operator's) is taken while no release owns the service.
 
 A change takes effect for the next request (the table is swapped in memory, no model is loaded again) once the
 deployment record holds it (tasks/serving/routes.py). `lease_s`: the release's hold on a candidate's routes or a
@@ -56,6 +66,37 @@ MAX_OWNER_S = 366 * 24 * 3600.0  # a release waiting for a person owns the servi
 MAX_RESTART_S = 3600.0
 
 RestartReplica = Callable[[str, float], None]  # (Triton URL, timeout_s): blocks until it serves again
+
+
+class Fenced(RequestError):
+    """A write refused by the fence: not the live owner's epoch. Answered 409 with the owner, as PUT /owner's."""
+
+    def __init__(self, message: str, owner: Owner | None):
+        super().__init__(409, message)
+        self.owner = owner
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            {"error": self.message, "owner": asdict(self.owner) if self.owner else None}, status_code=409
+        )
+
+
+def fence(table: RouteTable, data: dict[str, Any], now: float) -> None:
+    """Refuse a write that does not carry the live owner's epoch (and, where it names one, its release); one without
+    an epoch only while no release owns the service. Called under the table's lock, on the owner the record holds."""
+    epoch, release = data.get("epoch"), data.get("release")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
+        raise RequestError(400, "epoch: the whole number PUT /control/v1/owner gave the release")
+    owner = table.owner
+    if owner is None or owner.expired(now):
+        if epoch is None:
+            return
+        lapsed = f"the ownership of release {owner.release} lapsed" if owner else "no release owns it"
+        raise Fenced(f"{table.service}: a write of epoch {epoch} refused: {lapsed}; own the service again", owner)
+    if epoch == owner.epoch and release in (None, owner.release):
+        return
+    given = f"epoch {epoch}" if epoch is not None else "no epoch"
+    raise Fenced(f"{table.service} is owned by {owner.describe()}; a write with {given} refused", owner)
 
 
 class ControlApi:
@@ -99,21 +140,27 @@ class ControlApi:
         # a change that gives no lease keeps the hold there is (a shadow stopped while a candidate is routed)
         expires_at = now + lease if lease else table.expires_at if table.release else None
         held = replace(table, updated_at=now, expires_at=expires_at)
-        held = await self.gateway.amend(lambda current: replace(held, owner=current.owner))
-        return JSONResponse(held.as_json())
+
+        def change(current: RouteTable) -> RouteTable:
+            fence(current, data, now)
+            return replace(held, owner=current.owner, last_epoch=current.last_epoch)
+
+        return JSONResponse((await self.gateway.amend(change)).as_json())
 
     async def handle(self, request: Request) -> Response:
         try:
             self.authorize(request)
             if request.method == "GET":
                 return JSONResponse(self.gateway.table.as_json())
-            data = await self.read_json(request) if request.method == "PUT" else {}
+            # a DELETE's body too, where it has one: the release and its epoch (an operator's may have none)
+            data = await self.read_json(request) if request.method == "PUT" or "content-type" in request.headers else {}
             if request.url.path.endswith("/lease"):
                 return await self.renew(data)
             if request.url.path.endswith("/owner"):
-                data = await self.read_json(request) if request.method == "DELETE" else data
                 return await self.own(request.method, data)
             return await self.apply(self.changed(request.url.path, request.method, data), data)
+        except Fenced as refused:
+            return refused.response()
         except RequestError as error:
             return triton_error(error)
 
@@ -124,9 +171,13 @@ class ControlApi:
             raise RequestError(
                 409, f"release: the routes are held by {table.release or 'no release'}, not {data.get('release')}"
             )
-        until = time.time() + lease
-        held = await self.gateway.amend(lambda current: replace(current, expires_at=until))
-        return JSONResponse(held.as_json())
+        now = time.time()
+
+        def change(current: RouteTable) -> RouteTable:
+            fence(current, data, now)
+            return replace(current, expires_at=now + lease)
+
+        return JSONResponse((await self.gateway.amend(change)).as_json())
 
     async def own(self, method: str, data: dict[str, Any]) -> Response:
         """Take, renew or give up the service's ownership; the check and the change under the table's lock (two
@@ -146,12 +197,15 @@ class ControlApi:
             owner, now = table.owner, time.time()
             mine = owner is not None and owner.release == release
             if method == "DELETE":
-                return replace(table, owner=None) if mine else None
+                same = mine and data.get("epoch") in (None, owner.epoch)  # type: ignore[union-attr]
+                return replace(table, owner=None) if same else None
             if owner is not None and not mine and not owner.expired(now):
                 refused.append(owner)
                 return None
-            since = owner.since if owner is not None and mine else now
-            return replace(table, owner=Owner(release, since, now + (lease or 0), waiting))
+            if owner is not None and mine:  # renewed: the same ownership, the same epoch
+                return replace(table, owner=replace(owner, expires_at=now + (lease or 0), waiting=waiting))
+            epoch = table.last_epoch + 1  # a new owner: the next epoch, and every write of an older one is refused
+            return replace(table, owner=Owner(release, now, now + (lease or 0), waiting, epoch), last_epoch=epoch)
 
         table = await self.gateway.amend(change)
         if refused:
@@ -168,9 +222,9 @@ class ControlApi:
         if release is not None and not isinstance(release, str):
             raise RequestError(400, "release: a run id or null")
         try:
-            if path.endswith("/deployment"):  # the service's owner is not a table's to change (PUT /owner is)
-                whole = RouteTable.of({**data, "service": table.service, "updated_at": time.time(), "owner": None})
-                return replace(whole, owner=table.owner)
+            if path.endswith("/deployment"):  # the owner and the epoch are not a table's to change (PUT /owner is)
+                whole = {**data, "service": table.service, "updated_at": time.time(), "owner": None, "last_epoch": 0}
+                return replace(RouteTable.of(whole), owner=table.owner, last_epoch=table.last_epoch)
             if path.endswith("/routes"):
                 return replace(table, weights=parse_weights(data.get("weights")), release=release)
             if method == "DELETE":
@@ -195,6 +249,7 @@ class ControlApi:
                 raise RequestError(400, f"timeout_s: seconds in (0, {MAX_RESTART_S:.0f}]")
             if self.restart_replica is None:
                 raise RequestError(409, "this gateway starts no Triton: restart it where it was started")
+            fence(self.gateway.table, data, time.time())
             try:
                 await asyncio.to_thread(self.restart_replica, url, float(timeout))
             except CheckFailed as exc:
@@ -202,6 +257,8 @@ class ControlApi:
             except TransientError as exc:
                 raise RequestError(504, str(exc)) from None
             return JSONResponse({"url": url, "restarted": True})
+        except Fenced as refused:
+            return refused.response()
         except RequestError as error:
             return triton_error(error)
 
