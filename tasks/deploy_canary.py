@@ -133,8 +133,16 @@ def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> D
         # serves it (its control API; tasks/serving/fleet.py does the same for its own loads), and both load again.
         hung = exc.triton if isinstance(exc, LoadHung) else served.triton
         logger().warning(f"canary: {exc}; starting Triton {hung.url} again")
-        served.restart(hung, 2 * ctx.profile.serve.load_timeout_s + 60)
-        deployment, load_s = load_both(ctx, served, candidate)
+        try:
+            served.restart(hung, 2 * ctx.profile.serve.load_timeout_s + 60)
+        except CheckFailed as refused:  # `llmops serve` keeps its last replica serving the champion
+            raise CheckFailed(f"canary: {candidate.name}'s load hung ({exc}) and {refused}") from None
+        try:
+            deployment, load_s = load_both(ctx, served, candidate)
+        except LoadHung as again:  # retried once: a candidate that hangs every time ends the release here
+            raise CheckFailed(
+                f"canary: {candidate.name}'s load hung again after Triton {hung.url} restarted: {again}"
+            ) from None
     if deployment.unchanged:
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
         return deployment

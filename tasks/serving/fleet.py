@@ -7,7 +7,7 @@ A replica this serve started that dies is started again on its ports with backof
 version of the table loaded on it again; after `serve.listen.restart_limit` deaths in a row (each within a minute of
 its start) the serve gives up (exit 4). A model that keeps failing its probes is loaded again on its replica
 (`recover`); where that fails and it serves the champion on a replica this serve started, that replica is SIGKILLed,
-and so restarted.
+and so restarted. A release's hung load restarts a replica only while another one serves the champion.
 """
 
 from __future__ import annotations
@@ -207,6 +207,14 @@ class Fleet:
         replica = next((r for r in self.replicas if r.client.url == url), None)
         if replica is None or replica.server is None:
             raise CheckFailed(f"Triton {url} is not one this serve started; restart it where it was started")
+        table = self.table()
+        champion = table.champion if table is not None else None
+        serving = [r for r in self.replicas if r is not replica and r.running() and not r.restarting]
+        if champion is not None and not serving:  # a candidate never costs the champion its clients
+            raise CheckFailed(
+                f"Triton {url} is the last replica serving the champion {champion.name}: a release's hung load "
+                "does not restart it (its clients would get 503s); the candidate is abandoned"
+            )
         self.say(f"llmops serve: a release's load hung on Triton {url}; starting that Triton again")
         started = replica.started
         if not replica.restarting:  # else the watch is starting it already

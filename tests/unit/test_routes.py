@@ -555,3 +555,93 @@ def test_a_release_that_owns_the_service_again_after_another_did_gives_that_owne
     with pytest.raises(LostService, match="owned by another release after this one's lease lapsed"):
         first.renew()
     assert gateway.table.owner is None and gateway.table.last_epoch == 3
+
+
+# --- a candidate cannot cost the champion its clients ---------------------------------------------------------------
+
+
+class StubServer:
+    """A replica's tritonserver as the fleet sees it: killed, it is started again by the serve's watch."""
+
+    def __init__(self, replica_started: list):
+        self.kills, self.replica_started = 0, replica_started
+
+    def running(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        self.kills += 1
+        self.replica_started[0].started += 1  # the watch started it again
+
+
+def fleet_of(count: int, table: RouteTable | None):
+    from types import SimpleNamespace
+
+    from tasks.serving.fleet import Fleet, Replica
+
+    fleet = Fleet(None, None, say=lambda line: None)  # type: ignore[arg-type]
+    for index in range(count):
+        holder: list = []
+        replica = Replica(index, SimpleNamespace(url=f"http://127.0.0.1:{8000 + index}"), StubServer(holder))  # type: ignore[arg-type]
+        holder.append(replica)
+        fleet.replicas.append(replica)
+    fleet.table = lambda: table
+    return fleet
+
+
+def test_the_serve_never_restarts_its_last_replica_serving_the_champion_for_a_releases_hung_load():
+    """Issue 60, finding 2: a candidate's hung load on a one-replica serve restarted the Triton serving the champion
+    (every client a 503 for minutes); it is refused now, and allowed where another replica serves (or no champion)."""
+    from tasks.platform.errors import CheckFailed
+
+    alone = fleet_of(1, TABLE)
+    with pytest.raises(
+        CheckFailed, match=r"Triton http://127.0.0.1:8000 is the last replica serving the champion demo-v1"
+    ):
+        alone.start_again("http://127.0.0.1:8000", 5)
+    assert alone.replicas[0].server.kills == 0  # type: ignore[union-attr]
+    two = fleet_of(2, TABLE)
+    two.start_again("http://127.0.0.1:8001", 5)
+    assert [r.server.kills for r in two.replicas] == [0, 1]  # type: ignore[union-attr]
+    first_release = fleet_of(1, RouteTable(SERVICE))  # nothing served yet: no client to lose
+    first_release.start_again("http://127.0.0.1:8000", 5)
+    assert first_release.replicas[0].server.kills == 1  # type: ignore[union-attr]
+
+
+def test_a_candidate_whose_load_hangs_again_after_the_restart_ends_the_release_without_another_retry(monkeypatch):
+    """The release retries a hung candidate once (after its replica restarted); a second hang is a failed check with
+    one line, which Prefect does not retry (a transient fault would load it up to three times more)."""
+    from types import SimpleNamespace
+
+    from tasks import deploy_canary as stage
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import CheckFailed
+
+    triton = SimpleNamespace(url="http://127.0.0.1:8000")
+    loads: list[str] = []
+
+    def hangs(ctx, served, candidate):
+        loads.append(candidate.name)
+        raise stage.LoadHung("demo-v2 did not load within 40s (serve.load_timeout_s)", triton)  # type: ignore[arg-type]
+
+    restarts: list[str] = []
+    monkeypatch.setattr(stage, "served_version", lambda ctx, name, version: SimpleNamespace(name="demo-v2"))
+    monkeypatch.setattr(stage, "load_both", hangs)
+    ctx = SimpleNamespace(
+        tracker=SimpleNamespace(client=SimpleNamespace(get_model_version=lambda *args: None)),
+        profile=load_profile("cpu-tiny"),
+    )
+    served = SimpleNamespace(name=SERVICE, triton=triton, restart=lambda hung, timeout_s: restarts.append(hung.url))
+    registered = SimpleNamespace(name=SERVICE, version="2")
+    with pytest.raises(
+        CheckFailed, match=r"^canary: demo-v2's load hung again after Triton http://127.0.0.1:8000 restarted"
+    ):
+        stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
+    assert (loads, restarts) == (["demo-v2", "demo-v2"], ["http://127.0.0.1:8000"])
+
+    def refused(hung, timeout_s):
+        raise CheckFailed("Triton http://127.0.0.1:8000 is the last replica serving the champion demo-v1: ...")
+
+    served.restart = refused
+    with pytest.raises(CheckFailed, match=r"^canary: demo-v2's load hung \(.*\) and Triton .* is the last replica"):
+        stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]

@@ -18,7 +18,8 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
     POST   /control/v1/replicas/restart   {"url": TRITON_URL, "timeout_s": S}: a release's load hung on that replica
                                     (Triton 2.51 waits for a model process without a deadline): the serve kills it
                                     with its model processes and answers once its watch started it again with the
-                                    table's versions (504 past S; 409 for a Triton the serve does not own or none)
+                                    table's versions (504 past S; 409 for a Triton the serve does not own or none,
+                                    and for its last replica serving the champion: a candidate never costs it)
     POST   /v2/models/NAME/generate[_stream]   the service's name (drawn by weight) or one version by its name:
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
