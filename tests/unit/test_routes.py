@@ -645,3 +645,78 @@ def test_a_candidate_whose_load_hangs_again_after_the_restart_ends_the_release_w
     served.restart = refused
     with pytest.raises(CheckFailed, match=r"^canary: demo-v2's load hung \(.*\) and Triton .* is the last replica"):
         stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
+
+
+# --- bounded pools: an answer never waits behind a job ---------------------------------------------------------------
+
+
+def test_answers_and_control_writes_go_on_while_every_job_thread_is_held_by_restarts(tmp_path: Path):
+    """Issue 60, finding 5: one default executor (six threads here) carried every /v1 answer's token count and the
+    minute-long restarts: eight releases' restarts at once left an answer waiting for them. The gateway's pools are
+    bounded by kind (tasks/serving/gateway/work.py): the restarts queue behind the job threads, and an answer's token
+    count and a control write's record go on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.base_model import train_tokenizer
+    from tasks.platform.ports import free_port
+    from tasks.serving.gateway.running import Listener, RunningGateway
+    from tasks.serving.gateway.work import JOB_THREADS
+
+    tokenizer = tmp_path / "tokenizer"
+    train_tokenizer(["What is the opposite of hot? cold", "big small"] * 8, 300).save_pretrained(tokenizer)
+    record = tmp_path / "serving" / f"{SERVICE}.json"
+    write_record(record, TABLE)
+    config = GatewayConfig(
+        "http://triton.test:8000", SERVICE, 512, api_keys={KEY: "team-a"}, tokenizer_dir=tokenizer, record=record
+    )
+    gateway = Gateway(config, transport=httpx.MockTransport(FakeTriton()))
+    release = threading.Event()
+    held: list[str] = []
+
+    def restart(url: str, timeout_s: float) -> None:  # a replica started again: minutes, here until released
+        held.append(url)
+        release.wait(60)
+
+    public, control = free_port(), free_port()
+    listeners = [
+        Listener(gateway.app(), "127.0.0.1", public),
+        Listener(ControlApi(gateway, CONTROL_KEY, restart).app(), "127.0.0.1", control),
+    ]
+    running = RunningGateway(listeners, gateway).start()
+    headers = {"llmops-control-key": CONTROL_KEY}
+    try:
+        with ThreadPoolExecutor(8) as callers:
+            restarts = [
+                callers.submit(
+                    httpx.post,
+                    f"http://127.0.0.1:{control}/control/v1/replicas/restart",
+                    json={"url": f"http://127.0.0.1:{9000 + n}", "timeout_s": 60},
+                    headers=headers,
+                    timeout=90,
+                )
+                for n in range(8)
+            ]
+            deadline = time.monotonic() + 10
+            while len(held) < JOB_THREADS and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(held) == JOB_THREADS  # every job thread held; six more restarts queued behind them
+            started = time.monotonic()
+            answer = httpx.post(
+                f"http://127.0.0.1:{public}{CHAT}", json={"messages": QUESTION}, headers=AUTH, timeout=10
+            )
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["prompt_tokens"] > 0  # counted in the answers' pool
+            step = httpx.put(
+                f"http://127.0.0.1:{control}/control/v1/routes",
+                json={"weights": {CHAMPION.name: 100}},
+                headers=headers,
+                timeout=10,
+            )
+            assert step.status_code == 200, step.text  # the record written in the answers' pool too
+            assert time.monotonic() - started < 5
+            release.set()
+            assert all(r.result().status_code == 200 for r in restarts)
+        assert len(held) == 8  # every restart ran, two at a time
+    finally:
+        release.set()
+        running.stop()

@@ -51,6 +51,7 @@ from tasks.serving.gateway.replicas import Replicas
 from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.upstream import Answer, Triton
+from tasks.serving.gateway.work import Pools
 from tasks.serving.routes import RouteTable, Version, amend_record, read_record, write_record
 
 LEASE_CHECK_S = 0.5  # how often the gateway looks for a release's hold on the routes that lapsed
@@ -88,7 +89,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
         health = config.health
-        self.metrics = GatewayMetrics()
+        self.metrics, self.pools = GatewayMetrics(), Pools()  # pools by kind: no answer waits behind a restart
         tritons = [
             Triton(url, transport, health.first_byte_s, health.between_chunks_s)
             for url in [config.triton_url, *config.more_replicas]
@@ -101,18 +102,20 @@ class Gateway:
             lambda: self.table.versions(),
             lambda: self.table.routed(),
             config.recover,
+            self.pools,
         )
         self.shadow = Shadow(
             self.triton.generate,
             self.metrics.registry,
             config.shadow_records,
             redactor=config.capture.redactor if config.capture else None,
+            pools=self.pools,
         )
         self.random = random.Random()
         self.table = RouteTable(config.service)
         self.table_lock = asyncio.Lock()
         self.adopt(self.starting_table())
-        self.capture = Capture(config.capture, self.metrics.registry) if config.capture else None
+        self.capture = Capture(config.capture, self.metrics.registry, self.pools) if config.capture else None
         self.openai = OpenAIServing(
             self.triton,
             config.service,
@@ -127,6 +130,7 @@ class Gateway:
             lambda: self.table,
             config.backend,
             config.version_pinning,
+            self.pools,
         )
         self.keys = config.api_keys if isinstance(config.api_keys, KeyRing) else KeyRing.fixed(config.api_keys)
         self.limits = ClientLimits(
@@ -175,7 +179,7 @@ class Gateway:
             if self.config.record is None:
                 current, table = self.table, change(self.table)
             else:
-                current, table = await asyncio.to_thread(amend_record, self.config.record, self.table, change)
+                current, table = await self.pools.answer(amend_record, self.config.record, self.table, change)
             if table is None:
                 self.table = current  # the owner as the record has it now
                 return current
@@ -372,6 +376,7 @@ class Gateway:
                 await writer
         await self.shadow.aclose()
         await self.triton.aclose()
+        self.pools.close()
 
     def app(self) -> Starlette:
         routes = [  # the inference routes first: Starlette tries each route's pattern in turn

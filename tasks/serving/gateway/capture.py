@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from tasks.data.exchanges import ExchangeLog, hour_of
 from tasks.data.redact import Redactor
+from tasks.serving.gateway.work import Pools
 
 LOG = logging.getLogger("llmops.gateway")
 OPT_OUT_HEADER = "x-llmops-capture"  # "off": this request is not kept
@@ -67,8 +68,9 @@ class CaptureMetrics:
 class Capture:
     """The buffer, the writer task and the counters of one gateway."""
 
-    def __init__(self, settings: CaptureSettings, registry: CollectorRegistry):
+    def __init__(self, settings: CaptureSettings, registry: CollectorRegistry, pools: Pools | None = None):
         self.settings = settings
+        self.pools = pools or Pools()
         self.metrics = CaptureMetrics(registry)
         self.pending: deque[tuple[str, dict[str, Any]]] = deque()
         self.random = random.Random()
@@ -143,13 +145,13 @@ class Capture:
     async def flush(self) -> None:
         batch = [self.pending.popleft() for _ in range(len(self.pending))]
         if batch:
-            await asyncio.to_thread(self.write, batch)
+            await self.pools.captured(self.write, batch)
 
     async def run(self) -> None:
         """Write what is buffered every flush_s, until cancelled (then once more)."""
         try:
             while True:
-                await asyncio.to_thread(self.expire)
+                await self.pools.captured(self.expire)
                 await asyncio.sleep(self.settings.flush_s)
                 await self.flush()
         finally:

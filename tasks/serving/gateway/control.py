@@ -39,7 +39,6 @@ refusal is Triton's error shape, {"error": "..."}, naming the field.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 from collections.abc import Callable
@@ -252,7 +251,7 @@ class ControlApi:
                 raise RequestError(409, "this gateway starts no Triton: restart it where it was started")
             fence(self.gateway.table, data, time.time())
             try:
-                await asyncio.to_thread(self.restart_replica, url, float(timeout))
+                await self.gateway.pools.job(self.restart_replica, url, float(timeout))
             except CheckFailed as exc:
                 raise RequestError(409, str(exc)) from None
             except TransientError as exc:

@@ -27,6 +27,7 @@ from tasks.platform.config.serving import HealthSection
 from tasks.serving.gateway.access import CURRENT, RequestRecord
 from tasks.serving.gateway.protocol import RequestError
 from tasks.serving.gateway.replicas import Replica, Replicas
+from tasks.serving.gateway.work import Pools
 from tasks.serving.routes import Version
 
 LOG = logging.getLogger("llmops.gateway")
@@ -56,8 +57,10 @@ class Prober:
         versions: Callable[[], list[Version]],
         routed: Callable[[], list[Version]],
         recover: Recover | None = None,
+        pools: Pools | None = None,
     ):
         self.replicas, self.health, self.recover = replicas, health, recover
+        self.pools = pools or Pools()
         self.versions, self.routed = versions, routed
         self.state: dict[tuple[str, str], VersionHealth] = {}  # (replica URL, version name)
         self.recovered_at: dict[tuple[str, str], float] = {}
@@ -168,7 +171,7 @@ class Prober:
         assert self.recover is not None
         LOG.warning("probes: %s on %s keeps failing; recovering it", model, replica)
         try:
-            outcome = await asyncio.to_thread(self.recover, replica, model)
+            outcome = await self.pools.job(self.recover, replica, model)  # minutes: never in an answer's way
         except Exception as exc:  # a recovery that failed is counted and logged; the probes go on
             LOG.warning("probes: recovering %s on %s failed: %s", model, replica, exc)
             outcome = "failed"

@@ -7,7 +7,6 @@ served model does; without a tokenizer they are 0 and every answer finishes with
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -37,6 +36,7 @@ from tasks.serving.gateway.reply import Reply, ended_on_its_own
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.stops import StopScanner, cut_at_stop
 from tasks.serving.gateway.tool_calls import TemplateProbe, ToolCalling
+from tasks.serving.gateway.work import Pools
 from tasks.serving.routes import RouteTable, Version
 
 DONE = b"data: [DONE]\n\n"
@@ -104,8 +104,10 @@ class OpenAIServing:
         table: Callable[[], RouteTable] | None = None,
         engine: Engine = "python",
         version_pinning: bool = False,
+        pools: Pools | None = None,
     ):
         self.triton, self.service = triton, service
+        self.pools = pools or Pools()
         self.context_tokens, self.default_max_tokens = context_tokens, default_max_tokens
         self.apply_chat_template, self.shadow = apply_chat_template, shadow
         self.tokenizer: Any = None
@@ -316,7 +318,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             usage = UsageInfo(prompt_tokens=0, completion_tokens=0, total_tokens=0)
         else:
-            usage = await asyncio.to_thread(self.count_tokens, inputs, answer)
+            usage = await self.pools.answer(self.count_tokens, inputs, answer)
         if made is None:
             return usage
         return UsageInfo(

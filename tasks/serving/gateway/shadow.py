@@ -38,6 +38,7 @@ from tasks.serving.gateway.access import current
 from tasks.serving.gateway.protocol import RequestError
 from tasks.serving.gateway.stops import cut_at_stop
 from tasks.serving.gateway.upstream import Answer
+from tasks.serving.gateway.work import Pools
 from tasks.serving.routes import RouteTable, Version
 
 LOG = logging.getLogger("llmops.gateway")
@@ -76,8 +77,10 @@ class Shadow:
         records: Path | None = None,
         max_in_flight: int = 16,
         redactor: Redactor | None = None,
+        pools: Pools | None = None,
     ):
         self.generate, self.records, self.max_in_flight = generate, records, max_in_flight
+        self.pools = pools or Pools()
         self.redactor = redactor or Redactor()
         self.metrics = ShadowMetrics(registry)
         self.target: tuple[Version, float] | None = None
@@ -133,7 +136,7 @@ class Shadow:
             "champion_s": round(primary_s, 6),
             "candidate_s": round(shadow_s, 6),
         }
-        self.record(model, await asyncio.to_thread(self.redacted, fields))  # the rule set scans: off the event loop
+        self.record(model, await self.pools.answer(self.redacted, fields))  # the rule set scans: off the event loop
         self.metrics.requests.labels(model).inc()  # counted once recorded: a count is a record to read
         if text is None:
             self.metrics.errors.labels(model).inc()
