@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +52,7 @@ from tasks.serving.server import new_serve_key, publish, unpublish
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
+RECONCILE_S = 5.0  # how often what the replicas hold is made what the table serves (Fleet.reconcile)
 
 
 @dataclass
@@ -160,6 +161,8 @@ def serve(
         limits = profile.serve.limits
         print(f"llmops serve: {gateway.gateway.limits.summary(limits.max_in_flight, bool(api_keys.keys))}", flush=True)
         threading.Thread(target=expire_approvals, args=(home, stopped), daemon=True, name="approval-expiry").start()
+        fleet.count = reconcile_counter(gateway.gateway)
+        threading.Thread(target=reconcile, args=(fleet, stopped), daemon=True, name="reconcile").start()
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 unpublish(home, serve_stops=False)
@@ -178,6 +181,28 @@ def serve(
             logs.close()
         fleet.stop()
         print("llmops serve: stopped", flush=True)
+
+
+def reconcile(fleet: Fleet, stopped: threading.Event, every_s: float = RECONCILE_S) -> None:
+    """What the replicas hold converges to the table every few seconds (Fleet.reconcile): a candidate that a dead
+    release left loaded goes once its ownership and hold lapsed."""
+    while not stopped.wait(every_s):
+        try:
+            fleet.reconcile()
+        except Exception as exc:  # a round that failed is said; the next one tries again
+            print(f"llmops serve: reconcile: {type(exc).__name__}: {exc}", flush=True)
+
+
+def reconcile_counter(gateway: Gateway) -> Callable[[str, str], None]:
+    from prometheus_client import Counter
+
+    actions = Counter(
+        "llmops_serve_reconcile_actions",
+        "What the serve did to make its replicas hold what the route table serves, by action and model.",
+        ["action", "model"],
+        registry=gateway.metrics.registry,
+    )
+    return lambda action, model: actions.labels(action, model).inc()
 
 
 def expire_approvals(home: Path, stopped: threading.Event, every_s: float = EXPIRY_CHECK_S) -> None:

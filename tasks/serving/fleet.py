@@ -21,6 +21,7 @@ from tasks.platform.config import ListenSection
 from tasks.platform.errors import CheckFailed, TransientError
 from tasks.platform.ports import free_port
 from tasks.platform.stage_cache import RunContext
+from tasks.serving.adapters import base_model_name
 from tasks.serving.champion import released_profile, served_of, triton_launch
 from tasks.serving.client import Triton
 from tasks.serving.models import Served, install_model
@@ -54,6 +55,7 @@ class Fleet:
         self.replicas: list[Replica] = []
         self.table: Callable[[], RouteTable | None] = lambda: None  # the gateway's table, once there is a gateway
         self.probe: Callable[[], None] = lambda: None  # the gateway's probes, at once (a restarted replica rejoins)
+        self.count: Callable[[str, str], None] = lambda action, model: None  # reconcile's actions on /metrics
 
     @property
     def tritons(self) -> list[Triton]:
@@ -224,6 +226,50 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise TransientError(f"Triton {url} did not serve again within {timeout_s:.0f}s of its restart")
             time.sleep(0.2)
+
+    # --- reconciling what the replicas hold with the table ---------------------------------------------------------
+
+    def reconcile(self) -> list[str]:
+        """What each replica holds made what the table says, where no release is at work (no live owner, no candidate
+        in the table: a working release's loads are its own): every model of this service the table does not serve
+        is unloaded (a candidate a dead release left, its engine), each action said and counted; the actions.
+        A routed version missing from a replica is the probes' to load again (`recover`)."""
+        table = self.table()
+        if not self.quiet(table):
+            return []
+        assert table is not None
+        service = self.ctx.profile.registry.model_name
+        served = {name for version in table.versions() for name in (version.name, version.model)}
+        done: list[str] = []
+        for replica in self.replicas:
+            if replica.restarting or not replica.running():
+                continue
+            try:
+                held = replica.client.loaded_models()
+            except Exception:  # unreachable for a moment: the next round sees it
+                continue
+            leftovers = [m for m in held if m.startswith(f"{service}-") and m not in served]
+            for model in sorted(leftovers, key=lambda name: name == base_model_name(service)):  # adapters first
+                if not self.quiet(self.table()):  # a release took the service meanwhile: what it loads is its own
+                    return done
+                try:
+                    replica.client.unload(model)
+                except Exception as exc:
+                    self.say(f"llmops serve: reconcile: {model} not unloaded from {replica.client.url}: {exc}")
+                    continue
+                self.say(
+                    f"llmops serve: reconcile: unloaded {model} from {replica.client.url} (the table serves no such version)"
+                )
+                self.count("unload", model)
+                done.append(f"unload {model} {replica.client.url}")
+        return done
+
+    @staticmethod
+    def quiet(table: RouteTable | None) -> bool:
+        """No release at work on the service: no live owner, no candidate in the table."""
+        return (
+            table is not None and table.candidate is None and not (table.owner and not table.owner.expired(time.time()))
+        )
 
     def stop(self) -> None:
         for replica in self.replicas:

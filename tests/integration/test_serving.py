@@ -10,6 +10,7 @@ cpu-tiny default) serves in test_release, test_attach, test_service and test_qua
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -998,6 +999,45 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
         timeout=10,
     ).json()["data"]["result"]
     assert p99, "Triton exports no latency summaries (--metrics-config summary_latencies=true)"
+
+
+def test_a_release_killed_mid_canary_leaves_nothing_loaded_once_its_lease_lapsed(home, server, cpu_tiny_store):
+    """Issue 60, finding 3: a release SIGKILLed with its candidate loaded and in the routes (at 0%, before its
+    benchmark). Its hold and ownership
+    lapse (canary.hold_s 8), the gateway routes the champion alone, and within the lease plus 30 s `llmops serve`'s
+    reconciler unloads the candidate's adapter (which held one of the engine's serve.vllm.max_loras 2 slots: the next
+    release could not have loaded its own) and counts it on /metrics. Stages are cache hits: a new profile digest."""
+    before, triton, control = champion(home), served_by(home, server), routed_by(home, server)
+    held = triton.loaded_models()
+    command = [str(LLMOPS), "run", "--artifacts", str(cpu_tiny_store), *FAST, *ENGINE, "--set", "canary.hold_s=8"]
+    release = subprocess.Popen(
+        command,
+        env=llmops_env(home),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while (table := control.table()).candidate is None:  # loaded, and in the routes (at 0% until the gate)
+            assert release.poll() is None and time.monotonic() < deadline, "the release never routed its candidate"
+            time.sleep(0.2)
+        candidate = table.candidate.name
+        assert candidate in triton.loaded_models()
+        os.killpg(release.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(release.pid, signal.SIGKILL)
+        release.wait(30)
+    settled = ready_models(triton, held, timeout=8 + 30)
+    assert settled == held, f"{candidate} still loaded {time.monotonic() - killed_at:.0f}s after the kill: {settled}"
+    table = control.table()
+    assert table.candidate is None and table.weights == {table.champion.name: 100.0} and champion(home) == before
+    metrics = requests.get(f"{server['gateway_metrics_url']}/metrics", timeout=10).text
+    assert f'llmops_serve_reconcile_actions_total{{action="unload",model="{candidate}"}} 1.0' in metrics
+    print(f"\n{candidate} unloaded {time.monotonic() - killed_at:.1f}s after its release was killed")
 
 
 # A candidate that answers as the base model: a learning rate of 1e-9 leaves its LoRA adapter at zero. (A one-epoch

@@ -720,3 +720,64 @@ def test_answers_and_control_writes_go_on_while_every_job_thread_is_held_by_rest
     finally:
         release.set()
         running.stop()
+
+
+# --- the reconciler: what the replicas hold follows the table ------------------------------------------------------
+
+
+class HeldModels:
+    """A replica's Triton as the reconciler reads it: its ready models, and the unloads it is asked for."""
+
+    def __init__(self, url: str, models: list[str]):
+        self.url, self.models, self.unloaded = url, list(models), []
+
+    def loaded_models(self) -> list[str]:
+        return sorted(self.models)
+
+    def unload(self, name: str) -> None:
+        self.unloaded.append(name)
+        self.models.remove(name)
+
+
+def test_the_serve_unloads_what_a_dead_release_left_once_no_release_is_at_work():
+    """Issue 60, finding 3: a release that died mid-canary left its candidate loaded on every replica (an adapter
+    holding a max_loras slot, a merged engine its memory). Once its ownership and its hold lapsed, the reconciler
+    unloads every model of the service the table does not serve, on each replica, and counts it; while a release
+    owns the service or the table holds a candidate it touches nothing."""
+    from types import SimpleNamespace
+
+    from tasks.platform.config import load_profile
+    from tasks.serving.fleet import Fleet, Replica
+    from tasks.serving.routes import Owner
+
+    service = "tiny-qwen2-antonyms"
+    champion = Version(f"{service}-v1", f"{service}-base", f"{service}-v1")  # an adapter on the base engine
+    left = Version(f"{service}-v2", f"{service}-base", f"{service}-v2")
+    said, counted = [], []
+    fleet = Fleet(SimpleNamespace(profile=load_profile("cpu-tiny")), None, say=said.append)  # type: ignore[arg-type]
+    fleet.count = lambda action, model: counted.append((action, model))
+    held = [f"{service}-base", f"{service}-v1", f"{service}-v2", "another-service-v7"]
+    tritons = [HeldModels(f"http://127.0.0.1:{8000 + n}", held) for n in range(2)]
+    fleet.replicas = [Replica(n, triton, StubServer([])) for n, triton in enumerate(tritons)]  # type: ignore[arg-type]
+    now = time.time()
+    at_work = RouteTable(
+        service, champion, left, {champion.name: 90.0, left.name: 10.0}, owner=Owner("run-2", now, now + 60)
+    )
+    fleet.table = lambda: at_work
+    assert fleet.reconcile() == [] and not any(t.unloaded for t in tritons)
+    lapsed_owner = replace(at_work.champion_alone(), owner=Owner("run-2", now - 120, now - 60))
+    fleet.table = lambda: replace(lapsed_owner, owner=Owner("run-2", now, now + 60))
+    assert fleet.reconcile() == []  # the owner lives: its loads are its own
+    fleet.table = lambda: lapsed_owner
+    assert fleet.reconcile() == [f"unload {service}-v2 {t.url}" for t in tritons]
+    assert all(t.models == [f"{service}-base", f"{service}-v1", "another-service-v7"] for t in tritons)
+    assert counted == [("unload", f"{service}-v2")] * 2
+    assert (
+        said[0]
+        == f"llmops serve: reconcile: unloaded {service}-v2 from http://127.0.0.1:8000 (the table serves no such version)"
+    )
+    assert fleet.reconcile() == []  # converged
+    merged = Version(f"{service}-v3", f"{service}-v3")  # the champion promoted as a merged model: no adapter engine
+    tritons[0].models.append(f"{service}-v3")
+    fleet.table = lambda: RouteTable(service, merged, weights={merged.name: 100.0})
+    assert fleet.reconcile()[:2] == [f"unload {service}-v1 {tritons[0].url}", f"unload {service}-base {tritons[0].url}"]
