@@ -90,15 +90,15 @@ def test_profile_digest_changes_with_any_value():
 # (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas), and when serve.limits'
 # defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*,
 # and when serve.version_pinning came, and evaluate.engine, and data.harvest_eval_source (the curated exam of
-# harvested records when a run's --data is not the profile's own).
+# harvested records when a run's --data is not the profile's own), and when three GPU profiles moved from fa2 to sdpa.
 RESOLVED_DIGESTS = {
     "cpu-tiny": "b83cd43b422bd0775a53ec8ae9cc0995a0d32db0abc10d037a205c7dd6b1605e",
     "cpu-tiny-qa-zh": "d121bc55106fbbdf7c291e4124ae8020dfa9637f1463c1c8568e90e5b7151839",
-    "llama3-8b-h100-fp8": "fefe19d7cb600688b3374cc29c92eb8c2c92599f48cca7213ddf6b15b7ae4c2a",
+    "llama3-8b-h100-fp8": "12edc35abc9a8a43da586e8b117d849945604607dfbdb948179899917c3111cf",
     "qwen-7b-qlora-2xa10": "0ac29a540b8f9137ade8e258d399727c3c114cc49cb5df9f7232831903a88991",
-    "qwen-7b-vllm-h100": "5b11e0934f77aab30f57529e36c82ee028112a9b93b0f33c96f3a3d79b98b7aa",
+    "qwen-7b-vllm-h100": "aeb8cc069c4a1daa69655f0ad213e1d18dd33332f6cddf83caf8340a4ef60a8a",
     "qwen2-14b-int4-tp2": "71b38dfa551d6c322d990c1f644d3db2521ef453a3e342a0081b4e4caa89cc5b",
-    "qwen2.5-72b-lora-2x8xh100": "e58a2f38a74ca24df3850b268be33ee9fa8984f0990360e4773358a3d692b800",
+    "qwen2.5-72b-lora-2x8xh100": "f7e81383fdc10d10fc2a26ce667e1a85a7a89add2068a800a7cd2939e07570d0",
 }
 
 

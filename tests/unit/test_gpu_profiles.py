@@ -132,3 +132,25 @@ def test_gpu_profiles_benchmark_with_aiperf_while_genai_perf_stays_the_cpu_defau
     assert "time_to_first_token" in profile.goodput_objectives()
     assert load_profile("cpu-tiny").bench.tool == "genai-perf"
     assert load_profile(profile_name, ["bench.tool=genai-perf"]).bench.tool == "genai-perf"
+
+
+def test_an_attention_the_pinned_transformers_breaks_is_refused_before_anything_runs(tmp_path):
+    """Issue 64: FlashAttention-2 under transformers 5.6.0 crashes at the first forward pass on Llama and Qwen2
+    (huggingface/transformers#45588); three GPU profiles asked for it. The training stack's transformers is the train
+    extra's pin, and a profile asking for an attention it is known to break is refused naming why."""
+    import tomllib
+
+    import yaml
+
+    from tasks.platform.config.training import BROKEN_ATTENTION, TRAIN_TRANSFORMERS
+
+    extras = tomllib.loads((PROFILES_DIR.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"transformers=={TRAIN_TRANSFORMERS}" in extras["train"]
+    assert (TRAIN_TRANSFORMERS, "fa2") in BROKEN_ATTENTION
+    values = yaml.safe_load((PROFILES_DIR / "qwen-7b-vllm-h100.yaml").read_text())
+    assert values["train"]["extra_args"]["flash_attn"] == "sdpa"
+    values["train"]["extra_args"]["flash_attn"] = "fa2"
+    path = tmp_path / "fa2.yaml"
+    path.write_text(yaml.safe_dump(values))
+    with pytest.raises(BadInput, match=r"train: extra_args.flash_attn fa2: transformers 5.6.0 .*/transformers#45588"):
+        load_profile(str(path))

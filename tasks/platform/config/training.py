@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.platform.config.base import FILE_ONLY, Section
 
@@ -106,6 +106,19 @@ class DataSection(Section):
         return self.eval_source or self.harvest_eval_source
 
 
+# The transformers of the training stack (pyproject.toml's `train` extra, which tests/unit/test_gpu_profiles.py holds
+# this to), and the attention implementations it is known to break: LlamaFactory's flash_attn value -> why.
+TRAIN_TRANSFORMERS = "5.6.0"
+BROKEN_ATTENTION = {
+    (
+        "5.6.0",
+        "fa2",
+    ): "transformers 5.6.0 (the training stack's) raises \"'NoneType' object has no attribute 'to'\" at the "
+    "first forward pass of FlashAttention-2 on Llama and Qwen2 (huggingface/transformers#45588, fixed in 5.7.0, which "
+    "LlamaFactory 0.9.5 refuses: transformers<=5.6.0); use sdpa (PyTorch's scaled dot-product attention)",
+}
+
+
 class TrainSection(Section):
     """LlamaFactory SFT arguments, under LlamaFactory's own names (train stage)."""
 
@@ -158,6 +171,16 @@ class TrainSection(Section):
         description="Any further LlamaFactory argument, passed through as is (LlamaFactory validates it).",
         json_schema_extra=FILE_ONLY,
     )
+
+    @model_validator(mode="after")
+    def _attention_the_training_stack_runs(self) -> TrainSection:
+        """An attention implementation the training stack's transformers is known to break is refused here, before a
+        GPU is booked, not at the first forward pass of a multi-hour job."""
+        attention = str(self.extra_args.get("flash_attn", "auto"))
+        broken = BROKEN_ATTENTION.get((TRAIN_TRANSFORMERS, attention))
+        if broken:
+            raise ValueError(f"extra_args.flash_attn {attention}: {broken}")
+        return self
 
 
 class EvaluateSection(Section):
