@@ -498,11 +498,15 @@ class Run:
 
     def serve(self, step: Step) -> None:
         from tasks.serving.model_config import serving_model
-        from tasks.serving.repository import render_model
+        from tasks.serving.repository import FIELDS, stage_model_files
 
+        # The model's files and the parameters its rendering sets, without the config.pbtxt: rendering it needs
+        # protobuf and tritonclient's ModelConfig, which the GPU image of the smoke does not carry.
         template, values = serving_model(self.profile, self.merged_dir, "0" * 64)
-        folder = render_model(template, self.work / "repository", "smoke-v1", values)
-        served = load_python_backend_model(folder)
+        folder = self.work / "repository" / "smoke-v1"
+        stage_model_files(template, folder)
+        parameters = {key: str(value) for key, value in values.items() if key not in FIELDS}
+        served = load_python_backend_model(folder, parameters)
         conversations = self.eval_split()
         prompts = [c[-2]["content"] for c in conversations]
         history = [c[:-2] for c in conversations]
@@ -534,13 +538,8 @@ class ServedModel:
     """A rendered Python-backend model.py run as Triton's stub runs it (initialize, execute with a batch of
     requests, responses through each request's sender), with `triton_python_backend_utils` stood in for."""
 
-    def __init__(self, module: types.ModuleType, folder: Path):
-        config = {"parameters": {}}
-        for line in (folder / "config.pbtxt").read_text().splitlines():
-            if line.startswith("parameters {"):
-                key = line.split('key: "', 1)[1].split('"', 1)[0]
-                value = line.split('string_value: "', 1)[1].rsplit('"', 1)[0]
-                config["parameters"][key] = {"string_value": value}
+    def __init__(self, module: types.ModuleType, folder: Path, parameters: dict[str, str]):
+        config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
         self.model = module.TritonPythonModel()
         self.model.initialize(
             {"model_config": json.dumps(config), "model_repository": str(folder), "model_version": "1"}
@@ -606,7 +605,7 @@ class StubRequest:
         return False
 
 
-def load_python_backend_model(folder: Path) -> ServedModel:
+def load_python_backend_model(folder: Path, parameters: dict[str, str]) -> ServedModel:
     """Import a rendered model's 1/model.py as the stub does: its version folder on sys.path (model_text.py)."""
     import importlib.util
 
@@ -625,7 +624,7 @@ def load_python_backend_model(folder: Path) -> ServedModel:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return ServedModel(module, folder)
+    return ServedModel(module, folder, parameters)
 
 
 def table(env: dict[str, Any], steps: list[Step]) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -190,10 +189,12 @@ def served_model_dir(repository: Path, service: str) -> Path:
     configs = sorted(repository.glob(f"{service}-v*/config.pbtxt"), key=lambda p: int(p.parent.name.rsplit("v", 1)[1]))
     if not configs:
         raise FileNotFoundError(f"no version of {service} in {repository}")
-    found = re.search(r'key: "model_dir", value: \{ string_value: "([^"]*)" \}', configs[-1].read_text())
-    if found is None:
+    from tasks.serving.repository import rendered_parameter
+
+    found = rendered_parameter(configs[-1].parent, "model_dir")
+    if not found:
         raise ValueError(f"{configs[-1]} names no model_dir")
-    named = Path(found.group(1))
+    named = Path(found)
     return named if named.is_absolute() else configs[-1].parent / "1" / named
 
 

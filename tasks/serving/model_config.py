@@ -30,11 +30,6 @@ def llm_values(profile: Profile, model_dir: Path, artifact_sha256: str) -> dict:
     }
 
 
-def pbtxt_string(text: str) -> str:
-    """`text` inside a protobuf text-format string literal ("...")."""
-    return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
 def llmapi_values(profile: Profile, kv_tokens: int | None) -> dict[str, object]:
     """infra/triton/llmapi's values beyond those every Python-backend LLM model takes: the LLM() arguments
     build_engine checked the checkpoint under (tasks/serving/llm_api.py), with the canary's KV budget
@@ -45,7 +40,7 @@ def llmapi_values(profile: Profile, kv_tokens: int | None) -> dict[str, object]:
     world = args["tensor_parallel_size"] * args["pipeline_parallel_size"]
     # instance i runs on GPUs [i*world, (i+1)*world): "0;1" two single-GPU instances, "0,1" one TP2 instance
     devices = ";".join(",".join(str(i * world + r) for r in range(world)) for i in range(profile.serve.instance_count))
-    return {"gpu_device_ids": devices, "llm_args": pbtxt_string(json.dumps(args, sort_keys=True))}
+    return {"gpu_device_ids": devices, "llm_args": json.dumps(args, sort_keys=True)}
 
 
 def serving_model(
@@ -62,4 +57,4 @@ def serving_model(
     if profile.serve.backend == "llmapi":
         return "llmapi", {**values, **llmapi_values(profile, kv_tokens)}
     del values["instance_count"]  # one vLLM engine per model
-    return "vllm", {**values, **vllm_serving.model_values(profile)}
+    return "vllm", {**values, "max_num_seqs": values["max_batch_size"], **vllm_serving.model_values(profile)}

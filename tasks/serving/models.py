@@ -8,7 +8,6 @@ splits no traffic: the gateway in front of it draws each request's version (task
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from tasks.serving import memory_plan
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton
 from tasks.serving.model_config import serving_model
-from tasks.serving.repository import load_rendered, model_folders, render_model
+from tasks.serving.repository import load_rendered, model_folders, render_model, rendered_parameter
 from tasks.serving.versions import Served, model_name
 
 __all__ = ["MergedVersion", "Served", "install_model", "model_name", "retire", "triton_unload_quietly"]
@@ -85,14 +84,12 @@ def check_serving_contract(repository: Path, profile: Profile, served: Served) -
     training recorded (tasks/quality/contract.py): on the GPU path, the checkpoint must carry training's tokenizer."""
     model, key = served.name, "model_dir"
     config = repository / model / "config.pbtxt"
-    found = re.search(rf'key: "{key}", value: {{ string_value: "([^"]*)" }}', config.read_text())
-    if found is None:
+    found = rendered_parameter(repository / model, key)
+    if not found:
         raise CheckFailed(f"train/serve contract: {config} names no {key}")
-    named = Path(found.group(1))
+    named = Path(found)
     tokenizer_dir = named if named.is_absolute() else repository / model / "1" / named  # shipped with the model
-    require_kept(
-        served.model_dir, tokenizer_dir, f"the serving config {config} ({key} {found.group(1)})", served.model_dir
-    )
+    require_kept(served.model_dir, tokenizer_dir, f"the serving config {config} ({key} {found})", served.model_dir)
 
 
 def triton_unload_quietly(triton: Triton, name: str) -> None:

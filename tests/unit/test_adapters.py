@@ -12,7 +12,7 @@ from tasks.platform.config import load_profile
 from tasks.platform.errors import BadInput, CheckFailed
 from tasks.serving.adapters import adapter_rank, served_artifact
 from tasks.serving.model_config import serving_model
-from tasks.serving.repository import render_model
+from tasks.serving.repository import config_parameters, render_model
 
 ADAPTER = ["serve.backend=vllm", "serve.lora=adapter"]
 
@@ -45,7 +45,7 @@ def test_the_base_engine_enables_lora_and_a_versions_model_registers_its_adapter
     template, values = serving_model(profile, Path("/store/base"), "b" * 64)
     base = (render_model(template, tmp_path, "svc-base", values) / "config.pbtxt").read_text()
     for key, value in (("enable_lora", "true"), ("max_lora_rank", "16"), ("max_loras", "3")):
-        assert f'key: "{key}", value: {{ string_value: "{value}" }}' in base
+        assert config_parameters(base)[key] == value
     merged = serving_model(load_profile("cpu-tiny", ["serve.backend=vllm"]), Path("/m"), "a" * 64)[1]
     assert merged["enable_lora"] == "false"
     assert 'name: "lora_name"' in base and "lora_path" not in base  # a request names an adapter, never its files
@@ -60,8 +60,8 @@ def test_the_base_engine_enables_lora_and_a_versions_model_registers_its_adapter
         },
     )
     config = (adapter / "config.pbtxt").read_text()
-    assert 'key: "base_model", value: { string_value: "svc-base" }' in config
-    assert f'string_value: "{"a" * 64}@{"b" * 64}"' in config
+    assert config_parameters(config)["base_model"] == "svc-base"
+    assert config_parameters(config)["artifact_sha256"] == f"{'a' * 64}@{'b' * 64}"
     assert 'name: "lora_' not in config  # a client cannot name another adapter: only the base model takes it
 
 

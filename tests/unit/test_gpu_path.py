@@ -19,7 +19,7 @@ from tasks.platform.errors import BadInput
 from tasks.serving import tensorrt_llm
 from tasks.serving.llm_api import llm_args
 from tasks.serving.model_config import serving_model
-from tasks.serving.repository import render_model
+from tasks.serving.repository import config_parameters, render_model
 from tests.goldens import matches_golden
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -76,8 +76,7 @@ def served_llm_args(profile_name: str) -> dict:
     """The LLM() arguments in the golden llmapi model's config.pbtxt (its `llm_args` parameter)."""
     name = f"{load_profile(profile_name).registry.model_name}-v3"
     config = (GOLDEN / profile_name / "triton" / name / "config.pbtxt").read_text()
-    (literal,) = [line for line in config.splitlines() if 'key: "llm_args"' in line]
-    return json.loads(literal.split('string_value: "', 1)[1].rsplit('" }', 1)[0].replace('\\"', '"'))
+    return json.loads(config_parameters(config)["llm_args"])
 
 
 @pytest.mark.parametrize("profile_name", LLMAPI_PROFILES)
@@ -98,8 +97,9 @@ def test_golden_values_are_what_the_profiles_ask_for():
     assert qwen7b_args["tensor_parallel_size"] == 1 and qwen7b_args["backend"] == "pytorch"
     assert qwen7b_args["kv_cache_config"]["free_gpu_memory_fraction"] == 0.85
     served7b = (GOLDEN / "qwen-7b-qlora-2xa10" / "triton" / "qwen-7b-sft-v3" / "config.pbtxt").read_text()
-    assert 'string_value: "0;1"' in served7b and "count: 2" in served7b  # two instances, one A10 each
-    assert 'string_value: "/checkpoints/v3"' in served7b and "decoupled: true" in served7b
+    parameters7b = config_parameters(served7b)
+    assert parameters7b["gpu_device_ids"] == "0;1" and "count: 2" in served7b  # two instances, one A10 each
+    assert parameters7b["model_dir"] == "/checkpoints/v3" and "decoupled: true" in served7b
 
     llama = (GOLDEN / "llama3-8b-h100-fp8" / "commands.sh").read_text()
     assert "--qformat fp8 --dtype bfloat16 --kv_cache_fp8" in llama and "--awq_block_size" not in llama
@@ -112,7 +112,7 @@ def test_golden_values_are_what_the_profiles_ask_for():
     assert "--qformat int4_awq --dtype bfloat16 --awq_block_size 128" in qwen14b and "mpirun" not in qwen14b
     assert json.loads((GOLDEN / "qwen2-14b-int4-tp2" / "llm_args.json").read_text())["tensor_parallel_size"] == 2
     served14b = (GOLDEN / "qwen2-14b-int4-tp2" / "triton" / "qwen2-14b-sft-v3" / "config.pbtxt").read_text()
-    assert 'string_value: "0,1"' in served14b and "count: 1" in served14b  # one instance over both GPUs
+    assert config_parameters(served14b)["gpu_device_ids"] == "0,1" and "count: 1" in served14b  # one over both GPUs
 
 
 def test_check_cache_key_changes_with_each_of_its_inputs():

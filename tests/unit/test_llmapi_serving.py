@@ -16,7 +16,7 @@ from tasks.platform.errors import BadInput
 from tasks.serving import memory_plan
 from tasks.serving.llm_api import llm_args
 from tasks.serving.model_config import serving_model
-from tasks.serving.repository import render_model
+from tasks.serving.repository import config_parameters, render_model
 
 GPU_PROFILES = [p for p in available_profiles() if load_profile(p).serve.backend == "llmapi"]
 # Public model shapes (their config.json on the hub): layers, heads, KV heads, hidden, intermediate, vocab, parameters
@@ -290,13 +290,7 @@ def test_the_llmapi_model_pins_its_gpus_and_clears_mpi_state_as_upstreams_multi_
     fake = types.ModuleType("tensorrt_llm")
     fake.__version__, fake.LLM, fake.SamplingParams = "1.2.1", LLM, dict
     monkeypatch.setitem(sys.modules, "tensorrt_llm", fake)
-    config = json.loads(
-        (folder / "config.pbtxt")
-        .read_text()
-        .split('key: "llm_args", value: { string_value: "')[1]
-        .split('" }')[0]
-        .replace('\\"', '"')
-    )
+    config = json.loads(config_parameters((folder / "config.pbtxt").read_text())["llm_args"])
     parameters = {
         "model_dir": str(checkpoint),
         "gpu_device_ids": "0;1",

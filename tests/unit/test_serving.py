@@ -2,13 +2,14 @@
 
 import json
 import math
-import re
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tasks.benchmark import BenchmarkResult, Comparison, RoleBenchmark, ServingSummary
 from tasks.gate import Quality, decide
@@ -16,7 +17,7 @@ from tasks.platform.config import BenchSection, GateSection, load_profile
 from tasks.platform.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
 from tasks.quality.stats import Difference, ratio_interval
 from tasks.serving.genai_perf import LoadLevel, parse_profile_export, prompts_key
-from tasks.serving.repository import TEMPLATES, render_model, render_template
+from tasks.serving.repository import TEMPLATES, config_parameters, render_config, render_model
 from tasks.serving.server import find_binary
 
 LLM_VALUES = dict(
@@ -34,23 +35,35 @@ LLM_VALUES = dict(
 )
 
 
-def test_template_refuses_missing_unknown_and_malformed():
-    with pytest.raises(BadInput, match=r"no value for \$\{b\}"):
-        render_template("${a} ${b}", {"a": 1}, "t")
-    with pytest.raises(BadInput, match=r"unknown variable\(s\) typo"):
-        render_template("${a}", {"a": 1, "typo": 2}, "t")
-    with pytest.raises(BadInput, match="malformed placeholder"):
-        render_template("${a} ${ b", {"a": 1}, "t")
-    assert render_template("x=${a}", {"a": 3}, "t") == "x=3"
+def parsed(folder: Path):
+    """A rendered model folder's config.pbtxt, as Triton reads it."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse((folder / "config.pbtxt").read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+
+
+def test_a_template_refuses_unknown_and_missing_values_and_fields_of_the_wrong_type():
+    template = 'name: "" max_batch_size: 0 parameters { key: "a" value { string_value: "" } }'
+    with pytest.raises(BadInput, match=r"no value for parameter\(s\) a"):
+        render_config(template, "m", {"max_batch_size": 1}, "t")
+    with pytest.raises(BadInput, match=r"unknown value\(s\) typo \(no such field or declared parameter\)"):
+        render_config(template, "m", {"a": 1, "typo": 2}, "t")
+    for wrong in (True, "8", -1, 1.5):
+        with pytest.raises(BadInput, match="max_batch_size must be a whole number"):
+            render_config(template, "m", {"a": 1, "max_batch_size": wrong}, "t")
+    with pytest.raises(BadInput, match="not a Triton model config"):
+        render_config("name: ${model_name}", "m", {}, "t")
 
 
 def test_rendered_llm_config_has_profile_values_and_no_placeholder(tmp_path):
     folder = render_model("llm", tmp_path, "svc-v3", LLM_VALUES)
-    config = (folder / "config.pbtxt").read_text()
-    assert 'name: "svc-v3"' in config and "max_batch_size: 8" in config and "count: 2" in config
-    assert "decoupled: true" in config and "exclude_input_in_output" in config
-    assert "default_queue_policy { max_queue_size: 32 }" in config
-    assert "${" not in config and (folder / "1" / "model.py").is_file()
+    config = parsed(folder)
+    assert (config.name, config.max_batch_size, config.instance_group[0].count) == ("svc-v3", 8, 2)
+    assert config.model_transaction_policy.decoupled and "exclude_input_in_output" in [i.name for i in config.input]
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 32
+    assert {k: v.string_value for k, v in config.parameters.items()}["dtype"] == "float32"
+    assert "${" not in (folder / "config.pbtxt").read_text() and (folder / "1" / "model.py").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["svc-v3"]  # no staging folder left behind
 
 
@@ -90,15 +103,14 @@ def test_vllm_model_renders_the_profiles_engine_settings_and_the_llm_inputs(tmp_
     profile = load_profile("cpu-tiny", ["serve.backend=vllm", "serve.vllm.kv_cache_gb=0.5", "serve.max_batch_size=32"])
     template, values = serving_model(profile, Path("/m"), "a" * 64)
     assert template == "vllm"
-    folder = render_model(template, tmp_path, "svc-v2", values)
-    config = (folder / "config.pbtxt").read_text()
-    assert f'key: "kv_cache_memory_bytes", value: {{ string_value: "{1 << 29}" }}' in config
-    assert 'key: "max_num_seqs", value: { string_value: "32" }' in config and "count: 1" in config
-    assert "dynamic_batching" not in config and "decoupled: true" in config
-    llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
+    config = parsed(render_model(template, tmp_path, "svc-v2", values))
+    assert config.parameters["kv_cache_memory_bytes"].string_value == str(1 << 29)
+    assert config.parameters["max_num_seqs"].string_value == "32" and config.instance_group[0].count == 1
+    assert not config.HasField("dynamic_batching") and config.model_transaction_policy.decoupled
+    llm = parsed(render_model("llm", tmp_path, "svc-v1", LLM_VALUES))
 
-    def inputs(text: str) -> list[str]:
-        return re.findall(r'name: "(\w+)"', text.split("input [")[1].split("\n]")[0])
+    def inputs(model) -> list[str]:
+        return [tensor.name for tensor in model.input]
 
     # the llm model's inputs, vLLM's structured outputs (response_format), the adapter's name, which only the
     # gateway sets (its clients cannot): never a path; and the tools the chat template renders
@@ -114,20 +126,20 @@ def test_llmapi_model_has_the_llm_interface_and_passes_the_llm_args_as_json(tmp_
 
     profile = load_profile("qwen2-14b-int4-tp2")
     template, values = serving_model(profile, Path("/ckpt/v3"), "e" * 64, 40960)
-    config = (render_model(template, tmp_path, "svc-v3", values) / "config.pbtxt").read_text()
-    llm = (render_model("llm", tmp_path, "svc-v1", LLM_VALUES) / "config.pbtxt").read_text()
-    inputs = lambda text: re.findall(r'name: "(\w+)"', text.split("input [")[1].split("\n]")[0])  # noqa: E731
+    config = parsed(render_model(template, tmp_path, "svc-v3", values))
+    llm = parsed(render_model("llm", tmp_path, "svc-v1", LLM_VALUES))
+    inputs = lambda model: [tensor.name for tensor in model.input]  # noqa: E731
     # the llm model's inputs but the logprobs ones, which the gateway does not pass to the LLM API yet (openai_fields.py)
     scoring = ("logprobs", "prompt_logprobs")
     assert template == "llmapi" and inputs(config) == [name for name in inputs(llm) if name not in scoring]
-    assert "dynamic_batching" not in config and "decoupled: true" in config and "count: 1" in config
-    literal = config.split('key: "llm_args", value: { string_value: "')[1].split('" } }')[0]
-    rendered = json.loads(literal.encode().decode("unicode_escape"))  # protobuf text-format unescaping
+    assert not config.HasField("dynamic_batching") and config.model_transaction_policy.decoupled
+    assert config.instance_group[0].count == 1
+    rendered = json.loads(config.parameters["llm_args"].string_value)  # as the model reads it
     assert rendered == {
         **llm_args(profile),
         "kv_cache_config": {"enable_block_reuse": True, "free_gpu_memory_fraction": 0.9, "max_tokens": 40960},
     }
-    assert rendered["tensor_parallel_size"] == 2 and 'string_value: "0,1"' in config
+    assert rendered["tensor_parallel_size"] == 2 and config.parameters["gpu_device_ids"].string_value == "0,1"
 
 
 def test_vllm_backend_without_its_environment_fails_with_what_to_run(tmp_path):
@@ -572,3 +584,46 @@ def test_a_release_reads_the_control_key_again_when_a_restarted_triton_refuses_i
         assert seen[3:] == ["new-key"]
     finally:
         server.shutdown()
+
+
+# Every value a profile, a `--set` or a run parameter may bring to a rendered config, by template: the parameters each
+# template declares (and the serving settings behind them) and its typed fields.
+TEMPLATE_PARAMETERS = {
+    kind: sorted(config_parameters((TEMPLATES / kind / "config.pbtxt").read_text()))
+    for kind in ("llm", "vllm", "llmapi", "lora")
+}
+TEMPLATE_FIELDS = {"llm": ["max_batch_size", "max_queue_delay_us", "max_queue_size", "instance_count"],
+                   "vllm": ["max_batch_size"], "llmapi": ["max_batch_size", "instance_count"], "lora": []}  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kind=st.sampled_from(sorted(TEMPLATE_PARAMETERS)),
+    text=st.text(
+        alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]) | st.sampled_from('"\\{}[]:\n\r\t #$'),
+        max_size=80,
+    ),
+    number=st.integers(min_value=0, max_value=2**31 - 1),
+    data=st.data(),
+)
+def test_any_text_a_run_may_set_lands_in_exactly_its_own_parameter(tmp_path, kind, text, number, data):
+    """Issue 61, finding 1: a quote and braces in a value once added parameters (a second model_dir) to the rendered
+    config. Quotes, braces, backslashes, newlines and non-ASCII now round-trip into exactly the parameter they were
+    given for, every other parameter and field as given, nothing added."""
+    target = data.draw(st.sampled_from(TEMPLATE_PARAMETERS[kind]))
+    values: dict[str, object] = {key: f"v-{key}" for key in TEMPLATE_PARAMETERS[kind]}
+    values |= {field: number for field in TEMPLATE_FIELDS[kind]}
+    values[target] = text
+    config = parsed(render_model(kind, tmp_path / kind, "svc-v9", values))
+    assert {key: value.string_value for key, value in config.parameters.items()} == {
+        key: value for key, value in values.items() if key in TEMPLATE_PARAMETERS[kind]
+    }
+    assert config.name == "svc-v9" and len(config.parameters) == len(TEMPLATE_PARAMETERS[kind])
+    if TEMPLATE_FIELDS[kind]:
+        assert config.max_batch_size == number
+
+
+def test_a_serving_setting_that_is_not_one_of_the_engines_values_is_refused_naming_its_key():
+    injected = 'float32" } } parameters { key: "model_dir", value: { string_value: "/elsewhere'
+    with pytest.raises(BadInput, match=r"serve.vllm.dtype: Input should be 'auto', 'half', 'float16'"):
+        load_profile("cpu-tiny", [f"serve.vllm.dtype={injected}"])

@@ -74,19 +74,18 @@ def test_the_space_holds_the_profiles_own_settings_which_are_the_first_trial():
 def test_a_trial_renders_its_settings_into_the_engines_model(tmp_path):
     """What each trial loads: vLLM's max_num_seqs, and the LLM API's batch and token budgets in its llm_args."""
     from tasks.serving.model_config import serving_model
-    from tasks.serving.repository import render_model
+    from tasks.serving.repository import config_parameters, render_model
 
     vllm = with_settings(load_profile("qwen-7b-vllm-h100"), {"max_batch_size": 32})
     template, values = serving_model(vllm, Path("/m"), "a" * 64)
     config = (render_model(template, tmp_path, "svc-v2", values) / "config.pbtxt").read_text()
-    assert 'key: "max_num_seqs", value: { string_value: "32" }' in config
+    assert config_parameters(config)["max_num_seqs"] == "32"
     llmapi = with_settings(
         load_profile("qwen-7b-qlora-2xa10"), {"engine.max_batch_size": 16, "engine.max_num_tokens": 8192}
     )
     template, values = serving_model(llmapi, Path("/ckpt"), "b" * 64, 4096)
     config = (render_model(template, tmp_path, "svc-v3", values) / "config.pbtxt").read_text()
-    literal = config.split('key: "llm_args", value: { string_value: "')[1].split('" } }')[0]
-    rendered = json.loads(literal.encode().decode("unicode_escape"))
+    rendered = json.loads(config_parameters(config)["llm_args"])
     assert (rendered["max_batch_size"], rendered["max_num_tokens"]) == (16, 8192)
 
 

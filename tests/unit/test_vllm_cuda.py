@@ -7,7 +7,6 @@ that rewrites fails; review the diff, then run again)
 """
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,13 @@ def rendered_config(profile_name: str, tmp_path: Path, overrides: list[str] | No
 
 
 def parameter(config: str, key: str) -> str:
-    found = re.search(rf'key: "{key}", value: {{ string_value: "([^"]*)" }}', config)
-    assert found, f"no parameter {key}"
-    return found.group(1)
+    """A parameter of a rendered config.pbtxt, as Triton parses it."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    parsed = text_format.Parse(config, model_config_pb2.ModelConfig())
+    assert key in parsed.parameters, f"no parameter {key}"
+    return parsed.parameters[key].string_value
 
 
 def test_the_vllm_model_of_the_h100_profile_matches_golden(tmp_path):

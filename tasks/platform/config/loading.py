@@ -59,8 +59,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise BadInput(f"--set {text}: expected key=value, e.g. train.learning_rate=1e-4")
-    # YAML typing so that 1e-4, true, null and [a, b] mean what they look like.
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+    # YAML typing so that 1e-4, true, null and [a, b] mean what they look like; text that is no YAML value (a quote,
+    # braces and commas) is the text itself, which the schema then checks like any other value.
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
 
 
 def apply_override(data: dict, path: list[str], value: Any, text: str) -> None:

@@ -34,9 +34,9 @@ class VllmServing(Section):
         "kv_cache_gb, what the canary checks is free before it loads a second engine (measured on cpu-tiny: 1.55 "
         "GiB, docs/benchmarks.md, 'Choosing the engine for cpu-tiny'). CPU only.",
     )
-    dtype: str = Field(
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
         "auto",
-        description="Model dtype; auto: vLLM's choice, the checkpoint's own except that a float32 checkpoint (cpu-tiny's) "
+        description="Model dtype, one of vLLM's (vllm/config/model.py ModelDType); auto: vLLM's choice, the checkpoint's own except that a float32 checkpoint (cpu-tiny's) "
         "is downcast to the platform's first dtype, bfloat16 on CPU (vllm/config/model.py _resolve_auto_dtype); "
         "float32 keeps it; bfloat16/float16 on GPUs.",
     )
