@@ -34,6 +34,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from tasks.platform.config.base import TRITON_NAME
+
 RECORD_VERSION = 1
 
 
@@ -61,6 +63,10 @@ class Version:
         model, adapter, source = data.get("model", data["name"]), data.get("adapter"), data.get("source", {})
         if not isinstance(model, str) or not model or (adapter is not None and not isinstance(adapter, str)):
             raise RoutesError(f"{where}: model must be a name and adapter a name or null")
+        # names become file names (shadow records) and URL paths (Triton's /v2/models/NAME): Triton's rule, no '/'
+        for key, value in (("name", data["name"]), ("model", model), ("adapter", adapter)):
+            if value is not None and not TRITON_NAME.match(value):
+                raise RoutesError(f"{where}.{key}: {value!r} is not a model name (letters, digits, '-', '_', '.')")
         if not isinstance(source, dict):
             raise RoutesError(f"{where}.source: must be an object")
         return cls(data["name"], model, adapter or None, source)

@@ -57,6 +57,19 @@ def test_a_request_draws_its_version_by_weight():
         ({"shadow": "demo-v1", "shadow_fraction": 2}, "shadow_fraction: must be in (0, 1]"),
         ({"candidate": {"name": "demo-v1"}}, "candidate: demo-v1 is the champion already"),
         ({"champion": {"model": "x"}}, "champion: a version needs a name"),
+        # names become file names and URL paths (issue 61, low): Triton's model-name rule
+        (
+            {"candidate": {"name": "../../etc/x"}},
+            "candidate.name: '../../etc/x' is not a model name (letters, digits, '-', '_', '.')",
+        ),
+        (
+            {"candidate": {"name": "demo-v2", "model": "a/b"}},
+            "candidate.model: 'a/b' is not a model name (letters, digits, '-', '_', '.')",
+        ),
+        (
+            {"candidate": {"name": "demo-v2", "adapter": "x?y=1"}},
+            "candidate.adapter: 'x?y=1' is not a model name (letters, digits, '-', '_', '.')",
+        ),
     ],
 )
 def test_a_table_that_cannot_serve_is_refused_naming_its_field(change, message):
