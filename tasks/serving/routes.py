@@ -273,16 +273,19 @@ def write_record(path: Path, table: RouteTable) -> None:
 def amend_record(
     path: Path, table: RouteTable, change: Callable[[RouteTable], RouteTable | None]
 ) -> tuple[RouteTable, RouteTable | None]:
-    """`table` with the owner the record at `path` names now, and what `change` makes of it (written to the record
-    unless None), under a file lock: every gateway of a home shares the record and its owner."""
+    """`table` with the owner (and the last epoch given) the record at `path` holds now, and what `change` makes of it
+    (written to the record unless None), under a file lock: every gateway of a home shares the record, its owner and
+    its epochs (an epoch one gateway gave is never given again by another)."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.name}.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         shared = read_record(path)
-        owner = shared.owner if shared is not None and shared.service == table.service else None
-        current = replace(table, owner=owner)
+        if shared is not None and shared.service == table.service:
+            current = replace(table, owner=shared.owner, last_epoch=max(table.last_epoch, shared.last_epoch))
+        else:
+            current = replace(table, owner=None)
         changed = change(current)
         if changed is not None:
             write_record(path, changed)

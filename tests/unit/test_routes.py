@@ -474,6 +474,18 @@ def test_the_gateways_of_one_home_share_the_services_owner_through_its_record(se
     assert second.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).status_code == 200
 
 
+def test_the_gateways_of_one_home_never_give_one_epoch_twice(service):
+    """An epoch given at one gateway (a release's temporary one) is known to the other (`llmops serve`'s) when it writes
+    the record next, so the next owner there gets a newer one: a fence two owners shared would fence nothing."""
+    first_gateway, _, first = service()
+    _, _, second = service(record=None)
+    assert second.put("/control/v1/owner", json={"release": "run-1", "lease_s": 600}).json()["owner"]["epoch"] == 1
+    second.request("DELETE", "/control/v1/owner", json={"release": "run-1"})
+    assert first_gateway.table.last_epoch == 0  # its memory has not seen the other gateway's epoch
+    assert first.put("/control/v1/routes", json={"weights": {CHAMPION.name: 100}}).status_code == 200
+    assert first.put("/control/v1/owner", json={"release": "run-2", "lease_s": 600}).json()["owner"]["epoch"] == 2
+
+
 # --- fencing: a release that lost the service writes nothing more ------------------------------------------------
 
 
