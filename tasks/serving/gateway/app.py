@@ -52,7 +52,7 @@ from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens, con
 from tasks.serving.gateway.shadow import Shadow
 from tasks.serving.gateway.upstream import Answer, Triton
 from tasks.serving.gateway.work import Pools
-from tasks.serving.routes import RouteTable, Version, amend_record, read_record, write_record
+from tasks.serving.routes import RouteTable, Version, amend_record, read_record
 
 LEASE_CHECK_S = 0.5  # how often the gateway looks for a release's hold on the routes that lapsed
 
@@ -156,9 +156,9 @@ class Gateway:
         return recorded
 
     def adopt(self, table: RouteTable) -> None:
-        """Route by `table` from the next request on (written to the record first, where there is one)."""
+        """Route by `table` from the next request on (its record written first, under the home's lock: amend_record)."""
         if self.config.record is not None:
-            write_record(self.config.record, table)
+            table, _ = amend_record(self.config.record, table, lambda current: current)
         self.table = table
         self.shadow.follow(table)
         for version in table.versions():
