@@ -110,6 +110,7 @@ def test_one_exit_code_table_for_help_errors_and_readme():
         ArtifactMissing,
         BadInput,
         CheckFailed,
+        LostService,
         TransientError,
         exit_codes_markdown,
     )
@@ -119,7 +120,9 @@ def test_one_exit_code_table_for_help_errors_and_readme():
     help_text = llmops("--help").stdout
     for code, meaning in EXIT_CODES.items():
         assert f"{code:>3}  {meaning[:40]}" in help_text
-    assert {e.exit_code for e in (BadInput, CheckFailed, TransientError, ArtifactMissing)} <= set(EXIT_CODES)
+    assert {e.exit_code for e in (BadInput, CheckFailed, TransientError, ArtifactMissing, LostService)} <= set(
+        EXIT_CODES
+    )
 
 
 def test_data_validate_prints_what_prepare_data_would_see(tmp_path):
@@ -182,7 +185,7 @@ from types import SimpleNamespace
 
 from flows.cli import app, entry
 from flows.cli.common import llmops_home
-from tasks.platform.errors import CheckFailed
+from tasks.platform.errors import CheckFailed, LostService
 
 
 def release_with_a_failing_stage(args):
@@ -195,6 +198,8 @@ def release_with_a_failing_stage(args):
     def evaluate():
         if args.kind == "bug":
             return 1 / 0
+        if args.kind == "lost":
+            raise LostService("demo is owned by release run-2 (epoch 2); this release wrote nothing more")
         raise CheckFailed("evaluate: candidate exact_match 0.10 is below the champion's 0.50")
 
     @flow(name="release")
@@ -206,7 +211,7 @@ def release_with_a_failing_stage(args):
 
 def register(commands):
     command = commands.add_parser("fail")
-    command.add_argument("kind", choices=["check", "bug"])
+    command.add_argument("kind", choices=["check", "bug", "lost"])
     command.set_defaults(handler=release_with_a_failing_stage)
 
 
@@ -260,6 +265,17 @@ def test_debug_shows_a_failed_checks_traceback_and_a_bug_always_shows_its_own(tm
     assert bug.returncode == 1, bug.stderr
     assert bug.stderr.count("Traceback (most recent call last)") == 1 and "return 1 / 0" in bug.stderr
     assert bug.stderr.splitlines()[-1] == "llmops: error: ZeroDivisionError: division by zero"
+
+
+def test_a_release_that_lost_its_service_ends_in_one_line_and_exit_6_unretried(tmp_path, prefect_api):
+    """LostService (tasks/serving/ownership.py) through Prefect's task and flow to the CLI: not retried (it writes
+    nothing more), one line naming the owner now, its own exit code."""
+    lost = failing_release(tmp_path, prefect_api, "fail", "lost")
+    assert lost.returncode == 6, lost.stderr
+    assert lost.stderr.splitlines()[-1] == (
+        "llmops: error: demo is owned by release run-2 (epoch 2); this release wrote nothing more"
+    )
+    assert "Retry" not in lost.stdout + lost.stderr
 
 
 def test_the_approval_proxy_needs_the_operators_key(tmp_path):
