@@ -258,9 +258,8 @@ def clean_and_split(
         split = hash_split(found, names, cfg, location_name(cfg.source, files))
     else:
         split = held_out_split(found, names, eval_files, cfg, "data.eval_source")
-    split.stats = stats | split.stats
-    split.stats |= {"records": len(split.train) + len(split.eval), "train_records": len(split.train)}
-    split.stats["eval_records"] = len(split.eval)
+    counts = {"records": len(split.train) + len(split.eval), "train_records": len(split.train)}
+    split.stats = stats | split.stats | counts | {"eval_records": len(split.eval)}
     return split
 
 

@@ -59,7 +59,7 @@ class ServiceControl:
         self.refuse_if_lost()
         fenced = {**body, "epoch": self.fence.epoch} if self.fence else dict(body)
         response = self.send(method, path, fenced, timeout)
-        if response.status_code == 409 and "owner" in refusal(response) and self.fence is not None:
+        if response.status_code == 409 and "owner" in json_object(response) and self.fence is not None:
             self.lose(f"{error_text(response)}; this release wrote nothing more")
         if response.status_code != 200:
             raise CheckFailed(f"the control API at {self.url}: {method} {path}: {error_text(response)}")
@@ -97,7 +97,7 @@ class ServiceControl:
         the call, `release` with its epoch where it owns the service, else the release that does."""
         body = {"release": release, "lease_s": lease_s, "waiting": waiting}
         response = self.send("PUT", "/control/v1/owner", body, 30)
-        owner = refusal(response).get("owner") if response.status_code in (200, 409) else None
+        owner = json_object(response).get("owner") if response.status_code in (200, 409) else None
         if not isinstance(owner, dict):
             raise CheckFailed(f"the control API at {self.url}: PUT /control/v1/owner: {error_text(response)}")
         return Owner.of(owner)
@@ -141,7 +141,7 @@ class ServiceControl:
             raise TransientError(f"the gateway's /metrics at {self.url}: {type(exc).__name__}") from None
 
 
-def refusal(response: requests.Response) -> dict:
+def json_object(response: requests.Response) -> dict:
     """An answer's JSON object; {} where it is none."""
     try:
         data = response.json()
