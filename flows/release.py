@@ -9,6 +9,7 @@ Each stage is a cached, retried Prefect task (tasks/platform/stage_cache.py); th
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from contextlib import contextmanager
@@ -70,7 +71,7 @@ class ServingStep:
 
 def serving_stage(steps: list[ServingStep], fn, config: Profile):
     """`stage_task(fn, config)` whose wall time and headline (its result's `headline()`) are kept for the table."""
-    run = stage_task(fn, config)
+    run = stage_task(fenced(fn), config)
 
     def timed(*args):
         started = time.perf_counter()
@@ -80,6 +81,24 @@ def serving_stage(steps: list[ServingStep], fn, config: Profile):
         return result
 
     return timed
+
+
+def fenced(fn):
+    """Stage `fn`, which refuses to start once the release lost its service, and ends as LostService (unretried, exit
+    6) where it fails after the release lost it: whatever else it met (its candidate unloaded under its benchmark),
+    the service being another's is why the release ends."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        control = next(a.control for a in (*args, *kwargs.values()) if isinstance(a, Deployment | Service))
+        control.refuse_if_lost()
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            control.confirm_owner()
+            raise
+
+    return run
 
 
 def llmops_home() -> Path:
@@ -224,7 +243,7 @@ def release(
                     approval = approve(ctx, report, str(runtime.flow_run.id), can_suspend())
                     lock.decided()
                     approved, rejection = approval.approved, approval.summary()
-            outcome = stage_task(rollout, config)(ctx, deployment, approved, rejection, dataset)
+            outcome = stage_task(fenced(rollout), config)(ctx, deployment, approved, rejection, dataset)
     except Pause:  # suspended for approval: the MLflow run goes on when the decision starts the flow run again
         ctx.tracker.set_tags({"release.outcome": "waiting for approval"})
         raise
@@ -310,7 +329,7 @@ def measure(ctx: RunContext, steps: list[ServingStep], deployment: Deployment, i
         serving_stage(steps, tune_serving, config)(ctx, deployment)
     shadowed = serving_stage(steps, shadow, config)(ctx, deployment)  # None unless canary.shadow_s
     measured = serving_stage(steps, benchmark, config)(ctx, deployment)
-    return stage_task(gate, config)(ctx, deployment, measured, *inputs, shadowed)
+    return stage_task(fenced(gate), config)(ctx, deployment, measured, *inputs, shadowed)
 
 
 def measured_before_suspension(ctx: RunContext, deployment: Deployment) -> GateReport | None:

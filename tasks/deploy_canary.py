@@ -161,7 +161,10 @@ def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> D
 def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Deployment, float]:
     """The champion (the service's, else the registry's) and the candidate loaded on every replica; the seconds the
     candidate's load took (0: nothing to load). A candidate that fails to load is retired again."""
-    champion = serve_champion(ctx, served, serving_champion(ctx, served))
+    champion = serving_champion(ctx, served)
+    # declared before any load: `llmops serve`'s reconciler unloads what no live owner declared and no route needs
+    served.control.declare([model for version in (champion, candidate) if version for model in version.models])
+    champion = serve_champion(ctx, served, champion)
     # the release's one id: the one its ownership of the service carries (the Prefect flow run's), in the routes too
     release = served.control.fence.release if served.control.fence else ctx.tracker.run_id
     deployment = Deployment(served, candidate, champion, release, ctx.profile.canary.hold_s)

@@ -230,16 +230,13 @@ class Fleet:
     # --- reconciling what the replicas hold with the table ---------------------------------------------------------
 
     def reconcile(self) -> list[str]:
-        """What each replica holds made what the table says, where no release is at work (no live owner, no candidate
-        in the table: a working release's loads are its own): every model of this service the table does not serve
-        is unloaded (a candidate a dead release left, its engine), each action said and counted; the actions.
-        A routed version missing from a replica is the probes' to load again (`recover`)."""
-        table = self.table()
-        if not self.quiet(table):
+        """What each replica holds made what the table wants (tasks/serving/routes.py `RouteTable.wanted`): every
+        model of this service that no version in the table needs and no live owner declared is unloaded (a candidate
+        a dead or stopped release left, its engine), each action said and counted; the actions. A routed version
+        missing from a replica is the probes' to load again (`recover`)."""
+        if self.table() is None:
             return []
-        assert table is not None
         service = self.ctx.profile.registry.model_name
-        served = {name for version in table.versions() for name in (version.name, version.model)}
         done: list[str] = []
         for replica in self.replicas:
             if replica.restarting or not replica.running():
@@ -248,28 +245,26 @@ class Fleet:
                 held = replica.client.loaded_models()
             except Exception:  # unreachable for a moment: the next round sees it
                 continue
-            leftovers = [m for m in held if m.startswith(f"{service}-") and m not in served]
+            leftovers = [m for m in held if m.startswith(f"{service}-") and not self.wanted(m)]
             for model in sorted(leftovers, key=lambda name: name == base_model_name(service)):  # adapters first
-                if not self.quiet(self.table()):  # a release took the service meanwhile: what it loads is its own
-                    return done
+                if self.wanted(model):  # declared or routed meanwhile
+                    continue
                 try:
                     replica.client.unload(model)
                 except Exception as exc:
                     self.say(f"llmops serve: reconcile: {model} not unloaded from {replica.client.url}: {exc}")
                     continue
                 self.say(
-                    f"llmops serve: reconcile: unloaded {model} from {replica.client.url} (the table serves no such version)"
+                    f"llmops serve: reconcile: unloaded {model} from {replica.client.url} "
+                    "(no version in the table needs it and no live owner declared it)"
                 )
                 self.count("unload", model)
                 done.append(f"unload {model} {replica.client.url}")
         return done
 
-    @staticmethod
-    def quiet(table: RouteTable | None) -> bool:
-        """No release at work on the service: no live owner, no candidate in the table."""
-        return (
-            table is not None and table.candidate is None and not (table.owner and not table.owner.expired(time.time()))
-        )
+    def wanted(self, model: str) -> bool:
+        table = self.table()
+        return table is None or model in table.wanted(time.time())
 
     def stop(self) -> None:
         for replica in self.replicas:

@@ -81,6 +81,7 @@ class Owner:
     expires_at: float  # past this, the next release takes the service over
     waiting: str | None = None  # "approval": it waits for a person (others do not queue behind it)
     epoch: int = 0  # its fencing token: every write of the release carries it, and one of an older owner is refused
+    loads: tuple[str, ...] = ()  # the Triton models it declared it loads (its candidate, the champion it serves)
 
     def expired(self, now: float) -> bool:
         return now >= self.expires_at
@@ -103,7 +104,23 @@ class Owner:
         waiting = data.get("waiting") or None
         if waiting not in (None, "approval"):
             raise RoutesError("owner.waiting: null or approval")
-        return cls(data["release"], since, expires_at, waiting, parse_epoch(data.get("epoch", 0), "owner.epoch"))
+        epoch = parse_epoch(data.get("epoch", 0), "owner.epoch")
+        return cls(
+            data["release"], since, expires_at, waiting, epoch, parse_models(data.get("loads", []), "owner.loads")
+        )
+
+    def declared(self, now: float) -> set[str]:
+        """The models a live owner declared (a lapsed one's are nobody's)."""
+        return set() if self.expired(now) else set(self.loads)
+
+
+def parse_models(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(name, str) for name in value):
+        raise RoutesError(f"{where}: a list of model names")
+    for name in value:
+        if not TRITON_NAME.match(name):
+            raise RoutesError(f"{where}: {name!r} is not a model name (letters, digits, '-', '_', '.')")
+    return tuple(value)
 
 
 def parse_epoch(value: Any, where: str) -> int:
@@ -133,6 +150,12 @@ class RouteTable:
 
     def versions(self) -> list[Version]:
         return [v for v in (self.champion, self.candidate) if v is not None]
+
+    def wanted(self, now: float) -> set[str]:
+        """The Triton models the service needs loaded: each version's in the table (its name and the model that
+        answers it) and what a live owner declared it loads; anything else of the service is a leftover."""
+        named = {name for version in self.versions() for name in (version.name, version.model)}
+        return named | (self.owner.declared(now) if self.owner else set())
 
     def version(self, name: str) -> Version | None:
         return next((v for v in self.versions() if v.name == name), None)

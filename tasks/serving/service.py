@@ -8,6 +8,7 @@ served scoring go through a gateway either way.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -74,6 +75,23 @@ class ServiceControl:
         if self.lost:
             raise LostService(self.lost)
 
+    def confirm_owner(self) -> None:
+        """LostService where the service's record no longer names this release's ownership (asked after a stage
+        failed: its failure may be that another release took the service); nothing where it cannot be asked."""
+        self.refuse_if_lost()
+        if self.fence is None:
+            return
+        try:
+            table = self.table()
+        except (CheckFailed, TransientError):
+            return
+        owner, now = table.owner, time.time()
+        if owner is None or owner.epoch != self.fence.epoch or owner.expired(now):
+            by = f"owned by {owner.describe()}" if owner and not owner.expired(now) else "owned by no release"
+            self.lose(
+                f"{table.service} is {by} now, not by this release (epoch {self.fence.epoch}); it wrote nothing more"
+            )
+
     def table(self) -> RouteTable:
         return RouteTable.of(self.call("GET", "/control/v1/deployment"))
 
@@ -101,6 +119,13 @@ class ServiceControl:
         if not isinstance(owner, dict):
             raise CheckFailed(f"the control API at {self.url}: PUT /control/v1/owner: {error_text(response)}")
         return Owner.of(owner)
+
+    def declare(self, models: Sequence[str]) -> None:
+        """The Triton models this release (the owner) loads, declared before it loads them: `llmops serve`'s
+        reconciler leaves them loaded while the release owns the service, and unloads them once its ownership lapsed.
+        Nothing where the release owns no service here (a gateway of its own, which reconciles nothing)."""
+        if self.fence is not None:
+            self.write("PUT", "/control/v1/loads", {"models": sorted(set(models))})
 
     def disown(self, release: str, epoch: int | None = None) -> RouteTable:
         """`release` gives up the service's ownership of `epoch` (its fence's by default): nothing changes where it is

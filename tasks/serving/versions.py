@@ -34,6 +34,11 @@ class Served:
         """(the Triton model that answers this version, the adapter that model is asked for or None)."""
         return self.name, None
 
+    @property
+    def models(self) -> list[str]:
+        """Every Triton model serving this version needs loaded: its own and the one that answers it."""
+        return sorted({self.name, self.answered_by[0]})
+
     def install(self, triton: Triton, profile: Profile) -> float:
         """Render and load the version's models on `triton`; the seconds the load took."""
         raise NotImplementedError

@@ -1001,43 +1001,65 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
     assert p99, "Triton exports no latency summaries (--metrics-config summary_latencies=true)"
 
 
-def test_a_release_killed_mid_canary_leaves_nothing_loaded_once_its_lease_lapsed(home, server, cpu_tiny_store):
-    """Issue 60, finding 3: a release SIGKILLed with its candidate loaded and in the routes (at 0%, before its
-    benchmark). Its hold and ownership
-    lapse (canary.hold_s 8), the gateway routes the champion alone, and within the lease plus 30 s `llmops serve`'s
-    reconciler unloads the candidate's adapter (which held one of the engine's serve.vllm.max_loras 2 slots: the next
-    release could not have loaded its own) and counts it on /metrics. Stages are cache hits: a new profile digest."""
+def test_a_release_stopped_past_its_lease_is_unloaded_then_fenced_off_by_the_next_owner_and_ends_naming_it(
+    home, server, cpu_tiny_store, tls, tmp_path
+):
+    """Issue 60, findings 1 and 3. Release A is SIGSTOPped (all its processes) with its candidate loaded and in the
+    routes (at 0%, before its benchmark): from the serve's side, as good as dead. Its hold and ownership lapse
+    (canary.hold_s 8), the gateway routes the champion alone, and within the lease plus 30 s `llmops serve`'s
+    reconciler unloads A's candidate (an adapter holding one of the engine's serve.vllm.max_loras 2 slots: the next
+    release could not have loaded its own) and counts it on /metrics. Release B (this test, through the release's
+    own client) takes the service over with the next epoch and routes it. A, resumed, is refused at its next write:
+    it ends with exit 6 and one line naming B, and B's routes and ownership are untouched. Clients at concurrency 8
+    see only 200s throughout. A's stages are cache hits (a new profile digest)."""
+    from tasks.serving.ownership import Ownership
+
     before, triton, control = champion(home), served_by(home, server), routed_by(home, server)
     held = triton.loaded_models()
     command = [str(LLMOPS), "run", "--artifacts", str(cpu_tiny_store), *FAST, *ENGINE, "--set", "canary.hold_s=8"]
-    release = subprocess.Popen(
-        command,
-        env=llmops_env(home),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    output = tmp_path / "release-a.log"
+    with open(output, "w") as log:
+        release = subprocess.Popen(
+            command, env=llmops_env(home), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    second = None
     try:
-        deadline = time.monotonic() + 300
-        while (table := control.table()).candidate is None:  # loaded, and in the routes (at 0% until the gate)
-            assert release.poll() is None and time.monotonic() < deadline, "the release never routed its candidate"
-            time.sleep(0.2)
-        candidate = table.candidate.name
-        assert candidate in triton.loaded_models()
-        os.killpg(release.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
+        with Load(server, triton, tls, requests_total=100_000, concurrency=8, per_s=8) as load:
+            deadline = time.monotonic() + 300
+            while (table := control.table()).candidate is None:  # loaded, and in the routes (at 0% until the gate)
+                assert release.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
+                time.sleep(0.2)
+            candidate, first_epoch = table.candidate.name, table.owner.epoch
+            assert candidate in triton.loaded_models()
+            os.killpg(release.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            settled = ready_models(triton, held, timeout=8 + 30)
+            unloaded_s = time.monotonic() - stopped_at
+            assert settled == held, f"{candidate} still loaded {unloaded_s:.0f}s after A stopped: {settled}"
+            table = control.table()
+            assert table.candidate is None and table.weights == {table.champion.name: 100.0}
+            second = Ownership(routed_by(home, server), SERVICE, "release-b", lease_s=120)
+            second.take(timeout_s=5)
+            assert second.epoch == first_epoch + 1
+            routes = second.control.set_weights({table.champion.name: 100.0}, "release-b", 120)
+            os.killpg(release.pid, signal.SIGCONT)
+            code = release.wait(300)
+            after = control.table()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(release.pid, signal.SIGKILL)
         release.wait(30)
-    settled = ready_models(triton, held, timeout=8 + 30)
-    assert settled == held, f"{candidate} still loaded {time.monotonic() - killed_at:.0f}s after the kill: {settled}"
-    table = control.table()
-    assert table.candidate is None and table.weights == {table.champion.name: 100.0} and champion(home) == before
+        if second is not None:
+            second.give_up()
+    lines = output.read_text().strip().splitlines()
+    assert code == 6, lines[-20:]
+    assert lines[-1].startswith("llmops: error: ") and "release-b" in lines[-1], lines[-1]
+    assert (after.release, after.updated_at, after.weights) == ("release-b", routes.updated_at, routes.weights)
+    assert (after.owner.release, after.owner.epoch) == ("release-b", second.epoch) and champion(home) == before
     metrics = requests.get(f"{server['gateway_metrics_url']}/metrics", timeout=10).text
     assert f'llmops_serve_reconcile_actions_total{{action="unload",model="{candidate}"}} 1.0' in metrics
-    print(f"\n{candidate} unloaded {time.monotonic() - killed_at:.1f}s after its release was killed")
+    assert load.failed == 0 and load.ok > 50, (load.ok, load.errors[:5])
+    print(f"\n{candidate} unloaded {unloaded_s:.1f}s after its release stopped; {load.ok} requests, none failed")
 
 
 # A candidate that answers as the base model: a learning rate of 1e-9 leaves its LoRA adapter at zero. (A one-epoch

@@ -546,6 +546,35 @@ def test_a_release_whose_lease_lapsed_is_fenced_off_once_another_owns_the_servic
     assert third.epoch == 3  # an epoch is never given twice
 
 
+def test_only_the_live_owner_declares_what_it_loads_and_the_next_owner_starts_with_nothing(control_url):
+    """PUT /control/v1/loads: the owner's epoch only (400 without one, 409 with another's); kept through renewals;
+    a new owner declares its own. A release on a gateway of its own (no fence) declares nothing."""
+    from tasks.platform.errors import LostService
+    from tasks.serving.ownership import Ownership
+
+    url, gateway = control_url
+    ServiceControl(url, CONTROL_KEY).declare(["ignored"])  # no fence: nothing sent
+    first = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-a", lease_s=0.5)
+    first.take(timeout_s=1)
+    first.control.declare([CANDIDATE.name, CHAMPION.name, CANDIDATE.name])
+    assert gateway.table.owner.loads == (CHAMPION.name, CANDIDATE.name)
+    first.renew()
+    assert gateway.table.owner.loads == (CHAMPION.name, CANDIDATE.name)
+    assert gateway.table.wanted(time.time()) >= {CANDIDATE.name, CHAMPION.name}
+    no_epoch = ServiceControl(url, CONTROL_KEY).send("PUT", "/control/v1/loads", {"models": ["x"]}, 10)
+    assert no_epoch.status_code == 400 and "epoch" in no_epoch.json()["error"]
+    bad = ServiceControl(url, CONTROL_KEY).send("PUT", "/control/v1/loads", {"models": ["a/b"], "epoch": 1}, 10)
+    assert bad.status_code == 400 and bad.json()["error"].startswith("models: 'a/b' is not a model name")
+    time.sleep(0.6)  # A's lease lapses: what it declared is nobody's
+    assert CANDIDATE.name not in gateway.table.wanted(time.time())
+    second = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-b", lease_s=600)
+    second.take(timeout_s=1)
+    assert gateway.table.owner.loads == ()
+    with pytest.raises(LostService, match="owned by release flow-run-b"):
+        first.control.declare([CANDIDATE.name])
+    second.give_up()
+
+
 def test_a_release_whose_renewals_stop_landing_for_a_whole_lease_stops_itself(control_url):
     """The service unreachable from the release for longer than its lease (a partition): the release cannot know
     whether another took the service over, so it writes nothing more and says why."""
@@ -764,11 +793,12 @@ class HeldModels:
         self.models.remove(name)
 
 
-def test_the_serve_unloads_what_a_dead_release_left_once_no_release_is_at_work():
+def test_the_serve_unloads_what_no_route_needs_and_no_live_owner_declared():
     """Issue 60, finding 3: a release that died mid-canary left its candidate loaded on every replica (an adapter
-    holding a max_loras slot, a merged engine its memory). Once its ownership and its hold lapsed, the reconciler
-    unloads every model of the service the table does not serve, on each replica, and counts it; while a release
-    owns the service or the table holds a candidate it touches nothing."""
+    holding a max_loras slot, a merged engine its memory). The reconciler keeps what the table routes and what a live
+    owner declared it loads (PUT /control/v1/loads, before its loads), and unloads every other model of the service
+    on each replica, counting it: the dead release's candidate once its ownership lapsed, at once where another
+    release owns the service now (it declared its own)."""
     from types import SimpleNamespace
 
     from tasks.platform.config import load_profile
@@ -785,24 +815,29 @@ def test_the_serve_unloads_what_a_dead_release_left_once_no_release_is_at_work()
     tritons = [HeldModels(f"http://127.0.0.1:{8000 + n}", held) for n in range(2)]
     fleet.replicas = [Replica(n, triton, StubServer([])) for n, triton in enumerate(tritons)]  # type: ignore[arg-type]
     now = time.time()
-    at_work = RouteTable(
-        service, champion, left, {champion.name: 90.0, left.name: 10.0}, owner=Owner("run-2", now, now + 60)
-    )
-    fleet.table = lambda: at_work
+    declared = (f"{service}-base", f"{service}-v2")
+    at_work = RouteTable(service, champion, left, {champion.name: 90.0, left.name: 10.0})
+    fleet.table = lambda: replace(at_work, owner=Owner("run-2", now, now + 60, loads=declared))
     assert fleet.reconcile() == [] and not any(t.unloaded for t in tritons)
-    lapsed_owner = replace(at_work.champion_alone(), owner=Owner("run-2", now - 120, now - 60))
-    fleet.table = lambda: replace(lapsed_owner, owner=Owner("run-2", now, now + 60))
-    assert fleet.reconcile() == []  # the owner lives: its loads are its own
+    lapsed_owner = replace(at_work.champion_alone(), owner=Owner("run-2", now - 120, now - 60, loads=declared))
+    fleet.table = lambda: replace(lapsed_owner, owner=Owner("run-2", now, now + 60, loads=declared))
+    assert fleet.reconcile() == []  # the owner lives and declared v2, before it is in the routes: its own
     fleet.table = lambda: lapsed_owner
     assert fleet.reconcile() == [f"unload {service}-v2 {t.url}" for t in tritons]
     assert all(t.models == [f"{service}-base", f"{service}-v1", "another-service-v7"] for t in tritons)
     assert counted == [("unload", f"{service}-v2")] * 2
     assert (
         said[0]
-        == f"llmops serve: reconcile: unloaded {service}-v2 from http://127.0.0.1:8000 (the table serves no such version)"
+        == f"llmops serve: reconcile: unloaded {service}-v2 from http://127.0.0.1:8000 (no version in the table needs "
+        "it and no live owner declared it)"
     )
     assert fleet.reconcile() == []  # converged
     merged = Version(f"{service}-v3", f"{service}-v3")  # the champion promoted as a merged model: no adapter engine
     tritons[0].models.append(f"{service}-v3")
     fleet.table = lambda: RouteTable(service, merged, weights={merged.name: 100.0})
     assert fleet.reconcile()[:2] == [f"unload {service}-v1 {tritons[0].url}", f"unload {service}-base {tritons[0].url}"]
+    tritons[1].models.append(f"{service}-v4")  # what a stopped release loaded; another owns the service now
+    fleet.table = lambda: RouteTable(
+        service, merged, weights={merged.name: 100.0}, owner=Owner("run-5", now, now + 60, loads=(f"{service}-v5",))
+    )
+    assert f"unload {service}-v4 {tritons[1].url}" in fleet.reconcile()

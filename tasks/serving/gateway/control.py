@@ -15,6 +15,9 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
                                     one holds it
     DELETE /control/v1/owner        {"release": RUN, "epoch": N}: that release gives the service up (nothing where it
                                     is not the owner)
+    PUT    /control/v1/loads        {"models": [MODEL, ...], "epoch": N}: the owner declares the Triton models it loads
+                                    (before it loads them); the serve's reconciler unloads a model of the service that
+                                    neither the table routes nor a live owner declared (tasks/serving/fleet.py)
     POST   /control/v1/replicas/restart   {"url": TRITON_URL, "timeout_s": S}: a release's load hung on that replica
                                     (Triton 2.51 waits for a model process without a deadline): the serve kills it
                                     with its model processes and answers once its watch started it again with the
@@ -24,7 +27,7 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
 
-Fencing: every write (deployment, routes, shadow, lease, replicas/restart) of a release carries the epoch its
+Fencing: every write (deployment, routes, shadow, lease, loads, replicas/restart) of a release carries the epoch its
 ownership was given ({"epoch": N}); while a release owns the service, a write whose epoch is not the owner's, or
 that carries none, is a 409 {"error": ..., "owner": {...}} naming the owner, and so is a write with an epoch once
 that ownership lapsed: a release that lost the service (taken over, or its lease lapsed in a long benchmark) cannot
@@ -58,7 +61,7 @@ from tasks.serving.client import CONTROL_HEADER
 from tasks.serving.gateway.access import Guard, current, triton_error
 from tasks.serving.gateway.app import Gateway
 from tasks.serving.gateway.protocol import RequestError
-from tasks.serving.routes import Owner, RoutesError, RouteTable, parse_weights
+from tasks.serving.routes import Owner, RoutesError, RouteTable, parse_models, parse_weights
 
 CONTROL_CLIENT = "control"  # the client name the control key's requests are counted under
 MAX_LEASE_S = 24 * 3600.0
@@ -158,6 +161,8 @@ class ControlApi:
                 return await self.renew(data)
             if request.url.path.endswith("/owner"):
                 return await self.own(request.method, data)
+            if request.url.path.endswith("/loads"):
+                return await self.declare(data)
             return await self.apply(self.changed(request.url.path, request.method, data), data)
         except Fenced as refused:
             return refused.response()
@@ -214,6 +219,23 @@ class ControlApi:
                 status_code=409,
             )
         return JSONResponse(table.as_json())
+
+    async def declare(self, data: dict[str, Any]) -> Response:
+        """What the owner loads, in its ownership; only the live owner's epoch may declare."""
+        try:
+            loads = parse_models(data.get("models"), "models")
+        except RoutesError as exc:
+            raise RequestError(400, str(exc)) from None
+        if data.get("epoch") is None:
+            raise RequestError(400, "epoch: the whole number PUT /control/v1/owner gave the release")
+        now = time.time()
+
+        def change(current: RouteTable) -> RouteTable:
+            fence(current, data, now)
+            assert current.owner is not None  # the fence passes an epoch only for the live owner
+            return replace(current, owner=replace(current.owner, loads=loads))
+
+        return JSONResponse((await self.gateway.amend(change)).as_json())
 
     def changed(self, path: str, method: str, data: dict[str, Any]) -> RouteTable:
         """The table a PUT or DELETE asks for."""
@@ -286,6 +308,7 @@ class ControlApi:
             Route("/control/v1/shadow", self.handle, methods=["PUT", "DELETE"]),
             Route("/control/v1/lease", self.handle, methods=["PUT"]),
             Route("/control/v1/owner", self.handle, methods=["PUT", "DELETE"]),
+            Route("/control/v1/loads", self.handle, methods=["PUT"]),
             Route("/control/v1/replicas/restart", self.restart, methods=["POST"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
