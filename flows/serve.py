@@ -279,7 +279,7 @@ def start_gateway(
         [
             Listener(gateway.app(), listen.host, ports.gateway, **tls),
             Listener(
-                ControlApi(gateway, serve_key, fleet.start_again).app(),
+                ControlApi(gateway, serve_key, fleet.hung_load).app(),
                 listen.control_host,
                 ports.control,
                 **control_tls,

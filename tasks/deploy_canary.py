@@ -126,23 +126,9 @@ def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> D
     try:
         deployment, load_s = load_both(ctx, served, candidate)
     except TransientError as exc:
-        if served.restart is None:  # a Triton nobody here owns: Prefect's retry, and then its error
+        if served.hung is None:  # a Triton nobody here owns: Prefect's retry, and then its error
             raise
-        # Triton 2.51 waits for a hung model process without a deadline, and a retry on the same server waits behind
-        # it: that Triton is started again, once, by this run where it started it, else by the `llmops serve` that
-        # serves it (its control API; tasks/serving/fleet.py does the same for its own loads), and both load again.
-        hung = exc.triton if isinstance(exc, LoadHung) else served.triton
-        logger().warning(f"canary: {exc}; starting Triton {hung.url} again")
-        try:
-            served.restart(hung, 2 * ctx.profile.serve.load_timeout_s + 60)
-        except CheckFailed as refused:  # `llmops serve` keeps its last replica serving the champion
-            raise CheckFailed(f"canary: {candidate.name}'s load hung ({exc}) and {refused}") from None
-        try:
-            deployment, load_s = load_both(ctx, served, candidate)
-        except LoadHung as again:  # retried once: a candidate that hangs every time ends the release here
-            raise CheckFailed(
-                f"canary: {candidate.name}'s load hung again after Triton {hung.url} restarted: {again}"
-            ) from None
+        deployment, load_s = load_again(ctx, served, candidate, exc)
     if deployment.unchanged:
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
         return deployment
@@ -156,6 +142,32 @@ def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> D
         f"{champion.name if champion else 'no champion (first release)'}; alias challenger -> v{registered.version}"
     )
     return deployment
+
+
+def load_again(ctx: RunContext, served: Service, candidate: Served, exc: TransientError) -> tuple[Deployment, float]:
+    """A load that hung, once more where that is safe. Triton 2.51 waits for a hung model process without a deadline,
+    and a retry on the same server waits behind it. The run's own Triton (no clients) is started again; `llmops serve`
+    starts its replica again only where another one serves the champion, and otherwise ends the candidate's model
+    processes and abandons the load (tasks/serving/fleet.py:Fleet.hung_load): a candidate never costs the champion a
+    request. A candidate that hangs again, or is abandoned, ends the release here, unretried."""
+    hung = exc.triton if isinstance(exc, LoadHung) else served.triton
+    assert served.hung is not None
+    logger().warning(f"canary: {exc}; asking the service what becomes of the load on Triton {hung.url}")
+    try:
+        outcome = served.hung(hung, candidate.models, 2 * ctx.profile.serve.load_timeout_s + 60)
+    except CheckFailed as refused:
+        raise CheckFailed(f"canary: {candidate.name}'s load hung ({exc}) and {refused}") from None
+    if outcome != "restarted":
+        raise CheckFailed(
+            f"canary: {candidate.name}'s load hung on Triton {hung.url}, the last replica serving the champion: "
+            "its model processes were ended and the load abandoned; the champion served throughout"
+        )
+    try:
+        return load_both(ctx, served, candidate)
+    except LoadHung as again:  # retried once: a candidate that hangs every time ends the release here
+        raise CheckFailed(
+            f"canary: {candidate.name}'s load hung again after Triton {hung.url} restarted: {again}"
+        ) from None
 
 
 def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Deployment, float]:

@@ -66,7 +66,7 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
         if server is not None:
             server.stop()
 
-    def restart(_: Triton, timeout_s: float) -> None:  # the one Triton of this run's
+    def restart(_: Triton, models: list[str], timeout_s: float) -> str:  # the one Triton of this run's, no clients
         nonlocal server
         assert server is not None
         server.kill()
@@ -74,6 +74,7 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
             ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env, ports=server.ports
         )
         triton.control_key = server.client.control_key  # a new Triton, a new key; the same ports
+        return "restarted"
 
     return Service(service_name, [triton], control, stop, restart if server is not None else None)
 

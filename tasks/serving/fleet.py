@@ -7,7 +7,8 @@ A replica this serve started that dies is started again on its ports with backof
 version of the table loaded on it again; after `serve.listen.restart_limit` deaths in a row (each within a minute of
 its start) the serve gives up (exit 4). A model that keeps failing its probes is loaded again on its replica
 (`recover`); where that fails and it serves the champion on a replica this serve started, that replica is SIGKILLed,
-and so restarted. A release's hung load restarts a replica only while another one serves the champion.
+and so restarted. A release's hung load restarts a replica only while another one serves the champion; on the last one, the
+candidate's model processes are ended and its load abandoned.
 """
 
 from __future__ import annotations
@@ -202,10 +203,15 @@ class Fleet:
             replica.server.kill()  # the serve's watch starts it again and loads the table's versions
             return "restarted"
 
-    def start_again(self, url: str, timeout_s: float) -> None:
-        """A release's load hung on replica `url` (its control API, tasks/serving/gateway/control.py): that Triton
-        killed with its model processes; back once the serve's watch started it again with the table's versions.
-        A retry on the same server would wait behind the hung model process (Triton 2.51 gives it no deadline)."""
+    def hung_load(self, url: str, models: list[str], timeout_s: float) -> str:
+        """A release's load of `models` hung on replica `url` (its control API, tasks/serving/gateway/control.py).
+        Triton 2.51 waits for a model process's first message without a deadline (python_backend
+        src/stub_launcher.cc, ModelInstanceStubProcess: parent_message_queue_->Pop()), and a retry on that server
+        waits behind it. Where another replica serves the champion, that Triton is killed with its model processes
+        and back once the watch started it again with the table's versions: "restarted", and the release loads again.
+        Where it is the last replica serving the champion, it is never restarted for a candidate: the candidate's
+        model processes are ended (their memory freed) and its load is abandoned ("abandoned"); the load's thread
+        stays blocked inside that Triton until it next starts, so the version is not loaded there again."""
         replica = next((r for r in self.replicas if r.client.url == url), None)
         if replica is None or replica.server is None:
             raise CheckFailed(f"Triton {url} is not one this serve started; restart it where it was started")
@@ -213,10 +219,13 @@ class Fleet:
         champion = table.champion if table is not None else None
         serving = [r for r in self.replicas if r is not replica and r.running() and not r.restarting]
         if champion is not None and not serving:  # a candidate never costs the champion its clients
-            raise CheckFailed(
-                f"Triton {url} is the last replica serving the champion {champion.name}: a release's hung load "
-                "does not restart it (its clients would get 503s); the candidate is abandoned"
+            ended = replica.server.end_model_processes(models)
+            self.say(
+                f"llmops serve: a release's load of {', '.join(models)} hung on Triton {url}, the last replica serving "
+                f"the champion {champion.name}: its model processes ended ({len(ended)}), the load abandoned"
             )
+            self.count("abandon", ",".join(models))
+            return "abandoned"
         self.say(f"llmops serve: a release's load hung on Triton {url}; starting that Triton again")
         started = replica.started
         if not replica.restarting:  # else the watch is starting it already
@@ -226,6 +235,7 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise TransientError(f"Triton {url} did not serve again within {timeout_s:.0f}s of its restart")
             time.sleep(0.2)
+        return "restarted"
 
     # --- reconciling what the replicas hold with the table ---------------------------------------------------------
 

@@ -217,6 +217,26 @@ class TritonServer:
             self.process.wait(30)
         adapter_registry.forget_map(self.process.pid)
 
+    def end_model_processes(self, models: list[str]) -> list[int]:
+        """SIGKILL for the Python-backend model processes of `models` (and nothing else of this Triton): a stub's
+        last argument is its model instance's name, `<model>_<group>[_<instance>]` (python_backend
+        src/stub_launcher.cc, Launch); the pids ended."""
+        import re
+
+        import psutil
+
+        instance = re.compile(rf"^({'|'.join(re.escape(m) for m in models)})(_\d+)+$")
+        ended = []
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                arguments = child.cmdline()
+                if arguments and instance.match(arguments[-1]):
+                    child.kill()
+                    ended.append(child.pid)
+            except psutil.NoSuchProcess:  # ended meanwhile
+                continue
+        return ended
+
     def log_tail(self, lines: int = 5) -> str:
         if not self.log_path or not self.log_path.is_file():
             return ""
@@ -346,7 +366,7 @@ def published_service(home: Path, name: str) -> Service | None:
     if info is None or triton is None or info.get("service") != name or not key_file.is_file():
         return None
     control = ServiceControl(info["control_url"], key_file.read_text().strip())
-    return Service(name, published_replicas(home, info), control, restart=control.restart_replica)
+    return Service(name, published_replicas(home, info), control, hung=control.hung_load)
 
 
 def published_replicas(home: Path, info: dict) -> list[Triton]:

@@ -133,10 +133,12 @@ class ServiceControl:
         body = {"release": release, "epoch": epoch if epoch is not None else self.fence.epoch if self.fence else None}
         return RouteTable.of(self.call("DELETE", "/control/v1/owner", body))
 
-    def restart_replica(self, triton: Triton, timeout_s: float) -> None:
-        """`llmops serve` starts its Triton at triton.url again (a load hung there) and answers once it serves the
-        table's versions again; CheckFailed where the serve does not own that Triton."""
-        self.write("POST", "/control/v1/replicas/restart", {"url": triton.url, "timeout_s": timeout_s}, timeout_s + 30)
+    def hung_load(self, triton: Triton, models: list[str], timeout_s: float) -> str:
+        """This release's load of `models` hung on `triton`: `llmops serve` starts that Triton again where another
+        replica serves the champion ("restarted": load again), else ends those models' processes ("abandoned");
+        CheckFailed where the serve does not own that Triton."""
+        body = {"url": triton.url, "models": models, "timeout_s": timeout_s}
+        return str(self.write("POST", "/control/v1/loads/hung", body, timeout_s + 30)["outcome"])
 
     def stop_shadow(self) -> RouteTable:
         return RouteTable.of(self.write("DELETE", "/control/v1/shadow", {}))
@@ -218,9 +220,10 @@ class Service:
     tritons: list[Triton]
     control: ServiceControl
     stop: Callable[[], None] = lambda: None
-    # (replica, timeout_s): a replica where a load hung, killed with its model processes and started again on its
-    # ports, by the release where it started that Triton, by `llmops serve` where it serves; None where neither owns it
-    restart: Callable[[Triton, float], None] | None = None
+    # (replica, models, timeout_s): a load of `models` hung there; the release's own Triton is killed with its model
+    # processes and started again ("restarted"); `llmops serve` decides for its own (ServiceControl.hung_load); None
+    # where neither owns it
+    hung: Callable[[Triton, list[str], float], str] | None = None
 
     @property
     def triton(self) -> Triton:

@@ -1062,6 +1062,60 @@ def test_a_release_stopped_past_its_lease_is_unloaded_then_fenced_off_by_the_nex
     print(f"\n{candidate} unloaded {unloaded_s:.1f}s after its release stopped; {load.ok} requests, none failed")
 
 
+def test_a_candidate_whose_load_hangs_on_the_last_replica_is_abandoned_while_the_champion_serves_throughout(
+    home, server, cpu_tiny_store, tls, tmp_path
+):
+    """Issue 60, finding 2: the candidate's model process is SIGSTOPped as it starts, on the serve's one replica, so
+    its load hangs (Triton 2.51 waits for it without a deadline). Past serve.load_timeout_s the release tells the
+    serve; the serve never restarts the Triton serving the champion for a candidate: it ends the candidate's model
+    processes and the load is abandoned. The release ends with one line (exit 3), unretried; clients at concurrency 8
+    get only 200s; the champion's engine is the one it was. A new profile digest: stages are cache hits."""
+    import psutil
+
+    before, triton, engines = champion(home), served_by(home, server), engine_processes(server)
+    held = triton.loaded_models()
+
+    def stubs() -> dict[int, str]:
+        found = {}
+        for process in psutil.Process(server["serve_pid"]).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                arguments = process.cmdline()
+                if arguments and "triton_python_backend_stub" in arguments[0]:
+                    found[process.pid] = arguments[-1]
+        return found
+
+    serving_stubs, stopped, done = stubs(), [], threading.Event()
+
+    def stop_the_candidates_model_processes() -> None:
+        while not done.wait(0.05):
+            for pid, instance in stubs().items():
+                if pid not in serving_stubs and pid not in stopped and instance.startswith(f"{SERVICE}-v"):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        psutil.Process(pid).suspend()
+                        stopped.append(pid)
+
+    watcher = threading.Thread(target=stop_the_candidates_model_processes, daemon=True)
+    watcher.start()
+    try:
+        with Load(server, triton, tls, requests_total=100_000, concurrency=8, per_s=8) as load:
+            hung = ("--set", "serve.load_timeout_s=15")
+            result = llmops(home, "run", "--artifacts", str(cpu_tiny_store), *FAST, *ENGINE, *hung, timeout=600)
+    finally:
+        done.set()
+        watcher.join()
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 3, lines[-30:]
+    assert lines[-1].startswith("llmops: error: canary: ") and lines[-1].endswith(
+        "the load abandoned; the champion served throughout"
+    ), lines[-1]
+    assert sum("asking the service what becomes of the load" in line for line in lines) == 1  # no second try
+    assert stopped and not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert "its model processes ended" in (home / "serve.log").read_text()
+    assert triton.loaded_models() == held and champion(home) == before and engine_processes(server) == engines
+    assert load.failed == 0 and load.ok > 50, (load.ok, load.errors[:5])
+    print(f"\nthe hung candidate was abandoned; {load.ok} client requests, none failed")
+
+
 # A candidate that answers as the base model: a learning rate of 1e-9 leaves its LoRA adapter at zero. (A one-epoch
 # candidate often answered these prompts as the champion does.) One training for the two tests that use it.
 BASE_MODEL_CANDIDATE = [

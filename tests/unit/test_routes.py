@@ -285,41 +285,43 @@ def test_only_the_release_that_holds_the_routes_renews_its_hold(service):
     assert other.status_code == 409 and other.json() == {"error": "release: the routes are held by run-7, not run-8"}
 
 
-def test_a_release_asks_the_serve_to_start_a_replica_again_and_hears_why_not_where_it_cannot(service):
-    """POST /control/v1/replicas/restart: the serve's restart, awaited; each refusal in Triton's error shape. The
-    restart itself (a hung load, a real `llmops serve` of two replicas) is test_attach's two-replica test."""
+def test_a_release_tells_the_serve_its_load_hung_and_hears_what_became_of_it_or_why_not(service):
+    """POST /control/v1/loads/hung: the serve's decision, awaited; each refusal in Triton's error shape. The restart
+    itself (a hung load, a real `llmops serve` of two replicas) is test_attach's two-replica test; the abandoned load
+    on one replica is test_serving's."""
     from tasks.platform.errors import CheckFailed, TransientError
 
     gateway, _, control = service()
     url = "http://127.0.0.1:8000"
-    assert control.post("/control/v1/replicas/restart", json={"url": url, "timeout_s": 60}).json() == {
+    hung = {"url": url, "models": ["demo-v2"], "timeout_s": 60}
+    assert control.post("/control/v1/loads/hung", json=hung).json() == {
         "error": "this gateway starts no Triton: restart it where it was started"
     }
-    asked: list[tuple[str, float]] = []
+    asked: list[tuple[str, list[str], float]] = []
 
-    def restart(triton_url: str, timeout_s: float) -> None:
-        asked.append((triton_url, timeout_s))
+    def restart(triton_url: str, models: list[str], timeout_s: float) -> str:
+        asked.append((triton_url, models, timeout_s))
         if triton_url.endswith(":9"):
             raise CheckFailed(f"Triton {triton_url} is not one this serve started")
         if triton_url.endswith(":10"):
             raise TransientError(f"Triton {triton_url} did not serve again within 60s of its restart")
+        return "restarted"
 
     with TestClient(ControlApi(gateway, CONTROL_KEY, restart).app(), headers={"llmops-control-key": CONTROL_KEY}) as c:
-        done = c.post("/control/v1/replicas/restart", json={"url": url, "timeout_s": 60})
-        assert done.status_code == 200 and done.json() == {"url": url, "restarted": True} and asked == [(url, 60.0)]
+        done = c.post("/control/v1/loads/hung", json=hung)
+        assert done.status_code == 200 and done.json() == {"url": url, "outcome": "restarted"}
+        assert asked == [(url, ["demo-v2"], 60.0)]
         for body, status, error in [
-            ({"url": "http://h:9", "timeout_s": 60}, 409, "Triton http://h:9 is not one this serve started"),
-            ({"url": "http://h:10", "timeout_s": 60}, 504, "did not serve again within 60s"),
-            ({"timeout_s": 60}, 400, "url: the URL of one of the serve's Tritons"),
-            ({"url": url, "timeout_s": 0}, 400, "timeout_s: seconds in (0, 3600]"),
-            ({"url": url, "timeout_s": True}, 400, "timeout_s"),
+            ({**hung, "url": "http://h:9"}, 409, "Triton http://h:9 is not one this serve started"),
+            ({**hung, "url": "http://h:10"}, 504, "did not serve again within 60s"),
+            ({"models": ["demo-v2"], "timeout_s": 60}, 400, "url: the URL of one of the serve's Tritons"),
+            ({**hung, "models": "demo-v2"}, 400, "models: a list of model names"),
+            ({**hung, "timeout_s": 0}, 400, "timeout_s: seconds in (0, 3600]"),
+            ({**hung, "timeout_s": True}, 400, "timeout_s"),
         ]:
-            refused = c.post("/control/v1/replicas/restart", json=body)
+            refused = c.post("/control/v1/loads/hung", json=body)
             assert refused.status_code == status and error in refused.json()["error"], (body, refused.text)
-        assert (
-            c.post("/control/v1/replicas/restart", json={"url": url}, headers={"llmops-control-key": "x"}).status_code
-            == 401
-        )
+        assert c.post("/control/v1/loads/hung", json=hung, headers={"llmops-control-key": "x"}).status_code == 401
     assert len(asked) == 3
 
 
@@ -627,6 +629,10 @@ class StubServer:
         self.kills += 1
         self.replica_started[0].started += 1  # the watch started it again
 
+    def end_model_processes(self, models: list[str]) -> list[int]:
+        self.ended = [*getattr(self, "ended", []), *models]
+        return [4242]
+
 
 def fleet_of(count: int, table: RouteTable | None):
     from types import SimpleNamespace
@@ -645,20 +651,16 @@ def fleet_of(count: int, table: RouteTable | None):
 
 def test_the_serve_never_restarts_its_last_replica_serving_the_champion_for_a_releases_hung_load():
     """Issue 60, finding 2: a candidate's hung load on a one-replica serve restarted the Triton serving the champion
-    (every client a 503 for minutes); it is refused now, and allowed where another replica serves (or no champion)."""
-    from tasks.platform.errors import CheckFailed
-
+    (every client a 503 for minutes). Now the candidate's model processes are ended and its load abandoned there; a
+    restart only where another replica serves (or nothing is served yet)."""
     alone = fleet_of(1, TABLE)
-    with pytest.raises(
-        CheckFailed, match=r"Triton http://127.0.0.1:8000 is the last replica serving the champion demo-v1"
-    ):
-        alone.start_again("http://127.0.0.1:8000", 5)
-    assert alone.replicas[0].server.kills == 0  # type: ignore[union-attr]
+    assert alone.hung_load("http://127.0.0.1:8000", ["demo-v2"], 5) == "abandoned"
+    assert alone.replicas[0].server.kills == 0 and alone.replicas[0].server.ended == ["demo-v2"]  # type: ignore[union-attr]
     two = fleet_of(2, TABLE)
-    two.start_again("http://127.0.0.1:8001", 5)
+    assert two.hung_load("http://127.0.0.1:8001", ["demo-v2"], 5) == "restarted"
     assert [r.server.kills for r in two.replicas] == [0, 1]  # type: ignore[union-attr]
     first_release = fleet_of(1, RouteTable(SERVICE))  # nothing served yet: no client to lose
-    first_release.start_again("http://127.0.0.1:8000", 5)
+    assert first_release.hung_load("http://127.0.0.1:8000", ["demo-v1"], 5) == "restarted"
     assert first_release.replicas[0].server.kills == 1  # type: ignore[union-attr]
 
 
@@ -679,13 +681,19 @@ def test_a_candidate_whose_load_hangs_again_after_the_restart_ends_the_release_w
         raise stage.LoadHung("demo-v2 did not load within 40s (serve.load_timeout_s)", triton)  # type: ignore[arg-type]
 
     restarts: list[str] = []
-    monkeypatch.setattr(stage, "served_version", lambda ctx, name, version: SimpleNamespace(name="demo-v2"))
+    candidate = SimpleNamespace(name="demo-v2", models=["demo-v2"])
+    monkeypatch.setattr(stage, "served_version", lambda ctx, name, version: candidate)
     monkeypatch.setattr(stage, "load_both", hangs)
     ctx = SimpleNamespace(
         tracker=SimpleNamespace(client=SimpleNamespace(get_model_version=lambda *args: None)),
         profile=load_profile("cpu-tiny"),
     )
-    served = SimpleNamespace(name=SERVICE, triton=triton, restart=lambda hung, timeout_s: restarts.append(hung.url))
+
+    def restarted(hung, models, timeout_s) -> str:
+        restarts.append(hung.url)
+        return "restarted"
+
+    served = SimpleNamespace(name=SERVICE, triton=triton, hung=restarted)
     registered = SimpleNamespace(name=SERVICE, version="2")
     with pytest.raises(
         CheckFailed, match=r"^canary: demo-v2's load hung again after Triton http://127.0.0.1:8000 restarted"
@@ -693,11 +701,18 @@ def test_a_candidate_whose_load_hangs_again_after_the_restart_ends_the_release_w
         stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
     assert (loads, restarts) == (["demo-v2", "demo-v2"], ["http://127.0.0.1:8000"])
 
-    def refused(hung, timeout_s):
-        raise CheckFailed("Triton http://127.0.0.1:8000 is the last replica serving the champion demo-v1: ...")
+    served.hung = lambda hung, models, timeout_s: "abandoned"  # the last replica serving the champion
+    with pytest.raises(
+        CheckFailed, match=r"^canary: demo-v2's load hung on Triton .* the load abandoned; the champion"
+    ):
+        stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
+    assert loads == ["demo-v2"] * 3  # not loaded again
 
-    served.restart = refused
-    with pytest.raises(CheckFailed, match=r"^canary: demo-v2's load hung \(.*\) and Triton .* is the last replica"):
+    def refused(hung, models, timeout_s):
+        raise CheckFailed("Triton http://127.0.0.1:8000 is not one this serve started; restart it where it was started")
+
+    served.hung = refused
+    with pytest.raises(CheckFailed, match=r"^canary: demo-v2's load hung \(.*\) and Triton .* is not one this serve"):
         stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
 
 
@@ -727,9 +742,10 @@ def test_answers_and_control_writes_go_on_while_every_job_thread_is_held_by_rest
     release = threading.Event()
     held: list[str] = []
 
-    def restart(url: str, timeout_s: float) -> None:  # a replica started again: minutes, here until released
+    def restart(url: str, models: list[str], timeout_s: float) -> str:  # a replica started again: minutes here
         held.append(url)
         release.wait(60)
+        return "restarted"
 
     public, control = free_port(), free_port()
     listeners = [
@@ -743,8 +759,8 @@ def test_answers_and_control_writes_go_on_while_every_job_thread_is_held_by_rest
             restarts = [
                 callers.submit(
                     httpx.post,
-                    f"http://127.0.0.1:{control}/control/v1/replicas/restart",
-                    json={"url": f"http://127.0.0.1:{9000 + n}", "timeout_s": 60},
+                    f"http://127.0.0.1:{control}/control/v1/loads/hung",
+                    json={"url": f"http://127.0.0.1:{9000 + n}", "models": ["demo-v2"], "timeout_s": 60},
                     headers=headers,
                     timeout=90,
                 )

@@ -18,16 +18,18 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
     PUT    /control/v1/loads        {"models": [MODEL, ...], "epoch": N}: the owner declares the Triton models it loads
                                     (before it loads them); the serve's reconciler unloads a model of the service that
                                     neither the table routes nor a live owner declared (tasks/serving/fleet.py)
-    POST   /control/v1/replicas/restart   {"url": TRITON_URL, "timeout_s": S}: a release's load hung on that replica
-                                    (Triton 2.51 waits for a model process without a deadline): the serve kills it
-                                    with its model processes and answers once its watch started it again with the
-                                    table's versions (504 past S; 409 for a Triton the serve does not own or none,
-                                    and for its last replica serving the champion: a candidate never costs it)
+    POST   /control/v1/loads/hung   {"url": TRITON_URL, "models": [MODEL, ...], "timeout_s": S}: a release's load of
+                                    its models hung on that replica (Triton 2.51 waits for a model process without a
+                                    deadline). Where another replica serves the champion, the serve kills that one with
+                                    its model processes and answers {"outcome": "restarted"} once its watch started it
+                                    again with the table's versions (504 past S); on the last replica serving the
+                                    champion, it ends those models' processes and answers {"outcome": "abandoned"}: a
+                                    candidate never costs the champion a request (409 for a Triton it does not own)
     POST   /v2/models/NAME/generate[_stream]   the service's name (drawn by weight) or one version by its name:
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
 
-Fencing: every write (deployment, routes, shadow, lease, loads, replicas/restart) of a release carries the epoch its
+Fencing: every write (deployment, routes, shadow, lease, loads, loads/hung) of a release carries the epoch its
 ownership was given ({"epoch": N}); while a release owns the service, a write whose epoch is not the owner's, or
 that carries none, is a 409 {"error": ..., "owner": {...}} naming the owner, and so is a write with an epoch once
 that ownership lapsed: a release that lost the service (taken over, or its lease lapsed in a long benchmark) cannot
@@ -68,7 +70,7 @@ MAX_LEASE_S = 24 * 3600.0
 MAX_OWNER_S = 366 * 24 * 3600.0  # a release waiting for a person owns the service until its approval timeout
 MAX_RESTART_S = 3600.0
 
-RestartReplica = Callable[[str, float], None]  # (Triton URL, timeout_s): blocks until it serves again
+HungLoad = Callable[[str, list[str], float], str]  # (Triton URL, models, timeout_s): "restarted" | "abandoned"
 
 
 class Fenced(RequestError):
@@ -103,10 +105,10 @@ def fence(table: RouteTable, data: dict[str, Any], now: float) -> None:
 
 
 class ControlApi:
-    def __init__(self, gateway: Gateway, key: str, restart_replica: RestartReplica | None = None):
-        """`restart_replica`: the serve's (tasks/serving/fleet.py:Fleet.start_again); None where the gateway starts
-        no Triton (a release's temporary gateway)."""
-        self.gateway, self.key, self.restart_replica = gateway, key, restart_replica
+    def __init__(self, gateway: Gateway, key: str, hung_load: HungLoad | None = None):
+        """`hung_load`: the serve's (tasks/serving/fleet.py:Fleet.hung_load); None where the gateway starts no Triton
+        (a release's temporary gateway)."""
+        self.gateway, self.key, self.hung_load = gateway, key, hung_load
 
     def authorize(self, request: Request) -> None:
         given = request.headers.get(CONTROL_HEADER, "")
@@ -260,25 +262,29 @@ class ControlApi:
         except RoutesError as exc:
             raise RequestError(400, str(exc)) from None
 
-    async def restart(self, request: Request) -> Response:
+    async def hung(self, request: Request) -> Response:
         try:
             self.authorize(request)
             data = await self.read_json(request)
             url, timeout = data.get("url"), data.get("timeout_s")
             if not isinstance(url, str) or not url:
                 raise RequestError(400, "url: the URL of one of the serve's Tritons")
+            try:
+                models = list(parse_models(data.get("models"), "models"))
+            except RoutesError as exc:
+                raise RequestError(400, str(exc)) from None
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_RESTART_S:
                 raise RequestError(400, f"timeout_s: seconds in (0, {MAX_RESTART_S:.0f}]")
-            if self.restart_replica is None:
+            if self.hung_load is None:
                 raise RequestError(409, "this gateway starts no Triton: restart it where it was started")
             fence(self.gateway.table, data, time.time())
             try:
-                await self.gateway.pools.job(self.restart_replica, url, float(timeout))
+                outcome = await self.gateway.pools.job(self.hung_load, url, models, float(timeout))
             except CheckFailed as exc:
                 raise RequestError(409, str(exc)) from None
             except TransientError as exc:
                 raise RequestError(504, str(exc)) from None
-            return JSONResponse({"url": url, "restarted": True})
+            return JSONResponse({"url": url, "outcome": outcome})
         except Fenced as refused:
             return refused.response()
         except RequestError as error:
@@ -309,7 +315,7 @@ class ControlApi:
             Route("/control/v1/lease", self.handle, methods=["PUT"]),
             Route("/control/v1/owner", self.handle, methods=["PUT", "DELETE"]),
             Route("/control/v1/loads", self.handle, methods=["PUT"]),
-            Route("/control/v1/replicas/restart", self.restart, methods=["POST"]),
+            Route("/control/v1/loads/hung", self.hung, methods=["POST"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
         ]
