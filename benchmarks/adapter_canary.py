@@ -34,10 +34,10 @@ from pathlib import Path
 
 import psutil
 
+from tasks.load.genai_perf import GenaiPerf
 from tasks.platform.config import load_profile
 from tasks.serving.adapters import AdapterVersion, base_model_name, served_artifact
 from tasks.serving.champion import triton_launch
-from tasks.serving.genai_perf import GenaiPerf
 from tasks.serving.models import MergedVersion, Served, install_model, model_name
 from tasks.serving.server import TritonServer
 

@@ -3,8 +3,8 @@ and what a run costs.
 
 One Triton serves the cpu-tiny merged model with the python backend at cpu-tiny's own serving settings. At each
 concurrency, in --rounds rounds (the tools in turn, the order reversed every round), the benchmark stage's own
-drivers measure it: tasks/serving/genai_perf.py (one run, gRPC stream, `--endpoint-type kserve`) and
-tasks/serving/aiperf.py (bench.profile_runs runs, Triton's HTTP stream through AIPerf's template endpoint), with
+drivers measure it: tasks/load/genai_perf.py (one run, gRPC stream, `--endpoint-type kserve`) and
+tasks/load/aiperf.py (bench.profile_runs runs, Triton's HTTP stream through AIPerf's template endpoint), with
 the same bench settings (prompt and output tokens, request count, warm-up) and cpu-tiny's goodput objective.
 Prints per tool and concurrency: the median of its runs for req/s, goodput, TTFT p50/p99, ITL and request
 latency p99, the spread of req/s over the runs (min..max and coefficient of variation), and wall seconds per run
@@ -27,11 +27,11 @@ from pathlib import Path
 from gateway_process import cpu_tiny_bench
 from serving_batching import int_list  # this script's folder is first on sys.path
 
+from tasks.load.aiperf import AIPerf, aiperf_executable
+from tasks.load.genai_perf import ForkedRuns, GenaiPerf, runner_env
+from tasks.load.load_level import LoadLevel, LoadTool
 from tasks.platform.config import load_profile
-from tasks.serving.aiperf import AIPerf, aiperf_executable
 from tasks.serving.champion import triton_launch
-from tasks.serving.genai_perf import ForkedRuns, GenaiPerf, runner_env
-from tasks.serving.load_level import LoadLevel, LoadTool
 from tasks.serving.models import MergedVersion, install_model
 from tasks.serving.server import TritonServer
 

@@ -1,7 +1,7 @@
 """What capture (serve.capture) costs the clients: the same load through the gateway with capture off and on.
 
 One Triton serves the cpu-tiny merged model as version `svc-a` of the service `svc`; three gateways of `llmops serve`
-(tasks/serving/gateway/) run in front of it, each in a process of its own as under `llmops serve`: capture off
+(tasks/runtime/gateway/) run in front of it, each in a process of its own as under `llmops serve`: capture off
 (what serves today), capture on (every exchange kept, redacted, written to a local capture folder every 2 s), and
 capture on with its store down (the capture location is a file, so every write fails and its batch is dropped).
 At each concurrency the same streaming OpenAI client sends the same chat requests (each carrying an e-mail address

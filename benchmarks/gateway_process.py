@@ -1,4 +1,4 @@
-"""The gateway of `llmops serve` (tasks/serving/gateway/) in a process of its own, for the benchmarks that send
+"""The gateway of `llmops serve` (tasks/runtime/gateway/) in a process of its own, for the benchmarks that send
 load through it: not sharing the load generator's interpreter (and its GIL) with the requests it measures.
 
 It runs as under `llmops serve`: the same app, uvicorn with the same options, the access log on (to a file).
@@ -27,11 +27,11 @@ GATEWAY = """
 import json, os
 from pathlib import Path
 from starlette.routing import Route
-from tasks.serving.gateway import Gateway, GatewayConfig
+from tasks.runtime.gateway import Gateway, GatewayConfig
 settings = json.loads(os.environ.pop("BENCH_GATEWAY"))
 port, access_log = settings.pop("port"), settings.pop("access_log")
 if settings.get("table"):
-    from tasks.serving.routes import RouteTable
+    from tasks.control.contract import RouteTable
     settings["table"] = RouteTable.of(settings["table"])
 if settings.get("health"):
     from tasks.platform.config.serving import HealthSection
@@ -40,23 +40,23 @@ if settings.get("shadow_records"):
     settings["shadow_records"] = Path(settings["shadow_records"])
 if settings.get("capture"):  # {"location": ..., other CaptureSettings fields}: serve.capture as flows/serve.py builds it
     from tasks.data.exchanges import open_exchange_log
-    from tasks.serving.gateway.capture import CaptureSettings
+    from tasks.runtime.gateway.capture import CaptureSettings
     capture = settings["capture"]
     settings["capture"] = CaptureSettings(log=open_exchange_log(capture.pop("location")), service=settings["service"], **capture)
-from tasks.serving.gateway.logs import LogWriter  # as `llmops serve` writes its log (flows/serve.py), to a file
+from tasks.runtime.gateway.logs import LogWriter  # as `llmops serve` writes its log (flows/serve.py), to a file
 LogWriter(open(access_log, "a")).start(["llmops.gateway", "llmops.gateway.access"])
 control_port = settings.pop("control_port", None)
 gateway = Gateway(GatewayConfig(**settings))
 app = gateway.app()
 # the benchmarks read the counters on the gateway's port; `llmops serve` serves them on a listener of its own
 app.router.routes.append(Route("/metrics", gateway.prometheus))
-# as `llmops serve` runs it: its listeners on one event loop in a thread (tasks/serving/gateway/running.py), the
+# as `llmops serve` runs it: its listeners on one event loop in a thread (tasks/runtime/gateway/running.py), the
 # control API on a listener of its own where asked
 import threading
-from tasks.serving.gateway.running import Listener, RunningGateway
+from tasks.runtime.gateway.running import Listener, RunningGateway
 listeners = [Listener(app, "127.0.0.1", port)]
 if control_port is not None:
-    from tasks.serving.gateway.control import ControlApi
+    from tasks.runtime.gateway.control import ControlApi
     listeners.append(Listener(ControlApi(gateway, settings["control_key"]).app(), "127.0.0.1", control_port))
 RunningGateway(listeners, gateway).start()
 threading.Event().wait()

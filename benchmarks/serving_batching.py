@@ -570,11 +570,11 @@ def print_header(bench: Bench, model: str, engines: list[str]) -> None:
 
 def print_rollout(bench: Bench) -> None:
     """Rollout cost on a Triton serving the model as two versions, behind a gateway with its control API."""
+    from tasks.control.contract import RouteTable, Version
     from tasks.platform.ports import free_port
-    from tasks.serving.gateway import Gateway, GatewayConfig
-    from tasks.serving.gateway.control import ControlApi
-    from tasks.serving.gateway.running import Listener, RunningGateway
-    from tasks.serving.routes import RouteTable, Version
+    from tasks.runtime.gateway import Gateway, GatewayConfig
+    from tasks.runtime.gateway.control import ControlApi
+    from tasks.runtime.gateway.running import Listener, RunningGateway
     from tasks.serving.service import ServiceControl
 
     profile = load_profile("cpu-tiny", python_serve(bench))

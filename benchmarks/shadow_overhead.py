@@ -1,7 +1,7 @@
 """What a shadow window costs the clients: the same load through the gateway with and without the copies.
 
 One Triton serves the cpu-tiny merged model twice (`svc-a`, the champion, and `svc-b`, the candidate) of the service
-`svc`, and the gateway of `llmops serve` (tasks/serving/gateway/) runs in front of it, in a process of its
+`svc`, and the gateway of `llmops serve` (tasks/runtime/gateway/) runs in front of it, in a process of its
 own as under `llmops serve`. At each concurrency the same streaming OpenAI client sends the same chat requests through
 the gateway in rounds, the modes in turn and in reverse order the next round: without shadow (what serves today), and
 with a quarter and with every answered request copied to `svc-b` (canary.shadow_fraction 0.25 and 1.0), as a
@@ -38,8 +38,8 @@ from serving_batching import (  # this script's folder is first on sys.path
     triton_model,
 )
 
+from tasks.control.contract import records_file
 from tasks.platform.ports import free_port
-from tasks.serving.gateway.shadow import records_file
 from tasks.serving.service import ServiceControl
 
 TOKENS = 8  # cpu-tiny's bench.output_tokens

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks.serving.routes import RouteTable, Version  # noqa: E402
+from tasks.control.contract import RouteTable, Version  # noqa: E402
 from tasks.serving.service import ServiceControl  # noqa: E402
 from tests.soak import soak  # noqa: E402
 

@@ -24,9 +24,9 @@ from serving_batching import compute_model, merged_model  # this script's folder
 
 from flows.cli.common import add_overrides_flag
 from tasks.deploy_canary import Deployment
+from tasks.load.genai_perf import GenaiPerf, goodput_of
 from tasks.platform.config import load_profile
 from tasks.serving.champion import triton_launch
-from tasks.serving.genai_perf import GenaiPerf, goodput_of
 from tasks.serving.models import MergedVersion, install_model
 from tasks.serving.server import TritonServer
 from tasks.tune_serving import defaults, load, search

@@ -39,7 +39,8 @@ from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
 from tasks.register import Registered, register
 from tasks.rollout import rollout
-from tasks.serving.champion import is_champion, open_service
+from tasks.runtime.standalone import open_service
+from tasks.serving.champion import is_champion
 from tasks.serving.client import TritonTarget
 from tasks.serving.ownership import Ownership
 from tasks.serving.service import Service

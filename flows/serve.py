@@ -3,8 +3,8 @@
 - Triton (the models; its HTTP port carries the locked model-control API the release runs use) on
   `serve.listen.triton_*` ports, with the champion loaded, published in $LLMOPS_HOME/triton/server.json so that
   `llmops run` with the same LLMOPS_HOME rolls its candidates out on it; `serve.replicas` of them (or Tritons it
-  does not own, `--triton-url` repeated), every version loaded on each (tasks/serving/fleet.py).
-- The gateway clients call (tasks/serving/gateway/) on `serve.listen.host:port`: OpenAI-compatible /v1 and
+  does not own, `--triton-url` repeated), every version loaded on each (tasks/runtime/fleet.py).
+- The gateway clients call (tasks/runtime/gateway/) on `serve.listen.host:port`: OpenAI-compatible /v1 and
   Triton's generate API for the service name, each request's version drawn from the service's route table, API
   keys, TLS, request limits; /health/ready says whether the routed versions answer (a Kubernetes readiness probe),
   /health/live that the process does.
@@ -33,21 +33,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.release import open_serving_context
+from tasks.control.contract import RouteTable, read_record, record_path
 from tasks.platform.config import ListenSection, Profile
 from tasks.platform.decisions import EXPIRY_CHECK_S, expire_overdue
 from tasks.platform.errors import BadInput
 from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.stage_cache import RunContext
+from tasks.runtime.fleet import Fleet
+from tasks.runtime.gateway import Gateway, GatewayConfig, KeyRing
+from tasks.runtime.gateway.capture import CaptureSettings
+from tasks.runtime.gateway.control import ControlApi
+from tasks.runtime.gateway.logs import LogWriter
+from tasks.runtime.gateway.running import Listener, RunningGateway
 from tasks.serving.champion import as_route, registry_champion, served_of, served_version
 from tasks.serving.client import Triton
-from tasks.serving.fleet import Fleet
-from tasks.serving.gateway import Gateway, GatewayConfig, KeyRing
-from tasks.serving.gateway.capture import CaptureSettings
-from tasks.serving.gateway.control import ControlApi
-from tasks.serving.gateway.logs import LogWriter
-from tasks.serving.gateway.running import Listener, RunningGateway
 from tasks.serving.models import Served
-from tasks.serving.routes import RouteTable, read_record, record_path
 from tasks.serving.server import new_serve_key, publish, unpublish
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -226,7 +226,7 @@ def starting_champion(ctx: RunContext, table: RouteTable | None) -> Served:
 
 def show_access_log() -> LogWriter | None:
     """The gateway's access log (one JSON line a request) and its fault log on stderr, beside serve's own lines,
-    written by a thread of their own (tasks/serving/gateway/logs.py): a stderr nobody reads stops no request. None
+    written by a thread of their own (tasks/runtime/gateway/logs.py): a stderr nobody reads stops no request. None
     where the loggers have handlers already (a test's)."""
     import logging
 

@@ -7,10 +7,10 @@ from prefect import flow, get_run_logger
 
 from flows.cli.common import llmops_home
 from flows.release import default_services
+from tasks.control.contract import recorded_digests
 from tasks.platform.store_gc import collect_garbage, registered_digests, why_kept
 from tasks.platform.stores import open_store
 from tasks.platform.tracking import default_tracking_uri
-from tasks.serving.routes import recorded_digests
 
 
 @flow(name="store-gc", log_prints=True)

@@ -1,8 +1,8 @@
 """benchmark: a load generator against Triton, champion and candidate under the same load.
 
 The tool is bench.tool: genai-perf (one run per measurement, Triton's gRPC stream;
-tasks/serving/genai_perf.py) or AIPerf (bench.profile_runs runs per measurement, Triton's HTTP stream;
-tasks/serving/aiperf.py). Both count goodput where the profile has latency objectives
+tasks/load/genai_perf.py) or AIPerf (bench.profile_runs runs per measurement, Triton's HTTP stream;
+tasks/load/aiperf.py). Both count goodput where the profile has latency objectives
 (Profile.goodput_objectives).
 
 Every level below the highest is measured once per model. With a champion, the highest level is measured in
@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from tasks.load.genai_perf import GenaiPerf, check_tokenizer
+from tasks.load.load_level import LoadLevel, LoadTool
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.stats import Decides, MeanInterval, RatioInterval, mean_interval, ratio_interval
 from tasks.serving.client import parse_metric
-from tasks.serving.genai_perf import GenaiPerf, check_tokenizer
-from tasks.serving.load_level import LoadLevel, LoadTool
 
 if TYPE_CHECKING:
     from tasks.deploy_canary import Deployment
@@ -243,7 +243,7 @@ def plot(result: BenchmarkResult, path: Path) -> None:
 def require_load_tool(profile: Profile) -> None:
     """A release that will benchmark with AIPerf has it: refused before training, not after it (BadInput)."""
     if profile.serve.deploy and profile.bench.tool == "aiperf":
-        from tasks.serving.aiperf import aiperf_executable
+        from tasks.load.aiperf import aiperf_executable
 
         aiperf_executable(profile.bench)
 
@@ -252,7 +252,7 @@ def load_tool(ctx: RunContext, deployment: Deployment, out_dir: Path) -> LoadToo
     """bench.tool against this run's Triton, counting goodput under the profile's latency objectives."""
     cfg, objectives = ctx.profile.bench, ctx.profile.goodput_objectives()
     if cfg.tool == "aiperf":
-        from tasks.serving.aiperf import AIPerf, aiperf_executable
+        from tasks.load.aiperf import AIPerf, aiperf_executable
 
         return AIPerf(deployment.triton.url, cfg, out_dir, aiperf_executable(cfg), goodput=objectives)
     grpc_url = deployment.triton.grpc_url

@@ -1,7 +1,7 @@
 """deploy_canary: the candidate next to the champion on the service's Triton, known to its gateway at 0%.
 
 Each registered version is its own Triton model (tasks/serving/models.py); the gateway in front of Triton draws each
-request's version from the service's route table (tasks/serving/routes.py), which this stage and the rollout change
+request's version from the service's route table (tasks/control/contract.py), which this stage and the rollout change
 through the gateway's control API. The rollout policy that moves the weights (steps, live checks, promote,
 rollback) is tasks/rollout.py.
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
+from tasks.control.contract import RouteTable
 from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.platform.tracking import Registered
 from tasks.serving.champion import as_route, serve_champion, served_version, serving_champion
 from tasks.serving.client import Triton
 from tasks.serving.models import Served, install_model, retire
-from tasks.serving.routes import RouteTable
 from tasks.serving.service import Service, ServiceControl
 
 
@@ -148,7 +148,7 @@ def load_again(ctx: RunContext, served: Service, candidate: Served, exc: Transie
     """A load that hung, once more where that is safe. Triton 2.51 waits for a hung model process without a deadline,
     and a retry on the same server waits behind it. The run's own Triton (no clients) is started again; `llmops serve`
     starts its replica again only where another one serves the champion, and otherwise ends the candidate's model
-    processes and abandons the load (tasks/serving/fleet.py:Fleet.hung_load): a candidate never costs the champion a
+    processes and abandons the load (tasks/runtime/fleet.py:Fleet.hung_load): a candidate never costs the champion a
     request. A candidate that hangs again, or is abandoned, ends the release here, unretried."""
     hung = exc.triton if isinstance(exc, LoadHung) else served.triton
     assert served.hung is not None

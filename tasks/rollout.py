@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tasks.control.contract import RouteTable
 from tasks.data.splits import eval_conversations
 from tasks.deploy_canary import Deployment
 from tasks.platform.errors import LostService, RampFailed, RegistryBehind
@@ -23,7 +24,6 @@ from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.store import outlast_outage
 from tasks.serving import prometheus
 from tasks.serving.champion import as_route, not_found
-from tasks.serving.routes import RouteTable
 from tasks.serving.service import ServiceControl, version_counters
 
 

@@ -3,7 +3,7 @@
 After deploy_canary, with the candidate loaded at 0%, this stage sets the service's shadow copy (the candidate,
 `canary.shadow_fraction`) through the control API of `llmops serve`'s gateway, which from its next answered
 request on copies that share of them to the candidate, after each answer reached its client: clients only ever get
-the champion's answers and never wait for a copy (tasks/serving/gateway/shadow.py). Each copy leaves a record: the
+the champion's answers and never wait for a copy (tasks/runtime/gateway/shadow.py). Each copy leaves a record: the
 inputs, both answers, both latencies. After `canary.shadow_s` the copy stops (the same API), and this stage scores
 the records: the candidate's answers against the champion's with the profile's metric
 (`evaluate.metric`; rouge_l where that is answer_loss, which needs a reference answer's tokens), on greedy
@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tasks.control.contract import records_file
 from tasks.deploy_canary import Deployment
 from tasks.platform.config import GateSection, Profile
 from tasks.platform.errors import BadInput
@@ -31,7 +32,6 @@ from tasks.quality.checks import Check, at_most
 from tasks.quality.metrics import answer_metric, metric_score
 from tasks.quality.stats import paired_difference, wilson_interval
 from tasks.serving.client import TritonTarget
-from tasks.serving.gateway.shadow import records_file
 from tasks.serving.server import serving_gateway
 
 SETTLE_S = 1.0  # after the copy stopped: the copies in flight end

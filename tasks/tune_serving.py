@@ -29,10 +29,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tasks.load.genai_perf import GenaiPerf, goodput_of
 from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
-from tasks.serving.genai_perf import GenaiPerf, goodput_of
 from tasks.serving.models import install_model, triton_unload_quietly
 
 if TYPE_CHECKING:

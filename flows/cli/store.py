@@ -47,10 +47,10 @@ def register(commands) -> None:
 
 
 def command_gc(args) -> str:
+    from tasks.control.contract import recorded_digests
     from tasks.platform.store_gc import collect_garbage, registered_digests, why_kept
     from tasks.platform.stores import open_store
     from tasks.platform.tracking import default_tracking_uri
-    from tasks.serving.routes import recorded_digests
 
     if args.keep < 0 or args.min_age < 0:
         raise BadInput(f"--keep {args.keep} / --min-age {args.min_age}: must be 0 or more")

@@ -3,7 +3,7 @@
 Kept: every object a registered model version names (its source and each `artifact.<stage>.sha256` lineage tag, so
 the champion's and a candidate's stages stay cache hits; every page of the registry), every object a deployment record
 names (what `llmops serve` loads again at its next start, also for a version no longer in the registry: the callers
-pass them in, tasks/serving/routes.py:recorded_digests), the newest `keep` records of each record namespace
+pass them in, tasks/control/contract.py:recorded_digests), the newest `keep` records of each record namespace
 (stages/<stage>, checkpoints/train, tuning) with the objects they name, and anything written in the last
 `min_age_s` (a run in progress may not have recorded it yet). Everything else goes: objects, records, the work
 folders of finished stages, and temporary files of writes that never finished.

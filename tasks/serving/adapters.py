@@ -4,7 +4,7 @@ The engine is the Triton model `<service>-base` (infra/triton/vllm with enable_l
 stays its own Triton model `<service>-v<N>` (infra/triton/lora), which holds no weights and answers nothing: loading
 it registers its adapter in the engine's adapter map (tasks/serving/adapter_registry.py), unloading it retires the
 adapter. The gateway asks the engine for a version with the version's name as `lora_name`
-(tasks/serving/routes.py); the benchmark tools do the same. A canary loads an adapter of megabytes instead of a
+(tasks/control/contract.py); the benchmark tools do the same. A canary loads an adapter of megabytes instead of a
 second engine.
 
 Before an adapter loads: its base must be the one the engine serves (a version trained on another base is refused),

@@ -3,7 +3,7 @@ it) and unloading.
 
 Triton cannot load or unload one version of a model, so each registered version is its own Triton model
 (`<service>-v<N>`; with serve.lora adapter, the model that registers its adapter with the base engine). Triton
-splits no traffic: the gateway in front of it draws each request's version (tasks/serving/routes.py).
+splits no traffic: the gateway in front of it draws each request's version (tasks/control/contract.py).
 """
 
 from __future__ import annotations

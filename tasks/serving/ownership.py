@@ -1,5 +1,5 @@
 """One release of a service at a time: the service's ownership, kept in its deployment record by its gateway
-(tasks/serving/routes.py `Owner`, the control API's PUT/DELETE /control/v1/owner), with an expiry.
+(tasks/control/contract.py `Owner`, the control API's PUT/DELETE /control/v1/owner), with an expiry.
 
 A release owns the service from loading its candidate until it is promoted or rolled back. It renews its ownership
 every third of its lease from a thread of its own, so a release that dies or hangs lets it lapse and the next release

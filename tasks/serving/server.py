@@ -133,7 +133,7 @@ class TritonServer:
         kernel stops Triton when the thread that started it ends (a SIGKILLed `llmops serve` leaves no
         orphan); only for a thread that lives as long as the server, such as a program's main thread.
         `launcher` and `extra_env`: what the profile's models need (tasks/serving/champion.py:triton_launch).
-        `replica`: one of several Tritons of one `llmops serve` (tasks/serving/fleet.py): they share the model
+        `replica`: one of several Tritons of one `llmops serve` (tasks/runtime/fleet.py): they share the model
         repository, each logs to its own file."""
         exe = find_binary(binary)
         repository = home / "triton" / "repository"

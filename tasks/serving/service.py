@@ -1,8 +1,10 @@
 """A running service as a release reaches it: the Triton it loads versions on, and the control API of the gateway in
-front of it (tasks/serving/gateway/control.py), which routes the service's requests.
+front of it (tasks/runtime/gateway/control.py), which routes the service's requests. The one client of the runtime
+(tasks/runtime/) on the release's side: its types are the control API's contract (tasks/control/contract.py), and no
+stage reaches the runtime any other way.
 
 The gateway is the one `llmops serve` runs for this LLMOPS_HOME, or a temporary one that the release starts beside
-its own Triton (tasks/serving/champion.py:open_service): the canary's steps, the shadow copy, the probes and the
+its own Triton (tasks/runtime/standalone.py:open_service): the canary's steps, the shadow copy, the probes and the
 served scoring go through a gateway either way.
 """
 
@@ -15,9 +17,9 @@ from typing import Any, NoReturn
 
 import requests
 
+from tasks.control.contract import Owner, RouteTable
 from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.serving.client import CONTROL_HEADER, Triton, generate_body
-from tasks.serving.routes import Owner, RouteTable
 
 
 @dataclass(frozen=True)

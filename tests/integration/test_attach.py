@@ -380,7 +380,7 @@ def soak_with_a_ramp(home: Path, state: dict, champion: str) -> None:
     name for the champion's model: the routes change, no model loads) 10 -> 50 -> 100 % and back, then 10 s at 32."""
     import asyncio
 
-    from tasks.serving.routes import RouteTable, Version
+    from tasks.control.contract import RouteTable, Version
     from tasks.serving.service import ServiceControl, version_counters
     from tests.soak import soak
 

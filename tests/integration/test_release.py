@@ -692,8 +692,8 @@ def test_store_gc_keeps_what_registered_versions_need_and_a_rerun_is_all_cache_h
     other models (issue 60: the first page only was read), and so is what a deployment record of `llmops serve` names
     for a version since deleted from the registry (its next start loads it from the record); the first run's release
     is all cache hits after."""
+    from tasks.control.contract import RouteTable, Version, record_path, write_record
     from tasks.platform.stores import open_store
-    from tasks.serving.routes import RouteTable, Version, record_path, write_record
 
     client = MlflowClient(stack.mlflow.url)
     for n in range(150):  # other teams' models, each with a version, before ours by name

@@ -798,7 +798,7 @@ def aiperf_output_lengths(gateway: str, tokenizer_dir: Path, work: Path) -> dict
         *("--concurrency", "2", "--request-count", "8", "--random-seed", "0", "--ui-type", "none"),
         *("--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(work)),
     ]
-    # not HF_HUB_OFFLINE: AIPerf 0.13.0 then looks a local tokenizer folder up as a hub snapshot (tasks/serving/aiperf.py)
+    # not HF_HUB_OFFLINE: AIPerf 0.13.0 then looks a local tokenizer folder up as a hub snapshot (tasks/load/aiperf.py)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -12,12 +12,12 @@ import pytest
 
 from tasks.benchmark import Comparison, ServingSummary, compare_in_rounds, require_load_tool
 from tasks.gate import decide
+from tasks.load.aiperf import PAYLOAD_TEMPLATE, aiperf_command, aiperf_executable, first_error, parse_run_export
+from tasks.load.load_level import LoadLevel
 from tasks.platform.config import BenchSection, GateSection, load_profile
 from tasks.platform.errors import BadInput, CheckFailed
 from tasks.quality.checks import GateReport
 from tasks.quality.stats import mean_interval
-from tasks.serving.aiperf import PAYLOAD_TEMPLATE, aiperf_command, aiperf_executable, first_error, parse_run_export
-from tasks.serving.load_level import LoadLevel
 
 LEVEL = LoadLevel(5, 6, 8, 1, 2, 40, 42, 45, 900, 100, 128, goodput_per_s=90)
 

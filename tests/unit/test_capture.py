@@ -18,7 +18,7 @@ from tasks.data.harvest import admission_refusals, harvest, prompt_key, save
 from tasks.data.records import CleanData, read_source
 from tasks.data.redact import Redactor
 from tasks.platform.errors import BadInput
-from tasks.serving.gateway.capture import CaptureSettings
+from tasks.runtime.gateway.capture import CaptureSettings
 from tests.unit.test_gateway import CHAT, KEY, QUESTION, SERVICE, FakeTriton, gateway, scrape
 
 __all__ = ["gateway"]  # the fixture, used by name
@@ -126,7 +126,7 @@ def test_a_store_that_is_down_costs_records_never_a_request(gateway, tmp_path):
 def test_a_full_buffer_drops_and_counts_instead_of_growing(tmp_path):
     from prometheus_client import CollectorRegistry
 
-    from tasks.serving.gateway.capture import Capture
+    from tasks.runtime.gateway.capture import Capture
 
     capture = Capture(settings(tmp_path, max_pending=2), CollectorRegistry())
     assert [capture.keep("exchanges", {"at": time.time()}) for _ in range(4)] == [True, True, False, False]

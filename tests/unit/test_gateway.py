@@ -14,9 +14,9 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from tasks.serving.gateway import Gateway, GatewayConfig
-from tasks.serving.gateway.stops import cut_at_stop, held_back
-from tasks.serving.routes import RouteTable, Version
+from tasks.control.contract import RouteTable, Version
+from tasks.runtime.gateway import Gateway, GatewayConfig
+from tasks.runtime.gateway.stops import cut_at_stop, held_back
 
 SERVICE = "demo"
 CHAMPION = Version(f"{SERVICE}-v1", f"{SERVICE}-v1")

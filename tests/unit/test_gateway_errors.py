@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from tasks.serving.gateway.upstream import BETWEEN_CHUNKS_S, chunk_timeouts
+from tasks.runtime.gateway.upstream import BETWEEN_CHUNKS_S, chunk_timeouts
 from tests.unit.test_gateway import CHAMPION, CHAT, QUESTION, SERVICE, FakeTriton, events, gateway, streamed_text
 
 __all__ = ["gateway"]  # the fixture, used by name

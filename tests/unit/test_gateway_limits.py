@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tasks.platform.errors import BadInput
-from tasks.serving.gateway import Gateway, GatewayConfig, read_api_keys
-from tasks.serving.gateway.protocol import RequestError
+from tasks.runtime.gateway import Gateway, GatewayConfig, read_api_keys
+from tasks.runtime.gateway.protocol import RequestError
 from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, gateway, scrape
 
 __all__ = ["gateway"]  # the fixture, used by name
@@ -45,7 +45,7 @@ def test_a_key_over_its_requests_per_second_gets_429_with_retry_after_and_other_
 
 @pytest.mark.parametrize(("burst_s", "admitted_at_once"), [(1.0, 10), (0.5, 5), (0.1, 2), (0.0, 2)])
 def test_a_key_may_send_burst_s_seconds_of_its_rate_at_once(burst_s, admitted_at_once):
-    from tasks.serving.gateway.limits import ClientLimits
+    from tasks.runtime.gateway.limits import ClientLimits
 
     now = [100.0]
     limits = ClientLimits(requests_per_second=10, tokens_per_minute=0, burst_s=burst_s, clock=lambda: now[0])
@@ -108,7 +108,7 @@ def test_requests_over_the_cap_in_flight_get_503_with_retry_after():
 
 
 def test_max_tokens_are_reserved_at_admission_and_what_the_answer_did_not_use_comes_back():
-    from tasks.serving.gateway.limits import ClientLimits
+    from tasks.runtime.gateway.limits import ClientLimits
 
     now = [100.0]
     limits = ClientLimits(requests_per_second=0, tokens_per_minute=60, clock=lambda: now[0])  # 1 token a second
@@ -248,7 +248,7 @@ def test_a_key_over_its_cap_in_flight_gets_429_naming_it_and_other_keys_do_not()
 
 
 def test_the_limits_in_force_are_said_in_one_line():
-    from tasks.serving.gateway.limits import ClientLimits
+    from tasks.runtime.gateway.limits import ClientLimits
 
     assert ClientLimits(400, 1_000_000, 1.0, 64).summary(128, keyed=True) == (
         "limits per API key: 400 requests/s (bursts of 400), 1,000,000 tokens/min (max_tokens reserved at "
@@ -397,7 +397,7 @@ def test_a_tls_proxy_or_firewalled_triton_ports_are_said_with_a_flag():
 
 
 def test_a_key_removed_from_the_key_file_stops_working_without_a_restart(gateway, tmp_path, monkeypatch, caplog):
-    from tasks.serving.gateway import KeyRing, auth
+    from tasks.runtime.gateway import KeyRing, auth
 
     monkeypatch.setattr(auth, "RELOAD_CHECK_S", 0.0)  # look at the file on every request
     key_file = tmp_path / "keys"
@@ -419,7 +419,7 @@ def test_a_key_removed_from_the_key_file_stops_working_without_a_restart(gateway
 
 
 def test_a_client_pacing_itself_at_its_rate_is_not_refused_for_running_a_little_early():
-    from tasks.serving.gateway.limits import ClientLimits
+    from tasks.runtime.gateway.limits import ClientLimits
 
     now = [100.0]
     limits = ClientLimits(requests_per_second=10, tokens_per_minute=0, burst_s=0.0, clock=lambda: now[0])

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tasks.load.genai_perf import GenaiPerf, genai_perf_command
 from tasks.platform.config import load_profile
 from tasks.platform.errors import CheckFailed
-from tasks.serving.genai_perf import GenaiPerf, genai_perf_command
 from tasks.serving.models import Served
 
 

@@ -24,10 +24,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from tasks.control.contract import RouteTable, Version
 from tasks.platform.config.serving import HealthSection
 from tasks.platform.ports import free_port
-from tasks.serving.gateway import Gateway, GatewayConfig
-from tasks.serving.routes import RouteTable, Version
+from tasks.runtime.gateway import Gateway, GatewayConfig
 from tests.unit.test_gateway import AUTH, CHAT, KEY, QUESTION, SERVICE, TABLE, scrape
 
 DEADLINES = HealthSection(first_byte_s=0.5, between_chunks_s=0.5, probe_interval_s=0)
@@ -251,8 +251,8 @@ def test_a_log_stream_nobody_reads_stops_no_request_and_the_dropped_lines_are_sa
     nobody reads: with a handler on the event loop's thread, `llmops serve` stopped answering after 385 requests once
     the pipe was full. Here every request is answered; once the pipe is read, the writer says how many lines it
     dropped meanwhile."""
-    from tasks.serving.gateway.logs import LogWriter
-    from tasks.serving.gateway.running import Listener, RunningGateway
+    from tasks.runtime.gateway.logs import LogWriter
+    from tasks.runtime.gateway.running import Listener, RunningGateway
 
     _, url = upstream
     read_end, write_end = os.pipe()

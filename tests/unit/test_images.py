@@ -252,8 +252,8 @@ def test_every_heavy_stage_runs_in_the_image_made_for_it(profile_name):
 def test_genai_perf_comes_from_the_orchestrator_not_from_a_stage_image():
     """The benchmark stage runs in the release flow's own process (never a remote stage) and starts the
     genai-perf next to its interpreter; NGC ships genai-perf only in the -py3-sdk image, in no GPU image."""
+    from tasks.load.genai_perf import genai_perf_command
     from tasks.platform.config import load_profile as load
-    from tasks.serving.genai_perf import genai_perf_command
 
     assert "benchmark" not in HEAVY_STAGES
     command = genai_perf_command("m", "h:8001", Path("tok"), load("cpu-tiny").bench, 1, Path("out"))

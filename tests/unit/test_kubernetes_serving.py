@@ -13,8 +13,8 @@ import yaml
 
 from flows.cli import build_parser
 from tasks.platform.config import load_profile
+from tasks.runtime.gateway import API_KEYS_FILE_ENV
 from tasks.serving.client import CONTROL_KEY_ENV
-from tasks.serving.gateway import API_KEYS_FILE_ENV
 
 KUBERNETES = Path(__file__).resolve().parents[2] / "infra" / "kubernetes"
 MANIFESTS = ["serving.yaml", "serving-gpu.yaml"]

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tasks.serving.gateway.openai_fields import ENGINES, FIELDS, page
+from tasks.runtime.gateway.openai_fields import ENGINES, FIELDS, page
 from tests.unit.test_gateway import CHAT, QUESTION, FakeTriton, events, gateway
 
 __all__ = ["gateway"]  # the fixture, used by name
@@ -257,7 +257,7 @@ def test_the_docs_table_is_the_codes():
     docs = Path(__file__).parents[2] / "docs" / "reference" / "openai-fields.md"
     assert docs.read_text() == page(), (
         "docs/reference/openai-fields.md is stale: "
-        "python -m tasks.serving.gateway.openai_fields > docs/reference/openai-fields.md"
+        "python -m tasks.runtime.gateway.openai_fields > docs/reference/openai-fields.md"
     )
 
 

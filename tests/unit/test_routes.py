@@ -17,10 +17,10 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from tasks.control.contract import RoutesError, RouteTable, Version, read_record, write_record
+from tasks.runtime.gateway import Gateway, GatewayConfig
+from tasks.runtime.gateway.control import ControlApi
 from tasks.serving import adapter_registry
-from tasks.serving.gateway import Gateway, GatewayConfig
-from tasks.serving.gateway.control import ControlApi
-from tasks.serving.routes import RoutesError, RouteTable, Version, read_record, write_record
 from tasks.serving.service import ServiceControl
 from tests.unit.test_gateway import AUTH, CHAMPION, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, scrape
 
@@ -130,7 +130,7 @@ def test_the_control_api_needs_the_serves_control_key_not_a_client_key(service):
 def test_the_gateways_listeners_share_one_uvloop_in_a_thread_as_uvicorn_run_would_give_them(tmp_path: Path):
     """`llmops serve`'s listeners run on uvicorn's own choice of loop (uvloop), not the standard library's."""
     from tasks.platform.ports import free_port
-    from tasks.serving.gateway.running import Listener, RunningGateway
+    from tasks.runtime.gateway.running import Listener, RunningGateway
 
     write_record(tmp_path / f"{SERVICE}.json", TABLE)
     config = GatewayConfig("http://triton.test:8000", SERVICE, 512, record=tmp_path / f"{SERVICE}.json")
@@ -495,7 +495,7 @@ def test_the_gateways_of_one_home_never_give_one_epoch_twice(service):
 def control_url(tmp_path: Path):
     """The control listener of a real gateway (uvicorn on a free port), as releases reach it over HTTP."""
     from tasks.platform.ports import free_port
-    from tasks.serving.gateway.running import Listener, RunningGateway
+    from tasks.runtime.gateway.running import Listener, RunningGateway
 
     record = tmp_path / "serving" / f"{SERVICE}.json"
     write_record(record, TABLE)
@@ -637,7 +637,7 @@ class StubServer:
 def fleet_of(count: int, table: RouteTable | None):
     from types import SimpleNamespace
 
-    from tasks.serving.fleet import Fleet, Replica
+    from tasks.runtime.fleet import Fleet, Replica
 
     fleet = Fleet(None, None, say=lambda line: None)  # type: ignore[arg-type]
     for index in range(count):
@@ -722,14 +722,14 @@ def test_a_candidate_whose_load_hangs_again_after_the_restart_ends_the_release_w
 def test_answers_and_control_writes_go_on_while_every_job_thread_is_held_by_restarts(tmp_path: Path):
     """Issue 60, finding 5: one default executor (six threads here) carried every /v1 answer's token count and the
     minute-long restarts: eight releases' restarts at once left an answer waiting for them. The gateway's pools are
-    bounded by kind (tasks/serving/gateway/work.py): the restarts queue behind the job threads, and an answer's token
+    bounded by kind (tasks/runtime/gateway/work.py): the restarts queue behind the job threads, and an answer's token
     count and a control write's record go on."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tasks.base_model import train_tokenizer
     from tasks.platform.ports import free_port
-    from tasks.serving.gateway.running import Listener, RunningGateway
-    from tasks.serving.gateway.work import JOB_THREADS
+    from tasks.runtime.gateway.running import Listener, RunningGateway
+    from tasks.runtime.gateway.work import JOB_THREADS
 
     tokenizer = tmp_path / "tokenizer"
     train_tokenizer(["What is the opposite of hot? cold", "big small"] * 8, 300).save_pretrained(tokenizer)
@@ -817,9 +817,9 @@ def test_the_serve_unloads_what_no_route_needs_and_no_live_owner_declared():
     release owns the service now (it declared its own)."""
     from types import SimpleNamespace
 
+    from tasks.control.contract import Owner
     from tasks.platform.config import load_profile
-    from tasks.serving.fleet import Fleet, Replica
-    from tasks.serving.routes import Owner
+    from tasks.runtime.fleet import Fleet, Replica
 
     service = "tiny-qwen2-antonyms"
     champion = Version(f"{service}-v1", f"{service}-base", f"{service}-v1")  # an adapter on the base engine

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from tasks.benchmark import BenchmarkResult, Comparison, RoleBenchmark, ServingSummary
 from tasks.gate import Quality, decide
+from tasks.load.genai_perf import LoadLevel, parse_profile_export, prompts_key
 from tasks.platform.config import BenchSection, GateSection, load_profile
 from tasks.platform.errors import REJECTED_EXIT_CODE, BadInput, CheckFailed
 from tasks.quality.stats import Difference, ratio_interval
-from tasks.serving.genai_perf import LoadLevel, parse_profile_export, prompts_key
 from tasks.serving.repository import TEMPLATES, config_parameters, render_config, render_model
 from tasks.serving.server import find_binary
 

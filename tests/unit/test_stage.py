@@ -297,8 +297,8 @@ def test_a_service_whose_table_names_a_champion_is_not_a_first_release(monkeypat
     canaries against the champion clients get, not as a first release."""
     from types import SimpleNamespace
 
+    from tasks.control.contract import RouteTable, Version
     from tasks.serving import champion as champion_module
-    from tasks.serving.routes import RouteTable, Version
 
     routed = Version("svc-v3", "svc-v3", None, {"version": "3", "artifacts": {"merge": "abc"}, "settings": None})
     table = RouteTable("svc", champion=routed, weights={"svc-v3": 100.0})

@@ -1,4 +1,4 @@
-"""Tool calls on vLLM (tasks/serving/gateway/tool_calls.py): the engine inputs a request's tools and tool_choice
+"""Tool calls on vLLM (tasks/runtime/gateway/tool_calls.py): the engine inputs a request's tools and tool_choice
 become, the hermes reading of an answer, fed whole or piece by piece, and what the gateway answers, whole and
 streamed, read back through the openai SDK's own types (ChatCompletion, ChatCompletionChunk, and the SDK's stream
 accumulator), with the refusals naming their field. Against the real Starlette app with FakeTriton
@@ -12,8 +12,8 @@ import json
 import pytest
 
 from tasks.base_model import CHATML_TEMPLATE, train_tokenizer
-from tasks.serving.gateway.protocol import ChatCompletionRequest
-from tasks.serving.gateway.tool_calls import CallReader, ToolCalling
+from tasks.runtime.gateway.protocol import ChatCompletionRequest
+from tasks.runtime.gateway.tool_calls import CallReader, ToolCalling
 from tests.unit.test_gateway import CHAT, QUESTION, FakeTriton, events, gateway
 
 __all__ = ["gateway"]  # the fixture, used by name

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tasks.load.genai_perf import genai_perf_command
 from tasks.platform.config import load_profile
-from tasks.serving.genai_perf import genai_perf_command
 from tasks.tune_serving import Trial, Tuned, cache_key, defaults, plot_trials, space, with_settings
 
 

@@ -182,7 +182,7 @@ class TritonPythonModel:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         # tools: rendered by the chat template, as vLLM's server renders them (tokenizer.apply_chat_template(...,
         # tools=), vllm/renderers/hf.py:826-830 [l.515]); the gateway reads the calls from the text
-        # (tasks/serving/gateway/tool_calls.py), and a forced tool_choice arrives as structured_output
+        # (tasks/runtime/gateway/tool_calls.py), and a forced tool_choice arrives as structured_output
         tools = tool_definitions(input_value(request, "tools", ""))
         ids = encode_prompt(self.tokenizer, text, history, chat_template_on(request, self.chat), tools)
         if len(ids) + max_tokens > self.context_tokens:

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from tasks.control.contract import Version
 from tasks.platform.config.serving import HealthSection
-from tasks.serving.gateway.access import CURRENT, RequestRecord
-from tasks.serving.gateway.protocol import RequestError
-from tasks.serving.gateway.replicas import Replica, Replicas
-from tasks.serving.gateway.work import Pools
-from tasks.serving.routes import Version
+from tasks.runtime.gateway.access import CURRENT, RequestRecord
+from tasks.runtime.gateway.protocol import RequestError
+from tasks.runtime.gateway.replicas import Replica, Replicas
+from tasks.runtime.gateway.work import Pools
 
 LOG = logging.getLogger("llmops.gateway")
 PROBE = {"text_input": "ping", "max_tokens": 1, "exclude_input_in_output": True}

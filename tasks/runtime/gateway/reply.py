@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.serving.gateway.protocol import (
+from tasks.runtime.gateway.protocol import (
     AssistantMessage,
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -22,7 +22,7 @@ from tasks.serving.gateway.protocol import (
     chat_logprobs,
     completion_logprobs,
 )
-from tasks.serving.gateway.tool_calls import CallReader, Delta, ToolCalling
+from tasks.runtime.gateway.tool_calls import CallReader, Delta, ToolCalling
 
 
 def ended_on_its_own(tokens: list[dict[str, Any]] | None) -> bool:

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.load.load_level import LoadLevel
 from tasks.platform.child_env import child_env
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import BadInput, CheckFailed
-from tasks.serving.load_level import LoadLevel
 
 if TYPE_CHECKING:
     from tasks.serving.models import Served

@@ -266,6 +266,11 @@ def recorded_digests(home: Path) -> dict[str, set[str]]:
     return live
 
 
+def records_file(folder: Path, model: str) -> Path:
+    """Where the gateway writes a shadow window's copies of `model` and the shadow stage reads them."""
+    return folder / f"{model}.jsonl"
+
+
 def read_record(path: Path) -> RouteTable | None:
     """The record at `path`; None where there is none. A record that cannot be read is an error naming it."""
     try:

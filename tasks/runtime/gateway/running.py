@@ -13,7 +13,7 @@ from typing import Any
 from starlette.applications import Starlette
 
 from tasks.platform.errors import BadInput
-from tasks.serving.gateway.app import Gateway
+from tasks.runtime.gateway.app import Gateway
 
 
 @dataclass

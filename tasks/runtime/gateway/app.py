@@ -1,7 +1,7 @@
 """The gateway's routes (Starlette): health probes, OpenAI's /v1 and Triton's /v2 generate API, each behind the
 API-key check, the client's limits, the body cap and JSON only, each answering errors in its own API's shape;
 /metrics on a listener of its own (metrics_app). A request for the service's name goes to a version drawn from the
-route table (tasks/serving/routes.py), which the control API (control.py) changes and the deployment record keeps."""
+route table (tasks/control/contract.py), which the control API (control.py) changes and the deployment record keeps."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tasks.control.contract import RouteTable, Version, amend_record, read_record
 from tasks.platform.config.serving import HealthSection
-from tasks.serving.gateway.access import (
+from tasks.runtime.gateway.access import (
     ERROR_LOG,
     GatewayMetrics,
     Guard,
@@ -33,12 +34,12 @@ from tasks.serving.gateway.access import (
     shaped_error,
     triton_error,
 )
-from tasks.serving.gateway.auth import KeyRing, authorize
-from tasks.serving.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
-from tasks.serving.gateway.limits import ClientLimits
-from tasks.serving.gateway.openai_fields import Engine
-from tasks.serving.gateway.probes import Prober, Recover
-from tasks.serving.gateway.protocol import (
+from tasks.runtime.gateway.auth import KeyRing, authorize
+from tasks.runtime.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
+from tasks.runtime.gateway.limits import ClientLimits
+from tasks.runtime.gateway.openai_fields import Engine
+from tasks.runtime.gateway.probes import Prober, Recover
+from tasks.runtime.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     FeedbackRequest,
@@ -47,12 +48,11 @@ from tasks.serving.gateway.protocol import (
     RequestError,
     parse,
 )
-from tasks.serving.gateway.replicas import Replicas
-from tasks.serving.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
-from tasks.serving.gateway.shadow import Shadow
-from tasks.serving.gateway.upstream import Answer, Triton
-from tasks.serving.gateway.work import Pools
-from tasks.serving.routes import RouteTable, Version, amend_record, read_record
+from tasks.runtime.gateway.replicas import Replicas
+from tasks.runtime.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
+from tasks.runtime.gateway.shadow import Shadow
+from tasks.runtime.gateway.upstream import Answer, Triton
+from tasks.runtime.gateway.work import Pools
 
 LEASE_CHECK_S = 0.5  # how often the gateway looks for a release's hold on the routes that lapsed
 
@@ -73,7 +73,7 @@ class GatewayConfig:
     max_in_flight: int = 0  # requests being answered, all clients together; 0: no limit
     max_in_flight_per_key: int = 0  # requests being answered per client; 0: no limit
     shadow_records: Path | None = None  # where each copy's record goes (tasks/shadow.py scores them); None: nowhere
-    record: Path | None = None  # the route table's deployment record (tasks/serving/routes.py); None: in memory
+    record: Path | None = None  # the route table's deployment record (tasks/control/contract.py); None: in memory
     table: RouteTable | None = None  # the table to start with where no record holds one
     control_key: str | None = None  # the key of the control API (control.py); None: the gateway has none
     # serve.health: deadlines, probes (off unless given: probe_interval_s 0) and `recover` (probes.py)

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
-from tasks.serving.gateway.upstream import Answer, Triton, Unanswered, server_fault, text_pieces
-from tasks.serving.routes import Version
+from tasks.control.contract import Version
+from tasks.runtime.gateway.upstream import Answer, Triton, Unanswered, server_fault, text_pieces
 
 LOG = logging.getLogger("llmops.gateway")
 

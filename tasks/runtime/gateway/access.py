@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tasks.serving.gateway.limits import Hold
-from tasks.serving.gateway.protocol import ErrorResponse, RequestError
+from tasks.runtime.gateway.limits import Hold
+from tasks.runtime.gateway.protocol import ErrorResponse, RequestError
 
 ACCESS_LOG = logging.getLogger("llmops.gateway.access")
 ERROR_LOG = logging.getLogger("llmops.gateway")

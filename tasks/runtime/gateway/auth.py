@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.platform.errors import BadInput
-from tasks.serving.gateway.protocol import RequestError
+from tasks.runtime.gateway.protocol import RequestError
 
 API_KEYS_ENV = "LLMOPS_API_KEYS"  # comma-separated keys
 API_KEYS_FILE_ENV = "LLMOPS_API_KEYS_FILE"  # one key a line; `#` comments; a line `NAME: KEY` names its client

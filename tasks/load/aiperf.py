@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.load.load_level import LoadLevel
 from tasks.platform.child_env import child_env
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import BadInput, CheckFailed
 from tasks.platform.project import PROJECT_ROOT
-from tasks.serving.load_level import LoadLevel
 
 if TYPE_CHECKING:
     from tasks.serving.models import Served

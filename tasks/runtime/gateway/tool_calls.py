@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tasks.serving.gateway.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, ToolDefinition
+from tasks.runtime.gateway.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, ToolDefinition
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 Delta = dict[str, Any]  # one streamed chunk's delta: {"content": ...} or {"tool_calls": [...]}

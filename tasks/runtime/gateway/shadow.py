@@ -1,7 +1,7 @@
 """Shadow traffic: a copy of the service's requests goes to the candidate once each answer reached its client.
 
 The release's shadow stage (tasks/shadow.py) sets the route table's shadow (a version and a fraction) through the
-control API of `llmops serve` (tasks/serving/gateway/control.py); from the next answered request on, the gateway
+control API of `llmops serve` (tasks/runtime/gateway/control.py); from the next answered request on, the gateway
 sends FRACTION of them again, with the same generate inputs, to that version. Each copy leaves a record in
 `records/VERSION.jsonl` (the inputs, both answers, both latencies, or the copy's error), which the stage scores, and
 counts on /metrics, labelled with the version (copies, errors, dropped, both latencies) for dashboards.
@@ -33,20 +33,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from tasks.control.contract import RouteTable, Version, records_file
 from tasks.data.redact import Redactor
-from tasks.serving.gateway.access import current
-from tasks.serving.gateway.protocol import RequestError
-from tasks.serving.gateway.stops import cut_at_stop
-from tasks.serving.gateway.upstream import Answer
-from tasks.serving.gateway.work import Pools
-from tasks.serving.routes import RouteTable, Version
+from tasks.runtime.gateway.access import current
+from tasks.runtime.gateway.protocol import RequestError
+from tasks.runtime.gateway.stops import cut_at_stop
+from tasks.runtime.gateway.upstream import Answer
+from tasks.runtime.gateway.work import Pools
 
 LOG = logging.getLogger("llmops.gateway")
 RECORDED_INPUTS = ("text_input", "chat_history", "max_tokens", "temperature", "random_seed")
-
-
-def records_file(folder: Path, model: str) -> Path:
-    return folder / f"{model}.jsonl"
 
 
 class ShadowMetrics:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tasks.serving.gateway.protocol import RequestError
+from tasks.runtime.gateway.protocol import RequestError
 
 # A bucket of one request refuses a client that paces itself at exactly its rate whenever its clock runs a little
 # early (a third of such a client's requests at 10/s, docs/benchmarks.md); two forgive up to one interval of jitter.
@@ -57,7 +57,7 @@ class TokenBucket:
 @dataclass
 class Hold:
     """An admitted request's claim on its key's limits: a place in flight, and the tokens reserved for its answer.
-    Released once, when the request ends however it ends (tasks/serving/gateway/access.py's Guard)."""
+    Released once, when the request ends however it ends (tasks/runtime/gateway/access.py's Guard)."""
 
     limits: ClientLimits
     client: str

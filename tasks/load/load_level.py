@@ -69,7 +69,7 @@ class LoadLevel:
 
 
 class LoadTool(Protocol):
-    """A load generator the benchmark drives (tasks/serving/genai_perf.py, tasks/serving/aiperf.py)."""
+    """A load generator the benchmark drives (tasks/load/genai_perf.py, tasks/load/aiperf.py)."""
 
     @property
     def runs_per_round(self) -> int:

@@ -10,7 +10,7 @@ clients such as LangChain send `"top_p": 1, "n": 1, "presence_penalty": 0` with 
 does not know is refused as OpenAI refuses it. Nothing is ignored silently.
 
 The documentation's table (docs/reference/openai-fields.md) is printed from this one:
-    python -m tasks.serving.gateway.openai_fields > docs/reference/openai-fields.md
+    python -m tasks.runtime.gateway.openai_fields > docs/reference/openai-fields.md
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tasks.serving.gateway.protocol import GenerateInputs, OpenAIRequest, RequestError
+from tasks.runtime.gateway.protocol import GenerateInputs, OpenAIRequest, RequestError
 
 Engine = Literal["python", "vllm", "llmapi"]
 ENGINES: tuple[Engine, ...] = ("python", "vllm", "llmapi")
@@ -345,8 +345,8 @@ def table(apis: Iterable[Api] = ("chat", "completions")) -> str:
 
 PAGE = """# OpenAI request fields, by engine
 
-<!-- Generated from tasks/serving/gateway/openai_fields.py:
-`python -m tasks.serving.gateway.openai_fields > docs/reference/openai-fields.md`; do not edit. -->
+<!-- Generated from tasks/runtime/gateway/openai_fields.py:
+`python -m tasks.runtime.gateway.openai_fields > docs/reference/openai-fields.md`; do not edit. -->
 
 Every field of OpenAI's chat completions and completions requests (the `openai` SDK's own request types,
 openai 2.8.0) and the vLLM extensions that clients and load tools send, with what each engine of

@@ -17,7 +17,7 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
                                     is not the owner)
     PUT    /control/v1/loads        {"models": [MODEL, ...], "epoch": N}: the owner declares the Triton models it loads
                                     (before it loads them); the serve's reconciler unloads a model of the service that
-                                    neither the table routes nor a live owner declared (tasks/serving/fleet.py)
+                                    neither the table routes nor a live owner declared (tasks/runtime/fleet.py)
     POST   /control/v1/loads/hung   {"url": TRITON_URL, "models": [MODEL, ...], "timeout_s": S}: a release's load of
                                     its models hung on that replica (Triton 2.51 waits for a model process without a
                                     deadline). Where another replica serves the champion, the serve kills that one with
@@ -37,7 +37,7 @@ write over the next one's canary (Chubby's sequencers, Kubernetes' resourceVersi
 operator's) is taken while no release owns the service.
 
 A change takes effect for the next request (the table is swapped in memory, no model is loaded again) once the
-deployment record holds it (tasks/serving/routes.py). `lease_s`: the release's hold on a candidate's routes or a
+deployment record holds it (tasks/control/contract.py). `lease_s`: the release's hold on a candidate's routes or a
 shadow copy; past it, the gateway serves the champion alone (a release that died never leaves traffic split). Every
 refusal is Triton's error shape, {"error": "..."}, naming the field.
 """
@@ -58,12 +58,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tasks.control.contract import Owner, RoutesError, RouteTable, parse_models, parse_weights
 from tasks.platform.errors import CheckFailed, TransientError
+from tasks.runtime.gateway.access import Guard, current, triton_error
+from tasks.runtime.gateway.app import Gateway
+from tasks.runtime.gateway.protocol import RequestError
 from tasks.serving.client import CONTROL_HEADER
-from tasks.serving.gateway.access import Guard, current, triton_error
-from tasks.serving.gateway.app import Gateway
-from tasks.serving.gateway.protocol import RequestError
-from tasks.serving.routes import Owner, RoutesError, RouteTable, parse_models, parse_weights
 
 CONTROL_CLIENT = "control"  # the client name the control key's requests are counted under
 MAX_LEASE_S = 24 * 3600.0
@@ -106,7 +106,7 @@ def fence(table: RouteTable, data: dict[str, Any], now: float) -> None:
 
 class ControlApi:
     def __init__(self, gateway: Gateway, key: str, hung_load: HungLoad | None = None):
-        """`hung_load`: the serve's (tasks/serving/fleet.py:Fleet.hung_load); None where the gateway starts no Triton
+        """`hung_load`: the serve's (tasks/runtime/fleet.py:Fleet.hung_load); None where the gateway starts no Triton
         (a release's temporary gateway)."""
         self.gateway, self.key, self.hung_load = gateway, key, hung_load
 

@@ -17,11 +17,12 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tasks.control.contract import RouteTable, Version
 from tasks.quality.chat import encode_prompt
-from tasks.serving.gateway.access import GatewayMetrics, current, reserve_tokens
-from tasks.serving.gateway.capture import Capture
-from tasks.serving.gateway.openai_fields import Engine, check_fields, sampling, scored_prompt, scored_tokens
-from tasks.serving.gateway.protocol import (
+from tasks.runtime.gateway.access import GatewayMetrics, current, reserve_tokens
+from tasks.runtime.gateway.capture import Capture
+from tasks.runtime.gateway.openai_fields import Engine, check_fields, sampling, scored_prompt, scored_tokens
+from tasks.runtime.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
@@ -31,13 +32,12 @@ from tasks.serving.gateway.protocol import (
     RequestError,
     UsageInfo,
 )
-from tasks.serving.gateway.replicas import Replicas
-from tasks.serving.gateway.reply import Reply, ended_on_its_own
-from tasks.serving.gateway.shadow import Shadow
-from tasks.serving.gateway.stops import StopScanner, cut_at_stop
-from tasks.serving.gateway.tool_calls import TemplateProbe, ToolCalling
-from tasks.serving.gateway.work import Pools
-from tasks.serving.routes import RouteTable, Version
+from tasks.runtime.gateway.replicas import Replicas
+from tasks.runtime.gateway.reply import Reply, ended_on_its_own
+from tasks.runtime.gateway.shadow import Shadow
+from tasks.runtime.gateway.stops import StopScanner, cut_at_stop
+from tasks.runtime.gateway.tool_calls import TemplateProbe, ToolCalling
+from tasks.runtime.gateway.work import Pools
 
 DONE = b"data: [DONE]\n\n"
 

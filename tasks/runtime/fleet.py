@@ -1,7 +1,7 @@
 """The Triton replicas of `llmops serve`: `serve.replicas` tritonserver processes it starts and keeps (the first on
 `serve.listen`'s ports, the others on free ones chosen once), or Tritons it does not own (`llmops serve --triton-url`
 repeated). Every version in the service's route table is loaded on each; the gateway balances over them
-(tasks/serving/gateway/replicas.py).
+(tasks/runtime/gateway/replicas.py).
 
 A replica this serve started that dies is started again on its ports with backoff (1, 2, 4 ... 30 s) and every
 version of the table loaded on it again; after `serve.listen.restart_limit` deaths in a row (each within a minute of
@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tasks.control.contract import RouteTable, Version
 from tasks.platform.config import ListenSection
 from tasks.platform.errors import CheckFailed, TransientError
 from tasks.platform.ports import free_port
@@ -26,7 +27,6 @@ from tasks.serving.adapters import base_model_name
 from tasks.serving.champion import released_profile, served_of, triton_launch
 from tasks.serving.client import Triton
 from tasks.serving.models import Served, install_model
-from tasks.serving.routes import RouteTable, Version
 from tasks.serving.server import TritonServer
 
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
@@ -180,7 +180,7 @@ class Fleet:
         return [served_of(self.ctx, self.ctx.profile.registry.model_name, v) for v in versions]
 
     def recover(self, url: str, model: str) -> str:
-        """The gateway's probes' recovery of `model` on replica `url` (tasks/serving/gateway/probes.py)."""
+        """The gateway's probes' recovery of `model` on replica `url` (tasks/runtime/gateway/probes.py)."""
         replica = next(r for r in self.replicas if r.client.url == url)
         if replica.restarting:
             return "restarting"
@@ -204,7 +204,7 @@ class Fleet:
             return "restarted"
 
     def hung_load(self, url: str, models: list[str], timeout_s: float) -> str:
-        """A release's load of `models` hung on replica `url` (its control API, tasks/serving/gateway/control.py).
+        """A release's load of `models` hung on replica `url` (its control API, tasks/runtime/gateway/control.py).
         Triton 2.51 waits for a model process's first message without a deadline (python_backend
         src/stub_launcher.cc, ModelInstanceStubProcess: parent_message_queue_->Pop()), and a retry on that server
         waits behind it. Where another replica serves the champion, that Triton is killed with its model processes
@@ -240,7 +240,7 @@ class Fleet:
     # --- reconciling what the replicas hold with the table ---------------------------------------------------------
 
     def reconcile(self) -> list[str]:
-        """What each replica holds made what the table wants (tasks/serving/routes.py `RouteTable.wanted`): every
+        """What each replica holds made what the table wants (tasks/control/contract.py `RouteTable.wanted`): every
         model of this service that no version in the table needs and no live owner declared is unloaded (a candidate
         a dead or stopped release left, its engine), each action said and counted; the actions. A routed version
         missing from a replica is the probes' to load again (`recover`)."""

@@ -22,7 +22,7 @@ upstream (Triton's generate API over httpx), stops and serving (the OpenAI trans
 app (the routes and the Gateway that `flows/serve.py` runs under uvicorn).
 """
 
-from tasks.serving.gateway.app import Gateway, GatewayConfig
-from tasks.serving.gateway.auth import API_KEYS_ENV, API_KEYS_FILE_ENV, KeyRing, read_api_keys
+from tasks.runtime.gateway.app import Gateway, GatewayConfig
+from tasks.runtime.gateway.auth import API_KEYS_ENV, API_KEYS_FILE_ENV, KeyRing, read_api_keys
 
 __all__ = ["API_KEYS_ENV", "API_KEYS_FILE_ENV", "Gateway", "GatewayConfig", "KeyRing", "read_api_keys"]

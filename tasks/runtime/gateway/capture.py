@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from tasks.data.exchanges import ExchangeLog, hour_of
 from tasks.data.redact import Redactor
-from tasks.serving.gateway.work import Pools
+from tasks.runtime.gateway.work import Pools
 
 LOG = logging.getLogger("llmops.gateway")
 OPT_OUT_HEADER = "x-llmops-capture"  # "off": this request is not kept

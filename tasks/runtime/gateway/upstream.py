@@ -1,6 +1,6 @@
 """The Triton behind the gateway, over its HTTP generate API (httpx on aiohttp), and how its failures reach clients.
 
-Each call names the served version it goes to (tasks/serving/routes.py: its Triton model, and the adapter that
+Each call names the served version it goes to (tasks/control/contract.py: its Triton model, and the adapter that
 model is asked for). Triton answers a model's refusal (bad input, a prompt over the context) with 400: that goes
 back as it is. A Triton that cannot be reached, does not know the version's model (it is loading it again after a
 restart: the gateway routes only to versions it was told are loaded), whose model's process died ("Stub process
@@ -28,9 +28,9 @@ import orjson
 from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 
-from tasks.serving.gateway.access import ERROR_LOG, current
-from tasks.serving.gateway.protocol import RequestError
-from tasks.serving.routes import Version
+from tasks.control.contract import Version
+from tasks.runtime.gateway.access import ERROR_LOG, current
+from tasks.runtime.gateway.protocol import RequestError
 
 # httpx's API on aiohttp's connections (httpx-aiohttp, the openai SDK's own aiohttp option): httpx's default
 # transport parses HTTP in pure Python (h11), which a profile of the gateway found in 49% of its busy samples at

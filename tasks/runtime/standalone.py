@@ -1,0 +1,110 @@
+"""A release's service where no `llmops serve` runs it: the runtime's gateway (its control listener only), started in
+the release's own process in front of a Triton it attached to or started, for the release alone. Where `llmops serve`
+runs the service, the release attaches to it instead (tasks/serving/server.py:published_service).
+
+The one place outside the runtime's own command that starts the runtime: flows/release.py calls `open_service`; the
+release's stages reach the service it returns through tasks/serving/service.py only.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from tasks.control.contract import record_path
+from tasks.platform.ports import free_port
+from tasks.platform.stage_cache import RunContext, logger
+from tasks.serving.champion import triton_launch
+from tasks.serving.client import Triton, TritonTarget, attach_control_key
+from tasks.serving.server import TritonServer, published, published_service
+from tasks.serving.service import Service, ServiceControl
+
+
+def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
+    """The service to roll out on: the one `llmops serve` runs for this LLMOPS_HOME (its Triton, its control API);
+    else a Triton (the target, the one an `llmops serve` of another service runs here, or one started here) with a
+    temporary gateway of this run's own in front of it, which `Service.stop` ends with the Triton it started. The
+    control key of Triton: for a target only the one given for it (TritonTarget); for `llmops serve`'s Triton the key
+    file it publishes; a started one makes its own."""
+    service_name = ctx.profile.registry.model_name
+    server = None
+    if target is not None:
+        triton = Triton.attach(
+            target.url,
+            Path(target.repository) if target.repository else None,
+            target.metrics_url,
+            target.grpc_url,
+            target.control_key,
+        )
+        triton.reread_key = attach_control_key  # the operator's key file, read again where Triton refuses the key
+        if target.serve_url and target.serve_key:  # the `llmops serve` in front of it routes
+            return Service(service_name, [triton], ServiceControl(target.serve_url, target.serve_key))
+    else:
+        serving = published_service(ctx.home, service_name)
+        if serving is not None:
+            return serving
+        published_triton = published(ctx.home)
+        if published_triton is not None:  # another service's serve: its first replica
+            triton = published_triton
+        else:
+            launcher, env = triton_launch(ctx.profile, ctx.home)
+            server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
+            triton = server.client
+    try:
+        gateway, control = temporary_gateway(ctx, triton)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+
+    def stop() -> None:
+        gateway.stop()
+        if server is not None:
+            server.stop()
+
+    def restart(_: Triton, models: list[str], timeout_s: float) -> str:  # the one Triton of this run's, no clients
+        nonlocal server
+        assert server is not None
+        server.kill()
+        server = TritonServer.start(
+            ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env, ports=server.ports
+        )
+        triton.control_key = server.client.control_key  # a new Triton, a new key; the same ports
+        return "restarted"
+
+    return Service(service_name, [triton], control, stop, restart if server is not None else None)
+
+
+def temporary_gateway(ctx: RunContext, triton: Triton):
+    """The gateway of `llmops serve` with its control listener only, on a free loopback port, for this run: the
+    same routing, deadlines and counters as a service's, and the service's deployment record of this home."""
+    from tasks.runtime.gateway import Gateway, GatewayConfig
+    from tasks.runtime.gateway.control import ControlApi
+    from tasks.runtime.gateway.running import Listener, RunningGateway
+
+    key, port, service = secrets.token_urlsafe(32), free_port(), ctx.profile.registry.model_name
+    config = GatewayConfig(
+        triton_url=triton.url,
+        service=service,
+        context_tokens=1 << 20,  # no client of its own: each model refuses what exceeds its context itself
+        record=record_path(ctx.home, service),
+        control_key=key,
+        shadow_records=ctx.home / "shadow",
+        health=ctx.profile.serve.health,
+        recover=reloading(triton, ctx.profile.serve.load_timeout_s) if triton.repository is not None else None,
+    )
+    gateway = Gateway(config)
+    running = RunningGateway([Listener(ControlApi(gateway, key).app(lifespan=True), "127.0.0.1", port)], gateway)
+    running.start()
+    logger().info(f"serving: a gateway for {service} on 127.0.0.1:{port} in front of Triton {triton.url}")
+    return running, ServiceControl(f"http://127.0.0.1:{port}", key)
+
+
+def reloading(triton: Triton, timeout_s: float):
+    """A model that keeps failing its probes, loaded again from the Triton's repository (this machine shares it)."""
+
+    def reload(replica: str, model: str) -> str:
+        triton.load(model, timeout=timeout_s)
+        return "reloaded"
+
+    return reload
