@@ -25,6 +25,18 @@ class Soaked:
     statuses: Counter = field(default_factory=Counter)  # status, or "hung" / "refused connection"
     hung_up: int = 0  # streams the client left after the first chunk, on purpose
     latencies_ms: list[float] = field(default_factory=list)
+    unadvised: int = 0  # 503s without a Retry-After: a client would not know when to come back
+
+    @property
+    def failed(self) -> int:
+        """5xx answers but a 503 that says when to retry (a replica down for a moment), and hung requests."""
+        return (
+            self.hung
+            + sum(
+                n for status, n in self.statuses.items() if isinstance(status, int) and status >= 500 and status != 503
+            )
+            + self.unadvised
+        )
 
     @property
     def hung(self) -> int:
@@ -41,6 +53,7 @@ class Soaked:
         return (
             f"{total} requests in {self.seconds:.0f}s ({total / max(self.seconds, 1e-9):.1f}/s): "
             f"{dict(self.statuses)}, {self.hung_up} hung up on purpose, p99 {p99:.0f} ms"
+            + (f", {self.unadvised} 503s without Retry-After" if self.unadvised else "")
         )
 
 
@@ -63,6 +76,8 @@ async def one_request(
                 return
             await response.read()
             status = response.status
+            if status == 503 and "Retry-After" not in response.headers:
+                result.unadvised += 1
     except TimeoutError:
         status = "hung"
     except aiohttp.ClientConnectionError:
@@ -100,3 +115,19 @@ async def soak(
         await asyncio.gather(*work, *([during()] if during else []))
         result.seconds = time.monotonic() - started
     return result
+
+
+def kill_replica(state: dict, index: int) -> int:
+    """SIGKILL for replica `index` of the `llmops serve` that published `state` (its server.json): the tritonserver
+    process listening on that replica's HTTP port; its pid. The serve's watch starts it again."""
+    import psutil
+
+    port = state["replicas"][index]["url"].rsplit(":", 1)[1]
+    for process in psutil.Process(int(state["pid"])).children(recursive=True):
+        try:
+            if process.name() == "tritonserver" and f"--http-port={port}" in process.cmdline():
+                process.kill()
+                return process.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise LookupError(f"no tritonserver of replica {index} ({state['replicas'][index]['url']}) under the serve")

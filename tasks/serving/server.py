@@ -218,9 +218,10 @@ class TritonServer:
         adapter_registry.forget_map(self.process.pid)
 
     def end_model_processes(self, models: list[str]) -> list[int]:
-        """SIGKILL for the Python-backend model processes of `models` (and nothing else of this Triton): a stub's
-        last argument is its model instance's name, `<model>_<group>[_<instance>]` (python_backend
-        src/stub_launcher.cc, Launch); the pids ended."""
+        """SIGKILL for the Python-backend model processes of `models` (and nothing else of this Triton): among a
+        stub's arguments is its model instance's name, `<model>_<group>_<instance>` (python_backend
+        src/stub_launcher.cc, Launch; Triton 2.51's stub: `stub MODEL_PY SHM_REGION ... INSTANCE_NAME DEFAULT`); the
+        pids ended."""
         import re
 
         import psutil
@@ -230,7 +231,7 @@ class TritonServer:
         for child in psutil.Process(self.process.pid).children(recursive=True):
             try:
                 arguments = child.cmdline()
-                if arguments and instance.match(arguments[-1]):
+                if any(instance.match(argument) for argument in arguments[1:]):
                     child.kill()
                     ended.append(child.pid)
             except psutil.NoSuchProcess:  # ended meanwhile

@@ -1080,8 +1080,8 @@ def test_a_candidate_whose_load_hangs_on_the_last_replica_is_abandoned_while_the
         for process in psutil.Process(server["serve_pid"]).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 arguments = process.cmdline()
-                if arguments and "triton_python_backend_stub" in arguments[0]:
-                    found[process.pid] = arguments[-1]
+                if arguments and "triton_python_backend_stub" in arguments[0]:  # MODEL_PY SHM ... INSTANCE DEFAULT
+                    found[process.pid] = arguments[-2]
         return found
 
     serving_stubs, stopped, done = stubs(), [], threading.Event()
