@@ -32,6 +32,7 @@ from tasks.data.harvest import MinRating, admission_refusals
 from tasks.data.objects import open_location, same_or_inside
 from tasks.platform.config import PROFILE_EXAM, Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.errors import BadInput
+from tasks.platform.run_policy import refuse_unlisted_location
 from tasks.platform.tracking import default_tracking_uri, ensure_experiment
 
 
@@ -186,6 +187,8 @@ def flywheel(
     log = get_run_logger()
     if runtime.deployment.id:
         check_api_profile(profile)
+        refuse_unlisted_location("data_destination", data_destination)
+        refuse_unlisted_location("pending_destination", pending_destination)
     config = load_profile(profile, [], data_destination, PROFILE_EXAM)  # the curated exam, as retrain's runs
     refuse_unsafe_locations(config, data_destination, pending_destination)
     expired = expire_harvested(

@@ -8,10 +8,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, runtime
 
 from flows.cli.predict import errors_beside, outcome, run_predict
-from tasks.platform.config import load_profile
+from tasks.platform.config import check_api_profile, load_profile
+from tasks.platform.run_policy import refuse_unlisted_endpoint, refuse_unlisted_location
 
 
 @flow(name="predict", log_prints=True)
@@ -34,7 +35,15 @@ def predict(
         profile: the profile the service was released with.
         concurrency: requests in flight (default: what the version's engine batches).
         service_url: the service's gateway (default: the `llmops serve` of the worker's LLMOPS_HOME).
+
+    Through the Prefect API, service_url must be on the worker's LLMOPS_RUN_ENDPOINTS, and data_source and output
+    inside its LLMOPS_RUN_LOCATIONS (tasks/platform/run_policy.py), before the key is read or a row is sent.
     """
+    if runtime.deployment.id:  # started through the Prefect API: nothing it names is taken on trust
+        check_api_profile(profile)
+        refuse_unlisted_endpoint("service_url", service_url)
+        refuse_unlisted_location("data_source", data_source)
+        refuse_unlisted_location("output", output)
     served = load_profile(profile)
     if not output.startswith("s3://"):
         local = Path(output)

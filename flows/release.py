@@ -30,6 +30,7 @@ from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.decisions import forget_waiting, suspended_release
 from tasks.platform.quiet import quiet_libraries
+from tasks.platform.run_policy import check_profile_locations, check_release_parameters
 from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
 from tasks.platform.stores import open_store
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_failed, end_run, resume_run, start_run
@@ -188,7 +189,13 @@ def release(
     leave_out(PIPELINE)
     if runtime.deployment.id:  # started through the Prefect API (UI, schedule, retrain): shipped profiles only
         check_api_profile(profile)
+        check_release_parameters(
+            data_source, eval_data, tracking_uri, artifacts, triton_url, triton_repository, triton_grpc_url,
+            triton_metrics_url,
+        )  # fmt: skip
     config = load_profile(profile, overrides or [], data_source, eval_data)
+    if runtime.deployment.id:
+        check_profile_locations(config, load_profile(profile, [], data_source, eval_data))
     target = TritonTarget.from_options(
         triton_url, triton_grpc_url, triton_metrics_url, triton_repository, from_api=bool(runtime.deployment.id)
     )

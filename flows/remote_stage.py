@@ -8,6 +8,7 @@ settings that run code are checked against this worker's profile file of the sam
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prefect import flow
@@ -17,6 +18,7 @@ from tasks.build_engine import build_engine
 from tasks.evaluate import evaluate
 from tasks.merge import merge
 from tasks.platform.config import Profile, check_machine, check_received_profile
+from tasks.platform.run_policy import refuse_unlisted_location, refuse_unlisted_tracking
 from tasks.platform.stage_cache import RunContext, StageResult
 from tasks.platform.stores import open_store
 from tasks.platform.tracking import Tracker
@@ -58,6 +60,10 @@ def run_stage(
         raise ValueError(f"stage {stage!r}: not a heavy stage (one of {', '.join(STAGE_FUNCTIONS)})")
     config = Profile.model_validate(profile)
     check_received_profile(config)
+    # always started through the API (by a release run, or by anyone with the login): MLflow's login and the store's
+    # credentials go only where the worker's own settings or its allow-list say (tasks/platform/run_policy.py)
+    refuse_unlisted_tracking("tracking_uri", tracking_uri, os.environ.get("MLFLOW_TRACKING_URI"))
+    refuse_unlisted_location("artifacts", artifacts, [os.environ.get("LLMOPS_ARTIFACTS")])
     check_machine(config, [stage])
     ctx = RunContext(
         config, open_store(artifacts, llmops_home()), Tracker(tracking_uri, mlflow_run_id, experiment_id), llmops_home()

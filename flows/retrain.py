@@ -19,6 +19,7 @@ from prefect.deployments import run_deployment
 from flows.release import default_services, llmops_home
 from tasks.data.records import read_data
 from tasks.platform.config import PROFILE_EXAM, Profile, ProfileName, check_api_profile, load_profile
+from tasks.platform.run_policy import refuse_unlisted_location
 from tasks.platform.tracking import default_tracking_uri
 
 RELEASE_DEPLOYMENT = "release/release"
@@ -61,6 +62,7 @@ def retrain(
     overrides = list(overrides or [])
     if runtime.deployment.id:  # started through the Prefect API: shipped profiles only (docs/security.md)
         check_api_profile(profile)
+        refuse_unlisted_location("data_source", data_source)
     # New data is scored on the profile's curated exam (data.eval_source), as the release run below is
     config = load_profile(profile, overrides, data_source, PROFILE_EXAM)
     fingerprint, records = data_fingerprint(config)

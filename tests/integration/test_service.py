@@ -451,6 +451,49 @@ def test_bad_parameters_reach_the_caller_as_clear_messages(service, first_releas
     assert "profile cpu-tiny: train.lora_rnk: unknown key" in final["state"]["message"]
 
 
+def test_an_api_predict_naming_a_stranger_service_or_worker_files_is_refused_before_the_key_is_sent(service):
+    """Issue 61, finding 2: the predict deployment sends the worker's OPENAI_API_KEY to its service_url and reads and
+    writes the files its parameters name. From the API, a service URL off LLMOPS_RUN_ENDPOINTS (a listening socket
+    here), an input file and an output path outside LLMOPS_RUN_LOCATIONS (the stack's: s3://datasets) are each
+    refused with one line naming the parameter, before any request: the socket sees no connection."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(1)
+    port, connections, done = listener.getsockname()[1], [], threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                connections.append(listener.accept())
+            except OSError:
+                continue
+
+    watcher = threading.Thread(target=accept, daemon=True)
+    watcher.start()
+    allowed = {"data_source": "s3://datasets/score/prompts.txt", "output": "s3://datasets/scored/answers.jsonl"}
+    cases = {
+        "service_url": {**allowed, "service_url": f"http://127.0.0.1:{port}"},
+        "data_source": {**allowed, "data_source": "/etc/passwd", "service_url": None},
+        "output": {**allowed, "output": "/tmp/llmops-predict-escape.jsonl", "service_url": None},
+    }
+    try:
+        created = {name: service.create_run("predict/predict", parameters) for name, parameters in cases.items()}
+        assert all(r.status_code == 201 for r in created.values()), {n: r.text for n, r in created.items()}
+        for name, run in created.items():
+            final = service.wait_final(run.json()["id"], 180)
+            assert final["state_type"] == "FAILED", (name, final["state"])
+            assert f"BadInput: {name} " in final["state"]["message"], final["state"]["message"]
+    finally:
+        done.set()
+        watcher.join()
+        listener.close()
+    assert connections == [] and not Path("/tmp/llmops-predict-escape.jsonl").exists()
+
+
 # The flywheel's prompts: pairs the data does not hold, each phrasing in the train split (records.is_eval).
 CORRECTIONS = {
     f"{phrasing} {word}{end}": antonym

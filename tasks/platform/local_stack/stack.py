@@ -84,6 +84,9 @@ class Stack:
             "PREFECT_API_URL": f"http://127.0.0.1:{ports['prefect']}/api",
             "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{ports['mlflow']}",
             "LLMOPS_ARTIFACTS": "s3://artifacts/llmops",
+            # where a run started through the Prefect API may read data and write answers (run_policy.py): the
+            # stack's data bucket, which retrain watches, the flywheel fills and predict reads and writes
+            "LLMOPS_RUN_LOCATIONS": "s3://datasets",
             **({AUTH_ENV: state["prefect_auth"]} if "prefect_auth" in state else {}),
             **(login_env(RELEASE, state["mlflow_accounts"][RELEASE]) if "mlflow_accounts" in state else {}),
             **s3_env(f"http://127.0.0.1:{ports['s3']}", creds["key"], creds["secret"]),

@@ -1,0 +1,142 @@
+"""What a flow run started through the Prefect API may name: one allow-list, which the operator sets in the worker's
+environment.
+
+Whoever reaches the Prefect API (the UI's login, a token) writes a run's parameters. A URL there receives the
+worker's secrets (the Triton control key, the MLflow login, the OpenAI key), a path there is read or written by the
+worker (its SSH keys, its pgpass). So every endpoint and location a run's parameters name is checked here, before
+the flow reads a secret or a file, and refused with one line naming the parameter and the setting:
+
+    LLMOPS_RUN_ENDPOINTS   comma-separated URLs or host:port that a run may name: Tritons' HTTP, gRPC and metrics
+                           endpoints, a service's gateway, an MLflow server. Compared by host and port; the older
+                           LLMOPS_TRITON_URLS counts too.
+    LLMOPS_RUN_LOCATIONS   comma-separated folders and s3://bucket/prefix that a run may read data from or write to.
+                           A local path is taken as it resolves (symbolic links followed), so a link planted inside
+                           a listed folder reaches nothing outside it.
+
+What the worker itself is set to (its own LLMOPS_TRITON_URL, MLFLOW_TRACKING_URI, LLMOPS_ARTIFACTS, ...) and the
+project's embedded data (profiles/data) are always allowed. A run started from a terminal (`llmops run`) is its
+user's own and is not checked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from tasks.platform.config import Profile
+from tasks.platform.errors import BadInput
+from tasks.platform.project import PROJECT_ROOT
+
+ENDPOINTS_ENV = "LLMOPS_RUN_ENDPOINTS"
+TRITON_URLS_ENV = "LLMOPS_TRITON_URLS"  # the older allow-list, of Tritons only
+LOCATIONS_ENV = "LLMOPS_RUN_LOCATIONS"
+EMBEDDED_DATA = PROJECT_ROOT / "profiles" / "data"
+
+
+def listed(env: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(env, "").split(",") if item.strip()]
+
+
+def host_and_port(endpoint: str) -> tuple[str, int | None]:
+    """(host, port) of a URL or a host:port; the scheme's port where it names none."""
+    parts = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return (parts.hostname or "").lower(), port if port is not None else default
+
+
+def refuse_unlisted_endpoint(parameter: str, value: str | None, own: Iterable[str | None] = ()) -> None:
+    """`value` (a run parameter's URL or host:port) must be one of the worker's own settings or listed."""
+    if not value:
+        return
+    allowed = [*listed(ENDPOINTS_ENV), *listed(TRITON_URLS_ENV), *(o for o in own if o)]
+    if host_and_port(value) in {host_and_port(a) for a in allowed}:
+        return
+    raise BadInput(
+        f"{parameter} {value}: a run started through the Prefect API may name only this worker's own endpoints or "
+        f"one of {ENDPOINTS_ENV} in its environment ({', '.join(listed(ENDPOINTS_ENV)) or 'empty'}); nothing was sent"
+    )
+
+
+def refuse_unlisted_location(parameter: str, value: str | None, own: Iterable[str | None] = ()) -> None:
+    """`value` (a run parameter's file, folder or s3:// URI) must lie inside one of the worker's own locations, the
+    embedded data, or a listed one."""
+    if not value:
+        return
+    allowed = [*listed(LOCATIONS_ENV), *(o for o in own if o), str(EMBEDDED_DATA)]
+    if any(inside(value, place) for place in allowed):
+        return
+    raise BadInput(
+        f"{parameter} {value}: a run started through the Prefect API may read and write only inside this worker's "
+        f"own locations or one of {LOCATIONS_ENV} in its environment ({', '.join(listed(LOCATIONS_ENV)) or 'empty'});"
+        " nothing was read or written"
+    )
+
+
+def inside(value: str, place: str) -> bool:
+    """`value` is `place` or lies under it: s3:// URIs by bucket and key prefix at a '/' boundary, local paths as
+    they resolve (links followed: one planted inside `place` that points out of it is outside)."""
+    if value.startswith("s3://") or place.startswith("s3://"):
+        if not (value.startswith("s3://") and place.startswith("s3://")):
+            return False
+        base = place.rstrip("/")
+        return value.rstrip("/") == base or value.startswith(f"{base}/")
+    if "://" in value or "://" in place:
+        return False
+    target, folder = Path(value).expanduser().resolve(), Path(place).expanduser().resolve()
+    return target == folder or folder in target.parents
+
+
+def refuse_unlisted_tracking(parameter: str, value: str | None, own: str | None) -> None:
+    """An MLflow tracking URI: a server is an endpoint (it gets the worker's MLflow login), a database or folder a
+    location."""
+    if not value or value == own:
+        return
+    scheme = urlsplit(value).scheme
+    if scheme in ("http", "https", "databricks"):
+        refuse_unlisted_endpoint(parameter, value, [own])
+    elif scheme in ("sqlite", "file", ""):
+        path = value.split("://", 1)[1] if "://" in value else value
+        refuse_unlisted_location(parameter, path.removeprefix("/") if path.startswith("//") else path)
+    else:
+        raise BadInput(f"{parameter} {value}: a run started through the Prefect API may name an http(s) MLflow server")
+
+
+def check_release_parameters(
+    data_source: str | None,
+    eval_data: str | None,
+    tracking_uri: str | None,
+    artifacts: str | None,
+    triton_url: str | None,
+    triton_repository: str | None,
+    triton_grpc_url: str | None,
+    triton_metrics_url: str | None,
+) -> None:
+    """A release run's parameters from the Prefect API, each against the policy, before anything is read."""
+    env = os.environ.get
+    refuse_unlisted_location("data_source", data_source)
+    refuse_unlisted_location("eval_data", None if eval_data == "profile" else eval_data)
+    refuse_unlisted_tracking("tracking_uri", tracking_uri, env("MLFLOW_TRACKING_URI"))
+    refuse_unlisted_location("artifacts", artifacts, [env("LLMOPS_ARTIFACTS")])
+    refuse_unlisted_endpoint("triton_url", triton_url, [env("LLMOPS_TRITON_URL")])
+    refuse_unlisted_location("triton_repository", triton_repository, [env("LLMOPS_TRITON_REPOSITORY")])
+    refuse_unlisted_endpoint("triton_grpc_url", triton_grpc_url, [env("LLMOPS_TRITON_GRPC_URL")])
+    refuse_unlisted_endpoint("triton_metrics_url", triton_metrics_url, [env("LLMOPS_TRITON_METRICS_URL")])
+
+
+def check_profile_locations(config: Profile, shipped: Profile) -> None:
+    """What a run's `overrides` changed of the shipped profile's locations and endpoints, against the policy."""
+    for key, value, written in (
+        ("data.source", config.data.source, shipped.data.source),
+        ("data.eval_source", config.data.eval_source, shipped.data.eval_source),
+        ("data.harvest_eval_source", config.data.harvest_eval_source, shipped.data.harvest_eval_source),
+    ):
+        if value != written:
+            refuse_unlisted_location(f"overrides {key}", value)
+    if config.canary.prometheus_url != shipped.canary.prometheus_url:
+        refuse_unlisted_endpoint("overrides canary.prometheus_url", config.canary.prometheus_url)

@@ -1,0 +1,126 @@
+"""What a run started through the Prefect API may name (tasks/platform/run_policy.py): every URL, path and location
+among its parameters is one of the worker's own settings or on the operator's allow-list, else refused with one line
+naming the parameter and the setting, before any secret is read or any file touched (issue 61, findings 2 and 3)."""
+
+import socket
+import threading
+
+import pytest
+
+from tasks.platform.errors import BadInput
+from tasks.platform.run_policy import (
+    check_release_parameters,
+    inside,
+    refuse_unlisted_endpoint,
+    refuse_unlisted_location,
+    refuse_unlisted_tracking,
+)
+
+API_RUN = "00000000-0000-0000-0000-000000000001"
+
+
+@pytest.fixture(autouse=True)
+def no_allow_lists(monkeypatch):
+    for name in (
+        "LLMOPS_RUN_ENDPOINTS", "LLMOPS_RUN_LOCATIONS", "LLMOPS_TRITON_URLS", "LLMOPS_TRITON_URL", "MLFLOW_TRACKING_URI",
+        "LLMOPS_ARTIFACTS", "LLMOPS_TRITON_GRPC_URL", "LLMOPS_TRITON_METRICS_URL", "LLMOPS_TRITON_REPOSITORY",
+    ):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_an_endpoint_is_the_workers_own_or_listed_by_host_and_port(monkeypatch):
+    with pytest.raises(BadInput, match=r"^triton_grpc_url evil\.example:8001: .* LLMOPS_RUN_ENDPOINTS .* \(empty\)"):
+        refuse_unlisted_endpoint("triton_grpc_url", "evil.example:8001")
+    refuse_unlisted_endpoint("triton_grpc_url", "triton.internal:8001", ["triton.internal:8001"])  # its own
+    monkeypatch.setenv("LLMOPS_RUN_ENDPOINTS", "https://triton.internal:8000, triton.internal:8001,https://mlflow.corp")
+    refuse_unlisted_endpoint("triton_metrics_url", "https://triton.internal:8000/metrics")
+    refuse_unlisted_endpoint("triton_grpc_url", "triton.internal:8001")
+    refuse_unlisted_endpoint("tracking_uri", "https://mlflow.corp:443")  # the scheme's port
+    for value in (
+        "https://triton.internal:8002",
+        "http://triton.internal.evil.example:8000",
+        "https://mlflow.corp:8443",
+    ):
+        with pytest.raises(BadInput, match="LLMOPS_RUN_ENDPOINTS"):
+            refuse_unlisted_endpoint("service_url", value)
+    monkeypatch.setenv("LLMOPS_TRITON_URLS", "https://canary.internal:8000")  # the older list counts too
+    refuse_unlisted_endpoint("triton_url", "https://canary.internal:8000/")
+
+
+def test_a_location_lies_inside_a_listed_one_as_it_resolves(monkeypatch, tmp_path):
+    data, secrets = tmp_path / "data", tmp_path / "secrets"
+    data.mkdir(), secrets.mkdir()
+    (secrets / "id_ed25519").write_text("key")
+    (data / "planted").symlink_to(secrets / "id_ed25519")
+    monkeypatch.setenv("LLMOPS_RUN_LOCATIONS", f"{data},s3://datasets/score")
+    refuse_unlisted_location("data_source", str(data / "tickets.jsonl"))
+    refuse_unlisted_location("output", "s3://datasets/score/answers.jsonl")
+    refuse_unlisted_location("data_source", "profiles/data/antonyms.jsonl")  # the embedded data
+    for value in (
+        str(secrets / "id_ed25519"),
+        str(data / "planted"),  # a link inside the listed folder to a file outside it
+        str(data / ".." / "secrets" / "id_ed25519"),
+        "s3://datasets/scored/x.jsonl",  # a sibling prefix, not inside
+        "s3://other/score/x.jsonl",
+        "/etc/passwd",
+    ):
+        with pytest.raises(BadInput, match=r"^(data_source|output) .*: .* LLMOPS_RUN_LOCATIONS"):
+            refuse_unlisted_location("data_source", value)
+    assert inside("s3://datasets/score", "s3://datasets/score/") and not inside("/tmp/x", "s3://datasets")
+
+
+def test_a_tracking_uri_is_an_endpoint_or_a_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    refuse_unlisted_tracking("tracking_uri", "http://127.0.0.1:5000", "http://127.0.0.1:5000")
+    with pytest.raises(BadInput, match=r"^tracking_uri https://collector\.evil\.example: .*LLMOPS_RUN_ENDPOINTS"):
+        refuse_unlisted_tracking("tracking_uri", "https://collector.evil.example", "http://127.0.0.1:5000")
+    with pytest.raises(BadInput, match=r"^tracking_uri /root/\.ssh/mlflow\.db: .*LLMOPS_RUN_LOCATIONS"):
+        refuse_unlisted_tracking("tracking_uri", "sqlite:////root/.ssh/mlflow.db", None)
+    monkeypatch.setenv("LLMOPS_RUN_LOCATIONS", str(tmp_path))
+    refuse_unlisted_tracking("tracking_uri", f"sqlite:///{tmp_path}/mlflow.db", None)
+    with pytest.raises(BadInput, match="may name an http"):
+        refuse_unlisted_tracking("tracking_uri", "postgresql://db.evil.example/mlflow", None)
+
+
+def test_an_api_release_naming_a_stranger_endpoint_is_refused_before_anything_is_sent(monkeypatch, tmp_path):
+    """The release flow, started as a deployment's run: a gRPC endpoint of the caller's (a listening socket here)
+    is refused before the run reads a key or connects anywhere: the socket sees no connection."""
+    from flows.release import release
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    accepted: list = []
+
+    def accept() -> None:
+        try:
+            accepted.append(listener.accept())
+        except OSError:
+            pass
+
+    watcher = threading.Thread(target=accept)
+    watcher.start()
+    port = listener.getsockname()[1]
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", API_RUN)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("LLMOPS_TRITON_URL", "http://127.0.0.1:9")
+    try:
+        with pytest.raises(BadInput, match=rf"^triton_grpc_url 127\.0\.0\.1:{port}: "):
+            release.fn(profile="cpu-tiny", triton_grpc_url=f"127.0.0.1:{port}", triton_metrics_url="http://x:1")
+    finally:
+        watcher.join()
+        listener.close()
+    assert accepted == [] and not (tmp_path / "home").exists()
+
+
+def test_overrides_cannot_move_the_data_outside_the_allow_list(monkeypatch, tmp_path):
+    from flows.release import release
+
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", API_RUN)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))
+    with pytest.raises(BadInput, match=r"^overrides data\.source /etc/passwd: "):
+        release.fn(profile="cpu-tiny", overrides=["data.source=/etc/passwd"])
+    with pytest.raises(BadInput, match=r"^overrides canary\.prometheus_url http://169\.254\.169\.254/: "):
+        release.fn(profile="cpu-tiny", overrides=["canary.prometheus_url=http://169.254.169.254/"])
+    check_release_parameters("profiles/data/antonyms.jsonl", "profile", None, None, None, None, None, None)
