@@ -219,12 +219,18 @@ class Fleet:
         champion = table.champion if table is not None else None
         serving = [r for r in self.replicas if r is not replica and r.running() and not r.restarting]
         if champion is not None and not serving:  # a candidate never costs the champion its clients
-            ended = replica.server.end_model_processes(models)
+            # only what loads for the release alone: never a model the table routes, nor one serving (the base engine
+            # an adapter candidate registers with serves the champion)
+            routed = (
+                {name for version in table.versions() for name in (version.name, version.model)} if table else set()
+            )
+            hung = [m for m in models if m not in routed and not replica.client.is_ready(m)]
+            ended = replica.server.end_model_processes(hung) if hung else []
             self.say(
-                f"llmops serve: a release's load of {', '.join(models)} hung on Triton {url}, the last replica serving "
+                f"llmops serve: a release's load of {', '.join(hung)} hung on Triton {url}, the last replica serving "
                 f"the champion {champion.name}: its model processes ended ({len(ended)}), the load abandoned"
             )
-            self.count("abandon", ",".join(models))
+            self.count("abandon", ",".join(hung))
             return "abandoned"
         self.say(f"llmops serve: a release's load hung on Triton {url}; starting that Triton again")
         started = replica.started

@@ -219,14 +219,15 @@ class TritonServer:
 
     def end_model_processes(self, models: list[str]) -> list[int]:
         """SIGKILL for the Python-backend model processes of `models` (and nothing else of this Triton): among a
-        stub's arguments is its model instance's name, `<model>_<group>_<instance>` (python_backend
-        src/stub_launcher.cc, Launch; Triton 2.51's stub: `stub MODEL_PY SHM_REGION ... INSTANCE_NAME DEFAULT`); the
-        pids ended."""
+        stub's arguments is its name, the model instance's `<model>_<group>_<instance>` or, for the stub that
+        completes a model's config before its instances start, the model's own (python_backend
+        src/stub_launcher.cc, Launch; Triton 2.51's stub: `stub MODEL_PY SHM_REGION ... NAME DEFAULT`); the pids
+        ended."""
         import re
 
         import psutil
 
-        instance = re.compile(rf"^({'|'.join(re.escape(m) for m in models)})(_\d+)+$")
+        instance = re.compile(rf"^({'|'.join(re.escape(m) for m in models)})(_\d+)*$")
         ended = []
         for child in psutil.Process(self.process.pid).children(recursive=True):
             try:

@@ -642,7 +642,8 @@ def fleet_of(count: int, table: RouteTable | None):
     fleet = Fleet(None, None, say=lambda line: None)  # type: ignore[arg-type]
     for index in range(count):
         holder: list = []
-        replica = Replica(index, SimpleNamespace(url=f"http://127.0.0.1:{8000 + index}"), StubServer(holder))  # type: ignore[arg-type]
+        triton = SimpleNamespace(url=f"http://127.0.0.1:{8000 + index}", is_ready=lambda name: name == "demo-base")
+        replica = Replica(index, triton, StubServer(holder))  # type: ignore[arg-type]
         holder.append(replica)
         fleet.replicas.append(replica)
     fleet.table = lambda: table
@@ -654,7 +655,8 @@ def test_the_serve_never_restarts_its_last_replica_serving_the_champion_for_a_re
     (every client a 503 for minutes). Now the candidate's model processes are ended and its load abandoned there; a
     restart only where another replica serves (or nothing is served yet)."""
     alone = fleet_of(1, TABLE)
-    assert alone.hung_load("http://127.0.0.1:8000", ["demo-v2"], 5) == "abandoned"
+    # an adapter candidate's models: its own and the base engine, which serves (never ended), and the champion's
+    assert alone.hung_load("http://127.0.0.1:8000", ["demo-base", "demo-v2", CHAMPION.name], 5) == "abandoned"
     assert alone.replicas[0].server.kills == 0 and alone.replicas[0].server.ended == ["demo-v2"]  # type: ignore[union-attr]
     two = fleet_of(2, TABLE)
     assert two.hung_load("http://127.0.0.1:8001", ["demo-v2"], 5) == "restarted"
