@@ -45,6 +45,7 @@ from tasks.runtime.gateway.capture import CaptureSettings
 from tasks.runtime.gateway.control import ControlApi
 from tasks.runtime.gateway.logs import LogWriter
 from tasks.runtime.gateway.running import Listener, RunningGateway
+from tasks.runtime.gateway.tokens import TokenVerifier
 from tasks.serving.champion import as_route, registry_champion, served_of, served_version
 from tasks.serving.client import Triton
 from tasks.serving.models import Served
@@ -84,14 +85,14 @@ def choose_ports(listen: ListenSection) -> Ports:
     return Ports(*chosen)
 
 
-def check_listen(listen: ListenSection, api_keys: dict) -> None:
+def check_listen(listen: ListenSection, api_keys: dict | bool) -> None:
     """Refuse an open service off loopback (no API keys, or keys in cleartext), a Triton whose ports clients
     could reach (it answers inference without keys), and TLS files that are not there."""
     if listen.host not in LOOPBACK:
         if not api_keys:
             raise BadInput(
-                f"serve.listen.host {listen.host}: clients from other machines need API keys; "
-                "set LLMOPS_API_KEYS_FILE (one key a line) or LLMOPS_API_KEYS"
+                f"serve.listen.host {listen.host}: clients from other machines need API keys or tokens; "
+                "set LLMOPS_API_KEYS_FILE (one key a line), LLMOPS_API_KEYS, or serve.auth.jwt in the profile"
             )
         if listen.tls_cert is None and not listen.behind_tls_proxy:
             raise BadInput(
@@ -120,8 +121,11 @@ def serve(
 ) -> None:
     """`attach`: Tritons this serve does not own (`--triton-url`); else it starts serve.replicas of its own."""
     listen = profile.serve.listen
-    api_keys = KeyRing(os.environ)  # follows LLMOPS_API_KEYS_FILE: a key removed there stops working, no restart
-    check_listen(listen, api_keys.keys)
+    tokens = TokenVerifier(profile.serve.auth.jwt) if profile.serve.auth.jwt else None  # signed client tokens
+    api_keys = KeyRing(
+        os.environ, tokens
+    )  # follows LLMOPS_API_KEYS_FILE: a key removed there stops working, no restart
+    check_listen(listen, api_keys.keys or tokens is not None)
     ports = choose_ports(listen)
     ctx = open_serving_context(profile, tracking_uri, artifacts)
     service = profile.registry.model_name

@@ -90,15 +90,16 @@ def test_profile_digest_changes_with_any_value():
 # (serve.listen.control_host, control_port; canary.hold_s; serve.health; serve.replicas), and when serve.limits'
 # defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*,
 # and when serve.version_pinning came, and evaluate.engine, and data.harvest_eval_source (the curated exam of
-# harvested records when a run's --data is not the profile's own), and when three GPU profiles moved from fa2 to sdpa.
+# harvested records when a run's --data is not the profile's own), and when three GPU profiles moved from fa2 to sdpa,
+# and when the gateway took signed client tokens (serve.auth.jwt, null by default).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "b83cd43b422bd0775a53ec8ae9cc0995a0d32db0abc10d037a205c7dd6b1605e",
-    "cpu-tiny-qa-zh": "d121bc55106fbbdf7c291e4124ae8020dfa9637f1463c1c8568e90e5b7151839",
-    "llama3-8b-h100-fp8": "12edc35abc9a8a43da586e8b117d849945604607dfbdb948179899917c3111cf",
-    "qwen-7b-qlora-2xa10": "0ac29a540b8f9137ade8e258d399727c3c114cc49cb5df9f7232831903a88991",
-    "qwen-7b-vllm-h100": "aeb8cc069c4a1daa69655f0ad213e1d18dd33332f6cddf83caf8340a4ef60a8a",
-    "qwen2-14b-int4-tp2": "71b38dfa551d6c322d990c1f644d3db2521ef453a3e342a0081b4e4caa89cc5b",
-    "qwen2.5-72b-lora-2x8xh100": "f7e81383fdc10d10fc2a26ce667e1a85a7a89add2068a800a7cd2939e07570d0",
+    "cpu-tiny": "cbc5ff59d504ad0f51e08741ae7cca174af203112705c68c3a54f56fa22d81fc",
+    "cpu-tiny-qa-zh": "2ec99fef0b344ea4c52b064a7938d9978e47f7be5df10fbb9dee939c45117775",
+    "llama3-8b-h100-fp8": "e4df7cbd296eea095185c3242893aa3e27567e30f8b1ebcbd4fd36b4608bca10",
+    "qwen-7b-qlora-2xa10": "7510341138b468fb5badda6e48935bf2e7f6df9f0818ba68be0715120090b0ca",
+    "qwen-7b-vllm-h100": "f5c138ab70f72b76a370f01be01a16119833ec8c9fb166c39aed8cf14f66b3ad",
+    "qwen2-14b-int4-tp2": "e024505564ab0945bc536981ddda58d88b49507162787f9c95a95f896d0d1b00",
+    "qwen2.5-72b-lora-2x8xh100": "516da7e1b142e75c7311548a194eb08d43d49affbbadb0f3834cfff433ae5480",
 }
 
 
@@ -153,8 +154,9 @@ def test_reference_lists_every_setting_with_its_type_and_default():
     assert "| `lora_rank` | `int` (>= 1) | `8` | Rank of the LoRA matrices. |" in page
     assert "| `model_name` | `str` (length >= 1) | required |" in page
     assert "## serve.vllm" in page and "## hardware.kubernetes" in page
-    # Every setting is a row, but a section nested in another: an optional one (base_model.architecture) is both.
-    optional = [path for path, _ in all_sections() if path == "base_model.architecture"]
+    # Every setting is a row, but a section nested in another: an optional one (base_model.architecture,
+    # serve.auth.jwt) is both.
+    optional = [path for path, _ in all_sections() if path in ("base_model.architecture", "serve.auth.jwt")]
     rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1) + len(optional)
     assert page.count("\n| `") == rows and optional
     assert "## base_model.architecture" in page and "| `architecture` | `ModelArchitecture \\| null` | `null` |" in page

@@ -39,6 +39,7 @@ def test_the_settings_that_run_code_are_marked_file_only():
         "flywheel.max_client_share",
         "flywheel.min_clients",
         "gate.allowed_signers",  # whose signature approves
+        "serve.auth.jwt",  # whose tokens the gateway takes
         "gate.separate_duties",
     }
 

@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from tasks.platform.config.auth import AuthSection
 from tasks.platform.config.base import FILE_ONLY, TRUST_ONLY, Section
 
 
@@ -339,6 +340,7 @@ class ServeSection(Section):
         "candidate, or reproduce an answer); false: such a request is refused (400) naming this setting.",
     )
     listen: ListenSection = ListenSection()
+    auth: AuthSection = AuthSection()
     limits: LimitsSection = LimitsSection()
     health: HealthSection = HealthSection()
     capture: CaptureSection = CaptureSection()

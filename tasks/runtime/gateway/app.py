@@ -34,7 +34,7 @@ from tasks.runtime.gateway.access import (
     shaped_error,
     triton_error,
 )
-from tasks.runtime.gateway.auth import KeyRing, authorize
+from tasks.runtime.gateway.auth import KeyRing
 from tasks.runtime.gateway.capture import OPT_OUT_HEADER, Capture, CaptureSettings
 from tasks.runtime.gateway.limits import ClientLimits
 from tasks.runtime.gateway.openai_fields import Engine
@@ -221,7 +221,7 @@ class Gateway:
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
-        client = authorize(self.keys.current(), request.headers.get("authorization"))
+        client = self.keys.authorize(request.headers.get("authorization"))
         current().client = client
         current().capture = request.headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
         current().hold = self.limits.admit(client)

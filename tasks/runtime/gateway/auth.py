@@ -1,8 +1,10 @@
 """API keys per client: where they come from (the environment or a key file, never a profile) and the check
-every /v1 and /v2 request passes. Each client has a key of its own, so one can lose it without the others."""
+every /v1 and /v2 request passes. Each client has a key of its own, so one can lose it without the others. Where the
+profile sets serve.auth.jwt, a bearer token that is a JWT is verified instead (tokens.py) and names its client."""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import re
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from tasks.platform.errors import BadInput
 from tasks.runtime.gateway.protocol import RequestError
+from tasks.runtime.gateway.tokens import TokenVerifier, looks_like_jwt
 
 API_KEYS_ENV = "LLMOPS_API_KEYS"  # comma-separated keys
 API_KEYS_FILE_ENV = "LLMOPS_API_KEYS_FILE"  # one key a line; `#` comments; a line `NAME: KEY` names its client
@@ -92,7 +95,8 @@ class KeyRing:
     bad line, a half-written file) or that would leave no key at all (the service would open to anyone) keeps
     the keys in force and logs why; the next good edit is taken."""
 
-    def __init__(self, environ: Mapping[str, str]):
+    def __init__(self, environ: Mapping[str, str], tokens: TokenVerifier | None = None):
+        self.tokens = tokens  # serve.auth.jwt's verifier, where the profile sets one
         self.environ = {name: environ[name] for name in (API_KEYS_ENV, API_KEYS_FILE_ENV) if name in environ}
         self.path = Path(self.environ[API_KEYS_FILE_ENV]) if API_KEYS_FILE_ENV in self.environ else None
         self.keys = read_api_keys(self.environ)
@@ -133,3 +137,19 @@ class KeyRing:
         LOG.info(f"API keys reloaded from {self.path}: {len(keys)} in force")
         self.keys = keys
         return self.keys
+
+    def authorize(self, authorization: str | None) -> str:
+        """The client's name for an `Authorization` header: a signed token's client where it is a JWT and tokens are
+        taken, else the API key's; anonymous only where neither keys nor tokens are configured."""
+        if self.tokens is None:
+            return authorize(self.current(), authorization)
+        keys, (scheme, _, given) = self.current(), (authorization or "").partition(" ")
+        token = given.strip() if scheme.lower() == "bearer" and looks_like_jwt(given.strip()) else None
+        if token is None:
+            if not keys:
+                raise RequestError(401, "missing token: send `Authorization: Bearer <JWT>`", code="invalid_api_key")
+            return authorize(keys, authorization)
+        if keys:  # an API key may hold two dots too
+            with contextlib.suppress(RequestError):
+                return authorize(keys, authorization)
+        return self.tokens.client(token)

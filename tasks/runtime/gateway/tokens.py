@@ -1,0 +1,111 @@
+"""Signed client tokens (serve.auth.jwt): a bearer token that is a JWT is verified against the issuer's published
+keys, and its claim names the client.
+
+PyJWT verifies (signature, `exp`, `nbf`, `iss`, `aud`, with the profile's algorithms only, so `alg: none` and an
+HMAC token "signed" with a public key never verify). The key set is ours to keep rather than PyJWKClient's, which
+reads it again for every unknown key id: a caller sending made-up `kid`s would make the gateway call the identity
+provider on every request. Here the set is read every refresh_s, and at most every MIN_REFETCH_S for an unknown
+`kid` (a rotated key), with a short deadline; the read blocks the answer that triggered it, once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import jwt
+
+from tasks.platform.config.auth import JwtAuth
+from tasks.runtime.gateway.protocol import RequestError
+
+MIN_REFETCH_S = 10.0
+FETCH_TIMEOUT_S = 5.0
+LOG = logging.getLogger("llmops.gateway")
+
+
+def looks_like_jwt(credential: str) -> bool:
+    return credential.count(".") == 2
+
+
+class TokenVerifier:
+    def __init__(self, settings: JwtAuth):
+        self.settings = settings
+        self.keys: dict[str, jwt.PyJWK] = {}
+        self.fetched_at = -float("inf")
+        self.lock = threading.Lock()
+
+    def client(self, token: str) -> str:
+        """The client a valid token names; RequestError 401 naming what is wrong otherwise."""
+        settings = self.settings
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise refused("the token is not a JWT") from None
+        algorithm = header.get("alg")
+        if algorithm not in settings.algorithms:
+            raise refused(f"tokens signed with {algorithm} are not accepted ({', '.join(settings.algorithms)})")
+        key = self.signing_key(str(header.get("kid") or ""))
+        try:
+            claims = jwt.decode(
+                token,
+                key,
+                algorithms=list(settings.algorithms),
+                audience=settings.audience,
+                issuer=settings.issuer,
+                leeway=settings.leeway_s,
+                options={"require": ["exp", "iss", "aud"]},
+            )
+        except jwt.ExpiredSignatureError:
+            raise refused("the token expired") from None
+        except jwt.ImmatureSignatureError:
+            raise refused("the token is not valid yet (nbf)") from None
+        except jwt.InvalidIssuerError:
+            raise refused("the token's issuer is not this service's") from None
+        except jwt.InvalidAudienceError:
+            raise refused("the token is not for this service (aud)") from None
+        except jwt.PyJWTError as exc:
+            raise refused(f"the token does not verify ({type(exc).__name__})") from None
+        client = claims.get(settings.client_claim)
+        if not isinstance(client, str) or not client:
+            raise refused(f"the token names no client ({settings.client_claim})")
+        return client
+
+    def signing_key(self, kid: str) -> jwt.PyJWK:
+        with self.lock:
+            age = time.monotonic() - self.fetched_at
+            if age > self.settings.refresh_s or (kid not in self.keys and age > MIN_REFETCH_S):
+                self.refresh()
+            key = self.keys.get(kid)
+            if key is None and not kid and len(self.keys) == 1:  # a token without `kid` from a one-key issuer
+                key = next(iter(self.keys.values()))
+        if key is None:
+            raise refused(f"the token's signing key ({kid or 'no kid'}) is not one of the issuer's")
+        return key
+
+    def refresh(self) -> None:
+        """The key set read again; where it cannot be, the keys held stay (and the next try waits MIN_REFETCH_S)."""
+        self.fetched_at = time.monotonic()
+        try:
+            keys = jwt.PyJWKSet.from_dict(json.loads(self.read())).keys
+        except (OSError, ValueError, jwt.PyJWTError) as exc:
+            LOG.warning(
+                f"serve.auth.jwt: the key set at {self.settings.jwks} was not read ({exc}); keeping {len(self.keys)}"
+            )
+            return
+        self.keys = {str(key.key_id or ""): key for key in keys}
+
+    def read(self) -> str:
+        source = self.settings.jwks
+        if urlsplit(source).scheme in ("http", "https"):
+            with urllib.request.urlopen(source, timeout=FETCH_TIMEOUT_S) as answer:  # noqa: S310 (http(s) only)
+                return answer.read().decode()
+        return Path(source.removeprefix("file://")).read_text()
+
+
+def refused(why: str) -> RequestError:
+    return RequestError(401, f"invalid token: {why}", code="invalid_api_key")

@@ -1,0 +1,190 @@
+"""Signed client tokens at the gateway (serve.auth.jwt; issue 61, finding 6): the issuer's key set served over HTTP
+by a real server on loopback, tokens made with real RSA and EC keys, the gateway's app as it runs (Triton a
+MockTransport). A valid token answers and names its client; every forged or stale form is a 401 in the API's shape;
+a rotated key is taken without a restart; two tokens of one client share its limits."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import threading
+import time
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from tasks.platform.config.auth import JwtAuth
+from tasks.runtime.gateway.auth import KeyRing
+from tasks.runtime.gateway.tokens import TokenVerifier
+from tests.unit.test_gateway import CHAT, KEY, QUESTION, FakeTriton, gateway
+
+__all__ = ["gateway"]  # the fixture, used by name
+ISSUER, AUDIENCE = "https://id.example.test", "llmops-gateway"
+
+
+class KeySet:
+    """The issuer's JWKS endpoint: a real HTTP server on a free loopback port; `keys` is what it publishes."""
+
+    def __init__(self):
+        self.keys: list[dict] = []
+        self.reads = 0
+        published = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                published.reads += 1
+                body = json.dumps({"keys": published.keys}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/.well-known/jwks.json"
+
+    def publish(self, private_key, kid: str, alg: str) -> None:
+        public = jwt.algorithms.get_default_algorithms()[alg].to_jwk(private_key.public_key(), as_dict=True)
+        self.keys.append({**public, "kid": kid, "alg": alg, "use": "sig"})
+
+
+@pytest.fixture
+def issuer():
+    keys = KeySet()
+    signing = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    keys.publish(signing, "key-1", "RS256")
+    yield keys, signing
+    keys.server.shutdown()
+
+
+def token(private_key, kid: str = "key-1", alg: str = "RS256", **claims) -> str:
+    now = int(time.time())
+    body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "team-c", "iat": now, "exp": now + 300, **claims}
+    return jwt.encode(
+        {k: v for k, v in body.items() if v is not None}, private_key, algorithm=alg, headers={"kid": kid}
+    )
+
+
+def settings(url: str, **fields) -> JwtAuth:
+    return JwtAuth(jwks=url, issuer=ISSUER, audience=AUDIENCE, refresh_s=300, leeway_s=0, **fields)
+
+
+def bearer(value: str) -> dict:
+    return {"Authorization": f"Bearer {value}"}
+
+
+def forge_unsigned(claims: dict) -> str:
+    def part(data: dict) -> str:
+        return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+    return f"{part({'alg': 'none', 'typ': 'JWT', 'kid': 'key-1'})}.{part(claims)}."
+
+
+def test_a_valid_token_answers_and_every_forged_or_stale_one_is_a_401_in_the_apis_shape(gateway, issuer):
+    keys, signing = issuer
+    ring = KeyRing.fixed({KEY: "team-a"})
+    ring.tokens = TokenVerifier(settings(keys.url))
+    client = gateway(FakeTriton(), api_keys=ring)
+    answered = client.post(CHAT, json={"messages": QUESTION}, headers=bearer(token(signing)))
+    assert answered.status_code == 200, answered.text
+    assert client.post(CHAT, json={"messages": QUESTION}).status_code == 200  # the API key still answers
+    now = int(time.time())
+    public_pem = signing.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    valid = token(signing)
+    head, payload, signature = valid.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    tampered = base64.urlsafe_b64encode(json.dumps({**claims, "sub": "team-a"}).encode()).rstrip(b"=").decode()
+    stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    forms = {
+        "expired": (token(signing, exp=now - 10), "the token expired"),
+        "not yet valid": (token(signing, nbf=now + 600), "not valid yet"),
+        "wrong issuer": (token(signing, iss="https://evil.example"), "issuer"),
+        "wrong audience": (token(signing, aud="another-service"), "not for this service"),
+        "alg none": (forge_unsigned(claims), "none are not accepted"),
+        "HS256 with the public key": (hmac_with(public_pem, claims), "HS256 are not accepted"),
+        "unknown kid": (token(stranger, kid="key-9"), "signing key (key-9) is not one of the issuer's"),
+        "a stranger's key under a known kid": (token(stranger), "does not verify"),
+        "tampered payload": (f"{head}.{tampered}.{signature}", "does not verify"),
+        "no client": (token(signing, sub=None), "names no client"),
+        "no expiry": (token(signing, exp=None), "does not verify"),
+    }
+    for name, (value, why) in forms.items():
+        refused = client.post(CHAT, json={"messages": QUESTION}, headers=bearer(value))
+        assert refused.status_code == 401, (name, refused.text)
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error" or error["code"] == "invalid_api_key", (name, error)
+        assert why in error["message"], (name, error["message"])
+        v2 = client.post("/v2/models/demo/generate", json={"text_input": "hot"}, headers=bearer(value))
+        assert v2.status_code == 401 and why in v2.json()["error"], (name, v2.text)  # Triton's shape
+
+
+def hmac_with(secret: bytes, claims: dict) -> str:
+    """An HS256 token keyed with the issuer's public key, the classic algorithm confusion."""
+    import hashlib
+    import hmac as hmac_module
+
+    def part(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    signed = f"{part(json.dumps({'alg': 'HS256', 'typ': 'JWT', 'kid': 'key-1'}).encode())}.{part(json.dumps(claims).encode())}"
+    return f"{signed}.{part(hmac_module.new(secret, signed.encode(), hashlib.sha256).digest())}"
+
+
+def test_a_rotated_key_is_taken_without_a_restart_and_made_up_kids_do_not_hammer_the_issuer(issuer, monkeypatch):
+    from tasks.runtime.gateway import tokens
+
+    keys, signing = issuer
+    verifier = TokenVerifier(settings(keys.url, algorithms=["RS256", "ES256"]))
+    assert verifier.client(token(signing)) == "team-c" and keys.reads == 1
+    rotated = ec.generate_private_key(ec.SECP256R1())
+    keys.publish(rotated, "key-2", "ES256")  # the issuer publishes its next key and signs with it
+    monkeypatch.setattr(tokens, "MIN_REFETCH_S", 0.2)
+    with pytest.raises(Exception, match="key-2"):  # read within the last MIN_REFETCH_S: not read again yet
+        verifier.client(token(rotated, kid="key-2", alg="ES256"))
+    time.sleep(0.25)
+    assert verifier.client(token(rotated, kid="key-2", alg="ES256", sub="team-d")) == "team-d"
+    assert keys.reads == 2
+    for n in range(20):  # made-up key ids: refused, and the issuer read at most once more
+        with pytest.raises(Exception, match="not one of the issuer's"):
+            verifier.client(token(rotated, kid=f"made-up-{n}", alg="ES256"))
+    assert keys.reads <= 3
+
+
+def test_two_tokens_of_one_client_share_its_limits(gateway, issuer):
+    keys, signing = issuer
+    ring = KeyRing.fixed({})
+    ring.tokens = TokenVerifier(settings(keys.url))
+    client = gateway(FakeTriton(), api_keys=ring, requests_per_second=1)
+    first, second = token(signing, jti="a"), token(signing, jti="b")  # two tokens, one client (sub team-c)
+    assert first != second
+    statuses = [client.post(CHAT, json={"messages": QUESTION}, headers=bearer(t)).status_code for t in (first, second)]
+    assert statuses == [200, 200]  # the bucket's smallest size: two at once
+    refused = client.post(CHAT, json={"messages": QUESTION}, headers=bearer(first))
+    assert refused.status_code == 429 and "per key" in refused.json()["error"]["message"]
+    other = token(signing, sub="team-e")
+    assert client.post(CHAT, json={"messages": QUESTION}, headers=bearer(other)).status_code == 200
+    no_token = client.post(CHAT, json={"messages": QUESTION}, headers={"Authorization": "Bearer not-a-key"})
+    assert no_token.status_code == 401 and "missing token" in no_token.json()["error"]["message"]
+
+
+def test_signing_keys_in_clear_to_another_machine_and_lowered_trust_are_refused():
+    from pydantic import ValidationError
+
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import BadInput
+
+    with pytest.raises(ValidationError, match="plain http:// to another machine"):
+        JwtAuth(jwks="http://id.example.test/jwks.json", issuer=ISSUER, audience=AUDIENCE)
+    with pytest.raises(ValidationError):
+        JwtAuth(jwks="https://id.example.test/jwks.json", issuer=ISSUER, audience=AUDIENCE, algorithms=["HS256"])
+    with pytest.raises(BadInput, match="serve.auth.jwt decides whom the pipeline trusts"):
+        load_profile("cpu-tiny", ["serve.auth.jwt={jwks: https://evil.example/k, issuer: x, audience: y}"])
