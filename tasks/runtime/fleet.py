@@ -174,10 +174,11 @@ class Fleet:
         )
 
     def table_versions(self) -> list[Served]:
-        """The versions of the gateway's table (the champion first), from the store alone."""
+        """The versions of the gateway's table (the champion first), from the store alone. A version written without
+        a source (an operator's second name for a model another version loads, PUT by hand) is not one to load."""
         table = self.table()
         versions: list[Version] = table.versions() if table is not None else []
-        return [served_of(self.ctx, self.ctx.profile.registry.model_name, v) for v in versions]
+        return [served_of(self.ctx, self.ctx.profile.registry.model_name, v) for v in versions if v.source]
 
     def recover(self, url: str, model: str) -> str:
         """The gateway's probes' recovery of `model` on replica `url` (tasks/runtime/gateway/probes.py)."""

@@ -859,3 +859,20 @@ def test_the_serve_unloads_what_no_route_needs_and_no_live_owner_declared():
         service, merged, weights={merged.name: 100.0}, owner=Owner("run-5", now, now + 60, loads=(f"{service}-v5",))
     )
     assert f"unload {service}-v4 {tritons[1].url}" in fleet.reconcile()
+
+
+def test_a_replica_started_again_loads_the_versions_with_a_source_and_not_an_operators_second_name(monkeypatch):
+    """An operator's PUT may route a second name of the champion's model (no source: nothing to load of its own); a
+    replica started again loads the champion, and the second name is answered by it (a soak's ramp crashed the
+    serve's restart on it once)."""
+    from types import SimpleNamespace
+
+    from tasks.runtime import fleet as fleet_module
+
+    champion = Version(f"{SERVICE}-v1", f"{SERVICE}-v1", None, {"version": "1", "artifacts": {"merge": "abc"}})
+    alias = Version(f"{SERVICE}-v900", f"{SERVICE}-v1")
+    table = RouteTable(SERVICE, champion, alias, {champion.name: 50.0, alias.name: 50.0})
+    fleet = fleet_of(1, table)
+    fleet.ctx = SimpleNamespace(profile=SimpleNamespace(registry=SimpleNamespace(model_name=SERVICE)))  # type: ignore[assignment]
+    monkeypatch.setattr(fleet_module, "served_of", lambda ctx, service, version: version.name)
+    assert fleet.table_versions() == [champion.name]  # type: ignore[comparison-overlap]
