@@ -2,21 +2,23 @@
 
     browser / `llmops approve` -> oauth2-proxy (OIDC login) -> llmops approval-proxy -> Prefect server
 
-Every request is passed on to Prefect as it came (its Prefect auth string included), but a resume of a paused run
-(`POST /api/flow_runs/{id}/resume`, what the UI's Resume form and `llmops approve` send): there the identity header
-the OIDC proxy sets (oauth2-proxy's `X-Forwarded-Email` with --pass-user-headers, its default) replaces whatever
-`decided_by` the form says, and the decision is attested with the operator's key (tasks/platform/attestation.py),
-which the worker's flow runs check. A resume without the header is refused (401) and never reaches Prefect.
-
-The header is believed only from the peers named in `trusted` (the OIDC proxy's address; default loopback): anyone
-else is refused (403), so listen where only the OIDC proxy reaches this service.
+Every request must carry the OIDC ID token the login proxy forwards (oauth2-proxy's `--pass-authorization-header`:
+`Authorization: Bearer <ID token>`), verified here against the provider's published keys (issuer, audience, expiry,
+signature: tasks/platform/signed_tokens.py); anything else is refused (401) and never reaches Prefect. No header and
+no peer address is believed: `X-Forwarded-Email`, `X-Forwarded-For` and the like are dropped, and uvicorn does not
+rewrite the peer from them (proxy_headers off). The token is not passed on: Prefect gets this proxy's own auth string
+(PREFECT_API_AUTH_STRING) where it asks for one. A resume of a paused run (`POST /api/flow_runs/{id}/resume`, what
+the UI's Resume form and `llmops approve` send) is decided by the token's person (its `identity_claim`, `email` by
+default), whatever `decided_by` the form says, and attested with the operator's key (tasks/platform/attestation.py),
+which the worker's flow runs check.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -26,9 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tasks.platform.attestation import attest
+from tasks.platform.signed_tokens import TokenRefused, TokenVerifier
 
 RESUME = re.compile(r"^/api/flow_runs/([0-9a-fA-F-]{36})/resume$")
-DEFAULT_IDENTITY_HEADER = "X-Forwarded-Email"
 # Hop-by-hop headers (RFC 9110 7.6.1) and what httpx sets itself: not passed on.
 DROPPED = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host"}
 DROPPED |= {"content-length"}
@@ -36,23 +38,23 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
 def proxy_app(
-    upstream: str,
-    key: bytes,
-    identity_header: str = DEFAULT_IDENTITY_HEADER,
-    trusted: Iterable[str] = ("127.0.0.1", "::1"),
+    upstream: str, key: bytes, verifier: TokenVerifier, identity_claim: str = "email", auth_string: str | None = None
 ) -> Starlette:
-    trusted_peers = frozenset(trusted)
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=60)
+    upstream_auth = {"authorization": f"Basic {base64.b64encode(auth_string.encode()).decode()}"} if auth_string else {}
 
     async def forward(request: Request) -> Response:
-        peer = request.client.host if request.client else ""
-        if peer not in trusted_peers:
-            return JSONResponse({"detail": f"approval proxy: {peer or 'unknown peer'} is not a trusted proxy"}, 403)
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return JSONResponse({"detail": "approval proxy: no ID token: log in through the OIDC proxy"}, 401)
+        try:
+            identity = verifier.claims(token.strip()).get(identity_claim)
+        except TokenRefused as exc:
+            return JSONResponse({"detail": f"approval proxy: invalid ID token: {exc}"}, 401)
+        if not isinstance(identity, str) or not identity:
+            return JSONResponse({"detail": f"approval proxy: the ID token names no {identity_claim}"}, 401)
         body = await request.body()
-        identity = request.headers.get(identity_header, "").strip()
         if request.method == "POST" and (resume := RESUME.match(request.url.path)):
-            if not identity:
-                return JSONResponse({"detail": f"approval proxy: no {identity_header}: log in through the proxy"}, 401)
             attested_body = attested_resume(body, resume[1], identity, key)
             if attested_body is None:
                 return JSONResponse({"detail": "approval proxy: the body is not a resume request (JSON object)"}, 422)
@@ -60,8 +62,10 @@ def proxy_app(
         headers = {
             name: value
             for name, value in request.headers.items()
-            if name.lower() not in DROPPED and name.lower() != identity_header.lower()
-        }
+            if name.lower() not in DROPPED
+            and name.lower() != "authorization"
+            and not name.lower().startswith("x-forwarded-")
+        } | upstream_auth
         answer = await client.request(
             request.method, request.url.path, params=request.query_params, content=body, headers=headers
         )

@@ -38,6 +38,7 @@ from tasks.platform.config import ListenSection, Profile
 from tasks.platform.decisions import EXPIRY_CHECK_S, expire_overdue
 from tasks.platform.errors import BadInput
 from tasks.platform.ports import free_port, port_in_use
+from tasks.platform.signed_tokens import TokenVerifier
 from tasks.platform.stage_cache import RunContext
 from tasks.runtime.fleet import Fleet
 from tasks.runtime.gateway import Gateway, GatewayConfig, KeyRing
@@ -45,7 +46,6 @@ from tasks.runtime.gateway.capture import CaptureSettings
 from tasks.runtime.gateway.control import ControlApi
 from tasks.runtime.gateway.logs import LogWriter
 from tasks.runtime.gateway.running import Listener, RunningGateway
-from tasks.runtime.gateway.tokens import TokenVerifier
 from tasks.serving.champion import as_route, registry_champion, served_of, served_version
 from tasks.serving.client import Triton
 from tasks.serving.models import Served

@@ -52,41 +52,35 @@ def register(commands) -> None:
 
 
 PROXY_EPILOG = """examples:
-  llmops approval-proxy --upstream http://127.0.0.1:4200 --port 4300 --key-file /etc/llmops/approval-proxy.key
-  # oauth2-proxy in front: --upstream=http://127.0.0.1:4300/api/flow_runs/ --upstream=http://127.0.0.1:4200/
-  #   (it sets X-Forwarded-Email, --pass-user-headers)
+  llmops approval-proxy --upstream http://127.0.0.1:4200 --port 4300 --key-file /etc/llmops/approval-proxy.key \\
+      --oidc-jwks https://login.example.com/.well-known/jwks.json --oidc-issuer https://login.example.com \\
+      --oidc-audience llmops-approvals
+  # oauth2-proxy in front: --upstream=http://127.0.0.1:4300/ --pass-authorization-header (the ID token goes on as
+  #   Authorization: Bearer, and is verified here; no X-Forwarded-* header is believed)
   # the worker's environment: LLMOPS_APPROVAL_PROXY_KEY_FILE=/etc/llmops/approval-proxy.key (the same key)
-A run then counts a decision only when it came through this proxy, as the person the OIDC proxy logged in."""
+A run then counts a decision only when it came through this proxy, as the person whose ID token verified."""
 
 
 def register_proxy(commands) -> None:
-    from flows.approval_proxy import DEFAULT_IDENTITY_HEADER
     from tasks.platform.attestation import KEY_FILE_ENV
 
     parser = commands.add_parser(
         "approval-proxy",
         help="serve the Prefect API behind an OIDC proxy, recording the person it logged in on every decision",
-        description="Pass every request on to the Prefect server; on a resume of a paused run (an approval), set "
-        "decided_by to the identity header of the OIDC proxy in front (refused without it) and attest the decision "
-        f"with the key the worker's flow runs check ({KEY_FILE_ENV}).",
+        description="Pass every request that carries a valid OIDC ID token on to the Prefect server; on a resume of "
+        "a paused run (an approval), set decided_by to the token's person and attest the decision with the key the "
+        f"worker's flow runs check ({KEY_FILE_ENV}).",
         epilog=PROXY_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--upstream", required=True, help="the Prefect server's URL (without /api)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=4300, help="port to listen on (default 4300)")
+    parser.add_argument("--oidc-jwks", required=True, help="the OIDC provider's signing keys: a JWKS URL or file")
+    parser.add_argument("--oidc-issuer", required=True, help="the `iss` every ID token must carry")
+    parser.add_argument("--oidc-audience", required=True, help="the `aud` every ID token must name (this client)")
     parser.add_argument(
-        "--identity-header",
-        default=DEFAULT_IDENTITY_HEADER,
-        help=f"the header the OIDC proxy sets to the logged-in person (default {DEFAULT_IDENTITY_HEADER}, "
-        "oauth2-proxy's; X-Forwarded-User for a user name)",
-    )
-    parser.add_argument(
-        "--trusted-proxy",
-        action="append",
-        metavar="ADDRESS",
-        help="a peer address whose identity header is believed, repeatable (default 127.0.0.1 and ::1); "
-        "every other peer gets 403",
+        "--identity-claim", default="email", help="the ID token's claim that names the person (default email)"
     )
     parser.add_argument("--key-file", help=f"the attestation key, at least 32 bytes (default: {KEY_FILE_ENV})")
     parser.set_defaults(handler=command_proxy)
@@ -94,17 +88,25 @@ def register_proxy(commands) -> None:
 
 def command_proxy(args) -> None:
     import uvicorn
+    from pydantic import ValidationError
 
     from flows.approval_proxy import proxy_app
     from tasks.platform.attestation import KEY_FILE_ENV, read_key
+    from tasks.platform.config.auth import JwtAuth
+    from tasks.platform.signed_tokens import TokenVerifier
 
+    try:
+        oidc = JwtAuth(jwks=args.oidc_jwks, issuer=args.oidc_issuer, audience=args.oidc_audience)
+    except ValidationError as exc:
+        raise BadInput(f"llmops approval-proxy: --oidc-jwks {args.oidc_jwks}: {exc.errors()[0]['msg']}") from None
     path = args.key_file or os.environ.get(KEY_FILE_ENV)
     if not path:
         raise BadInput(f"llmops approval-proxy: --key-file (or {KEY_FILE_ENV}) is required")
-    app = proxy_app(
-        args.upstream, read_key(Path(path)), args.identity_header, args.trusted_proxy or ("127.0.0.1", "::1")
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    verifier = TokenVerifier(oidc)
+    auth_string = os.environ.get("PREFECT_API_AUTH_STRING")
+    app = proxy_app(args.upstream, read_key(Path(path)), verifier, args.identity_claim, auth_string)
+    # proxy_headers off: the peer is never rewritten from X-Forwarded-For (uvicorn's default believes loopback's)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", proxy_headers=False)
 
 
 def command_decide(args) -> str:

@@ -591,23 +591,32 @@ def test_only_an_allowed_signers_signature_bound_to_the_artifact_decides_and_nev
     )
 
 
-def test_behind_a_trusted_proxy_only_the_person_it_logged_in_decides(tmp_path, shared_prefect):
+def test_behind_the_approval_proxy_only_the_person_whose_id_token_verifies_decides(tmp_path, shared_prefect):
     """With the operator's LLMOPS_APPROVAL_PROXY_KEY_FILE in the worker's environment, `llmops approval-proxy` stands
     between the OIDC proxy and Prefect: a resume sent to Prefect's API past it is taken by Prefect but refused by the
-    run (it waits on); one through it without the identity header is refused there (401, Prefect never sees it); one
-    with the header (as oauth2-proxy sets X-Forwarded-Email) decides, recorded as that person whatever --by says."""
+    run (it waits on); one through it with forged X-Forwarded-Email and X-Forwarded-For (as a front proxy on loopback
+    would pass them) and no ID token, or a token for another audience, is refused there (401, Prefect never sees it);
+    `llmops approve` with a valid ID token (as oauth2-proxy's --pass-authorization-header forwards it) decides,
+    recorded as the token's person whatever --by or a forged header says (issue 61, finding 4)."""
     import httpx
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
 
     from tasks.platform.attestation import KEY_FILE_ENV
     from tasks.platform.ports import free_port
+    from tests.unit.test_tokens import AUDIENCE, ISSUER, token
 
     key_file = tmp_path / "approval-proxy.key"
     key_file.write_text(os.urandom(32).hex())
     key_file.chmod(0o600)
+    signing = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    public = jwt.algorithms.get_default_algorithms()["RS256"].to_jwk(signing.public_key(), as_dict=True)
+    (tmp_path / "jwks.json").write_text(json.dumps({"keys": [{**public, "kid": "key-1", "alg": "RS256"}]}))
+    oidc = ["--oidc-jwks", str(tmp_path / "jwks.json"), "--oidc-issuer", ISSUER, "--oidc-audience", AUDIENCE]
     port = free_port()
     proxy_url = f"http://127.0.0.1:{port}"
     proxy = subprocess.Popen(
-        [LLMOPS, "approval-proxy", "--upstream", shared_prefect.removesuffix("/api"), "--port", str(port)],
+        [LLMOPS, "approval-proxy", "--upstream", shared_prefect.removesuffix("/api"), "--port", str(port), *oidc],
         env={**os.environ, KEY_FILE_ENV: str(key_file), "LLMOPS_HOME": str(tmp_path / "proxy")},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -617,7 +626,10 @@ def test_behind_a_trusted_proxy_only_the_person_it_logged_in_decides(tmp_path, s
     flow = start_waiting_flow(home, shared_prefect, timeout_s=180, env={KEY_FILE_ENV: str(key_file)})
     try:
         deadline = time.monotonic() + 60
-        while not port_answers(f"{proxy_url}/api/health") and time.monotonic() < deadline:
+        while (
+            not port_answers(f"{proxy_url}/api/health", signed=token(signing, email="probe@example.com"))
+            and time.monotonic() < deadline
+        ):
             assert proxy.poll() is None, proxy.communicate()[0][-2000:]
             time.sleep(0.3)
         run_id = waiting_run(home, flow)["flow_run_id"]
@@ -629,16 +641,22 @@ def test_behind_a_trusted_proxy_only_the_person_it_logged_in_decides(tmp_path, s
         assert direct.status_code == 201 and direct.json()["status"] == "ACCEPT", direct.text
         state = paused_anew(shared_prefect, run_id, state)
         resume_url = f"{proxy_url}/api/flow_runs/{run_id}/resume"
-        no_header = httpx.post(resume_url, json={"run_input": decision}, timeout=10)
-        assert no_header.status_code == 401, no_header.text
-        assert no_header.json()["detail"] == "approval proxy: no X-Forwarded-Email: log in through the proxy"
+        forged = {"X-Forwarded-Email": "alice@example.com", "X-Forwarded-For": "127.0.0.1"}
+        no_token = httpx.post(resume_url, json={"run_input": decision}, headers=forged, timeout=10)
+        assert no_token.status_code == 401, no_token.text
+        assert no_token.json()["detail"] == "approval proxy: no ID token: log in through the OIDC proxy"
+        elsewhere = {**forged, "Authorization": f"Bearer {token(signing, aud='another-client', email='alice@x')}"}
+        other_audience = httpx.post(resume_url, json={"run_input": decision}, headers=elsewhere, timeout=10)
+        assert other_audience.status_code == 401 and "not for this service" in other_audience.json()["detail"]
         assert API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"] == state
-        # `llmops approve` from elsewhere, through the proxy, with the header oauth2-proxy would set
+        # `llmops approve` from elsewhere, through the proxy, with the ID token oauth2-proxy would forward
+        id_token = token(signing, email="alice@example.com")
+        headers = {"Authorization": f"Bearer {id_token}", "X-Forwarded-Email": "mallory@example.com"}
         approved = cli(
             tmp_path / "elsewhere",
             *("approve", run_id, "--reason", "answers read well", "--by", "bob@example.com"),
             api=f"{proxy_url}/api",
-            env={"PREFECT_CLIENT_CUSTOM_HEADERS": json.dumps({"X-Forwarded-Email": "alice@example.com"})},
+            env={"PREFECT_CLIENT_CUSTOM_HEADERS": json.dumps(headers)},
         )
         assert approved.returncode == 0, approved.stdout + approved.stderr
         output = flow.communicate(timeout=60)[0]
@@ -660,8 +678,9 @@ def test_behind_a_trusted_proxy_only_the_person_it_logged_in_decides(tmp_path, s
     )
 
 
-def port_answers(url: str) -> bool:
+def port_answers(url: str, signed: str | None = None) -> bool:
     try:
-        return API.get(url, timeout=2).status_code == 200
+        headers = {"Authorization": f"Bearer {signed}"} if signed else {}
+        return API.get(url, headers=headers, timeout=2).status_code == 200
     except OSError:
         return False

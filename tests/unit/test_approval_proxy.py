@@ -17,17 +17,41 @@ RUN = "0f1c2d3e-0000-4000-8000-000000000001"
 SUBJECT = {"kind": "release", "model": "m", "candidate_version": "2", "artifact_sha256": "a" * 64}
 
 
-def test_only_a_trusted_peer_reaches_prefect_through_the_proxy():
-    # Starlette's test client connects as peer "testclient": not a trusted proxy, so refused before any upstream call
-    app = proxy_app("http://127.0.0.1:9", KEY)
-    with TestClient(app) as client:
-        refused = client.post(f"/api/flow_runs/{RUN}/resume", json={}, headers={"X-Forwarded-Email": "a@example.com"})
-    assert refused.status_code == 403
-    assert refused.json() == {"detail": "approval proxy: testclient is not a trusted proxy"}
-    with TestClient(proxy_app("http://127.0.0.1:9", KEY, trusted=["testclient"])) as client:
-        no_identity = client.post(f"/api/flow_runs/{RUN}/resume", json={"run_input": {}})
-        not_json = client.post(f"/api/flow_runs/{RUN}/resume", content=b"[1]", headers={"X-Forwarded-Email": "a@x"})
-    assert no_identity.status_code == 401 and not_json.status_code == 422
+def test_only_a_verified_id_token_reaches_prefect_and_no_forwarded_header_is_believed(tmp_path):
+    """Issue 61, finding 4: the proxy believed X-Forwarded-Email from a peer address, and uvicorn rewrites addresses
+    from X-Forwarded-For. Now every request needs an OIDC ID token that verifies (the provider's keys from a JWKS
+    file here); forged headers are dropped, and a refused request never reaches Prefect (port 9: nothing there)."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from tasks.platform.config.auth import JwtAuth
+    from tasks.platform.signed_tokens import TokenVerifier
+    from tests.unit.test_tokens import AUDIENCE, ISSUER, token
+
+    signing = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwks = tmp_path / "jwks.json"
+    public = jwt_algorithms()["RS256"].to_jwk(signing.public_key(), as_dict=True)
+    jwks.write_text(json.dumps({"keys": [{**public, "kid": "key-1", "alg": "RS256"}]}))
+    verifier = TokenVerifier(JwtAuth(jwks=str(jwks), issuer=ISSUER, audience=AUDIENCE))
+    forged = {"X-Forwarded-Email": "alice@example.com", "X-Forwarded-For": "127.0.0.1"}
+    with TestClient(proxy_app("http://127.0.0.1:9", KEY, verifier)) as client:
+        resume = f"/api/flow_runs/{RUN}/resume"
+        no_token = client.post(resume, json={"run_input": {}}, headers=forged)
+        assert no_token.status_code == 401 and "no ID token" in no_token.json()["detail"]
+        wrong_audience = token(signing, aud="another-client", email="alice@example.com")
+        refused = client.post(resume, json={}, headers={**forged, "Authorization": f"Bearer {wrong_audience}"})
+        assert refused.status_code == 401 and "not for this service" in refused.json()["detail"]
+        no_email = token(signing)
+        nameless = client.get("/api/health", headers={"Authorization": f"Bearer {no_email}"})
+        assert nameless.status_code == 401 and "names no email" in nameless.json()["detail"]
+        valid = token(signing, email="alice@example.com")
+        not_json = client.post(resume, content=b"[1]", headers={"Authorization": f"Bearer {valid}"})
+        assert not_json.status_code == 422
+
+
+def jwt_algorithms():
+    import jwt
+
+    return jwt.algorithms.get_default_algorithms()
 
 
 def test_a_resume_through_the_proxy_is_decided_by_the_logged_in_person_and_attested():

@@ -281,6 +281,13 @@ def test_a_release_that_lost_its_service_ends_in_one_line_and_exit_6_unretried(t
 def test_the_approval_proxy_needs_the_operators_key(tmp_path):
     env = {k: v for k, v in cli_env(tmp_path).items() if k != "LLMOPS_APPROVAL_PROXY_KEY_FILE"}
     run = [str(LLMOPS), "approval-proxy", "--upstream", "http://127.0.0.1:4200"]
+    no_oidc = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert no_oidc.returncode == 2 and "--oidc-jwks, --oidc-issuer, --oidc-audience" in no_oidc.stderr
+    run += ["--oidc-jwks", str(tmp_path / "jwks.json"), "--oidc-issuer", "https://id", "--oidc-audience", "llmops"]
+    in_clear = subprocess.run(
+        [*run[:-6], "--oidc-jwks", "http://id.example/jwks", *run[-4:]], capture_output=True, text=True, env=env
+    )
+    assert in_clear.returncode == 2 and "plain http:// to another machine" in in_clear.stderr.splitlines()[-1]
     missing = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
     assert missing.returncode == 2
     assert (

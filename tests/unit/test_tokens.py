@@ -17,8 +17,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from tasks.platform.config.auth import JwtAuth
+from tasks.platform.signed_tokens import TokenVerifier
 from tasks.runtime.gateway.auth import KeyRing
-from tasks.runtime.gateway.tokens import TokenVerifier
 from tests.unit.test_gateway import CHAT, KEY, QUESTION, FakeTriton, gateway
 
 __all__ = ["gateway"]  # the fixture, used by name
@@ -140,7 +140,7 @@ def hmac_with(secret: bytes, claims: dict) -> str:
 
 
 def test_a_rotated_key_is_taken_without_a_restart_and_made_up_kids_do_not_hammer_the_issuer(issuer, monkeypatch):
-    from tasks.runtime.gateway import tokens
+    from tasks.platform import signed_tokens as tokens
 
     keys, signing = issuer
     verifier = TokenVerifier(settings(keys.url, algorithms=["RS256", "ES256"]))

@@ -1,6 +1,6 @@
 """API keys per client: where they come from (the environment or a key file, never a profile) and the check
 every /v1 and /v2 request passes. Each client has a key of its own, so one can lose it without the others. Where the
-profile sets serve.auth.jwt, a bearer token that is a JWT is verified instead (tokens.py) and names its client."""
+profile sets serve.auth.jwt, a bearer token that is a JWT is verified instead (tasks/platform/signed_tokens.py) and names its client."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.platform.errors import BadInput
+from tasks.platform.signed_tokens import TokenRefused, TokenVerifier, looks_like_jwt
 from tasks.runtime.gateway.protocol import RequestError
-from tasks.runtime.gateway.tokens import TokenVerifier, looks_like_jwt
 
 API_KEYS_ENV = "LLMOPS_API_KEYS"  # comma-separated keys
 API_KEYS_FILE_ENV = "LLMOPS_API_KEYS_FILE"  # one key a line; `#` comments; a line `NAME: KEY` names its client
@@ -152,4 +152,7 @@ class KeyRing:
         if keys:  # an API key may hold two dots too
             with contextlib.suppress(RequestError):
                 return authorize(keys, authorization)
-        return self.tokens.client(token)
+        try:
+            return self.tokens.client(token)
+        except TokenRefused as exc:
+            raise RequestError(401, f"invalid token: {exc}", code="invalid_api_key") from None

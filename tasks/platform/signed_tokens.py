@@ -1,5 +1,5 @@
-"""Signed client tokens (serve.auth.jwt): a bearer token that is a JWT is verified against the issuer's published
-keys, and its claim names the client.
+"""Signed tokens (JWT) verified against the issuer's published keys: the gateway's clients' (serve.auth.jwt) and the
+OIDC ID tokens the approval proxy takes (flows/approval_proxy.py). A claim of a verified token names who sent it.
 
 PyJWT verifies (signature, `exp`, `nbf`, `iss`, `aud`, with the profile's algorithms only, so `alg: none` and an
 HMAC token "signed" with a public key never verify). The key set is ours to keep rather than PyJWKClient's, which
@@ -21,11 +21,14 @@ from urllib.parse import urlsplit
 import jwt
 
 from tasks.platform.config.auth import JwtAuth
-from tasks.runtime.gateway.protocol import RequestError
 
 MIN_REFETCH_S = 10.0
 FETCH_TIMEOUT_S = 5.0
 LOG = logging.getLogger("llmops.gateway")
+
+
+class TokenRefused(ValueError):
+    """A token that does not verify; the message says why, for the caller's 401."""
 
 
 def looks_like_jwt(credential: str) -> bool:
@@ -40,7 +43,15 @@ class TokenVerifier:
         self.lock = threading.Lock()
 
     def client(self, token: str) -> str:
-        """The client a valid token names; RequestError 401 naming what is wrong otherwise."""
+        """Who a valid token names (its `client_claim`); TokenRefused naming what is wrong otherwise."""
+        claims = self.claims(token)
+        client = claims.get(self.settings.client_claim)
+        if not isinstance(client, str) or not client:
+            raise TokenRefused(f"the token names no client ({self.settings.client_claim})")
+        return client
+
+    def claims(self, token: str) -> dict:
+        """The claims of a token whose signature, issuer, audience, expiry and not-before hold; TokenRefused else."""
         settings = self.settings
         try:
             header = jwt.get_unverified_header(token)
@@ -70,10 +81,7 @@ class TokenVerifier:
             raise refused("the token is not for this service (aud)") from None
         except jwt.PyJWTError as exc:
             raise refused(f"the token does not verify ({type(exc).__name__})") from None
-        client = claims.get(settings.client_claim)
-        if not isinstance(client, str) or not client:
-            raise refused(f"the token names no client ({settings.client_claim})")
-        return client
+        return claims
 
     def signing_key(self, kid: str) -> jwt.PyJWK:
         with self.lock:
@@ -107,5 +115,5 @@ class TokenVerifier:
         return Path(source.removeprefix("file://")).read_text()
 
 
-def refused(why: str) -> RequestError:
-    return RequestError(401, f"invalid token: {why}", code="invalid_api_key")
+def refused(why: str) -> TokenRefused:
+    return TokenRefused(why)
