@@ -31,6 +31,7 @@ says why Prefect itself cannot hand the flow a request header). A resume sent to
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -54,7 +55,6 @@ from tasks.quality.checks import GateReport
 
 APPROVAL_KEY = "approval"  # the pause's key: one approval per release run
 POLL_S = 2  # how often the paused run asks the API whether it was resumed (Prefect's default is 10 s)
-MAX_REFUSED = 20  # refused decisions a run waits through before it rejects (no one floods it forever)
 
 
 class ApprovalInput(RunInput):
@@ -190,7 +190,9 @@ def wait_for_decision(
     started = time.monotonic() - (time.time() - waiting_since)
     suspended = False
     try:
-        for attempt in range(1, MAX_REFUSED + 2):
+        # refused decisions never decide: however many anyone with the Prefect login sends, the run waits on for a
+        # valid one until the approval timeout (a cap that rejected would let 21 bogus decisions veto a release)
+        for attempt in itertools.count(1):
             left = timeout_s - (time.monotonic() - started)
             if left < 1 and not suspend:  # a suspended run's timeout is the Prefect server's (its pause expiration)
                 raise FlowPauseTimeout()
@@ -221,9 +223,7 @@ def wait_for_decision(
                 signature=answer.signature,
                 proxy_attested=policy.proxy_key is not None,
             )
-        return Approval(
-            False, "refused", f"{MAX_REFUSED + 1} refused decisions", time.time(), time.monotonic() - started
-        )
+        raise AssertionError("unreachable: the wait ends with a decision or the timeout")
     except FlowPauseTimeout:
         running_again(flow_run_id)
         reason = f"no decision within {timeout_s:g}s (gate.approval_timeout_s)"

@@ -93,3 +93,29 @@ def test_the_proxy_key_is_the_operators_file(tmp_path, monkeypatch):
     good.write_text("f" * 64 + "\n")
     monkeypatch.setenv(KEY_FILE_ENV, str(good))
     assert DecisionPolicy().proxy_key == b"f" * 64
+
+
+def test_bogus_decisions_never_veto_a_release_however_many_arrive(tmp_path, monkeypatch):
+    """Issue 61, finding 5: after 20 refused decisions the run rejected, so anyone with the Prefect login could veto
+    a release with 21 unattested resumes. Refused decisions never decide now: the 30th decision, attested by the
+    proxy, approves."""
+    from tasks import approve as stage
+    from tasks.platform.attestation import attest
+
+    monkeypatch.setattr(stage, "logger", lambda: __import__("logging").getLogger("test"))
+    bogus = {"decision": "reject", "reason": "no", "decided_by": "mallory@example.com"}
+    good = {"decision": "approve", "reason": "fine", "decided_by": "alice@example.com"}
+    answers = [stage.ApprovalInput(**bogus)] * 29 + [
+        stage.ApprovalInput(**good, proxy_attestation=attest(KEY, RUN, good))
+    ]
+    keys: list[str] = []
+
+    def wait_once(form, timeout_s, key, suspend):
+        keys.append(key)
+        return answers[len(keys) - 1]
+
+    monkeypatch.setattr(stage, "wait_once", wait_once)
+    policy = DecisionPolicy(proxy_key=KEY)
+    approval = stage.wait_for_decision(tmp_path, RUN, "report", 3600, SUBJECT, policy)
+    assert approval.approved and approval.decided_by == "alice@example.com" and len(keys) == 30
+    assert keys[:2] == ["approval", "approval-2"]
