@@ -12,10 +12,9 @@ gives one; it never goes into a profile, a log or MLflow. The process that start
 `llmops serve` hands it to the release runs that roll out on its Triton through
 `$LLMOPS_HOME/triton/control.key` (mode 600 from its creation), written when it publishes that Triton and
 removed when it stops or restarts it. Triton 2.51 takes the restricted-API key only on its command line
-(`tritonserver --help`: `--http-restricted-api=<apis>:<key>=<value>`, no option file, no environment
-variable), so the key is in tritonserver's argv, readable by `ps`, for the life of that one process. gRPC model-config stays open: genai-perf
-(perf_analyzer) reads the model config over gRPC, and a key on its command line would land in its
-artifacts; reading a config controls nothing.
+(`tritonserver --help`: `--http-restricted-api=<apis>:<key>=<value>`), so it is in tritonserver's argv, readable by
+`ps`, for the life of that one process. gRPC model-config stays open: genai-perf (perf_analyzer) reads the model
+config over gRPC, and a key on its command line would land in its artifacts; reading a config controls nothing.
 
 The binary: $LLMOPS_TRITONSERVER or `serve.triton_binary`, else the one in the nvidia-pytriton wheel
 (CPU machines), run with the Python backend and this environment's Python:
@@ -218,11 +217,9 @@ class TritonServer:
         adapter_registry.forget_map(self.process.pid)
 
     def end_model_processes(self, models: list[str]) -> list[int]:
-        """SIGKILL for the Python-backend model processes of `models` (and nothing else of this Triton): among a
-        stub's arguments is its name, the model instance's `<model>_<group>_<instance>` or, for the stub that
-        completes a model's config before its instances start, the model's own (python_backend
-        src/stub_launcher.cc, Launch; Triton 2.51's stub: `stub MODEL_PY SHM_REGION ... NAME DEFAULT`); the pids
-        ended."""
+        """SIGKILL for the Python-backend model processes of `models` (nothing else of this Triton); the pids. A stub's
+        arguments hold its name: its instance's `<model>_<group>_<instance>`, or the model's own for the stub that
+        completes its config (python_backend src/stub_launcher.cc, Launch: `stub MODEL_PY SHM ... NAME DEFAULT`)."""
         import re
 
         import psutil
@@ -367,8 +364,14 @@ def published_service(home: Path, name: str) -> Service | None:
     key_file = home / SERVE_KEY_FILE
     if info is None or triton is None or info.get("service") != name or not key_file.is_file():
         return None
-    control = ServiceControl(info["control_url"], key_file.read_text().strip())
+    control = ServiceControl(info["control_url"], key_file.read_text().strip(), reread=lambda: published_control(home))
     return Service(name, published_replicas(home, info), control, hung=control.hung_load)
+
+
+def published_control(home: Path) -> tuple[str, str] | None:
+    """The control API's URL and key the `llmops serve` of this LLMOPS_HOME publishes now; None without one."""
+    info, key_file = published_state(home), home / SERVE_KEY_FILE
+    return (info["control_url"], key_file.read_text().strip()) if info and key_file.is_file() else None
 
 
 def published_replicas(home: Path, info: dict) -> list[Triton]:

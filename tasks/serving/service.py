@@ -42,6 +42,9 @@ class ServiceControl:
     key: str = field(repr=False)
     fence: Fence | None = None
     lost: str | None = None
+    # where `llmops serve` publishes its control API's URL and key now (a restarted serve has a new key): read again
+    # on a 401 or a refused connection, and the call sent once more to what it says
+    reread: Callable[[], tuple[str, str] | None] | None = field(default=None, repr=False)
 
     def call(self, method: str, path: str, body: Mapping[str, Any] | None = None, timeout: float = 30) -> dict:
         response = self.send(method, path, body, timeout)
@@ -51,11 +54,32 @@ class ServiceControl:
 
     def send(self, method: str, path: str, body: Mapping[str, Any] | None, timeout: float) -> requests.Response:
         try:
-            return requests.request(
-                method, f"{self.url}{path}", json=body, headers={CONTROL_HEADER: self.key}, timeout=timeout
-            )
+            response = self.request(method, path, body, timeout)
+        except requests.ConnectionError:
+            if not self.published_again():
+                raise TransientError(f"the control API of the service at {self.url}: ConnectionError") from None
+            response = None
         except requests.RequestException as exc:
             raise TransientError(f"the control API of the service at {self.url}: {type(exc).__name__}") from None
+        if response is not None and (response.status_code != 401 or not self.published_again()):
+            return response
+        try:  # the serve started again: its new key (and URL), once
+            return self.request(method, path, body, timeout)
+        except requests.RequestException as exc:
+            raise TransientError(f"the control API of the service at {self.url}: {type(exc).__name__}") from None
+
+    def request(self, method: str, path: str, body: Mapping[str, Any] | None, timeout: float) -> requests.Response:
+        return requests.request(
+            method, f"{self.url}{path}", json=body, headers={CONTROL_HEADER: self.key}, timeout=timeout
+        )
+
+    def published_again(self) -> bool:
+        """The serve's URL and key as published now, where they changed (it started again); False otherwise."""
+        now = self.reread() if self.reread is not None else None
+        if now is None or now == (self.url, self.key):
+            return False
+        self.url, self.key = now
+        return True
 
     def write(self, method: str, path: str, body: Mapping[str, Any], timeout: float = 30) -> dict:
         """A change of the service, fenced: with the release's epoch, never once the release lost the service."""

@@ -876,3 +876,20 @@ def test_a_replica_started_again_loads_the_versions_with_a_source_and_not_an_ope
     fleet.ctx = SimpleNamespace(profile=SimpleNamespace(registry=SimpleNamespace(model_name=SERVICE)))  # type: ignore[assignment]
     monkeypatch.setattr(fleet_module, "served_of", lambda ctx, service, version: version.name)
     assert fleet.table_versions() == [champion.name]  # type: ignore[comparison-overlap]
+
+
+def test_a_release_follows_a_serve_started_again_to_its_new_key_and_address(control_url):
+    """Issue 61, a Low finding: `llmops serve` started again has a new control key (and, on free ports, a new
+    address); a running release held the old ones, so even its rollback failed. On a 401 or a refused connection
+    it reads what the serve publishes now and sends the call once more."""
+    from tasks.platform.errors import CheckFailed
+
+    url, gateway = control_url
+    published = [(url, CONTROL_KEY)]
+    stale_key = ServiceControl(url, "the-key-of-the-last-start", reread=lambda: published[0])
+    assert stale_key.table().service == SERVICE and stale_key.key == CONTROL_KEY
+    moved = ServiceControl("http://127.0.0.1:9", "the-key-of-the-last-start", reread=lambda: published[0])
+    assert moved.table().service == SERVICE and moved.url == url
+    nowhere = ServiceControl(url, "the-key-of-the-last-start", reread=lambda: (url, "the-key-of-the-last-start"))
+    with pytest.raises(CheckFailed, match="401|control key"):
+        nowhere.table()
