@@ -49,7 +49,7 @@ from tasks.runtime.gateway.running import Listener, RunningGateway
 from tasks.serving.champion import as_route, registry_champion, served_of, served_version
 from tasks.serving.client import Triton
 from tasks.serving.models import Served
-from tasks.serving.server import new_serve_key, publish, unpublish
+from tasks.serving.publication import new_serve_key, publish, unpublish
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over

@@ -32,7 +32,7 @@ from tasks.quality.checks import Check, at_most
 from tasks.quality.metrics import answer_metric, metric_score
 from tasks.quality.stats import paired_difference, wilson_interval
 from tasks.serving.client import TritonTarget
-from tasks.serving.server import serving_gateway
+from tasks.serving.publication import serving_gateway
 
 SETTLE_S = 1.0  # after the copy stopped: the copies in flight end
 SAMPLE_RECORDS = 20  # redacted copies MLflow keeps for a reviewer; the rest are only counted

@@ -182,7 +182,7 @@ def default_output(data: str) -> Path:
 
 def running_gateway() -> str | None:
     """The gateway of the `llmops serve` running for this LLMOPS_HOME, if one runs."""
-    from tasks.serving.server import serving_gateway
+    from tasks.serving.publication import serving_gateway
 
     return serving_gateway(llmops_home())
 

@@ -1,6 +1,6 @@
 """A release's service where no `llmops serve` runs it: the runtime's gateway (its control listener only), started in
 the release's own process in front of a Triton it attached to or started, for the release alone. Where `llmops serve`
-runs the service, the release attaches to it instead (tasks/serving/server.py:published_service).
+runs the service, the release attaches to it instead (tasks/serving/publication.py:published_service).
 
 The one place outside the runtime's own command that starts the runtime: flows/release.py calls `open_service`; the
 release's stages reach the service it returns through tasks/serving/service.py only.
@@ -16,7 +16,8 @@ from tasks.platform.ports import free_port
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.serving.champion import triton_launch
 from tasks.serving.client import Triton, TritonTarget, attach_control_key
-from tasks.serving.server import TritonServer, published, published_service
+from tasks.serving.publication import published, published_service
+from tasks.serving.server import TritonServer
 from tasks.serving.service import Service, ServiceControl
 
 

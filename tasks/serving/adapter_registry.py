@@ -1,8 +1,11 @@
 """serve.lora adapter: the map from adapter names to adapter files that a base vLLM engine serves from.
 
-The map is on the Triton host, private to the tritonserver process: `<tmp>/llmops-lora-<tritonserver pid>-<its start
+The map is on the Triton host, private to the tritonserver process: `<maps>/llmops-lora-<tritonserver pid>-<its start
 time>/<base model>/`, mode 700 (the start time: a PID the system hands out again, to a later Triton, gets a map of
-its own instead of the earlier one's bindings); the Triton's owner removes it when the Triton ends (forget_map). Only loading a version's Triton model writes it (infra/triton/lora: its `initialize` registers
+its own instead of the earlier one's bindings), where `<maps>` is the folder its starter names in LLMOPS_ADAPTER_MAPS
+(`$LLMOPS_HOME/triton/adapter-maps`, not a shared /tmp), else the temporary folder. A map that is a symbolic link, or
+not this user's alone, is refused. The Triton's owner removes it when the Triton ends (forget_map), and the maps of
+Tritons that ended without it (a SIGKILLed serve) at the next start (forget_ended_maps). Only loading a version's Triton model writes it (infra/triton/lora: its `initialize` registers
 the adapter it came with, its `finalize` retires it), and loading a model needs Triton's control key; a request to
 the base engine names an adapter by name only (`lora_name`) and the engine looks the name up here. A request cannot
 name a folder, and a name, once bound to an adapter's weights, is never bound to other weights while that Triton
@@ -22,6 +25,7 @@ import tempfile
 import time
 
 FILE_NAME = "adapter_registry.py"  # the copy's name in a rendered model's version folder
+MAPS_ENV = "LLMOPS_ADAPTER_MAPS"  # the folder of the maps, set by the process that starts tritonserver
 
 
 class RegistryError(Exception):
@@ -30,13 +34,22 @@ class RegistryError(Exception):
 
 def registry_root(server_pid: int | None = None) -> str:
     """The map of the tritonserver process `server_pid` (the stub's parent), created private to this user."""
+    import stat
+
     pid = server_pid or os.getppid()
-    root = os.path.join(tempfile.gettempdir(), f"llmops-lora-{pid}-{process_start(pid)}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    status = os.stat(root)
-    if status.st_uid != os.getuid() or status.st_mode & 0o077:
-        raise RegistryError(f"adapter registry {root}: not private to this user (owner {status.st_uid})")
+    root = os.path.join(maps_folder(), f"llmops-lora-{pid}-{process_start(pid)}")
+    try:
+        os.mkdir(root, mode=0o700)
+    except FileExistsError:
+        pass
+    status = os.lstat(root)  # a link planted at the name is not followed
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
+        raise RegistryError(f"adapter registry {root}: not a folder private to this user (owner {status.st_uid})")
     return root
+
+
+def maps_folder() -> str:
+    return os.environ.get(MAPS_ENV) or tempfile.gettempdir()
 
 
 def process_start(pid: int) -> str:
@@ -49,12 +62,22 @@ def process_start(pid: int) -> str:
         return "0"
 
 
-def forget_map(server_pid: int) -> None:
+def forget_map(server_pid: int, folder: str | None = None) -> None:
     """The maps of a tritonserver that has ended (whatever its start time: the PID is its own until it is reaped)."""
     import glob
 
-    for root in glob.glob(os.path.join(tempfile.gettempdir(), f"llmops-lora-{server_pid}-*")):
+    for root in glob.glob(os.path.join(folder or maps_folder(), f"llmops-lora-{server_pid}-*")):
         shutil.rmtree(root, ignore_errors=True)
+
+
+def forget_ended_maps(folder: str) -> None:
+    """The maps in `folder` whose tritonserver is no longer the process that made them (ended, or its PID reused)."""
+    import glob
+
+    for root in glob.glob(os.path.join(folder, "llmops-lora-*-*")):
+        pid, _, started = os.path.basename(root).removeprefix("llmops-lora-").partition("-")
+        if pid.isdigit() and process_start(int(pid)) != started:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def adapter_digest(folder: str) -> str:

@@ -893,3 +893,23 @@ def test_a_release_follows_a_serve_started_again_to_its_new_key_and_address(cont
     nowhere = ServiceControl(url, "the-key-of-the-last-start", reread=lambda: (url, "the-key-of-the-last-start"))
     with pytest.raises(CheckFailed, match="401|control key"):
         nowhere.table()
+
+
+def test_an_adapter_map_is_never_a_planted_link_and_an_ended_tritons_map_is_swept(tmp_path: Path, monkeypatch):
+    """Issue 61, a Low finding: the map's check followed a symbolic link planted at its (predictable) name, and the
+    maps of a SIGKILLed serve's Tritons stayed in /tmp. Maps go where the starter says (LLMOPS_ADAPTER_MAPS)."""
+    maps = tmp_path / "adapter-maps"
+    maps.mkdir(mode=0o700)
+    monkeypatch.setenv(adapter_registry.MAPS_ENV, str(maps))
+    pid = os.getpid()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (maps / f"llmops-lora-{pid}-{adapter_registry.process_start(pid)}").symlink_to(elsewhere)
+    with pytest.raises(adapter_registry.RegistryError, match="not a folder private to this user"):
+        adapter_registry.registry_root(pid)
+    (maps / f"llmops-lora-{pid}-{adapter_registry.process_start(pid)}").unlink()
+    assert adapter_registry.registry_root(pid).startswith(str(maps))
+    ended = maps / "llmops-lora-999999999-12345"
+    ended.mkdir()
+    adapter_registry.forget_ended_maps(str(maps))
+    assert not ended.exists() and len(list(maps.iterdir())) == 1  # this process's map stays

@@ -18,7 +18,8 @@ import pytest
 
 from tasks.platform.errors import BadInput
 from tasks.serving.client import Triton, TritonTarget
-from tasks.serving.server import new_control_key, publish, published, restricted_api_flags, unpublish
+from tasks.serving.publication import publish, published, unpublish
+from tasks.serving.server import new_control_key, restricted_api_flags
 from tests.leaks import in_processes
 
 SECRET = "s3cr3t-for-the-leak-scanner-7d1e"

@@ -546,7 +546,7 @@ def test_a_release_reads_the_control_key_again_when_a_restarted_triton_refuses_i
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from tasks.serving.client import CONTROL_HEADER
-    from tasks.serving.server import CONTROL_KEYS_FILE, published_replicas
+    from tasks.serving.publication import CONTROL_KEYS_FILE, published_replicas
 
     current = {"key": "old-key"}
     seen: list[str] = []

@@ -1,0 +1,172 @@
+"""Where `llmops serve` publishes what it runs for its LLMOPS_HOME, and how a release of that home finds it:
+`$LLMOPS_HOME/triton/server.json` (its Triton replicas, its gateway and control API's URLs, its process), the
+Tritons' control keys in `$LLMOPS_HOME/triton/control.key` and `control.keys`, and the serve's own control key in
+`$LLMOPS_HOME/serving/control.key` (all mode 600, written while the serve runs, removed when it stops). This module is
+those files' one owner.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.platform.child_env import write_secret
+from tasks.serving.client import CONTROL_KEY_FILE, Triton, control_key
+
+if TYPE_CHECKING:
+    from tasks.serving.service import Service
+
+
+SERVER_FILE = "server.json"  # written while `llmops serve` runs: lets a run attach to the serving Triton
+CONTROL_KEYS_FILE = "control.keys"  # beside control.key: every replica's key by URL (mode 600)
+SERVE_KEY_FILE = Path("serving") / "control.key"  # under $LLMOPS_HOME, mode 600, while `llmops serve` runs
+SERVE_KEY_ENV = "LLMOPS_SERVE_CONTROL_KEY"  # the serve's control key where its user gives one (else a fresh one)
+
+
+def new_serve_key() -> str:
+    """The control key of an `llmops serve` about to start: LLMOPS_SERVE_CONTROL_KEY where given, else fresh."""
+    return os.environ.get(SERVE_KEY_ENV) or secrets.token_urlsafe(32)
+
+
+def publish(
+    home: Path,
+    tritons: list[Triton],
+    gateway_url: str | None = None,
+    control_url: str | None = None,
+    serve_key: str | None = None,
+    service: str | None = None,
+    gateway_metrics_url: str | None = None,
+) -> Path:
+    """Write server.json: runs with this LLMOPS_HOME roll out on these Triton replicas (the first one first), through
+    the serve's control API, while it lives; clients of this machine find the gateway there, and Prometheus (or a
+    person) the gateway's /metrics."""
+    state = home / "triton" / SERVER_FILE
+    first = tritons[0]
+    state.parent.mkdir(parents=True, exist_ok=True)
+    if first.control_key:
+        write_secret(home / "triton" / CONTROL_KEY_FILE, first.control_key)
+    keys = {t.url: t.control_key for t in tritons if t.control_key}
+    write_secret(home / "triton" / CONTROL_KEYS_FILE, json.dumps(keys))
+    if serve_key:
+        (home / SERVE_KEY_FILE).parent.mkdir(parents=True, exist_ok=True)
+        write_secret(home / SERVE_KEY_FILE, serve_key)
+
+    def endpoints(triton: Triton) -> dict:
+        repository = str(triton.repository) if triton.repository is not None else None
+        return {
+            "url": triton.url,
+            "grpc_url": triton.grpc_url,
+            "metrics_url": triton.metrics_url,
+            "repository": repository,
+        }
+
+    write_secret(
+        state,
+        json.dumps(
+            {
+                **endpoints(first),
+                "replicas": [endpoints(t) for t in tritons],
+                "gateway_url": gateway_url,
+                "control_url": control_url,
+                "service": service,
+                "gateway_metrics_url": gateway_metrics_url,
+                "pid": os.getpid(),
+            }
+        ),
+    )
+    return state
+
+
+def unpublish(home: Path, serve_stops: bool = True) -> None:
+    """Before its Tritons stop: the server file, and the keys that die with them; and where the serve stops too, its
+    own control key."""
+    for name in (SERVER_FILE, CONTROL_KEY_FILE, CONTROL_KEYS_FILE):
+        (home / "triton" / name).unlink(missing_ok=True)
+    if serve_stops:
+        (home / SERVE_KEY_FILE).unlink(missing_ok=True)
+
+
+def serving_process(pid: int) -> bool:
+    """Whether `pid` is alive and is an llmops or tritonserver process (a stale server.json names a dead pid,
+    which the system may since have given to anything)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"llmops" in command or b"tritonserver" in command
+
+
+def published_state(home: Path) -> dict | None:
+    """server.json of the `llmops serve` running for this LLMOPS_HOME; None without one, or when its process is gone."""
+    state = home / "triton" / SERVER_FILE
+    if not state.is_file():
+        return None
+    info = json.loads(state.read_text())
+    return info if serving_process(int(info.get("pid", 0))) else None
+
+
+def serving_gateway(home: Path) -> str | None:
+    """The URL of the gateway of the `llmops serve` running for this LLMOPS_HOME, if one runs."""
+    info = published_state(home)
+    return info.get("gateway_url") if info else None
+
+
+def published(home: Path) -> Triton | None:
+    """The client of the Triton `llmops serve` publishes for this LLMOPS_HOME, if it answers."""
+    info = published_state(home)
+    if info is None:
+        return None
+    repository = Path(info["repository"]) if info.get("repository") else None
+    triton = Triton(
+        info["url"], repository, info["metrics_url"], info["grpc_url"], control_key(home), lambda: control_key(home)
+    )
+    return triton if triton.is_live() else None
+
+
+def published_service(home: Path, name: str) -> Service | None:
+    """The service `name` as `llmops serve` runs it for this LLMOPS_HOME (its Triton and its control API), if it
+    answers; another service's serve is not this one's (its Triton may still host it: `published`)."""
+    from tasks.serving.service import Service, ServiceControl
+
+    info, triton = published_state(home), published(home)
+    key_file = home / SERVE_KEY_FILE
+    if info is None or triton is None or info.get("service") != name or not key_file.is_file():
+        return None
+    control = ServiceControl(info["control_url"], key_file.read_text().strip(), reread=lambda: published_control(home))
+    return Service(name, published_replicas(home, info), control, hung=control.hung_load)
+
+
+def published_control(home: Path) -> tuple[str, str] | None:
+    """The control API's URL and key the `llmops serve` of this LLMOPS_HOME publishes now; None without one."""
+    info, key_file = published_state(home), home / SERVE_KEY_FILE
+    return (info["control_url"], key_file.read_text().strip()) if info and key_file.is_file() else None
+
+
+def published_replicas(home: Path, info: dict) -> list[Triton]:
+    """Every Triton replica server.json lists, each with its own control key (control.keys)."""
+    replicas = info.get("replicas") or [{k: info.get(k) for k in ("url", "grpc_url", "metrics_url", "repository")}]
+    return [
+        Triton(
+            r["url"],
+            Path(r["repository"]) if r.get("repository") else None,
+            r.get("metrics_url"),
+            r.get("grpc_url"),
+            replica_key(home, r["url"]),
+            reread_key=functools.partial(replica_key, home, r["url"]),  # a replica `llmops serve` restarted: new key
+        )
+        for r in replicas
+    ]
+
+
+def replica_key(home: Path, url: str) -> str | None:
+    """The control key `llmops serve` keeps for its replica at `url` (control.keys), else this home's key."""
+    keys_file = home / "triton" / CONTROL_KEYS_FILE
+    try:
+        keys = json.loads(keys_file.read_text()) if keys_file.is_file() else {}
+    except (OSError, ValueError):  # being rewritten: the home's key, or the next read
+        keys = {}
+    return keys.get(url) or control_key(home)
