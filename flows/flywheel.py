@@ -152,10 +152,16 @@ def review(config: Profile, harvested: Harvested, log) -> tuple[bool, str, str]:
         f"flywheel: {harvested.records} records wait in {harvested.uri} for a person: the Resume form on this run's "
         f"page in the Prefect UI, or `llmops approve {runtime.flow_run.id} --reason ...` / `llmops reject ...`"
     )
+    # the form shows no user's text: Prefect keeps a run's form for as long as the run, where neither capture
+    # retention nor `llmops data forget` reaches; the corrections are in the pending report, which both reach
+    where = f"{harvested.uri.rsplit('/', 1)[0]}/{report_key(harvested.uri)}" if harvested.uri else "-"
+    form = review_markdown(harvested, samples=False) + (
+        f"\n\nThe corrections beside the answers they replace are in the pending report `{where}` (its `corrections`)."
+    )
     approval: Approval = wait_for_decision(
         llmops_home(),
         str(runtime.flow_run.id),
-        review_markdown(harvested),
+        form,
         config.gate.approval_timeout_s,
         subject,
         DecisionPolicy.of(config.gate, run_creator()),
