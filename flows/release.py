@@ -12,14 +12,13 @@ from __future__ import annotations
 import functools
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
 from prefect.exceptions import Pause
 
-from tasks.approve import Approval, approve
+from tasks.approve import Approval, approve, refuse_unverified_approval
 from tasks.base_model import base_model
 from tasks.benchmark import benchmark, require_load_tool
 from tasks.build_engine import build_engine
@@ -43,7 +42,7 @@ from tasks.rollout import rollout
 from tasks.runtime.standalone import open_service
 from tasks.serving.champion import is_champion
 from tasks.serving.client import TritonTarget
-from tasks.serving.ownership import Ownership
+from tasks.serving.ownership import serving_lock
 from tasks.serving.service import Service
 from tasks.shadow import refuse_shadow_without_gateway, shadow
 from tasks.train import train
@@ -194,8 +193,7 @@ def release(
             triton_metrics_url,
         )  # fmt: skip
     config = load_profile(profile, overrides or [], data_source, eval_data)
-    if runtime.deployment.id:
-        check_profile_locations(config, load_profile(profile, [], data_source, eval_data))
+    refuse_before_training(profile, config, data_source, eval_data)
     target = TritonTarget.from_options(
         triton_url, triton_grpc_url, triton_metrics_url, triton_repository, from_api=bool(runtime.deployment.id)
     )
@@ -267,6 +265,17 @@ def release(
     return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval, steps)
 
 
+def refuse_before_training(profile: str, config: Profile, data_source: str | None, eval_data: str | None) -> None:
+    """What would fail the run after its training, refused before it: overrides that move its locations off the
+    worker's allow-list (a run of the Prefect API), and an approval its profile file asks for with nothing to verify
+    the person's decision."""
+    written = load_profile(profile, [], data_source, eval_data)  # the profile file's own settings
+    if runtime.deployment.id:
+        check_profile_locations(config, written)
+    if written.gate.approval == "required" and config.serve.deploy:
+        refuse_unverified_approval(config.gate)
+
+
 def let_go(served: Service | None, deployment: Deployment | None) -> None:
     """Whatever happened: the run no longer renews its hold on the routes, and what it started for itself (a Triton,
     a gateway) stops; nothing of `llmops serve`'s."""
@@ -289,40 +298,6 @@ def needs_approval(config: Profile, dataset: StageResult) -> bool:
     """gate.approval required, or harvested and the training data holds records clients wrote (the flywheel's)."""
     harvested = (DatasetMetrics.of(dataset).harvested_records or 0) > 0
     return config.gate.approval == "required" or (config.gate.approval == "harvested" and harvested)
-
-
-@contextmanager
-def serving_lock(config: Profile, tracker: Tracker, served: Service, release: str, resumed: bool = False):
-    """The service owned by this release (tasks/serving/ownership.py) from loading the candidate until it is
-    promoted or rolled back; a second release of the model queues here for its turn, or fails at once while this
-    one waits for a person. `resumed`: started again after a suspension, it owns the service already (what it
-    waited and when it took it are those of its first process). Suspended, it stays the owner."""
-    name = f"llmops-serving-{config.registry.model_name}"
-    log = logger()
-    log.info(f"serving lock {name}: acquiring (another release of {config.registry.model_name} may hold it)")
-    ownership = Ownership(served.control, served.name, release, config.canary.hold_s)
-    waited = ownership.take(config.run.serving_lock_timeout_s)
-    ownership.keep()
-    log.info(f"serving lock {name}: held by release {release} (epoch {ownership.epoch}) after {waited:.1f}s")
-    tracker.set_tags({"release.id": release, "serving_lock.epoch": str(ownership.epoch)})
-    if not resumed:
-        tracker.log_metrics("serving_lock", {"wait_s": waited})
-        tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})
-    suspended = False
-    try:
-        yield ownership
-    except Pause:
-        suspended = True
-        raise
-    finally:
-        if suspended:  # owned, waiting for approval, until the approval timeout, with no process to renew it
-            ownership.suspend(config.gate.approval_timeout_s + config.canary.hold_s)
-        else:  # given up first: the tag is a record, the ownership is what the next release waits for
-            ownership.give_up()
-            try:
-                tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
-            except Exception as exc:  # MLflow away (the failure being raised, often): said, not raised over it
-                log.warning(f"serving lock {name}: released; MLflow did not record when ({type(exc).__name__})")
 
 
 def measure(ctx: RunContext, steps: list[ServingStep], deployment: Deployment, inputs: list) -> GateReport:

@@ -50,6 +50,7 @@ from tasks.platform.decisions import (
     pending_folder,
     waiting_record,
 )
+from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import GateReport
 
@@ -106,6 +107,22 @@ class DecisionPolicy:
     def of(cls, gate, creator: str) -> DecisionPolicy:
         signers = Path(gate.allowed_signers) if gate.allowed_signers else None
         return cls(signers, gate.separate_duties, creator)
+
+
+def refuse_unverified_approval(gate) -> None:
+    """A profile file that asks for a person's approval (gate.approval required) gets a verified one: signed decisions
+    (gate.allowed_signers, a file the worker reads) or the approval proxy's attested ones (its key in this process's
+    environment). Otherwise anyone with the Prefect login could approve as anyone, and the release refuses to start."""
+    if gate.allowed_signers is not None:
+        if not os.access(gate.allowed_signers, os.R_OK):
+            raise BadInput(f"gate.allowed_signers {gate.allowed_signers}: not a readable file (ssh-keygen's format)")
+        return
+    if configured_key() is None:
+        raise BadInput(
+            "gate.approval required: a decision must be verified: set gate.allowed_signers (signed decisions) in the "
+            f"profile file, or {KEY_FILE_ENV} (the approval proxy's key) in the worker's environment "
+            "(docs/user-guide.md#a-person-approves-the-release)"
+        )
 
 
 def statement_of(flow_run_id: str, subject: dict, decision: str, reason: str, principal: str) -> dict[str, str]:

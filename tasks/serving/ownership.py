@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from prefect.exceptions import Pause
+
+from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.platform.stage_cache import logger
-from tasks.serving.service import Fence, ServiceControl
+from tasks.platform.tracking import Tracker
+from tasks.serving.service import Fence, Service, ServiceControl
 
 POLL_S = 2.0  # how often a queued release asks again
 
@@ -141,3 +146,37 @@ class Ownership:
             self.control.disown(self.release)
         except (CheckFailed, TransientError) as exc:
             logger().warning(f"serving lock: {self.service} not given up ({exc}); it lapses in {self.lease_s:.0f}s")
+
+
+@contextmanager
+def serving_lock(config: Profile, tracker: Tracker, served: Service, release: str, resumed: bool = False):
+    """The service owned by this release (Ownership) from loading the candidate until it is
+    promoted or rolled back; a second release of the model queues here for its turn, or fails at once while this
+    one waits for a person. `resumed`: started again after a suspension, it owns the service already (what it
+    waited and when it took it are those of its first process). Suspended, it stays the owner."""
+    name = f"llmops-serving-{config.registry.model_name}"
+    log = logger()
+    log.info(f"serving lock {name}: acquiring (another release of {config.registry.model_name} may hold it)")
+    ownership = Ownership(served.control, served.name, release, config.canary.hold_s)
+    waited = ownership.take(config.run.serving_lock_timeout_s)
+    ownership.keep()
+    log.info(f"serving lock {name}: held by release {release} (epoch {ownership.epoch}) after {waited:.1f}s")
+    tracker.set_tags({"release.id": release, "serving_lock.epoch": str(ownership.epoch)})
+    if not resumed:
+        tracker.log_metrics("serving_lock", {"wait_s": waited})
+        tracker.set_tags({"serving_lock.acquired_at": f"{time.time():.3f}"})
+    suspended = False
+    try:
+        yield ownership
+    except Pause:  # prefect's: the run suspended for approval
+        suspended = True
+        raise
+    finally:
+        if suspended:  # owned, waiting for approval, until the approval timeout, with no process to renew it
+            ownership.suspend(config.gate.approval_timeout_s + config.canary.hold_s)
+        else:  # given up first: the tag is a record, the ownership is what the next release waits for
+            ownership.give_up()
+            try:
+                tracker.set_tags({"serving_lock.released_at": f"{time.time():.3f}"})
+            except Exception as exc:  # MLflow away (the failure being raised, often): said, not raised over it
+                log.warning(f"serving lock {name}: released; MLflow did not record when ({type(exc).__name__})")

@@ -119,3 +119,37 @@ def test_bogus_decisions_never_veto_a_release_however_many_arrive(tmp_path, monk
     approval = stage.wait_for_decision(tmp_path, RUN, "report", 3600, SUBJECT, policy)
     assert approval.approved and approval.decided_by == "alice@example.com" and len(keys) == 30
     assert keys[:2] == ["approval", "approval-2"]
+
+
+def test_a_profile_that_asks_for_approval_refuses_to_start_without_a_way_to_verify_it(tmp_path, monkeypatch):
+    """Issue 61, finding 5: the five GPU profiles asked for a person's approval (required) with no signers and no
+    proxy, so anyone with the Prefect login could approve as anyone. The release now refuses before training."""
+    from flows.release import release
+    from tasks.approve import refuse_unverified_approval
+    from tasks.platform.config import load_profile
+
+    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))
+    gate = load_profile("llama3-8b-h100-fp8").gate
+    assert gate.approval == "required" and gate.allowed_signers is None
+    with pytest.raises(BadInput, match=r"^gate.approval required: a decision must be verified: set gate.allowed_sig"):
+        refuse_unverified_approval(gate)
+    key = tmp_path / "proxy.key"
+    key.write_text("k" * 64)
+    monkeypatch.setenv(KEY_FILE_ENV, str(key))
+    refuse_unverified_approval(gate)  # the approval proxy verifies
+    monkeypatch.delenv(KEY_FILE_ENV)
+    with pytest.raises(BadInput, match=r"gate.allowed_signers /nowhere/allowed_signers: not a readable file"):
+        refuse_unverified_approval(gate.model_copy(update={"allowed_signers": "/nowhere/allowed_signers"}))
+    import yaml
+
+    from tasks.platform.project import PROJECT_ROOT
+
+    values = yaml.safe_load((PROJECT_ROOT / "profiles" / "cpu-tiny.yaml").read_text())
+    values["gate"]["approval"] = "required"
+    values["data"] = {"source": str(PROJECT_ROOT / "profiles" / "data" / "antonyms.jsonl")}
+    required = tmp_path / "required.yaml"
+    required.write_text(yaml.safe_dump(values))
+    with pytest.raises(BadInput, match="a decision must be verified"):
+        release.fn(profile=str(required))
+    assert not (tmp_path / "home" / "store").exists()  # nothing trained

@@ -439,8 +439,8 @@ class Tags:
 def test_a_release_suspended_for_approval_stays_the_owner_and_its_resumed_run_owns_the_service_again(service):
     from prefect.exceptions import Pause
 
-    from flows.release import serving_lock
     from tasks.platform.config import load_profile
+    from tasks.serving.ownership import serving_lock
     from tasks.serving.service import Service
 
     gateway, _, control = service()
