@@ -189,6 +189,24 @@ def deep_json(depth: int = 100_000) -> bytes:
     return ('{"messages": [{"role": "user", "content": "x"}], "x": ' + "[" * depth + "]" * depth + "}").encode()
 
 
+def b64url(data: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+FORGED_JWT = (
+    ".".join(
+        b64url(json.dumps(part).encode()) for part in ({"alg": "RS256", "kid": "k"}, {"sub": "team-a", "exp": 2**40})
+    )
+    + "."
+    + b64url(b"not a signature")
+)
+UNSIGNED_JWT = (
+    ".".join(b64url(json.dumps(part).encode()) for part in ({"alg": "none"}, {"sub": "team-a", "exp": 2**40})) + "."
+)
+
+
 def cases(service: str) -> list[Case]:
     chat, generate = "/v1/chat/completions", f"/v2/models/{service}/generate"
     text = {"text_input": "What is the opposite of hot?", "max_tokens": 4, "exclude_input_in_output": True}
@@ -206,6 +224,9 @@ def cases(service: str) -> list[Case]:
             {401},
             lambda p: [p.request("POST", chat, b"{}", {"Authorization": f"Basic {p.key}"})],
         ),
+        # signed-token forms (serve.auth.jwt): refused as keys where no issuer is configured, as tokens where one is
+        case("a JWT-shaped bearer", chat, {401}, lambda p: [p.request("POST", chat, b"{}", key=FORGED_JWT)]),
+        case("a JWT with alg none", chat, {401}, lambda p: [p.request("POST", chat, b"{}", key=UNSIGNED_JWT)]),
         case("broken JSON", chat, {400}, lambda p: p.post(chat, b'{"messages": [')),
         case("empty body", chat, {400}, lambda p: p.post(chat, b"")),
         case("a JSON array as the body", chat, {400}, lambda p: p.post(chat, [1, 2])),
