@@ -73,6 +73,12 @@ class ApprovalInput(RunInput):
     proxy_attestation: str = Field(
         "", max_length=200, description="Set by `llmops approval-proxy` (a trusted OIDC proxy): leave it empty."
     )
+    artifact_sha256: str = Field(
+        "",
+        max_length=64,
+        description="The sha256 of the artifact this decides on (filled in): behind the approval proxy, a decision "
+        "attested for another artifact does not count.",
+    )
 
 
 @dataclass
@@ -146,6 +152,12 @@ def check_decision(answer: ApprovalInput, flow_run_id: str, subject: dict, polic
     from tasks.platform.signatures import SignatureRefused, verify
 
     if policy.proxy_key is not None:
+        artifact = str(subject.get("artifact_sha256", ""))
+        if answer.artifact_sha256 != artifact:
+            raise SignatureRefused(
+                f"decision by {answer.decided_by!r} is for artifact {answer.artifact_sha256[:12] or 'none'}, not this "
+                f"run's {artifact[:12]}"
+            )
         if not attested(policy.proxy_key, flow_run_id, answer.model_dump(), answer.proxy_attestation):
             raise SignatureRefused(
                 f"decision by {answer.decided_by!r} did not come through the trusted proxy ({KEY_FILE_ENV} is set): "
@@ -214,7 +226,9 @@ def wait_for_decision(
             if left < 1 and not suspend:  # a suspended run's timeout is the Prefect server's (its pause expiration)
                 raise FlowPauseTimeout()
             answer = wait_once(
-                ApprovalInput.with_initial_data(description=report_markdown),
+                ApprovalInput.with_initial_data(
+                    description=report_markdown, artifact_sha256=str(subject.get("artifact_sha256", ""))
+                ),
                 max(1, round(left)) + (EXPIRY_GRACE_S if suspend else 0),
                 APPROVAL_KEY if attempt == 1 else f"{APPROVAL_KEY}-{attempt}",
                 suspend,

@@ -44,7 +44,8 @@ def configured_key() -> bytes | None:
 
 
 def attested_fields(flow_run_id: str, decision: Mapping) -> bytes:
-    fields = {"run": flow_run_id, **{k: str(decision.get(k, "")) for k in ("decision", "reason", "decided_by")}}
+    named = ("decision", "reason", "decided_by", "artifact_sha256")  # the artifact decided on: one digest, not another
+    fields = {"run": flow_run_id, **{k: str(decision.get(k, "")) for k in named}}
     return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 

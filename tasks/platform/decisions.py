@@ -136,6 +136,21 @@ def wait_for_input_schema(
         time.sleep(0.2)
 
 
+def form_defaults(client: SyncPrefectClient, run_id: UUID, key: str) -> dict:
+    """What the paused run filled its form in with (the artifact it decides on), from its input schema; {} where
+    that cannot be read."""
+    try:
+        schema = json.loads(client.read_flow_run_input(run_id, key))
+    except Exception:  # noqa: BLE001 (no schema, another shape: nothing is filled in; the run says what it lacks)
+        return {}
+    fields = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    return (
+        {"artifact_sha256": fields["artifact_sha256"]["default"]}
+        if "default" in fields.get("artifact_sha256", {})
+        else {}
+    )
+
+
 def resume(api_url: str, auth_string: str | None, flow_run_id: str, run_input: dict) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.responses import SetStateStatus
@@ -157,6 +172,7 @@ def resume(api_url: str, auth_string: str | None, flow_run_id: str, run_input: d
         keyset = flow_run.state.state_details.run_input_keyset
         if keyset:
             wait_for_input_schema(client, run_id, keyset["schema"])
+            run_input = {**form_defaults(client, run_id, keyset["schema"]), **run_input}
         response = client.resume_flow_run(run_id, run_input=run_input)
     if response.status != SetStateStatus.ACCEPT:
         reason = getattr(response.details, "reason", None) or response.status.value

@@ -55,19 +55,27 @@ def jwt_algorithms():
 
 
 def test_a_resume_through_the_proxy_is_decided_by_the_logged_in_person_and_attested():
-    body = json.dumps({"run_input": {"decision": "approve", "reason": "fine", "decided_by": "mallory"}}).encode()
+    decided = {"decision": "approve", "reason": "fine", "decided_by": "mallory", "artifact_sha256": "a" * 64}
+    body = json.dumps({"run_input": decided}).encode()
     run_input = json.loads(attested_resume(body, RUN, "alice@example.com", KEY) or b"")["run_input"]
     assert run_input["decided_by"] == "alice@example.com"
     assert attested(KEY, RUN, run_input, run_input["proxy_attestation"])
     assert not attested(KEY, RUN, {**run_input, "reason": "other"}, run_input["proxy_attestation"])
     assert not attested(KEY, RUN.replace("1", "2"), run_input, run_input["proxy_attestation"])  # another run
     assert not attested(b"x" * 32, RUN, run_input, run_input["proxy_attestation"])
+    other_artifact = {**run_input, "artifact_sha256": "b" * 64}  # the attestation binds the artifact decided on
+    assert not attested(KEY, RUN, other_artifact, run_input["proxy_attestation"])
     assert attested_resume(b"not json", RUN, "alice", KEY) is None
 
     policy = DecisionPolicy(proxy_key=KEY, separate_duties=True, creator="carol@example.com")
     assert check_decision(ApprovalInput(**run_input), RUN, SUBJECT, policy) == ""
     with pytest.raises(SignatureRefused, match="did not come through the trusted proxy"):
         check_decision(ApprovalInput(**{**run_input, "proxy_attestation": ""}), RUN, SUBJECT, policy)
+    elsewhere = json.loads(
+        attested_resume(json.dumps({"run_input": other_artifact}).encode(), RUN, "alice", KEY) or b""
+    )
+    with pytest.raises(SignatureRefused, match=r"is for artifact bbbbbbbbbbbb, not this run's aaaaaaaaaaaa"):
+        check_decision(ApprovalInput(**elsewhere["run_input"]), RUN, SUBJECT, policy)
     by_creator = json.loads(attested_resume(body, RUN, "carol@example.com", KEY) or b"")["run_input"]
     with pytest.raises(SignatureRefused, match="carol@example.com started this run and may not decide it"):
         check_decision(ApprovalInput(**by_creator), RUN, SUBJECT, policy)
@@ -104,7 +112,7 @@ def test_bogus_decisions_never_veto_a_release_however_many_arrive(tmp_path, monk
 
     monkeypatch.setattr(stage, "logger", lambda: __import__("logging").getLogger("test"))
     bogus = {"decision": "reject", "reason": "no", "decided_by": "mallory@example.com"}
-    good = {"decision": "approve", "reason": "fine", "decided_by": "alice@example.com"}
+    good = {"decision": "approve", "reason": "fine", "decided_by": "alice@example.com", "artifact_sha256": "a" * 64}
     answers = [stage.ApprovalInput(**bogus)] * 29 + [
         stage.ApprovalInput(**good, proxy_attestation=attest(KEY, RUN, good))
     ]
