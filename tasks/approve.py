@@ -217,18 +217,15 @@ def wait_for_decision(
     partial.write_text(json.dumps({**record, "waiting_since": waiting_since, "timeout_s": timeout_s}))
     partial.replace(pending)
     started = time.monotonic() - (time.time() - waiting_since)
+    artifact = str(subject.get("artifact_sha256", ""))  # the form names it; a decision for another does not count
     suspended = False
     try:
-        # refused decisions never decide: however many anyone with the Prefect login sends, the run waits on for a
-        # valid one until the approval timeout (a cap that rejected would let 21 bogus decisions veto a release)
-        for attempt in itertools.count(1):
+        for attempt in itertools.count(1):  # refused decisions never decide (a cap would let bogus ones veto)
             left = timeout_s - (time.monotonic() - started)
             if left < 1 and not suspend:  # a suspended run's timeout is the Prefect server's (its pause expiration)
                 raise FlowPauseTimeout()
             answer = wait_once(
-                ApprovalInput.with_initial_data(
-                    description=report_markdown, artifact_sha256=str(subject.get("artifact_sha256", ""))
-                ),
+                ApprovalInput.with_initial_data(description=report_markdown, artifact_sha256=artifact),
                 max(1, round(left)) + (EXPIRY_GRACE_S if suspend else 0),
                 APPROVAL_KEY if attempt == 1 else f"{APPROVAL_KEY}-{attempt}",
                 suspend,

@@ -121,6 +121,7 @@ class Fleet:
             ports=ports,
             die_with_parent=threading.current_thread() is threading.main_thread(),
             replica=index,
+            model_roots=ctx.store.local_folders(),
         )
 
     def load(self, replica: Replica, versions: list[Served]) -> None:

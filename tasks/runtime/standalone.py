@@ -49,7 +49,13 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
             triton = published_triton
         else:
             launcher, env = triton_launch(ctx.profile, ctx.home)
-            server = TritonServer.start(ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env)
+            server = TritonServer.start(
+                ctx.home,
+                ctx.profile.serve.triton_binary,
+                launcher=launcher,
+                extra_env=env,
+                model_roots=ctx.store.local_folders(),
+            )
             triton = server.client
     try:
         gateway, control = temporary_gateway(ctx, triton)
@@ -68,7 +74,12 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
         assert server is not None
         server.kill()
         server = TritonServer.start(
-            ctx.home, ctx.profile.serve.triton_binary, launcher=launcher, extra_env=env, ports=server.ports
+            ctx.home,
+            ctx.profile.serve.triton_binary,
+            launcher=launcher,
+            extra_env=env,
+            ports=server.ports,
+            model_roots=ctx.store.local_folders(),
         )
         triton.control_key = server.client.control_key  # a new Triton, a new key; the same ports
         return "restarted"

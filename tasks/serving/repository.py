@@ -9,7 +9,7 @@ left without one, a field value of the wrong type fail at render time) and atomi
 place), so a half-written model folder never exists. Each Python-backend model (a template with 1/model.py) gets a
 copy of the helpers its model.py imports next to it (MODEL_HELPERS: tasks/text/model_text.py, the text helpers;
 tasks/serving/adapter_registry.py, the base engine's adapter map; tasks/serving/engine_guard.py, the engine
-processes' watcher): each is written once, and a load request sends the copies with the folder's other files.
+processes' watcher; tasks/serving/model_roots.py, the folders a model may load from): each is written once, and a load request sends the copies with the folder's other files.
 """
 
 from __future__ import annotations
@@ -26,13 +26,18 @@ from typing import Any
 
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
-from tasks.serving import adapter_registry, engine_guard
+from tasks.serving import adapter_registry, engine_guard, model_roots
 from tasks.serving.client import Triton
 from tasks.text import model_text
 
 TEMPLATES = PROJECT_ROOT / "infra" / "triton"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-MODEL_HELPERS = (model_text, adapter_registry, engine_guard)  # standard-library modules copied next to every model.py
+MODEL_HELPERS = (
+    model_text,
+    adapter_registry,
+    engine_guard,
+    model_roots,
+)  # standard-library modules copied next to every model.py
 HEADER = "# Rendered by tasks/serving/repository.py from {source}: a copy, not the place to change it.\n"
 
 

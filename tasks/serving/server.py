@@ -43,6 +43,7 @@ from tasks.platform.lifetime import dying_with_this_thread
 from tasks.platform.ports import free_port
 from tasks.serving import adapter_registry
 from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_ENV, Triton
+from tasks.serving.model_roots import ROOTS_ENV
 
 if TYPE_CHECKING:
     pass
@@ -119,13 +120,15 @@ class TritonServer:
         launcher: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
         replica: int = 0,
+        model_roots: list[Path] | None = None,
     ) -> TritonServer:
         """Start tritonserver; `ports` (HTTP, gRPC, metrics) default to free ones. `die_with_parent`: the
         kernel stops Triton when the thread that started it ends (a SIGKILLed `llmops serve` leaves no
         orphan); only for a thread that lives as long as the server, such as a program's main thread.
         `launcher` and `extra_env`: what the profile's models need (tasks/serving/champion.py:triton_launch).
         `replica`: one of several Tritons of one `llmops serve` (tasks/runtime/fleet.py): they share the model
-        repository, each logs to its own file."""
+        repository, each logs to its own file. `model_roots`: the only folders (beside each model's own) its models
+        may load from (tasks/serving/model_roots.py): the artifact store's."""
         exe = find_binary(binary)
         repository = home / "triton" / "repository"
         repository.mkdir(parents=True, exist_ok=True)
@@ -157,12 +160,13 @@ class TritonServer:
         if bundled:
             command.append(f"--backend-directory={python_backend_dir(home)}")
         maps = adapter_maps(home)
+        roots = {ROOTS_ENV: os.pathsep.join(map(str, model_roots))} if model_roots else {}
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 dying_with_this_thread(command) if die_with_parent else command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**server_env(bundled), **(extra_env or {}), adapter_registry.MAPS_ENV: str(maps)},
+                env={**server_env(bundled), **(extra_env or {}), adapter_registry.MAPS_ENV: str(maps), **roots},
                 start_new_session=True,
             )
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

@@ -627,3 +627,23 @@ def test_a_serving_setting_that_is_not_one_of_the_engines_values_is_refused_nami
     injected = 'float32" } } parameters { key: "model_dir", value: { string_value: "/elsewhere'
     with pytest.raises(BadInput, match=r"serve.vllm.dtype: Input should be 'auto', 'half', 'float16'"):
         load_profile("cpu-tiny", [f"serve.vllm.dtype={injected}"])
+
+
+def test_a_model_refuses_a_model_dir_outside_its_folder_and_the_store(tmp_path, monkeypatch):
+    """Issue 61, finding 1: a config naming another folder (a value planted through a run parameter, a link out of
+    the store) is refused by the served model itself where its Triton's starter named the store's folders."""
+    from tasks.serving.model_roots import ROOTS_ENV, served_folder
+
+    store, model, elsewhere = tmp_path / "store", tmp_path / "repository" / "svc-v2", tmp_path / "secrets"
+    for folder in (store / "objects" / "abc", model / "1" / "model", elsewhere):
+        folder.mkdir(parents=True)
+    (store / "objects" / "planted").symlink_to(elsewhere)
+    args = {"model_repository": str(model), "model_version": "1"}
+    monkeypatch.delenv(ROOTS_ENV, raising=False)
+    assert served_folder(args, str(elsewhere)) == str(elsewhere)  # a Triton someone else started: their layout
+    monkeypatch.setenv(ROOTS_ENV, str(store))
+    assert served_folder(args, str(store / "objects" / "abc")) == str(store / "objects" / "abc")
+    assert served_folder(args, "model") == str(model / "1" / "model")  # sent with the load request
+    for planted in (str(elsewhere), str(store / "objects" / "planted"), "../../../secrets", "/etc"):
+        with pytest.raises(ValueError, match=r"^model_dir .*: outside this model's folder and the artifact store"):
+            served_folder(args, planted)

@@ -8,7 +8,6 @@ the others one response at the end; every request ends with the FINAL flag (deco
 
 import gc
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 # model_text.py is tasks/text/model_text.py, copied next to this file when the model is rendered
+from model_roots import served_folder
 from model_text import (
     chat_history,
     chat_template_on,
@@ -74,7 +74,7 @@ class TritonPythonModel:
         self.device = params.get("device", "cpu")
         dtype = getattr(torch, params.get("dtype", "float32"))
         # A relative model_dir is inside this model's version folder: the weights came with the load request.
-        model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
+        model_dir = served_folder(args, params["model_dir"], "model_dir")  # its folder or the store's (model_roots.py)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.chat = params.get("apply_chat_template", "true") == "true"

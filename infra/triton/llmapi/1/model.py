@@ -70,9 +70,10 @@ clear_inherited_mpi_job(os.environ)
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from engine_guard import engine_processes, guard_engine  # noqa: E402
 
 # engine_guard.py (tasks/serving/) and model_text.py (tasks/text/) are copied next to this file when the model is rendered
-from engine_guard import engine_processes, guard_engine  # noqa: E402
+from model_roots import served_folder  # noqa: E402
 from model_text import chat_history, chat_template_on, encode_prompt, input_value, stream_delta  # noqa: E402
 
 CANCEL_CHECK_EVERY = 16  # decoding steps between two checks that the client still waits
@@ -122,7 +123,7 @@ class TritonPythonModel:
         self.trtllm_version = tensorrt_llm.__version__
         self.seeded_sampling = honours_seeds(self.trtllm_version)
         # A relative model_dir is inside this model's version folder: the checkpoint came with the load request.
-        model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
+        model_dir = served_folder(args, params["model_dir"], "model_dir")  # its folder or the store's (model_roots.py)
         if not any(name.endswith(".safetensors") for name in os.listdir(model_dir)):
             raise pb_utils.TritonModelException(f"llmapi: no *.safetensors checkpoint in {model_dir}")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -5,12 +5,12 @@ of `llmops serve` adds it), so no model in Triton calls another.
 """
 
 import json
-import os
 
 import triton_python_backend_utils as pb_utils
+from adapter_registry import RegistryError, register, registry_root, retire
 
 # adapter_registry.py is tasks/serving/adapter_registry.py, copied next to this file when the model is rendered
-from adapter_registry import RegistryError, register, registry_root, retire
+from model_roots import served_folder
 
 
 class TritonPythonModel:
@@ -18,7 +18,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.name, self.base_model = args["model_name"], params["base_model"]
-        adapter_dir = os.path.join(args["model_repository"], args["model_version"], params["adapter_dir"])
+        adapter_dir = served_folder(
+            args, params["adapter_dir"], "adapter_dir"
+        )  # its folder or the store's (model_roots.py)
         try:
             self.root = registry_root()
             register(self.root, self.base_model, self.name, adapter_dir)

@@ -60,11 +60,12 @@ import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from adapter_registry import active, registry_root
+from engine_guard import engine_processes, guard_engine
 
 # adapter_registry.py (tasks/serving/), engine_guard.py (tasks/serving/) and model_text.py (tasks/text/) are
 # copied next to this file when the model is rendered
-from adapter_registry import active, registry_root
-from engine_guard import engine_processes, guard_engine
+from model_roots import served_folder  # noqa: E402
 from model_text import (
     chat_history,
     chat_template_on,
@@ -110,7 +111,7 @@ class TritonPythonModel:
         self.StructuredOutputsParams = StructuredOutputsParams
         self.byte_of = {char: byte for byte, char in bytes_to_unicode().items()}  # model_text.scored_token
         # A relative model_dir is inside this model's version folder: the weights came with the load request.
-        model_dir = os.path.join(args["model_repository"], args["model_version"], params["model_dir"])
+        model_dir = served_folder(args, params["model_dir"], "model_dir")  # its folder or the store's (model_roots.py)
         files = os.listdir(model_dir) if os.path.isdir(model_dir) else []
         if not any(name.endswith((".safetensors", ".bin")) for name in files):
             # vLLM would say only "Engine core initialization failed" (the cause is in its child's log)
