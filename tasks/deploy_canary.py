@@ -162,6 +162,7 @@ def load_again(ctx: RunContext, served: Service, candidate: Served, exc: Transie
             f"canary: {candidate.name}'s load hung on Triton {hung.url}, the last replica serving the champion: "
             "its model processes were ended and the load abandoned; the champion served throughout"
         )
+    logger().info(f"canary: Triton {hung.url} started again; loading {candidate.name} once more")
     try:
         return load_both(ctx, served, candidate)
     except LoadHung as again:  # retried once: a candidate that hangs every time ends the release here
