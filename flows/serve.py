@@ -85,6 +85,12 @@ def choose_ports(listen: ListenSection) -> Ports:
     return Ports(*chosen)
 
 
+def client_credentials(profile: Profile) -> KeyRing:
+    """Who may call the gateway: the environment's API keys (LLMOPS_API_KEYS_FILE is followed: a key removed there
+    stops working, no restart) and, where the profile sets serve.auth.jwt, signed tokens of its issuer."""
+    return KeyRing(os.environ, TokenVerifier(profile.serve.auth.jwt) if profile.serve.auth.jwt else None)
+
+
 def check_listen(listen: ListenSection, api_keys: dict | bool) -> None:
     """Refuse an open service off loopback (no API keys, or keys in cleartext), a Triton whose ports clients
     could reach (it answers inference without keys), and TLS files that are not there."""
@@ -121,11 +127,8 @@ def serve(
 ) -> None:
     """`attach`: Tritons this serve does not own (`--triton-url`); else it starts serve.replicas of its own."""
     listen = profile.serve.listen
-    tokens = TokenVerifier(profile.serve.auth.jwt) if profile.serve.auth.jwt else None  # signed client tokens
-    api_keys = KeyRing(
-        os.environ, tokens
-    )  # follows LLMOPS_API_KEYS_FILE: a key removed there stops working, no restart
-    check_listen(listen, api_keys.keys or tokens is not None)
+    api_keys = client_credentials(profile)
+    check_listen(listen, api_keys.keys or api_keys.tokens is not None)
     ports = choose_ports(listen)
     ctx = open_serving_context(profile, tracking_uri, artifacts)
     service = profile.registry.model_name

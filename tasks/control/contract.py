@@ -151,11 +151,14 @@ class RouteTable:
     def versions(self) -> list[Version]:
         return [v for v in (self.champion, self.candidate) if v is not None]
 
+    def models(self) -> set[str]:
+        """The Triton models the table's versions need: each one's own and the model that answers it."""
+        return {name for version in self.versions() for name in (version.name, version.model)}
+
     def wanted(self, now: float) -> set[str]:
-        """The Triton models the service needs loaded: each version's in the table (its name and the model that
-        answers it) and what a live owner declared it loads; anything else of the service is a leftover."""
-        named = {name for version in self.versions() for name in (version.name, version.model)}
-        return named | (self.owner.declared(now) if self.owner else set())
+        """The Triton models the service needs loaded: the table's (`models`) and what a live owner declared it
+        loads; anything else of the service is a leftover."""
+        return self.models() | (self.owner.declared(now) if self.owner else set())
 
     def version(self, name: str) -> Version | None:
         return next((v for v in self.versions() if v.name == name), None)

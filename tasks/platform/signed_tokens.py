@@ -56,10 +56,10 @@ class TokenVerifier:
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:
-            raise refused("the token is not a JWT") from None
+            raise TokenRefused("the token is not a JWT") from None
         algorithm = header.get("alg")
         if algorithm not in settings.algorithms:
-            raise refused(f"tokens signed with {algorithm} are not accepted ({', '.join(settings.algorithms)})")
+            raise TokenRefused(f"tokens signed with {algorithm} are not accepted ({', '.join(settings.algorithms)})")
         key = self.signing_key(str(header.get("kid") or ""))
         try:
             claims = jwt.decode(
@@ -72,15 +72,15 @@ class TokenVerifier:
                 options={"require": ["exp", "iss", "aud"]},
             )
         except jwt.ExpiredSignatureError:
-            raise refused("the token expired") from None
+            raise TokenRefused("the token expired") from None
         except jwt.ImmatureSignatureError:
-            raise refused("the token is not valid yet (nbf)") from None
+            raise TokenRefused("the token is not valid yet (nbf)") from None
         except jwt.InvalidIssuerError:
-            raise refused("the token's issuer is not this service's") from None
+            raise TokenRefused("the token's issuer is not this service's") from None
         except jwt.InvalidAudienceError:
-            raise refused("the token is not for this service (aud)") from None
+            raise TokenRefused("the token is not for this service (aud)") from None
         except jwt.PyJWTError as exc:
-            raise refused(f"the token does not verify ({type(exc).__name__})") from None
+            raise TokenRefused(f"the token does not verify ({type(exc).__name__})") from None
         return claims
 
     def signing_key(self, kid: str) -> jwt.PyJWK:
@@ -92,7 +92,7 @@ class TokenVerifier:
             if key is None and not kid and len(self.keys) == 1:  # a token without `kid` from a one-key issuer
                 key = next(iter(self.keys.values()))
         if key is None:
-            raise refused(f"the token's signing key ({kid or 'no kid'}) is not one of the issuer's")
+            raise TokenRefused(f"the token's signing key ({kid or 'no kid'}) is not one of the issuer's")
         return key
 
     def refresh(self) -> None:
@@ -113,7 +113,3 @@ class TokenVerifier:
             with urllib.request.urlopen(source, timeout=FETCH_TIMEOUT_S) as answer:  # noqa: S310 (http(s) only)
                 return answer.read().decode()
         return Path(source.removeprefix("file://")).read_text()
-
-
-def refused(why: str) -> TokenRefused:
-    return TokenRefused(why)

@@ -223,9 +223,7 @@ class Fleet:
         if champion is not None and not serving:  # a candidate never costs the champion its clients
             # only what loads for the release alone: never a model the table routes, nor one serving (the base engine
             # an adapter candidate registers with serves the champion)
-            routed = (
-                {name for version in table.versions() for name in (version.name, version.model)} if table else set()
-            )
+            routed = table.models() if table else set()
             hung = [m for m in models if m not in routed and not replica.client.is_ready(m)]
             ended = replica.server.end_model_processes(hung) if hung else []
             self.say(

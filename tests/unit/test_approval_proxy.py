@@ -11,6 +11,7 @@ from tasks.approve import ApprovalInput, DecisionPolicy, check_decision
 from tasks.platform.attestation import KEY_FILE_ENV, attested, configured_key, read_key
 from tasks.platform.errors import BadInput
 from tasks.platform.signatures import SignatureRefused
+from tests.profile_files import cpu_tiny_file
 
 KEY = b"k" * 32
 RUN = "0f1c2d3e-0000-4000-8000-000000000001"
@@ -149,15 +150,7 @@ def test_a_profile_that_asks_for_approval_refuses_to_start_without_a_way_to_veri
     monkeypatch.delenv(KEY_FILE_ENV)
     with pytest.raises(BadInput, match=r"gate.allowed_signers /nowhere/allowed_signers: not a readable file"):
         refuse_unverified_approval(gate.model_copy(update={"allowed_signers": "/nowhere/allowed_signers"}))
-    import yaml
-
-    from tasks.platform.project import PROJECT_ROOT
-
-    values = yaml.safe_load((PROJECT_ROOT / "profiles" / "cpu-tiny.yaml").read_text())
-    values["gate"]["approval"] = "required"
-    values["data"] = {"source": str(PROJECT_ROOT / "profiles" / "data" / "antonyms.jsonl")}
-    required = tmp_path / "required.yaml"
-    required.write_text(yaml.safe_dump(values))
+    required = cpu_tiny_file(tmp_path / "required.yaml", {"gate": {"approval": "required"}})
     with pytest.raises(BadInput, match="a decision must be verified"):
         release.fn(profile=str(required))
     assert not (tmp_path / "home" / "store").exists()  # nothing trained

@@ -217,11 +217,9 @@ def test_trust_settings_come_only_from_profile_files_and_approval_may_only_rise(
     assert load_profile("cpu-tiny", ["gate.approval=required"]).gate.approval == "required"
     with pytest.raises(BadInput, match=r"^--set gate.approval=none: the profile file asks for harvested"):
         load_profile("cpu-tiny", ["gate.approval=none"])
-    values = yaml.safe_load((PROJECT_ROOT / "profiles" / "cpu-tiny.yaml").read_text())
-    values["gate"]["approval"] = "required"
-    values["data"] = {"source": str(PROJECT_ROOT / "profiles" / "data" / "antonyms.jsonl")}
-    required = tmp_path / "strict.yaml"
-    required.write_text(yaml.safe_dump(values))
+    from tests.profile_files import cpu_tiny_file
+
+    required = cpu_tiny_file(tmp_path / "strict.yaml", {"gate": {"approval": "required"}})
     with pytest.raises(BadInput, match="the profile file asks for required"):
         load_profile(str(required), ["gate.approval=harvested"])
 

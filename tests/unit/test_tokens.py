@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from tasks.platform.config.auth import JwtAuth
 from tasks.platform.signed_tokens import TokenVerifier
 from tasks.runtime.gateway.auth import KeyRing
+from tests.profile_files import cpu_tiny_file
 from tests.unit.test_gateway import CHAT, KEY, QUESTION, FakeTriton, gateway
 
 __all__ = ["gateway"]  # the fixture, used by name
@@ -188,3 +189,30 @@ def test_signing_keys_in_clear_to_another_machine_and_lowered_trust_are_refused(
         JwtAuth(jwks="https://id.example.test/jwks.json", issuer=ISSUER, audience=AUDIENCE, algorithms=["HS256"])
     with pytest.raises(BadInput, match="serve.auth.jwt decides whom the pipeline trusts"):
         load_profile("cpu-tiny", ["serve.auth.jwt={jwks: https://evil.example/k, issuer: x, audience: y}"])
+
+
+def test_llmops_serve_takes_tokens_from_a_profile_file_and_then_opens_off_loopback_without_api_keys(
+    issuer, tmp_path, monkeypatch
+):
+    """`llmops serve`'s own wiring (flows/serve.py): a profile file with serve.auth.jwt gives the gateway a verifier,
+    and a gateway that takes tokens needs no API key to listen off loopback; without either it is refused."""
+    from flows.cli.app import build_parser
+    from flows.cli.serve import listen_overrides
+    from flows.serve import check_listen, client_credentials
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import BadInput
+
+    keys, signing = issuer
+    for name in ("LLMOPS_API_KEYS", "LLMOPS_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    jwt = {"jwks": keys.url, "issuer": ISSUER, "audience": AUDIENCE}
+    with_tokens = cpu_tiny_file(tmp_path / "tokens.yaml", {"serve": {"auth": {"jwt": jwt}}})
+    off_loopback = listen_overrides(build_parser().parse_args(["serve", "--host=0.0.0.0", "--behind-tls-proxy"]))
+    profile = load_profile(str(with_tokens), off_loopback)
+    ring = client_credentials(profile)
+    assert ring.keys == {} and ring.tokens is not None
+    assert ring.authorize(f"Bearer {token(signing)}") == "team-c"
+    check_listen(profile.serve.listen, ring.keys or ring.tokens is not None)  # refuses nothing
+    plain = client_credentials(load_profile("cpu-tiny", off_loopback))
+    with pytest.raises(BadInput, match="need API keys or tokens"):
+        check_listen(load_profile("cpu-tiny", off_loopback).serve.listen, plain.keys or plain.tokens is not None)
