@@ -561,6 +561,9 @@ def test_mlflow_stopped_during_the_ramp_rolls_the_candidate_back_first_and_ends_
         *("--set", "bench.concurrency=[2]", "--set", "bench.request_count=16", "--set", "bench.rounds=1"),
         *("--set", "bench.max_rounds=1", "--set", "gate.min_throughput_ratio=null"),
         *("--set", "gate.max_task_metric_drop=1", "--set", "canary.steps=[50,100]", "--set", "canary.window_s=1"),
+        # the candidate is measured on a Triton just started again: its TTFT p99 was 1030 ms once in CI under the
+        # suite's load (cpu-tiny asks <= 1000), and this test is about the ramp, not the latency gate
+        *("--set", "gate.p99_time_to_first_token_ms=null", "--set", "gate.p99_request_latency_ms=null"),
         # a Python-backend load took up to 21 s here under the suite's load (15 s twice in a row in one CI run)
         *("--set", "serve.load_timeout_s=40"),
     )
