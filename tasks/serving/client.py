@@ -6,6 +6,7 @@ how the canary, the gate and the benchmark talk to it.
 - The model-control APIs (model repository, model config) carry the control key in the
   `llmops-control-key` header when one is set: a Triton started here restricts them to it
   (tasks/serving/server.py); inference and health need no key.
+- Loads go over Triton's gRPC endpoint where it is on this machine (tasks/serving/grpc_loads.py says why).
 - Without a shared filesystem (`repository` None), a model goes with its load request: its config
   (as JSON) and every file of its folder, base64, in the request's parameters (Triton's model
   repository extension, "load with override files"); the server's own repository is never written.
@@ -27,6 +28,7 @@ from urllib.parse import urlsplit
 import requests
 
 from tasks.platform.errors import BadInput, CheckFailed, TransientError
+from tasks.serving.grpc_loads import load_over_grpc
 
 CONTROL_HEADER = "llmops-control-key"
 CONTROL_KEY_ENV = "LLMOPS_TRITON_CONTROL_KEY"
@@ -211,6 +213,12 @@ class Triton:
     def control_headers(self) -> dict[str, str]:
         return {CONTROL_HEADER: self.control_key} if self.control_key else {}
 
+    def fresh_control_headers(self, again: bool) -> dict[str, str]:
+        """The control-key header; where `again`, with the key read again (a restarted Triton, a rotated key)."""
+        if again and self.reread_key is not None:
+            self.control_key = self.reread_key() or self.control_key
+        return self.control_headers()
+
     def control_call(self, method: str, path: str, **kwargs) -> requests.Response:
         """A call of Triton's restricted API with the control key; refused (401/403) and with a key that was read
         again and changed since (the Triton restarted, the key rotated), once more with the new key."""
@@ -224,8 +232,13 @@ class Triton:
 
     def load(self, name: str, timeout: float = 300, model_folder: Path | None = None) -> None:
         """Load (or reload) model `name`: from the server's repository, or, with `model_folder`, from the
-        config and files sent with the request."""
-        body = {"parameters": load_parameters(model_folder)} if model_folder is not None else None
+        config and files sent with the request. Over gRPC where this machine's Triton has it (grpc_loads.py: a
+        load over HTTP holds the keep-alive connections clients' requests take)."""
+        parameters = load_parameters(model_folder) if model_folder is not None else None
+        if self.grpc_url and urlsplit(f"//{self.grpc_url}").hostname in LOOPBACK:
+            load_over_grpc(self.grpc_url, self.url, name, timeout, parameters, self.fresh_control_headers)
+            return
+        body = {"parameters": parameters} if parameters is not None else None
         try:
             response = self.control_call("POST", f"/v2/repository/models/{name}/load", json=body, timeout=timeout)
         except requests.Timeout:

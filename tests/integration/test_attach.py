@@ -5,6 +5,7 @@ front of that Triton (the one code path of a release without `llmops serve`); th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
@@ -89,6 +90,87 @@ def test_the_control_api_needs_the_key_and_inference_does_not(triton):
     assert curl("-X", "POST", "-H", "llmops-control-key: wrong", f"{url}/v2/repository/index") == "403"
     assert curl("-X", "POST", "-H", f"llmops-control-key: {KEY}", f"{url}/v2/repository/index") == "200"
     assert curl(f"{url}/v2/health/ready") == "200"
+
+
+TOY_CONFIG = """backend: "python"
+max_batch_size: 0
+input [ { name: "x", data_type: TYPE_STRING, dims: [ 1 ] } ]
+output [ { name: "y", data_type: TYPE_STRING, dims: [ 1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+
+def model_processes(pid: int, model: str) -> list:
+    import psutil
+
+    found = []
+    for process in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if model in " ".join(process.cmdline()):
+                found.append(process)
+    return found
+
+
+def held_connections(server: TritonServer, client, model: str, folder: Path) -> int:
+    """Of 4 keep-alive connections opened before `client` loads `model` from `folder` (a load made to hang: its model
+    process SIGSTOPped as it starts), how many do not answer within 2 s."""
+    from tasks.platform.errors import TransientError
+
+    sessions = [requests.Session() for _ in range(4)]
+    for session in sessions:
+        assert session.get(f"{server.client.url}/v2/health/live", timeout=5).status_code == 200
+
+    def load() -> None:
+        with contextlib.suppress(TransientError):  # past its deadline: the thread is a daemon in any case
+            client.load(model, timeout=15, model_folder=folder)
+
+    threading.Thread(target=load, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not (started := model_processes(server.process.pid, model)):
+        assert time.monotonic() < deadline, "the model's process never started"
+        time.sleep(0.02)
+    for process in started:
+        process.suspend()
+    time.sleep(1)
+    held: list[requests.Session] = []
+
+    def ask(session: requests.Session) -> None:
+        try:
+            session.get(f"{server.client.url}/v2/health/live", timeout=2)
+        except requests.RequestException:
+            held.append(session)
+
+    asking = [threading.Thread(target=ask, args=(s,)) for s in sessions]
+    for thread in asking:
+        thread.start()
+    for thread in asking:
+        thread.join()
+    return len(held)
+
+
+def test_a_hung_load_leaves_the_connections_clients_hold_answered(tmp_path):
+    """tasks/serving/grpc_loads.py: Triton answers an HTTP load on the event thread of the connection that asked, and
+    the keep-alive connections opened while it was idle share that thread; a load that hangs holds every one of
+    them. The pipeline's loads go over gRPC: those connections answer. The same load over HTTP, on the same Triton,
+    holds them: the day Triton stops doing so, this test says it."""
+    import dataclasses
+
+    for model in ("toy-grpc", "toy-http"):
+        (tmp_path / "models" / model / "1").mkdir(parents=True)
+        (tmp_path / "models" / model / "config.pbtxt").write_text(f'name: "{model}"\n{TOY_CONFIG}')
+        (tmp_path / "models" / model / "1" / "model.py").write_text(
+            "class TritonPythonModel:\n    def execute(self, requests):\n        return []\n"
+        )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLMOPS_TRITON_CONTROL_KEY", KEY)
+        server = TritonServer.start(tmp_path / "home")
+    try:
+        over_grpc = dataclasses.replace(server.client, repository=None)  # the model goes with its load request
+        over_http = dataclasses.replace(over_grpc, grpc_url=None)
+        assert held_connections(server, over_grpc, "toy-grpc", tmp_path / "models" / "toy-grpc") == 0
+        assert held_connections(server, over_http, "toy-http", tmp_path / "models" / "toy-http") == 4
+    finally:
+        server.kill()
 
 
 # tune_serving searches the candidate's serving settings (2 trials: the profile's own and one of Optuna's; one

@@ -1069,8 +1069,9 @@ def test_a_candidate_whose_load_hangs_on_the_last_replica_is_abandoned_while_the
     its load hangs (Triton 2.51 waits for it without a deadline). Past serve.load_timeout_s the release tells the
     serve; the serve never restarts the Triton serving the champion for a candidate: it ends the candidate's model
     processes and the load is abandoned. The release ends with one line (exit 3), unretried; clients at concurrency 8
-    get only 200s, but for the known defect reported as an xfail below (one request that hangs); the champion's
-    engine is the one it was. A new profile digest: stages are cache hits."""
+    get only 200s (the load went over gRPC: over HTTP it held the gateway's pooled connection to Triton, and one
+    client request in 4 of 6 runs got no answer; tasks/serving/grpc_loads.py); the champion's engine is the one it
+    was. A new profile digest: stages are cache hits."""
     import psutil
 
     before, triton, engines = champion(home), served_by(home, server), engine_processes(server)
@@ -1113,13 +1114,8 @@ def test_a_candidate_whose_load_hangs_on_the_last_replica_is_abandoned_while_the
     assert stopped and not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert "its model processes ended" in (home / "serve.log").read_text()
     assert triton.loaded_models() == held and champion(home) == before and engine_processes(server) == engines
-    assert load.ok > 50 and load.failed <= 1, (load.ok, load.errors[:5])
-    print(f"\nthe hung candidate was abandoned; {load.ok} client requests, {load.failed} failed")
-    if load.failed:  # issue 60 stays open on it: not yet understood, and reported here rather than hidden
-        pytest.xfail(
-            f"known defect: {load.failed} client request got no answer within 30 s after the candidate's load was "
-            f"abandoned ({load.errors[0]}); 4 of 6 runs alone, 0 of 2 in the whole suite"
-        )
+    assert load.ok > 50 and load.failed == 0, (load.ok, load.errors[:5])
+    print(f"\nthe hung candidate was abandoned; {load.ok} client requests, none failed")
 
 
 # A candidate that answers as the base model: a learning rate of 1e-9 leaves its LoRA adapter at zero. (A one-epoch
