@@ -38,6 +38,7 @@ from tasks.prepare_data import DatasetMetrics, prepare_data
 from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
 from tasks.register import Registered, register
+from tasks.reporting.publish import write_report
 from tasks.rollout import rollout
 from tasks.runtime.standalone import open_service
 from tasks.serving.champion import is_champion
@@ -59,6 +60,7 @@ class ReleaseResult:
     gate_report_path: Path | None = None
     approval: Approval | None = None
     serving: list[ServingStep] = field(default_factory=list)  # deploy_canary, tune_serving, shadow, benchmark
+    report_path: Path | None = None  # the release report (HTML), beside the gate report
 
 
 @dataclass
@@ -203,6 +205,8 @@ def release(
     report: GateReport | None = None
     approval: Approval | None = None
     steps: list[ServingStep] = []
+    stages: list[StageResult] = []
+    report_path: Path | None = None
     try:
         refuse_shadow_without_gateway(config, target, ctx.home)  # before training, not after it
         require_load_tool(config)
@@ -242,6 +246,7 @@ def release(
             if not deployment.unchanged:
                 report = measure(ctx, steps, deployment, [dataset, evaluation, checked])
                 approved, rejection = report.passed, f"gate rejected: {report.summary()}"
+                write_report(ctx, f"gate: {report.decision}", "" if report.passed else rejection, stages)
                 if report.passed and needs_approval(config, dataset):  # a person's decision is never cached
                     # a run of a deployment waits without a process: suspended, the service owned (waiting) until
                     # the approval timeout; it is started again by the decision and comes back here
@@ -250,10 +255,12 @@ def release(
                     lock.decided()
                     approved, rejection = approval.approved, approval.summary()
             outcome = stage_task(fenced(rollout), config)(ctx, deployment, approved, rejection, dataset)
+        report_path = write_report(ctx, outcome.replace("_", " "), rejection if outcome == "rejected" else "", stages)
     except Pause:  # suspended for approval: the MLflow run goes on when the decision starts the flow run again
         ctx.tracker.set_tags({"release.outcome": "waiting for approval"})
         raise
     except BaseException as exc:
+        write_report(ctx, "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:300], stages)
         end_failed(ctx.tracker, exc, get_run_logger().warning)
         forget_waiting(ctx.home, str(runtime.flow_run.id or ""))  # a resumed run that failed before its decision
         raise
@@ -261,8 +268,8 @@ def release(
         let_go(served, deployment)
     forget_waiting(ctx.home, str(runtime.flow_run.id or ""))  # a resumed run whose gate rejected on measuring again
     end_run(ctx.tracker, "FINISHED")
-    report_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
-    return ReleaseResult(stages, registered, ctx.tracker, outcome, report, report_path, approval, steps)
+    gate_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
+    return ReleaseResult(stages, registered, ctx.tracker, outcome, report, gate_path, approval, steps, report_path)
 
 
 def refuse_before_training(profile: str, config: Profile, data_source: str | None, eval_data: str | None) -> None:

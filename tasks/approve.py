@@ -53,6 +53,7 @@ from tasks.platform.decisions import (
 from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import GateReport
+from tasks.reporting.evidence import REPORT_FILE, release_folder
 
 APPROVAL_KEY = "approval"  # the pause's key: one approval per release run
 POLL_S = 2  # how often the paused run asks the API whether it was resumed (Prefect's default is 10 s)
@@ -308,7 +309,14 @@ def approve(ctx: RunContext, report: GateReport, flow_run_id: str, suspend: bool
         "mlflow_run_id": ctx.tracker.run_id,
     }
     policy = DecisionPolicy.of(ctx.profile.gate, run_creator())
-    approval = wait_for_decision(ctx.home, flow_run_id, report.markdown(), timeout_s, subject, policy, suspend)
+    page = release_folder(ctx.home, ctx.tracker.run_id) / REPORT_FILE
+    read_first = (
+        f"\nThe release report (answers side by side, latency distributions, shadow traffic): `{page}` on the "
+        f"worker, and artifact `report/{REPORT_FILE}` of MLflow run {ctx.tracker.run_id}.\n"
+    )
+    approval = wait_for_decision(
+        ctx.home, flow_run_id, report.markdown() + read_first, timeout_s, subject, policy, suspend
+    )
     record(ctx, report, approval)
     logger().info(f"approval: {report.model} v{report.candidate_version} {approval.summary()}")
     return approval

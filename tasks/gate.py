@@ -30,6 +30,8 @@ from tasks.quality.checks import Check, GateReport, at_least, at_most, interval_
 from tasks.quality.stats import Difference
 from tasks.shadow import shadow_checks
 
+ANSWERS_TABLE = "eval/served_answers_table.json"  # the run's per-example table in MLflow
+
 if TYPE_CHECKING:
     from tasks.benchmark import BenchmarkResult, Comparison, ServingSummary
     from tasks.deploy_canary import Deployment
@@ -193,34 +195,30 @@ def score_quality(
     parity = gain(offline_metric, candidate.per_sample[metric], metric_cfg)
     drop = gain(champion.per_sample[metric], candidate.per_sample[metric], metric_cfg) if champion else None
     probe = stop_probe([s["candidate"] for s in offline], tokenizer, max_tokens)
-    (folder / SERVED_ANSWERS_FILE).write_text(
-        json.dumps(
-            [
+    examples = [
+        {
+            "prompt": c[:-1],
+            "expected": c[-1]["content"],
+            "offline": o["candidate"],
+            "served": candidate.answers[i],
+            "served_tokens": candidate.answer_tokens[i],
+            "scores": {
+                "offline": o["scores"]["candidate"],
+                "served": {m: v[i] for m, v in candidate.per_sample.items()},
+            },
+            **(
                 {
-                    "prompt": c[:-1],
-                    "expected": c[-1]["content"],
-                    "offline": o["candidate"],
-                    "served": candidate.answers[i],
-                    "served_tokens": candidate.answer_tokens[i],
-                    "scores": {
-                        "offline": o["scores"]["candidate"],
-                        "served": {m: v[i] for m, v in candidate.per_sample.items()},
-                    },
-                    **(
-                        {
-                            "champion_served": champion.answers[i],
-                            "champion_scores": {m: v[i] for m, v in champion.per_sample.items()},
-                        }
-                        if champion
-                        else {}
-                    ),
+                    "champion_served": champion.answers[i],
+                    "champion_scores": {m: v[i] for m, v in champion.per_sample.items()},
                 }
-                for i, (c, o) in enumerate(zip(conversations, offline, strict=True))
-            ],
-            indent=1,
-            ensure_ascii=False,
-        )
-    )
+                if champion
+                else {}
+            ),
+        }
+        for i, (c, o) in enumerate(zip(conversations, offline, strict=True))
+    ]
+    (folder / SERVED_ANSWERS_FILE).write_text(json.dumps(examples, indent=1, ensure_ascii=False))
+    log_answers_table(ctx, examples)
     ctx.tracker.log_file(folder / SERVED_ANSWERS_FILE, "gate")
     served_means = {f"served_candidate_{m}": sum(v) / len(v) for m, v in candidate.per_sample.items()}
     if champion:
@@ -240,6 +238,24 @@ def score_quality(
         deployment.candidate.artifact_sha256,
         measured_artifact(deployment),
     )
+
+
+def log_answers_table(ctx: RunContext, examples: list[dict]) -> None:
+    """The eval split as served, one row per example (its prompt, reference, both versions' answers and every
+    metric), as an MLflow table (mlflow.log_table's artifact, which MLflow's UI shows and compares across runs;
+    the split itself is the run's `eval` dataset input, prepare_data)."""
+    rows: dict[str, list] = {"prompt": [], "reference": [], "candidate": [], "champion": [], "candidate_offline": []}
+    for example in examples:
+        rows["prompt"].append(example["prompt"][-1]["content"])
+        rows["reference"].append(example["expected"])
+        rows["candidate"].append(example["served"])
+        rows["champion"].append(example.get("champion_served"))
+        rows["candidate_offline"].append(example["offline"])
+        scored = {f"candidate_{m}": v for m, v in example["scores"]["served"].items()}
+        scored |= {f"champion_{m}": v for m, v in example.get("champion_scores", {}).items()}
+        for name, value in scored.items():
+            rows.setdefault(name, []).append(value)
+    ctx.tracker.client.log_table(ctx.tracker.run_id, rows, ANSWERS_TABLE)
 
 
 def gate(

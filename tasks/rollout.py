@@ -10,6 +10,7 @@ the candidate champion, and the old champion is unloaded.
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -22,6 +23,7 @@ from tasks.platform.errors import LostService, RampFailed, RegistryBehind
 from tasks.platform.run_log import exit_code
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.store import outlast_outage
+from tasks.reporting.evidence import CANARY_STEPS, release_folder
 from tasks.serving import prometheus
 from tasks.serving.champion import as_route, not_found
 from tasks.serving.service import ServiceControl, version_counters
@@ -119,7 +121,9 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
         step_ms = (time.perf_counter() - started) * 1000
         window = watch_window(ctx, deployment, prompts)
         problem = breach(ctx, deployment, window)
-        deployment.steps.append({"weight": weight, "step_ms": step_ms, **window.__dict__, "breach": problem})
+        step = {"weight": weight, "at": time.time(), "step_ms": step_ms, **window.__dict__, "breach": problem}
+        deployment.steps.append(step)
+        keep_steps(ctx, deployment.steps)
         ctx.tracker.log_metrics(
             "canary",
             {
@@ -143,6 +147,13 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
         if problem:
             return problem
     return None
+
+
+def keep_steps(ctx: RunContext, steps: list[dict]) -> None:
+    """The ramp so far, beside the gate's report, for the release report (a ramp that fails midway too)."""
+    folder = release_folder(ctx.home, ctx.tracker.run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CANARY_STEPS).write_text(json.dumps(steps, indent=1))
 
 
 def promote(ctx: RunContext, deployment: Deployment) -> None:

@@ -31,11 +31,13 @@ from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import Check, at_most
 from tasks.quality.metrics import answer_metric, metric_score
 from tasks.quality.stats import paired_difference, wilson_interval
+from tasks.reporting.evidence import SHADOW_SUMMARY, release_folder
 from tasks.serving.client import TritonTarget
 from tasks.serving.publication import serving_gateway
 
 SETTLE_S = 1.0  # after the copy stopped: the copies in flight end
 SAMPLE_RECORDS = 20  # redacted copies MLflow keeps for a reviewer; the rest are only counted
+DISAGREEING_SHOWN = 5  # of them, where the versions answered differently, in the release report
 
 
 @dataclass
@@ -144,6 +146,7 @@ def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
     copies = read_records(records)
     result = score(copies, ctx.profile, time.monotonic() - started)
     ctx.tracker.log_json("shadow_sample.json", {"records": copies[:SAMPLE_RECORDS], "of": len(copies)})
+    keep_summary(ctx, result, copies)
     records.unlink(missing_ok=True)  # live prompts and answers: kept no longer than scoring needs them
     numbers = {k: v for k, v in asdict(result).items() if isinstance(v, (int, float)) and k != "min_requests"}
     ctx.tracker.log_metrics(
@@ -155,6 +158,24 @@ def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
         f"dropped; the candidate against the champion's answers: {agreement}"
     )
     return result
+
+
+def keep_summary(ctx: RunContext, result: ShadowResult, copies: list[dict]) -> None:
+    """The window's numbers and a few answers where the versions disagreed (redacted, as MLflow's sample), beside the
+    gate's report for the release report."""
+    disagreeing = [
+        {
+            "prompt": c["inputs"].get("text_input", ""),
+            "champion": c["champion"],
+            "candidate": c["candidate"],
+        }
+        for c in copies
+        if c.get("candidate") is not None and c["candidate"] != c["champion"]
+    ][:DISAGREEING_SHOWN]
+    folder = release_folder(ctx.home, ctx.tracker.run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = {**asdict(result), "disagreeing": disagreeing}
+    (folder / SHADOW_SUMMARY).write_text(json.dumps(summary, indent=1, ensure_ascii=False))
 
 
 def shadow_checks(cfg: GateSection, result: ShadowResult) -> list[Check]:

@@ -50,6 +50,28 @@ def browser_page(url: str, auth_string: str | None = None) -> Iterator[Any]:
             browser.close()
 
 
+@contextmanager
+def file_page(path: Path) -> Iterator[tuple[Any, list[str], list[str]]]:
+    """Headless Chromium on a file of this machine: the page, the errors its console and scripts raised, and every
+    URL it requested (the file's own first), watched from before it loads."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            errors: list[str] = []
+            requested: list[str] = []
+            page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.on("request", lambda request: requested.append(request.url))
+            page.goto(path.as_uri())
+            page.wait_for_load_state("networkidle")
+            yield page, errors, requested
+        finally:
+            browser.close()
+
+
 @dataclass
 class FormRun:
     flow_run: dict  # the create_flow_run response: id, name, parameters

@@ -201,6 +201,8 @@ def summary_rows(result) -> list[tuple[str, str, str, str]]:
     if result.gate_report is not None:
         rows.append(("gate", result.gate_report.decision, "", result.gate_report.summary()[:60]))
     rows.append(("rollout", result.outcome, "", ""))
+    if result.report_path is not None:
+        rows.append(("report", "written", "", str(result.report_path)))
     return rows
 
 

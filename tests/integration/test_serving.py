@@ -277,6 +277,10 @@ def test_first_release_is_gated_and_promoted(home, first_release):
     assert champion(home) == "1"
     report = json.loads(Path(first_release.stdout.split("gate report: ")[1].split()[0]).read_text())
     assert report["decision"] == "promote" and report["champion_version"] is None
+    # the table ends with the release report's path (the rejected release's test below opens one in a browser)
+    written = next(line for line in first_release.stdout.splitlines() if line.startswith("report "))
+    page = Path(written.split()[-1]).read_text()
+    assert "PROMOTED" in page and page.count('<section id="') == 9
     run = registry(home).get_run(registry(home).get_model_version(SERVICE, "1").tags["mlflow.run_id"])
     for metric in (
         "benchmark/candidate_c2_latency_p99_ms",
@@ -1167,6 +1171,36 @@ def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(hom
     (cached,) = (home / "cache" / "genai-perf-prompts").glob("*.jsonl")
     sent = home / "work" / "benchmark" / release_run.info.run_id / "prompts.jsonl"
     assert sent.read_text() == cached.read_text() and len(cached.read_text().splitlines()) >= 16
+
+
+def test_the_rejected_release_has_a_report_a_person_reads_and_mlflow_compares_example_by_example(home, tmp_path):
+    """The release above, as the person asked to approve it sees it: one page, opened in headless Chromium from the
+    file, with no console error and no request past the file itself; the failing check first; the examples whose
+    answers got worse than the champion's; both versions' latency CDFs; the shadow window's disagreement. MLflow has
+    the page and the per-example table of both versions' answers, read back through its API."""
+    from tests.browser import file_page
+
+    run = latest_release(home)
+    path = home / "work" / "gate" / run.info.run_id / "release_report.html"
+    with file_page(path) as (page, errors, requested):
+        sections = page.locator("section").evaluate_all("found => found.map(s => s.id)")
+        first_check = page.locator("#checks tr").nth(1).inner_text()
+        worse = page.locator("#answers table").first.locator("tr").count() - 1
+        plots = {key: page.locator(f"#{key} svg").count() for key in ("latency", "scores", "canary")}
+        shadow = page.locator("#shadow").inner_text()
+    assert errors == [] and requested == [path.as_uri()], (errors, requested)
+    assert sections == ["decision", "checks", "answers", "scores", "latency", "canary", "shadow", "stages", "lineage"]
+    assert "FAIL" in first_check or "INCONCLUSIVE" in first_check, first_check
+    assert worse >= 1 and plots == {"latency": 2, "scores": 1, "canary": 0}, (worse, plots)
+    assert "copies" in shadow and "agreement (exact_match)" in shadow
+    client = registry(home)
+    assert "report/release_report.html" in [a.path for a in client.list_artifacts(run.info.run_id, "report")]
+    logged = client.download_artifacts(run.info.run_id, "eval/served_answers_table.json", str(tmp_path))
+    table = json.loads(Path(logged).read_text())  # mlflow.log_table's form: {"columns": [...], "data": [[...]]}
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert len(rows) >= 10 and {"prompt", "reference", "candidate", "champion"} <= set(table["columns"])
+    assert sum(r["candidate_exact_match"] for r in rows) < sum(r["champion_exact_match"] for r in rows)
+    assert "mlflow.loggedArtifacts" in run.data.tags  # what MLflow's UI lists the run's tables by
 
 
 def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server, run):

@@ -1,0 +1,137 @@
+"""What a release left that a person reads: gathered from the files its stages wrote under LLMOPS_HOME/work (the gate's
+report and served answers, the benchmark's per-request exports, the canary's steps, the shadow window's sample), not
+from the stages' objects, so a report can be written for any release, a failed one included, from what it got to."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GATE_REPORT, SERVED_ANSWERS = "gate_report.json", "served_answers.json"
+CANARY_STEPS, SHADOW_SUMMARY = "canary.json", "shadow.json"
+REPORT_FILE = "release_report.html"
+EXAMPLES_EACH_WAY = 5  # examples shown per direction of change
+
+
+def release_folder(home: Path, run_id: str) -> Path:
+    """Where the gate's report, the served answers and the release report of MLflow run `run_id` are written."""
+    return home / "work" / "gate" / run_id
+
+
+@dataclass
+class StageRecord:
+    stage: str
+    uri: str
+    sha256: str
+    cached: bool
+    metrics: dict[str, Any]
+
+
+@dataclass
+class Evidence:
+    service: str
+    run_id: str
+    outcome: str  # promoted, rolled back, rejected, failed, not deployed, ...
+    reason: str  # why, in one line: the rejection's or the failure's; "" when promoted
+    gate: dict[str, Any] | None = None
+    answers: list[dict[str, Any]] = field(default_factory=list)
+    latencies: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # role -> latency_ms/ttft_ms
+    canary: list[dict[str, Any]] = field(default_factory=list)
+    shadow: dict[str, Any] | None = None
+    stages: list[StageRecord] = field(default_factory=list)
+
+    @property
+    def metric(self) -> str:
+        return str((self.gate or {}).get("metric") or "")
+
+    def changed_examples(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The examples whose score moved most against the champion (without one: served against offline), worst
+        first and best first; each with its `change` (candidate minus the other)."""
+        metric, moved = self.metric, []
+        for example in self.answers:
+            served = example["scores"]["served"].get(metric)
+            other = (example.get("champion_scores") or example["scores"]["offline"]).get(metric)
+            if served is not None and other is not None and served != other:
+                moved.append({**example, "change": served - other})
+        moved.sort(key=lambda e: e["change"])
+        worse = [e for e in moved if e["change"] < 0][:EXAMPLES_EACH_WAY]
+        better = [e for e in reversed(moved) if e["change"] > 0][:EXAMPLES_EACH_WAY]
+        return worse, better
+
+    def scores(self) -> dict[str, list[float]]:
+        """The per-example task metric of each version as served, and the candidate offline."""
+        metric = self.metric
+        found: dict[str, list[float | None]] = {"candidate": [], "champion": [], "offline": []}
+        for example in self.answers:
+            found["candidate"].append(example["scores"]["served"].get(metric))
+            found["offline"].append(example["scores"]["offline"].get(metric))
+            if "champion_scores" in example:
+                found["champion"].append(example["champion_scores"].get(metric))
+        return {role: [v for v in values if v is not None] for role, values in found.items()}
+
+
+def read_json(path: Path) -> Any:
+    """A file's JSON; None where it is missing or unreadable (a release that stopped before writing it)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def request_latencies(export: Path) -> tuple[list[float], list[float]]:
+    """genai-perf's per-request export (profile_export.json: each request's send time and its responses' times, in
+    ns): each request's latency and time to its first response, in ms."""
+    data = read_json(export) or {}
+    latency, ttft = [], []
+    for experiment in data.get("experiments", []):
+        for request in experiment.get("requests", []):
+            answered = request.get("response_timestamps") or []
+            if answered:
+                latency.append((answered[-1] - request["timestamp"]) / 1e6)
+                ttft.append((answered[0] - request["timestamp"]) / 1e6)
+    return latency, ttft
+
+
+def benchmark_latencies(folder: Path, versions: dict[str, str]) -> dict[str, dict[str, list[float]]]:
+    """Every measured request of each role over the benchmark's levels and rounds (both roles had the same load);
+    `versions`: role -> its model's name, which names its runs' folders (`<name>-c<concurrency>[...]`)."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for role, name in versions.items():
+        latency, ttft = [], []
+        for export in sorted(folder.glob(f"{name}-c*/**/profile_export.json")):
+            measured = request_latencies(export)
+            latency += measured[0]
+            ttft += measured[1]
+        if latency:
+            found[role] = {"latency_ms": latency, "ttft_ms": ttft}
+    return found
+
+
+def gather(
+    home: Path, run_id: str, service: str, outcome: str, reason: str, stages: list[StageRecord] | None = None
+) -> Evidence:
+    """What release `run_id` of `service` left under `home`."""
+    folder = release_folder(home, run_id)
+    gate = read_json(folder / GATE_REPORT)
+    versions = {}
+    if gate:
+        versions["candidate"] = f"{service}-v{gate['candidate_version']}"
+        if gate.get("champion_version"):
+            versions["champion"] = f"{service}-v{gate['champion_version']}"
+    canary = read_json(folder / CANARY_STEPS) or []
+    if not reason and canary and canary[-1].get("breach"):
+        reason = f"canary breach: {canary[-1]['breach']}"
+    return Evidence(
+        service,
+        run_id,
+        outcome,
+        reason,
+        gate,
+        read_json(folder / SERVED_ANSWERS) or [],
+        benchmark_latencies(home / "work" / "benchmark" / run_id, versions),
+        canary,
+        read_json(folder / SHADOW_SUMMARY),
+        stages or [],
+    )

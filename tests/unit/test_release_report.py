@@ -1,0 +1,155 @@
+"""The release report (tasks/reporting/): every section from a release's own files, the failing check first, the
+answers that changed most each way, plots drawn from the numbers given (change one, the plot changes), a page that
+fetches nothing, and a report for a release that ended before its gate."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tasks.reporting.evidence import StageRecord, gather, release_folder
+from tasks.reporting.page import SECTIONS, render
+
+SERVICE, RUN = "svc", "run123"
+
+
+def check(name: str, value: float, threshold: float, passed: bool, comparison: str = "<=") -> dict:
+    return {
+        "name": name,
+        "value": value,
+        "threshold": threshold,
+        "comparison": comparison,
+        "passed": passed,
+        "interval": [value - 0.1, value + 0.1],
+        "samples": 30,
+        "inconclusive": False,
+    }
+
+
+def example(word: str, answer: str, champion: str, expected: str) -> dict:
+    def scores(text: str) -> dict:
+        return {"exact_match": float(text == expected)}
+
+    return {
+        "prompt": [{"role": "user", "content": f"opposite of {word}"}],
+        "expected": expected,
+        "offline": answer,
+        "served": answer,
+        "served_tokens": 2,
+        "scores": {"offline": scores(answer), "served": scores(answer)},
+        "champion_served": champion,
+        "champion_scores": scores(champion),
+    }
+
+
+def genai_perf_export(folder: Path, latencies_ms: list[float]) -> None:
+    """genai-perf's per-request export: send time and response times in ns."""
+    folder.mkdir(parents=True)
+    requests = [
+        {"timestamp": 1_000_000_000, "response_timestamps": [1_000_000_000 + 1_000_000, 1_000_000_000 + int(ms * 1e6)]}
+        for ms in latencies_ms
+    ]
+    (folder / "profile_export.json").write_text(json.dumps({"experiments": [{"requests": requests}]}))
+
+
+def release(home: Path, candidate_ms: float = 40.0, weights: tuple[int, ...] = (10, 50, 100)) -> None:
+    """A rejected-at-the-ramp release's files: gate report, served answers, two roles' benchmark exports, canary."""
+    folder = release_folder(home, RUN)
+    folder.mkdir(parents=True)
+    gate = {
+        "model": SERVICE,
+        "candidate_version": "2",
+        "champion_version": "1",
+        "passed": False,
+        "decision": "reject",
+        "metric": "exact_match",
+        "served_artifact": "aa" * 32,
+        "measured_artifact": "aa" * 32,
+        "checks": [
+            check("error rate", 0.0, 0.01, True),
+            check("task metric drop vs champion (exact_match, served)", 0.5, 0.02, False),
+        ],
+    }
+    (folder / "gate_report.json").write_text(json.dumps(gate))
+    answers = [
+        example("hot", "cold", "cold", "cold"),
+        example("big", "large", "small", "small"),  # worse than the champion
+        example("up", "down", "sideways", "down"),  # better
+    ]
+    (folder / "served_answers.json").write_text(json.dumps(answers))
+    bench = home / "work" / "benchmark" / RUN
+    genai_perf_export(bench / f"{SERVICE}-v2-c2" / "run", [candidate_ms, candidate_ms * 2, candidate_ms * 3])
+    genai_perf_export(bench / f"{SERVICE}-v1-c2" / "run", [30.0, 31.0, 35.0])
+    steps = [
+        {"weight": w, "at": 100.0 + 5 * i, "requests": 20, "failures": 0, "candidate_requests": w / 5,
+         "candidate_failures": 0, "candidate_mean_latency_ms": 40.0, "client_p99_ms": 60.0, "breach": None}
+        for i, w in enumerate(weights)
+    ]  # fmt: skip
+    steps[-1]["breach"] = "candidate mean latency 40.0 ms > canary.max_mean_latency_ms 30"
+    (folder / "canary.json").write_text(json.dumps(steps))
+
+
+def section(page: str, key: str) -> str:
+    return page.split(f'<section id="{key}">')[1].split("</section>")[0]
+
+
+def test_every_section_is_drawn_from_the_releases_own_files(tmp_path):
+    release(tmp_path)
+    stages = [StageRecord("merge", "file:///store/merged", "bb" * 32, False, {"max_abs_logit_diff": 0.001})]
+    page = render(gather(tmp_path, RUN, SERVICE, "rolled back", "", stages))
+    assert [key for key, _, _ in SECTIONS] == re.findall(r'<section id="([a-z]+)">', page)
+    # the breach is why; the failing check comes first
+    assert "canary breach: candidate mean latency 40.0 ms" in section(page, "decision")
+    rows = section(page, "checks").split("<tr>")[2:]
+    assert "task metric drop vs champion" in rows[0] and "FAIL" in rows[0] and "pass" in rows[1]
+    # the answers that moved, with the reference, each way
+    answers = section(page, "answers")
+    worse, better = answers.split("Better than the champion")
+    assert "opposite of big" in worse and "large" in worse and "opposite of up" in better
+    assert "opposite of hot" not in answers  # unchanged
+    assert section(page, "latency").count("<svg") == 2 and section(page, "canary").count("<svg") == 1
+    assert "max_abs_logit_diff" in section(page, "stages") and "bb" * 32 in section(page, "lineage")
+    assert "No shadow window" in section(page, "shadow")
+
+
+def test_a_plot_changes_with_its_numbers_and_only_then(tmp_path):
+    def page(home: Path, **changes) -> str:
+        release(home, **changes)
+        return render(gather(home, RUN, SERVICE, "promoted", ""))
+
+    base = page(tmp_path / "a")
+    assert base == page(tmp_path / "b")  # the same numbers, the same page
+    slower = page(tmp_path / "c", candidate_ms=90.0)
+    assert section(slower, "latency") != section(base, "latency") and section(slower, "canary") == section(
+        base, "canary"
+    )
+    ramp = page(tmp_path / "d", weights=(5, 50, 100))
+    assert section(ramp, "canary") != section(base, "canary") and section(ramp, "latency") == section(base, "latency")
+
+
+def test_the_page_fetches_nothing_and_runs_no_script(tmp_path):
+    release(tmp_path)
+    page = render(gather(tmp_path, RUN, SERVICE, "promoted", ""))
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    # the only URLs are the SVG namespaces' (names, never fetched)
+    assert set(re.findall(r"https?://[^\"' )<]+", page)) <= {
+        "http://www.w3.org/2000/svg",
+        "http://www.w3.org/1999/xlink",
+    }
+
+
+def test_a_release_that_failed_before_its_gate_gets_a_report_saying_so(tmp_path):
+    page = render(gather(tmp_path, RUN, SERVICE, "failed", "TransientError: MLflow did not answer"))
+    assert "FAILED" in section(page, "decision") and "MLflow did not answer" in section(page, "decision")
+    assert "ended before its gate" in section(page, "checks")
+    assert "No canary ramp" in section(page, "canary") and "No stage ran" in section(page, "stages")
+
+
+def test_text_from_the_model_is_shown_as_text(tmp_path):
+    release(tmp_path)
+    answers = json.loads((release_folder(tmp_path, RUN) / "served_answers.json").read_text())
+    answers[1]["served"] = "<img src=x onerror=alert(1)>"
+    (release_folder(tmp_path, RUN) / "served_answers.json").write_text(json.dumps(answers))
+    page = render(gather(tmp_path, RUN, SERVICE, "rejected", "gate rejected"))
+    assert "<img" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
