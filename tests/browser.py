@@ -163,7 +163,9 @@ def decide_paused_run(
         expect(page.get_by_text(re.compile(r"^(Suspended|Paused)$")).first).to_be_visible()
         page.locator("li.p-tab#artifacts").click()  # tabs are <li>s without role="tab"
         expect(page.get_by_text("gate-report").first).to_be_visible()
-        artifacts = [key for key in ("gate-report", "release-summary") if page.get_by_text(key).count()]
+        artifacts = [
+            key for key in ("gate-report", "release-report", "release-summary") if page.get_by_text(key).count()
+        ]
         page.get_by_role("button", name="Resume").first.click()
         dialog = page.get_by_role("dialog")
         expect(dialog).to_contain_text("Resume Flow Run")

@@ -356,6 +356,7 @@ def test_a_release_started_from_the_ui_waits_for_the_serving_lock_is_approved_in
         service.env["PREFECT_API_AUTH_STRING"],
     )
     assert "Gate: PROMOTE tiny-qwen2-antonyms v" in decided.report and "gate-report" in decided.artifacts
+    assert "release_report.html" in decided.report and "release-report" in decided.artifacts  # the page to read
     final = service.wait_final(second["id"])
     assert final["state_type"] == "COMPLETED", service.logs(second["id"])[-3000:]
     print(
@@ -384,9 +385,16 @@ def test_a_release_started_from_the_ui_waits_for_the_serving_lock_is_approved_in
         "release manager",
         "answers match v1's",
     )
-    champion = MlflowClient(service.tracking_uri).get_model_version_by_alias(MODEL, "champion")
+    client = MlflowClient(service.tracking_uri)
+    champion = client.get_model_version_by_alias(MODEL, "champion")
     assert champion.version == second_run.data.tags["registered_version"]
     assert "Approval: approved by release manager at " in champion.description
+    # through the stack's MLflow server: the page, and the eval split as served, one row per example, both versions
+    assert [a.path for a in client.list_artifacts(second_run.info.run_id, "report")] == ["report/release_report.html"]
+    logged = client.download_artifacts(second_run.info.run_id, "eval/served_answers_table.json", str(tmp_path))
+    table = json.loads(Path(logged).read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert rows and all(r["candidate"] is not None and r["champion"] is not None for r in rows)
 
 
 def test_the_same_data_again_starts_no_release_run(service, first_release):
