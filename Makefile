@@ -72,6 +72,7 @@ benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/bytecode_cache.py
 	.venv/bin/python benchmarks/unused_imports.py
 	.venv/bin/python benchmarks/vllm_engine_idle.py
+	.venv/bin/python benchmarks/load_stall.py
 	.venv/bin/python benchmarks/predict.py
 
 # The documentation site (mkdocs.yml, docs/): strict, so a page missing from the nav or a broken link fails.
