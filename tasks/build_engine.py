@@ -142,7 +142,7 @@ def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, ch
         tensorrt_llm.installed_version(),
         tensorrt_llm.gpu_arch(),
         data.artifact.digest,
-        ctx.profile.evaluate.model_dump(),
+        ctx.profile.evaluate.model_dump(exclude={"judge"}),
     )
 
     def produce(out_dir: Path) -> dict:

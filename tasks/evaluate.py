@@ -83,7 +83,8 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
         "data": data.artifact.digest,
         "base": base.artifact.digest,
         "adapter": adapter.artifact.digest,
-        "evaluate": cfg.model_dump(exclude={"engine"}),  # transformers' answers keep the keys they had
+        # transformers' answers keep the keys they had; the judge grades at the gate, never here
+        "evaluate": cfg.model_dump(exclude={"engine", "judge"}),
     }
     if cfg.engine == "vllm":  # the engine, and its release: another vLLM may answer otherwise
         key["engine"] = f"vllm {engine_version(ctx.profile)}"

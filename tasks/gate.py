@@ -27,6 +27,7 @@ from tasks.build_engine import EngineMetrics
 from tasks.platform.config import GateSection
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.quality.checks import Check, GateReport, at_least, at_most, interval_check, ratio_check
+from tasks.quality.judge import JudgeVerdict, judge_checks, judge_served
 from tasks.quality.stats import Difference
 from tasks.shadow import shadow_checks
 
@@ -49,6 +50,7 @@ class Quality:
     max_tokens: int
     served_artifact: str  # what promotion serves (the registered version's artifact)
     measured_artifact: str  # what Triton loaded for the candidate, read back from the server
+    judge: JudgeVerdict | None = None  # evaluate.judge's grades of both versions' served answers
 
 
 def decide(
@@ -76,6 +78,8 @@ def decide(
         checks += comparison_checks(cfg, comparison)
     if shadowed is not None:
         checks += shadow_checks(cfg, shadowed)
+    if quality is not None and quality.judge is not None:
+        checks += judge_checks(cfg, quality.judge)
     if champion_version is not None and quality is not None and quality.drop_vs_champion is not None:
         checks.append(
             at_most(
@@ -217,6 +221,9 @@ def score_quality(
         }
         for i, (c, o) in enumerate(zip(conversations, offline, strict=True))
     ]
+    questions, references = [c[-2]["content"] for c in conversations], [c[-1]["content"] for c in conversations]
+    judged = judge_served(ctx, questions, references, candidate.answers, champion.answers if champion else None)
+    add_grades(examples, judged)
     (folder / SERVED_ANSWERS_FILE).write_text(json.dumps(examples, indent=1, ensure_ascii=False))
     log_answers_table(ctx, examples)
     ctx.tracker.log_file(folder / SERVED_ANSWERS_FILE, "gate")
@@ -237,7 +244,18 @@ def score_quality(
         max_tokens,
         deployment.candidate.artifact_sha256,
         measured_artifact(deployment),
+        judged,
     )
+
+
+def add_grades(examples: list[dict], judged: JudgeVerdict | None) -> None:
+    """Each example's judge scores (None: no grade) with its other scores."""
+    if judged is None:
+        return
+    for i, example in enumerate(examples):
+        example["scores"]["served"]["judge"] = judged.candidate.scores[i]
+        if judged.champion is not None:
+            example["champion_scores"]["judge"] = judged.champion.scores[i]
 
 
 def log_answers_table(ctx: RunContext, examples: list[dict]) -> None:

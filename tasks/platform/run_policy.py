@@ -140,3 +140,6 @@ def check_profile_locations(config: Profile, shipped: Profile) -> None:
             refuse_unlisted_location(f"overrides {key}", value)
     if config.canary.prometheus_url != shipped.canary.prometheus_url:
         refuse_unlisted_endpoint("overrides canary.prometheus_url", config.canary.prometheus_url)
+    judge, written_judge = config.evaluate.judge, shipped.evaluate.judge
+    if judge is not None and (written_judge is None or judge.url != written_judge.url):
+        refuse_unlisted_endpoint("overrides evaluate.judge.url", judge.url)  # it gets the eval split and the answers

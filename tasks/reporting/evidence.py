@@ -94,14 +94,34 @@ def request_latencies(export: Path) -> tuple[list[float], list[float]]:
     return latency, ttft
 
 
+TO_MS = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1000.0}
+
+
+def record_latencies(export: Path) -> tuple[list[float], list[float]]:
+    """AIPerf's per-record export (profile_export.jsonl, its CLI's default export level `records`: one line per
+    request, {"metrics": {"request_latency": {"value", "unit"}, "time_to_first_token": {...}}}; aiperf
+    orchestrator/search_planner/_pooled_percentile.py reads it so): each request's latency and TTFT, in ms."""
+    latency, ttft = [], []
+    for line in export.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            metrics = json.loads(line).get("metrics", {})
+            total, first = metrics["request_latency"], metrics["time_to_first_token"]
+            latency.append(float(total["value"]) * TO_MS[total.get("unit", "ms")])
+            ttft.append(float(first["value"]) * TO_MS[first.get("unit", "ms")])
+        except (ValueError, KeyError, TypeError, AttributeError):  # a failed request's record, a cut line
+            continue
+    return latency, ttft
+
+
 def benchmark_latencies(folder: Path, versions: dict[str, str]) -> dict[str, dict[str, list[float]]]:
     """Every measured request of each role over the benchmark's levels and rounds (both roles had the same load);
     `versions`: role -> its model's name, which names its runs' folders (`<name>-c<concurrency>[...]`)."""
     found: dict[str, dict[str, list[float]]] = {}
     for role, name in versions.items():
         latency, ttft = [], []
-        for export in sorted(folder.glob(f"{name}-c*/**/profile_export.json")):
-            measured = request_latencies(export)
+        runs = folder.glob(f"{name}-c*/**/profile_export.json*")  # genai-perf's .json, AIPerf's .jsonl
+        for export in sorted(runs):
+            measured = record_latencies(export) if export.suffix == ".jsonl" else request_latencies(export)
             latency += measured[0]
             ttft += measured[1]
         if latency:

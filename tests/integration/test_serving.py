@@ -1129,20 +1129,30 @@ BASE_MODEL_CANDIDATE = [
 ]
 
 
-def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(home, server, run, tls, tmp_path):
+def test_bad_candidate_is_rejected_and_rolled_back_while_the_champion_serves(
+    home, server, run, tls, tmp_path, monkeypatch
+):
     """Before any user sees it, the candidate answers a copy of the gateway's live traffic in a shadow window; it
     answers unlike the champion, and the gate rejects it for that too. The clients only ever got the champion's
-    answer."""
+    answer. A judge grades both versions' served answers: the served champion itself, through the gateway's `/v1`
+    with an API key (the `openai` SDK); a tiny antonyms model answers no grade, and the gate counts and says so."""
     before, engines = champion(home), engine_processes(server)
+    monkeypatch.setenv("LLMOPS_JUDGE_API_KEY", API_KEYS["team-a"])
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls[0]))  # the gateway's own certificate (httpx reads it)
+    judge = ["--set", f"evaluate.judge={{url: '{server['gateway_url']}/v1', model: {SERVICE}}}"]
     # 8 per second: the 4 s shadow window must see canary.shadow_min_requests (20) copies
     with Load(server, served_by(home, server), tls, per_s=8, requests_total=320) as load:
-        result = run(*BASE_MODEL_CANDIDATE, *("--set", "canary.shadow_s=4", "--set", "gate.min_shadow_agreement=0.5"))
+        shadow = ("--set", "canary.shadow_s=4", "--set", "gate.min_shadow_agreement=0.5")
+        result = run(*BASE_MODEL_CANDIDATE, *shadow, *judge)
     assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     # The base model's task metric collapses; on 2 shared cores its throughput ratio may fail too.
     assert last.startswith("llmops: rejected: candidate rejected: ") and "task metric drop vs champion" in last
     assert "shadow: answers vs the champion's (exact_match)" in last
+    assert "judge: answers without a grade (share)" in last  # counted and said, never a score of 0
     release_run = latest_release(home)
+    judged = release_run.data.metrics
+    assert judged["judge/malformed_share"] > 0.5 and judged["judge/tokens_per_answer"] > 0, judged
     shadowed = release_run.data.metrics
     assert shadowed["shadow/requests"] >= 20 and shadowed["shadow/errors"] == 0, shadowed
     assert shadowed["shadow/compared"] == shadowed["shadow/requests"] and shadowed["shadow/agreement"] < 0.5

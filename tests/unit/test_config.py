@@ -91,15 +91,16 @@ def test_profile_digest_changes_with_any_value():
 # defaults were raised above a first load test's and max_in_flight_per_key added, and serve.listen.gateway_metrics_*,
 # and when serve.version_pinning came, and evaluate.engine, and data.harvest_eval_source (the curated exam of
 # harvested records when a run's --data is not the profile's own), and when three GPU profiles moved from fa2 to sdpa,
-# and when the gateway took signed client tokens (serve.auth.jwt, null by default).
+# and when the gateway took signed client tokens (serve.auth.jwt, null by default), and when the gate got a judge
+# (evaluate.judge, null by default; gate.max_judge_drop, min_judge_score).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "cbc5ff59d504ad0f51e08741ae7cca174af203112705c68c3a54f56fa22d81fc",
-    "cpu-tiny-qa-zh": "2ec99fef0b344ea4c52b064a7938d9978e47f7be5df10fbb9dee939c45117775",
-    "llama3-8b-h100-fp8": "e4df7cbd296eea095185c3242893aa3e27567e30f8b1ebcbd4fd36b4608bca10",
-    "qwen-7b-qlora-2xa10": "7510341138b468fb5badda6e48935bf2e7f6df9f0818ba68be0715120090b0ca",
-    "qwen-7b-vllm-h100": "f5c138ab70f72b76a370f01be01a16119833ec8c9fb166c39aed8cf14f66b3ad",
-    "qwen2-14b-int4-tp2": "e024505564ab0945bc536981ddda58d88b49507162787f9c95a95f896d0d1b00",
-    "qwen2.5-72b-lora-2x8xh100": "516da7e1b142e75c7311548a194eb08d43d49affbbadb0f3834cfff433ae5480",
+    "cpu-tiny": "6610a0eeb83644cbd6deb7c6cd7127b139c8eefd81dd8e7ccc1a6b441c93d4c2",
+    "cpu-tiny-qa-zh": "ce69bacc6379807004ebaf23b16023eae717a6cb4549326ecba37d5f54c50780",
+    "llama3-8b-h100-fp8": "350f6545067c747285edf3f25dd0a789e5d5e2ede185c77b4ca76eb5130dceb1",
+    "qwen-7b-qlora-2xa10": "c92a9f0e1819f58dd4da4c2dddc808228bb5827888b388fd95d9d6f10c40ef57",
+    "qwen-7b-vllm-h100": "7186a616384424e7cf21c76e7e5d896ccdeae5bee6994c7b5fec0e094688d554",
+    "qwen2-14b-int4-tp2": "b787a9d675c3031aec640dea74471e3cd6a56560bdd4ed90bdc11380df32d33e",
+    "qwen2.5-72b-lora-2x8xh100": "3e46bb7b200fc8768e9564860101b5bc653327d4c5f8888c9f1bd817f035168f",
 }
 
 
@@ -155,8 +156,10 @@ def test_reference_lists_every_setting_with_its_type_and_default():
     assert "| `model_name` | `str` (length >= 1) | required |" in page
     assert "## serve.vllm" in page and "## hardware.kubernetes" in page
     # Every setting is a row, but a section nested in another: an optional one (base_model.architecture,
-    # serve.auth.jwt) is both.
-    optional = [path for path, _ in all_sections() if path in ("base_model.architecture", "serve.auth.jwt")]
+    # serve.auth.jwt, evaluate.judge) is both.
+    optional = [
+        path for path, _ in all_sections() if path in ("base_model.architecture", "serve.auth.jwt", "evaluate.judge")
+    ]
     rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1) + len(optional)
     assert page.count("\n| `") == rows and optional
     assert "## base_model.architecture" in page and "| `architecture` | `ModelArchitecture \\| null` | `null` |" in page

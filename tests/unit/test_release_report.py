@@ -153,3 +153,20 @@ def test_text_from_the_model_is_shown_as_text(tmp_path):
     (release_folder(tmp_path, RUN) / "served_answers.json").write_text(json.dumps(answers))
     page = render(gather(tmp_path, RUN, SERVICE, "rejected", "gate rejected"))
     assert "<img" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+
+
+def test_aiperfs_per_record_export_gives_the_same_distributions(tmp_path):
+    """AIPerf's profile_export.jsonl (one record per request, each metric with its unit); a failed request's record
+    has no latency and is left out."""
+    from tasks.reporting.evidence import benchmark_latencies
+
+    run = tmp_path / f"{SERVICE}-v2-c8-r1" / "profile_runs" / "run_0001"
+    run.mkdir(parents=True)
+    records = [
+        {"metrics": {"request_latency": {"value": 120.5, "unit": "ms"}, "time_to_first_token": {"value": 20.0, "unit": "ms"}}},
+        {"metrics": {"request_latency": {"value": 0.25, "unit": "s"}, "time_to_first_token": {"value": 30000, "unit": "us"}}},
+        {"metrics": {}, "error": {"code": 503}},
+    ]  # fmt: skip
+    (run / "profile_export.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    found = benchmark_latencies(tmp_path, {"candidate": f"{SERVICE}-v2", "champion": f"{SERVICE}-v1"})
+    assert found == {"candidate": {"latency_ms": [120.5, 250.0], "ttft_ms": [20.0, 30.0]}}

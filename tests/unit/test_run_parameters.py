@@ -123,4 +123,8 @@ def test_overrides_cannot_move_the_data_outside_the_allow_list(monkeypatch, tmp_
         release.fn(profile="cpu-tiny", overrides=["data.source=/etc/passwd"])
     with pytest.raises(BadInput, match=r"^overrides canary\.prometheus_url http://169\.254\.169\.254/: "):
         release.fn(profile="cpu-tiny", overrides=["canary.prometheus_url=http://169.254.169.254/"])
+    # the judge gets the eval split and both versions' answers
+    judge = ["evaluate.judge={url: 'https://judge.example/v1', model: m}"]
+    with pytest.raises(BadInput, match=r"^overrides evaluate\.judge\.url https://judge\.example/v1: "):
+        release.fn(profile="cpu-tiny", overrides=judge)
     check_release_parameters("profiles/data/antonyms.jsonl", "profile", None, None, None, None, None, None)

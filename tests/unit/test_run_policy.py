@@ -41,6 +41,7 @@ def test_the_settings_that_run_code_are_marked_file_only():
         "gate.allowed_signers",  # whose signature approves
         "serve.auth.jwt",  # whose tokens the gateway takes
         "gate.separate_duties",
+        "evaluate.judge.api_key_env",  # which of the worker's secrets goes to the judge's endpoint
     }
 
 
@@ -58,6 +59,11 @@ def test_the_settings_that_run_code_are_marked_file_only():
         ("hardware.kubernetes.namespace=kube-system", "hardware.kubernetes.namespace"),
         ("serve={triton_binary: /tmp/evil}", "serve.triton_binary"),  # a whole section as a mapping
         ("serve.vllm={environment: /tmp/venv}", "serve.vllm.environment"),
+        # which of the worker's secrets goes to the judge: inside an optional section set as a mapping
+        (
+            "evaluate.judge={url: 'http://j/v1', model: m, api_key_env: AWS_SECRET_ACCESS_KEY}",
+            "evaluate.judge.api_key_env",
+        ),
     ],
 )
 def test_an_override_that_runs_code_is_refused_in_one_line_naming_it(override, key):

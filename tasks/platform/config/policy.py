@@ -8,8 +8,11 @@ reaches the Prefect API can write, may not (docs/security.md, "The trust boundar
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterator
 from typing import Any
+
+from pydantic.fields import FieldInfo
 
 from tasks.platform.config.base import Section, decides_trust, is_file_only
 from tasks.platform.config.describe import default_of, section_class
@@ -20,11 +23,17 @@ from tasks.platform.errors import BadInput
 
 def _file_only_fields(cls: type[Section], path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any, bool]]:
     for name, field in cls.model_fields.items():
-        nested = section_class(field)
-        if nested is not None:
-            yield from _file_only_fields(nested, (*path, name))
-        elif is_file_only(field):
+        nested = section_class(field) or optional_section(field)
+        if is_file_only(field):  # a whole section too (serve.auth.jwt)
             yield (*path, name), default_of(field), decides_trust(field)
+        elif nested is not None:  # an optional section's own file-only settings (evaluate.judge.api_key_env)
+            yield from _file_only_fields(nested, (*path, name))
+
+
+def optional_section(field: FieldInfo) -> type[Section] | None:
+    """The section of a `Section | None` setting."""
+    found = [a for a in typing.get_args(field.annotation) if isinstance(a, type) and issubclass(a, Section)]
+    return found[0] if len(found) == 1 and type(None) in typing.get_args(field.annotation) else None
 
 
 FILE_ONLY_DEFAULTS: dict[tuple[str, ...], Any] = {path: default for path, default, _ in _file_only_fields(Profile, ())}
@@ -86,11 +95,13 @@ def refuse_lowered_approval(file_value: Any, profile: Profile) -> None:
 
 def file_only_values(profile: Profile) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for path in FILE_ONLY_DEFAULTS:
+    for path, default in FILE_ONLY_DEFAULTS.items():
         node: Any = profile
-        for part in path:
+        for part in path[:-1]:
             node = getattr(node, part)
-        values[".".join(path)] = node
+            if node is None:  # an optional section not set (evaluate.judge): its settings as they default
+                break
+        values[".".join(path)] = default if node is None else getattr(node, path[-1])
     return values
 
 

@@ -174,6 +174,15 @@ class GateSection(Section):
     max_quantization_accuracy_drop: float = Field(
         0.05, ge=0, description="Largest task-metric drop from quantization, where the quantized artifact serves."
     )
+    max_judge_drop: float = Field(
+        0.05,
+        ge=0,
+        description="With evaluate.judge: how much lower than the champion's the candidate's judge score (0..1) may "
+        "be, on its paired interval where evaluate.confidence is set.",
+    )
+    min_judge_score: float | None = Field(
+        None, ge=0, le=1, description="With evaluate.judge: the smallest mean judge score (0..1) of the candidate."
+    )
     min_shadow_agreement: float | None = Field(
         None,
         ge=0,

@@ -183,6 +183,43 @@ class TrainSection(Section):
         return self
 
 
+DEFAULT_RUBRIC = (
+    "Grade the answer against the reference answer: is it correct and complete for the question? "
+    "1 means wrong or unrelated, the top of the scale means as good as the reference."
+)
+
+
+class JudgeSection(Section):
+    """An LLM that grades the served answers of the candidate and the champion against the reference, on a scale, for
+    answers that overlap metrics read badly (sentences, explanations); tasks/quality/judge.py."""
+
+    url: str = Field(
+        description="Its OpenAI-compatible API, ending in /v1 (a served model of this project's `llmops serve` too). "
+        "A run started through the Prefect API may name only an endpoint of LLMOPS_RUN_ENDPOINTS: the judge gets "
+        "the eval split and both versions' answers."
+    )
+    model: str = Field(description="The model name the endpoint serves.")
+    api_key_env: str = Field(
+        "LLMOPS_JUDGE_API_KEY",
+        description="The environment variable holding its API key (never the key itself); unset: no key sent.",
+        json_schema_extra=FILE_ONLY,
+    )
+    rubric: str = Field(DEFAULT_RUBRIC, description="What the judge is asked to grade, before the question.")
+    scale: int = Field(5, ge=2, le=10, description="The grades run from 1 to this; a score is (grade - 1)/(scale - 1).")
+    max_tokens: int = Field(16, ge=1, description="Tokens of the judge's answer (its grade comes first).")
+    timeout_s: float = Field(
+        60, gt=0, description="Seconds per judge request; past them the gate's fault is transient."
+    )
+    concurrency: int = Field(4, ge=1, description="Judge requests in flight.")
+    max_malformed: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Largest share of the judge's answers without a grade in 1..scale: past it the gate fails "
+        "(a malformed answer is counted and said, never scored 0).",
+    )
+
+
 class EvaluateSection(Section):
     """The task metric the gate decides on, and how sure it must be (tasks/quality/metrics.py, tasks/quality/stats.py)."""
 
@@ -214,6 +251,11 @@ class EvaluateSection(Section):
     seed: int = Field(0, description="Seed of the bootstrap resampling.")
     min_samples: int = Field(
         20, ge=1, description="Fewer eval samples than this: no decision, and a message saying to add data."
+    )
+    judge: JudgeSection | None = Field(
+        None,
+        description="An LLM judge of the served answers (null: none). The gate then checks its score: "
+        "gate.max_judge_drop against the champion, gate.min_judge_score without one.",
     )
 
 

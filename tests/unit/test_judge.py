@@ -1,0 +1,106 @@
+"""The judge (tasks/quality/judge.py): a grade read from what judges answer, malformed answers counted and never a 0,
+the gate's checks on its paired interval, and its faults in one line: an endpoint not there is transient, one refusing
+the key is bad input naming the variable (the key itself never in it). The feature itself, against a served model
+through the gateway's /v1, is in tests/integration/test_serving.py (the rejected release)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+
+import pytest
+
+from tasks.platform.config import GateSection
+from tasks.platform.config.training import JudgeSection
+from tasks.platform.errors import BadInput, TransientError
+from tasks.quality.judge import Judged, JudgeVerdict, grade_score, judge, judge_checks
+from tasks.quality.stats import paired_difference
+
+
+@pytest.mark.parametrize(
+    "answer,score",
+    [
+        ("4", 0.75),
+        ("Grade: 5/5", 1.0),
+        ("1 - wrong", 0.0),
+        (" 3\n", 0.5),
+        ("0", None),
+        ("7", None),
+        ("4.5", None),
+        ("cold", None),
+        ("", None),
+    ],
+)
+def test_a_grade_is_the_first_whole_number_in_range(answer, score):
+    assert grade_score(answer, 5) == score
+
+
+def verdict(candidate: list, champion: list | None, max_malformed: float = 0.1) -> JudgeVerdict:
+    drop = None
+    if champion is not None:
+        pairs = [(a, b) for a, b in zip(champion, candidate, strict=True) if a is not None and b is not None]
+        if len(pairs) >= 2:
+            drop = paired_difference([a for a, _ in pairs], [b for _, b in pairs], 0.9, 500, 0)
+    return JudgeVerdict(Judged(candidate), Judged(champion) if champion is not None else None, max_malformed, drop)
+
+
+def test_the_gate_decides_on_the_drop_with_its_interval_and_counts_malformed_answers_apart():
+    gate = GateSection(max_judge_drop=0.05)
+    worse = judge_checks(gate, verdict([0.0, 0.25, 0.0, 0.5] * 10, [1.0, 0.75, 1.0, 0.75] * 10))
+    assert [c.name for c in worse] == ["judge: answers without a grade (share)", "judge score drop vs champion"]
+    assert worse[0].passed and not worse[1].passed and worse[1].interval is not None
+    same = judge_checks(gate, verdict([1.0, 0.75] * 20, [1.0, 0.75] * 20))
+    assert all(c.passed for c in same)
+    # no grade at all: nothing to compare says so, and is never a score of 0
+    unread = judge_checks(gate, verdict([None] * 40, [None] * 40))
+    assert not unread[0].passed and unread[0].value == 1.0
+    assert unread[1].inconclusive and unread[1].value is None
+
+
+def test_without_a_champion_the_candidates_mean_is_checked_where_asked():
+    assert len(judge_checks(GateSection(), verdict([0.5, 0.75], None))) == 1  # min_judge_score null: not checked
+    low = judge_checks(GateSection(min_judge_score=0.8), verdict([0.5, 0.75, None], None, max_malformed=0.5))
+    assert [c.passed for c in low] == [True, False] and low[1].value == pytest.approx(0.625)
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_an_endpoint_that_is_not_there_is_transient_in_one_line():
+    cfg = JudgeSection(url=f"http://127.0.0.1:{closed_port()}/v1", model="m", timeout_s=5)
+    with pytest.raises(TransientError, match=r"^evaluate\.judge: http://127\.0\.0\.1:\d+/v1 \(m\) did not answer"):
+        judge(cfg, ["q"], ["r"], ["a"])
+
+
+class Refusing(http.server.BaseHTTPRequestHandler):
+    """An endpoint refusing every key, as an OpenAI-compatible server does (401, its error shape)."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"error": {"message": "bad key", "type": "invalid_request_error"}}).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_endpoint_refusing_the_key_names_its_variable_never_the_key(monkeypatch):
+    monkeypatch.setenv("MY_JUDGE_KEY", "s3cret-judge-key")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = JudgeSection(url=f"http://127.0.0.1:{server.server_port}/v1", model="m", api_key_env="MY_JUDGE_KEY")
+        with pytest.raises(BadInput, match=r"refused the key in \$MY_JUDGE_KEY \(HTTP 401\)") as refused:
+            judge(cfg, ["q"], ["r"], ["a"])
+        assert "s3cret" not in str(refused.value)
+    finally:
+        server.shutdown()
