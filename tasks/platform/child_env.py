@@ -33,6 +33,7 @@ SECRETS = (
     "PREFECT_API_AUTH_STRING",
     "PREFECT_SERVER_API_AUTH_STRING",
     "MLFLOW_TRACKING_PASSWORD",
+    "LLMOPS_JUDGE_API_KEY",  # evaluate.judge's default key variable: the gate's own call needs it, no child does
 )
 
 
