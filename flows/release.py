@@ -38,6 +38,7 @@ from tasks.prepare_data import DatasetMetrics, prepare_data
 from tasks.quality.checks import GateReport
 from tasks.quantize import quantize
 from tasks.register import Registered, register
+from tasks.reporting.evidence import GATE_REPORT, release_folder
 from tasks.reporting.publish import write_report
 from tasks.rollout import rollout
 from tasks.runtime.standalone import open_service
@@ -268,7 +269,7 @@ def release(
         let_go(served, deployment)
     forget_waiting(ctx.home, str(runtime.flow_run.id or ""))  # a resumed run whose gate rejected on measuring again
     end_run(ctx.tracker, "FINISHED")
-    gate_path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json" if report else None
+    gate_path = release_folder(ctx.home, ctx.tracker.run_id) / GATE_REPORT if report else None
     return ReleaseResult(stages, registered, ctx.tracker, outcome, report, gate_path, approval, steps, report_path)
 
 
@@ -328,7 +329,7 @@ def measured_before_suspension(ctx: RunContext, deployment: Deployment) -> GateR
     release moved either). Measuring again could decide otherwise than what was approved, and takes minutes."""
     if not started_again(ctx):
         return None
-    path = ctx.home / "work" / "gate" / ctx.tracker.run_id / "gate_report.json"
+    path = release_folder(ctx.home, ctx.tracker.run_id) / GATE_REPORT
     report = GateReport.read(path) if path.is_file() else None
     champion = deployment.champion.version if deployment.champion else None
     measured = (deployment.candidate.version, champion, deployment.candidate.artifact_sha256)

@@ -29,6 +29,7 @@ from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.quality.checks import Check, GateReport, at_least, at_most, interval_check, ratio_check
 from tasks.quality.judge import JudgeVerdict, judge_checks, judge_served
 from tasks.quality.stats import Difference
+from tasks.reporting.evidence import release_folder
 from tasks.shadow import shadow_checks
 
 ANSWERS_TABLE = "eval/served_answers_table.json"  # the run's per-example table in MLflow
@@ -285,7 +286,7 @@ def gate(
     checked: StageResult | None,
     shadowed: ShadowResult | None = None,
 ) -> GateReport:
-    folder = ctx.home / "work" / "gate" / ctx.tracker.run_id
+    folder = release_folder(ctx.home, ctx.tracker.run_id)
     folder.mkdir(parents=True, exist_ok=True)
     quality = score_quality(ctx, deployment, data, evaluation, folder)
     report = decide(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -171,6 +172,17 @@ def test_a_hung_load_leaves_the_connections_clients_hold_answered(tmp_path):
         assert held_connections(server, over_http, "toy-http", tmp_path / "models" / "toy-http") == 4
     finally:
         server.kill()
+
+
+def test_the_load_stall_benchmark_prints_both_ways_of_loading_side_by_side():
+    """benchmarks/load_stall.py as documented (docs/benchmarks.md), with a short load: one row per round and way, every
+    champion request answered (the script fails on any other answer). What it measures is not asserted here."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "load_stall.py"
+    args = ["--load-s", "1", "--warmup", "0.5", "--rounds", "1", "--concurrency", "2"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip().startswith("1 ")]
+    assert [row[1] for row in rows] == ["http", "grpc"] and all(int(row[3]) > 0 for row in rows), done.stdout
 
 
 # tune_serving searches the candidate's serving settings (2 trials: the profile's own and one of Optuna's; one
