@@ -5,7 +5,7 @@
 # Prefect server's imports 11.4 CPU-s from source, 5.3 with bytecode kept; a Triton Python model's 14.0 against 6.6).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup setup-vllm setup-compat setup-aiperf setup-lmeval environments test-tools run test test-unit lint format benchmark docs gpu-smoke gpu-smoke-wheels
+.PHONY: setup setup-vllm setup-compat setup-aiperf setup-lmeval environments test-tools run test test-unit lint format benchmark docs gpu-smoke gpu-bench gpu-smoke-wheels
 
 setup:
 	bash infra/local/setup.sh
@@ -85,6 +85,11 @@ docs: setup
 # and bring .whl/ along (LlamaFactory, bitsandbytes, ModelOpt and what they need beyond the image: about 24 MB).
 gpu-smoke:
 	bash infra/gpu/smoke.sh $(GPU_SMOKE_ARGS)
+
+# What the GPU profiles' 7B/8B fine-tune costs on that GPU, after the smoke (docs/gpu.md#the-gpu-bench), with the same
+# wheels; GPU_BENCH_ARGS=--allow-cpu runs one layer of the shapes where no GPU is.
+gpu-bench:
+	GPU_SCRIPT=gpu_bench bash infra/gpu/smoke.sh $(GPU_BENCH_ARGS)
 
 gpu-smoke-wheels:
 	bash infra/gpu/smoke-wheels.sh

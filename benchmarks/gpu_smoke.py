@@ -87,9 +87,17 @@ class Smoke:
     """Runs the steps in order; a failed step's dependants are skipped, not attempted. The JSON is rewritten after
     each step, so a run stopped by a time limit still leaves the numbers of the steps it finished."""
 
-    def __init__(self, skip: set[str], env: dict[str, Any], out: Path):
-        self.steps = {name: Step(name) for name in STEPS}
-        self.skip, self.env, self.out = skip, env, out
+    def __init__(
+        self,
+        skip: set[str],
+        env: dict[str, Any],
+        out: Path,
+        steps: tuple[str, ...] = STEPS,
+        needs: dict[str, tuple[str, ...]] = NEEDS,
+        label: str = "gpu-smoke",
+    ):
+        self.steps = {name: Step(name) for name in steps}
+        self.skip, self.env, self.out, self.needs, self.label = skip, env, out, needs, label
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -102,11 +110,11 @@ class Smoke:
         if name in self.skip:
             step.note = "--skip"
             return
-        missing = [need for need in NEEDS.get(name, ()) if self.steps[need].status != "ok"]
+        missing = [need for need in self.needs.get(name, ()) if self.steps[need].status != "ok"]
         if missing:
             step.note = f"needs {', '.join(missing)}"
             return
-        print(f"gpu-smoke: {name} ...", flush=True)
+        print(f"{self.label}: {name} ...", flush=True)
         started = time.perf_counter()
         try:
             work(step)
@@ -118,7 +126,7 @@ class Smoke:
             if step.status == "skipped" and not step.note:
                 step.status = "ok"
         step.seconds = round(time.perf_counter() - started, 1)
-        print(f"gpu-smoke: {name} {step.status} in {step.seconds} s {step.note}".rstrip(), flush=True)
+        print(f"{self.label}: {name} {step.status} in {step.seconds} s {step.note}".rstrip(), flush=True)
         self.save()
 
 
@@ -221,10 +229,11 @@ def images_needing_a_newer_driver(driver: str) -> str:
 
 class GpuMemoryPeak:
     """Peak GPU memory of a process tree, sampled through NVML (nvidia-ml-py) every 0.2 s: a trainer's whole use,
-    its CUDA context included, which torch's own counters in the parent cannot see."""
+    its CUDA context included, which torch's own counters in the parent cannot see. `host_peak` is the tree's
+    resident memory (psutil), sampled alike; with gpu=False only that is read (a run on the CPU)."""
 
-    def __init__(self, root_pids: list[int]):
-        self.root_pids, self.peak = root_pids, 0
+    def __init__(self, root_pids: list[int], gpu: bool = True):
+        self.root_pids, self.gpu, self.peak, self.host_peak = root_pids, gpu, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -236,29 +245,41 @@ class GpuMemoryPeak:
         self._stop.set()
         self._thread.join()
 
-    def _tree(self) -> set[int]:
+    def _tree(self) -> list:
         import psutil
 
-        pids = set()
+        processes = []
         for pid in self.root_pids:
             try:
                 root = psutil.Process(pid)
-                pids |= {root.pid, *(child.pid for child in root.children(recursive=True))}
+                processes += [root, *root.children(recursive=True)]
             except psutil.Error:
                 pass
-        return pids
+        return processes
 
     def _sample(self) -> None:
-        import pynvml
+        import psutil
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        handle = None
+        if self.gpu:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         while not self._stop.wait(0.2):
-            pids = self._tree()
-            used = sum(
-                p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids
-            )
-            self.peak = max(self.peak, used)
+            processes, resident = self._tree(), 0
+            for process in processes:
+                try:
+                    resident += process.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.host_peak = max(self.host_peak, resident)
+            if handle is not None:
+                pids = {process.pid for process in processes}
+                used = sum(
+                    p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids
+                )
+                self.peak = max(self.peak, used)
 
 
 class Run:
@@ -627,8 +648,8 @@ def load_python_backend_model(folder: Path, parameters: dict[str, str]) -> Serve
     return ServedModel(module, folder, parameters)
 
 
-def table(env: dict[str, Any], steps: list[Step]) -> str:
-    lines = ["", "gpu-smoke: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None), ""]
+def table(env: dict[str, Any], steps: list[Step], label: str = "gpu-smoke") -> str:
+    lines = ["", f"{label}: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None), ""]
     lines.append(f"{'step':<9} {'status':<8} {'s':>7}  numbers")
     for step in steps:
         numbers = ", ".join(f"{k} {v}" for k, v in step.numbers.items())

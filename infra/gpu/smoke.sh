@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make gpu-smoke: installs the carried wheels (.whl/, from `make gpu-smoke-wheels`) into a folder of their own,
-# never over the image's packages, and runs benchmarks/gpu_smoke.py with the image's Python. The JSON goes to
-# $OUT (the device tool's output folder) or build/.
+# make gpu-smoke and make gpu-bench: installs the carried wheels (.whl/, from `make gpu-smoke-wheels`) into a folder
+# of their own, never over the image's packages, and runs benchmarks/$GPU_SCRIPT.py (gpu_smoke unless said) with the
+# image's Python. The JSON goes to $OUT (the device tool's output folder) or build/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
@@ -11,4 +11,5 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-exec "$PYTHON" benchmarks/gpu_smoke.py --out "${OUT:-build}/gpu_smoke.json" "$@"
+SCRIPT=${GPU_SCRIPT:-gpu_smoke}
+exec "$PYTHON" "benchmarks/$SCRIPT.py" --out "${OUT:-build}/$SCRIPT.json" "$@"

@@ -114,4 +114,14 @@ def test_profiles_show_prints_the_plan_and_validate_refuses_what_cannot_fit():
 
 def test_profiles_without_a_shape_or_a_gpu_have_no_plan():
     assert memory_plan(load_profile("cpu-tiny")) == []
-    assert memory_plan(load_profile("llama3-8b-h100-fp8")) == []
+    assert memory_plan(load_profile("qwen-7b-qlora-2xa10")) == []  # a GPU profile that states no architecture
+
+
+def test_the_seven_b_profile_fits_an_h100_at_its_batch_and_not_at_twice_it():
+    """8 samples of 4096 tokens over Qwen's 152k vocabulary: 46 GiB of logits alone; the profile trains 4 x 8."""
+    profile = load_profile("qwen-7b-vllm-h100")
+    assert profile.train.per_device_train_batch_size * profile.train.gradient_accumulation_steps == 32
+    assert all(plan.total_gib <= plan.usable_gib for plan in memory_plan(profile))
+    doubled = load_profile("qwen-7b-vllm-h100", ["train.per_device_train_batch_size=8"])
+    with pytest.raises(BadInput, match=r"80.4 GiB per GPU .* logits overflow \(46.4 GiB: 8 x 4096 tokens x 152064"):
+        memory_plan(doubled)
