@@ -1213,6 +1213,31 @@ def test_the_rejected_release_has_a_report_a_person_reads_and_mlflow_compares_ex
     assert "mlflow.loggedArtifacts" in run.data.tags  # what MLflow's UI lists the run's tables by
 
 
+def test_the_judge_agreement_benchmark_grades_both_shipped_exams_through_the_served_champion(server, tls, tmp_path):
+    """benchmarks/judge_agreement.py as documented, its judge the champion above through the gateway's `/v1`: three
+    answers of known quality per record of each shipped exam, graded through the gate's judge code, with the exact
+    match and ROUGE-L they earn, the judge's agreement with both and its cost. A tiny antonyms model is no judge: the
+    benchmark counts the answers it gave no grade, as the gate does."""
+    out = tmp_path / "agreement.json"
+    done = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "benchmarks/judge_agreement.py", "--url", f"{server['gateway_url']}/v1",
+         "--model", SERVICE, "--examples", "4", "--out", str(out)],
+        env={**os.environ, "LLMOPS_JUDGE_API_KEY": API_KEYS["team-a"], "SSL_CERT_FILE": str(tls[0])},
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    exams = json.loads(out.read_text())["exams"]
+    assert set(exams) == {"antonyms", "finance_qa_zh"}
+    for found in exams.values():
+        kinds = found["kinds"]
+        assert found["answers"] == 12 and found["tokens_per_answer"] > 0 and found["seconds_per_answer"] > 0
+        assert kinds["reference"]["exact_match"] == 1.0 and kinds["reference"]["rouge_l"] == 1.0
+        assert kinds["partial"]["exact_match"] == 0.0 and kinds["other"]["exact_match"] == 0.0
+        assert 0 <= found["without_grade_share"] <= 1
+    assert 0 < exams["finance_qa_zh"]["kinds"]["partial"]["rouge_l"] < 1
+    assert "rho vs rouge_l" in done.stdout and "s/answer" in done.stdout
+
+
 def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server, run):
     """A second service on the same Triton (its releases route through a temporary gateway of their own: the serve
     routes the first service). Its first release is merged and promoted; an adapter candidate then serves next to
