@@ -1231,7 +1231,7 @@ def test_the_judge_agreement_benchmark_grades_both_shipped_exams_through_the_ser
     for found in exams.values():
         kinds = found["kinds"]
         assert found["answers"] == 12 and found["tokens_per_answer"] > 0 and found["seconds_per_answer"] > 0
-        assert kinds["reference"]["exact_match"] == 1.0 and kinds["reference"]["rouge_l"] == 1.0
+        assert kinds["reference"]["exact_match"] == 1.0 and kinds["reference"]["rouge_l"] > 0.999
         assert kinds["partial"]["exact_match"] == 0.0 and kinds["other"]["exact_match"] == 0.0
         assert 0 <= found["without_grade_share"] <= 1
     assert 0 < exams["finance_qa_zh"]["kinds"]["partial"]["rouge_l"] < 1
