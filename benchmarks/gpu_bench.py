@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import yaml  # noqa: E402
-from gpu_smoke import GpuMemoryPeak, Smoke, Step, environment, table  # noqa: E402
+from gpu_smoke import GpuMemoryPeak, Smoke, Step, environment, table, visible_gpu  # noqa: E402
 
 from tasks.platform.config import Profile, load_profile  # noqa: E402
 from tasks.platform.config.training import ModelArchitecture  # noqa: E402
@@ -376,15 +376,8 @@ def with_defaults(args: argparse.Namespace, on_gpu: bool) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not args.allow_cpu:
-        print(
-            f"gpu-bench: no CUDA GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda}): nothing "
-            "measured. Run it on a GPU machine; --allow-cpu runs one layer of the same shapes on the CPU.",
-            file=sys.stderr,
-        )
+    on_gpu = visible_gpu("gpu-bench", args.allow_cpu, "runs one layer of the same shapes on the CPU")
+    if on_gpu is None:
         return 2
     args = with_defaults(args, on_gpu)
     device = "cuda" if on_gpu else "cpu"

@@ -668,17 +668,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def visible_gpu(label: str, allow_cpu: bool, on_cpu: str) -> bool | None:
+    """Whether torch sees a CUDA GPU; None, after saying so, where it sees none and the CPU was not allowed."""
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not args.allow_cpu:
-        print(
-            f"gpu-smoke: no CUDA GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda}): nothing "
-            "measured. Run it on a GPU machine; --allow-cpu runs the same steps on the CPU with cpu-tiny's settings.",
-            file=sys.stderr,
-        )
+    if torch.cuda.is_available():
+        return True
+    if allow_cpu:
+        return False
+    print(
+        f"{label}: no CUDA GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda}): nothing measured. "
+        f"Run it on a GPU machine; --allow-cpu {on_cpu}.",
+        file=sys.stderr,
+    )
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    on_gpu = visible_gpu("gpu-smoke", args.allow_cpu, "runs the same steps on the CPU with cpu-tiny's settings")
+    if on_gpu is None:
         return 2
     device = "cuda" if on_gpu else "cpu"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
