@@ -74,6 +74,7 @@ benchmark: setup setup-vllm setup-aiperf
 	.venv/bin/python benchmarks/vllm_engine_idle.py
 	.venv/bin/python benchmarks/load_stall.py
 	.venv/bin/python benchmarks/predict.py
+	.venv/bin/python benchmarks/report_cost.py
 
 # The documentation site (mkdocs.yml, docs/): strict, so a page missing from the nav or a broken link fails.
 # NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build

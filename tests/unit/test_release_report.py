@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from tasks.reporting.evidence import StageRecord, gather, release_folder
@@ -170,3 +172,15 @@ def test_aiperfs_per_record_export_gives_the_same_distributions(tmp_path):
     (run / "profile_export.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     found = benchmark_latencies(tmp_path, {"candidate": f"{SERVICE}-v2", "champion": f"{SERVICE}-v1"})
     assert found == {"candidate": {"latency_ms": [120.5, 250.0], "ttft_ms": [20.0, 30.0]}}
+
+
+def test_the_report_cost_benchmark_prints_both_sets_as_documented():
+    """benchmarks/report_cost.py: the page for cpu-tiny's exam and the whole finance set, seconds and size."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/report_cost.py", "--repeat", "1"], capture_output=True, text=True, cwd=root
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("  ")[0].strip(): line.split() for line in done.stdout.splitlines()[2:]}
+    assert int(rows["cpu-tiny exam"][2]) == 39 and int(rows["finance_qa_zh, all records"][3]) == 288
+    assert all(float(row[-4]) > 0 and float(row[-3]) > 10 for row in rows.values())  # seconds, report KiB
