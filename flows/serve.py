@@ -40,6 +40,7 @@ from tasks.platform.errors import BadInput
 from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.signed_tokens import TokenVerifier
 from tasks.platform.stage_cache import RunContext
+from tasks.runtime.autoscale import Autoscaler
 from tasks.runtime.fleet import Fleet
 from tasks.runtime.gateway import Gateway, GatewayConfig, KeyRing
 from tasks.runtime.gateway.capture import CaptureSettings
@@ -138,10 +139,7 @@ def serve(
     champion = starting_champion(ctx, recorded)
     source = "the deployment record" if recorded is not None and recorded.champion is not None else "the registry"
     fleet = Fleet(ctx, listen, lambda line: print(line, flush=True))
-    if attach:
-        fleet.attach(attach, champion)
-    else:
-        fleet.start((ports.http, ports.grpc, ports.metrics), profile.serve.replicas, champion)
+    start_fleet(fleet, profile, ports, champion, attach)
     gateway, serve_key, logs = None, new_serve_key(), show_access_log()
     try:
         gateway = start_gateway(ctx, fleet, champion, listen, ports, api_keys, serve_key)
@@ -170,6 +168,15 @@ def serve(
         threading.Thread(target=expire_approvals, args=(home, stopped), daemon=True, name="approval-expiry").start()
         fleet.count = reconcile_counter(gateway.gateway)
         threading.Thread(target=reconcile, args=(fleet, stopped), daemon=True, name="reconcile").start()
+        if profile.serve.autoscale is not None:
+            scaler = Autoscaler(
+                profile.serve.autoscale,
+                fleet,
+                gateway,
+                lambda: publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url),
+                lambda line: print(line, flush=True),
+            )
+            threading.Thread(target=scaler.run, args=(stopped,), daemon=True, name="autoscale").start()
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 unpublish(home, serve_stops=False)
@@ -188,6 +195,18 @@ def serve(
             logs.close()
         fleet.stop()
         print("llmops serve: stopped", flush=True)
+
+
+def start_fleet(fleet: Fleet, profile: Profile, ports: Ports, champion: Served, attach: list[Triton] | None) -> None:
+    """The Tritons `attach` names, else serve.replicas (serve.autoscale's min_replicas) of this serve's own."""
+    autoscale = profile.serve.autoscale
+    if attach:
+        if autoscale is not None:
+            raise BadInput("serve.autoscale: it starts and stops Tritons of its own; not with --triton-url")
+        fleet.attach(attach, champion)
+    else:
+        count = autoscale.min_replicas if autoscale is not None else profile.serve.replicas
+        fleet.start((ports.http, ports.grpc, ports.metrics), count, champion)
 
 
 def reconcile(fleet: Fleet, stopped: threading.Event, every_s: float = RECONCILE_S) -> None:

@@ -128,6 +128,35 @@ class Fleet:
         for served in versions:
             install_model(replica.client, released_profile(self.ctx.profile, served), served)
 
+    # --- growing and shrinking (serve.autoscale, tasks/runtime/autoscale.py) -------------------------------------
+
+    def grow(self) -> Replica:
+        """One more tritonserver on free ports, every version of the table loaded on it before anyone hears of it. One
+        that does not start or load is killed and never joins (TransientError, CheckFailed or OSError)."""
+        index = max((r.index for r in self.replicas), default=-1) + 1
+        ports = (free_port(), free_port(), free_port())
+        server = self.spawn(index, ports)
+        replica = Replica(index, server.client, server, ports)
+        try:
+            self.load(replica, self.table_versions())
+        except BaseException:
+            server.kill()
+            raise
+        self.replicas = [*self.replicas, replica]  # a new list: the watch and the reconciler iterate the old one
+        return replica
+
+    def newest(self) -> Replica | None:
+        """The replica a scale-down stops: the last one started, never the first (serve.listen's ports)."""
+        started = [r for r in self.replicas if r.owned and r.index > 0 and not r.restarting]
+        return max(started, key=lambda r: r.index, default=None)
+
+    def retire(self, replica: Replica) -> None:
+        """A replica the gateway drained leaves the fleet, then its Triton stops (out of the list first: the serve's
+        watch would start a stopped replica again)."""
+        self.replicas = [r for r in self.replicas if r is not replica]
+        if replica.server is not None:
+            replica.server.stop()
+
     # --- keeping them up ----------------------------------------------------------------------------------------
 
     def dead(self) -> list[Replica]:
@@ -187,9 +216,10 @@ class Fleet:
         if replica.restarting:
             return "restarting"
         try:
-            if replica.owned:
+            repository = replica.client.repository
+            if replica.owned and repository is not None and (repository / model).is_dir():
                 replica.client.load(model, timeout=self.ctx.profile.serve.load_timeout_s)
-            else:  # its repository is not this machine's: the versions' files go with their load requests again
+            else:  # not this machine's repository, or a replica that joined after the version's release loaded it
                 for served in self.table_versions():
                     if model in (served.name, served.answered_by[0]):
                         replica.client.unload(model)

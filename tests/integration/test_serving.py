@@ -1455,6 +1455,104 @@ def approve_when_waiting(home: Path, approvals: list, done: threading.Event) -> 
             return
 
 
+AUTOSCALE = [
+    *("--set", "serve.backend=python", "--set", "serve.lora=merged"),
+    *("--set", "serve.autoscale={min_replicas: 1, max_replicas: 2, target: 1, scale_up_window_s: 3, "
+      "scale_down_window_s: 8, sample_every_s: 0.5}"),
+]  # fmt: skip
+
+
+class ClosedLoop:
+    """`clients` threads through the gateway, each sending its next request as soon as its last one was answered."""
+
+    def __init__(self, url: str, tls: tuple[Path, Path], clients: int):
+        self.url, self.tls, self.ok, self.failed, self.errors = url, tls, 0, 0, []
+        self.stop, self.lock = threading.Event(), threading.Lock()
+        self.threads = [threading.Thread(target=self.client) for _ in range(clients)]
+
+    def client(self) -> None:
+        while not self.stop.is_set():
+            try:
+                answer = requests.post(
+                    f"{self.url}/v2/models/{SERVICE}/generate", timeout=30, verify=str(self.tls[0]),
+                    headers={"Authorization": f"Bearer {API_KEYS['team-a']}"},
+                    json={"text_input": "What is the opposite of hot?", "max_tokens": 4},
+                )  # fmt: skip
+                good = answer.status_code == 200 and "text_output" in answer.json()
+            except requests.RequestException as exc:
+                good, answer = False, exc
+            with self.lock:
+                self.ok += good
+                self.failed += not good
+                if not good:
+                    self.errors.append(str(getattr(answer, "text", answer))[:200])
+
+    def __enter__(self) -> ClosedLoop:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+def until(condition, timeout_s: float, log: Path, watch=lambda: None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        watch()
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
+def requests_served(metrics_url: str) -> float:
+    """What a Triton's own metrics count of this service's answered requests."""
+    lines = requests.get(metrics_url, timeout=10).text.splitlines()
+    prefix = "nv_inference_request_success{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix) and SERVICE in line)
+
+
+def test_a_service_that_autoscales_adds_a_replica_under_load_and_drains_it_when_quiet(
+    home, server, cpu_tiny_store, tls, tmp_path
+):
+    """`llmops serve` with serve.autoscale (1 to 2 replicas, a target of 1 request in flight each): 6 clients in a
+    closed loop push it above the target, a second Triton starts, loads the champion, joins the pool once its probes
+    answer and takes requests; once the clients stop, it is drained and stopped. Every request was answered; never
+    more than 2 Tritons ran."""
+    import psutil
+
+    process, _ = second_service(home, cpu_tiny_store, tls, tmp_path, *AUTOSCALE)
+    published, log = tmp_path / "home" / "triton" / "server.json", tmp_path / "serve.log"
+    most = [1]
+
+    def replicas() -> list[dict]:
+        return json.loads(published.read_text())["replicas"]
+
+    def count_tritons() -> None:
+        tritons = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+        most[0] = max(most[0], len(tritons))
+
+    try:
+        state = json.loads(published.read_text())
+        with ClosedLoop(state["gateway_url"], tls, clients=6) as load:
+            until(lambda: len(replicas()) == 2, 120, log, count_tritons)
+            added = replicas()[1]
+            until(lambda: requests_served(added["metrics_url"]) > 0, 60, log, count_tritons)
+        gauges = requests.get(f"{state['gateway_metrics_url']}/metrics", timeout=10).text
+        assert 'llmops_serve_scaling_decisions_total{direction="up",outcome="done"} 1.0' in gauges
+        until(lambda: len(replicas()) == 1, 60, log, count_tritons)
+        said = log.read_text()
+        assert "autoscale: starting replica 2 of at most 2 (" in said and "above the target 1)" in said
+        assert f"autoscale: stopping replica {added['url']}, 1 left (at most 0 requests in flight over 8 s" in said
+        assert load.failed == 0 and load.ok > 20, (load.ok, load.failed, load.errors[:5])
+        count_tritons()
+        assert most[0] <= 2
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+
+
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):
     """After every release and request of this module, while the serve runs: the clients' API keys, Triton's
     control key and the serve's own are in no file of the home but the mode-600 ones that keep them (serve's log,

@@ -93,15 +93,16 @@ def test_profile_digest_changes_with_any_value():
 # harvested records when a run's --data is not the profile's own), and when three GPU profiles moved from fa2 to sdpa,
 # and when the gateway took signed client tokens (serve.auth.jwt, null by default), and when the gate got a judge
 # (evaluate.judge, null by default; gate.max_judge_drop, min_judge_score), and when the 7B and 8B profiles stated their
-# base's architecture (`make gpu-bench` builds it) and qwen-7b-vllm-h100 trained 4 x 8 (its memory plan overflowed).
+# base's architecture (`make gpu-bench` builds it) and qwen-7b-vllm-h100 trained 4 x 8 (its memory plan overflowed),
+# and when serving could scale with its load (serve.autoscale, null by default).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "6610a0eeb83644cbd6deb7c6cd7127b139c8eefd81dd8e7ccc1a6b441c93d4c2",
-    "cpu-tiny-qa-zh": "ce69bacc6379807004ebaf23b16023eae717a6cb4549326ecba37d5f54c50780",
-    "llama3-8b-h100-fp8": "a874332681aeb6bc7c885b59a1919551b56e35fef67e88a36f9aa5bccb20dda7",
-    "qwen-7b-qlora-2xa10": "c92a9f0e1819f58dd4da4c2dddc808228bb5827888b388fd95d9d6f10c40ef57",
-    "qwen-7b-vllm-h100": "64271ac5d8605fe068f6b5c1e28f68bd2f14c358670e1673bd080f46f0483f0f",
-    "qwen2-14b-int4-tp2": "b787a9d675c3031aec640dea74471e3cd6a56560bdd4ed90bdc11380df32d33e",
-    "qwen2.5-72b-lora-2x8xh100": "3e46bb7b200fc8768e9564860101b5bc653327d4c5f8888c9f1bd817f035168f",
+    "cpu-tiny": "1e0b9358d3f6bd5686cdfa08bb02dbdefa403a87566619ef74e96177a5aac7d2",
+    "cpu-tiny-qa-zh": "833ff9d86c3a418e5c736066909a58960af30488594088f8614c015175696cfb",
+    "llama3-8b-h100-fp8": "4f70f2f03d2927e0832d95489851a29e1c530c5fa616df45985ef5aa7ec12c2b",
+    "qwen-7b-qlora-2xa10": "3dd2110a131797ffbe4bb2c8ca320039ddb0602172b6ed4522154d6e254d98b1",
+    "qwen-7b-vllm-h100": "6b5814d3803f75747fe1f911fd26ff9ca9407d147103eaff5fe284043e08278c",
+    "qwen2-14b-int4-tp2": "67959b9c137eb4e0b6d60a22e01e91adc432f363deb871cc1202c4bc8aecdc07",
+    "qwen2.5-72b-lora-2x8xh100": "f763db089b74e3c928e4d8f81e57f581498bac5aeac35171f08d9afd1a759418",
 }
 
 
@@ -157,10 +158,9 @@ def test_reference_lists_every_setting_with_its_type_and_default():
     assert "| `model_name` | `str` (length >= 1) | required |" in page
     assert "## serve.vllm" in page and "## hardware.kubernetes" in page
     # Every setting is a row, but a section nested in another: an optional one (base_model.architecture,
-    # serve.auth.jwt, evaluate.judge) is both.
-    optional = [
-        path for path, _ in all_sections() if path in ("base_model.architecture", "serve.auth.jwt", "evaluate.judge")
-    ]
+    # serve.auth.jwt, evaluate.judge, serve.autoscale) is both.
+    nested = ("base_model.architecture", "serve.auth.jwt", "evaluate.judge", "serve.autoscale")
+    optional = [path for path, _ in all_sections() if path in nested]
     rows = sum(len(cls.model_fields) for _, cls in all_sections()) - (len(all_sections()) - 1) + len(optional)
     assert page.count("\n| `") == rows and optional
     assert "## base_model.architecture" in page and "| `architecture` | `ModelArchitecture \\| null` | `null` |" in page

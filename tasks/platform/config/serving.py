@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tasks.platform.config.auth import AuthSection
+from tasks.platform.config.autoscale import AutoscaleSection
 from tasks.platform.config.base import FILE_ONLY, TRUST_ONLY, Section
 
 
@@ -312,8 +313,9 @@ class ServeSection(Section):
         ge=1,
         description="tritonserver processes `llmops serve` starts and balances over (fewest requests outstanding); "
         "every version is loaded on each, so a replica that dies leaves the others serving. The first takes "
-        "serve.listen's Triton ports, the others free ones.",
+        "serve.listen's Triton ports, the others free ones. With serve.autoscale: its min_replicas instead.",
     )
+    autoscale: AutoscaleSection | None = Field(None, description="null: serve.replicas, fixed; else scaled by load.")
     instance_count: int = Field(1, ge=1, description="Triton instances of the model (one per GPU on GPU profiles).")
     max_batch_size: int = Field(8, ge=1, description="Most requests Triton batches into one model call.")
     max_queue_delay_us: int = Field(
@@ -382,6 +384,8 @@ class ServeSection(Section):
             raise ValueError(
                 f"lora adapter needs serve.backend vllm (the engine that serves adapters by name), not {self.backend}"
             )
+        if self.autoscale is not None and self.replicas != 1:
+            raise ValueError("replicas and autoscale: set one (autoscale starts min_replicas)")
         return self
 
     @field_validator("backend", mode="before")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -90,11 +91,9 @@ class Gateway:
         self.config = config
         health = config.health
         self.metrics, self.pools = GatewayMetrics(), Pools()  # pools by kind: no answer waits behind a restart
-        tritons = [
-            Triton(url, transport, health.first_byte_s, health.between_chunks_s)
-            for url in [config.triton_url, *config.more_replicas]
-        ]
-        self.triton = Replicas(tritons, self.metrics.registry, strict=health.probe_interval_s > 0)
+        connect = functools.partial(Triton, transport=transport, first_byte_s=health.first_byte_s, between_chunks_s=health.between_chunks_s)  # fmt: skip
+        tritons = [connect(url) for url in [config.triton_url, *config.more_replicas]]
+        self.triton = Replicas(tritons, self.metrics.registry, health.probe_interval_s > 0, connect)
         self.prober = Prober(
             self.triton,
             self.metrics.registry,

@@ -9,6 +9,7 @@ routed version answers there again, and take one out whose versions stop answeri
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class Replica:
     triton: Triton
     outstanding: int = 0
     in_pool: bool = True
+    draining: bool = False  # leaving for good (serve.autoscale): no new request, never back in the pool
 
     @property
     def url(self) -> str:
@@ -38,8 +40,14 @@ class Replicas:
     """`strict`: a request goes only to a replica in the pool, else it is a 503 at once (the probes put replicas back);
     not strict (no probes), a request tries a replica out of the pool where none is in it."""
 
-    def __init__(self, tritons: list[Triton], registry: CollectorRegistry, strict: bool = False):
-        self.replicas, self.strict = [Replica(triton) for triton in tritons], strict
+    def __init__(
+        self,
+        tritons: list[Triton],
+        registry: CollectorRegistry,
+        strict: bool = False,
+        connect: Callable[[str], Triton] = Triton,
+    ):
+        self.replicas, self.strict, self.connect = [Replica(triton) for triton in tritons], strict, connect
         self.next = 0  # where the search for the least busy starts: ties go round the pool
         self.up = Gauge(
             "llmops_gateway_replica_up", "1 while the replica is in the pool, else 0.", ["replica"], registry=registry
@@ -66,10 +74,32 @@ class Replicas:
             self.up.labels(replica.url).set(0)
 
     def join(self, replica: Replica) -> None:
-        if not replica.in_pool:
+        if not replica.in_pool and not replica.draining:
             LOG.warning("replicas: %s is back in the pool", replica.url)
             replica.in_pool = True
             self.up.labels(replica.url).set(1)
+
+    async def add(self, url: str) -> Replica:
+        """The Triton at `url` joined the fleet, every routed version loaded on it. Strict, it is out of the pool until
+        the probes' next round finds every routed version answering there; else in it at once."""
+        replica = Replica(self.connect(url), in_pool=not self.strict)
+        self.replicas = [*self.replicas, replica]  # a new list: a pick or a probe round iterating the old one goes on
+        self.up.labels(replica.url).set(int(replica.in_pool))
+        LOG.warning("replicas: %s joins%s", replica.url, " (in the pool once its probes answer)" if self.strict else "")
+        return replica
+
+    async def drain(self, url: str, within_s: float) -> int:
+        """The replica at `url` takes no new request; once the requests it has outstanding ended (or `within_s`
+        passed) it leaves the list. The requests still outstanding then (0 unless the deadline passed)."""
+        replica = next(r for r in self.replicas if r.url == url)
+        replica.draining = True
+        self.leave(replica, "draining: leaving the fleet")
+        deadline = asyncio.get_running_loop().time() + within_s
+        while replica.outstanding and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self.replicas = [r for r in self.replicas if r is not replica]
+        self.up.remove(replica.url)
+        return replica.outstanding
 
     async def on_one(self, work: Callable[[Triton], Any]) -> Any:
         """`work(triton)` on the least busy replica; where it was not answered there, on another."""

@@ -1,0 +1,38 @@
+"""serve.autoscale: how many Tritons `llmops serve` runs, by the load its gateway sees (tasks/runtime/autoscale.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tasks.platform.config.base import Section
+
+
+class AutoscaleSection(Section):
+    """Replicas started and stopped by the load: one more when the signal's mean over `scale_up_window_s` is above
+    `target` per replica; one fewer when, over the whole `scale_down_window_s`, the most the signal reached would stay
+    under `target` on one replica fewer (a burst inside the long window keeps the capacity). A new replica loads every
+    routed version before it takes a request; one that leaves is drained first."""
+
+    min_replicas: int = Field(
+        1, ge=1, description="Replicas kept however quiet the service is (the first is never stopped)."
+    )
+    max_replicas: int = Field(3, ge=1, description="Replicas never exceeded, whatever the load and however many die.")
+    signal: Literal["in_flight"] = Field(
+        "in_flight", description="in_flight: requests the gateway has outstanding at the replicas, per ready replica."
+    )
+    target: float = Field(4.0, gt=0, description="The signal's value per replica the policy scales to stay under.")
+    scale_up_window_s: float = Field(10.0, gt=0, description="Seconds of samples whose mean decides a scale-up.")
+    scale_down_window_s: float = Field(
+        60.0, gt=0, description="Seconds of samples whose peak decides a scale-down (longer than the up window)."
+    )
+    sample_every_s: float = Field(1.0, gt=0, description="Seconds between two samples of the signal.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleSection:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas {self.max_replicas} is below min_replicas {self.min_replicas}")
+        if self.scale_down_window_s < self.scale_up_window_s:
+            raise ValueError("scale_down_window_s must be at least scale_up_window_s (else it would flap)")
+        return self
