@@ -7,8 +7,9 @@ pause between them), while the gateway's /metrics is read every second. Prints p
 (5xx but a 503 with Retry-After, and hung), requests/s, latency p50 and p99 of the answered ones, and the replicas in
 the gateway's pool (least..most during the step).
 
-    .venv/bin/python benchmarks/autoscale_step.py [--home .llmops] [--steps 2:60,32:120,2:90]
+    .venv/bin/python benchmarks/autoscale_step.py [--home .llmops] [--artifacts STORE] [--steps 2:60,32:120,2:90]
         [--autoscale "{min_replicas: 1, max_replicas: 3, target: 4, scale_up_window_s: 10, scale_down_window_s: 30}"]
+        [--mode fixed|autoscale]  (both unless one is named)
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ LLMOPS = ROOT / ".venv" / "bin" / "llmops"
 POLICY = "{min_replicas: 1, max_replicas: 3, target: 4, scale_up_window_s: 10, scale_down_window_s: 30}"
 
 
-def start_serve(home: Path, profile: str, log: Path, autoscale: str | None) -> tuple[subprocess.Popen, dict]:
+def start_serve(
+    home: Path, profile: str, log: Path, autoscale: str | None, artifacts: str | None
+) -> tuple[subprocess.Popen, dict]:
     ports = [f"--{name}=0" for name in ("port", "control-port", "triton-http-port", "triton-grpc-port")]
     ports += ["--metrics-port=0", "--gateway-metrics-port=0"]
     settings = ["--set", "serve.limits.requests_per_second=0", "--set", "serve.limits.tokens_per_minute=0"]
     settings += ["--set", "serve.limits.max_in_flight=0"]
     if autoscale:
         settings += ["--set", f"serve.autoscale={autoscale}"]
+    if artifacts:
+        settings += ["--artifacts", artifacts]
     published = home / "triton" / "server.json"
     published.unlink(missing_ok=True)
     with open(log, "w") as out:
@@ -96,12 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="cpu-tiny")
     parser.add_argument("--steps", default="2:60,32:120,2:90", help="concurrency:seconds, in order")
     parser.add_argument("--autoscale", default=POLICY, help="serve.autoscale of the second mode")
+    parser.add_argument("--artifacts", help="the artifact store the champion is in (default: the home's)")
+    parser.add_argument("--mode", action="append", choices=["fixed", "autoscale"], help="one mode (default: both)")
     args = parser.parse_args(argv)
     steps = [(int(c), float(s)) for c, s in (item.split(":") for item in args.steps.split(","))]
     print(f"autoscale-step: {args.profile} at {args.home}; steps {args.steps}; autoscale {args.autoscale}", flush=True)
     rows = []
-    for mode, autoscale in (("fixed 1", None), ("autoscale", args.autoscale)):
-        process, state = start_serve(args.home, args.profile, args.home / f"autoscale-step-{mode[:5]}.log", autoscale)
+    modes = {"fixed": ("fixed 1", None), "autoscale": ("autoscale", args.autoscale)}
+    for mode, autoscale in (modes[name] for name in args.mode or modes):
+        log = args.home / f"autoscale-step-{mode[:5]}.log"
+        process, state = start_serve(args.home, args.profile, log, autoscale, args.artifacts)
         try:
             for concurrency, seconds in steps:
                 found = asyncio.run(step(state, concurrency, seconds))

@@ -1553,6 +1553,25 @@ def test_a_service_that_autoscales_adds_a_replica_under_load_and_drains_it_when_
         process.wait(60)
 
 
+def test_the_step_load_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_path):
+    """benchmarks/autoscale_step.py against a copy of this home's registry: it starts its own `llmops serve` (here one
+    mode, two short steps), drives the soak's clients through it and prints its table; nothing failed."""
+    import shutil
+
+    other = tmp_path / "home"
+    other.mkdir()
+    shutil.copy2(home / "mlflow.db", other / "mlflow.db")
+    done = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "benchmarks/autoscale_step.py", "--home", str(other),
+         "--artifacts", str(cpu_tiny_store), "--mode", "fixed", "--steps", "2:4,4:4"],
+        env=llmops_env(other), cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("fixed 1 ")]
+    assert [row[2] for row in rows] == ["2", "4"], done.stdout[-2000:]
+    assert all(int(row[3]) > 0 and row[4] == "0" and row[-1] == "1..1" for row in rows), done.stdout[-2000:]
+
+
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):
     """After every release and request of this module, while the serve runs: the clients' API keys, Triton's
     control key and the serve's own are in no file of the home but the mode-600 ones that keep them (serve's log,
