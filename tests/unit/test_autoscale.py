@@ -93,3 +93,13 @@ def test_settings_that_cannot_work_together_are_refused_naming_them():
     with pytest.raises(BadInput, match="replicas and autoscale: set one"):
         load_profile("cpu-tiny", ["serve.replicas=2", "serve.autoscale={max_replicas: 2}"])
     assert load_profile("cpu-tiny", ["serve.autoscale={max_replicas: 2}"]).serve.autoscale.max_replicas == 2
+
+
+def test_autoscale_is_refused_with_tritons_this_serve_does_not_own():
+    from flows.serve import start_fleet
+
+    profile = load_profile("cpu-tiny", ["serve.autoscale={max_replicas: 2}"])
+    with pytest.raises(
+        BadInput, match="serve.autoscale: it starts and stops Tritons of its own; not with --triton-url"
+    ):
+        start_fleet(None, profile, None, None, attach=[object()])  # type: ignore[arg-type]
