@@ -192,8 +192,16 @@ def require_improvement(cfg: EvaluateSection, result: EvaluationMetrics, improve
     bound = improvement.low if improvement.low is not None else improvement.value
     if bound < cfg.min_improvement:
         which = "the lower bound of its improvement" if improvement.low is not None else "its improvement"
+        # A margin is in its metric's units: one set for another metric (cpu-tiny's 0.3, for exact match on antonyms)
+        # refuses a model that did learn; the line says which setting to size, rather than only that it fell short.
+        hint = (
+            f"; the margin is in {cfg.metric}'s units: size evaluate.min_improvement for it, or pick a profile made "
+            "for such answers (`llmops profiles list`)"
+            if improvement.value > 0
+            else ""
+        )
         raise CheckFailed(
             f"evaluate: candidate {cfg.metric} {result.candidate[cfg.metric]:.3f} vs base "
             f"{result.base[cfg.metric]:.3f}: {which} {bound:.3f} < evaluate.min_improvement "
-            f"{cfg.min_improvement} (improvement {describe(improvement)})"
+            f"{cfg.min_improvement} (improvement {describe(improvement)}){hint}"
         )

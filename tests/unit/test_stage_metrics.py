@@ -196,3 +196,22 @@ def test_answer_loss_profiles_measure_answers_on_rouge_l():
     engine = EngineMetrics.measured(1.0, 10, EVALUATION, ENGINE_ANSWERS, CONVERSATIONS, "answer_loss")
     assert engine.metric == "rouge_l" and engine.merged_score == EVALUATION.candidate["rouge_l"]
     assert answer_score(ENGINE_ANSWERS, CONVERSATIONS, "rouge_l") == engine.engine_score
+
+
+def test_a_model_that_learned_but_fell_short_of_the_margin_is_told_which_setting_is_in_whose_units():
+    """The default profile's margin (0.3, exact match on antonyms) met by a finance run scored on ROUGE-L: the refusal
+    names the setting to size for that metric; a model that did not learn at all gets no such hint."""
+    import pytest
+
+    from tasks.evaluate import EvaluationMetrics, require_improvement
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import CheckFailed
+    from tasks.quality.stats import Difference
+
+    cfg = load_profile("cpu-tiny", ["evaluate.metric=rouge_l"]).evaluate
+    learned = EvaluationMetrics({"rouge_l": 0.137}, {"rouge_l": 0.239}, 0.102, 47)
+    with pytest.raises(CheckFailed, match=r"0.102 < evaluate.min_improvement 0.3 .*; the margin is in rouge_l's units"):
+        require_improvement(cfg, learned, Difference(0.102, None, None, None, 47))
+    with pytest.raises(CheckFailed) as refused:
+        require_improvement(cfg, learned, Difference(-0.01, None, None, None, 47))
+    assert "units" not in str(refused.value)
