@@ -1508,46 +1508,89 @@ def until(condition, timeout_s: float, log: Path, watch=lambda: None) -> None:
 
 def requests_served(metrics_url: str) -> float:
     """What a Triton's own metrics count of this service's answered requests."""
-    lines = requests.get(metrics_url, timeout=10).text.splitlines()
-    prefix = "nv_inference_request_success{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix) and SERVICE in line)
+    return sum(requests_by_model(metrics_url).values())
 
 
-def test_a_service_that_autoscales_adds_a_replica_under_load_and_drains_it_when_quiet(
+def requests_by_model(metrics_url: str) -> dict[str, float]:
+    """A Triton's own count of the requests each model of this service answered (the probes' among them)."""
+    counts: dict[str, float] = collections.Counter()
+    for line in requests.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("nv_inference_request_success{") and SERVICE in line:
+            model = re.search(r'model="([^"]+)"', line)
+            counts[model.group(1) if model else "?"] += float(line.rsplit(" ", 1)[1])
+    return dict(counts)
+
+
+def route_a_second_version(control, percent: float) -> tuple[str, str]:
+    """An operator's canary: a second version of the champion's own artifacts (its own Triton model, `-v9NN`) routed
+    at `percent` beside it, through the control API; the serve's probes load it on the replicas that lack it. The
+    champion's and the candidate's Triton models."""
+    from dataclasses import replace
+
+    from tasks.control.contract import Version
+
+    table = control.table()
+    champion = table.champion
+    number = f"9{champion.source['version']}"
+    name = f"{SERVICE}-v{number}"
+    candidate = Version(name, name, None, {**champion.source, "version": number})
+    weights = {champion.name: 100.0 - percent, name: percent}
+    control.put_table(replace(table, candidate=candidate, weights=weights, release=None, expires_at=None))
+    return champion.model, name
+
+
+def test_a_service_that_autoscales_adds_a_replica_under_load_that_serves_the_canary_and_drains_it_when_quiet(
     home, server, cpu_tiny_store, tls, tmp_path
 ):
-    """`llmops serve` with serve.autoscale (1 to 2 replicas, a target of 1 request in flight each): 6 clients in a
-    closed loop push it above the target, a second Triton starts, loads the champion, joins the pool once its probes
-    answer and takes requests; once the clients stop, it is drained and stopped. Every request was answered; never
-    more than 2 Tritons ran."""
+    """`llmops serve` with serve.autoscale (1 to 2 replicas, a target of 1 request in flight each) and an operator's
+    canary at 30%: 6 clients in a closed loop push it above the target. The first Triton it starts is SIGKILLed as
+    it starts: that start is counted as failed, said, and never takes a request. The next one loads both versions,
+    joins the pool once its probes answer, and serves the canary at its weight from its first request (asked of
+    each replica: Triton's own counts per model). Once the clients stop, it is drained and stopped. Every request was
+    answered, none met a replica without its version, and never more than 2 Tritons ran."""
     import psutil
 
-    process, _ = second_service(home, cpu_tiny_store, tls, tmp_path, *AUTOSCALE)
+    process, (first,) = second_service(home, cpu_tiny_store, tls, tmp_path, *AUTOSCALE)
     published, log = tmp_path / "home" / "triton" / "server.json", tmp_path / "serve.log"
-    most = [1]
+    most, killed = [1], []
 
     def replicas() -> list[dict]:
         return json.loads(published.read_text())["replicas"]
 
-    def count_tritons() -> None:
+    def watch_tritons() -> None:
         tritons = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
         most[0] = max(most[0], len(tritons))
+        for triton in tritons:
+            if triton.pid != first.pid and not killed:  # the first start of a second replica dies as it starts
+                triton.kill()
+                killed.append(triton.pid)
 
     try:
         state = json.loads(published.read_text())
+        champion_model, candidate = route_a_second_version(routed_by(tmp_path / "home", state), 30)
+        until(lambda: requests_by_model(state["metrics_url"]).get(candidate, 0) > 0, 90, log)  # loaded, probes answer
+        until(lambda: requests.get(f"{state['gateway_url']}/health/ready", verify=str(tls[0])).ok, 30, log)
+        before_load = len(log.read_text())  # the probes that found the candidate missing there, before, are said
         with ClosedLoop(state["gateway_url"], tls, clients=6) as load:
-            until(lambda: len(replicas()) == 2, 120, log, count_tritons)
+            until(lambda: len(replicas()) == 2, 180, log, watch_tritons)
             added = replicas()[1]
-            until(lambda: requests_served(added["metrics_url"]) > 0, 60, log, count_tritons)
+            until(lambda: sum(requests_by_model(added["metrics_url"]).values()) > 150, 90, log, watch_tritons)
+            served_there = requests_by_model(added["metrics_url"])
         gauges = requests.get(f"{state['gateway_metrics_url']}/metrics", timeout=10).text
+        assert 'llmops_serve_scaling_decisions_total{direction="up",outcome="failed"} 1.0' in gauges
         assert 'llmops_serve_scaling_decisions_total{direction="up",outcome="done"} 1.0' in gauges
-        until(lambda: len(replicas()) == 1, 60, log, count_tritons)
+        until(lambda: len(replicas()) == 1, 60, log, watch_tritons)
         said = log.read_text()
         assert "autoscale: starting replica 2 of at most 2 (" in said and "above the target 1)" in said
+        assert "autoscale: the new replica did not start or load, and takes no request: " in said
         assert f"autoscale: stopping replica {added['url']}, 1 left (at most 0 requests in flight over 8 s" in said
+        assert "model server fault" not in said[before_load:]  # none met a replica without its version or dead
         assert load.failed == 0 and load.ok > 20, (load.ok, load.failed, load.errors[:5])
-        count_tritons()
-        assert most[0] <= 2
+        # the probes' requests (one a version each round) are in these counts: the canary's share is above 30%
+        share = served_there.get(candidate, 0) / sum(served_there.values())
+        assert set(served_there) == {champion_model, candidate} and 0.15 < share < 0.5, served_there
+        watch_tritons()
+        assert killed and most[0] <= 2
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)

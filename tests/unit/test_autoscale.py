@@ -103,3 +103,83 @@ def test_autoscale_is_refused_with_tritons_this_serve_does_not_own():
         BadInput, match="serve.autoscale: it starts and stops Tritons of its own; not with --triton-url"
     ):
         start_fleet(None, profile, None, None, attach=[object()])  # type: ignore[arg-type]
+
+
+class Pool:
+    """What the Autoscaler reads of the gateway: its replicas' requests in flight, the route table's owner, the pool
+    a replica joins (no Triton behind it: these tests are about the loop's accounting when starts fail)."""
+
+    def __init__(self, in_flight: list[int]):
+        from types import SimpleNamespace
+
+        self.replicas = [
+            SimpleNamespace(outstanding=n, in_pool=True, url=f"http://r{i}") for i, n in enumerate(in_flight)
+        ]
+        self.joined: list[str] = []
+        self.gateway = SimpleNamespace(
+            triton=self,
+            metrics=SimpleNamespace(registry=CollectorRegistry()),
+            table=SimpleNamespace(owner=None),
+            prober=SimpleNamespace(round=self.nothing),
+        )
+
+    async def add(self, url: str) -> None:
+        self.joined.append(url)
+
+    async def nothing(self) -> None:
+        return None
+
+    def call(self, work, timeout: float = 30):
+        return asyncio.run(work)
+
+
+class FailingFleet:
+    """A fleet whose every new Triton dies as it starts (as the integration test's SIGKILLed one)."""
+
+    def __init__(self, replicas: int):
+        from types import SimpleNamespace
+
+        self.replicas = [SimpleNamespace(index=i) for i in range(replicas)]
+        self.tries = 0
+
+    def grow(self):
+        from tasks.platform.errors import CheckFailed
+
+        self.tries += 1
+        raise CheckFailed("tritonserver exited with -9: ")
+
+
+def scaler(fleet, pool: Pool, said: list[str], **settings):
+    from tasks.runtime.autoscale import Autoscaler
+
+    cfg = AutoscaleSection(min_replicas=1, max_replicas=2, target=1, scale_up_window_s=2, scale_down_window_s=10)
+    return Autoscaler(cfg.model_copy(update=settings), fleet, pool, lambda: None, said.append)  # type: ignore[arg-type]
+
+
+def test_a_replica_that_fails_to_start_is_counted_said_never_joins_and_is_tried_again_a_whole_window_later():
+    pool, fleet, said = Pool([5]), FailingFleet(1), []
+    autoscale = scaler(fleet, pool, said)
+    for now in (0.0, 1.0, 2.0):
+        autoscale.step(now)
+    assert fleet.tries == 1 and pool.joined == [] and len(fleet.replicas) == 1
+    assert said[-1] == (
+        "llmops serve: autoscale: the new replica did not start or load, and takes no request: tritonserver exited "
+        "with -9: "
+    )
+    assert autoscale.decisions.labels("up", "failed")._value.get() == 1
+    for now in (3.0, 4.0):
+        autoscale.step(now)
+    assert fleet.tries == 1  # a new window of samples first
+    autoscale.step(5.0)
+    assert fleet.tries == 2
+
+
+def test_replicas_that_died_or_restart_count_against_max_replicas():
+    """The fleet's replicas, dead or restarting ones included, are what max_replicas bounds: a load far above the
+    target with one of two replicas down (out of the pool) starts no third."""
+    pool, fleet, said = Pool([40, 0]), FailingFleet(2), []
+    pool.replicas[1].in_pool = False
+    autoscale = scaler(fleet, pool, said)
+    for now in range(12):
+        decision = autoscale.step(float(now))
+    assert decision.replicas == 2 and fleet.tries == 0 and said == []
