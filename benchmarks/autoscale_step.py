@@ -34,12 +34,13 @@ POLICY = "{min_replicas: 1, max_replicas: 3, target: 4, scale_up_window_s: 10, s
 
 
 def start_serve(
-    home: Path, profile: str, log: Path, autoscale: str | None, artifacts: str | None
+    home: Path, profile: str, log: Path, autoscale: str | None, artifacts: str | None, *more: str
 ) -> tuple[subprocess.Popen, dict]:
+    """`llmops serve` for `home` on free ports without rate limits (`more`: further --set pairs); once published."""
     ports = [f"--{name}=0" for name in ("port", "control-port", "triton-http-port", "triton-grpc-port")]
     ports += ["--metrics-port=0", "--gateway-metrics-port=0"]
     settings = ["--set", "serve.limits.requests_per_second=0", "--set", "serve.limits.tokens_per_minute=0"]
-    settings += ["--set", "serve.limits.max_in_flight=0"]
+    settings += ["--set", "serve.limits.max_in_flight=0", *more]
     if autoscale:
         settings += ["--set", f"serve.autoscale={autoscale}"]
     if artifacts:

@@ -173,7 +173,11 @@ def serve(
                 profile.serve.autoscale,
                 fleet,
                 gateway,
-                lambda: publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url),
+                # at zero, server.json keeps the first replica's endpoints: the next one starts there
+                lambda: (
+                    fleet.tritons
+                    and publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url)
+                ),
                 lambda line: print(line, flush=True),
             )
             threading.Thread(target=scaler.run, args=(stopped,), daemon=True, name="autoscale").start()
@@ -205,7 +209,8 @@ def start_fleet(fleet: Fleet, profile: Profile, ports: Ports, champion: Served, 
             raise BadInput("serve.autoscale: it starts and stops Tritons of its own; not with --triton-url")
         fleet.attach(attach, champion)
     else:
-        count = autoscale.min_replicas if autoscale is not None else profile.serve.replicas
+        # with min_replicas 0 too, one to start with: the champion is seen to load before the serve says it serves
+        count = max(autoscale.min_replicas, 1) if autoscale is not None else profile.serve.replicas
         fleet.start((ports.http, ports.grpc, ports.metrics), count, champion)
 
 

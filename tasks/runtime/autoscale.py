@@ -53,11 +53,14 @@ class ScalingPolicy:
         self.samples.clear()
         self.since = None
 
-    def decide(self, now: float, running: int, ready: int) -> Decision:
-        """`running`: the replicas the fleet has (ready or not); `ready`: those in the gateway's pool."""
+    def decide(self, now: float, running: int, ready: int, needed: str = "") -> Decision:
+        """`running`: the replicas the fleet has (ready or not); `ready`: those in the gateway's pool; `needed`: why
+        one replica is needed whatever the samples say (a request waits for one, a release owns the service)."""
         cfg = self.cfg
         if running < cfg.min_replicas:
             return Decision(cfg.min_replicas, f"{running} running, below min_replicas {cfg.min_replicas}")
+        if running == 0:
+            return Decision(1, f"scaled to zero and {needed}") if needed else Decision(0, "")
         observed = now - self.since if self.since is not None else 0.0
         if observed >= cfg.scale_up_window_s and running < cfg.max_replicas:
             recent = [value for at, value in self.samples if at >= now - cfg.scale_up_window_s]
@@ -70,10 +73,13 @@ class ScalingPolicy:
                 )
         if observed >= cfg.scale_down_window_s and running > cfg.min_replicas:
             peak = max(value for _, value in self.samples)
-            if peak / (running - 1) <= cfg.target:
+            window = f"over {cfg.scale_down_window_s:g} s"
+            if running == 1 and peak == 0 and not needed:
+                return Decision(0, f"no request {window}: scaled to zero until the next one")
+            if running > 1 and peak / (running - 1) <= cfg.target:
                 return Decision(
                     running - 1,
-                    f"at most {peak:g} requests in flight over {cfg.scale_down_window_s:g} s: {running - 1} "
+                    f"at most {peak:g} requests in flight {window}: {running - 1} "
                     f"{'replica holds' if running == 2 else 'replicas hold'} them under the target {cfg.target:g}",
                 )
         return Decision(running, "")
@@ -92,6 +98,9 @@ class Autoscaler:
 
         self.cfg, self.fleet, self.gateway, self.republish, self.say = cfg, fleet, gateway, republish, say
         self.policy = ScalingPolicy(cfg)
+        self.woken = threading.Event()
+        if cfg.min_replicas == 0:  # at zero, a request (or a release) that finds no replica wakes the loop and waits
+            gateway.gateway.triton.wake_with(self.woken.set, cfg.cold_start_timeout_s)
         registry = gateway.gateway.metrics.registry
         self.desired = Gauge("llmops_serve_replicas_desired", "Replicas serve.autoscale wants.", registry=registry)
         self.ready = Gauge("llmops_serve_replicas_ready", "Replicas in the gateway's pool.", registry=registry)
@@ -104,27 +113,38 @@ class Autoscaler:
         )  # fmt: skip
 
     def run(self, stopped: threading.Event) -> None:
-        while not stopped.wait(self.cfg.sample_every_s):
+        while not stopped.is_set():
+            self.woken.wait(self.cfg.sample_every_s)  # a request that found no replica wakes it at once
+            self.woken.clear()
             try:
                 self.step(time.monotonic())
             except Exception as exc:  # a round that failed is said; the next one samples again
                 self.say(f"llmops serve: autoscale: {type(exc).__name__}: {exc}")
 
     def step(self, now: float) -> Decision:
-        replicas = self.gateway.gateway.triton.replicas
-        in_flight = sum(r.outstanding for r in replicas)
-        ready = sum(1 for r in replicas if r.in_pool)
+        pool = self.gateway.gateway.triton
+        in_flight = sum(r.outstanding for r in pool.replicas)
+        ready = sum(1 for r in pool.replicas if r.in_pool)
         running = len(self.fleet.replicas)
-        self.policy.observe(now, in_flight)
+        self.policy.observe(now, in_flight + pool.waiting)
         self.signal.set(in_flight)
         self.ready.set(ready)
-        decision = self.policy.decide(now, running, ready)
+        decision = self.policy.decide(now, running, ready, self.needed(pool.waiting))
         self.desired.set(decision.replicas)
         if decision.replicas > running:
             self.grow(running, decision.reason)
         elif decision.replicas < running:
             self.shrink(running, decision.reason)
         return decision
+
+    def needed(self, waiting: int) -> str:
+        """Why one replica must run whatever the load says: requests wait for one, or a release owns the service."""
+        owner = self.gateway.gateway.table.owner
+        if owner is not None and not owner.expired(time.time()):
+            return f"release {owner.release} owns the service"
+        if waiting:
+            return f"{waiting} {'request waits' if waiting == 1 else 'requests wait'} for a replica"
+        return ""
 
     def grow(self, running: int, reason: str) -> None:
         self.say(

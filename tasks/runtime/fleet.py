@@ -57,6 +57,7 @@ class Fleet:
         self.table: Callable[[], RouteTable | None] = lambda: None  # the gateway's table, once there is a gateway
         self.probe: Callable[[], None] = lambda: None  # the gateway's probes, at once (a restarted replica rejoins)
         self.count: Callable[[str, str], None] = lambda action, model: None  # reconcile's actions on /metrics
+        self.first_ports: tuple[int, int, int] | None = None  # serve.listen's: the first replica's, after zero too
 
     @property
     def tritons(self) -> list[Triton]:
@@ -66,6 +67,7 @@ class Fleet:
 
     def start(self, first_ports: tuple[int, int, int], count: int, champion: Served) -> None:
         """`count` tritonserver processes, `champion` loaded on each."""
+        self.first_ports = first_ports
         try:
             for index in range(count):
                 ports = first_ports if index == 0 else (free_port(), free_port(), free_port())
@@ -135,6 +137,8 @@ class Fleet:
         that does not start or load is killed and never joins (TransientError, CheckFailed or OSError)."""
         index = max((r.index for r in self.replicas), default=-1) + 1
         ports = (free_port(), free_port(), free_port())
+        if not self.replicas and self.first_ports is not None:  # back from zero: where server.json says it is
+            index, ports = 0, self.first_ports
         server = self.spawn(index, ports)
         replica = Replica(index, server.client, server, ports)
         try:
@@ -146,8 +150,10 @@ class Fleet:
         return replica
 
     def newest(self) -> Replica | None:
-        """The replica a scale-down stops: the last one started, never the first (serve.listen's ports)."""
-        started = [r for r in self.replicas if r.owned and r.index > 0 and not r.restarting]
+        """The replica a scale-down stops: the last one started; the first (serve.listen's ports) only when it is the
+        last one (serve.autoscale's scale to zero)."""
+        alone = len(self.replicas) == 1
+        started = [r for r in self.replicas if r.owned and (r.index > 0 or alone) and not r.restarting]
         return max(started, key=lambda r: r.index, default=None)
 
     def retire(self, replica: Replica) -> None:

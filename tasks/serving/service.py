@@ -140,7 +140,8 @@ class ServiceControl:
         """Take (or renew, or take over from a lapsed owner) the service's ownership for `release`: the owner after
         the call, `release` with its epoch where it owns the service, else the release that does."""
         body = {"release": release, "lease_s": lease_s, "waiting": waiting}
-        response = self.send("PUT", "/control/v1/owner", body, 30)
+        # a service scaled to zero answers once a replica serves (serve.autoscale.cold_start_timeout_s, 300 s default)
+        response = self.send("PUT", "/control/v1/owner", body, 360)
         owner = json_object(response).get("owner") if response.status_code in (200, 409) else None
         if not isinstance(owner, dict):
             raise CheckFailed(f"the control API at {self.url}: PUT /control/v1/owner: {error_text(response)}")

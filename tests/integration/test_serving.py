@@ -1596,6 +1596,61 @@ def test_a_service_that_autoscales_adds_a_replica_under_load_that_serves_the_can
         process.wait(60)
 
 
+def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_release_after_a_cold_start(
+    home, server, cpu_tiny_store, tls, tmp_path
+):
+    """serve.autoscale with min_replicas 0: after a quiet scale_down_window_s no Triton runs and /health/ready still
+    says ready; the next request (the `openai` SDK, no retries) waits while a Triton starts on serve.listen's ports
+    again and loads the champion, and is answered within cold_start_timeout_s. Quiet again, it is back at zero; a
+    release taking the service (its own client, PUT /owner) is answered once a replica serves, and none stops while it
+    owns the service."""
+    import psutil
+
+    from tasks.serving.ownership import Ownership
+
+    zero = ["--set", "serve.autoscale={min_replicas: 0, max_replicas: 1, scale_up_window_s: 2, scale_down_window_s: 4, "
+            "sample_every_s: 0.5, cold_start_timeout_s: 120}"]  # fmt: skip
+    process, _ = second_service(home, cpu_tiny_store, tls, tmp_path, *AUTOSCALE[:4], *zero)
+    log, other = tmp_path / "serve.log", tmp_path / "home"
+
+    def tritons() -> list:
+        return [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+
+    try:
+        state = json.loads((other / "triton" / "server.json").read_text())
+        until(lambda: not tritons(), 60, log)
+        assert "autoscale: stopping replica " + state["url"] + ", 0 left (no request over 4 s: scaled to zero" in (
+            log.read_text()
+        )
+        assert requests.get(f"{state['gateway_url']}/health/ready", verify=str(tls[0]), timeout=10).ok
+        started = time.monotonic()
+        answer = openai_client(state, tls).chat.completions.create(model=SERVICE, messages=QUESTION, max_tokens=4)
+        cold_start_s = time.monotonic() - started
+        assert answer.choices[0].message.content and cold_start_s < 120
+        assert len(tritons()) == 1 and json.loads((other / "triton" / "server.json").read_text())["url"] == state["url"]
+        until(lambda: not tritons(), 60, log)
+        started = time.monotonic()
+        release = Ownership(routed_by(other, state), SERVICE, "release-z", lease_s=60)
+        release.take(timeout_s=30)
+        taken_s = time.monotonic() - started
+        try:
+            assert len(tritons()) == 1
+            time.sleep(6)  # longer than the down window: no scale-down under an owner
+            assert len(tritons()) == 1
+        finally:
+            release.give_up()
+        said = log.read_text()
+        assert "autoscale: starting replica 1 of at most 1 (scaled to zero and 1 request waits for a replica)" in said
+        assert "(scaled to zero and release release-z owns the service)" in said
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+    print(
+        f"\ncold start from zero: the first request answered after {cold_start_s:.1f} s; a release's PUT /owner "
+        f"after {taken_s:.1f} s"
+    )
+
+
 def test_the_step_load_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_path):
     """benchmarks/autoscale_step.py against a copy of this home's registry: it starts its own `llmops serve` (here one
     mode, two short steps), drives the soak's clients through it and prints its table; nothing failed."""
@@ -1613,6 +1668,24 @@ def test_the_step_load_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_pa
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("fixed 1 ")]
     assert [row[2] for row in rows] == ["2", "4"], done.stdout[-2000:]
     assert all(int(row[3]) > 0 and row[4] == "0" and row[-1] == "1..1" for row in rows), done.stdout[-2000:]
+
+
+def test_the_cold_start_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_path):
+    """benchmarks/cold_start.py against a copy of this home's registry (one engine, one round): its serve scales to
+    zero, the first request after that is answered, and the table names the engine with its times."""
+    import shutil
+
+    other = tmp_path / "home"
+    other.mkdir()
+    shutil.copy2(home / "mlflow.db", other / "mlflow.db")
+    done = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "benchmarks/cold_start.py", "--home", str(other),
+         "--artifacts", str(cpu_tiny_store), "--engines", "python", "--rounds", "1"],
+        env=llmops_env(other), cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [line.split() for line in done.stdout.splitlines() if line.startswith("python ")]
+    assert 0 < float(row[1]) < 300 and float(row[3]) < float(row[1]), done.stdout[-2000:]
 
 
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):

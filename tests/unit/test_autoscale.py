@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from tasks.platform.config import load_profile
 from tasks.platform.config.autoscale import AutoscaleSection
 from tasks.platform.errors import BadInput
-from tasks.runtime.autoscale import ScalingPolicy
+from tasks.runtime.autoscale import Decision, ScalingPolicy
 from tasks.runtime.gateway.replicas import Replicas
 
 POLICY = AutoscaleSection(min_replicas=1, max_replicas=3, target=2, scale_up_window_s=10, scale_down_window_s=30)
@@ -63,7 +63,10 @@ class Upstream:
     """What the pool reads of a Triton: its URL (no request is sent here)."""
 
     def __init__(self, url: str):
-        self.url = url
+        self.url, self.closed = url, False
+
+    async def aclose(self) -> None:
+        self.closed = True
 
 
 def test_a_new_replica_joins_out_of_the_pool_and_a_draining_one_takes_no_request_then_leaves():
@@ -80,7 +83,7 @@ def test_a_new_replica_joins_out_of_the_pool_and_a_draining_one_takes_no_request
         assert not added.in_pool and pool.pick(set()).url == "http://a"
         added.outstanding = 0
         assert await draining == 0
-        assert [r.url for r in pool.replicas] == ["http://a"]
+        assert [r.url for r in pool.replicas] == ["http://a"] and added.triton.closed  # its connections closed
 
     asyncio.run(scenario())
 
@@ -116,6 +119,7 @@ class Pool:
             SimpleNamespace(outstanding=n, in_pool=True, url=f"http://r{i}") for i, n in enumerate(in_flight)
         ]
         self.joined: list[str] = []
+        self.waiting = 0
         self.gateway = SimpleNamespace(
             triton=self,
             metrics=SimpleNamespace(registry=CollectorRegistry()),
@@ -183,3 +187,51 @@ def test_replicas_that_died_or_restart_count_against_max_replicas():
     for now in range(12):
         decision = autoscale.step(float(now))
     assert decision.replicas == 2 and fleet.tries == 0 and said == []
+
+
+def test_with_min_0_a_quiet_window_scales_to_zero_and_a_waiting_request_or_an_owner_brings_one_back():
+    policy = ScalingPolicy(POLICY.model_copy(update={"min_replicas": 0}))
+    now = sampled(policy, [0.0] * 31)
+    assert policy.decide(now, running=1, ready=1, needed="release r1 owns the service").replicas == 1
+    decision = policy.decide(now, running=1, ready=1)
+    assert decision == Decision(0, "no request over 30 s: scaled to zero until the next one")
+    policy.reset()
+    assert policy.decide(now + 1, running=0, ready=0).replicas == 0
+    woken = policy.decide(now + 1, running=0, ready=0, needed="1 request waits for a replica")
+    assert woken == Decision(1, "scaled to zero and 1 request waits for a replica")
+    busy = ScalingPolicy(POLICY.model_copy(update={"min_replicas": 0}))
+    now = sampled(busy, [0.0] * 30 + [1.0])  # one request in the window: the last replica stays
+    assert busy.decide(now, running=1, ready=1).replicas == 1
+
+
+def test_at_zero_a_request_wakes_the_pool_and_waits_for_a_replica_within_the_bound_else_a_503():
+    from tasks.runtime.gateway.protocol import RequestError
+
+    async def scenario() -> None:
+        pool = Replicas([], CollectorRegistry(), strict=True, connect=Upstream)  # type: ignore[arg-type]
+        woken: list[float] = []
+
+        def wake() -> None:  # as the autoscaler: a replica starts, then its probes put it in the pool
+            async def start() -> None:
+                await asyncio.sleep(0.3)
+                pool.join(await pool.add("http://a"))
+
+            woken.append(asyncio.get_running_loop().time())
+            asyncio.get_running_loop().create_task(start())
+
+        pool.wake_with(wake, cold_start_s=5)
+        assert pool.asleep()
+
+        async def answer(triton) -> str:
+            assert pool.waiting == 0
+            return triton.url
+
+        assert await pool.on_one(answer) == "http://a" and len(woken) == 1
+        assert await pool.on_one(answer) == "http://a" and len(woken) == 1  # awake: nothing to wait for
+        cold = Replicas([], CollectorRegistry(), strict=True, connect=Upstream)  # type: ignore[arg-type]
+        cold.wake_with(lambda: None, cold_start_s=0.2)  # no replica comes
+        with pytest.raises(RequestError, match="the model server is not available"):
+            await cold.on_one(answer)
+        assert cold.waiting == 0
+
+    asyncio.run(scenario())

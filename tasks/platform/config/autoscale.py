@@ -16,7 +16,11 @@ class AutoscaleSection(Section):
     routed version before it takes a request; one that leaves is drained first."""
 
     min_replicas: int = Field(
-        1, ge=1, description="Replicas kept however quiet the service is (the first is never stopped)."
+        1,
+        ge=0,
+        description="Replicas kept however quiet the service is. 0: scale to zero once no request came over "
+        "`scale_down_window_s` (the serve starts with one); the next request waits for a replica, within "
+        "`cold_start_timeout_s`, and so does a release that takes the service.",
     )
     max_replicas: int = Field(3, ge=1, description="Replicas never exceeded, whatever the load and however many die.")
     signal: Literal["in_flight"] = Field(
@@ -28,6 +32,12 @@ class AutoscaleSection(Section):
         60.0, gt=0, description="Seconds of samples whose peak decides a scale-down (longer than the up window)."
     )
     sample_every_s: float = Field(1.0, gt=0, description="Seconds between two samples of the signal.")
+    cold_start_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="With min_replicas 0: the longest a request (or a release taking the service) that finds no "
+        "replica waits for one to start and load every routed version; past it, a 503.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleSection:

@@ -12,7 +12,8 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
                                     service for S seconds (taken, renewed, or taken over from a lapsed owner) and is
                                     given its fencing epoch (owner.epoch: the next one for a new owner, the same on a
                                     renewal); 409 with {"error": ..., "owner": {...}} naming the owner while another
-                                    one holds it
+                                    one holds it. Where serve.autoscale scaled the service to zero, the answer comes
+                                    once a replica serves (within serve.autoscale.cold_start_timeout_s)
     DELETE /control/v1/owner        {"release": RUN, "epoch": N}: that release gives the service up (nothing where it
                                     is not the owner)
     PUT    /control/v1/loads        {"models": [MODEL, ...], "epoch": N}: the owner declares the Triton models it loads
@@ -220,6 +221,8 @@ class ControlApi:
                 {"error": f"{table.service} is owned by {refused[0].describe()}", "owner": asdict(refused[0])},
                 status_code=409,
             )
+        if method == "PUT":  # scaled to zero (serve.autoscale): the new owner is answered once a replica serves
+            await self.gateway.triton.woken()
         return JSONResponse(table.as_json())
 
     async def declare(self, data: dict[str, Any]) -> Response:

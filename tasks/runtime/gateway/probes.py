@@ -180,9 +180,11 @@ class Prober:
 
     async def ready(self) -> bool:
         """A replica answers for every routed version: by its last probes, else by probing it now (a replica that
-        just came back is ready at once, not at the next round)."""
+        just came back is ready at once, not at the next round); or the service scaled to zero."""
         if not self.routed():
             return False
+        if self.replicas.asleep():  # scaled to zero: the next request starts a replica and is answered
+            return True
         if any(self.answering(replica) for replica in self.replicas.replicas):
             return True
         for replica in self.replicas.replicas:

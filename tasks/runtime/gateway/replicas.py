@@ -49,11 +49,37 @@ class Replicas:
     ):
         self.replicas, self.strict, self.connect = [Replica(triton) for triton in tritons], strict, connect
         self.next = 0  # where the search for the least busy starts: ties go round the pool
+        self.wake: Callable[[], None] | None = None  # serve.autoscale at zero: asks for a replica (wake_with)
+        self.cold_start_s = 0.0
+        self.waiting = 0  # requests waiting for a replica to start
         self.up = Gauge(
             "llmops_gateway_replica_up", "1 while the replica is in the pool, else 0.", ["replica"], registry=registry
         )
         for replica in self.replicas:
             self.up.labels(replica.url).set(1)
+
+    def wake_with(self, wake: Callable[[], None], cold_start_s: float) -> None:
+        """serve.autoscale with min_replicas 0: a request that finds no replica in the pool calls `wake` and waits up
+        to `cold_start_s` for one to join, instead of a 503 at once."""
+        self.wake, self.cold_start_s = wake, cold_start_s
+
+    def asleep(self) -> bool:
+        """Scaled to zero: no replica, and the next request starts one."""
+        return self.wake is not None and not self.replicas
+
+    async def woken(self) -> None:
+        """Where none is in the pool and the pool can be woken: a replica asked for and waited for (bounded)."""
+        if self.wake is None or any(r.in_pool for r in self.replicas):
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cold_start_s
+        self.waiting += 1
+        try:
+            self.wake()
+            while not any(r.in_pool for r in self.replicas) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            self.waiting -= 1
 
     def pick(self, tried: set[str]) -> Replica:
         """The replica in the pool with the fewest requests outstanding, not among those `tried`; not strict, where
@@ -99,11 +125,14 @@ class Replicas:
             await asyncio.sleep(0.05)
         self.replicas = [r for r in self.replicas if r is not replica]
         self.up.remove(replica.url)
-        return replica.outstanding
+        cut = replica.outstanding
+        await replica.triton.aclose()  # its connections (else asyncio says "Unclosed client session" at GC)
+        return cut
 
     async def on_one(self, work: Callable[[Triton], Any]) -> Any:
         """`work(triton)` on the least busy replica; where it was not answered there, on another."""
         tried: set[str] = set()
+        await self.woken()
         while True:
             replica = self.pick(tried)
             replica.outstanding += 1
