@@ -4,8 +4,9 @@ For each mode, `llmops serve` starts for --home (a home with a champion: `make r
 closed loops of clients (tests/soak.py, the soak's client: mixed /v1 streaming chat and /v2 generate, 8 tokens, a
 tenth of the streams hung up on purpose, a 20 s deadline) step through --steps (concurrency:seconds, in order, no
 pause between them), while the gateway's /metrics is read every second. Prints per mode and step: requests, failed
-(5xx but a 503 with Retry-After, and hung), requests/s, latency p50 and p99 of the answered ones, and the replicas in
-the gateway's pool (least..most during the step).
+(5xx but a 503 with Retry-After, and hung), requests/s, latency p50 and p99 of the answered ones, the time to first
+token's p99 (the gateway's histogram over the step, interpolated within its buckets as Prometheus' histogram_quantile
+does), and the replicas in the gateway's pool (least..most during the step).
 
     .venv/bin/python benchmarks/autoscale_step.py [--home .llmops] [--artifacts STORE] [--steps 2:60,32:120,2:90]
         [--autoscale "{min_replicas: 1, max_replicas: 3, target: 4, scale_up_window_s: 10, scale_down_window_s: 30}"]
@@ -69,8 +70,38 @@ def pool_size(metrics_url: str) -> int:
     return sum(int(float(line.rsplit(" ", 1)[1])) for line in lines if line.startswith("llmops_gateway_replica_up{"))
 
 
+def first_token_buckets(metrics_url: str) -> dict[float, float]:
+    """The gateway's time-to-first-token histogram, all versions together: upper bound (s) -> cumulative count."""
+    import requests
+
+    buckets: dict[float, float] = {}
+    for line in requests.get(f"{metrics_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("llmops_gateway_time_to_first_token_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            upper = float("inf") if bound == "+Inf" else float(bound)
+            buckets[upper] = buckets.get(upper, 0.0) + float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float:
+    """Prometheus' histogram_quantile over the counts added between two scrapes (linear within a bucket), in ms."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return float("nan")
+    rank, lower, below = q * counts[-1], 0.0, 0.0
+    for upper, cumulative in zip(bounds, counts, strict=True):
+        if cumulative >= rank:
+            if upper == float("inf"):
+                return lower * 1000
+            return (lower + (upper - lower) * (rank - below) / max(cumulative - below, 1e-9)) * 1000
+        lower, below = upper, cumulative
+    return float("nan")
+
+
 async def step(state: dict, concurrency: int, seconds: float) -> dict:
     seen: list[int] = []
+    before = await asyncio.to_thread(first_token_buckets, state["gateway_metrics_url"])
 
     async def watch() -> None:
         stop_at = time.monotonic() + seconds
@@ -79,6 +110,7 @@ async def step(state: dict, concurrency: int, seconds: float) -> dict:
             await asyncio.sleep(1)
 
     soaked = await soak(state["gateway_url"], state["service"], concurrency, seconds, during=watch)
+    after = await asyncio.to_thread(first_token_buckets, state["gateway_metrics_url"])
     answered = sorted(soaked.latencies_ms)
 
     def quantile(q: float) -> float:
@@ -92,6 +124,7 @@ async def step(state: dict, concurrency: int, seconds: float) -> dict:
         "per_s": total / max(soaked.seconds, 1e-9),
         "p50_ms": quantile(0.5),
         "p99_ms": quantile(0.99),
+        "ttft_p99_ms": histogram_quantile(0.99, before, after),
         "replicas": f"{min(seen, default=0)}..{max(seen, default=0)}",
     }
 
@@ -121,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(60)
     print(
-        f"\n{'mode':<10} {'clients':>7} {'requests':>8} {'failed':>6} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'replicas':>8}"
+        f"\n{'mode':<10} {'clients':>7} {'requests':>8} {'failed':>6} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'TTFT p99':>8} {'replicas':>8}"
     )
     for row in rows:
         print(
             f"{row['mode']:<10} {row['concurrency']:>7} {row['requests']:>8} {row['failed']:>6} {row['per_s']:>7.1f} "
-            f"{row['p50_ms']:>7.0f} {row['p99_ms']:>7.0f} {row['replicas']:>8}"
+            f"{row['p50_ms']:>7.0f} {row['p99_ms']:>7.0f} {row['ttft_p99_ms']:>8.0f} {row['replicas']:>8}"
         )
     return 0
 

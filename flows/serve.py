@@ -170,7 +170,7 @@ def serve(
         threading.Thread(target=reconcile, args=(fleet, stopped), daemon=True, name="reconcile").start()
         if profile.serve.autoscale is not None:
             scaler = Autoscaler(
-                profile.serve.autoscale,
+                profile.serve.autoscale.with_target(profile.gate.p99_time_to_first_token_ms),
                 fleet,
                 gateway,
                 # at zero, server.json keeps the first replica's endpoints: the next one starts there

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tasks.platform.config.autoscale import AutoscaleSection
@@ -26,6 +26,7 @@ from tasks.runtime.fleet import Fleet
 from tasks.runtime.gateway.running import RunningGateway
 
 DRAIN_S = 120.0  # the longest a leaving replica's outstanding requests are waited for (then they are cut)
+MIN_FIRST_TOKENS = 5  # ttft_p90 scales up on no fewer first tokens in its window: one slow request is no load
 
 
 @dataclass(frozen=True)
@@ -35,23 +36,36 @@ class Decision:
 
 
 class ScalingPolicy:
-    """Samples of the requests in flight at the replicas; a decision from those taken since the last action."""
+    """Samples of the requests in flight at the replicas and the times to first token the gateway measured; a decision
+    from those taken since the last action. `cfg`'s target resolved (AutoscaleSection.with_target)."""
 
     def __init__(self, cfg: AutoscaleSection):
-        self.cfg = cfg
+        if cfg.target is None:
+            raise ValueError("serve.autoscale.target: resolve it first (AutoscaleSection.with_target)")
+        self.cfg, self.target = cfg, cfg.target
         self.samples: deque[tuple[float, float]] = deque()  # (monotonic time, requests in flight, all replicas)
+        self.first_tokens: deque[tuple[float, float]] = deque()  # (monotonic time, ms to the first token)
         self.since: float | None = None  # the first sample after the last action
 
-    def observe(self, now: float, in_flight: float) -> None:
+    def observe(self, now: float, in_flight: float, first_tokens_ms: Iterable[float] = ()) -> None:
+        """One sample: the requests in flight now, and the first tokens measured since the last sample."""
         self.samples.append((now, in_flight))
+        self.first_tokens.extend((now, ms) for ms in first_tokens_ms)
         self.since = now if self.since is None else self.since
-        while self.samples and self.samples[0][0] < now - self.cfg.scale_down_window_s:
-            self.samples.popleft()
+        for kept in (self.samples, self.first_tokens):
+            while kept and kept[0][0] < now - self.cfg.scale_down_window_s:
+                kept.popleft()
 
     def reset(self) -> None:
         """After an action (or a failed one): the next decision sees only the pool as it is now."""
         self.samples.clear()
+        self.first_tokens.clear()
         self.since = None
+
+    def ttft_p90(self, now: float, window_s: float) -> tuple[float, int]:
+        """The p90 of the first tokens measured over the last `window_s` (ms; 0 with none), and how many there were."""
+        times = sorted(ms for at, ms in self.first_tokens if at >= now - window_s)
+        return (times[int(0.9 * (len(times) - 1))] if times else 0.0), len(times)
 
     def decide(self, now: float, running: int, ready: int, needed: str = "") -> Decision:
         """`running`: the replicas the fleet has (ready or not); `ready`: those in the gateway's pool; `needed`: why
@@ -62,27 +76,41 @@ class ScalingPolicy:
         if running == 0:
             return Decision(1, f"scaled to zero and {needed}") if needed else Decision(0, "")
         observed = now - self.since if self.since is not None else 0.0
-        if observed >= cfg.scale_up_window_s and running < cfg.max_replicas:
-            recent = [value for at, value in self.samples if at >= now - cfg.scale_up_window_s]
-            per_replica = sum(recent) / len(recent) / max(ready, 1)
-            if per_replica > cfg.target:
-                return Decision(
-                    running + 1,
-                    f"{per_replica:.1f} requests in flight per ready replica over {cfg.scale_up_window_s:g} s, above "
-                    f"the target {cfg.target:g}",
-                )
+        if observed >= cfg.scale_up_window_s and running < cfg.max_replicas and (why := self.pressed(now, ready)):
+            return Decision(running + 1, why)
         if observed >= cfg.scale_down_window_s and running > cfg.min_replicas:
             peak = max(value for _, value in self.samples)
-            window = f"over {cfg.scale_down_window_s:g} s"
             if running == 1 and peak == 0 and not needed:
-                return Decision(0, f"no request {window}: scaled to zero until the next one")
-            if running > 1 and peak / (running - 1) <= cfg.target:
-                return Decision(
-                    running - 1,
-                    f"at most {peak:g} requests in flight {window}: {running - 1} "
-                    f"{'replica holds' if running == 2 else 'replicas hold'} them under the target {cfg.target:g}",
-                )
+                return Decision(0, f"no request over {cfg.scale_down_window_s:g} s: scaled to zero until the next one")
+            if running > 1 and (why := self.fits_on_fewer(now, running, peak)):
+                return Decision(running - 1, why)
         return Decision(running, "")
+
+    def pressed(self, now: float, ready: int) -> str:
+        """Why one more replica, where the signal over the up window is above the target; "" where it is not."""
+        window = self.cfg.scale_up_window_s
+        if self.cfg.signal == "ttft_p90":
+            p90, count = self.ttft_p90(now, window)
+            if count < MIN_FIRST_TOKENS or p90 <= self.target:
+                return ""
+            return f"TTFT p90 {p90:.0f} ms over {window:g} s ({count} requests), above the target {self.target:g} ms"
+        recent = [value for at, value in self.samples if at >= now - window]
+        per_replica = sum(recent) / len(recent) / max(ready, 1)
+        if per_replica <= self.target:
+            return ""
+        return f"{per_replica:.1f} requests in flight per ready replica over {window:g} s, above the target {self.target:g}"
+
+    def fits_on_fewer(self, now: float, running: int, peak: float) -> str:
+        """Why one replica fewer, where the whole down window says the others hold the load; "" where it does not."""
+        window, fewer = self.cfg.scale_down_window_s, running - 1
+        if self.cfg.signal == "ttft_p90":
+            p90, _ = self.ttft_p90(now, window)
+            under = self.target * self.cfg.scale_down_below
+            return f"TTFT p90 {p90:.0f} ms over {window:g} s, under {under:g} ms" if p90 < under else ""
+        if peak / fewer > self.target:
+            return ""
+        holds = "replica holds" if fewer == 1 else "replicas hold"
+        return f"at most {peak:g} requests in flight over {window:g} s: {fewer} {holds} them under the target {self.target:g}"
 
 
 class Autoscaler:
@@ -107,6 +135,10 @@ class Autoscaler:
         self.signal = Gauge(
             "llmops_serve_autoscale_in_flight", "Requests in flight at the replicas, all together.", registry=registry
         )
+        self.ttft = Gauge(
+            "llmops_serve_autoscale_ttft_p90_ms", "The p90 of the first tokens over the up window.", registry=registry
+        )
+        self.seen_until = 0.0  # the newest first token taken from the gateway's metrics
         self.decisions = Counter(
             "llmops_serve_scaling_decisions", "serve.autoscale's actions, by direction and outcome.",
             ["direction", "outcome"], registry=registry,
@@ -126,8 +158,9 @@ class Autoscaler:
         in_flight = sum(r.outstanding for r in pool.replicas)
         ready = sum(1 for r in pool.replicas if r.in_pool)
         running = len(self.fleet.replicas)
-        self.policy.observe(now, in_flight + pool.waiting)
+        self.policy.observe(now, in_flight + pool.waiting, self.new_first_tokens_ms())
         self.signal.set(in_flight)
+        self.ttft.set(self.policy.ttft_p90(now, self.cfg.scale_up_window_s)[0])
         self.ready.set(ready)
         decision = self.policy.decide(now, running, ready, self.needed(pool.waiting))
         self.desired.set(decision.replicas)
@@ -136,6 +169,14 @@ class Autoscaler:
         elif decision.replicas < running:
             self.shrink(running, decision.reason)
         return decision
+
+    def new_first_tokens_ms(self) -> list[float]:
+        """The first tokens the gateway measured since the last sample (its loop appends them; copied whole, one C
+        call under the GIL)."""
+        recent = list(self.gateway.gateway.metrics.recent_first_tokens)
+        fresh = [seconds * 1000 for at, seconds in recent if at > self.seen_until]
+        self.seen_until = recent[-1][0] if recent else self.seen_until
+        return fresh
 
     def needed(self, waiting: int) -> str:
         """Why one replica must run whatever the load says: requests wait for one, or a release owns the service."""

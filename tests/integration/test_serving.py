@@ -1668,6 +1668,7 @@ def test_the_step_load_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_pa
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("fixed 1 ")]
     assert [row[2] for row in rows] == ["2", "4"], done.stdout[-2000:]
     assert all(int(row[3]) > 0 and row[4] == "0" and row[-1] == "1..1" for row in rows), done.stdout[-2000:]
+    assert all(float(row[-2]) > 0 for row in rows), done.stdout[-2000:]  # the gateway's TTFT p99 over each step
 
 
 def test_the_cold_start_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_path):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -122,7 +123,7 @@ class Pool:
         self.waiting = 0
         self.gateway = SimpleNamespace(
             triton=self,
-            metrics=SimpleNamespace(registry=CollectorRegistry()),
+            metrics=SimpleNamespace(registry=CollectorRegistry(), recent_first_tokens=deque()),
             table=SimpleNamespace(owner=None),
             prober=SimpleNamespace(round=self.nothing),
         )
@@ -235,3 +236,38 @@ def test_at_zero_a_request_wakes_the_pool_and_waits_for_a_replica_within_the_bou
         assert cold.waiting == 0
 
     asyncio.run(scenario())
+
+
+TTFT = AutoscaleSection(signal="ttft_p90", target=250, scale_up_window_s=10, scale_down_window_s=30, max_replicas=3)
+
+
+def test_ttft_p90_above_its_target_over_the_up_window_adds_a_replica_and_one_slow_request_does_not():
+    policy = ScalingPolicy(TTFT)
+    for second in range(11):
+        policy.observe(float(second), 3, [120.0, 180.0, 400.0, 420.0] if second % 2 else [])
+    decision = policy.decide(10.0, running=1, ready=1)
+    assert decision == Decision(2, "TTFT p90 420 ms over 10 s (20 requests), above the target 250 ms")
+    lone = ScalingPolicy(TTFT)
+    for second in range(11):
+        lone.observe(float(second), 1, [900.0] if second == 5 else [])
+    assert lone.decide(10.0, running=1, ready=1).replicas == 1  # fewer than 5 first tokens: no load to speak of
+
+
+def test_ttft_p90_under_half_its_target_over_the_whole_down_window_takes_one_away():
+    policy = ScalingPolicy(TTFT)
+    for second in range(31):
+        policy.observe(float(second), 1, [60.0, 110.0])
+    assert policy.decide(30.0, running=2, ready=2) == Decision(1, "TTFT p90 110 ms over 30 s, under 125 ms")
+    slow = ScalingPolicy(TTFT)
+    for second in range(31):
+        slow.observe(float(second), 1, [60.0, 130.0])
+    assert slow.decide(30.0, running=2, ready=2).replicas == 2
+
+
+def test_a_ttft_target_comes_from_the_gates_latency_objective_else_it_is_asked_for():
+    assert AutoscaleSection().with_target(None).target == 4.0
+    assert TTFT.model_copy(update={"target": None}).with_target(300.0).target == 300.0
+    with pytest.raises(BadInput, match="serve.autoscale.target: signal ttft_p90 needs a target in ms"):
+        load_profile("cpu-tiny", ["serve.autoscale={signal: ttft_p90}", "gate.p99_time_to_first_token_ms=null"])
+    profile = load_profile("cpu-tiny", ["serve.autoscale={signal: ttft_p90}", "gate.p99_time_to_first_token_ms=500"])
+    assert profile.serve.autoscale.with_target(profile.gate.p99_time_to_first_token_ms).target == 500

@@ -117,3 +117,13 @@ def test_the_bytecode_benchmark_reads_kept_bytecode_from_its_own_prefix_only(tmp
     assert source > 0 and kept > 0
     assert [p.name for p in prefix.rglob("tiny_module*.pyc")] == [f"tiny_module.{sys.implementation.cache_tag}.pyc"]
     assert not (package / "__pycache__").exists()
+
+
+def test_the_step_loads_ttft_p99_is_prometheus_histogram_quantile_over_the_steps_counts():
+    from benchmarks.autoscale_step import histogram_quantile
+
+    before = {0.1: 5.0, 0.5: 5.0, 1.0: 5.0, float("inf"): 5.0}
+    after = {0.1: 55.0, 0.5: 95.0, 1.0: 105.0, float("inf"): 105.0}  # 50 under 0.1 s, 40 to 0.5 s, 10 to 1 s
+    assert histogram_quantile(0.5, before, after) == 100.0  # the 50th of 100: the top of the first bucket
+    assert abs(histogram_quantile(0.99, before, after) - 950.0) < 1e-6  # 9 of the last bucket's 10, linearly
+    assert histogram_quantile(0.99, after, after) != histogram_quantile(0.99, after, after)  # no request: NaN

@@ -272,6 +272,17 @@ def test_a_streamed_text_completion_sends_text_chunks(gateway):
     assert {c["object"] for c in chunks[:-1]} == {"text_completion"} and chunks[-1] == "[DONE]"
 
 
+def test_each_answered_request_has_its_time_to_first_token_on_metrics_streamed_or_whole(gateway):
+    """A stream's first token is its first piece; a whole answer's, the answer; both in the histogram and in the
+    window serve.autoscale's ttft_p90 reads."""
+    client = gateway(FakeTriton(pieces=["co", "ld"]))
+    assert client.post("/v1/completions", json={"prompt": "hot:", "stream": True}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "hot:"}).status_code == 200
+    count = f'llmops_gateway_time_to_first_token_seconds_count{{version="{SERVICE}-v1"}} 2.0'
+    assert count in scrape(client).text
+    assert len(client.app.state.gateway.metrics.recent_first_tokens) == 2  # type: ignore[attr-defined]
+
+
 # --- the checks every request passes --------------------------------------------------------------------
 
 

@@ -23,10 +23,26 @@ class AutoscaleSection(Section):
         "`cold_start_timeout_s`, and so does a release that takes the service.",
     )
     max_replicas: int = Field(3, ge=1, description="Replicas never exceeded, whatever the load and however many die.")
-    signal: Literal["in_flight"] = Field(
-        "in_flight", description="in_flight: requests the gateway has outstanding at the replicas, per ready replica."
+    signal: Literal["in_flight", "ttft_p90"] = Field(
+        "in_flight",
+        description="in_flight: requests the gateway has outstanding at the replicas, per ready replica. ttft_p90: the "
+        "90th percentile of the time to first token the gateway measured (a whole answer's first token is the answer), "
+        "in ms.",
     )
-    target: float = Field(4.0, gt=0, description="The signal's value per replica the policy scales to stay under.")
+    target: float | None = Field(
+        None,
+        gt=0,
+        description="The signal's value the policy scales to stay under: requests in flight per replica (default 4), "
+        "or ms of TTFT p90 (default gate.p99_time_to_first_token_ms, the latency objective the tune stage and the gate "
+        "hold a version to).",
+    )
+    scale_down_below: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="ttft_p90: one replica fewer once the p90 over the whole scale_down_window_s stayed under target "
+        "times this (in_flight needs none: it predicts the load on one replica fewer).",
+    )
     scale_up_window_s: float = Field(10.0, gt=0, description="Seconds of samples whose mean decides a scale-up.")
     scale_down_window_s: float = Field(
         60.0, gt=0, description="Seconds of samples whose peak decides a scale-down (longer than the up window)."
@@ -38,6 +54,20 @@ class AutoscaleSection(Section):
         description="With min_replicas 0: the longest a request (or a release taking the service) that finds no "
         "replica waits for one to start and load every routed version; past it, a 503.",
     )
+
+    def with_target(self, slo_ms: float | None) -> AutoscaleSection:
+        """This policy with its target: the one set, else the signal's default (`slo_ms`, the gate's TTFT objective,
+        for ttft_p90)."""
+        if self.target is not None:
+            return self
+        if self.signal == "in_flight":
+            return self.model_copy(update={"target": 4.0})
+        if slo_ms is None:
+            raise ValueError(
+                "serve.autoscale.target: signal ttft_p90 needs a target in ms, or gate.p99_time_to_first_token_ms "
+                "to take it from"
+            )
+        return self.model_copy(update={"target": slo_ms})
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleSection:

@@ -118,6 +118,12 @@ class Profile(Section):
         return self
 
     @model_validator(mode="after")
+    def _autoscale_has_a_target(self) -> Profile:
+        if self.serve.autoscale is not None:
+            self.serve.autoscale.with_target(self.gate.p99_time_to_first_token_ms)
+        return self
+
+    @model_validator(mode="after")
     def _unreviewed_harvests_are_safe(self) -> Profile:
         """flywheel.review rules pushes harvests no person read: only with what keeps a client from writing the
         next release's answers, its history, or its exam."""

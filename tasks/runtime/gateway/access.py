@@ -14,11 +14,12 @@ import functools
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
@@ -111,6 +112,15 @@ class GatewayMetrics:
             ["version"],
             registry=self.registry,
         )
+        self.first_tokens = Histogram(
+            "llmops_gateway_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token (a whole answer's: to the answer), by version.",
+            ["version"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
+        # the same times, the newest last, for serve.autoscale's ttft_p90 signal (tasks/runtime/autoscale.py)
+        self.recent_first_tokens: deque[tuple[float, float]] = deque(maxlen=20_000)
         self.leases_expired = Counter(
             "llmops_gateway_leases_expired",
             "Releases whose hold on the routes lapsed (the champion then served alone).",
@@ -123,12 +133,19 @@ class GatewayMetrics:
             self.version_requests.labels(version, outcome)
         self.version_seconds.labels(version)
 
-    def observe(self, version: str, status: int, seconds: float) -> None:
-        """One request of `version` ended with `status` (what the gateway answered, or would have) after `seconds`."""
+    def observe(self, version: str, status: int, seconds: float, streamed: bool = False) -> None:
+        """One request of `version` ended with `status` (what the gateway answered, or would have) after `seconds`;
+        a whole answer's first token is the answer (a stream's is said by first_token)."""
         outcome = "ok" if status == 200 else "refused" if 400 <= status < 500 else "failed"
         self.version_requests.labels(version, outcome).inc()
         if outcome == "ok":
             self.version_seconds.labels(version).inc(seconds)
+            if not streamed:
+                self.first_token(version, seconds)
+
+    def first_token(self, version: str, seconds: float) -> None:
+        self.first_tokens.labels(version).observe(seconds)
+        self.recent_first_tokens.append((time.monotonic(), seconds))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -327,13 +327,14 @@ class Gateway:
             return Response(answer.content, status_code=answer.status_code, media_type=answer.content_type)
 
         def ended(whole: bool) -> None:
-            self.metrics.observe(version.name, 200 if whole else 502, time.perf_counter() - started)
+            self.metrics.observe(version.name, 200 if whole else 502, time.perf_counter() - started, streamed=True)
 
         try:
             upstream, chunks = await self.triton.forward_stream(version, body, ended)
         except RequestError as error:
             self.metrics.observe(version.name, error.status, time.perf_counter() - started)
             raise
+        self.metrics.first_token(version.name, time.perf_counter() - started)  # Triton's stream began
         current().tokens = body["max_tokens"]  # a stream passed through is not counted: its budget is charged
         media_type = upstream.headers.get("content-type", "text/event-stream")
         return StreamingResponse(chunks, status_code=upstream.status_code, media_type=media_type)

@@ -212,6 +212,7 @@ class OpenAIServing:
         except RequestError as error:
             self.metrics.observe(version.name, error.status, time.perf_counter() - started)
             raise
+        self.metrics.first_token(version.name, time.perf_counter() - started)
         events = self.events(pieces, first, stop, reply, inputs, started, version)
         return StreamingResponse(events, media_type="text/event-stream")
 
@@ -258,7 +259,7 @@ class OpenAIServing:
             return
         finally:
             await pieces.aclose()
-        self.metrics.observe(version.name, 200, time.perf_counter() - started)
+        self.metrics.observe(version.name, 200, time.perf_counter() - started, streamed=True)
         for event in reply.text_events(scanner.flush(), last=True):
             yield event
         self.copy_to_shadow(inputs, scanner.text, stop, started, reply)
