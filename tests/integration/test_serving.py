@@ -1651,42 +1651,41 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
     )
 
 
-def test_the_step_load_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_path):
-    """benchmarks/autoscale_step.py against a copy of this home's registry: it starts its own `llmops serve` (here one
-    mode, two short steps), drives the soak's clients through it and prints its table; nothing failed."""
+def benchmark_on_a_copy(home: Path, store: Path, folder: Path, script: str, *args: str) -> str:
+    """benchmarks/SCRIPT ARGS against a copy of this home's registry (its own home; it starts its own `llmops serve`);
+    its standard output, once it exited 0."""
     import shutil
 
-    other = tmp_path / "home"
+    other = folder / "home"
     other.mkdir()
     shutil.copy2(home / "mlflow.db", other / "mlflow.db")
     done = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "python"), "benchmarks/autoscale_step.py", "--home", str(other),
-         "--artifacts", str(cpu_tiny_store), "--mode", "fixed", "--steps", "2:4,4:4"],
+        [str(ROOT / ".venv" / "bin" / "python"), f"benchmarks/{script}", "--home", str(other), "--artifacts",
+         str(store), *args],
         env=llmops_env(other), cwd=ROOT, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("fixed 1 ")]
-    assert [row[2] for row in rows] == ["2", "4"], done.stdout[-2000:]
-    assert all(int(row[3]) > 0 and row[4] == "0" and row[-1] == "1..1" for row in rows), done.stdout[-2000:]
-    assert all(float(row[-2]) > 0 for row in rows), done.stdout[-2000:]  # the gateway's TTFT p99 over each step
+    return done.stdout
+
+
+def test_the_step_load_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_path):
+    """benchmarks/autoscale_step.py (here one mode, two short steps) drives the soak's clients through its serve and
+    prints its table; nothing failed, and each step has the gateway's TTFT p99."""
+    out = benchmark_on_a_copy(
+        home, cpu_tiny_store, tmp_path, "autoscale_step.py", "--mode", "fixed", "--steps", "2:4,4:4"
+    )
+    rows = [line.split() for line in out.splitlines() if line.startswith("fixed 1 ")]
+    assert [row[2] for row in rows] == ["2", "4"], out[-2000:]
+    assert all(int(row[3]) > 0 and row[4] == "0" and row[-1] == "1..1" for row in rows), out[-2000:]
+    assert all(float(row[-2]) > 0 for row in rows), out[-2000:]
 
 
 def test_the_cold_start_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_path):
-    """benchmarks/cold_start.py against a copy of this home's registry (one engine, one round): its serve scales to
-    zero, the first request after that is answered, and the table names the engine with its times."""
-    import shutil
-
-    other = tmp_path / "home"
-    other.mkdir()
-    shutil.copy2(home / "mlflow.db", other / "mlflow.db")
-    done = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "python"), "benchmarks/cold_start.py", "--home", str(other),
-         "--artifacts", str(cpu_tiny_store), "--engines", "python", "--rounds", "1"],
-        env=llmops_env(other), cwd=ROOT, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (row,) = [line.split() for line in done.stdout.splitlines() if line.startswith("python ")]
-    assert 0 < float(row[1]) < 300 and float(row[3]) < float(row[1]), done.stdout[-2000:]
+    """benchmarks/cold_start.py (one engine, one round): its serve scales to zero, the first request after that is
+    answered, and the table names the engine with its times."""
+    out = benchmark_on_a_copy(home, cpu_tiny_store, tmp_path, "cold_start.py", "--engines", "python", "--rounds", "1")
+    (row,) = [line.split() for line in out.splitlines() if line.startswith("python ")]
+    assert 0 < float(row[1]) < 300 and float(row[3]) < float(row[1]), out[-2000:]
 
 
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):
