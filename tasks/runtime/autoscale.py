@@ -14,6 +14,7 @@ reason) and the loop that acts on it, one replica at a time.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from tasks.runtime.fleet import Fleet
 from tasks.runtime.gateway.running import RunningGateway
 
 DRAIN_S = 120.0  # the longest a leaving replica's outstanding requests are waited for (then they are cut)
-MIN_FIRST_TOKENS = 5  # ttft_p90 scales up on no fewer first tokens in its window: one slow request is no load
+MIN_FIRST_TOKENS = 5  # a latency signal scales up on no fewer requests in its window: one slow request is no load
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,23 @@ class ScalingPolicy:
         self.cfg, self.target = cfg, cfg.target
         self.samples: deque[tuple[float, float]] = deque()  # (monotonic time, requests in flight, all replicas)
         self.first_tokens: deque[tuple[float, float]] = deque()  # (monotonic time, ms to the first token)
+        self.queued: deque[tuple[float, float, float]] = deque()  # (monotonic time, µs in Triton's queues, requests)
         self.since: float | None = None  # the first sample after the last action
 
-    def observe(self, now: float, in_flight: float, first_tokens_ms: Iterable[float] = ()) -> None:
-        """One sample: the requests in flight now, and the first tokens measured since the last sample."""
+    def observe(
+        self,
+        now: float,
+        in_flight: float,
+        first_tokens_ms: Iterable[float] = (),
+        queued: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
+        """One sample: the requests in flight now, the first tokens measured since the last sample, and the µs the
+        requests answered since then waited in Triton's queues with their count."""
         self.samples.append((now, in_flight))
         self.first_tokens.extend((now, ms) for ms in first_tokens_ms)
+        self.queued.append((now, *queued))
         self.since = now if self.since is None else self.since
-        for kept in (self.samples, self.first_tokens):
+        for kept in (self.samples, self.first_tokens, self.queued):
             while kept and kept[0][0] < now - self.cfg.scale_down_window_s:
                 kept.popleft()
 
@@ -60,12 +70,25 @@ class ScalingPolicy:
         """After an action (or a failed one): the next decision sees only the pool as it is now."""
         self.samples.clear()
         self.first_tokens.clear()
+        self.queued.clear()
         self.since = None
 
     def ttft_p90(self, now: float, window_s: float) -> tuple[float, int]:
         """The p90 of the first tokens measured over the last `window_s` (ms; 0 with none), and how many there were."""
         times = sorted(ms for at, ms in self.first_tokens if at >= now - window_s)
         return (times[int(0.9 * (len(times) - 1))] if times else 0.0), len(times)
+
+    def queue_ms(self, now: float, window_s: float) -> tuple[float, int]:
+        """The mean wait in Triton's queues of the requests answered over the last `window_s` (ms), and their count."""
+        waited = sum(us for at, us, _ in self.queued if at >= now - window_s)
+        answered = sum(n for at, _, n in self.queued if at >= now - window_s)
+        return (waited / answered / 1000 if answered else 0.0), int(answered)
+
+    def latency(self, now: float, window_s: float) -> tuple[float, int, str]:
+        """A latency signal over the window: its value (ms), the requests it is of, and what it is called."""
+        if self.cfg.signal == "queue_ms":
+            return (*self.queue_ms(now, window_s), "Triton queue time a request")
+        return (*self.ttft_p90(now, window_s), "TTFT p90")
 
     def decide(self, now: float, running: int, ready: int, needed: str = "") -> Decision:
         """`running`: the replicas the fleet has (ready or not); `ready`: those in the gateway's pool; `needed`: why
@@ -89,11 +112,11 @@ class ScalingPolicy:
     def pressed(self, now: float, ready: int) -> str:
         """Why one more replica, where the signal over the up window is above the target; "" where it is not."""
         window = self.cfg.scale_up_window_s
-        if self.cfg.signal == "ttft_p90":
-            p90, count = self.ttft_p90(now, window)
-            if count < MIN_FIRST_TOKENS or p90 <= self.target:
+        if self.cfg.signal != "in_flight":
+            value, count, name = self.latency(now, window)
+            if count < MIN_FIRST_TOKENS or value <= self.target:
                 return ""
-            return f"TTFT p90 {p90:.0f} ms over {window:g} s ({count} requests), above the target {self.target:g} ms"
+            return f"{name} {value:.0f} ms over {window:g} s ({count} requests), above the target {self.target:g} ms"
         recent = [value for at, value in self.samples if at >= now - window]
         per_replica = sum(recent) / len(recent) / max(ready, 1)
         if per_replica <= self.target:
@@ -103,10 +126,10 @@ class ScalingPolicy:
     def fits_on_fewer(self, now: float, running: int, peak: float) -> str:
         """Why one replica fewer, where the whole down window says the others hold the load; "" where it does not."""
         window, fewer = self.cfg.scale_down_window_s, running - 1
-        if self.cfg.signal == "ttft_p90":
-            p90, _ = self.ttft_p90(now, window)
+        if self.cfg.signal != "in_flight":
+            value, _, name = self.latency(now, window)
             under = self.target * self.cfg.scale_down_below
-            return f"TTFT p90 {p90:.0f} ms over {window:g} s, under {under:g} ms" if p90 < under else ""
+            return f"{name} {value:.0f} ms over {window:g} s, under {under:g} ms" if value < under else ""
         if peak / fewer > self.target:
             return ""
         holds = "replica holds" if fewer == 1 else "replicas hold"
@@ -138,7 +161,11 @@ class Autoscaler:
         self.ttft = Gauge(
             "llmops_serve_autoscale_ttft_p90_ms", "The p90 of the first tokens over the up window.", registry=registry
         )
+        self.queue = Gauge(
+            "llmops_serve_autoscale_queue_ms", "The mean wait in Triton's queues over the up window.", registry=registry
+        )
         self.seen_until = 0.0  # the newest first token taken from the gateway's metrics
+        self.queue_counters: dict[str, tuple[float, float]] = {}  # by replica URL: Triton's queue µs and requests
         self.decisions = Counter(
             "llmops_serve_scaling_decisions", "serve.autoscale's actions, by direction and outcome.",
             ["direction", "outcome"], registry=registry,
@@ -158,9 +185,11 @@ class Autoscaler:
         in_flight = sum(r.outstanding for r in pool.replicas)
         ready = sum(1 for r in pool.replicas if r.in_pool)
         running = len(self.fleet.replicas)
-        self.policy.observe(now, in_flight + pool.waiting, self.new_first_tokens_ms())
+        queued = self.new_queue_time() if self.cfg.signal == "queue_ms" else (0.0, 0.0)
+        self.policy.observe(now, in_flight + pool.waiting, self.new_first_tokens_ms(), queued)
         self.signal.set(in_flight)
         self.ttft.set(self.policy.ttft_p90(now, self.cfg.scale_up_window_s)[0])
+        self.queue.set(self.policy.queue_ms(now, self.cfg.scale_up_window_s)[0])
         self.ready.set(ready)
         decision = self.policy.decide(now, running, ready, self.needed(pool.waiting))
         self.desired.set(decision.replicas)
@@ -177,6 +206,27 @@ class Autoscaler:
         fresh = [seconds * 1000 for at, seconds in recent if at > self.seen_until]
         self.seen_until = recent[-1][0] if recent else self.seen_until
         return fresh
+
+    def new_queue_time(self) -> tuple[float, float]:
+        """The µs the requests each replica answered since the last sample waited in its Triton's queues, and how many
+        they were, all replicas together (read from each Triton's metrics; a replica that cannot be read adds none)."""
+        import requests
+
+        service, waited, answered = self.gateway.gateway.config.service, 0.0, 0.0
+        counters: dict[str, tuple[float, float]] = {}
+        for replica in self.fleet.replicas:
+            url = replica.client.metrics_url
+            if url is None:  # a Triton without a metrics port: none to read
+                continue
+            try:
+                now = queue_counters(requests.get(url, timeout=2).text, service)
+            except requests.RequestException:
+                continue
+            before = self.queue_counters.get(url, (0.0, 0.0))
+            fresh = now if now[1] < before[1] else (now[0] - before[0], now[1] - before[1])  # restarted: from 0
+            waited, answered, counters[url] = waited + fresh[0], answered + fresh[1], now
+        self.queue_counters = counters
+        return waited, answered
 
     def needed(self, waiting: int) -> str:
         """Why one replica must run whatever the load says: requests wait for one, or a release owns the service."""
@@ -223,3 +273,20 @@ class Autoscaler:
         self.decisions.labels("down", "done" if not cut else "cut").inc()
         if cut:
             self.say(f"llmops serve: autoscale: {cut} requests were still outstanding after {DRAIN_S:g} s and were cut")
+
+
+QUEUE_LINE = re.compile(
+    r'^(nv_inference_queue_duration_us|nv_inference_request_success)\{[^}]*model="([^"]+)"[^}]*\} ([0-9.eE+-]+)$', re.M
+)
+
+
+def queue_counters(metrics: str, service: str) -> tuple[float, float]:
+    """Triton's cumulative queue time (µs) and answered requests over the service's models (`<service>-...`)."""
+    waited = answered = 0.0
+    for metric, model, value in QUEUE_LINE.findall(metrics):
+        if model.startswith(f"{service}-"):
+            if metric == "nv_inference_request_success":
+                answered += float(value)
+            else:
+                waited += float(value)
+    return waited, answered

@@ -1608,8 +1608,9 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
 
     from tasks.serving.ownership import Ownership
 
+    # on Triton's queue time (each replica's metrics read every sample): at zero there is none to read
     zero = ["--set", "serve.autoscale={min_replicas: 0, max_replicas: 1, scale_up_window_s: 2, scale_down_window_s: 4, "
-            "sample_every_s: 0.5, cold_start_timeout_s: 120}"]  # fmt: skip
+            "sample_every_s: 0.5, cold_start_timeout_s: 120, signal: queue_ms, target: 500}"]  # fmt: skip
     process, _ = second_service(home, cpu_tiny_store, tls, tmp_path, *AUTOSCALE[:4], *zero)
     log, other = tmp_path / "serve.log", tmp_path / "home"
 
@@ -1628,6 +1629,8 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
         cold_start_s = time.monotonic() - started
         assert answer.choices[0].message.content and cold_start_s < 120
         assert len(tritons()) == 1 and json.loads((other / "triton" / "server.json").read_text())["url"] == state["url"]
+        gauges = requests.get(f"{state['gateway_metrics_url']}/metrics", timeout=10).text
+        assert re.search(r"^llmops_serve_autoscale_queue_ms [0-9.e+-]+$", gauges, re.M), gauges[-2000:]
         until(lambda: not tritons(), 60, log)
         started = time.monotonic()
         release = Ownership(routed_by(other, state), SERVICE, "release-z", lease_s=60)

@@ -271,3 +271,37 @@ def test_a_ttft_target_comes_from_the_gates_latency_objective_else_it_is_asked_f
         load_profile("cpu-tiny", ["serve.autoscale={signal: ttft_p90}", "gate.p99_time_to_first_token_ms=null"])
     profile = load_profile("cpu-tiny", ["serve.autoscale={signal: ttft_p90}", "gate.p99_time_to_first_token_ms=500"])
     assert profile.serve.autoscale.with_target(profile.gate.p99_time_to_first_token_ms).target == 500
+
+
+TRITON_METRICS = """# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="svc-v3",version="1"} 120
+nv_inference_request_success{model="svc-base",version="1"} 30
+nv_inference_request_success{model="other-v1",version="1"} 999
+# HELP nv_inference_queue_duration_us Cumulative inference queuing duration in microseconds (includes cached requests)
+# TYPE nv_inference_queue_duration_us counter
+nv_inference_queue_duration_us{model="svc-v3",version="1"} 600000
+nv_inference_queue_duration_us{model="svc-base",version="1"} 150000
+nv_inference_queue_duration_us{model="other-v1",version="1"} 5
+"""
+
+
+def test_triton_queue_time_is_summed_over_the_services_models_and_scales_on_the_mean_wait_a_request():
+    from tasks.runtime.autoscale import queue_counters
+
+    assert queue_counters(TRITON_METRICS, "svc") == (750000.0, 150.0)  # another service's models are not ours
+    queue = AutoscaleSection(signal="queue_ms", target=20, scale_up_window_s=10, scale_down_window_s=30)
+    policy = ScalingPolicy(queue)
+    for second in range(11):
+        policy.observe(float(second), 4, queued=(500_000.0, 10.0))  # 50 ms a request
+    assert policy.decide(10.0, running=1, ready=1) == Decision(
+        2, "Triton queue time a request 50 ms over 10 s (110 requests), above the target 20 ms"
+    )
+    quiet = ScalingPolicy(queue)
+    for second in range(31):
+        quiet.observe(float(second), 1, queued=(20_000.0, 10.0))  # 2 ms a request
+    assert quiet.decide(30.0, running=2, ready=2) == Decision(
+        1, "Triton queue time a request 2 ms over 30 s, under 10 ms"
+    )
+    with pytest.raises(BadInput, match="signal queue_ms needs a target in ms"):
+        load_profile("cpu-tiny", ["serve.autoscale={signal: queue_ms}"])

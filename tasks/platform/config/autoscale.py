@@ -23,25 +23,26 @@ class AutoscaleSection(Section):
         "`cold_start_timeout_s`, and so does a release that takes the service.",
     )
     max_replicas: int = Field(3, ge=1, description="Replicas never exceeded, whatever the load and however many die.")
-    signal: Literal["in_flight", "ttft_p90"] = Field(
+    signal: Literal["in_flight", "ttft_p90", "queue_ms"] = Field(
         "in_flight",
         description="in_flight: requests the gateway has outstanding at the replicas, per ready replica. ttft_p90: the "
         "90th percentile of the time to first token the gateway measured (a whole answer's first token is the answer), "
-        "in ms.",
+        "in ms. queue_ms: the mean time a request waited in the replicas' Triton queues (Triton's own counters), in ms; "
+        "for the Python backend and TensorRT-LLM's, not vLLM's (its engine queues inside itself).",
     )
     target: float | None = Field(
         None,
         gt=0,
         description="The signal's value the policy scales to stay under: requests in flight per replica (default 4), "
-        "or ms of TTFT p90 (default gate.p99_time_to_first_token_ms, the latency objective the tune stage and the gate "
-        "hold a version to).",
+        "ms of TTFT p90 (default gate.p99_time_to_first_token_ms, the latency objective the tune stage and the gate "
+        "hold a version to), or ms of queue time (no default).",
     )
     scale_down_below: float = Field(
         0.5,
         gt=0,
         lt=1,
-        description="ttft_p90: one replica fewer once the p90 over the whole scale_down_window_s stayed under target "
-        "times this (in_flight needs none: it predicts the load on one replica fewer).",
+        description="ttft_p90 and queue_ms: one replica fewer once the signal over the whole scale_down_window_s "
+        "stayed under target times this (in_flight needs none: it predicts the load on one replica fewer).",
     )
     scale_up_window_s: float = Field(10.0, gt=0, description="Seconds of samples whose mean decides a scale-up.")
     scale_down_window_s: float = Field(
@@ -62,6 +63,10 @@ class AutoscaleSection(Section):
             return self
         if self.signal == "in_flight":
             return self.model_copy(update={"target": 4.0})
+        if self.signal == "queue_ms":
+            raise ValueError(
+                "serve.autoscale.target: signal queue_ms needs a target in ms (a request's wait in Triton)"
+            )
         if slo_ms is None:
             raise ValueError(
                 "serve.autoscale.target: signal ttft_p90 needs a target in ms, or gate.p99_time_to_first_token_ms "
