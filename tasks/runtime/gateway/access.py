@@ -116,7 +116,8 @@ class GatewayMetrics:
             "llmops_gateway_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first token (a whole answer's: to the answer), by version.",
             ["version"],
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            # fine where TTFT objectives sit (tens to hundreds of ms): a quantile is interpolated within its bucket
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=self.registry,
         )
         # the same times, the newest last, for serve.autoscale's ttft_p90 signal (tasks/runtime/autoscale.py)
