@@ -203,5 +203,6 @@ def require_improvement(cfg: EvaluateSection, result: EvaluationMetrics, improve
         raise CheckFailed(
             f"evaluate: candidate {cfg.metric} {result.candidate[cfg.metric]:.3f} vs base "
             f"{result.base[cfg.metric]:.3f}: {which} {bound:.3f} < evaluate.min_improvement "
-            f"{cfg.min_improvement} (improvement {describe(improvement)}){hint}"
+            f"{cfg.min_improvement}{f' (improvement {describe(improvement)})' if improvement.low is not None else ''}"
+            f"{hint}"
         )

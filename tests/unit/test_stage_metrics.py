@@ -210,7 +210,9 @@ def test_a_model_that_learned_but_fell_short_of_the_margin_is_told_which_setting
 
     cfg = load_profile("cpu-tiny", ["evaluate.metric=rouge_l"]).evaluate
     learned = EvaluationMetrics({"rouge_l": 0.137}, {"rouge_l": 0.239}, 0.102, 47)
-    with pytest.raises(CheckFailed, match=r"0.102 < evaluate.min_improvement 0.3 .*; the margin is in rouge_l's units"):
+    with pytest.raises(
+        CheckFailed, match=r"its improvement 0.102 < evaluate.min_improvement 0.3; the margin is in rouge_l's units"
+    ):
         require_improvement(cfg, learned, Difference(0.102, None, None, None, 47))
     with pytest.raises(CheckFailed) as refused:
         require_improvement(cfg, learned, Difference(-0.01, None, None, None, 47))
