@@ -14,7 +14,6 @@ reason) and the loop that acts on it, one replica at a time.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from tasks.platform.config.autoscale import AutoscaleSection
 from tasks.platform.errors import CheckFailed, TransientError
 from tasks.runtime.fleet import Fleet
 from tasks.runtime.gateway.running import RunningGateway
+from tasks.serving.client import metric_by_model
 
 DRAIN_S = 120.0  # the longest a leaving replica's outstanding requests are waited for (then they are cut)
 MIN_FIRST_TOKENS = 5  # a latency signal scales up on no fewer requests in its window: one slow request is no load
@@ -185,11 +185,13 @@ class Autoscaler:
         in_flight = sum(r.outstanding for r in pool.replicas)
         ready = sum(1 for r in pool.replicas if r.in_pool)
         running = len(self.fleet.replicas)
-        queued = self.new_queue_time() if self.cfg.signal == "queue_ms" else (0.0, 0.0)
-        self.policy.observe(now, in_flight + pool.waiting, self.new_first_tokens_ms(), queued)
+        signal, window = self.cfg.signal, self.cfg.scale_up_window_s
+        first_tokens = self.new_first_tokens_ms() if signal == "ttft_p90" else []  # read for their signal alone
+        queued = self.new_queue_time() if signal == "queue_ms" else (0.0, 0.0)
+        self.policy.observe(now, in_flight + pool.waiting, first_tokens, queued)
         self.signal.set(in_flight)
-        self.ttft.set(self.policy.ttft_p90(now, self.cfg.scale_up_window_s)[0])
-        self.queue.set(self.policy.queue_ms(now, self.cfg.scale_up_window_s)[0])
+        if signal != "in_flight":
+            (self.ttft if signal == "ttft_p90" else self.queue).set(self.policy.latency(now, window)[0])
         self.ready.set(ready)
         decision = self.policy.decide(now, running, ready, self.needed(pool.waiting))
         self.desired.set(decision.replicas)
@@ -275,18 +277,12 @@ class Autoscaler:
             self.say(f"llmops serve: autoscale: {cut} requests were still outstanding after {DRAIN_S:g} s and were cut")
 
 
-QUEUE_LINE = re.compile(
-    r'^(nv_inference_queue_duration_us|nv_inference_request_success)\{[^}]*model="([^"]+)"[^}]*\} ([0-9.eE+-]+)$', re.M
-)
-
-
 def queue_counters(metrics: str, service: str) -> tuple[float, float]:
     """Triton's cumulative queue time (µs) and answered requests over the service's models (`<service>-...`)."""
-    waited = answered = 0.0
-    for metric, model, value in QUEUE_LINE.findall(metrics):
-        if model.startswith(f"{service}-"):
-            if metric == "nv_inference_request_success":
-                answered += float(value)
-            else:
-                waited += float(value)
-    return waited, answered
+
+    def ours(metric: str) -> float:
+        return sum(
+            value for model, value in metric_by_model(metrics, metric).items() if model.startswith(f"{service}-")
+        )
+
+    return ours("nv_inference_queue_duration_us"), ours("nv_inference_request_success")

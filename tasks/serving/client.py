@@ -316,8 +316,15 @@ def load_parameters(model_folder: Path) -> dict[str, str]:
 
 def parse_metric(text: str, metric: str, model: str) -> float:
     """Sum of a Prometheus counter over the versions of one model (Triton's nv_inference_* family)."""
-    pattern = re.compile(rf'^{metric}{{[^}}]*model="{re.escape(model)}"[^}}]*}} ([0-9.eE+-]+)$', re.M)
-    return sum(float(v) for v in pattern.findall(text))
+    return metric_by_model(text, metric).get(model, 0.0)
+
+
+def metric_by_model(text: str, metric: str) -> dict[str, float]:
+    """A Prometheus counter of Triton's nv_inference_* family, summed over each model's versions, by model."""
+    found: dict[str, float] = {}
+    for model, value in re.findall(rf'^{metric}{{[^}}]*model="([^"]+)"[^}}]*}} ([0-9.eE+-]+)$', text, re.M):
+        found[model] = found.get(model, 0.0) + float(value)
+    return found
 
 
 def generate_body(text: str, max_tokens: int, history: Sequence[Mapping[str, object]] | None) -> dict[str, Any]:
