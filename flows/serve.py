@@ -27,8 +27,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +40,14 @@ from tasks.platform.ports import free_port, port_in_use
 from tasks.platform.signed_tokens import TokenVerifier
 from tasks.platform.stage_cache import RunContext
 from tasks.runtime.autoscale import Autoscaler
+from tasks.runtime.discovery import Discovery, Membership
 from tasks.runtime.fleet import Fleet
 from tasks.runtime.gateway import Gateway, GatewayConfig, KeyRing
 from tasks.runtime.gateway.capture import CaptureSettings
 from tasks.runtime.gateway.control import ControlApi
 from tasks.runtime.gateway.logs import LogWriter
 from tasks.runtime.gateway.running import Listener, RunningGateway
-from tasks.serving.champion import as_route, registry_champion, served_of, served_version
+from tasks.serving.champion import as_route, registry_champion, served_of
 from tasks.serving.client import Triton
 from tasks.serving.models import Served
 from tasks.serving.publication import new_serve_key, publish, unpublish
@@ -67,8 +67,9 @@ class Ports:
     gateway_metrics: int
 
 
-def choose_ports(listen: ListenSection) -> Ports:
-    """The configured ports, 0 replaced by a free one, chosen once: restarts keep them."""
+def choose_ports(listen: ListenSection, own_tritons: bool = True) -> Ports:
+    """The configured ports, 0 replaced by a free one, chosen once: restarts keep them. Without Tritons of its own
+    (`--triton-discover`), Triton's ports are theirs, in use as they should be."""
     wanted = {
         "port": listen.port,
         "triton_http_port": listen.triton_http_port,
@@ -78,7 +79,7 @@ def choose_ports(listen: ListenSection) -> Ports:
         "gateway_metrics_port": listen.gateway_metrics_port,
     }
     for name, port in wanted.items():
-        if port and port_in_use(port):
+        if port and port_in_use(port) and (own_tritons or not name.startswith("triton_")):
             raise BadInput(
                 f"serve.listen.{name} {port}: port in use; pick another (--{name.replace('_', '-')}, 0 = any free port)"
             )
@@ -124,13 +125,19 @@ def check_listen(listen: ListenSection, api_keys: dict | bool) -> None:
 
 
 def serve(
-    profile: Profile, home: Path, tracking_uri: str | None, artifacts: str | None, attach: list[Triton] | None = None
+    profile: Profile,
+    home: Path,
+    tracking_uri: str | None,
+    artifacts: str | None,
+    attach: list[Triton] | None = None,
+    discover: Discovery | None = None,
 ) -> None:
-    """`attach`: Tritons this serve does not own (`--triton-url`); else it starts serve.replicas of its own."""
+    """`attach`: Tritons this serve does not own (`--triton-url`); `discover`: those a name resolves to, round after
+    round (`--triton-discover`); else it starts serve.replicas of its own."""
     listen = profile.serve.listen
     api_keys = client_credentials(profile)
     check_listen(listen, api_keys.keys or api_keys.tokens is not None)
-    ports = choose_ports(listen)
+    ports = choose_ports(listen, own_tritons=discover is None)
     ctx = open_serving_context(profile, tracking_uri, artifacts)
     service = profile.registry.model_name
     stopped = threading.Event()
@@ -139,6 +146,8 @@ def serve(
     champion = starting_champion(ctx, recorded)
     source = "the deployment record" if recorded is not None and recorded.champion is not None else "the registry"
     fleet = Fleet(ctx, listen, lambda line: print(line, flush=True))
+    if discover is not None:
+        attach = discover.first(profile.serve.load_timeout_s, lambda line: print(line, flush=True))
     start_fleet(fleet, profile, ports, champion, attach)
     gateway, serve_key, logs = None, new_serve_key(), show_access_log()
     try:
@@ -165,30 +174,18 @@ def serve(
         )
         limits = profile.serve.limits
         print(f"llmops serve: {gateway.gateway.limits.summary(limits.max_in_flight, bool(api_keys.keys))}", flush=True)
-        threading.Thread(target=expire_approvals, args=(home, stopped), daemon=True, name="approval-expiry").start()
-        fleet.count = reconcile_counter(gateway.gateway)
-        threading.Thread(target=reconcile, args=(fleet, stopped), daemon=True, name="reconcile").start()
-        if profile.serve.autoscale is not None:
-            scaler = Autoscaler(
-                profile.serve.autoscale.with_target(profile.gate.p99_time_to_first_token_ms),
-                fleet,
-                gateway,
-                # at zero, server.json keeps the first replica's endpoints: the next one starts there
-                lambda: (
-                    fleet.tritons
-                    and publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url)
-                ),
-                lambda line: print(line, flush=True),
-            )
-            threading.Thread(target=scaler.run, args=(stopped,), daemon=True, name="autoscale").start()
+
+        def republish() -> None:  # at zero, server.json keeps the first replica's endpoints: the next one starts there
+            if fleet.tritons:
+                publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url)
+
+        start_loops(profile, fleet, gateway, discover, republish, stopped)
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 unpublish(home, serve_stops=False)
                 if not fleet.restart(replica, stopped):
                     return
-                publish(
-                    home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url
-                )  # same ports, new key
+                republish()  # same ports, new key
     except KeyboardInterrupt:
         pass
     finally:
@@ -201,12 +198,40 @@ def serve(
         print("llmops serve: stopped", flush=True)
 
 
+def start_loops(
+    profile: Profile,
+    fleet: Fleet,
+    gateway: RunningGateway,
+    discover: Discovery | None,
+    republish: Callable[[], object],
+    stopped: threading.Event,
+) -> None:
+    """The serve's loops beside its gateway: expired approvals, the reconciler, serve.autoscale's policy, and the
+    lookups of --triton-discover's name."""
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    loops: list[tuple[str, Callable, tuple]] = [
+        ("approval-expiry", expire_approvals, (fleet.ctx.home, stopped)),
+        ("reconcile", reconcile, (fleet, stopped)),
+    ]
+    fleet.count = reconcile_counter(gateway.gateway)
+    if profile.serve.autoscale is not None:
+        policy = profile.serve.autoscale.with_target(profile.gate.p99_time_to_first_token_ms)
+        loops.append(("autoscale", Autoscaler(policy, fleet, gateway, republish, say).run, (stopped,)))
+    if discover is not None:
+        loops.append(("discovery", Membership(discover, fleet, gateway, say, republish).run, (stopped,)))
+    for name, loop, args in loops:
+        threading.Thread(target=loop, args=args, daemon=True, name=name).start()
+
+
 def start_fleet(fleet: Fleet, profile: Profile, ports: Ports, champion: Served, attach: list[Triton] | None) -> None:
     """The Tritons `attach` names, else serve.replicas (serve.autoscale's min_replicas) of this serve's own."""
     autoscale = profile.serve.autoscale
     if attach:
         if autoscale is not None:
-            raise BadInput("serve.autoscale: it starts and stops Tritons of its own; not with --triton-url")
+            raise BadInput(
+                "serve.autoscale: it starts and stops Tritons of its own; not with --triton-url or --triton-discover "
+                "(on Kubernetes a KEDA ScaledObject scales the Tritons: `llmops profiles autoscaler`)"
+            )
         fleet.attach(attach, champion)
     else:
         # with min_replicas 0 too, one to start with: the champion is seen to load before the serve says it serves
@@ -363,25 +388,3 @@ def gateway_config(
 def adopt_alone(gateway: Gateway, served: Served) -> None:
     route = as_route(served)
     gateway.adopt(RouteTable(gateway.config.service, route, weights={route.name: 100.0}))
-
-
-@contextmanager
-def serving_alone(profile: Profile, version, tracking_uri: str | None, artifacts: str | None) -> Iterator[str]:
-    """A Triton and a gateway of the caller's own serving registry `version` (an MLflow ModelVersion) alone as the
-    service, on loopback ports with no keys and no capture, for `llmops predict` where no `llmops serve` runs; the
-    service's deployment record is neither read nor written. Yields the gateway's URL; both stop after."""
-    ctx = open_serving_context(profile, tracking_uri, artifacts)
-    served = served_version(ctx, profile.registry.model_name, version)
-    fleet = Fleet(ctx, profile.serve.listen, lambda line: print(line, file=sys.stderr, flush=True))
-    gateway = None
-    try:
-        fleet.start((free_port(), free_port(), free_port()), 1, served)
-        inner = Gateway(gateway_config(ctx, fleet, served, profile.serve.listen, {}, None, None))
-        adopt_alone(inner, served)
-        port = free_port()
-        gateway = RunningGateway([Listener(inner.app(), "127.0.0.1", port)], inner).start()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        fleet.stop()

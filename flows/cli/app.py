@@ -11,13 +11,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.cli import approval, data, deploy, gate, predict, profiles, run, serve, stack, store
+from flows.cli import approval, data, deploy, gate, predict, profiles, run, serve, stack, store, triton
 from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.run_log import RunLog, exit_code
 from tasks.platform.unused_imports import PIPELINE, leave_out
 
-COMMANDS = (run, serve, predict, gate, approval, stack, store, deploy, data, profiles)  # in --help's order
+COMMANDS = (run, serve, triton, predict, gate, approval, stack, store, deploy, data, profiles)  # in --help's order
 
 DESCRIPTION = (
     "Release pipeline for fine-tuned LLMs: data -> (Q)LoRA -> merge -> quantize -> Triton canary -> gate -> "

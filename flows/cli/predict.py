@@ -119,7 +119,7 @@ def run_predict(
     if base_url is not None:
         target = registered_target(profile, version, tracking_uri, batch_known=concurrency is not None)
         return answer_rows(profile, rows, base_url, target, output, errors, concurrency, max_tokens)
-    from flows.serve import serving_alone
+    from flows.serve_alone import serving_alone
     from tasks.serving.predict import engine_batch, released_settings
 
     found, _ = registered_version(profile, version, tracking_uri)

@@ -93,7 +93,17 @@ def register(commands) -> None:
         "--triton-metrics-url", action="append", default=[], help="each --triton-url's metrics URL, in the same order"
     )
     serve.add_argument(
-        "--triton-control-key-file", metavar="PATH", help="with --triton-url: the file of those Tritons' control key"
+        "--triton-discover",
+        metavar="NAME",
+        help="front the Tritons NAME resolves to, resolved again every 5 s (on Kubernetes: the headless Service of "
+        "`llmops triton` pods that a KEDA ScaledObject scales, infra/kubernetes/serving-autoscale.yaml), each on "
+        "serve.listen's Triton ports: one that appears loads every routed version before it takes a request, one "
+        "that goes away is drained; their control key: --triton-control-key-file (or LLMOPS_TRITON_CONTROL_KEY)",
+    )
+    serve.add_argument(
+        "--triton-control-key-file",
+        metavar="PATH",
+        help="with --triton-url or --triton-discover: the file of those Tritons' control key",
     )
     serve.set_defaults(handler=command_serve)
 
@@ -117,26 +127,23 @@ def command_serve(args) -> None:
     home.mkdir(parents=True, exist_ok=True)
     from flows.serve import serve
 
-    serve(profile, home, args.tracking_uri, args.artifacts, attached(args))
+    serve(profile, home, args.tracking_uri, args.artifacts, attached(args), discovered(args, profile))
 
 
 def attached(args) -> list:
     """The Tritons of --triton-url, each with its gRPC and metrics endpoints where given; the key from the file given
     for them (never this home's own)."""
-    import os
-    from pathlib import Path
-
     from tasks.platform.errors import BadInput
-    from tasks.serving.client import ATTACH_KEY_FILE_ENV, Triton, attach_control_key, refuse_plain_http
+    from tasks.serving.client import Triton, refuse_plain_http
 
     if not args.triton_url:
         return []
+    if args.triton_discover:
+        raise BadInput("--triton-url and --triton-discover: give one (the Tritons named, or those a name resolves to)")
     for flag in ("triton_grpc_url", "triton_metrics_url"):
         if getattr(args, flag) and len(getattr(args, flag)) != len(args.triton_url):
             raise BadInput(f"--{flag.replace('_', '-')}: give one for each --triton-url, in the same order")
-    if args.triton_control_key_file:
-        os.environ[ATTACH_KEY_FILE_ENV] = str(Path(args.triton_control_key_file).resolve())
-    key = attach_control_key()
+    key = given_control_key(args)
     tritons = []
     for index, url in enumerate(args.triton_url):
         refuse_plain_http(url)
@@ -144,3 +151,27 @@ def attached(args) -> list:
         metrics = args.triton_metrics_url[index] if args.triton_metrics_url else None
         tritons.append(Triton.attach(url, None, metrics, grpc, key))
     return tritons
+
+
+def given_control_key(args) -> str | None:
+    """The control key of Tritons this serve does not own: from --triton-control-key-file, else the environment."""
+    import os
+    from pathlib import Path
+
+    from tasks.serving.client import ATTACH_KEY_FILE_ENV, attach_control_key
+
+    if args.triton_control_key_file:
+        os.environ[ATTACH_KEY_FILE_ENV] = str(Path(args.triton_control_key_file).resolve())
+    return attach_control_key()
+
+
+def discovered(args, profile):
+    """--triton-discover's name, on the profile's Triton ports (serve.listen), or None."""
+    from tasks.runtime.discovery import Discovery
+    from tasks.serving.client import refuse_plain_http
+
+    if not args.triton_discover:
+        return None
+    discovery = Discovery(args.triton_discover, profile.serve.listen, given_control_key(args))
+    refuse_plain_http(discovery.url(args.triton_discover))  # the pods' network carries the control key
+    return discovery

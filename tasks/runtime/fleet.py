@@ -149,6 +149,14 @@ class Fleet:
         self.replicas = [*self.replicas, replica]  # a new list: the watch and the reconciler iterate the old one
         return replica
 
+    def join(self, triton: Triton) -> Replica:
+        """A Triton this serve does not own (found by `--triton-discover`) joins, every version of the table loaded
+        on it before anyone hears of it."""
+        replica = Replica(max((r.index for r in self.replicas), default=-1) + 1, triton)
+        self.load(replica, self.table_versions())
+        self.replicas = [*self.replicas, replica]
+        return replica
+
     def newest(self) -> Replica | None:
         """The replica a scale-down stops: the last one started; the first (serve.listen's ports) only when it is the
         last one (serve.autoscale's scale to zero)."""

@@ -108,7 +108,10 @@ def tls(tmp_path_factory) -> tuple[Path, Path]:
     return cert, key
 
 
-def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *args: str) -> subprocess.Popen:
+def start_serve(
+    home: Path, store: Path, tls: tuple[Path, Path], log: Path, *args: str, within: tuple = (), env: dict | None = None
+) -> subprocess.Popen:
+    """`llmops serve ARGS` on free ports; `within`: the command it runs under (unshare ...), `env`: more variables."""
     keys = home / "api-keys"
     keys.write_text("".join(f"{name}: {key}\n" for name, key in API_KEYS.items()))
     keys.chmod(0o600)
@@ -117,6 +120,7 @@ def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *arg
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
             [
+                *within,
                 str(LLMOPS),
                 "serve",
                 "--artifacts",
@@ -131,7 +135,7 @@ def start_serve(home: Path, store: Path, tls: tuple[Path, Path], log: Path, *arg
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**llmops_env(home), "LLMOPS_API_KEYS_FILE": str(keys)},
+            env={**llmops_env(home), "LLMOPS_API_KEYS_FILE": str(keys), **(env or {})},
             cwd=ROOT,
             start_new_session=True,
         )
@@ -1652,6 +1656,91 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
         f"\ncold start from zero: the first request answered after {cold_start_s:.1f} s; a release's PUT /owner "
         f"after {taken_s:.1f} s"
     )
+
+
+def start_triton_pod(home: Path, host: str, ports: list[int], key: str, log: Path) -> subprocess.Popen:
+    """`llmops triton` as a pod of infra/kubernetes/serving-autoscale.yaml runs it: its own home, no model loaded."""
+    home.mkdir()
+    flags = [
+        "--host",
+        host,
+        "--http-port",
+        str(ports[0]),
+        "--grpc-port",
+        str(ports[1]),
+        "--metrics-port",
+        str(ports[2]),
+    ]
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [str(LLMOPS), "triton", *AUTOSCALE[:4], *flags],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**llmops_env(home), "LLMOPS_TRITON_CONTROL_KEY": key},
+        )  # fmt: skip
+    until(lambda: "llmops triton: serving at" in log.read_text() or process.poll() is not None, 120, log)
+    assert process.poll() is None, log.read_text()[-2000:]
+    return process
+
+
+def test_a_gateway_loads_each_triton_its_name_comes_to_name_and_drains_each_it_stops_naming(
+    home, server, cpu_tiny_store, tls, tmp_path
+):
+    """`llmops serve --triton-discover NAME` as infra/kubernetes/serving-autoscale.yaml runs it in front of the Triton
+    pods a KEDA ScaledObject scales. The system's resolver answers for NAME from a hosts file bind-mounted over
+    /etc/hosts in the serve's own mount namespace (unshare), as a headless Service's DNS names its ready pods; two
+    `llmops triton` run on 127.0.0.1 and 127.0.0.2 on the same ports, as pods do, each with its own home (the models
+    go with their load requests). A Triton the name comes to name loads the champion and then serves requests; one
+    it stops naming is drained, and once its process is gone (the pod ended) no request failed."""
+    import secrets
+    import shutil
+
+    from tasks.platform.ports import free_port
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("needs `unshare -m` (root, or CAP_SYS_ADMIN) to give the serve a hosts file of its own")
+    key, ports = secrets.token_urlsafe(24), [free_port(), free_port(), free_port()]
+    hosts, name = tmp_path / "hosts", "llmops-triton-pods"
+    system_hosts = Path("/etc/hosts").read_text()
+    hosts.write_text(f"{system_hosts}\n127.0.0.1 {name}\n")
+    pods = [start_triton_pod(tmp_path / "pod-a", "127.0.0.1", ports, key, tmp_path / "pod-a.log")]
+    other, log = tmp_path / "home", tmp_path / "serve.log"
+    other.mkdir()
+    shutil.copy2(home / "mlflow.db", other / "mlflow.db")
+    flags = ["--triton-http-port", str(ports[0]), "--triton-grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    process = start_serve(
+        other, cpu_tiny_store, tls, log, *AUTOSCALE[:4], "--triton-discover", name, *flags,
+        within=("unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)),
+        env={"LLMOPS_TRITON_CONTROL_KEY": key, "LLMOPS_TRITON_ALLOW_PLAIN_HTTP": "1"},
+    )  # fmt: skip
+    first, second = (f"http://127.0.0.{n}:{ports[0]}" for n in (1, 2))
+    try:
+        state = wait_published(other, process, log, timeout=300)
+        assert [replica["url"] for replica in state["replicas"]] == [first]
+        pods.append(start_triton_pod(tmp_path / "pod-b", "127.0.0.2", ports, key, tmp_path / "pod-b.log"))
+        with ClosedLoop(state["gateway_url"], tls, clients=3) as load:
+            hosts.write_text(f"{system_hosts}\n127.0.0.1 {name}\n127.0.0.2 {name}\n")  # in place: the mount sees it
+            until(lambda: f"discovery: {second} joins, every routed version loaded" in log.read_text(), 180, log)
+            metrics_b = f"http://127.0.0.2:{ports[2]}/metrics"
+            until(lambda: requests_served(metrics_b) > 30, 90, log)  # the probes' few, then the clients'
+            hosts.write_text(f"{system_hosts}\n127.0.0.2 {name}\n")
+            until(lambda: f"discovery: {name} no longer names {first}; draining it" in log.read_text(), 60, log)
+            metrics_a = f"http://127.0.0.1:{ports[2]}/metrics"
+            time.sleep(1)  # what it had outstanding when the drain began has ended
+            served_a = requests_served(metrics_a)
+            pods[0].terminate()  # the pod ends, as Kubernetes ends it after the name stopped naming it
+            pods[0].wait(60)
+            answered = load.ok
+            until(lambda: load.ok > answered + 20, 60, log)
+        gauges = requests.get(f"{state['gateway_metrics_url']}/metrics", timeout=10).text
+        assert re.search(rf'^llmops_gateway_requests_in_flight{{llmops_service="{SERVICE}"}} [0-9.]+$', gauges, re.M)
+        assert load.failed == 0 and served_a > 0, (load.ok, load.failed, load.errors[:5])
+        assert "model server fault" not in log.read_text()
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+        for pod in pods:
+            pod.terminate()
+            pod.wait(60)
 
 
 def benchmark_on_a_copy(home: Path, store: Path, folder: Path, script: str, *args: str) -> str:

@@ -93,7 +93,7 @@ class Gateway:
         self.metrics, self.pools = GatewayMetrics(), Pools()  # pools by kind: no answer waits behind a restart
         connect = functools.partial(Triton, transport=transport, first_byte_s=health.first_byte_s, between_chunks_s=health.between_chunks_s)  # fmt: skip
         tritons = [connect(url) for url in [config.triton_url, *config.more_replicas]]
-        self.triton = Replicas(tritons, self.metrics.registry, health.probe_interval_s > 0, connect)
+        self.triton = Replicas(tritons, self.metrics.registry, health.probe_interval_s > 0, connect, config.service)
         self.prober = Prober(
             self.triton,
             self.metrics.registry,

@@ -46,6 +46,7 @@ class Replicas:
         registry: CollectorRegistry,
         strict: bool = False,
         connect: Callable[[str], Triton] = Triton,
+        service: str = "",
     ):
         self.replicas, self.strict, self.connect = [Replica(triton) for triton in tritons], strict, connect
         self.next = 0  # where the search for the least busy starts: ties go round the pool
@@ -57,6 +58,13 @@ class Replicas:
         )
         for replica in self.replicas:
             self.up.labels(replica.url).set(1)
+        Gauge(
+            "llmops_gateway_requests_in_flight",
+            "Requests sent to the replicas and not answered yet, and those waiting for a replica (at zero): "
+            "serve.autoscale's in_flight signal, which a KEDA ScaledObject reads on Kubernetes.",
+            ["llmops_service"],  # not `service`: Prometheus's scrape configs label targets so (infra/monitoring)
+            registry=registry,
+        ).labels(service).set_function(lambda: sum(r.outstanding for r in self.replicas) + self.waiting)
 
     def wake_with(self, wake: Callable[[], None], cold_start_s: float) -> None:
         """serve.autoscale with min_replicas 0: a request that finds no replica in the pool calls `wake` and waits up
