@@ -1,4 +1,4 @@
-"""`llmops profiles list|show|validate`: the run profiles of profiles/, without running anything."""
+"""`llmops profiles list|show|validate|autoscaler`: the run profiles of profiles/, without running anything."""
 
 from __future__ import annotations
 
@@ -26,6 +26,17 @@ def register(commands) -> None:
         sub.add_argument("profile", help="profile name or YAML path")
         add_overrides_flag(sub, "override a profile value (repeatable)")
         sub.set_defaults(handler=handler)
+    text = (
+        "print the KEDA ScaledObject that scales this profile's Tritons on Kubernetes by its serve.autoscale (the "
+        "Deployment of `llmops triton` pods in infra/kubernetes/serving-autoscale.yaml, read from Prometheus)"
+    )
+    autoscaler = actions.add_parser("autoscaler", help=text.split(" (")[0], description=text.capitalize() + ".")
+    autoscaler.add_argument("profile", help="profile name or YAML path")
+    add_overrides_flag(autoscaler, "override a profile value (repeatable), e.g. serve.autoscale.signal=ttft_p90")
+    autoscaler.add_argument(
+        "--prometheus", default=None, help="the Prometheus KEDA queries (default http://prometheus.monitoring.svc:9090)"
+    )
+    autoscaler.set_defaults(handler=show_autoscaler)
 
 
 def list_profiles(args) -> None:
@@ -57,3 +68,13 @@ def validate_profile(args) -> None:
     print(f"profile {profile.name}: valid (digest {profile.digest[:12]})")
     for plan in plans:
         print(plan.lines()[0])
+
+
+def show_autoscaler(args) -> None:
+    import yaml
+
+    from tasks.platform.config import load_profile
+    from tasks.serving.kubernetes import PROMETHEUS, scaled_object
+
+    rendered = scaled_object(load_profile(args.profile, args.overrides), args.prometheus or PROMETHEUS)
+    print(yaml.safe_dump(rendered, sort_keys=False), end="")
