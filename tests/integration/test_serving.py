@@ -1009,6 +1009,30 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
     assert p99, "Triton exports no latency summaries (--metrics-config summary_latencies=true)"
 
 
+def test_the_scaled_objects_queries_give_keda_one_number_from_prometheus_scraping_the_service(server, tls, prometheus):
+    """What `llmops profiles autoscaler` renders for this service, on each signal, asked of a real Prometheus that
+    scraped the gateway and Triton while 2 clients sent requests: KEDA's Prometheus scaler takes a result of one
+    series, or none (`ignoreNullValues`: 0), and refuses several (prometheus_scaler.go L264-305)."""
+    from tasks.platform.config import load_profile
+    from tasks.serving.kubernetes import scaled_object
+
+    with ClosedLoop(server["gateway_url"], tls, clients=2) as load:
+        time.sleep(6)  # scraped every second: first tokens inside the queries' 20 s windows
+    assert load.failed == 0 and load.ok > 0
+    values = {}
+    for kind, extra in (("in_flight", []), ("ttft_p90", []), ("queue_ms", ["serve.autoscale.target=50"])):
+        profile = load_profile("cpu-tiny", [f"serve.autoscale.signal={kind}", *extra])
+        for trigger in scaled_object(profile, prometheus)["spec"]["triggers"]:
+            metadata = trigger["metadata"]
+            answer = requests.get(f"{metadata['serverAddress']}/api/v1/query", params={"query": metadata["query"]})
+            body = answer.json()
+            assert answer.ok and body["status"] == "success", (metadata["query"], body)
+            assert len(body["data"]["result"]) <= 1, body["data"]["result"]
+            values[kind] = [float(series["value"][1]) for series in body["data"]["result"]]
+    assert len(values["in_flight"]) == 1 and values["in_flight"][0] >= 0  # the gateway's gauge, scraped
+    assert len(values["ttft_p90"]) == 1 and values["ttft_p90"][0] > 0, values  # the module's requests' first tokens
+
+
 def test_a_release_stopped_past_its_lease_is_unloaded_then_fenced_off_by_the_next_owner_and_ends_naming_it(
     home, server, cpu_tiny_store, tls, tmp_path
 ):
