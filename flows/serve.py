@@ -23,21 +23,19 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from flows.release import open_serving_context
+from flows.serve_listen import LOOPBACK, Ports, check_listen, choose_ports, client_credentials
 from tasks.control.contract import RouteTable, read_record, record_path
 from tasks.platform.config import ListenSection, Profile
+from tasks.platform.config.autoscale import AutoscaleSection
 from tasks.platform.decisions import EXPIRY_CHECK_S, expire_overdue
 from tasks.platform.errors import BadInput
-from tasks.platform.ports import free_port, port_in_use
-from tasks.platform.signed_tokens import TokenVerifier
 from tasks.platform.stage_cache import RunContext
 from tasks.runtime.autoscale import Autoscaler
 from tasks.runtime.discovery import Discovery, Membership
@@ -52,76 +50,8 @@ from tasks.serving.client import Triton
 from tasks.serving.models import Served
 from tasks.serving.publication import new_serve_key, publish, unpublish
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
 RECONCILE_S = 5.0  # how often what the replicas hold is made what the table serves (Fleet.reconcile)
-
-
-@dataclass
-class Ports:
-    gateway: int
-    http: int
-    grpc: int
-    metrics: int
-    control: int
-    gateway_metrics: int
-
-
-def choose_ports(listen: ListenSection, own_tritons: bool = True) -> Ports:
-    """The configured ports, 0 replaced by a free one, chosen once: restarts keep them. Without Tritons of its own
-    (`--triton-discover`), Triton's ports are theirs, in use as they should be."""
-    wanted = {
-        "port": listen.port,
-        "triton_http_port": listen.triton_http_port,
-        "triton_grpc_port": listen.triton_grpc_port,
-        "triton_metrics_port": listen.triton_metrics_port,
-        "control_port": listen.control_port,
-        "gateway_metrics_port": listen.gateway_metrics_port,
-    }
-    for name, port in wanted.items():
-        if port and port_in_use(port) and (own_tritons or not name.startswith("triton_")):
-            raise BadInput(
-                f"serve.listen.{name} {port}: port in use; pick another (--{name.replace('_', '-')}, 0 = any free port)"
-            )
-    chosen = [port or free_port() for port in wanted.values()]
-    return Ports(*chosen)
-
-
-def client_credentials(profile: Profile) -> KeyRing:
-    """Who may call the gateway: the environment's API keys (LLMOPS_API_KEYS_FILE is followed: a key removed there
-    stops working, no restart) and, where the profile sets serve.auth.jwt, signed tokens of its issuer."""
-    return KeyRing(os.environ, TokenVerifier(profile.serve.auth.jwt) if profile.serve.auth.jwt else None)
-
-
-def check_listen(listen: ListenSection, api_keys: dict | bool) -> None:
-    """Refuse an open service off loopback (no API keys, or keys in cleartext), a Triton whose ports clients
-    could reach (it answers inference without keys), and TLS files that are not there."""
-    if listen.host not in LOOPBACK:
-        if not api_keys:
-            raise BadInput(
-                f"serve.listen.host {listen.host}: clients from other machines need API keys or tokens; "
-                "set LLMOPS_API_KEYS_FILE (one key a line), LLMOPS_API_KEYS, or serve.auth.jwt in the profile"
-            )
-        if listen.tls_cert is None and not listen.behind_tls_proxy:
-            raise BadInput(
-                f"serve.listen.host {listen.host}: keys from other machines would cross in cleartext; give "
-                "--tls-cert and --tls-key, or --behind-tls-proxy where a proxy in front terminates TLS"
-            )
-    if listen.control_host not in LOOPBACK and listen.tls_cert is None:
-        raise BadInput(
-            f"serve.listen.control_host {listen.control_host}: the control key would cross the network in cleartext; "
-            "keep the control API on 127.0.0.1, or give --tls-cert and --tls-key"
-        )
-    if listen.triton_host not in LOOPBACK and not listen.triton_ports_firewalled:
-        raise BadInput(
-            f"serve.listen.triton_host {listen.triton_host}: Triton answers inference there without API keys; "
-            "keep it on 127.0.0.1, or close its ports to clients (a NetworkPolicy, a firewall) and say so with "
-            "--triton-ports-firewalled"
-        )
-    for name in ("tls_cert", "tls_key"):
-        path = getattr(listen, name)
-        if path is not None and not Path(path).is_file():
-            raise BadInput(f"serve.listen.{name} {path}: no such file")
 
 
 def serve(
@@ -179,7 +109,7 @@ def serve(
             if fleet.tritons:
                 publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url)
 
-        start_loops(profile, fleet, gateway, discover, republish, stopped)
+        start_loops(profile, fleet, gateway, discover, republish, stopped, champion)
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 unpublish(home, serve_stops=False)
@@ -205,9 +135,11 @@ def start_loops(
     discover: Discovery | None,
     republish: Callable[[], object],
     stopped: threading.Event,
+    champion: Served,
 ) -> None:
-    """The serve's loops beside its gateway: expired approvals, the reconciler, serve.autoscale's policy, and the
-    lookups of --triton-discover's name."""
+    """The serve's loops beside its gateway: expired approvals, the reconciler, serve.autoscale's policy (its in_flight
+    target by default what the tune stage measured the champion to hold), and the lookups of --triton-discover's
+    name."""
     say = lambda line: print(line, flush=True)  # noqa: E731
     loops: list[tuple[str, Callable, tuple]] = [
         ("approval-expiry", expire_approvals, (fleet.ctx.home, stopped)),
@@ -215,12 +147,26 @@ def start_loops(
     ]
     fleet.count = reconcile_counter(gateway.gateway)
     if profile.serve.autoscale is not None:
-        policy = profile.serve.autoscale.with_target(profile.gate.p99_time_to_first_token_ms)
+        policy = autoscale_policy(profile, champion, say)
         loops.append(("autoscale", Autoscaler(policy, fleet, gateway, republish, say).run, (stopped,)))
     if discover is not None:
         loops.append(("discovery", Membership(discover, fleet, gateway, say, republish).run, (stopped,)))
     for name, loop, args in loops:
         threading.Thread(target=loop, args=args, daemon=True, name=name).start()
+
+
+def autoscale_policy(profile: Profile, champion: Served, say: Callable[[str], None]) -> AutoscaleSection:
+    """serve.autoscale with its target; an in_flight one left unset is what the tune stage measured the champion to
+    hold within the TTFT objective (its recorded settings' capacity), said, else 4."""
+    assert profile.serve.autoscale is not None
+    measured = (champion.settings or {}).get("capacity", {}).get("in_flight")
+    policy = profile.serve.autoscale.with_target(profile.gate.p99_time_to_first_token_ms, measured)
+    if measured and policy.signal == "in_flight" and profile.serve.autoscale.target is None:
+        say(
+            f"llmops serve: autoscale: target {measured:g} requests in flight per replica, what the tune stage "
+            f"measured v{champion.version} to hold within gate.p99_time_to_first_token_ms"
+        )
+    return policy
 
 
 def start_fleet(fleet: Fleet, profile: Profile, ports: Ports, champion: Served, attach: list[Triton] | None) -> None:

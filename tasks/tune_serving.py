@@ -240,7 +240,11 @@ def track(ctx: RunContext, tuned: Tuned, deployment: Deployment) -> None:
         ctx.tracker.log_metrics("tune", values | {"ttft_p99_ms": trial.ttft_p99_ms}, step=trial.number)
     ctx.tracker.log_metrics(
         "tune",
-        {"best_goodput_per_s": tuned.best.goodput_per_s, "default_goodput_per_s": tuned.default.goodput_per_s},
+        {
+            "best_goodput_per_s": tuned.best.goodput_per_s,
+            "default_goodput_per_s": tuned.default.goodput_per_s,
+            "best_ttft_p99_ms": tuned.best.ttft_p99_ms,
+        },
     )
     ctx.tracker.set_tags({"tune.settings": json.dumps(tuned.settings), "tune.cached": str(tuned.cached).lower()})
     ctx.tracker.log_json("tune_trials.json", asdict(tuned))
@@ -249,10 +253,24 @@ def track(ctx: RunContext, tuned: Tuned, deployment: Deployment) -> None:
     version = ctx.tracker.client.get_model_version(ctx.profile.registry.model_name, deployment.candidate.version)
     recorded: dict[str, Any] = json.loads(version.tags.get("serve.model_settings", "{}"))
     served = ctx.profile.with_served_settings(recorded | tuned.settings).served_settings()
+    capacity = measured_capacity(ctx.profile, tuned.best)
+    if capacity is not None:  # serve.autoscale's default in_flight target where this version is the champion
+        served["capacity"] = capacity
+        ctx.tracker.log_metrics("tune", {"capacity_in_flight": capacity["in_flight"]})
     ctx.tracker.client.set_model_version_tag(
         version.name, version.version, "serve.model_settings", json.dumps(served, sort_keys=True)
     )
     publish(tuned)
+
+
+def measured_capacity(profile: Profile, best: Trial) -> dict[str, float] | None:
+    """What one replica was measured to hold with the chosen settings: the benchmark's highest concurrency (the
+    requests in flight of genai-perf's closed loop) where its TTFT p99 met gate.p99_time_to_first_token_ms; None where
+    it did not, or there is no objective (a lower concurrency was not measured, so nothing is known below it)."""
+    objective = profile.gate.p99_time_to_first_token_ms
+    if objective is None or best.error or best.goodput_per_s <= 0 or best.ttft_p99_ms > objective:
+        return None
+    return {"in_flight": float(max(profile.bench.concurrency)), "ttft_p99_ms": round(best.ttft_p99_ms, 1)}
 
 
 def plot_trials(tuned: Tuned, path: Path) -> Path:

@@ -207,7 +207,13 @@ def test_tuning_chose_the_candidates_serving_settings_and_serves_with_them(trito
     assert len(history) == 2 and all(m.value > 0 for m in history)  # every trial served and met the objective
     assert run.data.metrics["tune/best_goodput_per_s"] >= run.data.metrics["tune/default_goodput_per_s"] > 0
     version = registry(release).get_model_version(SERVICE, run.data.tags["registered_version"])
-    assert json.loads(version.tags["serve.model_settings"]).items() >= chosen.items()  # the champion serves so
+    recorded = json.loads(version.tags["serve.model_settings"])
+    assert recorded.items() >= chosen.items()  # the champion serves so
+    # what one replica held within the TTFT objective (1000 ms): serve.autoscale's default in_flight target
+    met = run.data.metrics["tune/best_ttft_p99_ms"] <= 1000
+    assert ("capacity" in recorded) == met, (recorded, run.data.metrics["tune/best_ttft_p99_ms"])
+    if met:
+        assert recorded["capacity"]["in_flight"] == run.data.metrics["tune/capacity_in_flight"] >= 1
     config = requests.get(
         f"{triton.client.url}/v2/models/{SERVICE}-v{version.version}/config",
         headers={"llmops-control-key": KEY},

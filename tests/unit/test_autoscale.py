@@ -109,6 +109,25 @@ def test_autoscale_is_refused_with_tritons_this_serve_does_not_own():
         start_fleet(None, profile, None, None, attach=[object()])  # type: ignore[arg-type]
 
 
+def test_an_in_flight_target_left_unset_is_what_the_tune_stage_measured_the_champion_to_hold():
+    from types import SimpleNamespace
+
+    from flows.serve import autoscale_policy
+
+    said: list[str] = []
+    profile = load_profile("cpu-tiny", ["serve.autoscale={max_replicas: 2}"])
+    tuned = SimpleNamespace(version="7", settings={"capacity": {"in_flight": 6.0, "ttft_p99_ms": 410.0}})
+    assert autoscale_policy(profile, tuned, said.append).target == 6.0  # type: ignore[arg-type]
+    assert said == [
+        "llmops serve: autoscale: target 6 requests in flight per replica, what the tune stage measured v7 to hold "
+        "within gate.p99_time_to_first_token_ms"
+    ]
+    untuned = SimpleNamespace(version="1", settings={"max_batch_size": 8})
+    assert autoscale_policy(profile, untuned, said.append).target == 4.0  # type: ignore[arg-type]
+    own = load_profile("cpu-tiny", ["serve.autoscale={max_replicas: 2, target: 3}"])
+    assert autoscale_policy(own, tuned, said.append).target == 3.0 and len(said) == 1  # type: ignore[arg-type]
+
+
 class Pool:
     """What the Autoscaler reads of the gateway: its replicas' requests in flight, the route table's owner, the pool
     a replica joins (no Triton behind it: these tests are about the loop's accounting when starts fail)."""

@@ -385,7 +385,7 @@ def test_serve_refuses_cleartext_off_loopback_and_a_triton_clients_could_reach(
 def test_a_tls_proxy_or_firewalled_triton_ports_are_said_with_a_flag():
     from flows.cli.app import build_parser
     from flows.cli.serve import listen_overrides
-    from flows.serve import check_listen
+    from flows.serve_listen import check_listen
     from tasks.platform.config import load_profile
 
     args = build_parser().parse_args(

@@ -198,7 +198,7 @@ def test_llmops_serve_takes_tokens_from_a_profile_file_and_then_opens_off_loopba
     and a gateway that takes tokens needs no API key to listen off loopback; without either it is refused."""
     from flows.cli.app import build_parser
     from flows.cli.serve import listen_overrides
-    from flows.serve import check_listen, client_credentials
+    from flows.serve_listen import check_listen, client_credentials
     from tasks.platform.config import load_profile
     from tasks.platform.errors import BadInput
 

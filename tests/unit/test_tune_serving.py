@@ -11,7 +11,16 @@ import pytest
 
 from tasks.load.genai_perf import genai_perf_command
 from tasks.platform.config import load_profile
-from tasks.tune_serving import Trial, Tuned, cache_key, defaults, plot_trials, space, with_settings
+from tasks.tune_serving import (
+    Trial,
+    Tuned,
+    cache_key,
+    defaults,
+    measured_capacity,
+    plot_trials,
+    space,
+    with_settings,
+)
 
 
 def test_goodput_objectives_are_the_gates_ttft_and_the_tune_sections_inter_token_latency():
@@ -108,3 +117,18 @@ def test_the_champion_serves_at_its_own_tuned_settings():
     champion = released_profile(profile, version)  # type: ignore[arg-type]
     assert (champion.engine.max_batch_size, champion.engine.max_num_tokens) == (32, 8192)
     assert released_profile(profile, SimpleNamespace(settings=None)) == profile  # type: ignore[arg-type]
+
+
+def test_a_replica_holds_the_benchmarks_highest_concurrency_only_where_its_ttft_met_the_objective():
+    """serve.autoscale's default in_flight target comes from here (flows/serve.py): the closed loop's concurrency
+    where the chosen settings' TTFT p99 met gate.p99_time_to_first_token_ms, else nothing is known."""
+    from tasks.platform.config.autoscale import AutoscaleSection
+
+    profile = load_profile("cpu-tiny", ["bench.concurrency=[1,6]", "gate.p99_time_to_first_token_ms=200"])
+    held = measured_capacity(profile, Trial(3, {}, goodput_per_s=9.0, ttft_p99_ms=150.04))
+    assert held == {"in_flight": 6.0, "ttft_p99_ms": 150.0}
+    assert measured_capacity(profile, Trial(3, {}, goodput_per_s=9.0, ttft_p99_ms=250.0)) is None
+    assert measured_capacity(profile, Trial(3, {}, error="did not load")) is None
+    assert AutoscaleSection().with_target(200.0, held["in_flight"]).target == 6.0
+    assert AutoscaleSection(target=2).with_target(200.0, 6.0).target == 2.0  # the profile's own wins
+    assert AutoscaleSection().with_target(200.0, None).target == 4.0

@@ -33,7 +33,8 @@ class AutoscaleSection(Section):
     target: float | None = Field(
         None,
         gt=0,
-        description="The signal's value the policy scales to stay under: requests in flight per replica (default 4), "
+        description="The signal's value the policy scales to stay under: requests in flight per replica (default: what "
+        "the tune stage measured the champion's replica to hold within gate.p99_time_to_first_token_ms, else 4), "
         "ms of TTFT p90 (default gate.p99_time_to_first_token_ms, the latency objective the tune stage and the gate "
         "hold a version to), or ms of queue time (no default).",
     )
@@ -56,13 +57,14 @@ class AutoscaleSection(Section):
         "replica waits for one to start and load every routed version; past it, a 503.",
     )
 
-    def with_target(self, slo_ms: float | None) -> AutoscaleSection:
+    def with_target(self, slo_ms: float | None, measured_in_flight: float | None = None) -> AutoscaleSection:
         """This policy with its target: the one set, else the signal's default (`slo_ms`, the gate's TTFT objective,
-        for ttft_p90)."""
+        for ttft_p90; for in_flight, `measured_in_flight`, the requests in flight the tune stage measured one replica
+        to hold within that objective, else 4)."""
         if self.target is not None:
             return self
         if self.signal == "in_flight":
-            return self.model_copy(update={"target": 4.0})
+            return self.model_copy(update={"target": float(measured_in_flight or 4.0)})
         if self.signal == "queue_ms":
             raise ValueError(
                 "serve.autoscale.target: signal queue_ms needs a target in ms (a request's wait in Triton)"
