@@ -43,7 +43,7 @@ def register(commands) -> None:
 
 
 def command_triton(args) -> None:
-    from flows.triton import run_triton
+    from flows.triton_pod import run_triton
     from tasks.platform.config import check_machine, load_profile
 
     listen = [f"serve.listen.{key}={getattr(args, key)}" for _, key, _, _ in FLAGS if getattr(args, key) is not None]
