@@ -78,7 +78,7 @@ def serve(
     fleet = Fleet(ctx, listen, lambda line: print(line, flush=True))
     if discover is not None:
         attach = discover.first(profile.serve.load_timeout_s, lambda line: print(line, flush=True))
-    start_fleet(fleet, profile, ports, champion, attach)
+    start_fleet(fleet, profile, ports, champion, attach, discovered=discover is not None)
     gateway, serve_key, logs = None, new_serve_key(), show_access_log()
     try:
         gateway = start_gateway(ctx, fleet, champion, listen, ports, api_keys, serve_key)
@@ -146,11 +146,15 @@ def start_loops(
         ("reconcile", reconcile, (fleet, stopped)),
     ]
     fleet.count = reconcile_counter(gateway.gateway)
-    if profile.serve.autoscale is not None:
+    autoscale = profile.serve.autoscale
+    if autoscale is not None and discover is None:
         policy = autoscale_policy(profile, champion, say)
         loops.append(("autoscale", Autoscaler(policy, fleet, gateway, republish, say).run, (stopped,)))
     if discover is not None:
-        loops.append(("discovery", Membership(discover, fleet, gateway, say, republish).run, (stopped,)))
+        members = Membership(discover, fleet, gateway, say, republish)
+        if autoscale is not None and autoscale.min_replicas == 0:  # KEDA takes the pods to zero: a request waits
+            gateway.gateway.triton.wake_with(members.woken.set, autoscale.cold_start_timeout_s)
+        loops.append(("discovery", members.run, (stopped,)))
     for name, loop, args in loops:
         threading.Thread(target=loop, args=args, daemon=True, name=name).start()
 
@@ -169,14 +173,22 @@ def autoscale_policy(profile: Profile, champion: Served, say: Callable[[str], No
     return policy
 
 
-def start_fleet(fleet: Fleet, profile: Profile, ports: Ports, champion: Served, attach: list[Triton] | None) -> None:
-    """The Tritons `attach` names, else serve.replicas (serve.autoscale's min_replicas) of this serve's own."""
+def start_fleet(
+    fleet: Fleet,
+    profile: Profile,
+    ports: Ports,
+    champion: Served,
+    attach: list[Triton] | None,
+    discovered: bool = False,
+) -> None:
+    """The Tritons `attach` names, else serve.replicas (serve.autoscale's min_replicas) of this serve's own. With
+    `discovered` ones, serve.autoscale is the policy that scales their pods (a KEDA ScaledObject), not this serve's."""
     autoscale = profile.serve.autoscale
     if attach:
-        if autoscale is not None:
+        if autoscale is not None and not discovered:
             raise BadInput(
-                "serve.autoscale: it starts and stops Tritons of its own; not with --triton-url or --triton-discover "
-                "(on Kubernetes a KEDA ScaledObject scales the Tritons: `llmops profiles autoscaler`)"
+                "serve.autoscale: it starts and stops Tritons of its own; not with --triton-url (on Kubernetes a KEDA "
+                "ScaledObject scales Triton pods that --triton-discover finds: `llmops profiles autoscaler`)"
             )
         fleet.attach(attach, champion)
     else:

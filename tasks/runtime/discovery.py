@@ -8,7 +8,10 @@ name resolves, through the system's resolver, to one address per ready pod; ever
   answer, so a canary reaches a pod that joins during a ramp at its weight from the pod's first request;
 - an address that went away (its pod is stopping: Kubernetes takes it out of the Service first) is drained and
   leaves the fleet; the pod's own Triton finishes what it has (`preStop` and --exit-timeout-secs);
-- a replica whose load failed is not one: it is tried again on the next round that still finds it.
+- a replica whose load failed is not one: it is tried again on the next round that still finds it;
+- at zero (serve.autoscale.min_replicas 0: KEDA stopped the last pod), a request waits for a pod up to
+  serve.autoscale.cold_start_timeout_s, counted in llmops_gateway_requests_in_flight, which wakes the pods, and the
+  name is looked up again at once and then every few seconds.
 
 The pods are started and stopped by Kubernetes, never by this serve: it restarts none, and a dead pod's probes take
 it out of the pool until the name stops naming it.
@@ -100,9 +103,12 @@ class Membership:
     ):
         self.discovery, self.fleet, self.gateway, self.say = discovery, fleet, gateway, say
         self.republish = republish  # server.json lists the replicas for the releases of this home
+        self.woken = threading.Event()  # a request waits for a pod (the pods at zero): look the name up at once
 
     def run(self, stopped: threading.Event, every_s: float = DISCOVER_EVERY_S) -> None:
-        while not stopped.wait(every_s):
+        while not stopped.is_set():
+            self.woken.wait(every_s)
+            self.woken.clear()
             try:
                 self.step()
             except Exception as exc:  # a round that failed is said; the next one resolves again

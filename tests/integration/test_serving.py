@@ -1714,7 +1714,9 @@ def test_a_gateway_loads_each_triton_its_name_comes_to_name_and_drains_each_it_s
     /etc/hosts in the serve's own mount namespace (unshare), as a headless Service's DNS names its ready pods; two
     `llmops triton` run on 127.0.0.1 and 127.0.0.2 on the same ports, as pods do, each with its own home (the models
     go with their load requests). A Triton the name comes to name loads the champion and then serves requests; one
-    it stops naming is drained, and once its process is gone (the pod ended) no request failed."""
+    it stops naming is drained, and once its process is gone (the pod ended) no request failed. With the policy's
+    floor at 0 (KEDA may stop the last pod), a request that finds no pod waits, counted in the requests in flight that
+    KEDA's wake trigger reads, and is answered once the name names a Triton again."""
     import secrets
     import shutil
 
@@ -1731,8 +1733,9 @@ def test_a_gateway_loads_each_triton_its_name_comes_to_name_and_drains_each_it_s
     other.mkdir()
     shutil.copy2(home / "mlflow.db", other / "mlflow.db")
     flags = ["--triton-http-port", str(ports[0]), "--triton-grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    zero = ["--set", "serve.autoscale={min_replicas: 0, max_replicas: 2, cold_start_timeout_s: 90}"]  # KEDA's policy
     process = start_serve(
-        other, cpu_tiny_store, tls, log, *AUTOSCALE[:4], "--triton-discover", name, *flags,
+        other, cpu_tiny_store, tls, log, *AUTOSCALE[:4], *zero, "--triton-discover", name, *flags,
         within=("unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)),
         env={"LLMOPS_TRITON_CONTROL_KEY": key, "LLMOPS_TRITON_ALLOW_PLAIN_HTTP": "1"},
     )  # fmt: skip
@@ -1755,9 +1758,21 @@ def test_a_gateway_loads_each_triton_its_name_comes_to_name_and_drains_each_it_s
             pods[0].wait(60)
             answered = load.ok
             until(lambda: load.ok > answered + 20, 60, log)
-        gauges = requests.get(f"{state['gateway_metrics_url']}/metrics", timeout=10).text
-        assert re.search(rf'^llmops_gateway_requests_in_flight{{llmops_service="{SERVICE}"}} [0-9.]+$', gauges, re.M)
         assert load.failed == 0 and served_a > 0, (load.ok, load.failed, load.errors[:5])
+        hosts.write_text(system_hosts)  # KEDA stopped the last pod: the name names none
+        until(lambda: f"discovery: {name} no longer names {second}; draining it" in log.read_text(), 60, log)
+        waited: list = []
+        asking = threading.Thread(
+            target=lambda: waited.append(openai_client(state, tls).chat.completions.create(
+                model=SERVICE, messages=QUESTION, max_tokens=4, timeout=120))
+        )  # fmt: skip
+        asking.start()
+        in_flight = rf'^llmops_gateway_requests_in_flight{{llmops_service="{SERVICE}"}} 1\.0$'
+        metrics = f"{state['gateway_metrics_url']}/metrics"
+        until(lambda: re.search(in_flight, requests.get(metrics, timeout=10).text, re.M), 30, log)
+        hosts.write_text(f"{system_hosts}\n127.0.0.2 {name}\n")  # a pod again, which that request woke
+        asking.join(120)
+        assert waited and waited[0].choices[0].message.content, log.read_text()[-2000:]
         assert "model server fault" not in log.read_text()
     finally:
         os.killpg(process.pid, signal.SIGTERM)

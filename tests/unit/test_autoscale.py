@@ -100,6 +100,8 @@ def test_settings_that_cannot_work_together_are_refused_naming_them():
 
 
 def test_autoscale_is_refused_with_tritons_this_serve_does_not_own():
+    from types import SimpleNamespace
+
     from flows.serve import start_fleet
 
     profile = load_profile("cpu-tiny", ["serve.autoscale={max_replicas: 2}"])
@@ -107,6 +109,11 @@ def test_autoscale_is_refused_with_tritons_this_serve_does_not_own():
         BadInput, match="serve.autoscale: it starts and stops Tritons of its own; not with --triton-url"
     ):
         start_fleet(None, profile, None, None, attach=[object()])  # type: ignore[arg-type]
+    # Tritons found by name are pods a KEDA ScaledObject scales by this policy: the serve only fronts them
+    attached: list = []
+    fleet = SimpleNamespace(attach=lambda tritons, champion: attached.extend(tritons))
+    start_fleet(fleet, profile, None, None, attach=["pod"], discovered=True)  # type: ignore[arg-type]
+    assert attached == ["pod"]
 
 
 def test_an_in_flight_target_left_unset_is_what_the_tune_stage_measured_the_champion_to_hold():
