@@ -134,15 +134,12 @@ def test_no_module_of_tasks_imports_itself_back():
 def test_no_module_of_flows_shadows_a_package_the_stages_import():
     """A Prefect worker loads a deployment's entrypoint (flows/retrain.py:retrain) with flows/ put on sys.path, so a
     flows/triton.py was what torch's `import triton` found there (the retrain run died importing transformers)."""
-    import importlib.util
+    import importlib.metadata
+    import sys
 
-    # what the ML stack imports where it is installed (torch: triton), installed here or not
-    probed = {"triton", "flash_attn", "xformers", "apex", "deepspeed", "vllm", "tensorrt_llm", "bitsandbytes"}
-
-    def installed(name: str) -> bool:  # found anywhere but flows/ (which a test may have put on sys.path too)
-        spec = importlib.util.find_spec(name)
-        return spec is not None and spec.origin is not None and Path(spec.origin).parent != ROOT / "flows"
-
+    # the top-level names of what is installed and of the standard library (read from metadata, not sys.path, which
+    # other tests extend with benchmarks/), and what the ML stack imports where it is installed (torch: triton)
+    taken = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    taken |= {"triton", "flash_attn", "xformers", "apex", "deepspeed", "vllm", "tensorrt_llm", "bitsandbytes"}
     modules = [path for path in sorted((ROOT / "flows").glob("*.py")) if path.stem != "__init__"]
-    shadowing = [path.name for path in modules if path.stem in probed or installed(path.stem)]
-    assert shadowing == [], shadowing
+    assert [path.name for path in modules if path.stem in taken] == []
