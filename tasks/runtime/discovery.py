@@ -53,9 +53,6 @@ class Discovery:
     listen: ListenSection
     key: str | None
 
-    def tritons(self, timeout: float = 30) -> list[Triton]:
-        return [self.triton(address, timeout) for address in resolve(self.name)]
-
     def url(self, address: str) -> str:
         return f"http://{self.host(address)}:{self.listen.triton_http_port}"
 
@@ -119,7 +116,9 @@ class Membership:
         found = {self.discovery.url(address): address for address in resolve(self.discovery.name)}
         known = {replica.client.url for replica in self.fleet.replicas}
         joined = [url for url, address in found.items() if url not in known and self.join(address)]
-        left = [url for url in known if url not in found and self.leave(url)]
+        left = [url for url in known if url not in found]
+        for url in left:
+            self.leave(url)
         if joined or left:
             self.republish()
         return joined, left
@@ -143,11 +142,10 @@ class Membership:
         self.gateway.call(pool.prober.round(), timeout=60)  # in the pool once its versions answer
         return True
 
-    def leave(self, url: str) -> bool:
+    def leave(self, url: str) -> None:
         replica = next(r for r in self.fleet.replicas if r.client.url == url)
         self.say(f"llmops serve: discovery: {self.discovery.name} no longer names {url}; draining it")
         cut = self.gateway.call(self.gateway.gateway.triton.drain(url, DRAIN_S), timeout=DRAIN_S + 30)
         self.fleet.retire(replica)
         if cut:
             self.say(f"llmops serve: discovery: {cut} requests to {url} were still outstanding after {DRAIN_S:g} s")
-        return True

@@ -212,6 +212,12 @@ def test_the_manifests_objects_are_valid_and_its_scaled_object_is_what_the_comma
     )
     assert printed.returncode == 0, printed.stderr
     assert yaml.safe_load(printed.stdout) == found["ScaledObject/llmops-triton"]
+    elsewhere = subprocess.run(
+        [str(LLMOPS), *command[1:], "--prometheus", "http://prometheus.other.svc:9090"],
+        capture_output=True, text=True, env=cli_env(tmp_path), timeout=120,
+    )  # fmt: skip
+    addresses = {t["metadata"]["serverAddress"] for t in yaml.safe_load(elsewhere.stdout)["spec"]["triggers"]}
+    assert addresses == {"http://prometheus.other.svc:9090"}, elsewhere.stderr
 
 
 def test_the_gateway_finds_the_triton_pods_by_their_headless_service_on_the_ports_they_listen_on():
