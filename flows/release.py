@@ -23,11 +23,12 @@ from tasks.base_model import base_model
 from tasks.benchmark import benchmark, require_load_tool
 from tasks.build_engine import build_engine
 from tasks.deploy_canary import Deployment, deploy_canary
-from tasks.evaluate import evaluate
+from tasks.evaluate import evaluate, judged_as
 from tasks.gate import gate
 from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.decisions import forget_waiting, suspended_release
+from tasks.platform.errors import CheckFailed
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.run_policy import check_profile_locations, check_release_parameters
 from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
@@ -213,11 +214,16 @@ def release(
         require_load_tool(config)
         dataset = stage_task(prepare_data, config)(ctx)
         base = stage_task(base_model, config)(ctx, dataset)
+        stages = [dataset, base]  # as they finish: a release that fails later reports what it made
+        ctx.profile = config = judged_as(ctx, dataset, base)  # evaluate.metric, max_new_tokens: auto -> the data's
         adapter = stage_task(train, config)(ctx, dataset, base)
+        stages.append(adapter)
         evaluation = stage_task(evaluate, config)(ctx, dataset, base, adapter)
+        stages.append(evaluation)
         merged = stage_task(merge, config)(ctx, dataset, base, adapter)
+        stages.append(merged)
         quantized = stage_task(quantize, config)(ctx, dataset, merged)
-        stages = [dataset, base, adapter, evaluation, merged, quantized]
+        stages.append(quantized)
         checked = None  # llmapi: the checkpoint checked on the runtime that will serve it (a gate, not an artifact)
         if config.serve.backend == "llmapi":
             checked = stage_task(build_engine, config)(ctx, dataset, evaluation, quantized)
@@ -261,7 +267,10 @@ def release(
         ctx.tracker.set_tags({"release.outcome": "waiting for approval"})
         raise
     except BaseException as exc:
-        write_report(ctx, "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:300], stages)
+        refused = isinstance(exc, CheckFailed)  # a check said no (evaluate's margin, merge, quantize), not a fault
+        write_report(
+            ctx, "refused" if refused else "failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:400], stages
+        )
         end_failed(ctx.tracker, exc, get_run_logger().warning)
         forget_waiting(ctx.home, str(runtime.flow_run.id or ""))  # a resumed run that failed before its decision
         raise

@@ -154,12 +154,12 @@ def build_engine(ctx: RunContext, data: StageResult, evaluation: StageResult, ch
         conversations = eval_conversations(ctx, data, ctx.profile.evaluate.max_samples)
         tokenizer = load_tokenizer(source)
         prompts = [prompt_ids(tokenizer, c) for c in conversations]
-        require_servable(prompts, args, ctx.profile.evaluate.max_new_tokens)
+        require_servable(prompts, args, ctx.profile.evaluate.answer_tokens)
         questions = scratch / "questions.jsonl"
         questions.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in prompts))
         (scratch / "llm_args.json").write_text(json.dumps(args))
         command = tensorrt_llm.check_command(
-            source, scratch / "llm_args.json", questions, scratch / "report.json", ctx.profile.evaluate.max_new_tokens
+            source, scratch / "llm_args.json", questions, scratch / "report.json", ctx.profile.evaluate.answer_tokens
         )
         tensorrt_llm.run_logged(command, scratch / "check.log", "build_engine", logger())
         report = json.loads((scratch / "report.json").read_text())

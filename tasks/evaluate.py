@@ -7,26 +7,49 @@ one the checks use; `answer_loss` is lower-is-better and the checks turn around 
 encoded with the tokenizer's chat template, answers separately, the way LlamaFactory's template
 encodes them, so the eval sees the same token boundaries as training.
 
-The improvement over the base is the mean paired per-sample difference; with `evaluate.confidence`
-its bootstrap interval's lower bound must reach `evaluate.min_improvement` (tasks/quality/stats.py).
+Where the profile leaves them `auto`, the metric and the answer length are decided from the eval split's
+references before training (`judged_as`, tasks/quality/answer_kind.py) and said on the terminal, in MLflow and in the
+release report.
+
+The candidate is released when it is clearly better than the base (`require_improvement`), on three numbers:
+- the improvement, the mean paired per-sample difference: with `evaluate.confidence` its bootstrap interval's lower
+  bound must be above 0 and reach `evaluate.min_improvement` (tasks/quality/stats.py);
+- the improvement as a share of the base's headroom, at least `evaluate.min_relative_improvement`;
+- the improvement beyond the permutation baseline (`evaluate.permutation_check`): each answer is also scored against
+  other questions' references, where an answer that says the same whatever the question scores as well as against
+  its own; what the candidate gains there over the base is style, not the task, and the improvement must exceed it
+  (its interval's lower bound above 0).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.data.splits import eval_conversations, require_samples
-from tasks.platform.config import EvaluateSection
+from tasks.platform.config import EvaluateSection, Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality import metrics
+from tasks.quality.answer_kind import decide
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 from tasks.quality.metrics import higher_is_better
 from tasks.quality.models import Compute, load_model, load_tokenizer
-from tasks.quality.scoring import EVALUATION_FILE, Scores, decoded, describe, gain, score, scores_of
-from tasks.quality.stats import Difference
+from tasks.quality.scoring import (
+    EVALUATION_FILE,
+    Scores,
+    decoded,
+    describe,
+    gain,
+    permuted_scores,
+    references,
+    score,
+    scores_of,
+)
+from tasks.quality.stats import Difference, paired_difference
+from tasks.reporting.evidence import release_folder
 from tasks.serving.eval_engine import EngineAnswers, answer_on_engine, engine_version
 
 
@@ -43,20 +66,46 @@ class EvaluationMetrics(StageMetrics):
     samples: int
     improvement_low: float | None = None
     improvement_high: float | None = None
+    # the permutation baseline: both models' answers against other questions' references, and the improvement beyond
+    # what the candidate gains there (None where evaluate.permutation_check is off or the metric is answer_loss)
+    permutation_base: float | None = None
+    permutation_candidate: float | None = None
+    beyond_permutation: float | None = None
+    beyond_permutation_low: float | None = None
+    beyond_permutation_high: float | None = None
+    judged: str | None = None  # how the split was judged, as the run said it ("metric rouge_l (open-ended ...), ...")
 
     @classmethod
-    def of_scores(cls, base: Scores, candidate: Scores, improvement: Difference) -> EvaluationMetrics:
+    def of_scores(
+        cls, base: Scores, candidate: Scores, improvement: Difference, baseline: Baseline | None, judged: str
+    ) -> EvaluationMetrics:
         samples = len(candidate.predictions)
-        return cls(base.summary(), candidate.summary(), improvement.value, samples, improvement.low, improvement.high)
+        found = cls(base.summary(), candidate.summary(), improvement.value, samples, improvement.low, improvement.high)
+        found.judged = judged
+        if baseline is not None:
+            found.permutation_base, found.permutation_candidate = baseline.base, baseline.candidate
+            beyond = baseline.beyond
+            found.beyond_permutation, found.beyond_permutation_low = beyond.value, beyond.low
+            found.beyond_permutation_high = beyond.high
+        return found
 
     def as_mlflow(self) -> dict[str, float | str]:
-        bounds = {"improvement_low": self.improvement_low, "improvement_high": self.improvement_high}
+        optional = {
+            "improvement_low": self.improvement_low,
+            "improvement_high": self.improvement_high,
+            "permutation_base": self.permutation_base,
+            "permutation_candidate": self.permutation_candidate,
+            "beyond_permutation": self.beyond_permutation,
+            "beyond_permutation_low": self.beyond_permutation_low,
+            "beyond_permutation_high": self.beyond_permutation_high,
+            "judged": self.judged,
+        }
         return {
             **{f"base_{name}": value for name, value in self.base.items()},
             **{f"candidate_{name}": value for name, value in self.candidate.items()},
             "improvement": self.improvement,
             "samples": self.samples,
-            **{name: value for name, value in bounds.items() if value is not None},
+            **{name: value for name, value in optional.items() if value is not None},
         }
 
     @classmethod
@@ -71,10 +120,43 @@ class EvaluationMetrics(StageMetrics):
             values["samples"],
             values.get("improvement_low"),
             values.get("improvement_high"),
+            values.get("permutation_base"),
+            values.get("permutation_candidate"),
+            values.get("beyond_permutation"),
+            values.get("beyond_permutation_low"),
+            values.get("beyond_permutation_high"),
+            values.get("judged"),
         )
 
     def headline(self, metric: str) -> str:
         return f"{metric} {self.base[metric]:.3f} -> {self.candidate[metric]:.3f}"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The permutation baseline on the deciding metric: each model's mean score against other questions' references,
+    and the candidate's improvement beyond what it gains there (paired per sample, with its interval)."""
+
+    base: float
+    candidate: float
+    beyond: Difference
+
+    @property
+    def gained(self) -> float:
+        return self.candidate - self.base
+
+
+def judged_as(ctx: RunContext, data: StageResult, base: StageResult) -> Profile:
+    """The run's profile with evaluate.metric and evaluate.max_new_tokens decided where they are `auto`: from the
+    references of the eval split evaluate scores, the length in the base model's own tokens. Said in the log and
+    tagged on the MLflow run; every stage after it (evaluate, quantize, the engine check, the gate, the shadow window)
+    reads the decided values."""
+    cfg = ctx.profile.evaluate
+    conversations = eval_conversations(ctx, data, cfg.max_samples)
+    decided, judging = decide(cfg, conversations, load_tokenizer(ctx.store.fetch(base.artifact.digest)))
+    logger().info(f"evaluate: judged on {judging.said()}")
+    ctx.tracker.set_tags(judging.as_tags())
+    return ctx.profile.model_copy(update={"evaluate": decided})
 
 
 def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: StageResult) -> StageResult:
@@ -101,17 +183,22 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
             base_scores = score(load_model(base_dir, compute=compute), tokenizer, conversations, cfg)
             candidate_scores = score(load_model(base_dir, adapter_dir, compute), tokenizer, conversations, cfg)
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
-        result = EvaluationMetrics.of_scores(base_scores, candidate_scores, improvement)
-        write_evaluation(
-            out_dir / EVALUATION_FILE, cfg, result, improvement, conversations, base_scores, candidate_scores
-        )
-        logger().info("evaluate:\n" + score_table(result))
-        require_improvement(cfg, result, improvement)
+        baseline = permutation_baseline(cfg, conversations, base_scores, candidate_scores)
+        judged = decide(cfg, conversations, tokenizer)[1].said()  # as judged_as said it: cfg is decided already
+        result = EvaluationMetrics.of_scores(base_scores, candidate_scores, improvement, baseline, judged)
+        record = out_dir / EVALUATION_FILE
+        write_evaluation(record, cfg, result, improvement, baseline, conversations, base_scores, candidate_scores)
+        keep_for_report(ctx, record)  # a refusal stores no artifact; its report still shows what was scored
+        logger().info("evaluate:\n" + score_table(result, baseline))
+        require_improvement(cfg, result, improvement, baseline)
         return result.as_mlflow()
 
-    return run_cached(
+    result = run_cached(
         ctx, "evaluate", key, produce, headline=lambda m: EvaluationMetrics.from_mlflow(m).headline(cfg.metric)
     )
+    if result.cached:
+        keep_for_report(ctx, ctx.store.fetch(result.artifact.digest) / EVALUATION_FILE)
+    return result
 
 
 def engine_scores(
@@ -127,7 +214,7 @@ def engine_scores(
         base_dir,
         adapter_dir,
         sequences,
-        ctx.profile.evaluate.max_new_tokens,
+        ctx.profile.evaluate.answer_tokens,
         [tokenizer.eos_token_id],
         work,
         logger(),
@@ -139,16 +226,44 @@ def engine_scores(
     return scores(answered.base), scores(answered.candidate)
 
 
+def permutation_baseline(
+    cfg: EvaluateSection, conversations: list[Conversation], base: Scores, candidate: Scores
+) -> Baseline | None:
+    """Both models' answers scored against other questions' references (tasks/quality/scoring.py, permuted_scores),
+    and the candidate's improvement beyond what it gains there: per sample, (candidate - its permuted score) minus
+    (base - its permuted score), paired, with its interval. None where evaluate.permutation_check is off, or the metric
+    is answer_loss (a likelihood of the record's own reference)."""
+    if not cfg.permutation_check or cfg.metric not in metrics.TEXT_METRICS:
+        return None
+    truths = references(conversations)
+    base_other = permuted_scores(base.predictions, truths, cfg.metric)
+    candidate_other = permuted_scores(candidate.predictions, truths, cfg.metric)
+    specific = [own - other for own, other in zip(candidate.per_sample[cfg.metric], candidate_other, strict=True)]
+    base_specific = [own - other for own, other in zip(base.per_sample[cfg.metric], base_other, strict=True)]
+    beyond = paired_difference(specific, base_specific, cfg.confidence, cfg.bootstrap_resamples, cfg.seed)
+    return Baseline(metrics.mean(base_other), metrics.mean(candidate_other), beyond)
+
+
+def keep_for_report(ctx: RunContext, record: Path) -> None:
+    """The evaluate record in the release's folder, where the release report reads it (tasks/reporting/evidence.py):
+    a refused candidate has no artifact in the store, and its report must still show what was scored."""
+    folder = release_folder(ctx.home, ctx.tracker.run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(record, folder / EVALUATION_FILE)
+
+
 def write_evaluation(
     path: Path,
     cfg: EvaluateSection,
     result: EvaluationMetrics,
     improvement: Difference,
+    baseline: Baseline | None,
     conversations: list[Conversation],
     base: Scores,
     candidate: Scores,
 ) -> None:
-    """The stage's record (evaluation.json): the metrics, the improvement, and every sample's answers and scores."""
+    """The stage's record (evaluation.json): the metrics, the improvement, the permutation baseline, and every
+    sample's answers and scores."""
     samples = [
         {
             "prompt": c[:-1],
@@ -164,6 +279,7 @@ def write_evaluation(
     ]
     record = {
         "metric": cfg.metric,
+        "judged": result.judged,
         "higher_is_better": higher_is_better(cfg.metric),
         "metrics": result.as_mlflow(),
         "improvement": {
@@ -171,38 +287,96 @@ def write_evaluation(
             "interval": improvement.interval(),
             "confidence": improvement.confidence,
         },
+        "permutation": None
+        if baseline is None
+        else {
+            "base": baseline.base,
+            "candidate": baseline.candidate,
+            "beyond": baseline.beyond.value,
+            "interval": baseline.beyond.interval(),
+        },
+        "thresholds": {
+            "min_improvement": cfg.min_improvement,
+            "min_relative_improvement": cfg.min_relative_improvement,
+            "confidence": cfg.confidence,
+        },
         "samples": samples,
     }
     path.write_text(json.dumps(record, indent=1, ensure_ascii=False))
 
 
-def score_table(result: EvaluationMetrics) -> str:
-    """Base and candidate, one row each, every metric a column."""
+def score_table(result: EvaluationMetrics, baseline: Baseline | None = None) -> str:
+    """Base and candidate, one row each, every metric a column; the permutation baseline below where it was scored."""
     names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity"]
     header = "  " + " " * 10 + " ".join(f"{n:>11}" for n in names)
     rows = [
         f"  {label:<9} " + " ".join(f"{means[n]:>11.3f}" for n in names)
         for label, means in (("base", result.base), ("candidate", result.candidate))
     ]
+    if baseline is not None:
+        rows.append(
+            f"  against other questions' references: base {baseline.base:.3f}, candidate {baseline.candidate:.3f}; "
+            f"improvement beyond that baseline {describe(baseline.beyond)}"
+        )
     return "\n".join([header, *rows])
 
 
-def require_improvement(cfg: EvaluateSection, result: EvaluationMetrics, improvement: Difference) -> None:
-    """The candidate must beat the base by evaluate.min_improvement (with an interval: its lower bound must)."""
+def headroom(metric: str, base: float) -> float:
+    """How far the base is from a perfect score: 1 - base on a 0..1 metric, the base's loss on answer_loss."""
+    return 1.0 - base if higher_is_better(metric) else base
+
+
+def require_improvement(
+    cfg: EvaluateSection, result: EvaluationMetrics, improvement: Difference, baseline: Baseline | None = None
+) -> None:
+    """The candidate is clearly better than the base (this module's docstring): its improvement above 0 and at least
+    evaluate.min_improvement (with an interval: its lower bound), at least evaluate.min_relative_improvement of the
+    base's headroom, and beyond the permutation baseline. A refusal names the numbers that decided and what would
+    change them, in one line."""
+    metric = cfg.metric
+    if cfg.min_improvement < 0:  # asked for no margin (a run about the pipeline, not the model)
+        if improvement.value < cfg.min_improvement:
+            raise CheckFailed(
+                f"evaluate: candidate {metric} {result.candidate[metric]:.3f} vs base {result.base[metric]:.3f}: "
+                f"its improvement {improvement.value:.3f} < evaluate.min_improvement {cfg.min_improvement:g}"
+            )
+        return
+    scores = f"evaluate: candidate {metric} {result.candidate[metric]:.3f} vs base {result.base[metric]:.3f}"
     bound = improvement.low if improvement.low is not None else improvement.value
-    if bound < cfg.min_improvement:
-        which = "the lower bound of its improvement" if improvement.low is not None else "its improvement"
+    which = "the lower bound of its improvement" if improvement.low is not None else "its improvement"
+    interval = f" (improvement {describe(improvement)})" if improvement.low is not None else ""
+    if bound < cfg.min_improvement or bound <= 0:
         # A margin is in its metric's units: one set for another metric (cpu-tiny's 0.3, for exact match on antonyms)
         # refuses a model that did learn; the line says which setting to size, rather than only that it fell short.
-        hint = (
-            f"; the margin is in {cfg.metric}'s units: size evaluate.min_improvement for it, or pick a profile made "
-            "for such answers (`llmops profiles list`)"
-            if improvement.value > 0
-            else ""
-        )
+        if improvement.value > 0 and cfg.min_improvement > 0:
+            hint = (
+                f"; the margin is in {metric}'s units: size evaluate.min_improvement for it, or pick a profile made "
+                "for such answers (`llmops profiles list`)"
+            )
+        elif improvement.value > 0 and improvement.low is not None:
+            hint = "; more eval records narrow the interval (data.eval_fraction, or --eval-data)"
+        else:
+            hint = ""
+        compared = "<" if bound < cfg.min_improvement else "<="
         raise CheckFailed(
-            f"evaluate: candidate {cfg.metric} {result.candidate[cfg.metric]:.3f} vs base "
-            f"{result.base[cfg.metric]:.3f}: {which} {bound:.3f} < evaluate.min_improvement "
-            f"{cfg.min_improvement}{f' (improvement {describe(improvement)})' if improvement.low is not None else ''}"
-            f"{hint}"
+            f"{scores}: {which} {bound:.3f} {compared} evaluate.min_improvement {cfg.min_improvement:g}{interval}{hint}"
+        )
+    room = headroom(metric, result.base[metric])
+    share = improvement.value / room if room > 0 else 0.0
+    if share < cfg.min_relative_improvement:
+        raise CheckFailed(
+            f"{scores}: it gains {share:.1%} of the base's headroom ({improvement.value:.3f} of {room:.3f}), less than "
+            f"evaluate.min_relative_improvement {cfg.min_relative_improvement:g}"
+        )
+    if baseline is None:
+        return
+    beyond = baseline.beyond
+    low = beyond.low if beyond.low is not None else beyond.value
+    if low <= 0:
+        lower = "its lower bound" if beyond.low is not None else "it"
+        raise CheckFailed(
+            f"{scores} (+{improvement.value:.3f}), but against other questions' references it gains "
+            f"{baseline.gained:+.3f} as well ({baseline.base:.3f} -> {baseline.candidate:.3f}): beyond that baseline it "
+            f"improves {describe(beyond)}, {lower} not above 0: its answers fit their own questions no better than "
+            "others' (do the data's answers match their questions?) (evaluate.permutation_check)"
         )

@@ -9,7 +9,7 @@
   uses those served scores; the serving parity check compares the candidate served with the same
   model offline (evaluate), which catches a chat template, tokenizer or stop-token mismatch; a probe
   the model answers in a few tokens offline must stop before max_tokens when served. With
-  evaluate.confidence the checks use the paired bootstrap bound, not the point value.
+  gate.quality_on_interval the checks use the paired bootstrap bound (at evaluate.confidence), not the point value.
 - Served = measured: the artifact Triton loaded for the candidate (read back from the server) must
   be the registered artifact that promotion will serve; on the llmapi path the checkpoint's
   accuracy drop on TensorRT-LLM (build_engine) from the merged model is checked as well (on CPU the merged model is what serves).
@@ -174,7 +174,7 @@ def score_quality(
     from tasks.data.splits import eval_conversations, require_samples
     from tasks.quality.metrics import answer_metric
     from tasks.quality.models import load_tokenizer
-    from tasks.quality.scoring import gain, offline_scores
+    from tasks.quality.scoring import gain, gate_comparison, offline_scores
     from tasks.serving.predict import engine_batch
     from tasks.serving.served_scoring import SERVED_ANSWERS_FILE, score_served, stop_probe
 
@@ -184,7 +184,7 @@ def score_quality(
     metric = answer_metric(cfg.metric)
     offline = offline_scores(ctx, evaluation)["samples"]
     offline_metric = [s["scores"]["candidate"][metric] for s in offline]
-    served, max_tokens = deployment.control, cfg.max_new_tokens  # through the gateway, each version by name
+    served, max_tokens = deployment.control, cfg.answer_tokens  # through the gateway, each version by name
     tokenizer = load_tokenizer(deployment.candidate.model_dir)
     batch = engine_batch(ctx.profile)  # as many in flight as the engine batches (the candidate's settings)
     candidate = score_served(served, deployment.candidate.name, conversations, max_tokens, tokenizer, batch)
@@ -196,7 +196,7 @@ def score_quality(
         load_tokenizer(deployment.champion.model_dir),
         batch,
     )
-    metric_cfg = cfg.model_copy(update={"metric": metric})
+    metric_cfg = gate_comparison(ctx.profile, metric)
     parity = gain(offline_metric, candidate.per_sample[metric], metric_cfg)
     drop = gain(champion.per_sample[metric], candidate.per_sample[metric], metric_cfg) if champion else None
     probe = stop_probe([s["candidate"] for s in offline], tokenizer, max_tokens)

@@ -229,7 +229,7 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
         "merged": merged.artifact.digest,
         "data": data.artifact.digest,
         "quantize": cfg.model_dump(exclude={"modelopt"}),  # the GPU backend's settings change nothing here
-        "max_new_tokens": ctx.profile.evaluate.max_new_tokens,
+        "max_new_tokens": ctx.profile.evaluate.answer_tokens,
         "eval_samples": ctx.profile.evaluate.max_samples,
     }
 
@@ -241,7 +241,7 @@ def quantize(ctx: RunContext, data: StageResult, merged: StageResult) -> StageRe
             evaluate = ctx.profile.evaluate
             conversations = eval_conversations(ctx, data, evaluate.max_samples)
             metric = answer_metric(evaluate.metric)
-            metrics = onnx_int8(merged_dir, out_dir, conversations, cfg.opset, evaluate.max_new_tokens, metric)
+            metrics = onnx_int8(merged_dir, out_dir, conversations, cfg.opset, evaluate.answer_tokens, metric)
         trained = load_contract(merged_dir)
         require_same(trained, read_contract(out_dir, merged_dir), f"the {cfg.backend} artifact's tokenizer")
         write_contract(trained, out_dir)

@@ -178,7 +178,8 @@ def validate_data(args) -> str:
     from tasks.platform.config import load_profile
 
     overrides = [f"data.format={args.format}"] if args.format else []
-    cfg = load_profile(args.profile, overrides, args.source, args.eval_data).data
+    profile = load_profile(args.profile, overrides, args.source, args.eval_data)
+    cfg = profile.data
     data = read_data(cfg)
     stats = data.stats
     lines = [
@@ -193,5 +194,41 @@ def validate_data(args) -> str:
             else f" at data.eval_fraction {cfg.eval_fraction})"
         ),
         f"  fingerprint            {data.fingerprint}",
+        *judging_lines(profile, data),
     ]
     return "\n".join(lines)
+
+
+def judging_lines(profile, data) -> list[str]:
+    """How evaluate would judge the eval split (tasks/quality/answer_kind.py): the metric from the references, the
+    answer length in the base model's tokens where this machine has its tokenizer without a download (cpu-tiny's is
+    trained on the training split, as the base_model stage trains it; a local model folder has its own)."""
+    from tasks.quality.answer_kind import decide
+
+    split = data.eval[: profile.evaluate.max_samples]
+    if not split:
+        return []
+    tokenizer = local_tokenizer(profile, data)
+    if tokenizer is None and profile.evaluate.max_new_tokens == "auto":
+        metric = decide(profile.evaluate.model_copy(update={"max_new_tokens": 1}), split)[1].metric
+        length = f"auto: from {profile.base_model.source}'s tokenizer when the run has it"
+    else:
+        judging = decide(profile.evaluate, split, tokenizer)[1]
+        metric, length = judging.metric, f"{judging.answer_tokens.value} tokens ({judging.answer_tokens.why})"
+    return [f"  metric                 {metric.value} ({metric.why})", f"  answers of up to       {length}"]
+
+
+def local_tokenizer(profile, data):
+    """The base model's tokenizer where it needs no download, else None."""
+    from pathlib import Path
+
+    source = profile.base_model.source
+    if source == "tiny-qwen2":
+        from tasks.base_model import corpus, train_tokenizer
+
+        return train_tokenizer(corpus(data.train), profile.base_model.tiny.vocab_size)
+    if Path(source).is_dir():
+        from tasks.quality.models import load_tokenizer
+
+        return load_tokenizer(Path(source))
+    return None

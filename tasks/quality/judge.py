@@ -24,7 +24,7 @@ from tasks.platform.config.training import JudgeSection
 from tasks.platform.errors import BadInput, TransientError
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.quality.checks import Check, at_least, at_most
-from tasks.quality.scoring import gain
+from tasks.quality.scoring import gain, gate_comparison
 from tasks.quality.stats import Difference
 
 GRADE = re.compile(r"(?<![\d.])(\d{1,2})(?![\d.])")  # the first whole number: "4", "Grade: 4/5", "4 - correct"
@@ -136,7 +136,7 @@ def judge_served(
     if against is not None:
         pairs = [(a, b) for a, b in zip(against.scores, judged.scores, strict=True) if a is not None and b is not None]
         if len(pairs) >= 2:
-            direction = cfg.model_copy(update={"metric": "exact_match"})  # a grade: higher is better
+            direction = gate_comparison(ctx.profile, "exact_match")  # a grade: higher is better
             drop = gain([a for a, _ in pairs], [b for _, b in pairs], direction)
     verdict = JudgeVerdict(judged, against, cfg.judge.max_malformed, drop)
     answers = len(candidate) + (len(champion) if champion else 0)

@@ -26,7 +26,10 @@ TEXT_METRICS = ("exact_match", "rouge_1", "rouge_2", "rouge_l", "bleu_4")
 def answer_metric(metric: str) -> str:
     """The metric answers alone are scored on (quantize, build_engine, the gate's served scores, shadow agreement):
     `evaluate.metric`, or ROUGE-L for answer_loss (a likelihood of the reference answer, which generated answers do
-    not carry). The one place this is decided."""
+    not carry). The one place this is decided; evaluate.metric auto must have been decided from the eval split first
+    (tasks/evaluate.py, judged_as)."""
+    if metric not in GATE_METRICS:
+        raise ValueError(f"evaluate.metric {metric}: not decided (auto is decided from the eval split's references)")
     return metric if metric in TEXT_METRICS else "rouge_l"
 
 

@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from tasks.platform.config import EvaluateSection
+from tasks.platform.config import EvaluateSection, Profile
 from tasks.platform.stage_cache import RunContext, StageResult
 from tasks.quality import metrics
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
@@ -98,13 +98,35 @@ def answer_score(predictions: list[str], conversations: list[Conversation], metr
     return mean(text_scores(predictions, references(conversations))[metric])
 
 
+OTHER_REFERENCES = 8  # references of other records each answer is scored against (the permutation baseline)
+
+
+def other_records(samples: int, count: int = OTHER_REFERENCES) -> list[int]:
+    """Cyclic shifts spread over the split: sample i is paired with the references of i + shift for each; no shift is
+    0, so no answer meets its own reference. Deterministic: a rerun scores the same pairs."""
+    if samples < 2:
+        return []
+    return sorted({max(1, round(j * samples / (count + 1))) % samples for j in range(1, count + 1)} - {0})
+
+
+def permuted_scores(predictions: list[str], references: list[str], metric: str) -> list[float]:
+    """Each answer's mean `metric` (a text metric) against other records' references: what it scores for what it says
+    whatever the question (the answers' shared phrasing, their length), where its own reference scores what it says
+    about its own question."""
+    shifts, count = other_records(len(references)), len(references)
+    return [
+        mean([metrics.metric_score(metric, answer, references[(i + shift) % count]) for shift in shifts])
+        for i, answer in enumerate(predictions)
+    ]
+
+
 def scored_metric(values: dict, model: str) -> str | None:
     """The text metric a stage's flat metrics score `model` on (the key `<model>_<metric>`), if any."""
     return next((name for name in metrics.TEXT_METRICS if f"{model}_{name}" in values), None)
 
 
 def score(model, tokenizer, conversations: list[Conversation], cfg: EvaluateSection) -> Scores:
-    predictions = generate_answers(model, tokenizer, conversations, cfg.max_new_tokens)
+    predictions = generate_answers(model, tokenizer, conversations, cfg.answer_tokens)
     return scores_of(predictions, answer_losses(model, tokenizer, conversations), conversations)
 
 
@@ -123,6 +145,15 @@ def gain(candidate: list[float], reference: list[float], cfg: EvaluateSection) -
     (positive = better, whichever way the metric points), with its interval when evaluate.confidence is set."""
     difference = paired_difference(candidate, reference, cfg.confidence, cfg.bootstrap_resamples, cfg.seed)
     return difference if higher_is_better(cfg.metric) else difference.flipped()
+
+
+def gate_comparison(profile: Profile, metric: str) -> EvaluateSection:
+    """The evaluate section a gate check compares two served versions with on `metric` (a higher-is-better score):
+    on their interval only where gate.quality_on_interval asks, else on the point value (the interval is then not
+    computed, so it cannot decide)."""
+    cfg = profile.evaluate
+    confidence = cfg.confidence if profile.gate.quality_on_interval else None
+    return cfg.model_copy(update={"metric": metric, "confidence": confidence})
 
 
 def describe(difference: Difference) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 GATE_REPORT, SERVED_ANSWERS = "gate_report.json", "served_answers.json"
+EVALUATION = "evaluation.json"  # the evaluate stage's record, copied here by it (tasks/evaluate.py, keep_for_report)
 CANARY_STEPS, SHADOW_SUMMARY = "canary.json", "shadow.json"
 REPORT_FILE = "release_report.html"
 EXAMPLES_EACH_WAY = 5  # examples shown per direction of change
@@ -41,18 +42,39 @@ class Evidence:
     canary: list[dict[str, Any]] = field(default_factory=list)
     shadow: dict[str, Any] | None = None
     stages: list[StageRecord] = field(default_factory=list)
+    evaluation: dict[str, Any] | None = None  # base against candidate offline, every sample (evaluation.json)
 
     @property
     def metric(self) -> str:
-        return str((self.gate or {}).get("metric") or "")
+        return str((self.gate or {}).get("metric") or (self.evaluation or {}).get("metric") or "")
+
+    def base_answers(self) -> dict[str, dict[str, Any]]:
+        """The base model's answer and scores to each eval prompt (evaluate's record), by prompt."""
+        samples = (self.evaluation or {}).get("samples", [])
+        return {prompt_key(s["prompt"]): {"answer": s["base"], "scores": s["scores"]["base"]} for s in samples}
+
+    def evaluate_changes(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """evaluate's samples whose score moved most from the base to the candidate, worse first and better first,
+        each with its `change` (candidate minus base on the deciding metric; for answer_loss lower is better)."""
+        metric, moved = self.metric, []
+        for sample in (self.evaluation or {}).get("samples", []):
+            candidate, base = sample["scores"]["candidate"].get(metric), sample["scores"]["base"].get(metric)
+            if candidate is not None and base is not None and candidate != base:
+                moved.append(
+                    {**sample, "change": candidate - base, "gain": better_by(self.evaluation, candidate - base)}
+                )
+        moved.sort(key=lambda e: e["gain"])
+        worse = [e for e in moved if e["gain"] < 0][:EXAMPLES_EACH_WAY]
+        better = [e for e in reversed(moved) if e["gain"] > 0][:EXAMPLES_EACH_WAY]
+        return worse, better
 
     def changed_examples(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The examples whose score moved most against the champion (without one: served against offline), worst
         first and best first; each with its `change` (candidate minus the other)."""
-        metric, moved = self.metric, []
+        metric, moved, base = self.metric, [], self.base_answers()
         for example in self.answers:
             served = example["scores"]["served"].get(metric)
-            other = (example.get("champion_scores") or example["scores"]["offline"]).get(metric)
+            other = (example.get("champion_scores") or against_base(example, base)["scores"]).get(metric)
             if served is not None and other is not None and served != other:
                 moved.append({**example, "change": served - other})
         moved.sort(key=lambda e: e["change"])
@@ -70,6 +92,22 @@ class Evidence:
             if "champion_scores" in example:
                 found["champion"].append(example["champion_scores"].get(metric))
         return {role: [v for v in values if v is not None] for role, values in found.items()}
+
+
+def prompt_key(prompt: list[dict[str, str]]) -> str:
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
+def against_base(example: dict[str, Any], base: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a served answer is compared with where there is no champion: the base model's answer to the prompt (a
+    first release shows what it learned), else the candidate offline."""
+    found = base.get(prompt_key(example["prompt"]))
+    return found if found is not None else {"answer": example["offline"], "scores": example["scores"]["offline"]}
+
+
+def better_by(evaluation: dict[str, Any] | None, change: float) -> float:
+    """A change in the deciding metric, positive where the candidate is better (answer_loss: lower is)."""
+    return change if (evaluation or {}).get("higher_is_better", True) else -change
 
 
 def read_json(path: Path) -> Any:
@@ -154,4 +192,5 @@ def gather(
         canary,
         read_json(folder / SHADOW_SUMMARY),
         stages or [],
+        read_json(folder / EVALUATION),
     )

@@ -1,6 +1,6 @@
 """The release report as one self-contained HTML page: no script, no stylesheet or font fetched, plots inline SVG.
-Each section has an id (decision, checks, answers, scores, latency, canary, shadow, stages, lineage) and says so
-where the release never got that far."""
+Each section has an id (decision, evaluation, checks, answers, scores, latency, canary, shadow, stages, lineage) and
+says so where the release never got that far."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from html import escape
 from typing import Any
 
 from tasks.reporting import plots
-from tasks.reporting.evidence import Evidence
+from tasks.reporting.evidence import Evidence, against_base
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: .5em 0; } td, th { border: 1px solid #ddd; padding: .25em .5em;
 vertical-align: top; text-align: left; } th { background: #f4f4f4; }
-.pass { color: #1a7f37; } .FAIL, .failed, .rejected, .rolled { color: #b42318; font-weight: 600; }
+.pass { color: #1a7f37; } .FAIL, .failed, .refused, .rejected, .rolled { color: #b42318; font-weight: 600; }
 .INCONCLUSIVE { color: #9a6700; font-weight: 600; } .promoted { color: #1a7f37; font-weight: 600; }
 .none { color: #777; font-style: italic; } pre { white-space: pre-wrap; margin: 0; font: inherit; }
 svg { max-width: 100%; height: auto; }
@@ -52,6 +52,66 @@ def decision(evidence: Evidence) -> str:
     )
 
 
+EVALUATE_COLUMNS = ("exact_match", "rouge_1", "rouge_2", "rouge_l", "bleu_4", "answer_loss", "perplexity")
+
+
+def evaluation(evidence: Evidence) -> str:
+    """The evaluate stage: how the split was judged, every metric for the base and the candidate, the improvement
+    with its interval, the permutation baseline, the thresholds, and the samples that moved most each way."""
+    record = evidence.evaluation
+    if not record:
+        return none("No evaluation: the release ended before evaluate scored the eval split.")
+    found, metric = record["metrics"], record["metric"]
+    rows = [
+        [escape(role), *(number(found.get(f"{role}_{name}"), ".3f") for name in EVALUATE_COLUMNS)]
+        for role in ("base", "candidate")
+    ]
+    parts = [f"<p>Judged on {escape(record.get('judged') or metric)}.</p>", table(["", *EVALUATE_COLUMNS], rows)]
+    improvement, interval = record["improvement"], record["improvement"].get("interval")
+    bounds = f" ({improvement['confidence']:.0%} interval {interval[0]:.3f} .. {interval[1]:.3f})" if interval else ""
+    facts = [f"improvement on {metric}: {improvement['value']:+.3f}{bounds} over {found.get('samples')} samples"]
+    permutation = record.get("permutation")
+    if permutation:
+        beyond = permutation.get("interval")
+        facts.append(
+            f"against other questions' references: base {permutation['base']:.3f}, candidate "
+            f"{permutation['candidate']:.3f}; improvement beyond that baseline {permutation['beyond']:+.3f}"
+            + (f" (interval {beyond[0]:.3f} .. {beyond[1]:.3f})" if beyond else "")
+        )
+    thresholds = record.get("thresholds") or {}
+    if thresholds:
+        facts.append(
+            "needed: improvement above 0 and at least evaluate.min_improvement "
+            f"{thresholds['min_improvement']:g}"
+            + (" on its interval's lower bound" if thresholds.get("confidence") else "")
+            + f", {thresholds['min_relative_improvement']:.0%} of the base's headroom"
+            + (", and above 0 beyond the permutation baseline" if permutation else "")
+        )
+    parts.append("<ul>" + "".join(f"<li>{escape(f)}</li>" for f in facts) + "</ul>")
+    worse, better = evidence.evaluate_changes()
+    for title, examples in (("Worse than the base model", worse), ("Better than the base model", better)):
+        parts.append(f"<h3>{escape(title)}</h3>")
+        if not examples:
+            parts.append(none("none"))
+            continue
+        parts.append(
+            table(
+                ["prompt", "reference", "base model", "candidate", "change"],
+                [
+                    [
+                        conversation(e["prompt"]),
+                        f"<pre>{escape(e['expected'])}</pre>",
+                        f"<pre>{escape(e['base'])}</pre>",
+                        f"<pre>{escape(e['candidate'])}</pre>",
+                        f"{e['change']:+.3f}",
+                    ]
+                    for e in examples
+                ],
+            )
+        )
+    return "".join(parts)
+
+
 def checks(evidence: Evidence) -> str:
     """Every check, the failing ones first, each with its value, interval, samples and threshold."""
     if not evidence.gate:
@@ -83,7 +143,9 @@ def answers(evidence: Evidence) -> str:
     if not evidence.answers:
         return none("No served answers: the release ended before the gate scored the eval split.")
     worse, better = evidence.changed_examples()
-    against = "champion" if any("champion_served" in e for e in evidence.answers) else "offline"
+    base = evidence.base_answers()
+    champion = any("champion_served" in e for e in evidence.answers)
+    against = "champion" if champion else "base model" if base else "offline"
     parts = [
         f"<p>{len(evidence.answers)} examples scored ({escape(evidence.metric)}), candidate against {against}.</p>"
     ]
@@ -97,7 +159,7 @@ def answers(evidence: Evidence) -> str:
                 conversation(e["prompt"]),
                 f"<pre>{escape(e['expected'])}</pre>",
                 f"<pre>{escape(e['served'])}</pre>",
-                f"<pre>{escape(e.get('champion_served', e['offline']))}</pre>",
+                f"<pre>{escape(e['champion_served'] if champion else against_base(e, base)['answer'])}</pre>",
                 f"{e['change']:+.3f}",
             ]
             for e in examples
@@ -194,6 +256,7 @@ def lineage(evidence: Evidence) -> str:
 
 SECTIONS: list[tuple[str, str, Callable[[Evidence], str]]] = [
     ("decision", "Decision", decision),
+    ("evaluation", "Evaluation: base model against candidate", evaluation),
     ("checks", "Checks", checks),
     ("answers", "Answers that changed", answers),
     ("scores", "Score distributions", scores),

@@ -654,35 +654,83 @@ def test_predict_with_no_serve_answers_a_registered_version_on_a_triton_of_its_o
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(home) in " ".join(p.info["cmdline"] or [])]
 
 
-def test_a_users_own_data_is_judged_on_its_own_held_out_split(stack, first_run):
-    """Issue 59's first try with one's own data on the default profile: `llmops run --data finance_qa_zh.jsonl
-    --set evaluate.metric=rouge_l` trains and is judged on a hash split of the finance set (not cpu-tiny's antonyms
-    exam), in the terminal, the table and MLflow. Refused at evaluate on cpu-tiny's margin (about 40 s here), or
-    released on it. Late in the module: its stage records would be second ones for the tests that read the first
-    run's (stage_record)."""
-    args = release_args(stack, "--set", "evaluate.metric=rouge_l")
-    args[args.index("--data") + 1] = str(FINANCE)
+def own_data_run(stack, data: Path):
+    """`llmops run --data DATA` on the suite's stack and nothing else of the profile's: the defaults judge it."""
+    args = release_args(stack)
+    args[args.index("--data") + 1] = str(data)
     del args[args.index("--eval-data") : args.index("--eval-data") + 2]
-    result = llmops(stack, *args)
+    return llmops(stack, *args)
+
+
+def test_a_users_own_data_is_judged_on_its_own_held_out_split_the_way_its_references_need(stack, first_run):
+    """Issues 59 and 72, a user's first try with their own data on the default profile: `llmops run --data
+    finance_qa_zh.jsonl` and no other setting trains and is judged on a hash split of the finance set (not cpu-tiny's
+    antonyms exam), on the metric and answer length its references need, said in the terminal and MLflow, and is
+    released: its improvement's interval is above 0 and above the permutation baseline's. Late in the module: its
+    stage records would be second ones for the tests that read the first run's (stage_record)."""
+    result = own_data_run(stack, FINANCE)
     output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
     assert "241 train / 47 eval (hash split of finance_qa_zh.jsonl)" in output, output[-3000:]
+    assert "evaluate: judged on metric rouge_l (open-ended references: median 35 characters" in output
+    assert "answers of up to 74 tokens (references: 95th percentile 57 tokens, median 45)" in output
     run = latest_run(stack)
     assert run.data.tags["data.eval_split"] == "hash split of finance_qa_zh.jsonl"
-    assert "train: done in" in output  # trained on the finance set's 241
+    assert (run.data.tags["evaluate.metric"], run.data.tags["evaluate.max_new_tokens"]) == ("rouge_l", "74")
+    assert run.data.tags["evaluate.metric_why"].startswith("open-ended references")
     assert run.data.metrics["prepare_data/eval_records"] == 47
-    # the evaluate table: both models scored on the finance answers (on the antonyms both were 0.000)
-    scores = {
-        row.split()[0]: dict(
-            zip(["exact_match", "rouge_1", "rouge_2", "rouge_l"], map(float, row.split()[1:5]), strict=True)
-        )
-        for row in output.splitlines()
-        if row.strip().startswith(("base ", "candidate "))
-    }
-    assert scores["base"]["rouge_l"] > 0 and scores["candidate"]["rouge_l"] > scores["base"]["rouge_l"], scores
-    if result.returncode == 0:  # released on its own numbers
-        assert "hash split of finance_qa_zh.jsonl" in result.stdout.split("key metric")[-1]  # the run's table
-    else:  # or refused on them
-        assert_one_line_error(result, 3, "evaluate: candidate rouge_l", "< evaluate.min_improvement")
+    metrics = run.data.metrics
+    assert metrics["evaluate/improvement_low"] > 0 and metrics["evaluate/beyond_permutation_low"] > 0, metrics
+    assert metrics["evaluate/candidate_rouge_l"] > metrics["evaluate/base_rouge_l"]
+    assert "hash split of finance_qa_zh.jsonl" in result.stdout.split("key metric")[-1]  # the run's table
+    assert "evaluate       ran" in result.stdout and "rouge_l " in result.stdout.split("evaluate       ran")[1]
+
+
+def test_answers_shuffled_across_questions_are_refused_on_the_permutation_baseline_and_the_report_shows_why(
+    stack, first_run, tmp_path
+):
+    """A set with nothing to learn but its answers' shared phrasing (180 finance records, answers shuffled across
+    questions): ROUGE-L still rises, and as much against other questions' references, so the default gate refuses it
+    in one line naming the baseline's numbers. Its release report (from MLflow, opened in headless Chromium) shows
+    the evaluate table, the base model's answers beside the candidate's, and the stages that ran with their
+    artifacts, drawn from that run's numbers."""
+    import random
+
+    from tests.browser import file_page
+
+    records = [json.loads(line) for line in FINANCE.read_text(encoding="utf-8").splitlines()[:180]]
+    answers = [r["conversations"][1]["value"] for r in records]
+    random.Random(0).shuffle(answers)
+    shuffled = tmp_path / "shuffled.jsonl"
+    with shuffled.open("w", encoding="utf-8") as out:
+        for record, answer in zip(records, answers, strict=True):
+            record["conversations"][1]["value"] = answer
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    result = own_data_run(stack, shuffled)
+    assert_one_line_error(
+        result, 3, "evaluate: candidate rouge_l", "but against other questions' references it gains", "not above 0"
+    )
+    run = latest_run(stack)
+    metrics = run.data.metrics
+    assert metrics["evaluate/beyond_permutation_low"] <= 0 < metrics["evaluate/improvement"], metrics
+    report = Path(MlflowClient(stack.mlflow.url).download_artifacts(run.info.run_id, "report", str(tmp_path)))
+    path = report / "release_report.html"
+    with file_page(path) as (page, errors, requested):
+        title = page.locator("h1").inner_text()
+        evaluation = page.locator("#evaluation").inner_text()
+        rows = page.locator("#evaluation table").first.locator("tr").all_inner_texts()
+        side_by_side = page.locator("#evaluation table").nth(1).locator("th").all_inner_texts()
+        stages = page.locator("#stages").inner_text()
+        lineage = page.locator("#lineage tr").count() - 1
+    assert errors == [] and requested == [path.as_uri()], (errors, requested)
+    assert title.endswith("refused")
+    assert "Judged on metric rouge_l (open-ended references" in evaluation
+    base_row, candidate_row = rows[1].split("\t"), rows[2].split("\t")
+    assert float(base_row[4]) == pytest.approx(metrics["evaluate/base_rouge_l"], abs=5e-4)
+    assert float(candidate_row[4]) == pytest.approx(metrics["evaluate/candidate_rouge_l"], abs=5e-4)
+    assert f"candidate {metrics['evaluate/permutation_candidate']:.3f}" in evaluation
+    assert side_by_side == ["prompt", "reference", "base model", "candidate", "change"]
+    assert all(stage in stages for stage in ("prepare_data", "base_model", "train")) and lineage == 3
 
 
 def test_store_gc_keeps_what_registered_versions_need_and_a_rerun_is_all_cache_hits(

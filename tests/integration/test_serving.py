@@ -1227,7 +1227,9 @@ def test_the_rejected_release_has_a_report_a_person_reads_and_mlflow_compares_ex
         plots = {key: page.locator(f"#{key} svg").count() for key in ("latency", "scores", "canary")}
         shadow = page.locator("#shadow").inner_text()
     assert errors == [] and requested == [path.as_uri()], (errors, requested)
-    assert sections == ["decision", "checks", "answers", "scores", "latency", "canary", "shadow", "stages", "lineage"]
+    assert sections == [
+        *("decision", "evaluation", "checks", "answers", "scores", "latency", "canary", "shadow", "stages", "lineage")
+    ]
     assert "FAIL" in first_check or "INCONCLUSIVE" in first_check, first_check
     assert worse >= 1 and plots == {"latency": 2, "scores": 1, "canary": 0}, (worse, plots)
     assert "copies" in shadow and "agreement (exact_match)" in shadow

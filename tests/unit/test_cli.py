@@ -324,8 +324,15 @@ def test_a_users_data_is_split_on_its_own_and_too_little_of_it_is_refused_before
     result = llmops("data", "validate", str(finance))  # cpu-tiny, as `llmops run --data` splits it
     assert result.returncode == 0, result.stderr
     assert "train / eval           241 / 47  (eval: hash split of finance_qa_zh.jsonl" in result.stdout
+    # how evaluate would judge it (issue 72): the metric from the references, the length in cpu-tiny's own tokens
+    assert "  metric                 rouge_l (open-ended references: median 35 characters, 100% over 3 words)\n" in (
+        result.stdout
+    )
+    assert "  answers of up to       74 tokens (references: 95th percentile 57 tokens, median 45)" in result.stdout
     result = llmops("data", "validate", str(finance), "--eval-data", "profile")
     assert "train / eval           288 / 39  (eval: data.eval_source antonyms-eval.jsonl" in result.stdout
+    assert "  metric                 exact_match (closed references: 100% of 39 at most 3 words)" in result.stdout
+    assert result.stdout.startswith("data ")  # the tokenizer's training printed no progress bar above it
     small = tmp_path / "small.jsonl"
     small.write_text("".join(finance.read_text(encoding="utf-8").splitlines(keepends=True)[:60]), encoding="utf-8")
     result = llmops("run", "--data", str(small), "--set", "evaluate.metric=rouge_l", env_home=tmp_path / "home")

@@ -94,15 +94,17 @@ def test_profile_digest_changes_with_any_value():
 # and when the gateway took signed client tokens (serve.auth.jwt, null by default), and when the gate got a judge
 # (evaluate.judge, null by default; gate.max_judge_drop, min_judge_score), and when the 7B and 8B profiles stated their
 # base's architecture (`make gpu-bench` builds it) and qwen-7b-vllm-h100 trained 4 x 8 (its memory plan overflowed),
-# and when serving could scale with its load (serve.autoscale, null by default).
+# and when serving could scale with its load (serve.autoscale, null by default), and when a user's own data was
+# judged as its references need (evaluate.metric and max_new_tokens auto, min_relative_improvement, permutation_check,
+# confidence 0.9 and min_improvement 0 by default; cpu-tiny's margin for its exam only; gate.quality_on_interval).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "1e0b9358d3f6bd5686cdfa08bb02dbdefa403a87566619ef74e96177a5aac7d2",
-    "cpu-tiny-qa-zh": "833ff9d86c3a418e5c736066909a58960af30488594088f8614c015175696cfb",
-    "llama3-8b-h100-fp8": "4f70f2f03d2927e0832d95489851a29e1c530c5fa616df45985ef5aa7ec12c2b",
-    "qwen-7b-qlora-2xa10": "3dd2110a131797ffbe4bb2c8ca320039ddb0602172b6ed4522154d6e254d98b1",
-    "qwen-7b-vllm-h100": "6b5814d3803f75747fe1f911fd26ff9ca9407d147103eaff5fe284043e08278c",
-    "qwen2-14b-int4-tp2": "67959b9c137eb4e0b6d60a22e01e91adc432f363deb871cc1202c4bc8aecdc07",
-    "qwen2.5-72b-lora-2x8xh100": "f763db089b74e3c928e4d8f81e57f581498bac5aeac35171f08d9afd1a759418",
+    "cpu-tiny": "a7ccc34c712b3cb3a2d4252cb51eb27b826f0d079eb9e15ebde291c9aab25803",
+    "cpu-tiny-qa-zh": "53a2475a56ebfe018ec59b970e3e39a607735607e3f4728c14fd468f74d0ee8f",
+    "llama3-8b-h100-fp8": "4c2dc246b289734c2e3ad33d84e5072847c22e309520e7d607dd4e4df4783fd2",
+    "qwen-7b-qlora-2xa10": "8b5b0c655d84656c1980ece3bbb6e0dfbd5fb1b555f896f1feb1f72190adabbd",
+    "qwen-7b-vllm-h100": "11ea162621e03057228e4cc5ff2a6475dafc03cb5f853c2a271f8b9a0c122d34",
+    "qwen2-14b-int4-tp2": "666dcb9ac05785199503737a7144c204a72f897f1ad72b2a2c0f0091ce35edac",
+    "qwen2.5-72b-lora-2x8xh100": "c0a99cdb91899d552ae63c4de8ad7b233a7f4f0e4efb8088038ae0b4fa19f811",
 }
 
 

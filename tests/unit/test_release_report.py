@@ -148,6 +148,63 @@ def test_a_release_that_failed_before_its_gate_gets_a_report_saying_so(tmp_path)
     assert "No canary ramp" in section(page, "canary") and "No stage ran" in section(page, "stages")
 
 
+def evaluation_record(home: Path) -> None:
+    """evaluate's record as the stage copies it to the release's folder: both models, every metric, three samples."""
+    samples = [
+        {"prompt": [{"role": "user", "content": f"opposite of {w}"}], "expected": e, "base": b, "candidate": c,
+         "scores": {"base": {"exact_match": float(b == e)}, "candidate": {"exact_match": float(c == e)}}}
+        for w, e, b, c in (("hot", "cold", "warm", "cold"), ("big", "small", "small", "tiny"), ("up", "down", "x", "x"))
+    ]  # fmt: skip
+    metrics = {f"{role}_{name}": value for role, value in (("base", 0.333), ("candidate", 0.667))
+               for name in ("exact_match", "rouge_l")}  # fmt: skip
+    record = {
+        "metric": "exact_match",
+        "judged": "metric exact_match (closed references: 100% of 3 at most 3 words), answers of up to 8 tokens",
+        "higher_is_better": True,
+        "metrics": {**metrics, "samples": 3},
+        "improvement": {"value": 0.333, "interval": [-0.333, 1.0], "confidence": 0.9},
+        "permutation": {"base": 0.1, "candidate": 0.2, "beyond": 0.233, "interval": [-0.2, 0.6]},
+        "thresholds": {"min_improvement": 0.0, "min_relative_improvement": 0.05, "confidence": 0.9},
+        "samples": samples,
+    }
+    folder = release_folder(home, RUN)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "evaluation.json").write_text(json.dumps(record))
+
+
+def test_a_release_refused_at_evaluate_shows_the_evaluation_and_what_it_made(tmp_path):
+    """Issue 72: refused at evaluate, the report has the evaluate table, the interval, the permutation baseline, the
+    base model's answers beside the candidate's where they moved, and the stages that ran with their artifacts."""
+    evaluation_record(tmp_path)
+    stages = [StageRecord("train", "file:///store/adapter", "cc" * 32, False, {"final_loss": 0.2})]
+    refusal = "CheckFailed: evaluate: candidate exact_match 0.667 vs base 0.333: the lower bound of its improvement"
+    page = render(gather(tmp_path, RUN, SERVICE, "refused", refusal, stages))
+    assert "REFUSED" in section(page, "decision") and "the lower bound of its improvement" in section(page, "decision")
+    evaluated = section(page, "evaluation")
+    assert "Judged on metric exact_match (closed references" in evaluated
+    assert "<td>base</td><td>0.333</td>" in evaluated and "<td>candidate</td><td>0.667</td>" in evaluated
+    assert "(90% interval -0.333 .. 1.000)" in evaluated and "improvement beyond that baseline +0.233" in evaluated
+    worse, better = evaluated.split("Better than the base model")
+    assert "opposite of big" in worse and "tiny" in worse and "opposite of hot" in better and "warm" in better
+    assert "opposite of up" not in evaluated.split("</ul>")[1]  # unchanged
+    assert "final_loss" in section(page, "stages") and "cc" * 32 in section(page, "lineage")
+
+
+def test_a_first_release_shows_the_base_models_answers_beside_the_candidates(tmp_path):
+    release(tmp_path)
+    evaluation_record(tmp_path)
+    folder = release_folder(tmp_path, RUN)
+    gate = json.loads((folder / "gate_report.json").read_text())
+    (folder / "gate_report.json").write_text(json.dumps({**gate, "champion_version": None}))
+    answers = json.loads((folder / "served_answers.json").read_text())
+    for answer in answers:
+        del answer["champion_served"], answer["champion_scores"]
+    (folder / "served_answers.json").write_text(json.dumps(answers))
+    answered = section(render(gather(tmp_path, RUN, SERVICE, "promoted", "")), "answers")
+    assert "candidate against base model" in answered and "<th>base model</th>" in answered
+    assert "<pre>warm</pre>" in answered  # the base's answer to "hot", which the served candidate got right
+
+
 def test_text_from_the_model_is_shown_as_text(tmp_path):
     release(tmp_path)
     answers = json.loads((release_folder(tmp_path, RUN) / "served_answers.json").read_text())

@@ -308,7 +308,8 @@ def test_the_shadow_window_is_checked_on_agreement_errors_and_traffic(records, f
     interval about 0.74..0.90 at 90%) cannot tell."""
     from tasks.shadow import score
 
-    profile = load_profile("cpu-tiny", ["canary.shadow_min_requests=20", "bench.confidence=0.9"])
+    decided = ["evaluate.metric=exact_match"]  # as the release decides it for the antonyms (tasks/evaluate.py)
+    profile = load_profile("cpu-tiny", [*decided, "canary.shadow_min_requests=20", "bench.confidence=0.9"])
     shadowed = score(records, profile, seconds=5)
     gate = GATE.model_copy(update={"min_shadow_agreement": 0.8, "max_latency_ratio": 1.5})
     report = decide(gate, "svc", "2", "1", CANDIDATE, COMPARISON, QUALITY, shadowed=shadowed)
@@ -336,7 +337,7 @@ def test_shadow_agreement_is_scored_with_the_profiles_metric():
         )
     records.append({"at": 0, "dropped": True})
     rouge = score(records, load_profile("cpu-tiny", ["evaluate.metric=rouge_l"]), 1)
-    exact = score(records, load_profile("cpu-tiny"), 1)
+    exact = score(records, load_profile("cpu-tiny", ["evaluate.metric=exact_match"]), 1)
     assert (exact.metric, exact.agreement) == ("exact_match", 0.5)
     assert rouge.metric == "rouge_l" and 0.5 < rouge.agreement < 1 and rouge.dropped == 1 and rouge.requests == 4
     low, high = rouge.agreement_interval

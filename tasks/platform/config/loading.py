@@ -102,20 +102,25 @@ def load_profile(
     the profile's own is judged on its own hash split (choose_exam), unless `eval_data` names its exam."""
     raw = read_profile_file(profile_path(name_or_path))
     profile_data = dict(raw["data"]) if isinstance(raw.get("data"), dict) else {}
+    exam_settings = take_exam_settings(raw, name_or_path)
     gate = raw.get("gate")
     file_approval = gate.get("approval") if isinstance(gate, dict) else None
     exam_named = bool(eval_data)
+    overridden: set[tuple[str, ...]] = set()
     for text in overrides:
         keys, value = parse_override(text)
         refuse_file_only(keys, value, text)
         apply_override(raw, keys, value, text)
         exam_named |= keys == ["data", "eval_source"]
+        overridden.add(tuple(keys))
     if data:
         raw.setdefault("data", {})["source"] = data
     if eval_data and eval_data != PROFILE_EXAM:
         raw.setdefault("data", {})["eval_source"] = eval_data
     elif not exam_named and isinstance(raw.get("data"), dict):
         choose_exam(raw["data"], profile_data)
+    if exam_settings and isinstance(raw.get("data"), dict):
+        apply_exam_settings(raw, exam_settings, profile_data, overridden)
     try:
         profile = Profile.model_validate(raw)
     except ValidationError as err:
@@ -158,6 +163,39 @@ def choose_exam(section: dict, profile_data: dict) -> None:
         return
     section.setdefault("harvest_eval_source", exam)
     section["eval_source"] = None
+
+
+EXAM_SETTINGS = "for_exam"
+
+
+def take_exam_settings(raw: dict, source: str) -> dict:
+    """A profile file's `evaluate.for_exam`: evaluate settings sized for its own curated exam (data.eval_source), as
+    cpu-tiny's margin for exact match on one-word antonyms. Taken out of the section: they apply only where that exam
+    is the eval split (apply_exam_settings), and never to a user's own data, which is judged as its references need."""
+    from tasks.platform.config.training import EvaluateSection
+
+    section = raw.get("evaluate")
+    found = section.pop(EXAM_SETTINGS, None) if isinstance(section, dict) else None
+    if found is None:
+        return {}
+    if not isinstance(found, dict):
+        raise BadInput(f"profile {source}: evaluate.{EXAM_SETTINGS}: expected a mapping of evaluate settings")
+    unknown = sorted(set(found) - set(EvaluateSection.model_fields))
+    if unknown:
+        raise BadInput(f"profile {source}: evaluate.{EXAM_SETTINGS}.{unknown[0]}: unknown key")
+    return found
+
+
+def apply_exam_settings(raw: dict, settings: dict, profile_data: dict, overridden: set[tuple[str, ...]]) -> None:
+    """The file's exam settings over its evaluate section where its own data.eval_source is the eval split; an
+    override (`--set evaluate.KEY=...`) still wins."""
+    exam = profile_data.get("eval_source")
+    if exam is None or not same_location(raw["data"].get("eval_source"), exam):
+        return
+    evaluate = raw.setdefault("evaluate", {})
+    for key, value in settings.items():
+        if ("evaluate", key) not in overridden:
+            evaluate[key] = value
 
 
 def same_location(one: object, other: object) -> bool:

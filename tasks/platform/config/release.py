@@ -171,6 +171,13 @@ class GateSection(Section):
         description="On evaluate.metric: how much worse the served candidate may score than the same model offline "
         "(a chat template, tokenizer or stop-token mismatch shows here).",
     )
+    quality_on_interval: bool = Field(
+        False,
+        description="The task-metric drop vs the champion, the serving parity drop and the judge's drop decide on "
+        "their paired interval's upper bound (at evaluate.confidence) instead of their point value. Strict on a small "
+        "eval split: an equally good retrain that differs from the champion on two of 45 exact-match answers has an "
+        "upper bound near 0.07. evaluate's improvement over the base decides on its interval either way.",
+    )
     max_quantization_accuracy_drop: float = Field(
         0.05, ge=0, description="Largest task-metric drop from quantization, where the quantized artifact serves."
     )
@@ -178,7 +185,7 @@ class GateSection(Section):
         0.05,
         ge=0,
         description="With evaluate.judge: how much lower than the champion's the candidate's judge score (0..1) may "
-        "be, on its paired interval where evaluate.confidence is set.",
+        "be, on its paired interval where gate.quality_on_interval is set.",
     )
     min_judge_score: float | None = Field(
         None, ge=0, le=1, description="With evaluate.judge: the smallest mean judge score (0..1) of the candidate."

@@ -221,14 +221,22 @@ class JudgeSection(Section):
 
 
 class EvaluateSection(Section):
-    """The task metric the gate decides on, and how sure it must be (tasks/quality/metrics.py, tasks/quality/stats.py)."""
+    """The task metric the gate decides on, and how sure it must be (tasks/quality/metrics.py, tasks/quality/stats.py).
+    Left at `auto`, the metric and the answer length follow from the eval split's references
+    (tasks/quality/answer_kind.py), and the run says what it chose and why."""
 
-    metric: Literal["exact_match", "rouge_l", "bleu_4", "answer_loss"] = Field(
-        "exact_match",
+    metric: Literal["auto", "exact_match", "rouge_l", "bleu_4", "answer_loss"] = Field(
+        "auto",
         description="The deciding metric: exact_match, rouge_l, bleu_4 (higher is better) or answer_loss (lower is "
-        "better); all are logged.",
+        "better); all are logged. auto: exact_match where the references are closed answers (90% of them at most "
+        "3 words, or at most 10 distinct ones), rouge_l where they are open-ended.",
     )
-    max_new_tokens: int = Field(8, ge=1, description="Tokens generated per eval prompt.")
+    max_new_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="Tokens generated per eval prompt (and per served eval request). auto: the references' 95th "
+        "percentile in the base model's tokens, times 1.25 plus 2, at least 8 and at most max_new_tokens_cap.",
+    )
+    max_new_tokens_cap: int = Field(256, ge=1, description="The most evaluate.max_new_tokens auto chooses.")
     max_samples: int = Field(256, ge=1, description="Most eval records scored; the rest of the split is not used.")
     engine: Literal["transformers", "vllm"] = Field(
         "transformers",
@@ -238,14 +246,30 @@ class EvaluateSection(Section):
         "ids in, greedy, the answer loss from the prompt's log probabilities. Same metrics either way.",
     )
     min_improvement: float = Field(
-        0.2, description="How much the candidate must beat the base model by on the metric (in the metric's units)."
+        0.0,
+        description="How much the candidate must beat the base model by on the metric (in the metric's units), on "
+        "the paired interval's lower bound where evaluate.confidence is set; 0: above 0. Negative: no margin at all "
+        "(nor the relative or the permutation check), for a run that is about something else than the model.",
+    )
+    min_relative_improvement: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="The share of the base's headroom the candidate must gain: (candidate - base) / (1 - base) for "
+        "a 0..1 metric, (base - candidate) / base for answer_loss. A margin that means the same on every metric.",
+    )
+    permutation_check: bool = Field(
+        True,
+        description="The candidate must improve on the base by more than it gains against other questions' "
+        "references (its answers scored against 8 other records' references): a model that learned only the "
+        "answers' shared phrasing gains as much there, and is refused. Text metrics only (answer_loss has none).",
     )
     confidence: float | None = Field(
-        None,
+        0.9,
         gt=0,
         lt=1,
-        description="null: checks use the point difference. A level such as 0.9: they use the paired bootstrap "
-        "interval's bound (an improvement's lower bound, a drop's upper bound).",
+        description="A level such as 0.9: checks use the paired bootstrap interval's bound (an improvement's lower "
+        "bound, a drop's upper bound). null: the point difference.",
     )
     bootstrap_resamples: int = Field(2000, ge=100, description="Resamples of the paired bootstrap (with confidence).")
     seed: int = Field(0, description="Seed of the bootstrap resampling.")
@@ -257,6 +281,24 @@ class EvaluateSection(Section):
         description="An LLM judge of the served answers (null: none). The gate then checks its score: "
         "gate.max_judge_drop against the champion, gate.min_judge_score without one.",
     )
+
+    @model_validator(mode="after")
+    def positive_answer_length(self) -> EvaluateSection:
+        if self.max_new_tokens != "auto" and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {self.max_new_tokens}: at least 1, or auto")
+        return self
+
+    @property
+    def decided(self) -> bool:
+        """Neither the metric nor the answer length is left to the data any more (tasks/evaluate.py, judged_as)."""
+        return self.metric != "auto" and self.max_new_tokens != "auto"
+
+    @property
+    def answer_tokens(self) -> int:
+        """evaluate.max_new_tokens once decided; what answers a prompt of the eval split reads it only then."""
+        if self.max_new_tokens == "auto":
+            raise RuntimeError("evaluate.max_new_tokens auto read before the eval split decided it")
+        return self.max_new_tokens
 
 
 class MergeSection(Section):
