@@ -29,7 +29,9 @@ class Deployment:
     candidate: Served
     champion: Served | None
     release: str  # the run that holds the candidate's routes (the control API's `release`)
-    hold_s: float  # how long each change of the routes holds before the gateway serves the champion alone
+    hold_s: (
+        float  # how long each change of the routes holds unrenewed (canary.lease_s) before the champion serves alone
+    )
     steps: list[dict] = field(default_factory=list)
     holding: threading.Event = field(default_factory=threading.Event)  # set: not renewing
 
@@ -85,7 +87,7 @@ class Deployment:
         self.control.put_table(self.table(weights, shadow=shadow), max(self.hold_s, hold_s))
 
     def keep_holding(self) -> None:
-        """Renew this release's hold on the routes every third of canary.hold_s until `let_go`, from a thread of its
+        """Renew this release's hold on the routes every third of canary.lease_s until `let_go`, from a thread of its
         own: a stage longer than the hold (a benchmark, tuning) keeps the candidate in the routes; a release that
         dies (or waits for a person without a process) stops renewing, and its hold lapses."""
         self.holding.clear()
@@ -180,7 +182,7 @@ def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Depl
     champion = serve_champion(ctx, served, champion)
     # the release's one id: the one its ownership of the service carries (the Prefect flow run's), in the routes too
     release = served.control.fence.release if served.control.fence else ctx.tracker.run_id
-    deployment = Deployment(served, candidate, champion, release, ctx.profile.canary.hold_s)
+    deployment = Deployment(served, candidate, champion, release, ctx.profile.canary.lease_s)
     if deployment.unchanged:
         return deployment, 0.0
     seconds = []

@@ -25,6 +25,7 @@ from tasks.platform.errors import CheckFailed, TransientError
 from tasks.runtime.fleet import Fleet
 from tasks.runtime.gateway.running import RunningGateway
 from tasks.serving.client import metric_by_model
+from tasks.serving.versions import of_service
 
 DRAIN_S = 120.0  # the longest a leaving replica's outstanding requests are waited for (then they are cut)
 MIN_FIRST_TOKENS = 5  # a latency signal scales up on no fewer requests in its window: one slow request is no load
@@ -278,11 +279,9 @@ class Autoscaler:
 
 
 def queue_counters(metrics: str, service: str) -> tuple[float, float]:
-    """Triton's cumulative queue time (µs) and answered requests over the service's models (`<service>-...`)."""
+    """Triton's cumulative queue time (µs) and answered requests over the service's models (of_service)."""
 
     def ours(metric: str) -> float:
-        return sum(
-            value for model, value in metric_by_model(metrics, metric).items() if model.startswith(f"{service}-")
-        )
+        return sum(value for model, value in metric_by_model(metrics, metric).items() if of_service(model, service))
 
     return ours("nv_inference_queue_duration_us"), ours("nv_inference_request_success")

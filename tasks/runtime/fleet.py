@@ -28,6 +28,7 @@ from tasks.serving.champion import released_profile, served_of, triton_launch
 from tasks.serving.client import Triton
 from tasks.serving.models import Served, install_model
 from tasks.serving.server import TritonServer
+from tasks.serving.versions import of_service
 
 STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
 
@@ -305,7 +306,7 @@ class Fleet:
                 held = replica.client.loaded_models()
             except Exception:  # unreachable for a moment: the next round sees it
                 continue
-            leftovers = [m for m in held if m.startswith(f"{service}-") and not self.wanted(m)]
+            leftovers = [m for m in held if of_service(m, service) and not self.wanted(m)]
             for model in sorted(leftovers, key=lambda name: name == base_model_name(service)):  # adapters first
                 if self.wanted(model):  # declared or routed meanwhile
                     continue

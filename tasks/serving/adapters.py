@@ -30,7 +30,7 @@ from tasks.serving.client import Triton
 from tasks.serving.model_config import serving_model
 from tasks.serving.models import triton_unload_quietly
 from tasks.serving.repository import load_rendered, model_folders, render_model
-from tasks.serving.versions import Served
+from tasks.serving.versions import Served, of_service
 
 
 @dataclass(kw_only=True)
@@ -81,8 +81,12 @@ def served_artifact(adapter_sha256: str, base_sha256: str) -> str:
 def held_adapters(triton: Triton, service: str) -> list[str]:
     """The versions loaded on `triton` as adapters of `service`'s engine: not a merged version of the same service,
     which serves next to them while a service moves from merged models to adapters."""
-    prefix, base = f"{service}-v", base_model_name(service)
-    return [name for name in triton.loaded_models() if name.startswith(prefix) and adapter_base(triton, name) == base]
+    base = base_model_name(service)
+    return [
+        name
+        for name in triton.loaded_models()
+        if name != base and of_service(name, service) and adapter_base(triton, name) == base
+    ]
 
 
 def adapter_base(triton: Triton, name: str) -> str | None:

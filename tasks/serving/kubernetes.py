@@ -30,6 +30,7 @@ from typing import Any
 from tasks.platform.config import Profile
 from tasks.platform.config.autoscale import AutoscaleSection
 from tasks.platform.errors import BadInput
+from tasks.serving.versions import service_models_pattern
 
 TRITON_DEPLOYMENT = "llmops-triton"  # the Deployment of `llmops triton` pods (infra/kubernetes/serving-autoscale.yaml)
 PROMETHEUS = "http://prometheus.monitoring.svc:9090"
@@ -60,7 +61,7 @@ def in_flight_query(service: str) -> str:
 def signal_query(service: str, policy: AutoscaleSection) -> tuple[str, str]:
     """The PromQL of the policy's signal for `service`, and how the HPA compares it with the target."""
     window = f"{max(int(policy.scale_up_window_s), MIN_RATE_WINDOW_S)}s"
-    versions = f'"{service}-.+"'
+    versions = f'"{service_models_pattern(service)}"'
     if policy.signal == "in_flight":
         return in_flight_query(service), "AverageValue"
     if policy.signal == "ttft_p90":

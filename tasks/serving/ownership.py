@@ -127,7 +127,7 @@ class Ownership:
     def suspend(self, lease_s: float) -> None:
         """Owned, waiting for approval, for lease_s from now with no process left to renew it (the release suspended;
         its run, started again by the decision, owns the service on). The renewals stop first: one of a lease (a
-        third of canary.hold_s) landing after this would let the service go while the release waits."""
+        third of canary.lease_s) landing after this would let the service go while the release waits."""
         self.stop_renewing()
         self.waiting = "approval"
         self.renew(lease_s)
@@ -157,7 +157,7 @@ def serving_lock(config: Profile, tracker: Tracker, served: Service, release: st
     name = f"llmops-serving-{config.registry.model_name}"
     log = logger()
     log.info(f"serving lock {name}: acquiring (another release of {config.registry.model_name} may hold it)")
-    ownership = Ownership(served.control, served.name, release, config.canary.hold_s)
+    ownership = Ownership(served.control, served.name, release, config.canary.lease_s)
     waited = ownership.take(config.run.serving_lock_timeout_s)
     ownership.keep()
     log.info(f"serving lock {name}: held by release {release} (epoch {ownership.epoch}) after {waited:.1f}s")

@@ -7,6 +7,7 @@ asks the version itself.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,19 @@ if TYPE_CHECKING:
 
 def model_name(service: str, version: str) -> str:
     return f"{service}-v{version}"
+
+
+def service_models_pattern(service: str) -> str:
+    """The regular expression of `service`'s Triton models, whole names only: its versions (`<service>-v<N>`) and
+    its base engine (`<service>-base`), never another service's whose name begins with this one's (`chat` and
+    `chat-mini-v1`). Python's re and Prometheus' RE2 read it alike (PromQL's =~ is anchored), and it has no backslash
+    for a PromQL string to escape: a name holds letters, digits, `_`, `-` and `.` (TRITON_NAME), and a dot is `[.]`."""
+    return service.replace(".", "[.]") + "-(v[0-9]+|base)"
+
+
+def of_service(name: str, service: str) -> bool:
+    """`name` is one of `service`'s Triton models (service_models_pattern)."""
+    return re.fullmatch(service_models_pattern(service), name) is not None
 
 
 @dataclass

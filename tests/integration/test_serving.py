@@ -218,6 +218,7 @@ class Load:
         self.request = {"verify": str(gateway_tls[0]), "headers": {"Authorization": f"Bearer {API_KEYS['team-b']}"}}
         self.ok, self.failed, self.errors = 0, 0, []
         self.answers: collections.Counter[str] = collections.Counter()  # what the clients got
+        self.answered_by: list[tuple[float, str]] = []  # (monotonic time, the version its x-llmops-version named)
         self.interval_s = concurrency / per_s
         self.threads = [threading.Thread(target=self.client) for _ in range(concurrency)]
         self.stop = threading.Event()
@@ -259,6 +260,7 @@ class Load:
             with self.lock:
                 if good:
                     self.answers[response.json()["text_output"]] += 1
+                    self.answered_by.append((time.monotonic(), response.headers.get("x-llmops-version", "")))
                 self.ok += good
                 self.failed += not good
                 if not good:
@@ -284,7 +286,7 @@ def test_first_release_is_gated_and_promoted(home, first_release):
     # the table ends with the release report's path (the rejected release's test below opens one in a browser)
     written = next(line for line in first_release.stdout.splitlines() if line.startswith("report "))
     page = Path(written.split()[-1]).read_text()
-    assert "PROMOTED" in page and page.count('<section id="') == 9
+    assert "PROMOTED" in page and page.count('<section id="') == 10
     run = registry(home).get_run(registry(home).get_model_version(SERVICE, "1").tags["mlflow.run_id"])
     for metric in (
         "benchmark/candidate_c2_latency_p99_ms",
@@ -1033,22 +1035,27 @@ def test_the_scaled_objects_queries_give_keda_one_number_from_prometheus_scrapin
     assert len(values["ttft_p90"]) == 1 and values["ttft_p90"][0] > 0, values  # the module's requests' first tokens
 
 
-def test_a_release_stopped_past_its_lease_is_unloaded_then_fenced_off_by_the_next_owner_and_ends_naming_it(
+def test_a_release_stopped_at_its_10_percent_step_loses_its_live_share_within_its_lease_then_is_fenced_off(
     home, server, cpu_tiny_store, tls, tmp_path
 ):
-    """Issue 60, findings 1 and 3. Release A is SIGSTOPped (all its processes) with its candidate loaded and in the
-    routes (at 0%, before its benchmark): from the serve's side, as good as dead. Its hold and ownership lapse
-    (canary.hold_s 8), the gateway routes the champion alone, and within the lease plus 30 s `llmops serve`'s
-    reconciler unloads A's candidate (an adapter holding one of the engine's serve.vllm.max_loras 2 slots: the next
-    release could not have loaded its own) and counts it on /metrics. Release B (this test, through the release's
-    own client) takes the service over with the next epoch and routes it. A, resumed, is refused at its next write:
-    it ends with exit 6 and one line naming B, and B's routes and ownership are untouched. Clients at concurrency 8
-    see only 200s throughout. A's stages are cache hits (a new profile digest)."""
+    """Issue 60, findings 1 and 3, and issue 73's liveness lease. Release A is SIGSTOPped (all its processes) with its
+    candidate at its 10% step, answering live clients: from the serve's side, as good as dead. Its ownership and its
+    hold on the routes lapse within the default canary.lease_s (15 s; 600 s before, when a candidate kept 25 requests
+    a second for minutes), the gateway routes the champion alone, and no client gets an answer from the candidate
+    (each answer's x-llmops-version says who answered) a second past the lease; within one reconcile round more
+    `llmops serve`'s reconciler unloads A's candidate (an adapter holding one of the engine's serve.vllm.max_loras 2
+    slots) and counts it on /metrics. Release B (this test, through the release's own client) takes the service over
+    with the next epoch and routes it. A, resumed, is refused at its next write: it ends with exit 6 and one line
+    naming B, and B's routes and ownership are untouched. Clients at concurrency 8 see only 200s throughout. A's
+    stages are cache hits (a new profile digest)."""
+    from tasks.platform.config import load_profile
     from tasks.serving.ownership import Ownership
 
+    lease_s = load_profile("cpu-tiny").canary.lease_s
     before, triton, control = champion(home), served_by(home, server), routed_by(home, server)
     held = triton.loaded_models()
-    command = [str(LLMOPS), "run", "--artifacts", str(cpu_tiny_store), *FAST, *ENGINE, "--set", "canary.hold_s=8"]
+    at_ten = ("--set", "canary.steps=[10,100]", "--set", "canary.window_s=120")  # held at 10% long past the lease
+    command = [str(LLMOPS), "run", "--artifacts", str(cpu_tiny_store), *FAST, *ENGINE, *at_ten]
     output = tmp_path / "release-a.log"
     with open(output, "w") as log:
         release = subprocess.Popen(
@@ -1057,15 +1064,19 @@ def test_a_release_stopped_past_its_lease_is_unloaded_then_fenced_off_by_the_nex
     second = None
     try:
         with Load(server, triton, tls, requests_total=100_000, concurrency=8, per_s=8) as load:
-            deadline = time.monotonic() + 300
-            while (table := control.table()).candidate is None:  # loaded, and in the routes (at 0% until the gate)
+            deadline = time.monotonic() + 400
+            while not ((table := control.table()).candidate and table.weights.get(table.candidate.name)):
                 assert release.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
                 time.sleep(0.2)
             candidate, first_epoch = table.candidate.name, table.owner.epoch
-            assert candidate in triton.loaded_models()
+            assert table.weights[candidate] == 10 and candidate in triton.loaded_models()
             os.killpg(release.pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
-            settled = ready_models(triton, held, timeout=8 + 30)
+            while control.table().candidate is not None:
+                assert time.monotonic() - stopped_at < lease_s + 5, control.table()
+                time.sleep(0.1)
+            unrouted_s = time.monotonic() - stopped_at
+            settled = ready_models(triton, held, timeout=lease_s + 30)
             unloaded_s = time.monotonic() - stopped_at
             assert settled == held, f"{candidate} still loaded {unloaded_s:.0f}s after A stopped: {settled}"
             table = control.table()
@@ -1077,6 +1088,7 @@ def test_a_release_stopped_past_its_lease_is_unloaded_then_fenced_off_by_the_nex
             os.killpg(release.pid, signal.SIGCONT)
             code = release.wait(300)
             after = control.table()
+            answered = list(load.answered_by)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(release.pid, signal.SIGKILL)
@@ -1091,7 +1103,16 @@ def test_a_release_stopped_past_its_lease_is_unloaded_then_fenced_off_by_the_nex
     metrics = requests.get(f"{server['gateway_metrics_url']}/metrics", timeout=10).text
     assert f'llmops_serve_reconcile_actions_total{{action="unload",model="{candidate}"}} 1.0' in metrics
     assert load.failed == 0 and load.ok > 50, (load.ok, load.errors[:5])
-    print(f"\n{candidate} unloaded {unloaded_s:.1f}s after its release stopped; {load.ok} requests, none failed")
+    by_candidate = [at - stopped_at for at, version in answered if version == candidate]
+    assert by_candidate and min(by_candidate) < 0, "the candidate answered no client at its 10% step"
+    late = [round(t, 1) for t in by_candidate if t > lease_s + 1]
+    assert not late and unrouted_s <= lease_s + 1, (late, unrouted_s)
+    assert {version for _, version in answered} <= {candidate, f"{SERVICE}-v{before}"}
+    print(
+        f"\n{candidate} at 10%: {sum(t > 0 for t in by_candidate)} answers after its release stopped, none past "
+        f"{max([0, *by_candidate]):.1f}s; out of the routes {unrouted_s:.1f}s and unloaded {unloaded_s:.1f}s after "
+        f"(lease {lease_s:g}s); {load.ok} requests, none failed"
+    )
 
 
 def test_a_candidate_whose_load_hangs_on_the_last_replica_is_abandoned_while_the_champion_serves_throughout(

@@ -304,18 +304,21 @@ TRITON_METRICS = """# HELP nv_inference_request_success Number of successful inf
 nv_inference_request_success{model="svc-v3",version="1"} 120
 nv_inference_request_success{model="svc-base",version="1"} 30
 nv_inference_request_success{model="other-v1",version="1"} 999
+nv_inference_request_success{model="svc-mini-v1",version="1"} 999
 # HELP nv_inference_queue_duration_us Cumulative inference queuing duration in microseconds (includes cached requests)
 # TYPE nv_inference_queue_duration_us counter
 nv_inference_queue_duration_us{model="svc-v3",version="1"} 600000
 nv_inference_queue_duration_us{model="svc-base",version="1"} 150000
 nv_inference_queue_duration_us{model="other-v1",version="1"} 5
+nv_inference_queue_duration_us{model="svc-mini-v1",version="1"} 5
 """
 
 
 def test_triton_queue_time_is_summed_over_the_services_models_and_scales_on_the_mean_wait_a_request():
     from tasks.runtime.autoscale import queue_counters
 
-    assert queue_counters(TRITON_METRICS, "svc") == (750000.0, 150.0)  # another service's models are not ours
+    # another service's models are not ours, a service whose name begins with this one's (svc-mini) neither
+    assert queue_counters(TRITON_METRICS, "svc") == (750000.0, 150.0)
     queue = AutoscaleSection(signal="queue_ms", target=20, scale_up_window_s=10, scale_down_window_s=30)
     policy = ScalingPolicy(queue)
     for second in range(11):
@@ -331,3 +334,18 @@ def test_triton_queue_time_is_summed_over_the_services_models_and_scales_on_the_
     )
     with pytest.raises(BadInput, match="signal queue_ms needs a target in ms"):
         load_profile("cpu-tiny", ["serve.autoscale={signal: queue_ms}"])
+
+
+def test_a_services_models_are_matched_by_whole_name_never_by_a_prefix_another_service_shares():
+    """Issue 73's fencing holes: the reconciler, the autoscale signal and the KEDA queries selected `chat`'s models
+    by the prefix `chat-`, so service `chat` unloaded `chat-mini`'s. One pattern, read by Python and by Prometheus
+    (PromQL's =~ matches the whole value)."""
+    import re
+
+    from tasks.serving.versions import of_service, service_models_pattern
+
+    assert [of_service(m, "chat") for m in ("chat-v1", "chat-v12", "chat-base")] == [True] * 3
+    assert not any(of_service(m, "chat") for m in ("chat-mini-v1", "chat-mini-base", "chat-v1x", "chat", "xchat-v1"))
+    assert of_service("qwen2.5-sft-v3", "qwen2.5-sft") and not of_service("qwen2x5-sft-v3", "qwen2.5-sft")
+    assert "\\" not in service_models_pattern("qwen2.5-sft")  # nothing for a PromQL string to escape
+    assert re.fullmatch(service_models_pattern("chat"), "chat-mini-v1") is None

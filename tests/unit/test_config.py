@@ -96,15 +96,16 @@ def test_profile_digest_changes_with_any_value():
 # base's architecture (`make gpu-bench` builds it) and qwen-7b-vllm-h100 trained 4 x 8 (its memory plan overflowed),
 # and when serving could scale with its load (serve.autoscale, null by default), and when a user's own data was
 # judged as its references need (evaluate.metric and max_new_tokens auto, min_relative_improvement, permutation_check,
-# confidence 0.9 and min_improvement 0 by default; cpu-tiny's margin for its exam only; gate.quality_on_interval).
+# confidence 0.9 and min_improvement 0 by default; cpu-tiny's margin for its exam only; gate.quality_on_interval), and
+# when a release's liveness lease became seconds (canary.lease_s 15; canary.hold_s the approval hold alone).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "a7ccc34c712b3cb3a2d4252cb51eb27b826f0d079eb9e15ebde291c9aab25803",
-    "cpu-tiny-qa-zh": "53a2475a56ebfe018ec59b970e3e39a607735607e3f4728c14fd468f74d0ee8f",
-    "llama3-8b-h100-fp8": "4c2dc246b289734c2e3ad33d84e5072847c22e309520e7d607dd4e4df4783fd2",
-    "qwen-7b-qlora-2xa10": "8b5b0c655d84656c1980ece3bbb6e0dfbd5fb1b555f896f1feb1f72190adabbd",
-    "qwen-7b-vllm-h100": "11ea162621e03057228e4cc5ff2a6475dafc03cb5f853c2a271f8b9a0c122d34",
-    "qwen2-14b-int4-tp2": "666dcb9ac05785199503737a7144c204a72f897f1ad72b2a2c0f0091ce35edac",
-    "qwen2.5-72b-lora-2x8xh100": "c0a99cdb91899d552ae63c4de8ad7b233a7f4f0e4efb8088038ae0b4fa19f811",
+    "cpu-tiny": "cdb8f0f14d858ace32c676eea1424c3a7aa36ad0d9d8f330b363d4e9690177e0",
+    "cpu-tiny-qa-zh": "72ddd62c236f6d0280badaeed02d74e3687a85917f7a748c39c2469c0621aee4",
+    "llama3-8b-h100-fp8": "a5f73247096261283c1821f05aa5ad7f4fe8d7dfae5c8798bb6e05e2a370a91c",
+    "qwen-7b-qlora-2xa10": "8914506ea2cf914554a142d116c922c89bf4fa53990a86021bf92faaa5b338cd",
+    "qwen-7b-vllm-h100": "98d5b269c86c808ac4b9dc1fa64d2892987c26d40cf7bce878f2bcdded029bdf",
+    "qwen2-14b-int4-tp2": "50d10531fb45e65701b015f1def73fcdd6792b8f14a7ca1483875a3953ca58d0",
+    "qwen2.5-72b-lora-2x8xh100": "62cad3a301a3c8f2bc4dca847d1a8cb1857fc9a57f3e88d7cf00a604e0609bdb",
 }
 
 

@@ -369,6 +369,18 @@ def test_v2_generate_is_forwarded_with_its_inputs_and_max_tokens_bounded(gateway
     assert [e["text_output"] for e in events(streamed)] == ["co", "ld"]
 
 
+def test_every_answer_names_the_version_that_produced_it_in_each_api_whole_or_streamed(gateway):
+    """x-llmops-version (issue 73): which version answered, without asking the route table (a canary check, a soak)."""
+    client = gateway(FakeTriton("cold", pieces=["co", "ld"]))
+    answered = [
+        client.post(CHAT, json={"model": SERVICE, "messages": QUESTION}),
+        client.post(CHAT, json={"model": SERVICE, "messages": QUESTION, "stream": True}),
+        client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}),
+        client.post(f"/v2/models/{SERVICE}/generate_stream", json={"text_input": "hot", "stream": True}),
+    ]
+    assert [(r.status_code, r.headers.get("x-llmops-version")) for r in answered] == [(200, CHAMPION.name)] * 4
+
+
 @pytest.mark.parametrize(
     "path, body, status, message",
     [

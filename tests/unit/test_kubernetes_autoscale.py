@@ -26,6 +26,7 @@ from tasks.runtime.gateway.access import GatewayMetrics
 from tasks.runtime.gateway.replicas import Replicas
 from tasks.serving.client import ALLOW_PLAIN_HTTP_ENV, CONTROL_KEY_ENV
 from tasks.serving.kubernetes import WAKE_ONLY, scaled_object
+from tasks.serving.versions import service_models_pattern
 from tests.unit.test_cli import LLMOPS, cli_env
 from tests.unit.test_kubernetes_serving import round_trip, serve_argv
 
@@ -166,7 +167,7 @@ def test_every_gpu_profile_renders_a_valid_scaled_object_on_metrics_the_gateway_
     for trigger in spec.triggers:
         used = set(re.findall(r"([a-z_]+)\{", trigger.metadata["query"]))
         assert used and used <= exported_metric_names(service) | TRITON_METRICS, used
-        assert service in trigger.metadata["query"]
+        assert service in trigger.metadata["query"] or service_models_pattern(service) in trigger.metadata["query"]
 
 
 def test_a_policy_an_hpa_cannot_hold_or_no_policy_is_one_line_naming_the_field():

@@ -444,7 +444,7 @@ def test_a_release_suspended_for_approval_stays_the_owner_and_its_resumed_run_ow
     from tasks.serving.service import Service
 
     gateway, _, control = service()
-    config = load_profile("cpu-tiny", ["canary.hold_s=0.3"])  # renewed every 0.1 s for 0.3 s while it runs
+    config = load_profile("cpu-tiny", ["canary.lease_s=0.3"])  # renewed every 0.1 s for 0.3 s while it runs
     served = Service(SERVICE, [], OwnerControl(control))
     first = Tags()
     with pytest.raises(Pause), serving_lock(config, first, served, "flow-run-1") as lock:  # type: ignore[arg-type]

@@ -32,14 +32,22 @@ class CanarySection(Section):
         "candidate's requests, failures and latency (llmops_gateway_version_*) are read from it instead of from the "
         "gateway's /metrics directly.",
     )
+    lease_s: float = Field(
+        15,
+        gt=0,
+        description="The liveness lease of a running release: how long its ownership of the service (the serving "
+        "lock) and its hold on the routes (its candidate, a step) last without renewal; it renews both every third "
+        "of this. A release that dies or hangs stops renewing, and within this (plus the gateway's half-second check) "
+        "the gateway of `llmops serve` serves the champion alone and its reconciler unloads the candidate; the next "
+        "release may take the service over. Seconds, as a Kubernetes lease's 15 (renewed every 5): a release SIGKILLed "
+        "at a 10% step kept 25 requests a second on its candidate for the 600 s lease it had before.",
+    )
     hold_s: float = Field(
         600,
         gt=0,
-        description="How long a release's hold on the service's routes (its candidate, a step, a shadow copy) lasts "
-        "without renewal; the release renews it every third of this while it runs. A release that dies, or that "
-        "waits for a person's approval (no process) stops renewing, and this many seconds later the gateway of "
-        "`llmops serve` serves the champion alone again. Also the lease of the release's ownership of the service "
-        "(the serving lock): one that lapsed is taken over by the next release.",
+        description="A hold on purpose, apart from the liveness lease: a release suspended for a person's approval "
+        "(no process renews anything) owns the service for gate.approval_timeout_s plus this, its candidate at no "
+        "live share.",
     )
     shadow_s: float = Field(
         0,

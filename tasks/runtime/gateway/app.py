@@ -1,7 +1,6 @@
-"""The gateway's routes (Starlette): health probes, OpenAI's /v1 and Triton's /v2 generate API, each behind the
-API-key check, the client's limits, the body cap and JSON only, each answering errors in its own API's shape;
-/metrics on a listener of its own (metrics_app). A request for the service's name goes to a version drawn from the
-route table (tasks/control/contract.py), which the control API (control.py) changes and the deployment record keeps."""
+"""The gateway's routes (Starlette): health probes, OpenAI's /v1 and Triton's /v2 generate API, each behind the API-key
+check, the client's limits, the body cap and JSON only, errors in its API's shape; /metrics apart (metrics_app).
+The service's name draws a version from the route table (tasks/control/contract.py; control.py changes it)."""
 
 from __future__ import annotations
 
@@ -50,6 +49,7 @@ from tasks.runtime.gateway.protocol import (
     parse,
 )
 from tasks.runtime.gateway.replicas import Replicas
+from tasks.runtime.gateway.reply import answered_by
 from tasks.runtime.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
 from tasks.runtime.gateway.shadow import Shadow
 from tasks.runtime.gateway.upstream import Answer, Triton
@@ -324,7 +324,7 @@ class Gateway:
             current().tokens = body["max_tokens"]  # Triton counts none: the budget stands for them
             self.shadow.copy_answer(body, answer, time.perf_counter() - started)
             self.keep_generate(generate, answer, started)
-            return Response(answer.content, status_code=answer.status_code, media_type=answer.content_type)
+            return Response(answer.content, answer.status_code, answered_by(version.name), answer.content_type)
 
         def ended(whole: bool) -> None:
             self.metrics.observe(version.name, 200 if whole else 502, time.perf_counter() - started, streamed=True)
@@ -337,7 +337,7 @@ class Gateway:
         self.metrics.first_token(version.name, time.perf_counter() - started)  # Triton's stream began
         current().tokens = body["max_tokens"]  # a stream passed through is not counted: its budget is charged
         media_type = upstream.headers.get("content-type", "text/event-stream")
-        return StreamingResponse(chunks, status_code=upstream.status_code, media_type=media_type)
+        return StreamingResponse(chunks, upstream.status_code, answered_by(version.name), media_type)
 
     def keep_generate(self, generate: GenerateRequest, answer: Answer, started: float) -> None:
         """A /v2 generate exchange, for capture; its id is the request id the client got (X-Request-Id)."""

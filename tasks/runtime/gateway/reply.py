@@ -24,6 +24,15 @@ from tasks.runtime.gateway.protocol import (
 )
 from tasks.runtime.gateway.tool_calls import CallReader, Delta, ToolCalling
 
+# Every answer names the version that produced it (`<service>-v<N>`), so a client, a canary check or a chaos soak can
+# tell which version of the service answered without asking the route table.
+VERSION_HEADER = "x-llmops-version"
+
+
+def answered_by(version: str) -> dict[str, str]:
+    """The response headers of an answer `version` gave."""
+    return {VERSION_HEADER: version}
+
 
 def ended_on_its_own(tokens: list[dict[str, Any]] | None) -> bool:
     """Whether scored answer tokens end with the end of sequence (a special token: no text, no bytes), which the

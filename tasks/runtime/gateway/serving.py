@@ -33,7 +33,7 @@ from tasks.runtime.gateway.protocol import (
     UsageInfo,
 )
 from tasks.runtime.gateway.replicas import Replicas
-from tasks.runtime.gateway.reply import Reply, ended_on_its_own
+from tasks.runtime.gateway.reply import Reply, answered_by, ended_on_its_own
 from tasks.runtime.gateway.shadow import Shadow
 from tasks.runtime.gateway.stops import StopScanner, cut_at_stop
 from tasks.runtime.gateway.tool_calls import TemplateProbe, ToolCalling
@@ -205,7 +205,8 @@ class OpenAIServing:
             ended = stopped or ended_on_its_own(tokens)
             finish = self.finish_reason(ended, usage, inputs, outputs.get("finish_reason"))
             self.keep_exchange(inputs, text, reply, usage, finish, started)
-            return JSONResponse(reply.whole(text, finish, usage, tokens, scored_prompt(outputs, inputs)))
+            whole = reply.whole(text, finish, usage, tokens, scored_prompt(outputs, inputs))
+            return JSONResponse(whole, headers=answered_by(version.name))
         pieces = self.triton.generate_stream_outputs(version, inputs.payload())
         try:
             first = await anext(pieces, None)  # errors before the first token still get a status code
@@ -214,7 +215,7 @@ class OpenAIServing:
             raise
         self.metrics.first_token(version.name, time.perf_counter() - started)
         events = self.events(pieces, first, stop, reply, inputs, started, version)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=answered_by(version.name))
 
     def copy_to_shadow(
         self, inputs: GenerateInputs, answer: str, stop: list[str], started: float, reply: Reply
