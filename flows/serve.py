@@ -112,7 +112,8 @@ def serve(
         start_loops(profile, fleet, gateway, discover, republish, stopped, champion)
         while not stopped.wait(0.5):
             for replica in fleet.dead():
-                unpublish(home, serve_stops=False)
+                # server.json stays while the replica restarts: it names this serve, which lives, so a release started
+                # now waits for the replica instead of starting a second service on the same record
                 if not fleet.restart(replica, stopped):
                     return
                 republish()  # same ports, new key

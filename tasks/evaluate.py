@@ -190,7 +190,11 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
         write_evaluation(record, cfg, result, improvement, baseline, conversations, base_scores, candidate_scores)
         keep_for_report(ctx, record)  # a refusal stores no artifact; its report still shows what was scored
         logger().info("evaluate:\n" + score_table(result, baseline))
-        require_improvement(cfg, result, improvement, baseline)
+        try:
+            require_improvement(cfg, result, improvement, baseline)
+        except CheckFailed:  # a refusal stores no result, whose metrics MLflow would get: the run shows why anyway
+            ctx.tracker.log_metrics("evaluate", result.as_mlflow())
+            raise
         return result.as_mlflow()
 
     result = run_cached(

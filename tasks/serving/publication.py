@@ -128,13 +128,16 @@ def published(home: Path) -> Triton | None:
 
 
 def published_service(home: Path, name: str) -> Service | None:
-    """The service `name` as `llmops serve` runs it for this LLMOPS_HOME (its Triton and its control API), if it
-    answers; another service's serve is not this one's (its Triton may still host it: `published`)."""
+    """The service `name` as `llmops serve` runs it for this LLMOPS_HOME (its replicas and its control API), while
+    that serve's process lives, whether or not a replica answers now: one restarting, or none at all at zero
+    replicas, is the serve's to bring back, and a release waits for it (PUT /owner) rather than start a service of its
+    own on the same record (issue 73). Another service's serve is not this one's (its Triton may host it: `published`).
+    """
     from tasks.serving.service import Service, ServiceControl
 
-    info, triton = published_state(home), published(home)
+    info = published_state(home)
     key_file = home / SERVE_KEY_FILE
-    if info is None or triton is None or info.get("service") != name or not key_file.is_file():
+    if info is None or info.get("service") != name or not key_file.is_file():
         return None
     control = ServiceControl(info["control_url"], key_file.read_text().strip(), reread=lambda: published_control(home))
     return Service(name, published_replicas(home, info), control, hung=control.hung_load)

@@ -770,6 +770,8 @@ def status_of(process) -> str | None:
 def test_triton_killed_under_load_gives_clients_only_503s_until_it_is_restarted_with_the_champion(home, server, tls):
     import psutil
 
+    from tasks.serving.publication import published_service
+
     tritons = [p for p in psutil.Process(server["serve_pid"]).children(recursive=True) if p.name() == "tritonserver"]
     assert len(tritons) == 1
     engines = [p for p in tritons[0].children(recursive=True) if " ".join(p.cmdline()).startswith("VLLM::EngineCore")]
@@ -779,10 +781,14 @@ def test_triton_killed_under_load_gives_clients_only_503s_until_it_is_restarted_
         time.sleep(1)  # answered before the kill
         tritons[0].kill()
         deadline = time.monotonic() + 180
+        found_while_restarting = []  # what a release started now would attach to (open_service asks this first)
         while "Triton restarted" not in (home / "serve.log").read_text():
             assert time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+            found_while_restarting.append(published_service(home, SERVICE) is not None)
             time.sleep(0.5)
         time.sleep(1)  # answered again after the restart
+    # issue 73: a release started during the restart rolls out on the serve, never on a second service of its own
+    assert found_while_restarting and all(found_while_restarting), found_while_restarting
     statuses = collections.Counter(status for _, status, _ in clients.seen)
     print("while Triton was killed and restarted:", dict(statuses))
     assert set(statuses) <= {200, 503} and statuses[503] > 0, statuses
@@ -1658,6 +1664,7 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
     import psutil
 
     from tasks.serving.ownership import Ownership
+    from tasks.serving.publication import published_service
 
     # on Triton's queue time (each replica's metrics read every sample): at zero there is none to read
     zero = ["--set", "serve.autoscale={min_replicas: 0, max_replicas: 1, scale_up_window_s: 2, scale_down_window_s: 4, "
@@ -1683,6 +1690,8 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
         gauges = requests.get(f"{state['gateway_metrics_url']}/metrics", timeout=10).text
         assert re.search(r"^llmops_serve_autoscale_queue_ms [0-9.e+-]+$", gauges, re.M), gauges[-2000:]
         until(lambda: not tritons(), 60, log)
+        found = published_service(other, SERVICE)  # what a release asks first (open_service): the serve, at zero too
+        assert found is not None and found.control.url == state["control_url"], "a release would start its own service"
         started = time.monotonic()
         release = Ownership(routed_by(other, state), SERVICE, "release-z", lease_s=60)
         release.take(timeout_s=30)
