@@ -105,10 +105,10 @@ class Ownership:
                 return
             self.lose(f"{self.service}: no renewal of this release's ownership landed for {self.lease_s:g}s ({exc})")
         if owner.release == self.release and owner.epoch != self.epoch:
-            # it lapsed and another release owned the service meanwhile (which may have changed it since): the
-            # ownership just given is not this release's to use, and is given up at once for the next one
+            # it lapsed (another release may have owned the service meanwhile and changed it; the gateway served the
+            # champion alone): the ownership just given is not this release's to use, and is given up at once
             self.control.disown(self.release, owner.epoch)
-            self.lose(f"{self.service} was owned by another release after this one's lease lapsed")
+            self.lose(f"{self.service}: this release's ownership lapsed before it was renewed (epoch {self.epoch})")
         if owner.release != self.release:
             self.lose(f"{self.service} is owned by {owner.describe()} now")
         self.renewed_at = time.monotonic()

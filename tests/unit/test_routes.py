@@ -608,9 +608,30 @@ def test_a_release_that_owns_the_service_again_after_another_did_gives_that_owne
     second = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-b", lease_s=600)
     second.take(timeout_s=1)
     second.give_up()
-    with pytest.raises(LostService, match="owned by another release after this one's lease lapsed"):
+    with pytest.raises(LostService, match="this release's ownership lapsed before it was renewed"):
         first.renew()
     assert gateway.table.owner is None and gateway.table.last_epoch == 3
+
+
+def test_an_owner_whose_lease_lapsed_cannot_renew_under_its_old_epoch(control_url):
+    """Issue 73's fencing holes: A's lease lapsed and no release took the service since. A's renewal is not a renewal:
+    the gateway gives a new epoch (it served the champion alone meanwhile), A frees the service at once and stops,
+    and a write under A's old epoch is refused."""
+    from tasks.platform.errors import LostService
+    from tasks.serving.ownership import Ownership
+
+    url, gateway = control_url
+    first = Ownership(ServiceControl(url, CONTROL_KEY), SERVICE, "flow-run-a", lease_s=0.3)
+    first.take(timeout_s=1)
+    assert first.epoch == 1
+    time.sleep(0.35)
+    with pytest.raises(LostService, match=r"^demo: this release's ownership lapsed before it was renewed \(epoch 1\)"):
+        first.renew()
+    assert gateway.table.owner is None and gateway.table.last_epoch == 2
+    late = ServiceControl(url, CONTROL_KEY).send(
+        "PUT", "/control/v1/routes", {"weights": {CHAMPION.name: 100}, "release": "flow-run-a", "epoch": 1}, 10
+    )
+    assert late.status_code == 409, late.text
 
 
 # --- a candidate cannot cost the champion its clients ---------------------------------------------------------------

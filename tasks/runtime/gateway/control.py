@@ -210,9 +210,11 @@ class ControlApi:
             if owner is not None and not mine and not owner.expired(now):
                 refused.append(owner)
                 return None
-            if owner is not None and mine:  # renewed: the same ownership, the same epoch
+            if owner is not None and mine and not owner.expired(now):  # renewed: the same ownership, the same epoch
                 return replace(table, owner=replace(owner, expires_at=now + (lease or 0), waiting=waiting))
-            epoch = table.last_epoch + 1  # a new owner: the next epoch, and every write of an older one is refused
+            # a new owner, or one whose lease lapsed (the gateway served the champion alone meanwhile, and its writes
+            # were refused): the next epoch, and every write of an older one is refused
+            epoch = table.last_epoch + 1
             return replace(table, owner=Owner(release, now, now + (lease or 0), waiting, epoch), last_epoch=epoch)
 
         table = await self.gateway.amend(change)
