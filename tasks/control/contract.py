@@ -192,6 +192,12 @@ class RouteTable:
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
 
+    def lapsed(self, now: float) -> RouteTable | None:
+        """The champion alone where a release's hold on a candidate or a copy lapsed by `now`; None where it holds
+        (read again under the table's lock: a renewal that landed since the last look keeps the routes)."""
+        held = self.candidate is not None or self.shadow is not None
+        return self.champion_alone() if held and self.expired(now) else None
+
     def as_json(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items()}
         return {"record_version": RECORD_VERSION, **data}

@@ -35,6 +35,17 @@ def with_candidate(weight: float, **fields) -> RouteTable:
 # --- the route table and its record -----------------------------------------------------------------------
 
 
+def test_a_lapsed_hold_gives_the_champion_alone_and_a_renewed_one_keeps_the_routes():
+    """What the gateway's lease watch decides under the table's lock (issue 73: it decided on a table read before,
+    so a renewal that landed in between was undone)."""
+    held = with_candidate(10, release="run-1", expires_at=100.0)
+    assert held.lapsed(99.9) is None
+    alone = held.lapsed(100.0)
+    assert alone is not None and alone.candidate is None and alone.weights == {CHAMPION.name: 100.0}
+    renewed = replace(held, expires_at=115.0)  # what the record holds once the renewal landed
+    assert renewed.lapsed(100.0) is None and TABLE.lapsed(10**9) is None  # nothing held: nothing to drop
+
+
 def test_a_request_draws_its_version_by_weight():
     table = with_candidate(10)
     draws = [table.draw(random.Random(seed)).name for seed in range(4000)]

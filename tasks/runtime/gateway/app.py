@@ -209,14 +209,13 @@ class Gateway:
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
             table = self.table
-            if table.expired(time.time()) and (table.candidate is not None or table.shadow is not None):
-                ERROR_LOG.warning(
-                    "routes: release %s let its hold on %s lapse; the champion serves alone",
-                    table.release,
-                    table.service,
-                )
+            if table.lapsed(time.time()) is None:
+                continue
+            after = await self.amend(lambda current: current.lapsed(time.time()))  # again under the lock: renewed?
+            if after.candidate is None and after.shadow is None:
+                holder = (table.release, table.service)
+                ERROR_LOG.warning("routes: release %s let its hold on %s lapse; the champion serves alone", *holder)
                 self.metrics.leases_expired.inc()
-                await self.amend(lambda current: current.champion_alone())
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""

@@ -136,20 +136,23 @@ class ControlApi:
             raise RequestError(400, f"lease_s: seconds in (0, {most:.0f}]")
         return float(value)
 
-    async def apply(self, table: RouteTable, data: dict[str, Any]) -> Response:
-        """Check `table`, make it the gateway's (record first), answer it."""
-        try:
-            table.check()
-        except RoutesError as exc:
-            raise RequestError(400, str(exc)) from None
+    async def apply(self, path: str, method: str, data: dict[str, Any]) -> Response:
+        """The table a PUT or DELETE asks for, made of the current one under the table's lock (a renewal or the
+        lease's watch in between is not undone), checked and fenced there, and made the gateway's (record first)."""
         lease, now = self.lease(data), time.time()
-        # a change that gives no lease keeps the hold there is (a shadow stopped while a candidate is routed)
-        expires_at = now + lease if lease else table.expires_at if table.release else None
-        held = replace(table, updated_at=now, expires_at=expires_at)
 
         def change(current: RouteTable) -> RouteTable:
+            table = self.changed(current, path, method, data)
+            try:
+                table.check()
+            except RoutesError as exc:
+                raise RequestError(400, str(exc)) from None
             fence(current, data, now)
-            return replace(held, owner=current.owner, last_epoch=current.last_epoch)
+            # a change that gives no lease keeps the hold there is (a shadow stopped while a candidate is routed)
+            expires_at = now + lease if lease else table.expires_at if table.release else None
+            return replace(
+                table, updated_at=now, expires_at=expires_at, owner=current.owner, last_epoch=current.last_epoch
+            )
 
         return JSONResponse((await self.gateway.amend(change)).as_json())
 
@@ -166,7 +169,7 @@ class ControlApi:
                 return await self.own(request.method, data)
             if request.url.path.endswith("/loads"):
                 return await self.declare(data)
-            return await self.apply(self.changed(request.url.path, request.method, data), data)
+            return await self.apply(request.url.path, request.method, data)
         except Fenced as refused:
             return refused.response()
         except RequestError as error:
@@ -244,9 +247,9 @@ class ControlApi:
 
         return JSONResponse((await self.gateway.amend(change)).as_json())
 
-    def changed(self, path: str, method: str, data: dict[str, Any]) -> RouteTable:
-        """The table a PUT or DELETE asks for."""
-        table = self.gateway.table
+    @staticmethod
+    def changed(table: RouteTable, path: str, method: str, data: dict[str, Any]) -> RouteTable:
+        """The table a PUT or DELETE asks for, of `table` (the current one)."""
         release = data.get("release") or None
         if release is not None and not isinstance(release, str):
             raise RequestError(400, "release: a run id or null")
