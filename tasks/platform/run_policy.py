@@ -7,7 +7,8 @@ worker (its SSH keys, its pgpass). So every endpoint and location a run's parame
 the flow reads a secret or a file, and refused with one line naming the parameter and the setting:
 
     LLMOPS_RUN_ENDPOINTS   comma-separated URLs or host:port that a run may name: Tritons' HTTP, gRPC and metrics
-                           endpoints, a service's gateway, an MLflow server. Compared by host and port; the older
+                           endpoints, a service's gateway, an MLflow server. Compared by scheme, host and port, parsed
+                           as the HTTP client parses them (a URL with userinfo or a backslash is refused); the older
                            LLMOPS_TRITON_URLS counts too.
     LLMOPS_RUN_LOCATIONS   comma-separated folders and s3://bucket/prefix that a run may read data from or write to.
                            A local path is taken as it resolves (symbolic links followed), so a link planted inside
@@ -39,23 +40,63 @@ def listed(env: str) -> list[str]:
     return [item.strip() for item in os.environ.get(env, "").split(",") if item.strip()]
 
 
-def host_and_port(endpoint: str) -> tuple[str, int | None]:
-    """(host, port) of a URL or a host:port; the scheme's port where it names none."""
-    parts = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}")
+Endpoint = tuple[str | None, str, int | None]  # (scheme, host, port); no scheme for a host:port (gRPC)
+
+
+def endpoint(value: str) -> Endpoint:
+    """(scheme, host, port) of a URL or a host:port as urllib3 parses it, the scheme's port where it names none:
+    requests (MLflow's client, the Prometheus and judge reads), tritonclient's HTTP client and httpx all connect to
+    the host urllib3's parser (or one that agrees with it on these forms) finds. ValueError where a client could read
+    it otherwise: userinfo (`https://evil.example\\@mlflow.corp` is evil.example to urllib3, mlflow.corp to
+    urllib.parse), a backslash, whitespace or a control character, or a form urllib3 writes back differently."""
+    from urllib3.exceptions import LocationParseError
+    from urllib3.util import parse_url
+
+    if "\\" in value or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("holds a backslash, whitespace or a control character")
     try:
-        port = parts.port
-    except ValueError:
-        port = None
-    default = {"http": 80, "https": 443}.get(parts.scheme)
-    return (parts.hostname or "").lower(), port if port is not None else default
+        parsed = parse_url(value)
+    except LocationParseError:
+        raise ValueError("is no URL the HTTP client reads") from None
+    if parsed.auth is not None:
+        raise ValueError("carries a user name or password (userinfo), which a client may take for the host")
+    if parsed.url.lower() != value.lower():
+        raise ValueError(f"is read by the HTTP client as {parsed.url}, not as written")
+    if not parsed.host:
+        raise ValueError("names no host")
+    scheme = parsed.scheme if "://" in value else None
+    default = {"http": 80, "https": 443}.get(scheme or "")
+    return scheme, parsed.host.lower(), parsed.port if parsed.port is not None else default
+
+
+def same_endpoint(one: Endpoint, other: Endpoint) -> bool:
+    """Scheme, host and port alike: `http://mlflow.corp:443` is not `https://mlflow.corp` (the login would go in
+    clear), and a host:port (a gRPC endpoint; an HTTP client given one picks its own scheme) only a listed host:port."""
+    return one == other
+
+
+def listed_endpoints(values: Iterable[str]) -> list[Endpoint]:
+    """The allow-list's entries as endpoints; an entry no client could read the same way admits nothing."""
+    found = []
+    for value in values:
+        try:
+            found.append(endpoint(value))
+        except ValueError:
+            continue
+    return found
 
 
 def refuse_unlisted_endpoint(parameter: str, value: str | None, own: Iterable[str | None] = ()) -> None:
-    """`value` (a run parameter's URL or host:port) must be one of the worker's own settings or listed."""
+    """`value` (a run parameter's URL or host:port) must be one of the worker's own settings or listed, compared as
+    the client that will use it parses it."""
     if not value:
         return
+    try:
+        asked = endpoint(value)
+    except ValueError as why:
+        raise BadInput(f"{parameter} {value}: {why}; nothing was sent") from None
     allowed = [*listed(ENDPOINTS_ENV), *listed(TRITON_URLS_ENV), *(o for o in own if o)]
-    if host_and_port(value) in {host_and_port(a) for a in allowed}:
+    if any(same_endpoint(asked, entry) for entry in listed_endpoints(allowed)):
         return
     raise BadInput(
         f"{parameter} {value}: a run started through the Prefect API may name only this worker's own endpoints or "

@@ -2,10 +2,15 @@
 among its parameters is one of the worker's own settings or on the operator's allow-list, else refused with one line
 naming the parameter and the setting, before any secret is read or any file touched (issue 61, findings 2 and 3)."""
 
+import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 
 import pytest
+import requests
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tasks.platform.errors import BadInput
 from tasks.platform.run_policy import (
@@ -82,13 +87,11 @@ def test_a_tracking_uri_is_an_endpoint_or_a_location(monkeypatch, tmp_path):
         refuse_unlisted_tracking("tracking_uri", "postgresql://db.evil.example/mlflow", None)
 
 
-def test_an_api_release_naming_a_stranger_endpoint_is_refused_before_anything_is_sent(monkeypatch, tmp_path):
-    """The release flow, started as a deployment's run: a gRPC endpoint of the caller's (a listening socket here)
-    is refused before the run reads a key or connects anywhere: the socket sees no connection."""
-    from flows.release import release
-
+@contextlib.contextmanager
+def listening(host: str = "127.0.0.1") -> Iterator[tuple[int, list]]:
+    """A socket listening on `host` for half a second: its port, and the connections it accepted (none, it must)."""
     listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener.bind((host, 0))
     listener.listen()
     listener.settimeout(0.5)
     accepted: list = []
@@ -101,17 +104,89 @@ def test_an_api_release_naming_a_stranger_endpoint_is_refused_before_anything_is
 
     watcher = threading.Thread(target=accept)
     watcher.start()
-    port = listener.getsockname()[1]
-    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", API_RUN)
-    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("LLMOPS_TRITON_URL", "http://127.0.0.1:9")
     try:
-        with pytest.raises(BadInput, match=rf"^triton_grpc_url 127\.0\.0\.1:{port}: "):
-            release.fn(profile="cpu-tiny", triton_grpc_url=f"127.0.0.1:{port}", triton_metrics_url="http://x:1")
+        yield listener.getsockname()[1], accepted
     finally:
         watcher.join()
         listener.close()
+
+
+def test_an_api_release_naming_a_stranger_endpoint_is_refused_before_anything_is_sent(monkeypatch, tmp_path):
+    """The release flow, started as a deployment's run: a gRPC endpoint of the caller's (a listening socket here)
+    is refused before the run reads a key or connects anywhere: the socket sees no connection."""
+    from flows.release import release
+
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", API_RUN)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("LLMOPS_TRITON_URL", "http://127.0.0.1:9")
+    with listening() as (port, accepted), pytest.raises(BadInput, match=rf"^triton_grpc_url 127\.0\.0\.1:{port}: "):
+        release.fn(profile="cpu-tiny", triton_grpc_url=f"127.0.0.1:{port}", triton_metrics_url="http://x:1")
     assert accepted == [] and not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("where", ["tracking_uri", "overrides"])
+def test_a_url_the_client_reads_as_another_host_is_refused_before_anything_is_sent(monkeypatch, tmp_path, where):
+    """Issue 74, finding 1: with the MLflow server listed, `http://EVIL\\@LISTED` passed (urllib.parse read LISTED),
+    while requests sends to EVIL (urllib3 reads the backslash as the path's start): the MLflow login, or a Prometheus
+    read whose answer the run log shows, to the caller's host. The release flow refuses it naming the parameter; the
+    caller's socket (127.0.0.2, another loopback address) sees no connection."""
+    from flows.release import release
+
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", API_RUN)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("LLMOPS_RUN_ENDPOINTS", "http://127.0.0.1:5000")
+    with listening("127.0.0.2") as (port, accepted):
+        smuggled = f"http://127.0.0.2:{port}\\@127.0.0.1:5000"
+        assert requests.Request("GET", smuggled).prepare().url.startswith(f"http://127.0.0.2:{port}/")  # the client's
+        if where == "tracking_uri":
+            with pytest.raises(BadInput, match=r"^tracking_uri http://127\.0\.0\.2:\d+\\@127.0.0.1:5000: holds a back"):
+                release.fn(profile="cpu-tiny", tracking_uri=smuggled)
+        else:
+            with pytest.raises(BadInput, match=r"^overrides canary.prometheus_url http://127\.0\.0\.2:\d+\\@.*: holds"):
+                release.fn(profile="cpu-tiny", overrides=[f"canary.prometheus_url={smuggled}"])
+    assert accepted == [] and not (tmp_path / "home").exists()
+
+
+def test_an_endpoint_is_compared_by_scheme_too(monkeypatch):
+    """Issue 74, finding 1: `http://mlflow.corp:443` passed for `https://mlflow.corp` (the login in clear)."""
+    monkeypatch.setenv("LLMOPS_RUN_ENDPOINTS", "https://mlflow.corp")
+    refuse_unlisted_endpoint("tracking_uri", "https://MLflow.corp:443/")
+    for value in ("http://mlflow.corp:443", "https://user:pass@mlflow.corp", "https://mlflow.corp\tx", "https://x y"):
+        with pytest.raises(BadInput, match=r"^tracking_uri .*nothing was sent$"):
+            refuse_unlisted_endpoint("tracking_uri", value)
+
+
+HOSTS = ["mlflow.corp", "MLflow.Corp", "mlflow.corp.", "evil.example", "127.0.0.1", "[::1]", "mlflow.corp.evil.example"]
+
+
+@st.composite
+def url_forms(draw) -> str:
+    """URLs around the listed https://mlflow.corp: userinfo, backslashes, percent-encoding, IPv6 literals, mixed case,
+    default and explicit ports, trailing dots."""
+    scheme = draw(st.sampled_from(["https", "http", "HTTPS", ""]))
+    userinfo = draw(st.sampled_from(["", "user@", "user:pw@", "evil.example@", "mlflow.corp@", "a%40b@"]))
+    host = draw(st.sampled_from(HOSTS))
+    smuggle = draw(st.sampled_from(["", "\\@mlflow.corp", "%5C@mlflow.corp", "#@mlflow.corp", "?@mlflow.corp"]))
+    port = draw(st.sampled_from(["", ":443", ":80", ":8443", ":0443"]))
+    path = draw(st.sampled_from(["", "/", "/api/2.0", "/%2e%2e/x", "/a%20b"]))
+    return f"{scheme}{'://' if scheme else ''}{userinfo}{host}{port}{smuggle}{path}"
+
+
+@settings(max_examples=400, deadline=None)
+@given(url_forms())
+def test_the_host_the_allow_list_approves_is_the_host_the_client_connects_to(value):
+    """Issue 74's property: over URL forms, either the URL is refused, or requests (as MLflow's client and the
+    worker's reads send it) connects to the listed host, on its port, with its scheme."""
+    from urllib3.util import parse_url
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLMOPS_RUN_ENDPOINTS", "https://mlflow.corp")
+        try:
+            refuse_unlisted_endpoint("tracking_uri", value)
+        except BadInput:
+            return
+    sent = parse_url(requests.Request("GET", value).prepare().url)
+    assert (sent.scheme, sent.host, sent.port or 443) == ("https", "mlflow.corp", 443), value
 
 
 def test_overrides_cannot_move_the_data_outside_the_allow_list(monkeypatch, tmp_path):
