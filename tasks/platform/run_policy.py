@@ -10,6 +10,8 @@ the flow reads a secret or a file, and refused with one line naming the paramete
                            endpoints, a service's gateway, an MLflow server. Compared by scheme, host and port, parsed
                            as the HTTP client parses them (a URL with userinfo or a backslash is refused); the older
                            LLMOPS_TRITON_URLS counts too.
+    LLMOPS_RUN_MODELS      comma-separated hub model ids (org/name) a run may name as base_model.source; an s3://
+                           prefix or a folder there is a location (LLMOPS_RUN_LOCATIONS).
     LLMOPS_RUN_LOCATIONS   comma-separated folders and s3://bucket/prefix that a run may read data from or write to.
                            A local path is taken as it resolves (symbolic links followed), so a link planted inside
                            a listed folder reaches nothing outside it.
@@ -33,6 +35,7 @@ from tasks.platform.project import PROJECT_ROOT
 ENDPOINTS_ENV = "LLMOPS_RUN_ENDPOINTS"
 TRITON_URLS_ENV = "LLMOPS_TRITON_URLS"  # the older allow-list, of Tritons only
 LOCATIONS_ENV = "LLMOPS_RUN_LOCATIONS"
+MODELS_ENV = "LLMOPS_RUN_MODELS"  # hub model ids a run may train on
 EMBEDDED_DATA = PROJECT_ROOT / "profiles" / "data"
 
 
@@ -133,6 +136,23 @@ def inside(value: str, place: str) -> bool:
     return target == folder or folder in target.parents
 
 
+def refuse_unlisted_model(parameter: str, value: str) -> None:
+    """A base model a run names (base_model.source, issue 74 finding 3): the release trains on its weights, and with
+    gate.approval harvested by default one promotes without a person. An s3:// prefix or a folder (what copy_model
+    reads with the worker's keys and rights) must lie inside LLMOPS_RUN_LOCATIONS; a hub id must be on
+    LLMOPS_RUN_MODELS; the tiny model made here from the run's own data needs neither."""
+    if value == "tiny-qwen2":
+        return
+    if value.startswith(("s3://", "/", ".", "~")) or Path(value).exists():
+        refuse_unlisted_location(parameter, value)
+        return
+    if value not in listed(MODELS_ENV):
+        raise BadInput(
+            f"{parameter} {value}: a run started through the Prefect API may name a hub model only from {MODELS_ENV} "
+            f"in this worker's environment ({', '.join(listed(MODELS_ENV)) or 'empty'}); nothing was downloaded"
+        )
+
+
 def refuse_unlisted_tracking(parameter: str, value: str | None, own: str | None) -> None:
     """An MLflow tracking URI: a server is an endpoint (it gets the worker's MLflow login), a database or folder a
     location."""
@@ -179,6 +199,8 @@ def check_profile_locations(config: Profile, shipped: Profile) -> None:
     ):
         if value != written:
             refuse_unlisted_location(f"overrides {key}", value)
+    if config.base_model.source != shipped.base_model.source:
+        refuse_unlisted_model("overrides base_model.source", config.base_model.source)
     if config.canary.prometheus_url != shipped.canary.prometheus_url:
         refuse_unlisted_endpoint("overrides canary.prometheus_url", config.canary.prometheus_url)
     judge, written_judge = config.evaluate.judge, shipped.evaluate.judge

@@ -18,6 +18,7 @@ from tasks.platform.run_policy import (
     inside,
     refuse_unlisted_endpoint,
     refuse_unlisted_location,
+    refuse_unlisted_model,
     refuse_unlisted_tracking,
 )
 
@@ -198,6 +199,18 @@ def test_overrides_cannot_move_the_data_outside_the_allow_list(monkeypatch, tmp_
         release.fn(profile="cpu-tiny", overrides=["data.source=/etc/passwd"])
     with pytest.raises(BadInput, match=r"^overrides canary\.prometheus_url http://169\.254\.169\.254/: "):
         release.fn(profile="cpu-tiny", overrides=["canary.prometheus_url=http://169.254.169.254/"])
+    # issue 74, finding 3: the weights a release trains on, from another team's bucket, a worker folder or the hub
+    for source, said in (
+        ("s3://another-teams-bucket/model", "may read and write only inside"),
+        (str(tmp_path), "may read and write only inside"),
+        ("someone/poisoned-model", "may name a hub model only from LLMOPS_RUN_MODELS"),
+    ):
+        with pytest.raises(BadInput, match=rf"^overrides base_model\.source {source}: a run .*{said}"):
+            release.fn(profile="cpu-tiny", overrides=[f"base_model.source={source}"])
+    monkeypatch.setenv("LLMOPS_RUN_MODELS", "Qwen/Qwen2.5-0.5B-Instruct")
+    monkeypatch.setenv("LLMOPS_RUN_LOCATIONS", "s3://models/approved")
+    for source in ("Qwen/Qwen2.5-0.5B-Instruct", "s3://models/approved/qwen", "tiny-qwen2"):
+        refuse_unlisted_model("overrides base_model.source", source)
     # the judge gets the eval split and both versions' answers
     judge = ["evaluate.judge={url: 'https://judge.example/v1', model: m}"]
     with pytest.raises(BadInput, match=r"^overrides evaluate\.judge\.url https://judge\.example/v1: "):
