@@ -114,7 +114,7 @@ BROKEN_ATTENTION = {
         "5.6.0",
         "fa2",
     ): "transformers 5.6.0 (the training stack's) raises \"'NoneType' object has no attribute 'to'\" at the "
-    "first forward pass of FlashAttention-2 on Llama and Qwen2 (huggingface/transformers#45588, fixed in 5.7.0, which "
+    "first forward pass of FlashAttention-2 on Llama and Qwen2 (huggingface/transformers#45588, fixed in 5.6.1, which "
     "LlamaFactory 0.9.5 refuses: transformers<=5.6.0); use sdpa (PyTorch's scaled dot-product attention)",
 }
 
