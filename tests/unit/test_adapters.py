@@ -30,6 +30,15 @@ def test_adapters_need_vllm_fit_the_rank_and_are_not_tuned():
         load_profile("cpu-tiny", [*ADAPTER, "serve.vllm.max_lora_rank=12"])  # vLLM's ranks only
 
 
+def test_an_adapter_over_a_quantized_checkpoint_is_refused_naming_both_settings():
+    """Issue 76: adapter mode serves the full-precision base with the adapter, so the FP8 checkpoint the quantize stage
+    built and checked would never serve; the profile that asks for both is refused when it loads."""
+    no_tune = ["serve.lora=adapter", "tune.enabled=false"]
+    with pytest.raises(BadInput, match=r"serve.lora adapter with quantize.backend modelopt: .* never serve; set serve"):
+        load_profile("qwen-7b-vllm-h100", no_tune)
+    assert load_profile("qwen-7b-vllm-h100", [*no_tune, "quantize.backend=none"]).serve.lora == "adapter"
+
+
 def test_the_rank_is_the_largest_in_the_adapter_config(tmp_path: Path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 32}}))
     assert adapter_rank(tmp_path) == 32
@@ -69,7 +78,10 @@ def test_one_engine_may_take_more_of_the_gpu_than_two_side_by_side():
     merged = ["serve.vllm.gpu_memory_utilization=0.6"]
     with pytest.raises(BadInput, match="a merged canary runs two engines side by side, so below 0.5"):
         load_profile("qwen-7b-vllm-h100", merged)
-    adapter = ["serve.lora=adapter", "tune.enabled=false", "serve.vllm.gpu_memory_utilization=0.85"]
-    assert load_profile("qwen-7b-vllm-h100", adapter).serve.vllm.gpu_memory_utilization == 0.85
+    adapter = ["serve.lora=adapter", "tune.enabled=false", "quantize.backend=none"]  # an adapter serves unquantized
+    utilization = "serve.vllm.gpu_memory_utilization"
+    assert (
+        load_profile("qwen-7b-vllm-h100", [*adapter, f"{utilization}=0.85"]).serve.vllm.gpu_memory_utilization == 0.85
+    )
     with pytest.raises(BadInput, match="at most 0.9"):
-        load_profile("qwen-7b-vllm-h100", [*adapter[:2], "serve.vllm.gpu_memory_utilization=0.95"])
+        load_profile("qwen-7b-vllm-h100", [*adapter, f"{utilization}=0.95"])

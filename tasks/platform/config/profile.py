@@ -193,6 +193,12 @@ class Profile(Section):
                     f"train.lora_rank {self.train.lora_rank} exceeds serve.vllm.max_lora_rank {vllm.max_lora_rank}: "
                     "the base engine could not serve the adapter"
                 )
+            if self.quantize.backend == "modelopt":  # tasks/serving/champion.py: an adapter rides the bf16 base
+                raise ValueError(
+                    "serve.lora adapter with quantize.backend modelopt: adapter mode serves the full-precision base "
+                    "with the adapter, so the quantized checkpoint the quantize stage built and checked would never "
+                    "serve; set serve.lora merged to serve it, or quantize.backend none to serve the adapter"
+                )
         return self
 
     def _vllm_reads_the_checkpoint(self) -> None:
