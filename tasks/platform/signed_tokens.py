@@ -4,8 +4,11 @@ OIDC ID tokens the approval proxy takes (flows/approval_proxy.py). A claim of a 
 PyJWT verifies (signature, `exp`, `nbf`, `iss`, `aud`, with the profile's algorithms only, so `alg: none` and an
 HMAC token "signed" with a public key never verify). The key set is ours to keep rather than PyJWKClient's, which
 reads it again for every unknown key id: a caller sending made-up `kid`s would make the gateway call the identity
-provider on every request. Here the set is read every refresh_s, and at most every MIN_REFETCH_S for an unknown
-`kid` (a rotated key), with a short deadline; the read blocks the answer that triggered it, once.
+provider on every request. Here the set is read once when the verifier is made (a service's start), then off the
+request path: a request reads the set held, and a stale set (refresh_s) or an unknown `kid` (a rotated key, at most
+every MIN_REFETCH_S) has it read again in a thread of its own, one read at a time. An unknown `kid` is a 401 at once:
+before, its read (up to FETCH_TIMEOUT_S) ran in the request, on the gateway's event loop, and an identity provider
+that answered slowly stalled every client, stream and probe (issue 74, finding 4).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class TokenVerifier:
         self.keys: dict[str, jwt.PyJWK] = {}
         self.fetched_at = -float("inf")
         self.lock = threading.Lock()
+        self.reading: threading.Thread | None = None  # the read in flight, if any
+        self.refresh()  # at the start, before any request waits on it
 
     def client(self, token: str) -> str:
         """Who a valid token names (its `client_claim`); TokenRefused naming what is wrong otherwise."""
@@ -84,16 +89,25 @@ class TokenVerifier:
         return claims
 
     def signing_key(self, kid: str) -> jwt.PyJWK:
-        with self.lock:
-            age = time.monotonic() - self.fetched_at
-            if age > self.settings.refresh_s or (kid not in self.keys and age > MIN_REFETCH_S):
-                self.refresh()
-            key = self.keys.get(kid)
-            if key is None and not kid and len(self.keys) == 1:  # a token without `kid` from a one-key issuer
-                key = next(iter(self.keys.values()))
+        """The key `kid` names in the set held now; never a read of the set (that is `refresh_later`'s)."""
+        keys, age = self.keys, time.monotonic() - self.fetched_at
+        key = keys.get(kid)
+        if key is None and not kid and len(keys) == 1:  # a token without `kid` from a one-key issuer
+            key = next(iter(keys.values()))
+        if age > self.settings.refresh_s or (key is None and age > MIN_REFETCH_S):
+            self.refresh_later()
         if key is None:
             raise TokenRefused(f"the token's signing key ({kid or 'no kid'}) is not one of the issuer's")
         return key
+
+    def refresh_later(self) -> None:
+        """The key set read again in a thread of its own, unless a read is in flight; the request goes on."""
+        with self.lock:
+            if self.reading is not None and self.reading.is_alive():
+                return
+            self.fetched_at = time.monotonic()  # the next unknown kid waits MIN_REFETCH_S from this read's start
+            self.reading = threading.Thread(target=self.refresh, name="jwks-refresh", daemon=True)
+            self.reading.start()
 
     def refresh(self) -> None:
         """The key set read again; where it cannot be, the keys held stay (and the next try waits MIN_REFETCH_S)."""
@@ -105,7 +119,7 @@ class TokenVerifier:
                 f"serve.auth.jwt: the key set at {self.settings.jwks} was not read ({exc}); keeping {len(self.keys)}"
             )
             return
-        self.keys = {str(key.key_id or ""): key for key in keys}
+        self.keys = {str(key.key_id or ""): key for key in keys}  # one assignment: a request reads old or new whole
 
     def read(self) -> str:
         source = self.settings.jwks

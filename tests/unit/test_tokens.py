@@ -32,11 +32,14 @@ class KeySet:
     def __init__(self):
         self.keys: list[dict] = []
         self.reads = 0
+        self.slow_s = 0.0  # each read after the first answers this late (an identity provider in trouble)
         published = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
                 published.reads += 1
+                if published.reads > 1:
+                    time.sleep(published.slow_s)
                 body = json.dumps({"keys": published.keys}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -152,12 +155,68 @@ def test_a_rotated_key_is_taken_without_a_restart_and_made_up_kids_do_not_hammer
     with pytest.raises(Exception, match="key-2"):  # read within the last MIN_REFETCH_S: not read again yet
         verifier.client(token(rotated, kid="key-2", alg="ES256"))
     time.sleep(0.25)
+    with pytest.raises(Exception, match="key-2"):  # a 401 at once, and the set read again beside the request
+        verifier.client(token(rotated, kid="key-2", alg="ES256"))
+    deadline = time.monotonic() + 5
+    while "key-2" not in verifier.keys:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     assert verifier.client(token(rotated, kid="key-2", alg="ES256", sub="team-d")) == "team-d"
     assert keys.reads == 2
     for n in range(20):  # made-up key ids: refused, and the issuer read at most once more
         with pytest.raises(Exception, match="not one of the issuer's"):
             verifier.client(token(rotated, kid=f"made-up-{n}", alg="ES256"))
     assert keys.reads <= 3
+
+
+def test_a_slow_identity_provider_never_holds_up_a_clients_answer(gateway, issuer, monkeypatch):
+    """Issue 74, finding 4: made-up key ids (no key needed to send them) had the gateway read the key set in the
+    request, on its event loop, so an identity provider answering in 1.5 s stalled every client for as long. With 8
+    clients sending valid tokens and a ninth sending a made-up `kid` every 50 ms, the slowest valid answer is no more
+    than 100 ms slower than with no such caller."""
+    from tasks.platform import signed_tokens as tokens
+
+    keys, signing = issuer
+    ring = KeyRing.fixed({})
+    ring.tokens = TokenVerifier(settings(keys.url))  # its first read, at the start, is quick
+    client = gateway(FakeTriton(), api_keys=ring, requests_per_second=10_000)
+    keys.slow_s = 1.5
+    monkeypatch.setattr(tokens, "MIN_REFETCH_S", 0.1)
+    stranger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    valid = token(signing)  # made once: signing in the clients' threads would measure RSA, not the gateway
+    made_up_ids = [token(stranger, kid=f"made-up-{n}") for n in range(100)]
+
+    def slowest(seconds: float, made_up: bool) -> float:
+        stop, waits, lock = threading.Event(), [], threading.Lock()
+
+        def valid_client() -> None:
+            while not stop.is_set():
+                started = time.perf_counter()
+                answer = client.post(CHAT, json={"messages": QUESTION}, headers=bearer(valid))
+                assert answer.status_code == 200, answer.text
+                with lock:
+                    waits.append(time.perf_counter() - started)
+
+        def stranger_client() -> None:
+            for made_up_token in made_up_ids:
+                if stop.wait(0.05):
+                    return
+                refused = client.post(CHAT, json={"messages": QUESTION}, headers=bearer(made_up_token))
+                assert refused.status_code == 401
+
+        threads = [threading.Thread(target=valid_client) for _ in range(8)]
+        threads += [threading.Thread(target=stranger_client)] if made_up else []
+        for thread in threads:
+            thread.start()
+        time.sleep(seconds)
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        return max(waits)
+
+    baseline, attacked = slowest(2.0, made_up=False), slowest(4.0, made_up=True)
+    assert keys.reads >= 2  # the made-up ids did have the slow set read again, beside the requests
+    assert attacked <= baseline + 0.1, (baseline, attacked)
 
 
 def test_two_tokens_of_one_client_share_its_limits(gateway, issuer):
