@@ -31,7 +31,7 @@ from tasks.serving.client import Triton
 from tasks.text import model_text
 
 TEMPLATES = PROJECT_ROOT / "infra" / "triton"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]*\Z")  # \Z, not $: no trailing newline
 MODEL_HELPERS = (
     model_text,
     adapter_registry,

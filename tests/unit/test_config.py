@@ -276,3 +276,20 @@ def test_other_data_is_judged_on_its_own_split_and_the_profiles_exam_stays_with_
     assert load_profile("cpu-tiny", data=finance, eval_data="").data.eval_source is None  # an empty run parameter
     # a profile without a curated exam: nothing moves
     assert load_profile("cpu-tiny-qa-zh", data=finance).data.harvest_eval_source is None
+
+
+def test_a_name_with_a_trailing_newline_is_no_triton_or_profile_name():
+    """Issue 74, a Low finding: the names' `$` matched before a trailing newline, so `svc\n` passed as a Triton model
+    name (the registry's, a route table's) and a profile name."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from tasks.control.contract import RouteTable, RoutesError
+    from tasks.platform.config.base import TritonName
+    from tasks.platform.config.loading import on_disk_profile
+
+    with pytest.raises(ValidationError, match="is not a Triton model name"):
+        TypeAdapter(TritonName).validate_python("svc\n")
+    assert TypeAdapter(TritonName).validate_python("svc") == "svc"
+    assert on_disk_profile("cpu-tiny\n") is None and on_disk_profile("cpu-tiny") is not None
+    with pytest.raises(RoutesError, match="is not a model name"):
+        RouteTable.of({"service": "svc", "champion": {"name": "svc-v1\n"}})

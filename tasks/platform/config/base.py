@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 
 # Triton's model repository folder names as tasks/serving/repository.py renders them; also fits MLflow's
 # registered model names (no '/' or ':') and Prefect's concurrency limit names.
-TRITON_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+TRITON_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]*\Z")  # \Z: "$" also matches before a trailing newline
 
 
 # `Field(json_schema_extra=FILE_ONLY)`: the setting names an executable, an environment, a script, an image or

@@ -30,7 +30,7 @@ from tasks.platform.project import PROJECT_ROOT
 PROFILES_DIR = PROJECT_ROOT / "profiles"
 # The operator's own profiles, which runs started through the Prefect API may name besides the shipped ones.
 OPERATOR_PROFILES_ENV = "LLMOPS_PROFILES_DIR"
-PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a name, never a path (no '/', no leading '.')
+PROFILE_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_.-]*\Z")  # a name, never a path (no '/', no leading '.')
 
 
 def available_profiles() -> list[str]:
