@@ -283,7 +283,7 @@ def test_a_name_with_a_trailing_newline_is_no_triton_or_profile_name():
     name (the registry's, a route table's) and a profile name."""
     from pydantic import TypeAdapter, ValidationError
 
-    from tasks.control.contract import RouteTable, RoutesError
+    from tasks.control.contract import RoutesError, RouteTable
     from tasks.platform.config.base import TritonName
     from tasks.platform.config.loading import on_disk_profile
 

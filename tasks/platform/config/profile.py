@@ -183,23 +183,28 @@ class Profile(Section):
                 )
             )
         if self.serve.lora == "adapter":
-            if self.tune.enabled:
-                raise ValueError(
-                    "tune.enabled with serve.lora adapter: the engine settings it searches belong to the base engine, "
-                    "which champion and candidate share (tune on merged releases, then set them for the base)"
-                )
-            if self.train.lora_rank > vllm.max_lora_rank:
-                raise ValueError(
-                    f"train.lora_rank {self.train.lora_rank} exceeds serve.vllm.max_lora_rank {vllm.max_lora_rank}: "
-                    "the base engine could not serve the adapter"
-                )
-            if self.quantize.backend == "modelopt":  # tasks/serving/champion.py: an adapter rides the bf16 base
-                raise ValueError(
-                    "serve.lora adapter with quantize.backend modelopt: adapter mode serves the full-precision base "
-                    "with the adapter, so the quantized checkpoint the quantize stage built and checked would never "
-                    "serve; set serve.lora merged to serve it, or quantize.backend none to serve the adapter"
-                )
+            self._adapter_serves_what_was_measured()
         return self
+
+    def _adapter_serves_what_was_measured(self) -> None:
+        """serve.lora adapter: one base engine for every version, so nothing of a version may be tuned or built
+        that the base engine does not serve."""
+        if self.tune.enabled:
+            raise ValueError(
+                "tune.enabled with serve.lora adapter: the engine settings it searches belong to the base engine, "
+                "which champion and candidate share (tune on merged releases, then set them for the base)"
+            )
+        if self.train.lora_rank > self.serve.vllm.max_lora_rank:
+            raise ValueError(
+                f"train.lora_rank {self.train.lora_rank} exceeds serve.vllm.max_lora_rank "
+                f"{self.serve.vllm.max_lora_rank}: the base engine could not serve the adapter"
+            )
+        if self.quantize.backend == "modelopt":  # tasks/serving/champion.py: an adapter rides the bf16 base
+            raise ValueError(
+                "serve.lora adapter with quantize.backend modelopt: adapter mode serves the full-precision base "
+                "with the adapter, so the quantized checkpoint the quantize stage built and checked would never "
+                "serve; set serve.lora merged to serve it, or quantize.backend none to serve the adapter"
+            )
 
     def _vllm_reads_the_checkpoint(self) -> None:
         """vLLM serves a ModelOpt checkpoint it has a reader for: FP8 (ModelOptFp8Config) and, on Blackwell, NVFP4
