@@ -89,27 +89,32 @@ def evaluation(evidence: Evidence) -> str:
         )
     parts.append("<ul>" + "".join(f"<li>{escape(f)}</li>" for f in facts) + "</ul>")
     worse, better = evidence.evaluate_changes()
-    for title, examples in (("Worse than the base model", worse), ("Better than the base model", better)):
-        parts.append(f"<h3>{escape(title)}</h3>")
-        if not examples:
-            parts.append(none("none"))
-            continue
-        parts.append(
-            table(
-                ["prompt", "reference", "base model", "candidate", "change"],
-                [
-                    [
-                        conversation(e["prompt"]),
-                        f"<pre>{escape(e['expected'])}</pre>",
-                        f"<pre>{escape(e['base'])}</pre>",
-                        f"<pre>{escape(e['candidate'])}</pre>",
-                        f"{e['change']:+.3f}",
-                    ]
-                    for e in examples
-                ],
-            )
-        )
+    directions = (("Worse than the base model", worse), ("Better than the base model", better))
+    parts += side_by_side(directions, ["base model", "candidate"], lambda e: [e["base"], e["candidate"]])
     return "".join(parts)
+
+
+def side_by_side(
+    directions: tuple[tuple[str, list[dict[str, Any]]], ...],
+    answerers: list[str],
+    answers: Callable[[dict[str, Any]], list[str]],
+) -> list[str]:
+    """For each direction of change, its title and its examples: the prompt, the reference, each answer (`answers`
+    of an example, under `answerers`' names) and the change."""
+    parts = []
+    for title, examples in directions:
+        parts.append(f"<h3>{escape(title)}</h3>")
+        rows = [
+            [
+                conversation(e["prompt"]),
+                f"<pre>{escape(e['expected'])}</pre>",
+                *(f"<pre>{escape(answer)}</pre>" for answer in answers(e)),
+                f"{e['change']:+.3f}",
+            ]
+            for e in examples
+        ]
+        parts.append(table(["prompt", "reference", *answerers, "change"], rows) if rows else none("none"))
+    return parts
 
 
 def checks(evidence: Evidence) -> str:
@@ -149,22 +154,12 @@ def answers(evidence: Evidence) -> str:
     parts = [
         f"<p>{len(evidence.answers)} examples scored ({escape(evidence.metric)}), candidate against {against}.</p>"
     ]
-    for title, examples in ((f"Worse than the {against}", worse), (f"Better than the {against}", better)):
-        parts.append(f"<h3>{escape(title)}</h3>")
-        if not examples:
-            parts.append(none("none"))
-            continue
-        rows = [
-            [
-                conversation(e["prompt"]),
-                f"<pre>{escape(e['expected'])}</pre>",
-                f"<pre>{escape(e['served'])}</pre>",
-                f"<pre>{escape(e['champion_served'] if champion else against_base(e, base)['answer'])}</pre>",
-                f"{e['change']:+.3f}",
-            ]
-            for e in examples
-        ]
-        parts.append(table(["prompt", "reference", "candidate (served)", against, "change"], rows))
+    directions = ((f"Worse than the {against}", worse), (f"Better than the {against}", better))
+
+    def answered(e: dict[str, Any]) -> list[str]:
+        return [e["served"], e["champion_served"] if champion else against_base(e, base)["answer"]]
+
+    parts += side_by_side(directions, ["candidate (served)", against], answered)
     return "".join(parts)
 
 
