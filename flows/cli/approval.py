@@ -54,7 +54,8 @@ def register(commands) -> None:
 PROXY_EPILOG = """examples:
   llmops approval-proxy --upstream http://127.0.0.1:4200 --port 4300 --key-file /etc/llmops/approval-proxy.key \\
       --oidc-jwks https://login.example.com/.well-known/jwks.json --oidc-issuer https://login.example.com \\
-      --oidc-audience llmops-approvals
+      --oidc-audience llmops-approvals --approver-claim groups=release-managers
+  # who may decide: --approver alice@example.com (repeatable) or --approver-claim; anyone else verified only reads
   # oauth2-proxy in front: --upstream=http://127.0.0.1:4300/ --pass-authorization-header (the ID token goes on as
   #   Authorization: Bearer, and is verified here; no X-Forwarded-* header is believed)
   # the worker's environment: LLMOPS_APPROVAL_PROXY_KEY_FILE=/etc/llmops/approval-proxy.key (the same key)
@@ -80,7 +81,21 @@ def register_proxy(commands) -> None:
     parser.add_argument("--oidc-issuer", required=True, help="the `iss` every ID token must carry")
     parser.add_argument("--oidc-audience", required=True, help="the `aud` every ID token must name (this client)")
     parser.add_argument(
-        "--identity-claim", default="email", help="the ID token's claim that names the person (default email)"
+        "--identity-claim",
+        default="email",
+        help="the ID token's claim that names the person (default email, taken only with email_verified true; or sub)",
+    )
+    parser.add_argument(
+        "--approver",
+        action="append",
+        default=[],
+        metavar="PERSON",
+        help="a person who may decide releases, as the identity claim names them (repeatable)",
+    )
+    parser.add_argument(
+        "--approver-claim",
+        metavar="CLAIM=VALUE",
+        help="whoever's ID token carries CLAIM with VALUE (a string, or a list holding it) may decide: groups=releases",
     )
     parser.add_argument("--key-file", help=f"the attestation key, at least 32 bytes (default: {KEY_FILE_ENV})")
     parser.set_defaults(handler=command_proxy)
@@ -102,11 +117,28 @@ def command_proxy(args) -> None:
     path = args.key_file or os.environ.get(KEY_FILE_ENV)
     if not path:
         raise BadInput(f"llmops approval-proxy: --key-file (or {KEY_FILE_ENV}) is required")
+    approvers = named_approvers(args.approver, args.approver_claim)
     verifier = TokenVerifier(oidc)
     auth_string = os.environ.get("PREFECT_API_AUTH_STRING")
-    app = proxy_app(args.upstream, read_key(Path(path)), verifier, args.identity_claim, auth_string)
+    app = proxy_app(args.upstream, read_key(Path(path)), verifier, approvers, args.identity_claim, auth_string)
     # proxy_headers off: the peer is never rewritten from X-Forwarded-For (uvicorn's default believes loopback's)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", proxy_headers=False)
+
+
+def named_approvers(people: list[str], claim: str | None):
+    """Who may decide through the proxy; BadInput where nobody is named (any person the provider knows would be)."""
+    from flows.approval_proxy import Approvers
+
+    name, _, value = (claim or "").partition("=")
+    if claim is not None and not (name.strip() and value.strip()):
+        raise BadInput(f"llmops approval-proxy: --approver-claim {claim}: expected CLAIM=VALUE, e.g. groups=releases")
+    approvers = Approvers(frozenset(p for p in people if p), name.strip() or None, value.strip() or None)
+    if not approvers:
+        raise BadInput(
+            "llmops approval-proxy: name who may decide releases: --approver PERSON (repeatable) or --approver-claim "
+            "CLAIM=VALUE; without one every person the OIDC provider knows could approve"
+        )
+    return approvers
 
 
 def command_decide(args) -> str:

@@ -616,7 +616,10 @@ def test_behind_the_approval_proxy_only_the_person_whose_id_token_verifies_decid
     port = free_port()
     proxy_url = f"http://127.0.0.1:{port}"
     proxy = subprocess.Popen(
-        [LLMOPS, "approval-proxy", "--upstream", shared_prefect.removesuffix("/api"), "--port", str(port), *oidc],
+        [
+            *(LLMOPS, "approval-proxy", "--upstream", shared_prefect.removesuffix("/api"), "--port", str(port), *oidc),
+            *("--approver", "alice@example.com"),  # bob, mallory: verified people, no approvers
+        ],
         env={**os.environ, KEY_FILE_ENV: str(key_file), "LLMOPS_HOME": str(tmp_path / "proxy")},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -627,7 +630,9 @@ def test_behind_the_approval_proxy_only_the_person_whose_id_token_verifies_decid
     try:
         deadline = time.monotonic() + 60
         while (
-            not port_answers(f"{proxy_url}/api/health", signed=token(signing, email="probe@example.com"))
+            not port_answers(
+                f"{proxy_url}/api/health", signed=token(signing, email="probe@example.com", email_verified=True)
+            )
             and time.monotonic() < deadline
         ):
             assert proxy.poll() is None, proxy.communicate()[0][-2000:]
@@ -650,7 +655,7 @@ def test_behind_the_approval_proxy_only_the_person_whose_id_token_verifies_decid
         assert other_audience.status_code == 401 and "not for this service" in other_audience.json()["detail"]
         assert API.get(f"{shared_prefect}/flow_runs/{run_id}", timeout=10).json()["state"]["id"] == state
         # `llmops approve` from elsewhere, through the proxy, with the ID token oauth2-proxy would forward
-        id_token = token(signing, email="alice@example.com")
+        id_token = token(signing, email="alice@example.com", email_verified=True)
         headers = {"Authorization": f"Bearer {id_token}", "X-Forwarded-Email": "mallory@example.com"}
         approved = cli(
             tmp_path / "elsewhere",

@@ -6,7 +6,7 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from flows.approval_proxy import attested_resume, proxy_app
+from flows.approval_proxy import Approvers, attested_resume, authorize, proxy_app
 from tasks.approve import ApprovalInput, DecisionPolicy, check_decision
 from tasks.platform.attestation import KEY_FILE_ENV, attested, configured_key, read_key
 from tasks.platform.errors import BadInput
@@ -34,7 +34,7 @@ def test_only_a_verified_id_token_reaches_prefect_and_no_forwarded_header_is_bel
     jwks.write_text(json.dumps({"keys": [{**public, "kid": "key-1", "alg": "RS256"}]}))
     verifier = TokenVerifier(JwtAuth(jwks=str(jwks), issuer=ISSUER, audience=AUDIENCE))
     forged = {"X-Forwarded-Email": "alice@example.com", "X-Forwarded-For": "127.0.0.1"}
-    with TestClient(proxy_app("http://127.0.0.1:9", KEY, verifier)) as client:
+    with TestClient(proxy_app("http://127.0.0.1:9", KEY, verifier, APPROVERS)) as client:
         resume = f"/api/flow_runs/{RUN}/resume"
         no_token = client.post(resume, json={"run_input": {}}, headers=forged)
         assert no_token.status_code == 401 and "no ID token" in no_token.json()["detail"]
@@ -44,9 +44,65 @@ def test_only_a_verified_id_token_reaches_prefect_and_no_forwarded_header_is_bel
         no_email = token(signing)
         nameless = client.get("/api/health", headers={"Authorization": f"Bearer {no_email}"})
         assert nameless.status_code == 401 and "names no email" in nameless.json()["detail"]
-        valid = token(signing, email="alice@example.com")
+        valid = token(signing, email="alice@example.com", email_verified=True)
         not_json = client.post(resume, content=b"[1]", headers={"Authorization": f"Bearer {valid}"})
         assert not_json.status_code == 422
+
+
+APPROVERS = Approvers(frozenset({"alice@example.com"}), "groups", "release-managers")
+
+
+def test_authenticated_is_not_authorized_only_an_approver_decides_and_no_other_write_passes(tmp_path):
+    """Issue 74, finding 5: any valid ID token of the audience approved, its `email` was taken unverified, and every
+    Prefect API call went on with the shared login's powers. Now a decision needs an approver (named, or by the
+    group claim), an email needs email_verified, and a verified person who is no approver reads and writes nothing;
+    every refusal is answered here (port 9: nothing there to reach). The proxy will not start without approvers."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from tasks.platform.config.auth import JwtAuth
+    from tasks.platform.signed_tokens import TokenVerifier
+    from tests.unit.test_tokens import AUDIENCE, ISSUER, token
+
+    signing = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwks = tmp_path / "jwks.json"
+    public = jwt_algorithms()["RS256"].to_jwk(signing.public_key(), as_dict=True)
+    jwks.write_text(json.dumps({"keys": [{**public, "kid": "key-1", "alg": "RS256"}]}))
+    verifier = TokenVerifier(JwtAuth(jwks=str(jwks), issuer=ISSUER, audience=AUDIENCE))
+    with pytest.raises(ValueError, match="no approver named"):
+        proxy_app("http://127.0.0.1:9", KEY, verifier, Approvers())
+
+    def bearer(**claims) -> dict:
+        return {"Authorization": f"Bearer {token(signing, **claims)}"}
+
+    resume, decision = f"/api/flow_runs/{RUN}/resume", {"run_input": {"decision": "approve", "reason": "ok"}}
+    with TestClient(proxy_app("http://127.0.0.1:9", KEY, verifier, APPROVERS)) as client:
+        unverified = client.post(resume, json=decision, headers=bearer(email="alice@example.com"))
+        assert unverified.status_code == 401 and "not verified (email_verified)" in unverified.json()["detail"]
+        stranger = client.post(resume, json=decision, headers=bearer(email="eve@example.com", email_verified=True))
+        assert stranger.status_code == 403 and stranger.json()["detail"] == (
+            "approval proxy: eve@example.com is not an approver of releases"
+        )
+        for method, path in (("POST", "/api/deployments/"), ("DELETE", f"/api/flow_runs/{RUN}"), ("PATCH", "/api/x")):
+            write = client.request(
+                method, path, json={}, headers=bearer(email="alice@example.com", email_verified=True)
+            )
+            assert write.status_code == 403 and "forwards reads and decisions only" in write.json()["detail"], path
+    # the approvers' calls do go on (to the upstream, absent here: the refusal is another's)
+    assert APPROVERS.admit("alice@example.com", {}) and APPROVERS.admit("bob", {"groups": ["release-managers"]})
+    assert not APPROVERS.admit("bob", {"groups": ["everyone"]}) and not APPROVERS.admit("bob", {})
+    assert authorize("POST", "/api/flow_runs/filter", "eve", {}, APPROVERS) is None  # a read, sent as POST
+    assert authorize("GET", f"/api/flow_runs/{RUN}", "eve", {}, APPROVERS) is None
+    assert authorize("POST", resume, "bob", {"groups": "release-managers"}, APPROVERS) is None
+
+
+def test_the_proxy_refuses_to_start_without_approvers(tmp_path):
+    from flows.cli.approval import named_approvers
+
+    with pytest.raises(BadInput, match=r"name who may decide releases: --approver PERSON .* or --approver-claim"):
+        named_approvers([], None)
+    with pytest.raises(BadInput, match=r"--approver-claim groups: expected CLAIM=VALUE"):
+        named_approvers([], "groups")
+    assert named_approvers(["a@x"], "groups=r") == Approvers(frozenset({"a@x"}), "groups", "r")
 
 
 def jwt_algorithms():
