@@ -1060,7 +1060,7 @@ def test_a_release_stopped_at_its_10_percent_step_loses_its_live_share_within_it
     lease_s = load_profile("cpu-tiny").canary.lease_s
     before, triton, control = champion(home), served_by(home, server), routed_by(home, server)
     held = triton.loaded_models()
-    at_ten = ("--set", "canary.steps=[10,100]", "--set", "canary.window_s=120")  # held at 10% long past the lease
+    at_ten = ("--set", "canary.steps=[10,100]", "--set", "canary.window_s=40")  # held at 10% past the lease
     command = [str(LLMOPS), "run", "--artifacts", str(cpu_tiny_store), *FAST, *ENGINE, *at_ten]
     output = tmp_path / "release-a.log"
     with open(output, "w") as log:
@@ -1076,6 +1076,9 @@ def test_a_release_stopped_at_its_10_percent_step_loses_its_live_share_within_it
                 time.sleep(0.2)
             candidate, first_epoch = table.candidate.name, table.owner.epoch
             assert table.weights[candidate] == 10 and candidate in triton.loaded_models()
+            while not any(version == candidate for _, version in list(load.answered_by)):  # live: it answers clients
+                assert time.monotonic() < deadline, "the candidate at 10% answered no client"
+                time.sleep(0.1)
             os.killpg(release.pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
             while control.table().candidate is not None:
