@@ -153,7 +153,10 @@ def judged_as(ctx: RunContext, data: StageResult, base: StageResult) -> Profile:
     reads the decided values."""
     cfg = ctx.profile.evaluate
     conversations = eval_conversations(ctx, data, cfg.max_samples)
-    decided, judging = decide(cfg, conversations, load_tokenizer(ctx.store.fetch(base.artifact.digest)))
+    # the base model's files only where its tokens decide the length: a GPU profile's base (15 GB and more) is fetched
+    # by the stages that run it, not by the flow's process before its training
+    tokenizer = load_tokenizer(ctx.store.fetch(base.artifact.digest)) if cfg.max_new_tokens == "auto" else None
+    decided, judging = decide(cfg, conversations, tokenizer)
     logger().info(f"evaluate: judged on {judging.said()}")
     ctx.tracker.set_tags(judging.as_tags())
     return ctx.profile.model_copy(update={"evaluate": decided})
