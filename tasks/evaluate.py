@@ -33,7 +33,7 @@ from tasks.platform.config import EvaluateSection, Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 from tasks.quality import metrics
-from tasks.quality.answer_kind import decide
+from tasks.quality.answer_kind import Judging, decide
 from tasks.quality.chat import Conversation, answer_ids, prompt_ids
 from tasks.quality.metrics import higher_is_better
 from tasks.quality.models import Compute, load_model, load_tokenizer
@@ -74,14 +74,17 @@ class EvaluationMetrics(StageMetrics):
     beyond_permutation_low: float | None = None
     beyond_permutation_high: float | None = None
     judged: str | None = None  # how the split was judged, as the run said it ("metric rouge_l (open-ended ...), ...")
+    metric_why: str | None = None  # why the deciding metric ("open-ended references: median 35 characters, ...")
+    answer_tokens: int | None = None  # the answers' length the split was scored at
 
     @classmethod
     def of_scores(
-        cls, base: Scores, candidate: Scores, improvement: Difference, baseline: Baseline | None, judged: str
+        cls, base: Scores, candidate: Scores, improvement: Difference, baseline: Baseline | None, judging: Judging
     ) -> EvaluationMetrics:
         samples = len(candidate.predictions)
         found = cls(base.summary(), candidate.summary(), improvement.value, samples, improvement.low, improvement.high)
-        found.judged = judged
+        found.judged, found.metric_why = judging.said(), judging.metric.why
+        found.answer_tokens = int(judging.answer_tokens.value)
         if baseline is not None:
             found.permutation_base, found.permutation_candidate = baseline.base, baseline.candidate
             beyond = baseline.beyond
@@ -99,6 +102,8 @@ class EvaluationMetrics(StageMetrics):
             "beyond_permutation_low": self.beyond_permutation_low,
             "beyond_permutation_high": self.beyond_permutation_high,
             "judged": self.judged,
+            "metric_why": self.metric_why,
+            "answer_tokens": self.answer_tokens,
         }
         return {
             **{f"base_{name}": value for name, value in self.base.items()},
@@ -126,10 +131,15 @@ class EvaluationMetrics(StageMetrics):
             values.get("beyond_permutation_low"),
             values.get("beyond_permutation_high"),
             values.get("judged"),
+            values.get("metric_why"),
+            values.get("answer_tokens"),
         )
 
     def headline(self, metric: str) -> str:
-        return f"{metric} {self.base[metric]:.3f} -> {self.candidate[metric]:.3f}"
+        """`rouge_l 0.117 -> 0.891 (open-ended references: ...; answers up to 74 tokens)`: the run's table says the
+        choice and why."""
+        why = f" ({self.metric_why}; answers up to {self.answer_tokens} tokens)" if self.metric_why else ""
+        return f"{metric} {self.base[metric]:.3f} -> {self.candidate[metric]:.3f}{why}"
 
 
 @dataclass(frozen=True)
@@ -187,8 +197,8 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
             candidate_scores = score(load_model(base_dir, adapter_dir, compute), tokenizer, conversations, cfg)
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
         baseline = permutation_baseline(cfg, conversations, base_scores, candidate_scores)
-        judged = decide(cfg, conversations, tokenizer)[1].said()  # as judged_as said it: cfg is decided already
-        result = EvaluationMetrics.of_scores(base_scores, candidate_scores, improvement, baseline, judged)
+        judging = decide(cfg, conversations, tokenizer)[1]  # as judged_as said it: cfg is decided already
+        result = EvaluationMetrics.of_scores(base_scores, candidate_scores, improvement, baseline, judging)
         record = out_dir / EVALUATION_FILE
         write_evaluation(record, cfg, result, improvement, baseline, conversations, base_scores, candidate_scores)
         keep_for_report(ctx, record)  # a refusal stores no artifact; its report still shows what was scored

@@ -683,7 +683,8 @@ def test_a_users_own_data_is_judged_on_its_own_held_out_split_the_way_its_refere
     assert metrics["evaluate/improvement_low"] > 0 and metrics["evaluate/beyond_permutation_low"] > 0, metrics
     assert metrics["evaluate/candidate_rouge_l"] > metrics["evaluate/base_rouge_l"]
     assert "hash split of finance_qa_zh.jsonl" in result.stdout.split("key metric")[-1]  # the run's table
-    assert re.search(r"^evaluate +ran +[0-9.]+ +rouge_l [0-9.]+ -> [0-9.]+$", result.stdout, re.M), result.stdout
+    row = r"^evaluate +ran +[0-9.]+ +rouge_l [0-9.]+ -> [0-9.]+ \(open-ended references: .*; answers up to 74 tokens\)$"
+    assert re.search(row, result.stdout, re.M), result.stdout  # the run's table says the choice and why
 
 
 def test_answers_shuffled_across_questions_are_refused_on_the_permutation_baseline_and_the_report_shows_why(

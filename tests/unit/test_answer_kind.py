@@ -133,3 +133,22 @@ def test_a_candidate_that_gains_as_much_against_other_questions_references_is_re
     assert line.endswith("(evaluate.permutation_check)")
     learned = Baseline(0.111, 0.237, Difference(0.648, 0.616, 0.679, 0.9, 47))  # the finance set's own numbers
     require_improvement(own_data(), scores(0.117, 0.891), Difference(0.774, 0.74, 0.80, 0.9, 47), learned)
+
+
+def test_the_runs_table_says_the_metric_chosen_and_why():
+    from tasks.quality.answer_kind import Choice, Judging
+
+    judging = Judging(Choice("rouge_l", "open-ended references: median 35 characters"), Choice(74, "references: ..."))
+    found = EvaluationMetrics.of_scores(*two_scores(), Difference(0.77, 0.74, 0.8, 0.9, 2), None, judging)
+    assert EvaluationMetrics.from_mlflow(found.as_mlflow()).headline("rouge_l") == (
+        "rouge_l 0.100 -> 0.900 (open-ended references: median 35 characters; answers up to 74 tokens)"
+    )
+
+
+def two_scores():
+    from tasks.quality.scoring import Scores
+
+    def scores(value: float) -> Scores:
+        return Scores({"rouge_l": [value, value], "answer_loss": [1.0, 1.0]}, ["a", "b"])
+
+    return scores(0.1), scores(0.9)
