@@ -117,10 +117,11 @@ def command_proxy(args) -> None:
     path = args.key_file or os.environ.get(KEY_FILE_ENV)
     if not path:
         raise BadInput(f"llmops approval-proxy: --key-file (or {KEY_FILE_ENV}) is required")
+    key = read_key(Path(path))
     approvers = named_approvers(args.approver, args.approver_claim)
     verifier = TokenVerifier(oidc)
     auth_string = os.environ.get("PREFECT_API_AUTH_STRING")
-    app = proxy_app(args.upstream, read_key(Path(path)), verifier, approvers, args.identity_claim, auth_string)
+    app = proxy_app(args.upstream, key, verifier, approvers, args.identity_claim, auth_string)
     # proxy_headers off: the peer is never rewritten from X-Forwarded-For (uvicorn's default believes loopback's)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", proxy_headers=False)
 

@@ -1643,7 +1643,11 @@ def test_a_service_that_autoscales_adds_a_replica_under_load_that_serves_the_can
         said = log.read_text()
         assert "autoscale: starting replica 2 of at most 2 (" in said and "above the target 1)" in said
         assert "autoscale: the new replica did not start or load, and takes no request: " in said
-        assert f"autoscale: stopping replica {added['url']}, 1 left (at most 0 requests in flight over 8 s" in said
+        # quiet: the closed loop stopped; a probe of the routed versions may be the one request in flight at a sample
+        stopping = (
+            rf"autoscale: stopping replica {re.escape(added['url'])}, 1 left \(at most [01] requests in flight over 8 s"
+        )
+        assert re.search(stopping, said), said[-3000:]
         assert "model server fault" not in said[before_load:]  # none met a replica without its version or dead
         assert load.failed == 0 and load.ok > 20, (load.ok, load.failed, load.errors[:5])
         # the probes' requests (one a version each round) are in these counts: the canary's share is above 30%

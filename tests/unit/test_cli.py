@@ -301,6 +301,11 @@ def test_the_approval_proxy_needs_the_operators_key(tmp_path):
     short.write_text("0123\n")
     too_short = subprocess.run([*run, "--key-file", str(short)], capture_output=True, text=True, env=env, timeout=120)
     assert too_short.returncode == 2 and f"approval proxy key file {short}: 4 bytes, at least 32" in too_short.stderr
+    good = tmp_path / "proxy.key"
+    good.write_text("ab" * 32)
+    good.chmod(0o600)
+    nobody = subprocess.run([*run, "--key-file", str(good)], capture_output=True, text=True, env=env, timeout=120)
+    assert nobody.returncode == 2 and "name who may decide releases: --approver PERSON" in nobody.stderr  # issue 74
 
 
 def test_predict_refuses_in_one_line_what_it_cannot_score(tmp_path):
