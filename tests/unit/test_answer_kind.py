@@ -152,3 +152,17 @@ def two_scores():
         return Scores({"rouge_l": [value, value], "answer_loss": [1.0, 1.0]}, ["a", "b"])
 
     return scores(0.1), scores(0.9)
+
+
+def test_the_permutation_check_is_off_where_the_profile_says_so_or_the_metric_is_answer_loss():
+    """The documented fix `--set evaluate.permutation_check=false` (and answer_loss, which has no such baseline)."""
+    from tasks.evaluate import permutation_baseline
+
+    split = [conversation(f"q{n}", f"answer number {n}") for n in range(2)]
+    base, candidate = two_scores()
+    on = own_data()
+    assert permutation_baseline(on, split, base, candidate) is not None
+    off = own_data("evaluate.permutation_check=false")
+    assert permutation_baseline(off, split, base, candidate) is None
+    loss = on.model_copy(update={"metric": "answer_loss"})
+    assert permutation_baseline(loss, split, base, candidate) is None
