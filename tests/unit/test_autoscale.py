@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -85,6 +86,34 @@ def test_a_new_replica_joins_out_of_the_pool_and_a_draining_one_takes_no_request
         added.outstanding = 0
         assert await draining == 0
         assert [r.url for r in pool.replicas] == ["http://a"] and added.triton.closed  # its connections closed
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_closes_a_replicas_connections_only_after_its_probe_in_flight_answered():
+    """The discovery test's CI failure: a probe round in flight when the drain ended had its connection closed
+    under it ("Server disconnected", a model server fault in the log) and said the replica stopped answering."""
+    from tasks.platform.config.serving import HealthSection
+    from tasks.runtime.gateway.probes import Prober
+
+    class SlowUpstream(Upstream):
+        async def generate(self, version: object, inputs: object) -> str:
+            await asyncio.sleep(0.3)
+            if self.closed:
+                raise ConnectionError("Server disconnected")
+            return "pong"
+
+    async def scenario() -> None:
+        pool = Replicas([SlowUpstream("http://a")], CollectorRegistry(), strict=True, connect=SlowUpstream)  # type: ignore[list-item,arg-type]
+        version = SimpleNamespace(name="v1", model="m")
+        prober = Prober(pool, CollectorRegistry(), HealthSection(), lambda: [version], lambda: [version])  # type: ignore[list-item,return-value]
+        probing = asyncio.create_task(prober.round())
+        await asyncio.sleep(0.1)
+        assert await pool.drain("http://a", within_s=5) == 0
+        await probing  # it answered: the drain waited for it
+        assert prober.state[("http://a", "v1")].answered
+        await prober.round()  # a draining replica is probed no more
+        assert prober.probes.labels("http://a", "v1", "ok")._value.get() == 1
 
     asyncio.run(scenario())
 

@@ -96,8 +96,8 @@ class Prober:
 
     async def round(self) -> None:
         """Every version on every replica once; then each replica in the pool or out of it."""
-        versions = self.versions()
-        await asyncio.gather(*(self.probe(r, v) for r in self.replicas.replicas for v in versions))
+        versions, replicas = self.versions(), [r for r in self.replicas.replicas if not r.draining]
+        await asyncio.gather(*(self.probe(r, v) for r in replicas for v in versions))
         names = {v.name for v in versions}
         for gone in [key for key in self.state if key[1] not in names]:
             del self.state[gone]
@@ -128,6 +128,7 @@ class Prober:
         """One probe of `version` on `replica`; its state, counters and (where it keeps failing) its recovery."""
         token = CURRENT.set(RequestRecord(client="probe"))
         refused = False
+        replica.probing += 1  # a drain closes the replica's connections only after this ends
         try:
             async with asyncio.timeout(self.health.probe_timeout_s):
                 await replica.triton.generate(version, PROBE)
@@ -137,6 +138,7 @@ class Prober:
         except TimeoutError:
             answered = False
         finally:
+            replica.probing -= 1
             CURRENT.reset(token)
         state = self.state.setdefault((replica.url, version.name), VersionHealth())
         state.refused = refused

@@ -30,6 +30,7 @@ class Replica:
     outstanding: int = 0
     in_pool: bool = True
     draining: bool = False  # leaving for good (serve.autoscale): no new request, never back in the pool
+    probing: int = 0  # probes in flight (probes.py): its connections stay open until they end
 
     @property
     def url(self) -> str:
@@ -134,6 +135,8 @@ class Replicas:
         self.replicas = [r for r in self.replicas if r is not replica]
         self.up.remove(replica.url)
         cut = replica.outstanding
+        while replica.probing and asyncio.get_running_loop().time() < deadline:  # a probe cut off is no fault of it
+            await asyncio.sleep(0.05)
         await replica.triton.aclose()  # its connections (else asyncio says "Unclosed client session" at GC)
         return cut
 
