@@ -233,7 +233,13 @@ class Fleet:
         try:
             repository = replica.client.repository
             if replica.owned and repository is not None and (repository / model).is_dir():
+                server = replica.server
+                before = server.model_processes([model]) if server is not None else []
                 replica.client.load(model, timeout=self.ctx.profile.serve.load_timeout_s)
+                if server is not None and (left := server.end_left_behind(before)):
+                    self.say(
+                        f"llmops serve: {model} on {url}: ended {len(left)} of its old model processes, left behind"
+                    )
             else:  # not this machine's repository, or a replica that joined after the version's release loaded it
                 for served in self.table_versions():
                     if model in (served.name, served.answered_by[0]):

@@ -25,6 +25,7 @@ The binary: $LLMOPS_TRITONSERVER or `serve.triton_binary`, else the one in the n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -46,7 +47,7 @@ from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_ENV, Triton
 from tasks.serving.model_roots import ROOTS_ENV
 
 if TYPE_CHECKING:
-    pass
+    import psutil
 
 
 def pytriton_root() -> Path:
@@ -213,25 +214,48 @@ class TritonServer:
             self.process.wait(30)
         adapter_registry.forget_map(self.process.pid, str(self.adapter_maps) if self.adapter_maps else None)
 
-    def end_model_processes(self, models: list[str]) -> list[int]:
-        """SIGKILL for the Python-backend model processes of `models` (nothing else of this Triton); the pids. A stub's
-        arguments hold its name: its instance's `<model>_<group>_<instance>`, or the model's own for the stub that
-        completes its config (python_backend src/stub_launcher.cc, Launch: `stub MODEL_PY SHM ... NAME DEFAULT`)."""
+    def model_processes(self, models: list[str]) -> list[psutil.Process]:
+        """The Python-backend model processes of `models` (nothing else of this Triton). A stub's arguments hold its
+        name: its instance's `<model>_<group>_<instance>`, or the model's own for the stub that completes its config
+        (python_backend src/stub_launcher.cc, Launch: `stub MODEL_PY SHM ... NAME DEFAULT`)."""
         import re
 
         import psutil
 
         instance = re.compile(rf"^({'|'.join(re.escape(m) for m in models)})(_\d+)*$")
-        ended = []
+        found = []
         for child in psutil.Process(self.process.pid).children(recursive=True):
             try:
-                arguments = child.cmdline()
-                if any(instance.match(argument) for argument in arguments[1:]):
-                    child.kill()
-                    ended.append(child.pid)
+                if any(instance.match(argument) for argument in child.cmdline()[1:]):
+                    found.append(child)
             except psutil.NoSuchProcess:  # ended meanwhile
                 continue
+        return found
+
+    def end_model_processes(self, models: list[str]) -> list[int]:
+        """SIGKILL for the Python-backend model processes of `models`; the pids."""
+        import psutil
+
+        ended = []
+        for process in self.model_processes(models):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+                ended.append(process.pid)
         return ended
+
+    @staticmethod
+    def end_left_behind(processes: list[psutil.Process], grace_s: float = 10.0) -> list[int]:
+        """Of a model's processes from before it was loaded again, those still there after `grace_s` (the old
+        instances end once their requests in flight did), SIGKILLed; the pids. One instance of a Python-backend
+        model dead, Triton 2.51's reload (and its unload) ends none of the others: each would hold its memory until
+        the Triton stops."""
+        import psutil
+
+        _, alive = psutil.wait_procs(processes, timeout=grace_s)
+        for process in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        return [process.pid for process in alive]
 
     def log_tail(self, lines: int = 5) -> str:
         if not self.log_path or not self.log_path.is_file():

@@ -1504,6 +1504,82 @@ def test_a_service_of_merged_engines_answers_as_its_champion_and_a_killed_serve_
     assert not alive, f"{[p.pid for p in alive]} outlived their llmops serve"
 
 
+def tritons_of(serve_pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(serve_pid).children(recursive=True) if p.name() == "tritonserver"]
+
+
+def model_processes(serve_pid: int) -> dict[int, str]:
+    """The Python-backend stubs under a serve's Tritons: pid -> model instance (`<model>_<group>_<n>`)."""
+    import psutil
+
+    found = {}
+    for process in psutil.Process(serve_pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            arguments = process.cmdline()
+            if arguments and "triton_python_backend_stub" in arguments[0]:  # MODEL_PY SHM ... INSTANCE DEFAULT
+                found[process.pid] = arguments[-2]
+    return found
+
+
+def test_one_dead_model_instance_is_loaded_again_while_the_only_replica_serves_and_its_other_version_is_untouched(
+    home, server, cpu_tiny_store, tls, tmp_path
+):
+    """Issue 73, finding 3: one replica, serve.instance_count 2, the champion and an operator's second version at 30%.
+    One of the champion's two model processes SIGKILLed under load (c=4): Triton 2.51 starts no instance again and
+    fails each request it hands the dead one (`Stub process ... is not healthy`), while the model stays READY and
+    probes pass on the live instance (before: 2,326 of 14,917 requests failed over 50 s, still failing at the end).
+    Now the request that meets it tries again, and the gateway loads the champion again at once: requests stop failing
+    within a few seconds, the only replica never leaves the pool, the other version's processes and the Triton are
+    the same, and the reloaded champion has two live instances again: the old live one, which Triton's reload leaves
+    running (holding its memory), is ended."""
+    process, _ = second_service(
+        home, cpu_tiny_store, tls, tmp_path, "--set", "serve.backend=python", *MERGED, "--set", "serve.instance_count=2"
+    )
+    log, other = tmp_path / "serve.log", tmp_path / "home"
+    try:
+        state = json.loads((other / "triton" / "server.json").read_text())
+        champion_model, second = route_a_second_version(routed_by(other, state), 30)
+        metrics = f"{state['gateway_metrics_url']}/metrics"
+        answering = (f'llmops_gateway_replica_up{{replica="{state["url"]}"}} 1.0',
+                     f'llmops_gateway_version_up{{replica="{state["url"]}",version="{second}"}} 1.0')  # fmt: skip
+        until(lambda: all(line in requests.get(metrics, timeout=10).text for line in answering), 120, log)
+        before = model_processes(process.pid)
+        others = {pid for pid, instance in before.items() if not instance.startswith(f"{champion_model}_")}
+        tritonserver = tritons_of(process.pid)
+        with ClosedLoop(state["gateway_url"], tls, clients=4) as load:
+            until(lambda: load.ok > 40, 60, log)
+            victim = next(pid for pid, instance in before.items() if instance == f"{champion_model}_0_0")
+            mark = len(log.read_text())
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            until(lambda: f"probes: {champion_model} on {state['url']} reloaded" in log.read_text(), 60, log)
+            reloaded_s = time.monotonic() - killed_at
+            answered = load.ok
+            until(lambda: load.ok > answered + 100, 60, log)
+        failed_after = [round(at - killed_at, 1) for at in load.failed_at]
+        said, after, tritonserver_after = log.read_text()[mark:], model_processes(process.pid), tritons_of(process.pid)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+    print(
+        f"\none of {champion_model}'s 2 instances SIGKILLed under c=4: loaded again {reloaded_s:.1f} s after; "
+        f"{len(failed_after)} of {load.ok + load.failed} requests failed, the last {max([0, *failed_after]):.1f} s "
+        "after the kill"
+    )
+    assert all(t > 0 for t in failed_after), (failed_after, load.errors[:5])  # none before the kill
+    assert "one of its instances died; recovering it" in said, said[-3000:]
+    assert all(t < reloaded_s + 2 for t in failed_after), (failed_after, load.errors[:5])
+    assert "leaves the pool" not in said and "restarting that Triton" not in said, said[-3000:]
+    # Triton 2.51 ends none of the other instances' processes: the serve ends the one left behind
+    assert f"{champion_model} on {state['url']}: ended 1 of its old model processes, left behind" in said
+    assert others <= set(after) and tritonserver_after == tritonserver  # the other version's processes, the Triton
+    champion_instances = sorted(i for i in after.values() if i.startswith(f"{champion_model}_"))
+    assert champion_instances == [f"{champion_model}_0_0", f"{champion_model}_0_1"], after
+    assert victim not in after and not (set(after) & (set(before) - others))  # the champion's are new ones
+
+
 def approve_when_waiting(home: Path, approvals: list, done: threading.Event) -> None:
     """`llmops approve` from another terminal, once the release waits for a person (its pending record)."""
     while not done.wait(0.5):
@@ -1527,6 +1603,7 @@ class ClosedLoop:
 
     def __init__(self, url: str, tls: tuple[Path, Path], clients: int):
         self.url, self.tls, self.ok, self.failed, self.errors = url, tls, 0, 0, []
+        self.failed_at: list[float] = []  # time.monotonic() of each failed request's answer
         self.stop, self.lock = threading.Event(), threading.Lock()
         self.threads = [threading.Thread(target=self.client) for _ in range(clients)]
 
@@ -1546,6 +1623,7 @@ class ClosedLoop:
                 self.failed += not good
                 if not good:
                     self.errors.append(str(getattr(answer, "text", answer))[:200])
+                    self.failed_at.append(time.monotonic())
 
     def __enter__(self) -> ClosedLoop:
         for thread in self.threads:

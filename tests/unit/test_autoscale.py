@@ -16,6 +16,7 @@ from tasks.platform.errors import BadInput
 from tasks.runtime.autoscale import Decision, ScalingPolicy
 from tasks.runtime.gateway.replicas import Replicas
 
+VERSION = SimpleNamespace(name="v1", model="m")  # what the pool reads of a version: its names
 POLICY = AutoscaleSection(min_replicas=1, max_replicas=3, target=2, scale_up_window_s=10, scale_down_window_s=30)
 
 
@@ -105,8 +106,7 @@ def test_a_drain_closes_a_replicas_connections_only_after_its_probe_in_flight_an
 
     async def scenario() -> None:
         pool = Replicas([SlowUpstream("http://a")], CollectorRegistry(), strict=True, connect=SlowUpstream)  # type: ignore[list-item,arg-type]
-        version = SimpleNamespace(name="v1", model="m")
-        prober = Prober(pool, CollectorRegistry(), HealthSection(), lambda: [version], lambda: [version])  # type: ignore[list-item,return-value]
+        prober = Prober(pool, CollectorRegistry(), HealthSection(), lambda: [VERSION], lambda: [VERSION])  # type: ignore[list-item,return-value]
         probing = asyncio.create_task(prober.round())
         await asyncio.sleep(0.1)
         assert await pool.drain("http://a", within_s=5) == 0
@@ -282,12 +282,12 @@ def test_at_zero_a_request_wakes_the_pool_and_waits_for_a_replica_within_the_bou
             assert pool.waiting == 0
             return triton.url
 
-        assert await pool.on_one(answer) == "http://a" and len(woken) == 1
-        assert await pool.on_one(answer) == "http://a" and len(woken) == 1  # awake: nothing to wait for
+        assert await pool.on_one(VERSION, answer) == "http://a" and len(woken) == 1
+        assert await pool.on_one(VERSION, answer) == "http://a" and len(woken) == 1  # awake: nothing to wait for
         cold = Replicas([], CollectorRegistry(), strict=True, connect=Upstream)  # type: ignore[arg-type]
         cold.wake_with(lambda: None, cold_start_s=0.2)  # no replica comes
         with pytest.raises(RequestError, match="the model server is not available"):
-            await cold.on_one(answer)
+            await cold.on_one(VERSION, answer)
         assert cold.waiting == 0
 
     asyncio.run(scenario())

@@ -40,12 +40,16 @@ class Upstream:
         self.stall: str | None = None
         self.failing = False
         self.failing_models: set[str] = set()
+        self.fault = ("Stub process 'demo-v1_0_0' is not healthy.", 400)  # every instance dead: what Triton says
+        self.dead_instance = False  # one of two instances dead: every other request reaches it
         self.generated = 0
 
     async def generate(self, request: Request):
         self.generated += 1
         if self.failing or request.path_params["model"] in self.failing_models:
-            return JSONResponse({"error": "Stub process 'demo-v1_0_0' is not healthy."}, status_code=400)
+            return JSONResponse({"error": self.fault[0]}, status_code=self.fault[1])
+        if self.dead_instance and self.generated % 2:
+            return JSONResponse({"error": "Stub process 'demo-v1_0_1' is not healthy."}, status_code=400)
         if (await request.json())["text_input"] == "refuse me":
             return JSONResponse({"error": "the prompt is over the model's context"}, status_code=400)
         if self.stall == "first byte":
@@ -199,8 +203,8 @@ def test_a_model_that_stops_answering_turns_readiness_false_is_recovered_and_rea
     health = HealthSection(probe_interval_s=0.1, probe_timeout_s=1, recover_after=2, recover_cooldown_s=60)
     with gateway(url, health=health, recover=recover) as client:
         assert client.get("/health/ready").status_code == 200
-        fake.failing = True
-        # the stub's death: a 400 in Triton's words, a 503 for the client
+        fake.fault, fake.failing = ("CUDA error: an illegal memory access was encountered", 500), True
+        # Triton's 500 in its words, a 503 for the client
         refused = client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
         deadline = time.monotonic() + 5
@@ -216,6 +220,44 @@ def test_a_model_that_stops_answering_turns_readiness_false_is_recovered_and_rea
     assert f'llmops_gateway_recoveries_total{{model="demo-v1",outcome="reloaded",{replica}}} 1.0' in metrics
     assert f'llmops_gateway_probes_total{{outcome="failed",{replica},version="demo-v1"}}' in metrics
     assert f'llmops_gateway_version_up{{{replica},version="demo-v1"}} 1.0' in metrics
+
+
+def test_one_dead_instance_is_loaded_again_at_once_while_its_replica_stays_in_the_pool_and_requests_are_answered(
+    upstream, caplog
+):
+    """One of two model instances dead (its stub SIGKILLed: Triton 2.51 starts none again, every other request it
+    hands that instance fails while the model stays READY): a request that meets it tries the replica again and is
+    answered, the model is loaded again at once (not after recover_after failed probes, which the live instance keeps
+    from failing in a row), and a probe that meets it leaves the only replica in the pool."""
+    fake, url = upstream
+    recovered: list[str] = []
+    health = HealthSection(probe_interval_s=0.05, probe_timeout_s=1, recover_after=1000, recover_cooldown_s=600)
+
+    def recover(replica: str, model: str) -> str:
+        recovered.append(model)
+        time.sleep(0.5)  # the load: the probes and the requests go on meanwhile
+        fake.dead_instance = False
+        return "reloaded"
+
+    with gateway(url, health=health, recover=recover) as client:
+        fake.dead_instance = True
+        statuses = [client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}).status_code]
+        time.sleep(0.3)  # probes meet the dead instance as well
+        statuses += [client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}).status_code]
+        deadline = time.monotonic() + 5
+        while fake.dead_instance and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not fake.dead_instance and recovered == ["demo-v1"]  # once, for one request's and many probes' meetings
+        metrics = scrape(client).text
+        fake.dead_instance = True  # dead again 10 s after it was loaded again: a new death, no cool-down for it
+        assert client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}).status_code == 200
+        time.sleep(0.3)
+        assert recovered == ["demo-v1"]  # within 10 s of the last reload: the cool-down holds
+    assert statuses == [200, 200]
+    assert f'llmops_gateway_replica_up{{replica="{url}"}} 1.0' in metrics
+    assert not [r.message for r in caplog.records if "leaves the pool" in r.message]
+    assert "demo-v1 on " + url + " one of its instances died; recovering it" in caplog.text
+    assert f'llmops_gateway_recoveries_total{{model="demo-v1",outcome="reloaded",replica="{url}"}} 1.0' in metrics
 
 
 def test_readiness_is_false_while_the_probes_fail(upstream):

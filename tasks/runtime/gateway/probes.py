@@ -10,6 +10,11 @@ After `recover_after` failed probes in a row the version's Triton model on that 
 (loading it again; `llmops serve` restarts the replica's Triton where that fails), at most once per
 `recover_cooldown_s`. Everything is counted on /metrics: each probe's outcome, each version's state per replica,
 each recovery's outcome.
+
+One dead instance of a model with several (serve.instance_count) is its own fault: Triton 2.51 starts none again,
+and probes pass whenever they reach a live one. A request or a probe that meets one (upstream.DEAD_INSTANCE) has the
+model loaded again on that replica at once (a load replaces the instances without a gap, the replica's other versions
+untouched); a probe that met it keeps the replica in the pool, whose other instances answer.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tasks.platform.config.serving import HealthSection
 from tasks.runtime.gateway.access import CURRENT, RequestRecord
 from tasks.runtime.gateway.protocol import RequestError
 from tasks.runtime.gateway.replicas import Replica, Replicas
+from tasks.runtime.gateway.upstream import Unanswered
 from tasks.runtime.gateway.work import Pools
 
 LOG = logging.getLogger("llmops.gateway")
@@ -43,6 +49,7 @@ class VersionHealth:
 
 
 Recover = Callable[[str, str], str]  # (replica URL, Triton model) -> what was done: "reloaded", "restarted"
+DEAD_AGAIN_S = 10.0  # after a reload, an instance found dead this much later is a new death: no cooldown for it
 
 
 class Prober:
@@ -65,6 +72,8 @@ class Prober:
         self.state: dict[tuple[str, str], VersionHealth] = {}  # (replica URL, version name)
         self.recovered_at: dict[tuple[str, str], float] = {}
         self.recovering: set[tuple[str, str]] = set()
+        self.reloaded: set[tuple[str, str]] = set()  # whose last recovery loaded it again
+        replicas.instance_died = self.instance_died
         self.probes = Counter(
             "llmops_gateway_probes",
             "Synthetic requests to each version on each replica, by outcome (ok, failed).",
@@ -133,6 +142,10 @@ class Prober:
             async with asyncio.timeout(self.health.probe_timeout_s):
                 await replica.triton.generate(version, PROBE)
             answered = True
+        except Unanswered as unanswered:
+            answered, refused = False, not unanswered.dead_instance  # another instance may answer the next
+            if unanswered.dead_instance:
+                self.instance_died(replica.url, version)
         except RequestError as error:
             answered, refused = False, error.status != 504  # a 504: Triton's own deadline, a timeout as well
         except TimeoutError:
@@ -159,26 +172,36 @@ class Prober:
         would load it again under the release's feet (a reload unloads the version before the new one is ready)."""
         return any(routed.name == version.name for routed in self.routed())
 
-    def start_recovery(self, replica: str, model: str) -> None:
+    def instance_died(self, replica: str, version: Version) -> None:
+        """A request or a probe found one of `version`'s instances dead on `replica`."""
+        if self.recoverable(version):
+            self.start_recovery(replica, version.model, "one of its instances died", dead_instance=True)
+
+    def start_recovery(self, replica: str, model: str, why: str = "keeps failing", dead_instance: bool = False) -> None:
         key = (replica, model)
         since = time.monotonic() - self.recovered_at.get(key, -math.inf)
-        if self.recover is None or key in self.recovering or since < self.health.recover_cooldown_s:
+        cooldown_s = DEAD_AGAIN_S if dead_instance and key in self.reloaded else self.health.recover_cooldown_s
+        if self.recover is None or key in self.recovering or since < cooldown_s:
             return
         self.recovering.add(key)
         self.recovered_at[key] = time.monotonic()
-        task = asyncio.create_task(self.recovery(replica, model))
+        task = asyncio.create_task(self.recovery(replica, model, why))
         task.add_done_callback(lambda _: self.recovering.discard(key))
 
-    async def recovery(self, replica: str, model: str) -> None:
+    async def recovery(self, replica: str, model: str, why: str) -> None:
         assert self.recover is not None
-        LOG.warning("probes: %s on %s keeps failing; recovering it", model, replica)
+        LOG.warning("probes: %s on %s %s; recovering it", model, replica, why)
+        started = time.monotonic()
         try:
             outcome = await self.pools.job(self.recover, replica, model)  # minutes: never in an answer's way
         except Exception as exc:  # a recovery that failed is counted and logged; the probes go on
             LOG.warning("probes: recovering %s on %s failed: %s", model, replica, exc)
             outcome = "failed"
+        else:
+            LOG.warning("probes: %s on %s %s (%.1f s)", model, replica, outcome, time.monotonic() - started)
         self.recoveries.labels(replica, model, outcome).inc()
         self.recovered_at[(replica, model)] = time.monotonic()
+        (self.reloaded.add if outcome == "reloaded" else self.reloaded.discard)((replica, model))
 
     async def ready(self) -> bool:
         """A replica answers for every routed version: by its last probes, else by probing it now (a replica that

@@ -22,6 +22,10 @@ from tasks.control.contract import Version
 from tasks.runtime.gateway.upstream import Answer, Triton, Unanswered, server_fault, text_pieces
 
 LOG = logging.getLogger("llmops.gateway")
+# A request that found one of a version's model instances dead tries the same replica this many times in all: the
+# dead instance fails at once, and Triton hands the next request to whichever instance is free (mostly the dead one,
+# which is free the soonest), so a second and a third try mostly reach a live one.
+DEAD_INSTANCE_TRIES = 3
 
 
 @dataclass
@@ -54,6 +58,8 @@ class Replicas:
         self.wake: Callable[[], None] | None = None  # serve.autoscale at zero: asks for a replica (wake_with)
         self.cold_start_s = 0.0
         self.waiting = 0  # requests waiting for a replica to start
+        # a request found one of a version's instances dead on a replica (probes.py loads that model again)
+        self.instance_died: Callable[[str, Version], None] = lambda url, version: None
         self.up = Gauge(
             "llmops_gateway_replica_up", "1 while the replica is in the pool, else 0.", ["replica"], registry=registry
         )
@@ -140,9 +146,11 @@ class Replicas:
         await replica.triton.aclose()  # its connections (else asyncio says "Unclosed client session" at GC)
         return cut
 
-    async def on_one(self, work: Callable[[Triton], Any]) -> Any:
-        """`work(triton)` on the least busy replica; where it was not answered there, on another."""
+    async def on_one(self, version: Version, work: Callable[[Triton], Any]) -> Any:
+        """`work(triton)` on the least busy replica; where it was not answered there, on another (or, where one of the
+        version's instances was found dead there, on the same one again: DEAD_INSTANCE_TRIES)."""
         tried: set[str] = set()
+        dead_instance_tries = 0
         await self.woken()
         while True:
             replica = self.pick(tried)
@@ -150,6 +158,11 @@ class Replicas:
             try:
                 return await work(replica.triton)
             except Unanswered as unanswered:
+                if unanswered.dead_instance:
+                    self.instance_died(replica.url, version)
+                    dead_instance_tries += 1
+                    if dead_instance_tries < DEAD_INSTANCE_TRIES:
+                        continue
                 tried.add(replica.url)
                 if unanswered.down:
                     self.leave(replica, "not reachable")
@@ -159,13 +172,13 @@ class Replicas:
                 replica.outstanding -= 1
 
     async def generate(self, version: Version, inputs: dict[str, Any]) -> str:
-        return await self.on_one(lambda triton: triton.generate(version, inputs))
+        return await self.on_one(version, lambda triton: triton.generate(version, inputs))
 
     async def generate_outputs(self, version: Version, inputs: dict[str, Any]) -> dict[str, Any]:
-        return await self.on_one(lambda triton: triton.generate_outputs(version, inputs))
+        return await self.on_one(version, lambda triton: triton.generate_outputs(version, inputs))
 
     async def forward(self, version: Version, body: dict[str, Any]) -> Answer:
-        return await self.on_one(lambda triton: triton.forward(version, body))
+        return await self.on_one(version, lambda triton: triton.forward(version, body))
 
     async def forward_stream(
         self, version: Version, body: dict[str, Any], ended: Callable[[bool], None] = lambda ok: None
@@ -180,7 +193,7 @@ class Replicas:
             holder.append(replica)
             return response, chunks
 
-        response, chunks = await self.on_one(started)
+        response, chunks = await self.on_one(version, started)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -214,7 +227,7 @@ class Replicas:
             holder.append((replica, events))
             return event
 
-        event = await self.on_one(first)
+        event = await self.on_one(version, first)
         replica, events = holder[0]
         try:
             while event is not None:

@@ -52,6 +52,9 @@ def chunk_timeouts(between_chunks_s: float) -> httpx.Timeout:
 # "... is not ready", and the base engine's for an adapter not (yet, or no longer) registered: "adapter 'x' is not
 # loaded on ...". The gateway routes only to versions a release loaded: such a model is only not loaded *yet*.
 NOT_LOADED = re.compile(r"unknown model|not ready|no available versions|not loaded|is not healthy", re.IGNORECASE)
+# One model instance's process died (its stub SIGKILLed, out of memory): Triton 2.51 starts none again and fails each
+# request it hands that instance with these words, while the model stays READY and its other instances answer.
+DEAD_INSTANCE = re.compile(r"Stub process '[^']*' is not healthy")
 # A full queue (serve.max_queue_size): the python model's batcher says so with 503 itself; a decoupled model's
 # refusal comes as 400, because Triton 2.51 drops a Python-backend error's code on a decoupled model's response.
 BUSY = re.compile(r"Exceeds maximum queue size")
@@ -78,20 +81,21 @@ class Unanswered(RequestError):
     """A 503 for a request this Triton did not start answering (nothing reached the client yet): it could not be
     reached (`down`), or the version's model is not (or no longer) loaded there. Another replica may answer it."""
 
-    def __init__(self, message: str, down: bool):
+    def __init__(self, message: str, down: bool, dead_instance: bool = False):
         super().__init__(503, message, code="service_unavailable", retry_after=RETRY_AFTER_S)
-        self.down = down
+        self.down, self.dead_instance = down, dead_instance  # dead_instance: DEAD_INSTANCE's words
 
 
 def server_fault(status: int, detail: str, down: bool | None = None) -> RequestError:
     """A 5xx for the client, with its request id; what went wrong (Triton's own words) only in the log. `down`: a
-    503 of a request not started (Unanswered), the Triton unreachable (True) or the model not loaded (False)."""
+    503 of a request not started (Unanswered), the Triton unreachable (True) or the model not loaded (False, or one
+    of its instances dead: DEAD_INSTANCE)."""
     request_id = current().id
     ERROR_LOG.warning("request %s: model server fault (%s): %s", request_id, status, detail[:2000])
     if status == 503:
         message = f"the model server is not available; try again shortly (request id {request_id})"
         if down is not None:
-            return Unanswered(message, down)
+            return Unanswered(message, down, dead_instance=DEAD_INSTANCE.search(detail) is not None)
         return RequestError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_S)
     return RequestError(status, f"the model server failed to answer (request id {request_id})", code="server_error")
 
