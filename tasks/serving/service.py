@@ -84,7 +84,8 @@ class ServiceControl:
     def write(self, method: str, path: str, body: Mapping[str, Any], timeout: float = 30) -> dict:
         """A change of the service, fenced: with the release's epoch, never once the release lost the service."""
         self.refuse_if_lost()
-        fenced = {**body, "epoch": self.fence.epoch} if self.fence else dict(body)
+        fence = self.fence
+        fenced = {**body, "epoch": fence.epoch, "epoch_of": fence.release} if fence else dict(body)
         response = self.send(method, path, fenced, timeout)
         if response.status_code == 409 and "owner" in json_object(response) and self.fence is not None:
             self.lose(f"{error_text(response)}; this release wrote nothing more")

@@ -473,6 +473,27 @@ def test_a_release_suspended_for_approval_stays_the_owner_and_its_resumed_run_ow
     assert "serving_lock.released_at" in resumed.tags
 
 
+def test_a_lost_record_gives_epoch_1_again_and_the_release_it_was_first_given_to_is_still_refused(service, tmp_path):
+    """Issue 73's fencing hole: epochs start over where the record is lost (on Kubernetes it lives in an emptyDir).
+    Every fenced write names the release its epoch was given to (the client's `epoch_of`), so run-a, stopped with
+    epoch 1 of the lost record, cannot write over run-b, which the new record gave epoch 1 too."""
+    from tasks.platform.errors import LostService
+    from tasks.serving.service import Fence
+
+    _, _, control = service()
+    assert control.put("/control/v1/owner", json={"release": "run-a", "lease_s": 600}).json()["owner"]["epoch"] == 1
+    (tmp_path / "serving" / f"{SERVICE}.json").unlink()  # the volume went with its pod
+    gateway, _, control = service()
+    assert control.put("/control/v1/owner", json={"release": "run-b", "lease_s": 600}).json()["owner"]["epoch"] == 1
+    stale = ServiceControl(str(control.base_url), CONTROL_KEY, fence=Fence("run-a", 1))
+    stale.send = lambda method, path, body, timeout: control.request(method, path, json=body)  # type: ignore[method-assign]
+    with pytest.raises(LostService, match="owned by release run-b"):
+        stale.stop_shadow()  # a write whose body names no release: epoch_of does
+    no_release = control.put("/control/v1/routes", json={"weights": {CHAMPION.name: 100}, "epoch": 1})
+    assert no_release.status_code == 400 and no_release.json()["error"].startswith("epoch_of: ")
+    assert gateway.table.owner.release == "run-b"
+
+
 def test_the_gateways_of_one_home_share_the_services_owner_through_its_record(service):
     """`llmops serve`'s gateway and a release's temporary one read and write the same record: a release that gave
     the service up at one gateway frees it for a release queued at the other."""

@@ -31,8 +31,9 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
 
 Fencing: every write (deployment, routes, shadow, lease, loads, loads/hung) of a release carries the epoch its
-ownership was given ({"epoch": N}); while a release owns the service, a write whose epoch is not the owner's, or
-that carries none, is a 409 {"error": ..., "owner": {...}} naming the owner, and so is a write with an epoch once
+ownership was given and the release it was given to ({"epoch": N, "epoch_of": RUN}; a write whose own `release`
+names it may leave epoch_of out); while a release owns the service, a write whose epoch and release are not the
+owner's, or that carries none, is a 409 {"error": ..., "owner": {...}} naming the owner, and so is a write with an epoch once
 that ownership lapsed: a release that lost the service (taken over, or its lease lapsed in a long benchmark) cannot
 write over the next one's canary (Chubby's sequencers, Kubernetes' resourceVersion). A write without an epoch (an
 operator's) is taken while no release owns the service.
@@ -88,18 +89,21 @@ class Fenced(RequestError):
 
 
 def fence(table: RouteTable, data: dict[str, Any], now: float) -> None:
-    """Refuse a write that does not carry the live owner's epoch (and, where it names one, its release); one without
-    an epoch only while no release owns the service. Called under the table's lock, on the owner the record holds."""
-    epoch, release = data.get("epoch"), data.get("release")
+    """Refuse a write that does not carry the live owner's epoch and release; one without an epoch only while no
+    release owns the service. Both, because an epoch alone may be given twice: one that a record lost with its
+    volume (an emptyDir) gave starts over at 1. Called under the table's lock, on the owner the record holds."""
+    epoch, release = data.get("epoch"), data.get("epoch_of", data.get("release"))
     if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
         raise RequestError(400, "epoch: the whole number PUT /control/v1/owner gave the release")
+    if epoch is not None and not (isinstance(release, str) and release):
+        raise RequestError(400, "epoch_of: a write with an epoch names the release it was given to")
     owner = table.owner
     if owner is None or owner.expired(now):
         if epoch is None:
             return
         lapsed = f"the ownership of release {owner.release} lapsed" if owner else "no release owns it"
         raise Fenced(f"{table.service}: a write of epoch {epoch} refused: {lapsed}; own the service again", owner)
-    if epoch == owner.epoch and release in (None, owner.release):
+    if epoch == owner.epoch and release == owner.release:
         return
     given = f"epoch {epoch}" if epoch is not None else "no epoch"
     raise Fenced(f"{table.service} is owned by {owner.describe()}; a write with {given} refused", owner)
