@@ -36,12 +36,12 @@ def predict(
         concurrency: requests in flight (default: what the version's engine batches).
         service_url: the service's gateway (default: the `llmops serve` of the worker's LLMOPS_HOME).
 
-    Through the Prefect API, service_url must be on the worker's LLMOPS_RUN_ENDPOINTS, and data_source and output
+    Through the Prefect API, service_url must be on the worker's LLMOPS_RUN_SERVICES, and data_source and output
     inside its LLMOPS_RUN_LOCATIONS (tasks/platform/run_policy.py), before the key is read or a row is sent.
     """
     if runtime.deployment.id:  # started through the Prefect API: nothing it names is taken on trust
         check_api_profile(profile)
-        refuse_unlisted_endpoint("service_url", service_url)
+        refuse_unlisted_endpoint("service_url", service_url, "service")
         refuse_unlisted_location("data_source", data_source)
         refuse_unlisted_location("output", output)
     served = load_profile(profile)

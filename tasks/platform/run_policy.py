@@ -1,20 +1,28 @@
-"""What a flow run started through the Prefect API may name: one allow-list, which the operator sets in the worker's
+"""What a flow run started through the Prefect API may name: allow-lists, which the operator sets in the worker's
 environment.
 
 Whoever reaches the Prefect API (the UI's login, a token) writes a run's parameters. A URL there receives the
 worker's secrets (the Triton control key, the MLflow login, the OpenAI key), a path there is read or written by the
 worker (its SSH keys, its pgpass). So every endpoint and location a run's parameters name is checked here, before
-the flow reads a secret or a file, and refused with one line naming the parameter and the setting:
+the flow reads a secret or a file, and refused with one line naming the parameter and the setting. One list per
+kind of endpoint, by what it receives (issue 74, finding 2: one list for all let `tracking_uri` name the judge's
+host, which then got the MLflow login):
 
-    LLMOPS_RUN_ENDPOINTS   comma-separated URLs or host:port that a run may name: Tritons' HTTP, gRPC and metrics
-                           endpoints, a service's gateway, an MLflow server. Compared by scheme, host and port, parsed
-                           as the HTTP client parses them (a URL with userinfo or a backslash is refused); the older
+    LLMOPS_RUN_TRITONS     Tritons' HTTP, gRPC and metrics endpoints (they get the Triton control key); the older
                            LLMOPS_TRITON_URLS counts too.
+    LLMOPS_RUN_MLFLOW      MLflow servers a run may track to (they get the MLflow login).
+    LLMOPS_RUN_SERVICES    services' gateways that `llmops predict` may send a dataset to (they get the API key).
+    LLMOPS_RUN_JUDGES      judges' OpenAI-compatible APIs (they get the judge's key, the eval split and the answers).
+    LLMOPS_RUN_METRICS     Prometheus servers a canary may read (what they answer reaches the run's log).
     LLMOPS_RUN_MODELS      comma-separated hub model ids (org/name) a run may name as base_model.source; an s3://
                            prefix or a folder there is a location (LLMOPS_RUN_LOCATIONS).
     LLMOPS_RUN_LOCATIONS   comma-separated folders and s3://bucket/prefix that a run may read data from or write to.
                            A local path is taken as it resolves (symbolic links followed), so a link planted inside
                            a listed folder reaches nothing outside it.
+
+Each endpoint list is comma-separated URLs or host:port, compared by scheme, host and port, parsed as the HTTP client
+parses them (a URL with userinfo or a backslash is refused). A URL on one list is refused for another kind, naming
+the list it would need. The single LLMOPS_RUN_ENDPOINTS of before is refused with one line saying how to split it.
 
 What the worker itself is set to (its own LLMOPS_TRITON_URL, MLFLOW_TRACKING_URI, LLMOPS_ARTIFACTS, ...) and the
 project's embedded data (profiles/data) are always allowed. A run started from a terminal (`llmops run`) is its
@@ -32,8 +40,16 @@ from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.project import PROJECT_ROOT
 
-ENDPOINTS_ENV = "LLMOPS_RUN_ENDPOINTS"
+OLD_ENDPOINTS_ENV = "LLMOPS_RUN_ENDPOINTS"  # one list for every kind: refused (finding 2)
 TRITON_URLS_ENV = "LLMOPS_TRITON_URLS"  # the older allow-list, of Tritons only
+# a kind of endpoint: (its allow-list, what it receives)
+ENDPOINT_KINDS = {
+    "triton": ("LLMOPS_RUN_TRITONS", "the Triton control key"),
+    "mlflow": ("LLMOPS_RUN_MLFLOW", "the MLflow login"),
+    "service": ("LLMOPS_RUN_SERVICES", "a service's API key and the dataset"),
+    "judge": ("LLMOPS_RUN_JUDGES", "the judge's key, the eval split and the answers"),
+    "metrics": ("LLMOPS_RUN_METRICS", "a read whose answer reaches the run's log"),
+}
 LOCATIONS_ENV = "LLMOPS_RUN_LOCATIONS"
 MODELS_ENV = "LLMOPS_RUN_MODELS"  # hub model ids a run may train on
 EMBEDDED_DATA = PROJECT_ROOT / "profiles" / "data"
@@ -89,21 +105,40 @@ def listed_endpoints(values: Iterable[str]) -> list[Endpoint]:
     return found
 
 
-def refuse_unlisted_endpoint(parameter: str, value: str | None, own: Iterable[str | None] = ()) -> None:
-    """`value` (a run parameter's URL or host:port) must be one of the worker's own settings or listed, compared as
-    the client that will use it parses it."""
+def kind_list(kind: str) -> list[str]:
+    """The allow-list of endpoints of `kind` (ENDPOINT_KINDS), the older Triton list with the Tritons'."""
+    if OLD_ENDPOINTS_ENV in os.environ:
+        lists = ", ".join(env for env, _ in ENDPOINT_KINDS.values())
+        raise BadInput(
+            f"{OLD_ENDPOINTS_ENV} (in this worker's environment): one list for every kind of endpoint is no longer "
+            f"read; list each endpoint by what it receives, in {lists} (docs/security.md)"
+        )
+    return [*listed(ENDPOINT_KINDS[kind][0]), *(listed(TRITON_URLS_ENV) if kind == "triton" else [])]
+
+
+def refuse_unlisted_endpoint(parameter: str, value: str | None, kind: str, own: Iterable[str | None] = ()) -> None:
+    """`value` (a run parameter's URL or host:port, an endpoint of `kind`) must be one of the worker's own settings
+    or on that kind's list, compared as the client that will use it parses it."""
     if not value:
         return
     try:
         asked = endpoint(value)
     except ValueError as why:
         raise BadInput(f"{parameter} {value}: {why}; nothing was sent") from None
-    allowed = [*listed(ENDPOINTS_ENV), *listed(TRITON_URLS_ENV), *(o for o in own if o)]
+    allowed = [*kind_list(kind), *(o for o in own if o)]
     if any(same_endpoint(asked, entry) for entry in listed_endpoints(allowed)):
         return
+    env, receives = ENDPOINT_KINDS[kind]
+    elsewhere = [
+        other_env
+        for other, (other_env, _) in ENDPOINT_KINDS.items()
+        if other != kind and any(same_endpoint(asked, entry) for entry in listed_endpoints(kind_list(other)))
+    ]
+    listed_for = f"; it is on {', '.join(elsewhere)}, which admits no other kind" if elsewhere else ""
     raise BadInput(
-        f"{parameter} {value}: a run started through the Prefect API may name only this worker's own endpoints or "
-        f"one of {ENDPOINTS_ENV} in its environment ({', '.join(listed(ENDPOINTS_ENV)) or 'empty'}); nothing was sent"
+        f"{parameter} {value}: a run started through the Prefect API may send {receives} only to this worker's own "
+        f"endpoints or one of {env} in its environment ({', '.join(listed(env)) or 'empty'}){listed_for}; nothing "
+        "was sent"
     )
 
 
@@ -160,7 +195,7 @@ def refuse_unlisted_tracking(parameter: str, value: str | None, own: str | None)
         return
     scheme = urlsplit(value).scheme
     if scheme in ("http", "https", "databricks"):
-        refuse_unlisted_endpoint(parameter, value, [own])
+        refuse_unlisted_endpoint(parameter, value, "mlflow", [own])
     elif scheme in ("sqlite", "file", ""):
         path = value.split("://", 1)[1] if "://" in value else value
         refuse_unlisted_location(parameter, path.removeprefix("/") if path.startswith("//") else path)
@@ -184,10 +219,10 @@ def check_release_parameters(
     refuse_unlisted_location("eval_data", None if eval_data == "profile" else eval_data)
     refuse_unlisted_tracking("tracking_uri", tracking_uri, env("MLFLOW_TRACKING_URI"))
     refuse_unlisted_location("artifacts", artifacts, [env("LLMOPS_ARTIFACTS")])
-    refuse_unlisted_endpoint("triton_url", triton_url, [env("LLMOPS_TRITON_URL")])
+    refuse_unlisted_endpoint("triton_url", triton_url, "triton", [env("LLMOPS_TRITON_URL")])
     refuse_unlisted_location("triton_repository", triton_repository, [env("LLMOPS_TRITON_REPOSITORY")])
-    refuse_unlisted_endpoint("triton_grpc_url", triton_grpc_url, [env("LLMOPS_TRITON_GRPC_URL")])
-    refuse_unlisted_endpoint("triton_metrics_url", triton_metrics_url, [env("LLMOPS_TRITON_METRICS_URL")])
+    refuse_unlisted_endpoint("triton_grpc_url", triton_grpc_url, "triton", [env("LLMOPS_TRITON_GRPC_URL")])
+    refuse_unlisted_endpoint("triton_metrics_url", triton_metrics_url, "triton", [env("LLMOPS_TRITON_METRICS_URL")])
 
 
 def check_profile_locations(config: Profile, shipped: Profile) -> None:
@@ -202,7 +237,7 @@ def check_profile_locations(config: Profile, shipped: Profile) -> None:
     if config.base_model.source != shipped.base_model.source:
         refuse_unlisted_model("overrides base_model.source", config.base_model.source)
     if config.canary.prometheus_url != shipped.canary.prometheus_url:
-        refuse_unlisted_endpoint("overrides canary.prometheus_url", config.canary.prometheus_url)
+        refuse_unlisted_endpoint("overrides canary.prometheus_url", config.canary.prometheus_url, "metrics")
     judge, written_judge = config.evaluate.judge, shipped.evaluate.judge
     if judge is not None and (written_judge is None or judge.url != written_judge.url):
-        refuse_unlisted_endpoint("overrides evaluate.judge.url", judge.url)  # it gets the eval split and the answers
+        refuse_unlisted_endpoint("overrides evaluate.judge.url", judge.url, "judge")

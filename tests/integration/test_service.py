@@ -461,7 +461,7 @@ def test_bad_parameters_reach_the_caller_as_clear_messages(service, first_releas
 
 def test_an_api_predict_naming_a_stranger_service_or_worker_files_is_refused_before_the_key_is_sent(service):
     """Issue 61, finding 2: the predict deployment sends the worker's OPENAI_API_KEY to its service_url and reads and
-    writes the files its parameters name. From the API, a service URL off LLMOPS_RUN_ENDPOINTS (a listening socket
+    writes the files its parameters name. From the API, a service URL off LLMOPS_RUN_SERVICES (a listening socket
     here), an input file and an output path outside LLMOPS_RUN_LOCATIONS (the stack's: s3://datasets) are each
     refused with one line naming the parameter, before any request: the socket sees no connection."""
     import socket

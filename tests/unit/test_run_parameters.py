@@ -30,27 +30,56 @@ def no_allow_lists(monkeypatch):
     for name in (
         "LLMOPS_RUN_ENDPOINTS", "LLMOPS_RUN_LOCATIONS", "LLMOPS_TRITON_URLS", "LLMOPS_TRITON_URL", "MLFLOW_TRACKING_URI",
         "LLMOPS_ARTIFACTS", "LLMOPS_TRITON_GRPC_URL", "LLMOPS_TRITON_METRICS_URL", "LLMOPS_TRITON_REPOSITORY",
+        "LLMOPS_RUN_TRITONS", "LLMOPS_RUN_MLFLOW", "LLMOPS_RUN_SERVICES", "LLMOPS_RUN_JUDGES", "LLMOPS_RUN_METRICS",
     ):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
 
 
 def test_an_endpoint_is_the_workers_own_or_listed_by_host_and_port(monkeypatch):
-    with pytest.raises(BadInput, match=r"^triton_grpc_url evil\.example:8001: .* LLMOPS_RUN_ENDPOINTS .* \(empty\)"):
-        refuse_unlisted_endpoint("triton_grpc_url", "evil.example:8001")
-    refuse_unlisted_endpoint("triton_grpc_url", "triton.internal:8001", ["triton.internal:8001"])  # its own
-    monkeypatch.setenv("LLMOPS_RUN_ENDPOINTS", "https://triton.internal:8000, triton.internal:8001,https://mlflow.corp")
-    refuse_unlisted_endpoint("triton_metrics_url", "https://triton.internal:8000/metrics")
-    refuse_unlisted_endpoint("triton_grpc_url", "triton.internal:8001")
-    refuse_unlisted_endpoint("tracking_uri", "https://mlflow.corp:443")  # the scheme's port
+    with pytest.raises(BadInput, match=r"^triton_grpc_url evil\.example:8001: .* LLMOPS_RUN_TRITONS .* \(empty\)"):
+        refuse_unlisted_endpoint("triton_grpc_url", "evil.example:8001", "triton")
+    refuse_unlisted_endpoint("triton_grpc_url", "triton.internal:8001", "triton", ["triton.internal:8001"])  # its own
+    monkeypatch.setenv("LLMOPS_RUN_TRITONS", "https://triton.internal:8000, triton.internal:8001")
+    monkeypatch.setenv("LLMOPS_RUN_MLFLOW", "https://mlflow.corp")
+    refuse_unlisted_endpoint("triton_metrics_url", "https://triton.internal:8000/metrics", "triton")
+    refuse_unlisted_endpoint("triton_grpc_url", "triton.internal:8001", "triton")
+    refuse_unlisted_endpoint("tracking_uri", "https://mlflow.corp:443", "mlflow")  # the scheme's port
     for value in (
         "https://triton.internal:8002",
         "http://triton.internal.evil.example:8000",
         "https://mlflow.corp:8443",
     ):
-        with pytest.raises(BadInput, match="LLMOPS_RUN_ENDPOINTS"):
-            refuse_unlisted_endpoint("service_url", value)
+        with pytest.raises(BadInput, match="LLMOPS_RUN_SERVICES"):
+            refuse_unlisted_endpoint("service_url", value, "service")
     monkeypatch.setenv("LLMOPS_TRITON_URLS", "https://canary.internal:8000")  # the older list counts too
-    refuse_unlisted_endpoint("triton_url", "https://canary.internal:8000/")
+    refuse_unlisted_endpoint("triton_url", "https://canary.internal:8000/", "triton")
+
+
+def test_an_endpoint_listed_for_one_secret_is_refused_for_another_naming_the_list_it_needs(monkeypatch):
+    """Issue 74, finding 2: with one list, the judge's `https://api.openai.com/v1` listed let `tracking_uri` send the
+    MLflow login to api.openai.com. Each kind has its list; the single list of before is refused, saying how to
+    split it."""
+    monkeypatch.setenv("LLMOPS_RUN_JUDGES", "https://api.openai.com/v1")
+    refuse_unlisted_endpoint("overrides evaluate.judge.url", "https://api.openai.com/v1", "judge")
+    with pytest.raises(BadInput) as refused:
+        refuse_unlisted_tracking("tracking_uri", "https://api.openai.com", "http://127.0.0.1:5000")
+    assert str(refused.value) == (
+        "tracking_uri https://api.openai.com: a run started through the Prefect API may send the MLflow login only "
+        "to this worker's own endpoints or one of LLMOPS_RUN_MLFLOW in its environment (empty); it is on "
+        "LLMOPS_RUN_JUDGES, which admits no other kind; nothing was sent"
+    )
+    for kind, env in (
+        ("service", "LLMOPS_RUN_SERVICES"),
+        ("metrics", "LLMOPS_RUN_METRICS"),
+        ("triton", "LLMOPS_RUN_TRITONS"),
+    ):
+        with pytest.raises(BadInput, match=env):
+            refuse_unlisted_endpoint("x", "https://api.openai.com", kind)
+    monkeypatch.setenv("LLMOPS_RUN_ENDPOINTS", "https://mlflow.corp")
+    with pytest.raises(
+        BadInput, match=r"^LLMOPS_RUN_ENDPOINTS \(in this worker's environment\): one list .*LLMOPS_RUN_TRITONS"
+    ):
+        refuse_unlisted_endpoint("tracking_uri", "https://mlflow.corp", "mlflow")
 
 
 def test_a_location_lies_inside_a_listed_one_as_it_resolves(monkeypatch, tmp_path):
@@ -78,7 +107,7 @@ def test_a_location_lies_inside_a_listed_one_as_it_resolves(monkeypatch, tmp_pat
 def test_a_tracking_uri_is_an_endpoint_or_a_location(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     refuse_unlisted_tracking("tracking_uri", "http://127.0.0.1:5000", "http://127.0.0.1:5000")
-    with pytest.raises(BadInput, match=r"^tracking_uri https://collector\.evil\.example: .*LLMOPS_RUN_ENDPOINTS"):
+    with pytest.raises(BadInput, match=r"^tracking_uri https://collector\.evil\.example: .*LLMOPS_RUN_MLFLOW"):
         refuse_unlisted_tracking("tracking_uri", "https://collector.evil.example", "http://127.0.0.1:5000")
     with pytest.raises(BadInput, match=r"^tracking_uri /root/\.ssh/mlflow\.db: .*LLMOPS_RUN_LOCATIONS"):
         refuse_unlisted_tracking("tracking_uri", "sqlite:////root/.ssh/mlflow.db", None)
@@ -135,7 +164,8 @@ def test_a_url_the_client_reads_as_another_host_is_refused_before_anything_is_se
 
     monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", API_RUN)
     monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("LLMOPS_RUN_ENDPOINTS", "http://127.0.0.1:5000")
+    monkeypatch.setenv("LLMOPS_RUN_MLFLOW", "http://127.0.0.1:5000")
+    monkeypatch.setenv("LLMOPS_RUN_METRICS", "http://127.0.0.1:5000")
     with listening("127.0.0.2") as (port, accepted):
         smuggled = f"http://127.0.0.2:{port}\\@127.0.0.1:5000"
         assert requests.Request("GET", smuggled).prepare().url.startswith(f"http://127.0.0.2:{port}/")  # the client's
@@ -150,11 +180,11 @@ def test_a_url_the_client_reads_as_another_host_is_refused_before_anything_is_se
 
 def test_an_endpoint_is_compared_by_scheme_too(monkeypatch):
     """Issue 74, finding 1: `http://mlflow.corp:443` passed for `https://mlflow.corp` (the login in clear)."""
-    monkeypatch.setenv("LLMOPS_RUN_ENDPOINTS", "https://mlflow.corp")
-    refuse_unlisted_endpoint("tracking_uri", "https://MLflow.corp:443/")
+    monkeypatch.setenv("LLMOPS_RUN_MLFLOW", "https://mlflow.corp")
+    refuse_unlisted_endpoint("tracking_uri", "https://MLflow.corp:443/", "mlflow")
     for value in ("http://mlflow.corp:443", "https://user:pass@mlflow.corp", "https://mlflow.corp\tx", "https://x y"):
         with pytest.raises(BadInput, match=r"^tracking_uri .*nothing was sent$"):
-            refuse_unlisted_endpoint("tracking_uri", value)
+            refuse_unlisted_endpoint("tracking_uri", value, "mlflow")
 
 
 HOSTS = ["mlflow.corp", "MLflow.Corp", "mlflow.corp.", "evil.example", "127.0.0.1", "[::1]", "mlflow.corp.evil.example"]
@@ -181,9 +211,9 @@ def test_the_host_the_allow_list_approves_is_the_host_the_client_connects_to(val
     from urllib3.util import parse_url
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LLMOPS_RUN_ENDPOINTS", "https://mlflow.corp")
+        patch.setenv("LLMOPS_RUN_MLFLOW", "https://mlflow.corp")
         try:
-            refuse_unlisted_endpoint("tracking_uri", value)
+            refuse_unlisted_endpoint("tracking_uri", value, "mlflow")
         except BadInput:
             return
     sent = parse_url(requests.Request("GET", value).prepare().url)

@@ -195,7 +195,7 @@ class JudgeSection(Section):
 
     url: str = Field(
         description="Its OpenAI-compatible API, ending in /v1 (a served model of this project's `llmops serve` too). "
-        "A run started through the Prefect API may name only an endpoint of LLMOPS_RUN_ENDPOINTS: the judge gets "
+        "A run started through the Prefect API may name only an endpoint of LLMOPS_RUN_JUDGES: the judge gets "
         "the eval split and both versions' answers."
     )
     model: str = Field(description="The model name the endpoint serves.")
