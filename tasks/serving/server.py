@@ -277,8 +277,10 @@ def new_control_key() -> str:
 
 
 def restricted_api_flags(key: str) -> list[str]:
-    """Triton's syntax: `--http-restricted-api=<API>,<API>:<header>=<value>` (and the gRPC twin)."""
+    """Triton's syntax: `--http-restricted-api=<API>,<API>:<header>=<value>` (and the gRPC twin). Logging and trace
+    too (issue 74): unrestricted, any client that reaches the port turns on verbose logs or traces of every request
+    (prompts included) into files on the serve's disk. Statistics stay open: perf_analyzer (genai-perf) reads them."""
     return [
-        f"--http-restricted-api=model-repository,model-config,shared-memory:{CONTROL_HEADER}={key}",
-        f"--grpc-restricted-protocol=model-repository,shared-memory:{CONTROL_HEADER}={key}",
+        f"--http-restricted-api=model-repository,model-config,shared-memory,logging,trace:{CONTROL_HEADER}={key}",
+        f"--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:{CONTROL_HEADER}={key}",
     ]

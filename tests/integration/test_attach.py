@@ -91,6 +91,12 @@ def test_the_control_api_needs_the_key_and_inference_does_not(triton):
     assert curl("-X", "POST", "-H", "llmops-control-key: wrong", f"{url}/v2/repository/index") == "403"
     assert curl("-X", "POST", "-H", f"llmops-control-key: {KEY}", f"{url}/v2/repository/index") == "200"
     assert curl(f"{url}/v2/health/ready") == "200"
+    # issue 74: verbose logs and request traces (prompts included) are the control key's too
+    verbose = '{"log_verbose_level": 1}'
+    assert curl("-X", "POST", "-d", verbose, f"{url}/v2/logging") == "403"
+    assert curl(f"{url}/v2/trace/setting") == "403"
+    assert curl("-H", f"llmops-control-key: {KEY}", f"{url}/v2/logging") == "200"
+    assert curl(f"{url}/v2/models/stats") == "200"  # statistics stay open: perf_analyzer reads them
 
 
 TOY_CONFIG = """backend: "python"

@@ -36,8 +36,8 @@ def test_every_triton_start_gets_a_fresh_key_unless_the_user_gives_one(monkeypat
     monkeypatch.setenv("LLMOPS_TRITON_CONTROL_KEY", "from-the-environment")
     assert new_control_key() == "from-the-environment"
     assert restricted_api_flags("k") == [
-        "--http-restricted-api=model-repository,model-config,shared-memory:llmops-control-key=k",
-        "--grpc-restricted-protocol=model-repository,shared-memory:llmops-control-key=k",
+        "--http-restricted-api=model-repository,model-config,shared-memory,logging,trace:llmops-control-key=k",
+        "--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:llmops-control-key=k",
     ]
 
 
