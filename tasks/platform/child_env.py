@@ -86,6 +86,15 @@ PROGRAMS: dict[str, tuple[str, ...]] = {
     "git": (*BASICS, "GIT_DIR", "GIT_WORK_TREE", "GIT_CEILING_DIRECTORIES"),
     # evaluate.engine vllm: vLLM's offline engine answering the eval split (tasks/runners/vllm_answers.py)
     "vllm": (*BASICS, *COMPUTE, "VLLM_*"),
+    # tritonserver and the model processes it starts (infra/triton/*/1/model.py: vLLM, TensorRT-LLM's LLM API and
+    # its MPI workers, OpenAI Triton's kernel cache); what a model reads of ours (the model roots, the adapter maps)
+    # comes as the start's own variables. A deny-list let the OpenAI key, HF_TOKEN and a judge's key reach every
+    # stub (issue 74).
+    "tritonserver": (
+        *BASICS,
+        *COMPUTE,
+        *("VLLM_*", "TLLM_*", "TRTLLM_*", "OMPI_*", "PMIX_*", "PMI_*", "UCX_*", "MODELOPT_*", "TRITON_*", "NUMBA_*"),
+    ),
 }
 
 

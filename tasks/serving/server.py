@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.platform.child_env import child_env
+from tasks.platform.child_env import program_env
 from tasks.platform.errors import BadInput, CheckFailed, TransientError
 from tasks.platform.lifetime import dying_with_this_thread
 from tasks.platform.ports import free_port
@@ -88,9 +88,9 @@ def python_backend_dir(home: Path) -> Path:
 def server_env(bundled: bool) -> dict:
     """The environment of tritonserver. Only the nvidia-pytriton binary needs this venv's libraries and
     Python; an NGC or system tritonserver has its own (/opt/tritonserver/lib, the image's Python), which
-    these must not shadow, and an image without nvidia-pytriton could not import it at all. Neither it nor
-    the model stubs it spawns get this process's secrets (tasks/platform/child_env.py)."""
-    env = child_env()
+    these must not shadow, and an image without nvidia-pytriton could not import it at all. It and the model stubs
+    it spawns get only the variables child_env.py's allow-list names for them."""
+    env = program_env("tritonserver")
     if not bundled:
         return env
     libs = [str(pytriton_root().parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]

@@ -225,19 +225,23 @@ LOGINS = (
         "HF_TOKEN",
         "GITHUB_TOKEN",
         "SOME_NEW_CLOUD_TOKEN",
+        "OPENAI_API_KEY",
+        "LLMOPS_JUDGE_KEY_OF_A_PROFILE",
     ),
 )
 
 
-@pytest.mark.parametrize("program", ["llamafactory", "tensorrt_llm", "git"])
+@pytest.mark.parametrize("program", ["llamafactory", "tensorrt_llm", "git", "tritonserver"])
 def test_each_third_party_program_starts_with_its_allow_list_only(program, monkeypatch):
-    """The environment LlamaFactory, the TensorRT-LLM commands and git start with, read from the started process:
+    """The environment LlamaFactory, the TensorRT-LLM commands, git and tritonserver (with the model processes it
+    starts; issue 74: the OpenAI key, HF_TOKEN and a judge's key reached them) start with, read from the started process:
     only names its allow-list holds (tasks/platform/child_env.py), no login of the flow run that starts it, not even
     one no deny-list knows."""
     import fnmatch
 
     from tasks.platform.child_env import PROGRAMS, program_env
     from tasks.platform.config import HardwareSection
+    from tasks.serving.server import server_env
     from tasks.serving.tensorrt_llm import command_env
     from tasks.training.launch import launch_env
 
@@ -249,6 +253,7 @@ def test_each_third_party_program_starts_with_its_allow_list_only(program, monke
         "llamafactory": lambda: launch_env(HardwareSection()),
         "tensorrt_llm": command_env,
         "git": lambda: program_env("git"),
+        "tritonserver": lambda: server_env(True),
     }[program]()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
     try:
