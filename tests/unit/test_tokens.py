@@ -238,6 +238,17 @@ def test_two_tokens_of_one_client_share_its_limits(gateway, issuer):
     assert no_token.status_code == 401 and "missing token" in no_token.json()["error"]["message"]
 
 
+def test_a_token_whose_subject_is_a_key_files_name_is_another_client(issuer):
+    """Issue 74 (Low): a token with `sub` team-a shared the API key team-a's limits, feedback and capture trust. A
+    token's client is `token:<claim>`, which no key's name can be (a key file's `NAME: KEY` splits on the first
+    colon)."""
+    keys, signing = issuer
+    ring = KeyRing.fixed({KEY: "team-a"})
+    ring.tokens = TokenVerifier(settings(keys.url))
+    assert ring.authorize(f"Bearer {KEY}") == "team-a"
+    assert ring.authorize(f"Bearer {token(signing, sub='team-a')}") == "token:team-a"
+
+
 def test_signing_keys_in_clear_to_another_machine_and_lowered_trust_are_refused():
     from pydantic import ValidationError
 
@@ -272,7 +283,7 @@ def test_llmops_serve_takes_tokens_from_a_profile_file_and_then_opens_off_loopba
     profile = load_profile(str(with_tokens), off_loopback)
     ring = client_credentials(profile)
     assert ring.keys == {} and ring.tokens is not None
-    assert ring.authorize(f"Bearer {token(signing)}") == "team-c"
+    assert ring.authorize(f"Bearer {token(signing)}") == "token:team-c"
     check_listen(profile.serve.listen, ring.keys or ring.tokens is not None)  # refuses nothing
     plain = client_credentials(load_profile("cpu-tiny", off_loopback))
     with pytest.raises(BadInput, match="need API keys or tokens"):

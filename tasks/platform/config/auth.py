@@ -16,7 +16,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 class JwtAuth(Section):
     """Signed client tokens: `Authorization: Bearer <JWT>` beside API keys. A token answers when its signature
     verifies against the issuer's published keys (JWKS) and its issuer, audience, expiry and not-before hold; the
-    claim `client_claim` names its client, whose limits, capture, feedback and `data forget` it shares. Only a
+    claim `client_claim` names its client (as `token:<claim>`, never an API key's name), whose limits, capture,
+    feedback and `data forget` it shares. Only a
     profile file sets any of it: it decides whom the service trusts."""
 
     jwks: str = Field(

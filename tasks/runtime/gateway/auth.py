@@ -24,6 +24,10 @@ ANONYMOUS = "anonymous"
 RELOAD_CHECK_S = 1.0  # how often the key file's stat is looked at, at most
 LOG = logging.getLogger("llmops.gateway")
 COMMENT = re.compile(r"(?:^|\s)#.*$")  # `#` at a line's start or after a space: a key may hold `#` itself
+# A signed token's client is named `token:<claim>`: a key's name cannot hold a colon (a key file's `NAME: KEY` splits
+# on the first), so no token names a key's client and shares its limits, feedback or serve.capture.trusted_clients
+# trust (issue 74: a token whose `sub` was a key-file name did).
+TOKEN_CLIENT = "token:"
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,9 @@ class KeyRing:
         return self.keys
 
     def authorize(self, authorization: str | None) -> str:
-        """The client's name for an `Authorization` header: a signed token's client where it is a JWT and tokens are
-        taken, else the API key's; anonymous only where neither keys nor tokens are configured."""
+        """The client's name for an `Authorization` header: a signed token's client (`token:` and its claim) where it
+        is a JWT and tokens are taken, else the API key's; anonymous only where neither keys nor tokens are
+        configured."""
         if self.tokens is None:
             return authorize(self.current(), authorization)
         keys, (scheme, _, given) = self.current(), (authorization or "").partition(" ")
@@ -153,6 +158,6 @@ class KeyRing:
             with contextlib.suppress(RequestError):
                 return authorize(keys, authorization)
         try:
-            return self.tokens.client(token)
+            return TOKEN_CLIENT + self.tokens.client(token)
         except TokenRefused as exc:
             raise RequestError(401, f"invalid token: {exc}", code="invalid_api_key") from None
