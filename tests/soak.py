@@ -26,6 +26,9 @@ class Soaked:
     hung_up: int = 0  # streams the client left after the first chunk, on purpose
     latencies_ms: list[float] = field(default_factory=list)
     unadvised: int = 0  # 503s without a Retry-After: a client would not know when to come back
+    # with `record`: each request's (time.monotonic() of its end, status, the version that answered: x-llmops-version)
+    events: list[tuple[float, object, str | None]] = field(default_factory=list)
+    record: bool = False
 
     @property
     def failed(self) -> int:
@@ -62,6 +65,7 @@ async def one_request(
 ) -> None:
     streaming = rng.random() < 0.5
     started = time.perf_counter()
+    status: int | str
     if streaming:
         path = "/v1/chat/completions"
         body = {"model": service, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "stream": True}
@@ -75,14 +79,18 @@ async def one_request(
                 result.hung_up += 1
                 return
             await response.read()
-            status = response.status
+            status, version = response.status, response.headers.get("x-llmops-version")
             if status == 503 and "Retry-After" not in response.headers:
                 result.unadvised += 1
     except TimeoutError:
-        status = "hung"
+        status, version = "hung", None
     except aiohttp.ClientConnectionError:
-        status = "refused connection"
+        status, version = "refused connection", None
+    except aiohttp.ClientPayloadError:  # the answer broke off (the gateway's process died under it)
+        status, version = "broken off", None
     result.statuses[status] += 1
+    if result.record:
+        result.events.append((time.monotonic(), status, version))
     if status == 200:
         result.latencies_ms.append((time.perf_counter() - started) * 1000)
 
@@ -97,9 +105,14 @@ async def soak(
     deadline_s: float = 20,
     during: Callable[[], Awaitable[None]] | None = None,
     seed: int = 0,
+    record: bool = False,
+    stop: Callable[[], bool] = lambda: False,
+    into: Soaked | None = None,
 ) -> Soaked:
-    """`concurrency` clients in closed loops for `seconds`; `during`: run meanwhile (a canary ramp, a fault)."""
-    result, stop_at = Soaked(), time.monotonic() + seconds
+    """`concurrency` clients in closed loops for `seconds` (or until `stop()`); `during`: run meanwhile (a canary
+    ramp, a fault); `record`: keep each request's events; `into`: the result to count in as it goes (another thread
+    reads it meanwhile)."""
+    result, stop_at = into or Soaked(record=record), time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=deadline_s)
     connector = aiohttp.TCPConnector(limit=0, ssl=False)
     headers = {"Content-Type": "application/json", **(headers or {})}
@@ -107,7 +120,7 @@ async def soak(
 
         async def client(index: int) -> None:
             rng = random.Random(seed * 1000 + index)
-            while time.monotonic() < stop_at:
+            while time.monotonic() < stop_at and not stop():
                 await one_request(session, gateway, service, rng, hangup_share, result)
 
         started = time.monotonic()

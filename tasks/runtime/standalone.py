@@ -16,9 +16,11 @@ from tasks.platform.ports import free_port
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.serving.champion import triton_launch
 from tasks.serving.client import Triton, TritonTarget, attach_control_key
-from tasks.serving.publication import published, published_service
+from tasks.serving.publication import awaited_service, published, published_service
 from tasks.serving.server import TritonServer
 from tasks.serving.service import Service, ServiceControl
+
+SERVE_BACK_S = 180.0  # a serve its supervisor starts again loads its versions first (on cpu-tiny: 20 to 40 s)
 
 
 def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
@@ -41,7 +43,9 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
         if target.serve_url and target.serve_key:  # the `llmops serve` in front of it routes
             return Service(service_name, [triton], ServiceControl(target.serve_url, target.serve_key))
     else:
-        serving = published_service(ctx.home, service_name)
+        serving = published_service(ctx.home, service_name) or awaited_service(
+            ctx.home, service_name, SERVE_BACK_S, logger().warning
+        )
         if serving is not None:
             return serving
         published_triton = published(ctx.home)

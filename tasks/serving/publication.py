@@ -11,10 +11,13 @@ import functools
 import json
 import os
 import secrets
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.platform.child_env import write_secret
+from tasks.platform.errors import TransientError
 from tasks.serving.client import CONTROL_KEY_FILE, Triton, control_key
 
 if TYPE_CHECKING:
@@ -125,6 +128,39 @@ def published(home: Path) -> Triton | None:
         info["url"], repository, info["metrics_url"], info["grpc_url"], control_key(home), lambda: control_key(home)
     )
     return triton if triton.is_live() else None
+
+
+def died_without_stopping(home: Path, name: str) -> int | None:
+    """The pid of the `llmops serve` of service `name` on this home that died without stopping (SIGKILLed, out of
+    memory: its server.json stays, naming a dead pid), which its supervisor starts again; None where none did (a
+    serve that stops unpublishes)."""
+    try:
+        info = json.loads((home / "triton" / SERVER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    pid = int(info.get("pid", 0))
+    return pid if info.get("service") == name and pid and not serving_process(pid) else None
+
+
+def awaited_service(home: Path, name: str, wait_s: float, say: Callable[[str], None]) -> Service | None:
+    """Where the serve of `name` on this home died without stopping: that serve once it is back (it publishes again),
+    waited for up to `wait_s`; TransientError past it. None where no serve died so. A release never starts a service
+    of its own on the record of a serve that comes back (issue 73: a release started while the serve restarted
+    promoted on its own gateway, and the serve, back, kept routing the old champion)."""
+    pid = died_without_stopping(home, name)
+    if pid is None:
+        return None
+    say(f"serving: the llmops serve of {name} (pid {pid}) died without stopping; waiting up to {wait_s:.0f}s for it")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        found = published_service(home, name)
+        if found is not None:
+            return found
+        time.sleep(1)
+    raise TransientError(
+        f"the llmops serve of {name} (pid {pid}) died without stopping and is not back after {wait_s:.0f}s: start it "
+        f"again (a release without it: remove {home / 'triton' / SERVER_FILE})"
+    )
 
 
 def published_service(home: Path, name: str) -> Service | None:

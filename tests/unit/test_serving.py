@@ -648,3 +648,43 @@ def test_a_model_refuses_a_model_dir_outside_its_folder_and_the_store(tmp_path, 
     for planted in (str(elsewhere), str(store / "objects" / "planted"), "../../../secrets", "/etc"):
         with pytest.raises(ValueError, match=r"^model_dir .*: outside this model's folder and the artifact store"):
             served_folder(args, planted)
+
+
+def test_a_release_waits_for_a_serve_that_died_without_stopping_instead_of_starting_a_service_of_its_own(tmp_path):
+    """Issue 73, seen in the chaos soak (benchmarks/chaos.py): a release that opened its service while the serve lay
+    SIGKILLed (its server.json left behind, naming a dead pid) started a gateway of its own on the serve's record and
+    promoted there, while the serve, back, kept routing the old champion. Now it waits for that serve to publish again
+    and rolls out on it; past the wait it is a TransientError naming the pid, never a service of its own."""
+    import json
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tasks.platform.errors import TransientError
+    from tasks.serving.publication import awaited_service, died_without_stopping
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    server_json = tmp_path / "triton" / "server.json"
+    server_json.parent.mkdir()
+    (tmp_path / "serving").mkdir()
+    (tmp_path / "serving" / "control.key").write_text("serve-key")
+    state = {"service": "demo", "url": "http://127.0.0.1:1", "control_url": "http://127.0.0.1:2", "pid": dead.pid}
+    server_json.write_text(json.dumps(state))
+    said: list[str] = []
+    assert died_without_stopping(tmp_path, "demo") == dead.pid and died_without_stopping(tmp_path, "other") is None
+    assert awaited_service(tmp_path, "other", 5, said.append) is None  # another service's serve: not this one's
+    with pytest.raises(TransientError, match=rf"pid {dead.pid}\) died without stopping and is not back after 1s"):
+        awaited_service(tmp_path, "demo", 1, said.append)
+    standin = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "llmops-serve"])  # the serve back
+    try:
+        threading.Timer(1.0, lambda: server_json.write_text(json.dumps({**state, "pid": standin.pid}))).start()
+        started = time.monotonic()
+        found = awaited_service(tmp_path, "demo", 20, said.append)
+        assert found is not None and found.control.url == "http://127.0.0.1:2" and time.monotonic() - started >= 1
+    finally:
+        standin.kill()
+    assert (
+        said[0] == f"serving: the llmops serve of demo (pid {dead.pid}) died without stopping; waiting up to 1s for it"
+    )

@@ -1,0 +1,325 @@
+"""A chaos soak of `llmops serve` (issue 73): releases back to back on one serve while clients load it and faults
+strike at random, and after every release the checks that say nothing was left split, divergent or half-broken.
+
+The soak starts `llmops serve` itself on --home (a home with a champion, made with the same serving settings: the
+Python backend, merged versions, two instances; `make run` with them, or the command below), with --replicas
+replicas and the default leases. Throughout, closed-loop clients (tests/soak.py) at --concurrency send mixed OpenAI
+streaming chat and /v2 generate requests, a tenth of the streams hanging up after the first chunk, each with a 20 s
+deadline. Releases follow one another, each of a kind drawn at random:
+
+    good      a new version (a new profile digest; every stage a cache hit) that the gate passes: exit 0
+    rejected  the same, with a latency bound no version meets (gate.p99_request_latency_ms 0.5): exit 10
+    killed    SIGKILLed (its whole process group) at a random point of its rollout
+    stopped   SIGSTOPped once its candidate has a live share, for its lease and 10 s more, then SIGCONTed: exit 6
+
+and with each, at a random time, one fault (or none): a replica's tritonserver SIGKILLed, one of the champion's
+model processes SIGKILLed, or the serve itself SIGKILLed and started again. Once a release ended and the service
+settled (canary.lease_s and a reconcile round), the checks: the release ended with a defined exit code (never 1,
+never hung); no candidate is routed; each replica holds only what the record routes; the record's champion is the
+registry's; the answers of the last seconds all name that champion (x-llmops-version). The table at the end: the
+releases by kind and outcome, the faults with the seconds until requests stopped failing, the requests by status,
+and every check that failed.
+
+    LLMOPS_HOME=/tmp/chaos/home llmops run --artifacts /tmp/chaos/store --set serve.backend=python \\
+        --set serve.lora=merged --set serve.instance_count=2
+    .venv/bin/python benchmarks/chaos.py --home /tmp/chaos/home --artifacts /tmp/chaos/store [--minutes 60]
+        [--replicas 1] [--concurrency 8] [--seed 0]
+
+It stops by itself after --minutes (the release then running is waited for), and exits 1 where a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.soak import Soaked, kill_replica, soak  # noqa: E402
+
+LLMOPS = ROOT / ".venv" / "bin" / "llmops"
+SERVING = ["--set", "serve.backend=python", "--set", "serve.lora=merged", "--set", "serve.instance_count=2"]
+FAST = [  # the suite's lighter release: the same code paths in less time (tests/integration/test_serving.py)
+    *("--set", "bench.concurrency=[2]", "--set", "bench.request_count=16", "--set", "bench.rounds=1"),
+    *("--set", "bench.max_rounds=1", "--set", "gate.min_throughput_ratio=null", "--set", "quantize.backend=none"),
+]
+KINDS = ("good", "rejected", "killed", "stopped")
+FAULTS = (None, "tritonserver", "model process", "serve")
+DEFINED = {0, 3, 4, 5, 6, 10}  # docs/user-guide.md's exit codes of a release that ended as it says; 1 is a bug
+EXPECTED = {"good": {0}, "rejected": {10}, "killed": {-9}, "stopped": {6}}  # with no fault: what the kind ends in
+RELEASE_TIMEOUT_S = 900
+
+
+@dataclass
+class Outcome:
+    kind: str
+    fault: str | None
+    code: int | None
+    seconds: float
+    recovered_s: float | None = None  # from the fault to the last failed request after it
+    broken: list[str] = field(default_factory=list)  # the checks that failed
+
+
+class Serve:
+    """The `llmops serve` of the soak: started, SIGKILLed, started again on the same ports (its clients' URL)."""
+
+    def __init__(self, home: Path, artifacts: str, replicas: int):
+        from tasks.platform.ports import free_port
+
+        self.home, self.artifacts, self.replicas = home, artifacts, replicas
+        self.process: subprocess.Popen | None = None
+        self.state: dict = {}
+        self.starts = 0
+        names = ("port", "control-port", "triton-http-port", "triton-grpc-port", "metrics-port", "gateway-metrics-port")
+        self.ports = [f"--{name}={free_port()}" for name in names]
+
+    def start(self) -> dict:
+        """`llmops serve` (again), published: as a supervisor (systemd, a Deployment) starts it, with the server.json
+        of one that died left in place."""
+        settings = ["--set", "serve.limits.requests_per_second=0", "--set", "serve.limits.tokens_per_minute=0"]
+        settings += ["--set", "serve.limits.max_in_flight=0", *SERVING, "--set", f"serve.replicas={self.replicas}"]
+        for attempt in range(5):  # a port the dead serve's sockets held may take a moment to free
+            log = self.home / f"chaos-serve-{self.starts}.log"
+            self.starts += 1
+            with open(log, "w") as out:
+                self.process = subprocess.Popen(
+                    [str(LLMOPS), "serve", "--artifacts", self.artifacts, *self.ports, *settings],
+                    stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                    env={**os.environ, "LLMOPS_HOME": str(self.home)},
+                )  # fmt: skip
+            published, deadline = self.home / "triton" / "server.json", time.monotonic() + 300
+            while self.process.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(OSError, ValueError):
+                    state = json.loads(published.read_text())
+                    if state.get("pid") == self.process.pid:
+                        self.state = state
+                        return state
+                time.sleep(0.5)
+            if self.process.poll() is None:
+                raise RuntimeError(f"llmops serve did not publish within 300 s: {log.read_text()[-500:]}")
+            if attempt < 4:
+                time.sleep(2)
+        raise RuntimeError(f"llmops serve did not start again: {log.read_text()[-500:]}")
+
+    def kill(self) -> None:
+        """SIGKILL for the serve; once its Tritons died with it (PR_SET_PDEATHSIG) and freed the ports."""
+        import psutil
+
+        assert self.process is not None
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+        psutil.wait_procs(children, timeout=60)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(120)
+
+    def service(self):
+        from tasks.serving.publication import published_service
+
+        return published_service(self.home, self.state["service"])
+
+
+def strike(fault: str, serve: Serve) -> None:
+    """One fault, now."""
+    if fault == "tritonserver":
+        kill_replica(serve.state, random.randrange(len(serve.state["replicas"])))
+    elif fault == "model process":
+        kill_a_champion_instance(serve)
+    elif fault == "serve":
+        serve.kill()
+        serve.start()
+
+
+def kill_a_champion_instance(serve: Serve) -> None:
+    import psutil
+
+    service = serve.service()
+    champion = service.control.table().champion if service else None
+    assert serve.process is not None and champion is not None
+    for process in psutil.Process(serve.process.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            arguments = process.cmdline()
+            if arguments and "triton_python_backend_stub" in arguments[0] and arguments[-2].startswith(champion.model):
+                process.kill()
+                return
+
+
+def release(serve: Serve, kind: str, number: int, log: Path) -> subprocess.Popen:
+    """`llmops run` of kind `kind`: a new version (canary.window_s makes a new profile digest)."""
+    settings = [*SERVING, *FAST, "--set", f"canary.window_s={1.5 + number / 1000:.3f}"]
+    if kind == "rejected":
+        settings += ["--set", "gate.p99_request_latency_ms=0.5"]
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [str(LLMOPS), "run", "--artifacts", serve.artifacts, *settings],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**os.environ, "LLMOPS_HOME": str(serve.home)},
+        )  # fmt: skip
+
+
+def candidate_live(serve: Serve) -> bool:
+    with contextlib.suppress(Exception):
+        service = serve.service()
+        table = service.control.table() if service else None
+        return bool(table and table.candidate and table.weights.get(table.candidate.name))
+    return False
+
+
+def run_one(
+    serve: Serve, kind: str, fault: str | None, number: int, lease_s: float, done: threading.Event
+) -> tuple[int | None, float, float]:
+    """One release and its fault: its exit code (None: it hung, or the soak was cut short), its seconds, when the
+    fault struck."""
+    log = serve.home / f"chaos-release-{number}.log"
+    started = time.monotonic()
+    process = release(serve, kind, number, log)
+    fault_at = started + random.uniform(10, 60)
+    kill_at = started + random.uniform(20, 90) if kind == "killed" else None
+    struck, stopped = None, False
+    while process.poll() is None and time.monotonic() - started < RELEASE_TIMEOUT_S and not done.is_set():
+        now = time.monotonic()
+        if fault and struck is None and now > fault_at:
+            strike(fault, serve)
+            struck = now
+        if kill_at and now > kill_at:
+            os.killpg(process.pid, signal.SIGKILL)
+        if kind == "stopped" and not stopped and candidate_live(serve):
+            os.killpg(process.pid, signal.SIGSTOP)
+            time.sleep(lease_s + 10)
+            os.killpg(process.pid, signal.SIGCONT)
+            stopped = True
+        time.sleep(0.5)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+        return None, time.monotonic() - started, struck or 0.0
+    return process.returncode, time.monotonic() - started, struck or 0.0
+
+
+def checks(serve: Serve, soaked: Soaked, since: float) -> list[str]:
+    """What must hold once a rollout ended and the service settled."""
+    from tests.servers import registry
+
+    service = serve.service()
+    if service is None:
+        return ["the serve published no service"]
+    table, broken = service.control.table(), []
+    if table.candidate is not None or set(table.weights) != {table.champion.name if table.champion else ""}:
+        broken.append(f"routes left split: {table.weights}")
+    routed = table.models()
+    for triton in service.tritons:
+        extra = sorted(set(triton.loaded_models()) - routed)
+        if extra:
+            broken.append(f"{triton.url} holds what nothing routes: {extra}")
+    alias = registry(serve.home).get_model_version_by_alias(serve.state["service"], "champion").version
+    if table.champion is None or table.champion.source.get("version") != str(alias):
+        broken.append(f"the record's champion {table.champion and table.champion.name} is not the registry's v{alias}")
+    answered = {version for at, status, version in list(soaked.events) if at > since and status == 200}
+    if table.champion and answered - {table.champion.name}:
+        broken.append(f"answers from {sorted(answered - {table.champion.name})} after the rollout ended")
+    return broken
+
+
+def recovered_after(soaked: Soaked, struck: float, until: float) -> float | None:
+    """Seconds from the fault to the last failed request before `until`; None: no request failed."""
+    failed = [at for at, status, _ in list(soaked.events) if struck <= at <= until and status != 200]
+    return max(failed) - struck if failed else None
+
+
+def drive(serve: Serve, soaked: Soaked, minutes: float, done: threading.Event, rows: list[Outcome]) -> None:
+    from tasks.platform.config import load_profile
+
+    lease_s = load_profile("cpu-tiny").canary.lease_s
+    ends_at, number = time.monotonic() + minutes * 60, 0
+    try:
+        while time.monotonic() < ends_at and not done.is_set():
+            number += 1
+            kind, fault = random.choice(KINDS), random.choice(FAULTS)
+            code, seconds, struck = run_one(serve, kind, fault, number, lease_s, done)
+            if done.is_set():  # the clients ended (an error): no check means anything now
+                return
+            time.sleep(lease_s + 10)  # the lease of a release that died, and a reconcile round
+            settled = time.monotonic()
+            time.sleep(5)
+            outcome = Outcome(kind, fault, code, seconds)
+            outcome.recovered_s = recovered_after(soaked, struck, settled) if struck else None
+            outcome.broken = checks(serve, soaked, settled)
+            defined = DEFINED | ({-9} if kind == "killed" else set())
+            if code not in defined or (fault is None and kind != "killed" and code not in EXPECTED[kind]):
+                outcome.broken.append(f"exit {code} ({'none' if fault is None else fault} struck)")
+            rows.append(outcome)
+            print(f"release {number} ({kind}, fault {fault}): exit {code} in {seconds:.0f} s; "
+                  f"{'; '.join(outcome.broken) or 'every check held'}", flush=True)  # fmt: skip
+    finally:
+        done.set()
+
+
+def table(rows: list[Outcome], soaked: Soaked) -> str:
+    lines = [
+        "| release | fault | releases | exit codes | failures stopped after (s) | checks failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str], list[Outcome]] = collections.defaultdict(list)
+    for row in rows:
+        groups[(row.kind, row.fault or "none")].append(row)
+    for (kind, fault), group in sorted(groups.items()):
+        codes = collections.Counter(str(r.code) for r in group)
+        recovered = [r.recovered_s for r in group if r.recovered_s is not None]
+        worst = f"{max(recovered):.1f}" if recovered else "-"
+        broken = sum(bool(r.broken) for r in group)
+        lines.append(f"| {kind} | {fault} | {len(group)} | {dict(codes)} | {worst} | {broken} |")
+    statuses = dict(soaked.statuses)
+    lines.append(f"\n{sum(statuses.values())} requests: {statuses}; hung {soaked.hung}, failed {soaked.failed}, "
+                 f"503s without Retry-After {soaked.unadvised}, {soaked.hung_up} hung up on purpose")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--home", type=Path, required=True)
+    parser.add_argument("--artifacts", required=True)
+    parser.add_argument("--minutes", type=float, default=60)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    random.seed(args.seed)
+    serve = Serve(args.home, args.artifacts, args.replicas)
+    state = serve.start()
+    rows: list[Outcome] = []
+    done = threading.Event()
+    soaked = Soaked(record=True)
+    driver = threading.Thread(target=drive, args=(serve, soaked, args.minutes, done, rows))
+    try:
+        driver.start()
+        seconds = args.minutes * 60 + RELEASE_TIMEOUT_S + 120  # until the driver is done
+        asyncio.run(soak(state["gateway_url"], state["service"], args.concurrency, seconds, seed=args.seed,
+                         stop=done.is_set, into=soaked))  # fmt: skip
+        driver.join()
+    finally:
+        done.set()
+        serve.stop()
+    print("\n" + table(rows, soaked))
+    broken = [f"release {n} ({r.kind}): {b}" for n, r in enumerate(rows, 1) for b in r.broken]
+    print("\n".join(broken) or "every check held after every release")
+    sys.exit(1 if broken or soaked.failed else 0)
+
+
+if __name__ == "__main__":
+    main()
