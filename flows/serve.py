@@ -50,7 +50,6 @@ from tasks.serving.client import Triton
 from tasks.serving.models import Served
 from tasks.serving.publication import new_serve_key, publish, unpublish
 
-STAYED_UP_S = 60  # a Triton that lived this long did not die of its start: the count of deaths starts over
 RECONCILE_S = 5.0  # how often what the replicas hold is made what the table serves (Fleet.reconcile)
 
 
