@@ -45,7 +45,7 @@ from tasks.runtime.gateway.capture import CaptureSettings
 from tasks.runtime.gateway.control import ControlApi
 from tasks.runtime.gateway.logs import LogWriter
 from tasks.runtime.gateway.running import Listener, RunningGateway
-from tasks.serving.champion import as_route, registry_champion, served_of
+from tasks.serving.champion import as_route, registry_champion, registry_follows_record, served_of
 from tasks.serving.client import Triton
 from tasks.serving.models import Served
 from tasks.serving.publication import new_serve_key, publish, unpublish
@@ -109,6 +109,7 @@ def serve(
                 publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url)
 
         start_loops(profile, fleet, gateway, discover, republish, stopped, champion)
+        threading.Thread(target=registry_to_record, args=(ctx, recorded), name="registry", daemon=True).start()
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 # server.json stays while the replica restarts: it names this serve, which lives, so a release started
@@ -225,6 +226,17 @@ def expire_approvals(home: Path, stopped: threading.Event, every_s: float = EXPI
     while not stopped.wait(every_s):
         for line in expire_overdue(home):
             print(f"llmops serve: {line}", flush=True)
+
+
+def registry_to_record(ctx: RunContext, recorded: RouteTable | None) -> None:
+    """The registry's champion made the record's where they differ, said; off the start's path (MLflow may be slow or
+    away: the serve starts from the store alone)."""
+    try:
+        said = registry_follows_record(ctx, recorded)
+    except Exception as exc:  # MLflow away or refusing: compared at the next start
+        said = f"llmops serve: the registry's champion not compared with the record ({type(exc).__name__}: {exc})"
+    if said:
+        print(said[:500], flush=True)
 
 
 def starting_champion(ctx: RunContext, table: RouteTable | None) -> Served:

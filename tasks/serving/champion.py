@@ -4,6 +4,7 @@ service loads it (merged, quantized, or an adapter on its base)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,28 @@ def champion_version(ctx: RunContext):
         if not_found(exc):
             return None
         raise
+
+
+def registry_follows_record(ctx: RunContext, table: RouteTable | None) -> str | None:
+    """At a serve's start: where the registry's champion is not the deployment record's, the alias is moved to the
+    record's, which says what clients get (a promotion writes the record first: one whose alias write failed, or a
+    service that promoted apart from the serve, leaves the registry behind). One direction only, and never while a
+    release owns the service (its promotion may be under way). What was done, said in one line; None where nothing
+    differed. MLflow's errors are raised (the caller says them)."""
+    champion = table.champion if table is not None else None
+    if champion is None or not champion.source.get("version"):
+        return None
+    if table is not None and table.owner is not None and not table.owner.expired(time.time()):
+        return None
+    recorded, registered = str(champion.source["version"]), champion_version(ctx)
+    current = None if registered is None else str(registered.version)
+    if current == recorded:
+        return None
+    ctx.tracker.client.set_registered_model_alias(ctx.profile.registry.model_name, "champion", recorded)
+    return (
+        f"llmops serve: the registry's champion was {'v' + current if current else 'none'}, the deployment record's "
+        f"v{recorded}: alias champion -> v{recorded} (the record says what clients get)"
+    )
 
 
 def not_found(exc) -> bool:

@@ -688,3 +688,37 @@ def test_a_release_waits_for_a_serve_that_died_without_stopping_instead_of_start
     assert (
         said[0] == f"serving: the llmops serve of demo (pid {dead.pid}) died without stopping; waiting up to 1s for it"
     )
+
+
+def test_a_serve_starting_moves_the_registrys_champion_to_the_records_and_says_so(tmp_path):
+    """Issue 73: the record says what clients get, and a promotion writes it first; a registry left behind (its alias
+    write failed, a release promoted apart from the serve) follows it when the serve starts, in one direction, said.
+    Never while a release owns the service. A real MLflow registry (sqlite)."""
+    import time
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from tasks.control.contract import Owner, RouteTable, Version
+    from tasks.serving.champion import registry_follows_record
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model("svc")
+    for _ in range(2):
+        client.create_model_version("svc", source=str(tmp_path))
+    client.set_registered_model_alias("svc", "champion", "1")
+    ctx = SimpleNamespace(
+        profile=SimpleNamespace(registry=SimpleNamespace(model_name="svc")), tracker=SimpleNamespace(client=client)
+    )
+    recorded = RouteTable("svc", Version("svc-v2", "svc-v2", None, {"version": "2"}), None, {"svc-v2": 100.0})
+    owned = replace(recorded, owner=Owner("run-9", time.time(), time.time() + 60, None, 3))
+    assert registry_follows_record(ctx, owned) is None  # a release owns it: its promotion may be under way
+    assert str(client.get_model_version_by_alias("svc", "champion").version) == "1"
+    assert registry_follows_record(ctx, recorded) == (
+        "llmops serve: the registry's champion was v1, the deployment record's v2: alias champion -> v2 "
+        "(the record says what clients get)"
+    )
+    assert str(client.get_model_version_by_alias("svc", "champion").version) == "2"
+    assert registry_follows_record(ctx, recorded) is None  # nothing differs now
