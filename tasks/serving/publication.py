@@ -105,11 +105,16 @@ def serving_process(pid: int) -> bool:
 
 def published_state(home: Path) -> dict | None:
     """server.json of the `llmops serve` running for this LLMOPS_HOME; None without one, or when its process is gone."""
-    state = home / "triton" / SERVER_FILE
-    if not state.is_file():
+    info = server_file(home)
+    return info if info is not None and serving_process(int(info.get("pid", 0))) else None
+
+
+def server_file(home: Path) -> dict | None:
+    """server.json as it lies, whether or not its serve lives; None without one (or one half written)."""
+    try:
+        return json.loads((home / "triton" / SERVER_FILE).read_text())
+    except (OSError, ValueError):
         return None
-    info = json.loads(state.read_text())
-    return info if serving_process(int(info.get("pid", 0))) else None
 
 
 def serving_gateway(home: Path) -> str | None:
@@ -134,10 +139,7 @@ def died_without_stopping(home: Path, name: str) -> int | None:
     """The pid of the `llmops serve` of service `name` on this home that died without stopping (SIGKILLed, out of
     memory: its server.json stays, naming a dead pid), which its supervisor starts again; None where none did (a
     serve that stops unpublishes)."""
-    try:
-        info = json.loads((home / "triton" / SERVER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    info = server_file(home) or {}
     pid = int(info.get("pid", 0))
     return pid if info.get("service") == name and pid and not serving_process(pid) else None
 
