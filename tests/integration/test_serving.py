@@ -1936,6 +1936,17 @@ def test_the_cold_start_benchmark_runs_as_documented(home, cpu_tiny_store, tmp_p
     assert 0 < float(row[1]) < 300 and float(row[3]) < float(row[1]), out[-2000:]
 
 
+def test_the_chaos_soak_runs_as_documented(home, first_release, cpu_tiny_store, tmp_path):
+    """benchmarks/chaos.py in its shortest form: one release (seed 4 draws one the gate rejects, with one of the
+    champion's model processes SIGKILLed at a random point) on its own `llmops serve` under clients; it exits 0 only
+    where every check held after the release and no request hung or failed but a 503 with Retry-After."""
+    out = benchmark_on_a_copy(
+        home, cpu_tiny_store, tmp_path, "chaos.py", "--minutes", "0.1", "--concurrency", "2", "--seed", "4"
+    )
+    assert "release 1 (rejected, fault model process): exit 10 in " in out, out[-3000:]
+    assert "every check held after every release" in out and "hung 0, failed 0" in out, out[-3000:]
+
+
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):
     """After every release and request of this module, while the serve runs: the clients' API keys, Triton's
     control key and the serve's own are in no file of the home but the mode-600 ones that keep them (serve's log,
