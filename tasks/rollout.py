@@ -14,29 +14,38 @@ import json
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tasks.control.contract import RouteTable
+from tasks.control.rollout import Window
 from tasks.data.splits import eval_conversations
 from tasks.deploy_canary import Deployment
-from tasks.platform.errors import LostService, RampFailed, RegistryBehind
+from tasks.platform.errors import CheckFailed, LostService, RampFailed, RegistryBehind
 from tasks.platform.run_log import exit_code
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.store import outlast_outage
 from tasks.reporting.evidence import CANARY_STEPS, release_folder
 from tasks.serving import prometheus
-from tasks.serving.champion import as_route, not_found
-from tasks.serving.service import ServiceControl, version_counters
+from tasks.serving.champion import not_found
+from tasks.serving.service import ServiceControl
+
+POLL_S = 0.5  # the release's probes between two reads of the rollout's status
 
 
 @dataclass
-class Window:
-    requests: int
-    failures: int
-    candidate_requests: float
-    candidate_failures: float
-    candidate_mean_latency_ms: float | None
-    client_p99_ms: float | None
+class Clients:
+    """The release's own probes through the gateway during one step (client side: what a client saw)."""
+
+    requests: int = 0
+    failures: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def add(self, sent: int, failed: int, latencies: list[float]) -> None:
+        self.requests, self.failures = self.requests + sent, self.failures + failed
+        self.latencies.extend(latencies)
+
+    @property
+    def p99_ms(self) -> float | None:
+        return statistics.quantiles(self.latencies, n=100)[98] if len(self.latencies) >= 2 else None
 
 
 def probe(
@@ -69,39 +78,22 @@ def probe(
     return counts[0], counts[1], latencies
 
 
-def watch_window(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> Window:
-    """One step's window: probes through the gateway, and how the candidate's requests went meanwhile (all of them,
-    clients' and probes', as the gateway counted them)."""
-    cfg, control, name = ctx.profile.canary, deployment.control, deployment.candidate.name
-    before, started = version_counters(control.metrics(), name), time.time()
-    sent, failed, latencies = probe(
-        control, deployment.service, prompts, cfg.window_s, cfg.probe_concurrency, ctx.profile.bench.output_tokens
-    )
-    after, ended = version_counters(control.metrics(), name), time.time()
-    if cfg.prometheus_url:
-        scraped = prometheus.wait_for_scrape(cfg.prometheus_url, name, ended, timeout=max(30, 3 * cfg.window_s))
-        counters = prometheus.version_counters(cfg.prometheus_url, name, started, scraped)
-        ok, bad, seconds = counters.successes, counters.failures, counters.seconds
-    else:
-        ok, bad, seconds = after.ok - before.ok, after.failed - before.failed, after.seconds - before.seconds
-    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else None
-    return Window(sent, failed, ok + bad, bad, seconds / ok * 1000 if ok else None, p99)
-
-
-def breach(ctx: RunContext, deployment: Deployment, window: Window) -> str | None:
-    cfg = ctx.profile.canary
-    for triton in deployment.tritons:
-        if not triton.is_ready(deployment.candidate.name):
-            return f"{deployment.candidate.name} is not ready on {triton.url}"
-    if window.requests and window.failures / window.requests > cfg.max_error_rate:
-        return f"{window.failures}/{window.requests} client requests failed (max error rate {cfg.max_error_rate})"
-    if window.candidate_requests and window.candidate_failures / window.candidate_requests > cfg.max_error_rate:
-        return f"candidate failed {window.candidate_failures:.0f}/{window.candidate_requests:.0f} requests"
-    if window.candidate_mean_latency_ms is not None and window.candidate_mean_latency_ms > cfg.max_mean_latency_ms:
-        return (
-            f"candidate mean latency {window.candidate_mean_latency_ms:.1f} ms > canary.max_mean_latency_ms "
-            f"{cfg.max_mean_latency_ms}"
-        )
+def analysed(ctx: RunContext, deployment: Deployment, window: Window, clients: Clients) -> str | None:
+    """The release's own analysis of a window the controller passed (canary.prometheus_url: the rollout waits for it):
+    what its clients saw, and the candidate's counters as the Prometheus watching the service scraped them."""
+    cfg, name = ctx.profile.canary, deployment.candidate.name
+    if clients.requests and clients.failures / clients.requests > cfg.max_error_rate:
+        return f"{clients.failures}/{clients.requests} client requests failed (max error rate {cfg.max_error_rate})"
+    if not cfg.prometheus_url:
+        return None
+    scraped = prometheus.wait_for_scrape(cfg.prometheus_url, name, window.ended_at, timeout=max(30, 3 * cfg.window_s))
+    counters = prometheus.version_counters(cfg.prometheus_url, name, window.started_at, scraped)
+    requests = counters.successes + counters.failures
+    if requests and counters.failures / requests > cfg.max_error_rate:
+        return f"candidate failed {counters.failures:.0f}/{requests:.0f} requests (from Prometheus)"
+    mean_ms = counters.seconds / counters.successes * 1000 if counters.successes else None
+    if mean_ms is not None and mean_ms > cfg.max_mean_latency_ms:
+        return f"candidate mean latency {mean_ms:.1f} ms > canary.max_mean_latency_ms {cfg.max_mean_latency_ms} (from Prometheus)"
     return None
 
 
@@ -109,44 +101,70 @@ def breach(ctx: RunContext, deployment: Deployment, window: Window) -> str | Non
 
 
 def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | None:
-    """Walk the traffic steps; return the breach that stopped it, or None when 100% was reached."""
-    champion = deployment.champion
-    steps = ctx.profile.canary.steps if champion else [100]  # the first release is deployed directly
-    for weight in steps:
-        weights: dict[str, float] = {deployment.candidate.name: weight}
-        if champion and weight < 100:
-            weights[champion.name] = 100 - weight
-        started = time.perf_counter()
-        deployment.route(weights)
-        step_ms = (time.perf_counter() - started) * 1000
-        window = watch_window(ctx, deployment, prompts)
-        problem = breach(ctx, deployment, window)
-        step = {"weight": weight, "at": time.time(), "step_ms": step_ms, **window.__dict__, "breach": problem}
-        deployment.steps.append(step)
-        keep_steps(ctx, deployment.steps)
-        ctx.tracker.log_metrics(
-            "canary",
-            {
-                "weight": weight,
-                "step_ms": step_ms,
-                "client_requests": window.requests,
-                "client_failures": window.failures,
-                "candidate_requests": window.candidate_requests,
-                "candidate_failures": window.candidate_failures,
-                "candidate_mean_latency_ms": window.candidate_mean_latency_ms or 0.0,
-            },
-            step=weight,
+    """The rollout submitted to the service, whose controller walks the steps (tasks/runtime/rollouts.py); meanwhile
+    this release probes through the gateway, follows the status, and where it analyses the windows itself
+    (canary.prometheus_url) says `next` or `abort` after each. The breach that ended it, or None once promoted."""
+    cfg, control = ctx.profile.canary, deployment.control
+    plan = {
+        "steps": cfg.steps if deployment.champion else [100],  # the first release is deployed directly
+        "window_s": cfg.window_s,
+        "max_error_rate": cfg.max_error_rate,
+        "max_mean_latency_ms": cfg.max_mean_latency_ms,
+        "await_decision": bool(cfg.prometheus_url),
+    }
+    control.start_rollout(plan, deployment.release, deployment.hold_s)
+    clients, seen = Clients(), 0
+    while True:
+        clients.add(
+            *probe(control, deployment.service, prompts, POLL_S, cfg.probe_concurrency, ctx.profile.bench.output_tokens)
         )
-        logger().info(
-            f"canary: {weight}% to {deployment.candidate.name} (in effect in {step_ms:.0f} ms): {window.requests} requests, "
-            f"{window.failures} failed, candidate {window.candidate_requests:.0f} requests "
-            f"mean {window.candidate_mean_latency_ms or 0:.1f} ms"
-            + (" (from Prometheus)" if ctx.profile.canary.prometheus_url else "")
-            + (f" -> BREACH: {problem}" if problem else "")
-        )
-        if problem:
-            return problem
-    return None
+        rollout = control.table().rollout
+        if rollout is None or rollout.release != deployment.release:
+            raise CheckFailed(f"the service's record holds no rollout of release {deployment.release} any more")
+        for window in rollout.windows[seen:]:
+            problem = window.breach or (analysed(ctx, deployment, window, clients) if plan["await_decision"] else None)
+            note_step(ctx, deployment, window, clients, problem)
+            clients, seen = Clients(), seen + 1
+            if problem and rollout.active:
+                control.decide(deployment.release, "abort", problem)
+                return problem
+        if rollout.phase == "promoted":
+            return None
+        if rollout.phase == "rolled_back":
+            return rollout.reason or "rolled back by the service"
+        if rollout.phase == "paused" and seen == len(rollout.windows):
+            control.decide(deployment.release, "next" if rollout.step + 1 < len(rollout.steps) else "promote")
+
+
+def note_step(ctx: RunContext, deployment: Deployment, window: Window, clients: Clients, problem: str | None) -> None:
+    """One step as the controller watched it and the release's clients saw it: in the run's log, MLflow and the
+    report's steps."""
+    weight, name = window.weight, deployment.candidate.name
+    step = {
+        "weight": weight,
+        "at": window.started_at,
+        "step_ms": window.step_ms,
+        "requests": clients.requests,
+        "failures": clients.failures,
+        "candidate_requests": window.requests,
+        "candidate_failures": window.failures,
+        "candidate_mean_latency_ms": window.mean_latency_ms,
+        "client_p99_ms": clients.p99_ms,
+        "breach": problem,
+    }
+    deployment.steps.append(step)
+    keep_steps(ctx, deployment.steps)
+    metrics = {k: float(step[k] or 0.0) for k in ("weight", "step_ms", "candidate_requests", "candidate_failures")}
+    metrics |= {"client_requests": clients.requests, "client_failures": clients.failures}
+    metrics["candidate_mean_latency_ms"] = window.mean_latency_ms or 0.0
+    ctx.tracker.log_metrics("canary", metrics, step=int(weight))
+    logger().info(
+        f"canary: {weight:g}% to {name} (in effect in {window.step_ms:.0f} ms): {clients.requests} requests, "
+        f"{clients.failures} failed, candidate {window.requests:.0f} requests "
+        f"mean {window.mean_latency_ms or 0:.1f} ms"
+        + (" (checked on Prometheus too)" if ctx.profile.canary.prometheus_url else "")
+        + (f" -> BREACH: {problem}" if problem else "")
+    )
 
 
 def keep_steps(ctx: RunContext, steps: list[dict]) -> None:
@@ -157,13 +175,12 @@ def keep_steps(ctx: RunContext, steps: list[dict]) -> None:
 
 
 def promote(ctx: RunContext, deployment: Deployment) -> None:
-    """The candidate is the champion: in the gateway's table (and its record) first, then in the registry. The
-    registry's writes outlast an MLflow outage of run.storage_outage_s; where they still fail, the service already
-    serves the candidate (its deployment record says so, and `llmops serve` restarts from it), and the error says
-    what each holds and that the same release run again moves the alias (deploy_canary finds the candidate serving
-    as the champion: unchanged, and the alias follows)."""
-    candidate = as_route(deployment.candidate)
-    deployment.control.put_table(RouteTable(deployment.service, candidate, weights={candidate.name: 100.0}))
+    """The candidate is the champion: the service's controller made it so in its table and record (ramp returned
+    None); then the old champion leaves the replicas and the registry follows. The registry's writes outlast an MLflow
+    outage of run.storage_outage_s; where they still fail, the service already serves the candidate (its deployment
+    record says so, and `llmops serve` moves the alias at its next start), and the error says what each holds and that
+    the same release run again moves the alias (deploy_canary finds the candidate serving as the champion: unchanged,
+    and the alias follows)."""
     if deployment.champion and deployment.champion.name != deployment.candidate.name:
         deployment.retire(deployment.champion)
     try:
@@ -230,6 +247,7 @@ def rollout(ctx: RunContext, deployment: Deployment, approved: bool, rejection: 
     else:
         try:
             problem = ramp(ctx, deployment, eval_prompts(ctx, data))
+            deployment.let_go()  # ended: the service's controller holds no routes of this release any more
         except LostService:  # another release owns the service: its routes are not this one's to roll back
             raise
         except Exception as exc:  # MLflow, the gateway: live traffic is never left split, and no retry routes again

@@ -34,6 +34,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from tasks.control.rollout import Rollout, RolloutError
 from tasks.platform.config.base import TRITON_NAME
 
 RECORD_VERSION = 1
@@ -142,6 +143,7 @@ class RouteTable:
     updated_at: float = 0.0
     owner: Owner | None = None  # the release that owns the service (deploys .. promotes), independent of the routes
     last_epoch: int = 0  # the last fencing epoch an owner was given: each new owner gets the next (never reused)
+    rollout: Rollout | None = None  # the candidate's rollout: the release's plan, the controller's status (rollout.py)
 
     def __post_init__(self) -> None:
         routed = [(self.version(name), weight) for name, weight in self.weights.items() if weight > 0]
@@ -181,12 +183,20 @@ class RouteTable:
         """The routes as MODEL=WEIGHT pairs (capture records and logs read this)."""
         return ",".join(f"{name}={weight:g}" for name, weight in self.weights.items() if weight > 0)
 
-    def champion_alone(self) -> RouteTable:
+    def champion_alone(self, why: str = "the champion serves alone", now: float = 0.0) -> RouteTable:
         """The champion serving every request: no candidate, no copy, no release holding the routes (the service's
-        owner stays: its ownership has an expiry of its own)."""
+        owner stays: its ownership has an expiry of its own); a rollout under way ends rolled back, for `why`."""
         weights = {self.champion.name: 100.0} if self.champion else {}
+        rollout = self.rollout.ended("rolled_back", why, now) if self.rollout and self.rollout.active else self.rollout
         return replace(
-            self, candidate=None, weights=weights, shadow=None, shadow_fraction=0.0, release=None, expires_at=None
+            self,
+            candidate=None,
+            weights=weights,
+            shadow=None,
+            shadow_fraction=0.0,
+            release=None,
+            expires_at=None,
+            rollout=rollout,
         )
 
     def expired(self, now: float) -> bool:
@@ -196,7 +206,9 @@ class RouteTable:
         """The champion alone where a release's hold on a candidate or a copy lapsed by `now`; None where it holds
         (read again under the table's lock: a renewal that landed since the last look keeps the routes)."""
         held = self.candidate is not None or self.shadow is not None
-        return self.champion_alone() if held and self.expired(now) else None
+        if not held or not self.expired(now):
+            return None
+        return self.champion_alone(f"release {self.release} stopped renewing its hold on the routes", now)
 
     def as_json(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items()}
@@ -221,6 +233,7 @@ class RouteTable:
             updated_at=float(data.get("updated_at") or 0.0),
             owner=Owner.of(data["owner"]) if data.get("owner") else None,
             last_epoch=parse_epoch(data.get("last_epoch", 0), "last_epoch"),
+            rollout=parse_rollout(data.get("rollout")),
         )
         table.check()
         return table
@@ -239,6 +252,15 @@ class RouteTable:
                 raise RoutesError(f"shadow: {self.shadow} is neither the champion nor the candidate")
             if not 0 < self.shadow_fraction <= 1:
                 raise RoutesError("shadow_fraction: must be in (0, 1]")
+        if self.rollout is not None and self.rollout.active and self.rollout.candidate not in names:
+            raise RoutesError(f"rollout.candidate: {self.rollout.candidate} is not in the table")
+
+
+def parse_rollout(data: Any) -> Rollout | None:
+    try:
+        return Rollout.of(data) if data else None
+    except RolloutError as exc:
+        raise RoutesError(str(exc)) from None
 
 
 def parse_weights(data: Any) -> dict[str, float]:

@@ -168,6 +168,16 @@ class ServiceControl:
         body = {"url": triton.url, "models": models, "timeout_s": timeout_s}
         return str(self.write("POST", "/control/v1/loads/hung", body, timeout_s + 30)["outcome"])
 
+    def start_rollout(self, plan: Mapping[str, Any], release: str, lease_s: float) -> RouteTable:
+        """The table's candidate rolled out by the service's controller, as `plan` says, held for lease_s."""
+        body = {**plan, "release": release, "lease_s": lease_s}
+        return RouteTable.of(self.write("PUT", "/control/v1/rollout", body))
+
+    def decide(self, release: str, decision: str, reason: str = "") -> RouteTable:
+        """abort, next or promote: the release's decision on its rollout (the table after it)."""
+        body = {"decision": decision, "reason": reason, "release": release}
+        return RouteTable.of(self.write("POST", "/control/v1/rollout/decision", body))
+
     def stop_shadow(self) -> RouteTable:
         return RouteTable.of(self.write("DELETE", "/control/v1/shadow", {}))
 

@@ -984,9 +984,13 @@ def test_good_candidate_measured_by_aiperf_rolls_out_and_is_promoted_with_no_fai
         low, high = checks[name]["interval"]
         assert low <= checks[name]["value"] <= high
     assert checks["throughput ratio vs champion"]["interval"][0] >= 0.2
+    # the service walked the rollout, pausing after each window for the release's own analysis on Prometheus
+    rollout = json.loads((home / "serving" / f"{SERVICE}.json").read_text())["rollout"]
+    assert (rollout["phase"], rollout["await_decision"]) == ("promoted", True), rollout
+    assert [w["weight"] for w in rollout["windows"]] == [10, 50, 100] and all(w["requests"] for w in rollout["windows"])
     for weight in (10, 50, 100):
         step = next(line for line in output.splitlines() if f"canary: {weight}% to {SERVICE}-v{new}" in line)
-        assert step.rstrip().endswith("(from Prometheus)"), step
+        assert step.rstrip().endswith("(checked on Prometheus too)"), step
         assert " 0 requests mean" not in step  # Prometheus saw the candidate's requests
         in_effect_ms = float(re.search(r"\(in effect in (\d+) ms\)", step).group(1))
         # a table swapped in the gateway, no model loaded again (a router reload took 1.2 to 1.3 s): the control call's
@@ -1417,6 +1421,10 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     assert "Approval: approved by release-manager at " in version.description
     assert "canary: 50% to " in output and "-> BREACH: candidate mean latency" in output
     assert "canary: 100%" not in output  # stopped at 50%
+    # the service's controller watched the step and rolled it back; its record says how and why
+    rollout = json.loads((home / "serving" / f"{SERVICE}.json").read_text())["rollout"]
+    assert (rollout["phase"], [w["weight"] for w in rollout["windows"]]) == ("rolled_back", [50]), rollout
+    assert rollout["reason"].startswith("canary breach: candidate mean latency"), rollout
     assert (
         result.stderr.strip().splitlines()[-1] == "llmops: rejected: candidate rolled back: canary breach (see the log)"
     )

@@ -64,7 +64,6 @@ def context(registry: Registry, outage_s: float = 0.5):
 @pytest.fixture(autouse=True)
 def no_prompts(monkeypatch):
     monkeypatch.setattr(rollout_module, "eval_prompts", lambda ctx, data: ["q"])
-    monkeypatch.setattr(rollout_module, "as_route", lambda served: SimpleNamespace(name=served.name))
 
 
 def test_an_exception_during_the_ramp_routes_the_champion_alone_before_it_is_raised(monkeypatch):
@@ -115,7 +114,7 @@ def test_a_promotion_the_registry_cannot_record_says_what_each_holds_and_a_rerun
     message = str(raised.value)
     assert exit_code(raised.value) == 4
     assert "serves svc-v2 as its champion" in message and "run the same release again" in message
-    assert ("table", {"svc-v2": 100.0}) in deployment.events  # the service serves the candidate, whole
+    assert ("retire", "svc-v1") in deployment.events  # the service's controller promoted: the old champion left
     assert registry.aliases["champion"] == "1"
     # the rerun: deploy_canary finds the candidate serving as the champion (unchanged), and the alias follows
     registry.failures, deployment.unchanged = 0, True

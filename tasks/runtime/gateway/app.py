@@ -54,8 +54,7 @@ from tasks.runtime.gateway.serving import OpenAIServing, bounded_max_tokens, con
 from tasks.runtime.gateway.shadow import Shadow
 from tasks.runtime.gateway.upstream import Answer, Triton
 from tasks.runtime.gateway.work import Pools
-
-LEASE_CHECK_S = 0.5  # how often the gateway looks for a release's hold on the routes that lapsed
+from tasks.runtime.rollouts import RolloutController
 
 
 @dataclass
@@ -110,6 +109,7 @@ class Gateway:
             redactor=config.capture.redactor if config.capture else None,
             pools=self.pools,
         )
+        self.rollouts = RolloutController(lambda: self.table, self.amend, self.metrics, self.triton)
         self.random = random.Random()
         self.table = RouteTable(config.service)
         self.table_lock = asyncio.Lock()
@@ -151,7 +151,8 @@ class Gateway:
             ERROR_LOG.warning(
                 "routes: %s had a candidate when its gateway stopped; the champion serves alone", recorded.service
             )
-            return recorded.champion_alone()
+            why = "the service started again during the rollout: its Tritons start with the champion alone"
+            return recorded.champion_alone(why, time.time())
         return recorded
 
     def adopt(self, table: RouteTable) -> None:
@@ -203,19 +204,6 @@ class Gateway:
         if version is None:
             raise RequestError(404, f"model {name!r} is not served here; the service is {self.config.service!r}")
         return version
-
-    async def watch_lease(self) -> None:
-        """Serve the champion alone once a release's hold on the routes lapsed (the release died or hangs)."""
-        while True:
-            await asyncio.sleep(LEASE_CHECK_S)
-            table = self.table
-            if table.lapsed(time.time()) is None:
-                continue
-            after = await self.amend(lambda current: current.lapsed(time.time()))  # again under the lock: renewed?
-            if after.candidate is None and after.shadow is None:
-                holder = (table.release, table.service)
-                ERROR_LOG.warning("routes: release %s let its hold on %s lapse; the champion serves alone", *holder)
-                self.metrics.leases_expired.inc()
 
     def authorize(self, request: Request) -> str:
         """The client's name, noted for the access log and metrics, once its key and its rate allow it."""
@@ -362,11 +350,11 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        watcher = asyncio.create_task(self.watch_lease())
+        controller = asyncio.create_task(self.rollouts.run())
         prober = asyncio.create_task(self.prober.run()) if self.prober.enabled else None
         writer = asyncio.create_task(self.capture.run()) if self.capture is not None else None
         yield
-        watcher.cancel()
+        controller.cancel()
         if prober is not None:
             prober.cancel()
         if writer is not None:  # what is buffered is written before the gateway ends

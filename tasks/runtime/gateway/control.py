@@ -26,6 +26,12 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
                                     again with the table's versions (504 past S); on the last replica serving the
                                     champion, it ends those models' processes and answers {"outcome": "abandoned"}: a
                                     candidate never costs the champion a request (409 for a Triton it does not own)
+    PUT    /control/v1/rollout      {"steps": [..], "window_s": S, "max_error_rate": R, "max_mean_latency_ms": MS,
+                                    "await_decision": B, "release": RUN, "lease_s": S}: the table's candidate rolled out
+                                    by the service's controller (tasks/runtime/rollouts.py); its status is the table's
+                                    `rollout` (GET /control/v1/deployment), held by the release's lease
+    POST   /control/v1/rollout/decision  {"decision": "abort"|"next", "reason": TEXT, "release": RUN}: abort it (the
+                                    champion alone), or route the next step of a rollout paused for the release
     POST   /v2/models/NAME/generate[_stream]   the service's name (drawn by weight) or one version by its name:
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
@@ -65,6 +71,7 @@ from tasks.platform.errors import CheckFailed, TransientError
 from tasks.runtime.gateway.access import Guard, current, triton_error
 from tasks.runtime.gateway.app import Gateway
 from tasks.runtime.gateway.protocol import RequestError
+from tasks.runtime.rollouts import decided, submitted
 from tasks.serving.client import CONTROL_HEADER
 
 CONTROL_CLIENT = "control"  # the client name the control key's requests are counted under
@@ -173,6 +180,10 @@ class ControlApi:
                 return await self.own(request.method, data)
             if request.url.path.endswith("/loads"):
                 return await self.declare(data)
+            if request.url.path.endswith("/rollout"):
+                return await self.roll_out(data)
+            if request.url.path.endswith("/decision"):
+                return await self.decide(data)
             return await self.apply(request.url.path, request.method, data)
         except Fenced as refused:
             return refused.response()
@@ -251,6 +262,28 @@ class ControlApi:
 
         return JSONResponse((await self.gateway.amend(change)).as_json())
 
+    async def roll_out(self, data: dict[str, Any]) -> Response:
+        """The release's plan for the table's candidate, walked by the controller from its next round."""
+        lease, now = self.lease(data), time.time()
+        if lease is None:
+            raise RequestError(400, "lease_s: required (the release's hold on its candidate's routes)")
+
+        def change(current: RouteTable) -> RouteTable:
+            fence(current, data, now)
+            return submitted(current, data, lease, now)
+
+        return JSONResponse((await self.gateway.amend(change)).as_json())
+
+    async def decide(self, data: dict[str, Any]) -> Response:
+        """The release's decision on its rollout; one that ended already is answered with the table that says how."""
+        now = time.time()
+
+        def change(current: RouteTable) -> RouteTable | None:
+            fence(current, data, now)
+            return decided(current, data, now)
+
+        return JSONResponse((await self.gateway.amend(change)).as_json())
+
     @staticmethod
     def changed(table: RouteTable, path: str, method: str, data: dict[str, Any]) -> RouteTable:
         """The table a PUT or DELETE asks for, of `table` (the current one)."""
@@ -260,7 +293,19 @@ class ControlApi:
         try:
             if path.endswith("/deployment"):  # the owner and the epoch are not a table's to change (PUT /owner is)
                 whole = {**data, "service": table.service, "updated_at": time.time(), "owner": None, "last_epoch": 0}
-                return replace(RouteTable.of(whole), owner=table.owner, last_epoch=table.last_epoch)
+                ended = table.champion_alone("the release replaced the whole table", time.time()).rollout
+                return replace(
+                    RouteTable.of({**whole, "rollout": None}),
+                    owner=table.owner,
+                    last_epoch=table.last_epoch,
+                    rollout=ended,
+                )
+            if table.rollout is not None and table.rollout.active and method == "PUT" and path.endswith("/routes"):
+                raise RequestError(
+                    409,
+                    f"routes: release {table.rollout.release}'s rollout is walked by the service's controller; "
+                    "abort it first (POST /control/v1/rollout/decision)",
+                )
             if path.endswith("/routes"):
                 return replace(table, weights=parse_weights(data.get("weights")), release=release)
             if method == "DELETE":
@@ -328,6 +373,8 @@ class ControlApi:
             Route("/control/v1/owner", self.handle, methods=["PUT", "DELETE"]),
             Route("/control/v1/loads", self.handle, methods=["PUT"]),
             Route("/control/v1/loads/hung", self.hung, methods=["POST"]),
+            Route("/control/v1/rollout", self.handle, methods=["PUT"]),
+            Route("/control/v1/rollout/decision", self.handle, methods=["POST"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
         ]

@@ -244,6 +244,13 @@ class Replicas:
                 return True
         return False
 
+    async def not_ready_on(self, version: Version) -> list[str]:
+        """The URLs of the replicas in the pool whose model of `version` is not ready (a rollout's candidate needs
+        every one: each serves its share)."""
+        pool = [replica for replica in self.replicas if replica.in_pool]
+        ready = await asyncio.gather(*(replica.triton.version_ready(version) for replica in pool))
+        return [replica.triton.url for replica, ok in zip(pool, ready, strict=True) if not ok]
+
     async def aclose(self) -> None:
         for replica in self.replicas:
             await replica.triton.aclose()
