@@ -145,12 +145,16 @@ class RolloutController:
         self.baselines: dict[tuple[str, int, float], tuple[Counts, float]] = {}  # step -> (counters, step_ms)
 
     async def run(self) -> None:
+        said: tuple[str, float] = ("", 0.0)  # the last failure said, and when: one line a minute, not five a second
         while True:
             await asyncio.sleep(TICK_S)
             try:
                 await self.converge(time.time())
-            except Exception:  # the loop outlives a failed round (a record write refused): the next round tries again
-                ERROR_LOG.exception("rollout: a round of the controller failed")
+            except Exception as exc:  # the loop outlives a failed round (a record write refused): the next one tries
+                line = f"{type(exc).__name__}: {exc}"
+                if line != said[0] or time.monotonic() - said[1] > 60:
+                    ERROR_LOG.error("rollout: a round of the controller failed: %s", line[:300])
+                    said = (line, time.monotonic())
 
     async def converge(self, now: float) -> None:
         """One round: the champion alone where the release's hold lapsed; else route the step not yet routed, or end

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -79,6 +79,7 @@ MAX_LEASE_S = 24 * 3600.0
 MAX_OWNER_S = 366 * 24 * 3600.0  # a release waiting for a person owns the service until its approval timeout
 MAX_RESTART_S = 3600.0
 
+Endpoint = Callable[[Request], Awaitable[Response]]
 HungLoad = Callable[[str, list[str], float], str]  # (Triton URL, models, timeout_s): "restarted" | "abandoned"
 
 
@@ -167,28 +168,31 @@ class ControlApi:
 
         return JSONResponse((await self.gateway.amend(change)).as_json())
 
-    async def handle(self, request: Request) -> Response:
-        try:
-            self.authorize(request)
-            if request.method == "GET":
-                return JSONResponse(self.gateway.table.as_json())
-            # a DELETE's body too, where it has one: the release and its epoch (an operator's may have none)
-            data = await self.read_json(request) if request.method == "PUT" or "content-type" in request.headers else {}
-            if request.url.path.endswith("/lease"):
-                return await self.renew(data)
-            if request.url.path.endswith("/owner"):
-                return await self.own(request.method, data)
-            if request.url.path.endswith("/loads"):
-                return await self.declare(data)
-            if request.url.path.endswith("/rollout"):
-                return await self.roll_out(data)
-            if request.url.path.endswith("/decision"):
-                return await self.decide(data)
-            return await self.apply(request.url.path, request.method, data)
-        except Fenced as refused:
-            return refused.response()
-        except RequestError as error:
-            return triton_error(error)
+    def endpoint(self, act: Callable[[Request, dict[str, Any]], Awaitable[Response]]) -> Endpoint:
+        """One route's endpoint: the control key checked, the body read as JSON, `act` answered, every refusal in
+        Triton's error shape (a fence's with the owner)."""
+
+        async def answer(request: Request) -> Response:
+            try:
+                self.authorize(request)
+                # a DELETE's body too, where it has one: the release and its epoch (an operator's may have none)
+                wanted = request.method in ("PUT", "POST") or "content-type" in request.headers
+                data = await self.read_json(request) if wanted and request.method != "GET" else {}
+                return await act(request, data)
+            except Fenced as refused:
+                return refused.response()
+            except RequestError as error:
+                return triton_error(error)
+
+        return answer
+
+    async def deployment(self, request: Request, data: dict[str, Any]) -> Response:
+        if request.method == "GET":
+            return JSONResponse(self.gateway.table.as_json())
+        return await self.apply(request.url.path, request.method, data)
+
+    async def change_table(self, request: Request, data: dict[str, Any]) -> Response:
+        return await self.apply(request.url.path, request.method, data)
 
     async def renew(self, data: dict[str, Any]) -> Response:
         """The hold of the release that holds the routes, `lease_s` from now; the routes themselves untouched."""
@@ -319,33 +323,26 @@ class ControlApi:
         except RoutesError as exc:
             raise RequestError(400, str(exc)) from None
 
-    async def hung(self, request: Request) -> Response:
+    async def hung(self, request: Request, data: dict[str, Any]) -> Response:
+        url, timeout = data.get("url"), data.get("timeout_s")
+        if not isinstance(url, str) or not url:
+            raise RequestError(400, "url: the URL of one of the serve's Tritons")
         try:
-            self.authorize(request)
-            data = await self.read_json(request)
-            url, timeout = data.get("url"), data.get("timeout_s")
-            if not isinstance(url, str) or not url:
-                raise RequestError(400, "url: the URL of one of the serve's Tritons")
-            try:
-                models = list(parse_models(data.get("models"), "models"))
-            except RoutesError as exc:
-                raise RequestError(400, str(exc)) from None
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_RESTART_S:
-                raise RequestError(400, f"timeout_s: seconds in (0, {MAX_RESTART_S:.0f}]")
-            if self.hung_load is None:
-                raise RequestError(409, "this gateway starts no Triton: restart it where it was started")
-            fence(self.gateway.table, data, time.time())
-            try:
-                outcome = await self.gateway.pools.job(self.hung_load, url, models, float(timeout))
-            except CheckFailed as exc:
-                raise RequestError(409, str(exc)) from None
-            except TransientError as exc:
-                raise RequestError(504, str(exc)) from None
-            return JSONResponse({"url": url, "outcome": outcome})
-        except Fenced as refused:
-            return refused.response()
-        except RequestError as error:
-            return triton_error(error)
+            models = list(parse_models(data.get("models"), "models"))
+        except RoutesError as exc:
+            raise RequestError(400, str(exc)) from None
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_RESTART_S:
+            raise RequestError(400, f"timeout_s: seconds in (0, {MAX_RESTART_S:.0f}]")
+        if self.hung_load is None:
+            raise RequestError(409, "this gateway starts no Triton: restart it where it was started")
+        fence(self.gateway.table, data, time.time())
+        try:
+            outcome = await self.gateway.pools.job(self.hung_load, url, models, float(timeout))
+        except CheckFailed as exc:
+            raise RequestError(409, str(exc)) from None
+        except TransientError as exc:
+            raise RequestError(504, str(exc)) from None
+        return JSONResponse({"url": url, "outcome": outcome})
 
     async def generate(self, request: Request) -> Response:
         try:
@@ -366,15 +363,19 @@ class ControlApi:
             Route("/health/live", gateway.live),
             Route("/health/ready", gateway.ready),
             Route("/metrics", gateway.prometheus),
-            Route("/control/v1/deployment", self.handle, methods=["GET", "PUT"]),
-            Route("/control/v1/routes", self.handle, methods=["PUT"]),
-            Route("/control/v1/shadow", self.handle, methods=["PUT", "DELETE"]),
-            Route("/control/v1/lease", self.handle, methods=["PUT"]),
-            Route("/control/v1/owner", self.handle, methods=["PUT", "DELETE"]),
-            Route("/control/v1/loads", self.handle, methods=["PUT"]),
-            Route("/control/v1/loads/hung", self.hung, methods=["POST"]),
-            Route("/control/v1/rollout", self.handle, methods=["PUT"]),
-            Route("/control/v1/rollout/decision", self.handle, methods=["POST"]),
+            Route("/control/v1/deployment", self.endpoint(self.deployment), methods=["GET", "PUT"]),
+            Route("/control/v1/routes", self.endpoint(self.change_table), methods=["PUT"]),
+            Route("/control/v1/shadow", self.endpoint(self.change_table), methods=["PUT", "DELETE"]),
+            Route("/control/v1/lease", self.endpoint(lambda _, data: self.renew(data)), methods=["PUT"]),
+            Route(
+                "/control/v1/owner",
+                self.endpoint(lambda request, data: self.own(request.method, data)),
+                methods=["PUT", "DELETE"],
+            ),
+            Route("/control/v1/loads", self.endpoint(lambda _, data: self.declare(data)), methods=["PUT"]),
+            Route("/control/v1/loads/hung", self.endpoint(self.hung), methods=["POST"]),
+            Route("/control/v1/rollout", self.endpoint(lambda _, data: self.roll_out(data)), methods=["PUT"]),
+            Route("/control/v1/rollout/decision", self.endpoint(lambda _, data: self.decide(data)), methods=["POST"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
             Route("/v2/models/{model}/generate_stream", self.generate, methods=["POST"]),
         ]
