@@ -42,6 +42,9 @@ class Replica:
     deaths: int = 0
     started: float = field(default_factory=time.monotonic)
     restarting: bool = False  # the fleet starts it again and loads its versions: no recovery meanwhile
+    # held while `restarting`, `server`, `client` and `started` change together: the watch, the probes' recovery, the
+    # autoscaler and a release's hung load read them from four threads, each one coherent set
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def owned(self) -> bool:
@@ -102,8 +105,9 @@ class Fleet:
                 self.say(
                     f"llmops serve: {exc}; starting that Triton again ({replica.deaths} of {self.listen.restart_limit})"
                 )
-                replica.server = self.spawn(replica.index, replica.ports)
-                replica.client, replica.started = replica.server.client, time.monotonic()
+                server = self.spawn(replica.index, replica.ports)
+                with replica.lock:
+                    replica.server, replica.client, replica.started = server, server.client, time.monotonic()
 
     def attach(self, tritons: list[Triton], champion: Served) -> None:
         """Tritons this serve does not own, `champion` loaded on each (its files sent where none shares a disk)."""
@@ -181,11 +185,13 @@ class Fleet:
         """Start a dead replica again with backoff and load the table's versions on it; False when stopped meanwhile.
         Past serve.listen.restart_limit deaths in a row: TransientError."""
         assert replica.server is not None
-        replica.restarting = True
+        with replica.lock:
+            replica.restarting = True
         try:
             return self.restart_with_backoff(replica, stopped)
         finally:
-            replica.restarting = False
+            with replica.lock:
+                replica.restarting = False
 
     def restart_with_backoff(self, replica: Replica, stopped: threading.Event) -> bool:
         assert replica.server is not None
@@ -201,8 +207,9 @@ class Fleet:
             if stopped.wait(delay):
                 return False
             try:
-                replica.server = self.spawn(replica.index, replica.ports)
-                replica.client, replica.started = replica.server.client, time.monotonic()
+                server = self.spawn(replica.index, replica.ports)
+                with replica.lock:
+                    replica.server, replica.client, replica.started = server, server.client, time.monotonic()
                 self.load(replica, self.table_versions())
             except (TransientError, OSError, CheckFailed) as exc:
                 self.say(f"llmops serve: restart failed: {exc}")
@@ -228,32 +235,32 @@ class Fleet:
     def recover(self, url: str, model: str) -> str:
         """The gateway's probes' recovery of `model` on replica `url` (tasks/runtime/gateway/probes.py)."""
         replica = next(r for r in self.replicas if r.client.url == url)
-        if replica.restarting:
-            return "restarting"
+        with replica.lock:  # one coherent Triton: a restart swapping it meanwhile is told apart, never mixed in
+            if replica.restarting:
+                return "restarting"
+            server, client = replica.server, replica.client
         try:
-            repository = replica.client.repository
-            if replica.owned and repository is not None and (repository / model).is_dir():
-                server = replica.server
-                before = server.model_processes([model]) if server is not None else []
-                replica.client.load(model, timeout=self.ctx.profile.serve.load_timeout_s)
-                if server is not None and (left := server.end_left_behind(before)):
+            repository = client.repository
+            if server is not None and repository is not None and (repository / model).is_dir():
+                before = server.model_processes([model])
+                client.load(model, timeout=self.ctx.profile.serve.load_timeout_s)
+                if left := server.end_left_behind(before):
                     self.say(
                         f"llmops serve: {model} on {url}: ended {len(left)} of its old model processes, left behind"
                     )
             else:  # not this machine's repository, or a replica that joined after the version's release loaded it
                 for served in self.table_versions():
                     if model in (served.name, served.answered_by[0]):
-                        replica.client.unload(model)
+                        client.unload(model)
                         self.load(replica, [served])
             return "reloaded"
         except (CheckFailed, TransientError) as exc:
             table = self.table()
             champion = table.champion if table is not None else None
-            if not replica.owned or champion is None or champion.model != model or not replica.running():
+            if server is None or champion is None or champion.model != model or not server.running():
                 raise
-            assert replica.server is not None
             self.say(f"llmops serve: {model} did not load again on {url} ({exc}); restarting that Triton")
-            replica.server.kill()  # the serve's watch starts it again and loads the table's versions
+            server.kill()  # the serve's watch starts it again and loads the table's versions
             return "restarted"
 
     def hung_load(self, url: str, models: list[str], timeout_s: float) -> str:
@@ -284,9 +291,10 @@ class Fleet:
             self.count("abandon", ",".join(hung))
             return "abandoned"
         self.say(f"llmops serve: a release's load hung on Triton {url}; starting that Triton again")
-        started = replica.started
-        if not replica.restarting:  # else the watch is starting it already
-            replica.server.kill()
+        with replica.lock:
+            started, restarting, server = replica.started, replica.restarting, replica.server
+        if not restarting:  # else the watch is starting it already
+            server.kill()
         deadline = time.monotonic() + timeout_s
         while replica.started == started or replica.restarting or not replica.running():
             if time.monotonic() > deadline:
