@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.load.load_level import LoadLevel
+from tasks.load.load_level import LoadLevel, tool_failed
 from tasks.platform.child_env import child_env
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import BadInput, CheckFailed
@@ -205,9 +205,10 @@ class AIPerf:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if done.returncode != 0:
-            raise CheckFailed(
+            raise tool_failed(
                 f"benchmark: AIPerf on {served.name} exited with {done.returncode}: "
-                f"{first_error(artifact_dir, done.stderr or done.stdout)[:400]} (logs: {artifact_dir}/**/aiperf.log)"
+                f"{first_error(artifact_dir, done.stderr or done.stdout)[:400]} (logs: {artifact_dir}/**/aiperf.log)",
+                self.http_url,
             )
         # One run writes its export at the top; N runs write profile_runs/run_000K/ (orchestrator/orchestrator.py:38-89).
         exports = sorted(artifact_dir.glob("profile_runs/run_*/profile_export_aiperf.json")) or sorted(

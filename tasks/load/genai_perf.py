@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.load.load_level import LoadLevel
+from tasks.load.load_level import LoadLevel, tool_failed
 from tasks.platform.child_env import child_env
 from tasks.platform.config import BenchSection
 from tasks.platform.errors import BadInput, CheckFailed
@@ -250,8 +250,9 @@ class GenaiPerf:
             files = (Path(f"{output}.err"), output)  # absent where the run failed before it could open them
             said = [path.read_text(errors="replace").strip() for path in files if path.is_file()]
             tail = next((text.splitlines()[-1:] for text in said if text), [])
-            raise CheckFailed(
-                f"benchmark: genai-perf on {served.name} exited with {returncode}: {(tail or ['(no output)'])[0][:300]}"
+            said_last = (tail or ["(no output)"])[0][:300]
+            raise tool_failed(
+                f"benchmark: genai-perf on {served.name} exited with {returncode}: {said_last}", self.grpc_url
             )
         exports = sorted(artifact_dir.rglob("profile_export_genai_perf.json"))
         measured = parse_profile_export(exports[0] if exports else artifact_dir / "profile_export_genai_perf.json")

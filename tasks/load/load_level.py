@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from tasks.platform.errors import CheckFailed
+from tasks.platform.errors import CheckFailed, TransientError
 
 if TYPE_CHECKING:
     from tasks.serving.models import Served
@@ -84,3 +84,17 @@ class LoadTool(Protocol):
         """Every run of one measurement of `served` at `concurrency`, in the order run (one for genai-perf,
         bench.profile_runs for AIPerf)."""
         ...
+
+
+def tool_failed(message: str, url: str) -> CheckFailed | TransientError:
+    """A load generator that exited non-zero: a TransientError (exit 4, a service that stayed away) where the server
+    it measured does not accept a connection any more (a Triton that died under it), else a CheckFailed (exit 3)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "://" in url else f"//{url}")
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=3):
+            return CheckFailed(message)
+    except OSError as exc:
+        return TransientError(f"{message} ({url} does not answer: {exc.strerror or type(exc).__name__})")
