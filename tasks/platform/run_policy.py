@@ -225,19 +225,64 @@ def check_release_parameters(
     refuse_unlisted_endpoint("triton_metrics_url", triton_metrics_url, "triton", [env("LLMOPS_TRITON_METRICS_URL")])
 
 
+# Every profile setting that names a place a run reads from or sends to, and the policy an override of it meets (a
+# FILE_ONLY one no override may set at all). tests/unit/test_run_parameters.py walks the profile's schema: a text
+# setting that is in neither this nor PLACELESS, nor FILE_ONLY, fails it.
+OVERRIDE_POLICY: dict[str, str] = {
+    "base_model.source": "model",
+    "data.source": "location",
+    "data.eval_source": "location",
+    "data.harvest_eval_source": "location",
+    "canary.prometheus_url": "metrics",
+    "evaluate.judge.url": "judge",
+}
+# Text settings that name no place a run reads or sends to, and why.
+PLACELESS: dict[str, str] = {
+    "name": "the profile's name",
+    "description": "prose",
+    "hardware.gpu_type": "a label a pool matches",
+    "hardware.kubernetes.node_selector": "labels a pod is scheduled by",
+    "hardware.kubernetes.tolerations": "taints a pod tolerates",
+    "hardware.kubernetes.cpu_request": "a quantity",
+    "hardware.kubernetes.memory_request": "a quantity",
+    "data.split_salt": "a salt",
+    "train.template": "a chat template's name (LlamaFactory's)",
+    "train.lora_target": "module names",
+    "train.lr_scheduler_type": "a scheduler's name",
+    "evaluate.judge.model": "a model's name at the judge (its URL is policed)",
+    "evaluate.judge.rubric": "prose",
+    "serve.listen.host": "an address `llmops serve` binds: no run starts its listeners",
+    "serve.listen.control_host": "an address `llmops serve` binds: no run starts its listeners",
+    "serve.listen.gateway_metrics_host": "an address `llmops serve` binds: no run starts its listeners",
+    "serve.listen.triton_host": "an address `llmops serve` and `llmops triton` bind: no run starts them",
+    "serve.listen.tls_cert": "read by `llmops serve`'s listeners alone, which no run starts",
+    "serve.listen.tls_key": "read by `llmops serve`'s listeners alone, which no run starts",
+    "serve.capture.redact": "patterns",
+    "registry.model_name": "a name in the run's own registry",
+    "run.remote_stages": "deployments of the same Prefect server the run was started on (an operator's)",
+}
+
+
+def setting(config: Profile, key: str) -> object:
+    """The value at `key` (a.b.c) of `config`; None where a section on the way is unset (no judge)."""
+    value: object = config
+    for part in key.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
 def check_profile_locations(config: Profile, shipped: Profile) -> None:
     """What a run's `overrides` changed of the shipped profile's locations and endpoints, against the policy."""
-    for key, value, written in (
-        ("data.source", config.data.source, shipped.data.source),
-        ("data.eval_source", config.data.eval_source, shipped.data.eval_source),
-        ("data.harvest_eval_source", config.data.harvest_eval_source, shipped.data.harvest_eval_source),
-    ):
-        if value != written:
-            refuse_unlisted_location(f"overrides {key}", value)
-    if config.base_model.source != shipped.base_model.source:
-        refuse_unlisted_model("overrides base_model.source", config.base_model.source)
-    if config.canary.prometheus_url != shipped.canary.prometheus_url:
-        refuse_unlisted_endpoint("overrides canary.prometheus_url", config.canary.prometheus_url, "metrics")
-    judge, written_judge = config.evaluate.judge, shipped.evaluate.judge
-    if judge is not None and (written_judge is None or judge.url != written_judge.url):
-        refuse_unlisted_endpoint("overrides evaluate.judge.url", judge.url, "judge")
+    for key, policy in OVERRIDE_POLICY.items():
+        value, written = setting(config, key), setting(shipped, key)
+        if value == written or value is None:
+            continue
+        parameter = f"overrides {key}"
+        if policy == "location":
+            refuse_unlisted_location(parameter, str(value))
+        elif policy == "model":
+            refuse_unlisted_model(parameter, str(value))
+        else:
+            refuse_unlisted_endpoint(parameter, str(value), policy)

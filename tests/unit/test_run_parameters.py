@@ -246,3 +246,54 @@ def test_overrides_cannot_move_the_data_outside_the_allow_list(monkeypatch, tmp_
     with pytest.raises(BadInput, match=r"^overrides evaluate\.judge\.url https://judge\.example/v1: "):
         release.fn(profile="cpu-tiny", overrides=judge)
     check_release_parameters("profiles/data/antonyms.jsonl", "profile", None, None, None, None, None, None)
+
+
+def text_settings(model: type, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """Every setting of the profile's schema whose value holds text (a URL, a path, a name), with its field."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        key, kinds = f"{prefix}{name}", typing.get_args(field.annotation) or (field.annotation,)
+        sections = [kind for kind in kinds if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        for section in sections:
+            yield from text_settings(section, f"{key}.")
+        if not sections and ("str" in str(field.annotation) or "Path" in str(field.annotation)):
+            yield key, field
+
+
+def test_every_setting_that_holds_text_has_a_policy_for_runs_started_through_the_api():
+    """Issue 74: `base_model.source` was checked nowhere. Walking the profile's schema, each text setting is either
+    one no override may set (FILE_ONLY), one whose overrides meet a policy (OVERRIDE_POLICY), or one that names no
+    place a run reads from or sends to (PLACELESS, with why); a new setting fails here until it is one of them."""
+    from tasks.platform.config import Profile
+    from tasks.platform.config.base import is_file_only
+    from tasks.platform.run_policy import OVERRIDE_POLICY, PLACELESS
+
+    found = dict(text_settings(Profile))
+    unpoliced = [key for key, field in found.items() if not is_file_only(field)]
+    assert sorted(set(unpoliced) - set(OVERRIDE_POLICY) - set(PLACELESS)) == []
+    assert sorted((set(OVERRIDE_POLICY) | set(PLACELESS)) - set(unpoliced)) == []  # none named twice or stale
+
+
+@pytest.mark.parametrize("key", ["base_model.source", "data.source", "data.eval_source", "data.harvest_eval_source",
+                                 "canary.prometheus_url", "evaluate.judge.url"])  # fmt: skip
+def test_each_policed_setting_refuses_a_strangers_value_through_overrides(key):
+    """What OVERRIDE_POLICY says is checked is: an override of each with a place on no list is refused naming it."""
+    from tasks.platform.config import load_profile
+    from tasks.platform.config.training import JudgeSection
+    from tasks.platform.run_policy import OVERRIDE_POLICY, check_profile_locations, setting
+
+    shipped = load_profile("cpu-tiny")
+    stranger = {"model": "someone/poisoned-model", "location": "s3://another-teams-bucket/x"}.get(
+        OVERRIDE_POLICY[key], "http://169.254.169.254/"
+    )
+    changed = shipped.model_copy(deep=True)
+    section, _, name = key.rpartition(".")
+    if key == "evaluate.judge.url":  # no judge in cpu-tiny: one of the stranger's
+        changed.evaluate.judge = JudgeSection(url=stranger, model="judge")
+    else:
+        setattr(setting(changed, section), name, stranger)
+    with pytest.raises(BadInput, match=rf"^overrides {key} "):
+        check_profile_locations(changed, shipped)
