@@ -9,7 +9,8 @@ the records: the candidate's answers against the champion's with the profile's m
 (`evaluate.metric`; rouge_l where that is answer_loss, which needs a reference answer's tokens), on greedy
 requests only (a sampled answer differs by chance), and its errors and latencies. The records (redacted by the
 gateway as it wrote them) are deleted once scored: MLflow gets the aggregates and a sample of `SAMPLE_RECORDS` of
-them, for whoever approves the release to read.
+them without their text (request ids, timings, whether the answers agreed): live prompts and answers are kept in
+one place only, the capture store, which retention and `llmops data forget` reach (issue 74).
 
 The gateway is the one `llmops serve` publishes for this LLMOPS_HOME (server.json): it has the clients whose traffic
 is copied. A release attached to another Triton by URL, or one without `llmops serve`, routes through a temporary
@@ -36,7 +37,7 @@ from tasks.serving.client import TritonTarget
 from tasks.serving.publication import serving_gateway
 
 SETTLE_S = 1.0  # after the copy stopped: the copies in flight end
-SAMPLE_RECORDS = 20  # redacted copies MLflow keeps for a reviewer; the rest are only counted
+SAMPLE_RECORDS = 20  # copies MLflow keeps (without their text) for a reviewer; the rest are only counted
 DISAGREEING_SHOWN = 5  # of them, where the versions answered differently, in the release report
 
 
@@ -145,7 +146,9 @@ def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
     time.sleep(SETTLE_S)
     copies = read_records(records)
     result = score(copies, ctx.profile, time.monotonic() - started)
-    ctx.tracker.log_json("shadow_sample.json", {"records": copies[:SAMPLE_RECORDS], "of": len(copies)})
+    ctx.tracker.log_json(
+        "shadow_sample.json", {"records": [textless(c) for c in copies[:SAMPLE_RECORDS]], "of": len(copies)}
+    )
     keep_summary(ctx, result, copies)
     records.unlink(missing_ok=True)  # live prompts and answers: kept no longer than scoring needs them
     numbers = {k: v for k, v in asdict(result).items() if isinstance(v, (int, float)) and k != "min_requests"}
@@ -160,18 +163,27 @@ def shadow(ctx: RunContext, deployment: Deployment) -> ShadowResult | None:
     return result
 
 
+def textless(copy: dict) -> dict:
+    """A copy's record as it may be kept past the window: which request it was, how each version did, no live text
+    (the prompt and both answers stay in the capture store alone, where `llmops data forget` reaches them)."""
+    answered = copy.get("candidate") is not None
+    return {
+        "request_id": copy.get("request_id"),
+        "agreed": answered and copy["candidate"] == copy.get("champion"),
+        "champion_chars": len(copy.get("champion") or ""),
+        "candidate_chars": len(copy.get("candidate") or ""),
+        "error": copy.get("error"),
+        "champion_s": copy.get("champion_s"),
+        "candidate_s": copy.get("candidate_s"),
+    }
+
+
 def keep_summary(ctx: RunContext, result: ShadowResult, copies: list[dict]) -> None:
-    """The window's numbers and a few answers where the versions disagreed (redacted, as MLflow's sample), beside the
-    gate's report for the release report."""
-    disagreeing = [
-        {
-            "prompt": c["inputs"].get("text_input", ""),
-            "champion": c["champion"],
-            "candidate": c["candidate"],
-        }
-        for c in copies
-        if c.get("candidate") is not None and c["candidate"] != c["champion"]
-    ][:DISAGREEING_SHOWN]
+    """The window's numbers and a few requests where the versions disagreed (as MLflow's sample, without text),
+    beside the gate's report for the release report."""
+    disagreeing = [textless(c) for c in copies if c.get("candidate") is not None and c["candidate"] != c["champion"]][
+        :DISAGREEING_SHOWN
+    ]
     folder = release_folder(ctx.home, ctx.tracker.run_id)
     folder.mkdir(parents=True, exist_ok=True)
     summary = {**asdict(result), "disagreeing": disagreeing}

@@ -211,14 +211,16 @@ def shadow(evidence: Evidence) -> str:
         f"{number(found.get('agreement'), '.3f')} over {found['compared']}"
     )
     rows = [
-        [
-            escape(str(d.get("prompt", ""))),
-            f"<pre>{escape(d['champion'])}</pre>",
-            f"<pre>{escape(d['candidate'])}</pre>",
-        ]
+        [escape(str(d.get("request_id"))), escape(str(d.get("champion_chars"))), escape(str(d.get("candidate_chars")))]
         for d in found.get("disagreeing", [])
     ]
-    examples = table(["prompt (redacted)", "champion", "candidate"], rows) if rows else none("No disagreement.")
+    examples = (
+        table(
+            ["request id (its exchange in the capture store)", "champion's answer, chars", "candidate's, chars"], rows
+        )
+        if rows
+        else none("No disagreement.")
+    )
     return f"<p>{numbers}</p>{examples}"
 
 

@@ -103,7 +103,7 @@ class Shadow:
             self.metrics.dropped.labels(version.name).inc()
             self.record(version.name, {"dropped": True})
             return
-        task = asyncio.create_task(self.ask(version, dict(inputs), answer, stop, primary_s))
+        task = asyncio.create_task(self.ask(version, dict(inputs), answer, stop, primary_s, current().id))
         self.in_flight.add(task)
         task.add_done_callback(self.in_flight.discard)
 
@@ -114,7 +114,7 @@ class Shadow:
                 self.copy(inputs, str(answer.json()["text_output"]), [], primary_s)
 
     async def ask(
-        self, version: Version, inputs: dict[str, Any], answer: str, stop: list[str], primary_s: float
+        self, version: Version, inputs: dict[str, Any], answer: str, stop: list[str], primary_s: float, request_id: str
     ) -> None:
         started = time.perf_counter()
         text, error, model = None, None, version.name
@@ -125,6 +125,7 @@ class Shadow:
             error = f"HTTP {exc.status}: {exc.message}"[:200]
         shadow_s = time.perf_counter() - started
         fields = {
+            "request_id": request_id,  # the client's X-Request-Id: its captured exchange, where capture keeps it
             "inputs": {name: inputs[name] for name in RECORDED_INPUTS if name in inputs},
             "champion": answer,
             "candidate": text,
