@@ -292,6 +292,25 @@ def cases(service: str) -> list[Case]:
         case("an unknown path", "/v1/nowhere", {404}, lambda p: [p.request("GET", "/v1/nowhere")]),
         case("GET on a POST route", chat, {405}, lambda p: [p.request("GET", chat)]),
         case("/metrics on the clients' port", "/v1/metrics", {404}, lambda p: [p.request("GET", "/metrics")]),
+        # the control API is on a listener of its own (issue 73's rollouts among it): none of it on the clients' port
+        case(
+            "the route table on the clients' port",
+            "/v1/control",
+            {404},
+            lambda p: [p.request("GET", "/control/v1/deployment")],
+        ),
+        case(
+            "a rollout submitted on the clients' port",
+            "/v1/control",
+            {404, 405},
+            lambda p: [p.request("PUT", "/control/v1/rollout", json.dumps({"steps": [100], "release": "x"}).encode())],
+        ),
+        case(
+            "a rollout's abort on the clients' port",
+            "/v1/control",
+            {404, 405},
+            lambda p: p.post("/control/v1/rollout/decision", {"decision": "abort", "release": "x"}),
+        ),
         case(
             "/v2 without a key",
             generate,

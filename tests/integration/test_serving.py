@@ -695,7 +695,7 @@ def test_the_gateway_refuses_bad_requests_in_each_apis_own_shape(server, tls, tm
 
 
 def test_abuse_gets_an_answer_in_each_apis_shape_and_metrics_count_it_per_client(server, tls):
-    """The abuse probe (tests/abuse.py, issue 22's suite and issue 61's token forms: 47 cases) against the running gateway, each answered in its
+    """The abuse probe (tests/abuse.py, issue 22's suite, issue 61's token forms and issue 73's control routes: 50 cases) against the running gateway, each answered in its
     API's shape with the service ready after it and no key in any answer; rate limits are in the unit tests."""
     target = Probe(server["gateway_url"], SERVICE, API_KEYS["team-a"], str(tls[0]), list(API_KEYS.values()))
     results = probe(target)
