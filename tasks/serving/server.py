@@ -26,6 +26,7 @@ The binary: $LLMOPS_TRITONSERVER or `serve.triton_binary`, else the one in the n
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import shutil
@@ -42,6 +43,7 @@ from tasks.platform.child_env import program_env
 from tasks.platform.errors import BadInput, CheckFailed, TransientError
 from tasks.platform.lifetime import dying_with_this_thread
 from tasks.platform.ports import free_port
+from tasks.platform.project import PROJECT_ROOT
 from tasks.serving import adapter_registry
 from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_ENV, Triton
 from tasks.serving.model_roots import ROOTS_ENV
@@ -162,12 +164,19 @@ class TritonServer:
             command.append(f"--backend-directory={python_backend_dir(home)}")
         maps = adapter_maps(home)
         roots = {ROOTS_ENV: os.pathsep.join(map(str, model_roots))} if model_roots else {}
+        scrub = key_scrubber(home)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 dying_with_this_thread(command) if die_with_parent else command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**server_env(bundled), **(extra_env or {}), adapter_registry.MAPS_ENV: str(maps), **roots},
+                env={
+                    **server_env(bundled),
+                    **(extra_env or {}),
+                    adapter_registry.MAPS_ENV: str(maps),
+                    **roots,
+                    **scrub,
+                },
                 start_new_session=True,
             )
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -269,6 +278,44 @@ def adapter_maps(home: Path) -> Path:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     adapter_registry.forget_ended_maps(str(folder))
     return folder
+
+
+SCRUBBER_SOURCE = PROJECT_ROOT / "infra" / "triton" / "scrub-argv" / "scrub_argv.c"
+
+
+def key_scrubber(home: Path) -> dict[str, str]:
+    """The environment that takes the control key off tritonserver's command line once Triton parsed it (LD_PRELOAD
+    of infra/triton/scrub-argv: Triton 2.51 takes the key nowhere else), built once per source with the system's C
+    compiler into $LLMOPS_HOME/triton; {} where there is none (the key then stays on the command line, said once)."""
+    import hashlib
+
+    source = SCRUBBER_SOURCE.read_bytes()
+    built = home / "triton" / f"scrub-argv-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    if not built.is_file():
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            warn_once("triton: no C compiler (cc): the Triton control key stays on tritonserver's command line")
+            return {}
+        staging = built.with_name(f".{built.name}.{os.getpid()}")
+        done = subprocess.run(
+            [compiler, "-shared", "-fPIC", "-O2", "-o", str(staging), str(SCRUBBER_SOURCE), "-ldl"],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            staging.unlink(missing_ok=True)
+            warn_once(
+                f"triton: {SCRUBBER_SOURCE.name} did not build ({done.stderr.strip()[:200]}): the key stays on "
+                "tritonserver's command line"
+            )
+            return {}
+        os.replace(staging, built)  # whole or not at all: replicas starting at once each build, one wins
+    return {"LD_PRELOAD": str(built)}
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    print(f"llmops: warning: {message}", file=sys.stderr)
 
 
 def new_control_key() -> str:
