@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -340,6 +341,13 @@ class Bench:
             torch.cuda.empty_cache()
 
 
+def drop(folder: Path, keep: bool) -> None:
+    """A checkpoint no later step reads, deleted as soon as it was measured (a 7B base, its merge and its FP8 export
+    together are about 40 GB of the lent machine's 64 GiB disk); kept with --keep."""
+    if not keep and folder.exists():
+        shutil.rmtree(folder)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="qwen-7b-vllm-h100", help="a GPU profile naming base_model.architecture")
@@ -356,6 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--allow-cpu", action="store_true", help="without a GPU, run one layer of the shapes on the CPU"
     )
+    parser.add_argument("--keep", action="store_true", help="keep each checkpoint (by default deleted once measured)")
     return parser.parse_args(argv)
 
 
@@ -395,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         run.run("bare", bench.bare)
         run.run("qlora", lambda step: bench.lora(step, quantization_bit=4))
         run.run("merge", bench.merge)
+        drop(bench.base_dir, args.keep)  # every step that reads the base ran: its 15 GB go before the next ones write
         run.run("quantize", bench.quantize)
+        drop(work / "fp8", args.keep)
         run.run("generate", bench.generate)
+        drop(bench.merged_dir, args.keep)
     steps = list(run.steps.values())
     run.save()
     print(table(env, steps, label="gpu-bench"))
