@@ -8,7 +8,9 @@ adapter. The gateway asks the engine for a version with the version's name as `l
 second engine.
 
 Before an adapter loads: its base must be the one the engine serves (a version trained on another base is refused),
-its rank must fit serve.vllm.max_lora_rank and the engine must have room for one more adapter (serve.vllm.max_loras).
+its rank must fit serve.vllm.max_lora_rank, the engine must have room for one more adapter (serve.vllm.max_loras),
+and it may hold nothing vLLM refuses or drops at load (tasks/serving/lora_support.py: whole modules, DoRA, a resized
+vocabulary).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tasks.platform.stage_cache import logger
 from tasks.quality.contract import require_kept
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.client import Triton
+from tasks.serving.lora_support import refuse_what_vllm_refuses
 from tasks.serving.model_config import serving_model
 from tasks.serving.models import triton_unload_quietly
 from tasks.serving.repository import load_rendered, model_folders, render_model
@@ -100,6 +103,7 @@ def adapter_base(triton: Triton, name: str) -> str | None:
 
 def install_adapter(triton: Triton, profile: Profile, served: AdapterVersion, service: str) -> float:
     """Load `served` as an adapter (and the base engine when none serves); the seconds the adapter's own load took."""
+    refuse_what_vllm_refuses(served.name, served.adapter_dir, served.base_dir)
     rank = adapter_rank(served.adapter_dir)
     if rank > profile.serve.vllm.max_lora_rank:
         raise CheckFailed(
