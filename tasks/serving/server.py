@@ -280,12 +280,12 @@ def adapter_maps(home: Path) -> Path:
     return folder
 
 
-SCRUBBER_SOURCE = PROJECT_ROOT / "infra" / "triton" / "scrub-argv" / "scrub_argv.c"
+SCRUBBER_SOURCE = PROJECT_ROOT / "infra" / "scrub-argv" / "scrub_argv.c"
 
 
 def key_scrubber(home: Path) -> dict[str, str]:
     """The environment that takes the control key off tritonserver's command line once Triton parsed it (LD_PRELOAD
-    of infra/triton/scrub-argv: Triton 2.51 takes the key nowhere else), built once per source with the system's C
+    of infra/scrub-argv: Triton 2.51 takes the key nowhere else), built once per source with the system's C
     compiler into $LLMOPS_HOME/triton; {} where there is none (the key then stays on the command line, said once)."""
     import hashlib
 

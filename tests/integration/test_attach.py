@@ -97,8 +97,8 @@ def test_the_control_api_needs_the_key_and_inference_does_not(triton):
     assert curl(f"{url}/v2/trace/setting") == "403"
     assert curl("-H", f"llmops-control-key: {KEY}", f"{url}/v2/logging") == "200"
     assert curl(f"{url}/v2/models/stats") == "200"  # statistics stay open: perf_analyzer reads them
-    # issue 74, finding 6: the key it was started with is off its command line once it parsed it (infra/triton/
-    # scrub-argv), and still its key
+    # issue 74, finding 6: the key it was started with is off its command line once it parsed it (infra/scrub-argv),
+    # and still its key
     command = Path(f"/proc/{triton.process.pid}/cmdline").read_bytes()
     assert KEY.encode() not in command and b"llmops-control-key=***" in command
 

@@ -1961,7 +1961,7 @@ def test_api_keys_and_the_control_key_leak_nowhere(home, server):
     control key and the serve's own are in no file of the home but the mode-600 ones that keep them (serve's log,
     Triton's log, gate reports, genai-perf's artifacts, server.json, the deployment record), no MLflow param or tag,
     and no process's command line or environment, tritonserver's included: Triton 2.51 takes its key on its command
-    line only, and infra/triton/scrub-argv overwrites it there once Triton parsed it (issue 74, finding 6)."""
+    line only, and infra/scrub-argv overwrites it there once Triton parsed it (issue 74, finding 6)."""
     import psutil
 
     from tests.leaks import in_files, in_mlflow, in_processes
