@@ -16,10 +16,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tasks.control.rollout import Window
+from tasks.control.rollout import Rollout, Window
 from tasks.data.splits import eval_conversations
 from tasks.deploy_canary import Deployment
-from tasks.platform.errors import CheckFailed, LostService, RampFailed, RegistryBehind
+from tasks.platform.errors import CheckFailed, LostService, RampFailed, RegistryBehind, TransientError
 from tasks.platform.run_log import exit_code
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.store import outlast_outage
@@ -29,6 +29,7 @@ from tasks.serving.champion import not_found
 from tasks.serving.service import ServiceControl
 
 POLL_S = 0.5  # the release's probes between two reads of the rollout's status
+FIRST_STEP_S = 30.0  # the controller routes a submitted rollout in its next round; this long means it is not running
 
 
 @dataclass
@@ -112,7 +113,7 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
         "max_mean_latency_ms": cfg.max_mean_latency_ms,
         "await_decision": bool(cfg.prometheus_url),
     }
-    control.start_rollout(plan, deployment.release, deployment.hold_s)
+    routed_first(control, control.start_rollout(plan, deployment.release, deployment.hold_s).rollout)
     clients, seen = Clients(), 0
     while True:
         clients.add(
@@ -134,6 +135,17 @@ def ramp(ctx: RunContext, deployment: Deployment, prompts: list[str]) -> str | N
             return rollout.reason or "rolled back by the service"
         if rollout.phase == "paused" and seen == len(rollout.windows):
             control.decide(deployment.release, "next" if rollout.step + 1 < len(rollout.steps) else "promote")
+
+
+def routed_first(control: ServiceControl, rollout: Rollout | None) -> None:
+    """Once the controller routed the first step (its next round, 0.2 s at most): probes sent before it would meet the
+    table as it was, which for a first release routes nothing (41 of 536 probes answered 503 so)."""
+    deadline = time.monotonic() + FIRST_STEP_S
+    while rollout is not None and rollout.phase == "ramping" and not rollout.step_started_at:
+        if time.monotonic() > deadline:
+            raise TransientError(f"the service routed no step of the rollout within {FIRST_STEP_S:.0f}s")
+        time.sleep(0.05)
+        rollout = control.table().rollout
 
 
 def note_step(ctx: RunContext, deployment: Deployment, window: Window, clients: Clients, problem: str | None) -> None:
