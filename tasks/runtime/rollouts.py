@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from tasks.control.contract import RouteTable, Version
@@ -26,27 +26,22 @@ from tasks.control.rollout import DECISIONS, Rollout, RolloutError, Window
 from tasks.runtime.gateway.access import ERROR_LOG, OUTCOMES, GatewayMetrics
 from tasks.runtime.gateway.protocol import RequestError
 from tasks.runtime.gateway.replicas import Replicas
+from tasks.serving.service import VersionCounters
 
 Change = Callable[[RouteTable], RouteTable | None]
 
 TICK_S = 0.2  # how often the controller looks at the rollout and the lease: a window ends, a lapse is seen this late
 
 
-@dataclass(frozen=True)
-class Counts:
-    """The gateway's counters of one version at one moment."""
+def counted(metrics: GatewayMetrics, version: str) -> VersionCounters:
+    """The gateway's counters of `version` now, read from its own registry (the release reads the same ones from the
+    /metrics text: tasks/serving/service.py version_counters)."""
 
-    ok: float
-    failed: float
-    seconds: float
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, {"version": version, **labels}) or 0.0
 
-    @classmethod
-    def of(cls, metrics: GatewayMetrics, version: str) -> Counts:
-        def value(name: str, **labels: str) -> float:
-            return metrics.registry.get_sample_value(name, {"version": version, **labels}) or 0.0
-
-        outcomes = {o: value("llmops_gateway_version_requests_total", outcome=o) for o in OUTCOMES}
-        return cls(outcomes["ok"], outcomes["failed"], value("llmops_gateway_version_seconds_total"))
+    outcomes = {o: value("llmops_gateway_version_requests_total", outcome=o) for o in OUTCOMES}
+    return VersionCounters(**outcomes, seconds=value("llmops_gateway_version_seconds_total"))
 
 
 def breach(rollout: Rollout, requests: float, failures: float, mean_ms: float | None) -> str | None:
@@ -142,7 +137,7 @@ class RolloutController:
     ):
         """`table` and `amend`: the gateway's (the current table; a change of it under its lock, record first)."""
         self.table, self.amend, self.metrics, self.replicas = table, amend, metrics, replicas
-        self.baselines: dict[tuple[str, int, float], tuple[Counts, float]] = {}  # step -> (counters, step_ms)
+        self.baselines: dict[tuple[str, int, float], tuple[VersionCounters, float]] = {}  # step -> (counters, step_ms)
 
     async def run(self) -> None:
         said: tuple[str, float] = ("", 0.0)  # the last failure said, and when: one line a minute, not five a second
@@ -194,14 +189,14 @@ class RolloutController:
         after = await self.amend(change)
         if isinstance(after, RouteTable) and after.rollout is not None and after.rollout.step_started_at == moment:
             step_ms = (time.perf_counter() - started) * 1000
-            self.baselines[(rollout.release, step, moment)] = (Counts.of(self.metrics, rollout.candidate), step_ms)
+            self.baselines[(rollout.release, step, moment)] = (counted(self.metrics, rollout.candidate), step_ms)
             ERROR_LOG.info(
                 "rollout: %s at %g%% for release %s", rollout.candidate, rollout.steps[step], rollout.release
             )
 
     async def end_window(self, table: RouteTable, rollout: Rollout, now: float) -> None:
         baseline, step_ms = self.baselines.pop((rollout.release, rollout.step, rollout.step_started_at))
-        counts = Counts.of(self.metrics, rollout.candidate)
+        counts = counted(self.metrics, rollout.candidate)
         ok, failed = counts.ok - baseline.ok, counts.failed - baseline.failed
         mean_ms = (counts.seconds - baseline.seconds) / ok * 1000 if ok else None
         candidate: Version = table.candidate  # type: ignore[assignment]  # converge saw one
