@@ -209,6 +209,7 @@ class AIPerf:
                 f"benchmark: AIPerf on {served.name} exited with {done.returncode}: "
                 f"{first_error(artifact_dir, done.stderr or done.stdout)[:400]} (logs: {artifact_dir}/**/aiperf.log)",
                 self.http_url,
+                first_error(artifact_dir, done.stderr or done.stdout),
             )
         # One run writes its export at the top; N runs write profile_runs/run_000K/ (orchestrator/orchestrator.py:38-89).
         exports = sorted(artifact_dir.glob("profile_runs/run_*/profile_export_aiperf.json")) or sorted(

@@ -252,7 +252,9 @@ class GenaiPerf:
             tail = next((text.splitlines()[-1:] for text in said if text), [])
             said_last = (tail or ["(no output)"])[0][:300]
             raise tool_failed(
-                f"benchmark: genai-perf on {served.name} exited with {returncode}: {said_last}", self.grpc_url
+                f"benchmark: genai-perf on {served.name} exited with {returncode}: {said_last}",
+                self.grpc_url,
+                "\n".join(said),
             )
         exports = sorted(artifact_dir.rglob("profile_export_genai_perf.json"))
         measured = parse_profile_export(exports[0] if exports else artifact_dir / "profile_export_genai_perf.json")

@@ -86,12 +86,21 @@ class LoadTool(Protocol):
         ...
 
 
-def tool_failed(message: str, url: str) -> CheckFailed | TransientError:
-    """A load generator that exited non-zero: a TransientError (exit 4, a service that stayed away) where the server
-    it measured does not accept a connection any more (a Triton that died under it), else a CheckFailed (exit 3)."""
+# What the measured server answered where one of its model processes died (Triton 2.51's python backend,
+# src/python_be.cc: "Stub process '<instance>' is not healthy."): `llmops serve` loads that model again within
+# seconds (tasks/runtime/fleet.py:Fleet.recover), so the measurement is retried, not failed.
+SERVER_FAULTS = ("is not healthy",)
+
+
+def tool_failed(message: str, url: str, output: str = "") -> CheckFailed | TransientError:
+    """A load generator that exited non-zero: a TransientError (exit 4 once the retries are spent) where the server it
+    measured does not accept a connection any more (a Triton that died under it) or its `output` shows a model process
+    of that server died (SERVER_FAULTS), else a CheckFailed (exit 3)."""
     import socket
     from urllib.parse import urlsplit
 
+    if any(fault in output for fault in SERVER_FAULTS):
+        return TransientError(f"{message} (a model process of the server at {url} died under it)")
     parts = urlsplit(url if "://" in url else f"//{url}")
     try:
         with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=3):

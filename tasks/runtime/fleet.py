@@ -243,8 +243,9 @@ class Fleet:
             repository = client.repository
             if server is not None and repository is not None and (repository / model).is_dir():
                 before = server.model_processes([model])
-                client.load(model, timeout=self.ctx.profile.serve.load_timeout_s)
-                if left := server.end_left_behind(before):
+                client.reload(model, timeout=self.ctx.profile.serve.load_timeout_s)
+                started = {p.pid for p in server.model_processes([model])} - {p.pid for p in before}
+                if started and (left := server.end_left_behind(before)):  # never the instances it kept serving
                     self.say(
                         f"llmops serve: {model} on {url}: ended {len(left)} of its old model processes, left behind"
                     )

@@ -251,6 +251,18 @@ class Triton:
             message = response.json().get("error", response.text) if response.content else response.reason
             raise CheckFailed(f"Triton: model {name} failed to load: {message.strip()[:400]}")
 
+    def reload(self, name: str, timeout: float = 300) -> None:
+        """Load `name` again from this server's repository, its files unchanged. Triton 2.51 skips a load of a model
+        whose files it loaded already, a dead instance and all (measured: no "loading:" line, the killed process not
+        started again), and a newer config.pbtxt alone only updates its instances; a version folder newer than the
+        loaded one makes it a new load of every instance."""
+        assert self.repository is not None
+        now = time.time()
+        for version in (self.repository / name).iterdir():
+            if version.is_dir() and version.name.isdigit():
+                os.utime(version, (now, now))
+        self.load(name, timeout=timeout)
+
     def unload(self, name: str) -> None:
         # unload_dependents: an ensemble's composing models go with it (a no-op for other models)
         self.control_call(

@@ -13,9 +13,9 @@ import pytest
 from tasks.benchmark import Comparison, ServingSummary, compare_in_rounds, require_load_tool
 from tasks.gate import decide
 from tasks.load.aiperf import PAYLOAD_TEMPLATE, aiperf_command, aiperf_executable, first_error, parse_run_export
-from tasks.load.load_level import LoadLevel
+from tasks.load.load_level import LoadLevel, tool_failed
 from tasks.platform.config import BenchSection, GateSection, load_profile
-from tasks.platform.errors import BadInput, CheckFailed
+from tasks.platform.errors import BadInput, CheckFailed, TransientError
 from tasks.quality.checks import GateReport
 from tasks.quality.stats import mean_interval
 
@@ -187,6 +187,25 @@ def test_a_failed_run_is_explained_by_the_first_error_in_aiperfs_logs(tmp_path):
     )
     assert first_error(tmp_path, "All runs failed") == "Dataset configuration failed: TokenizerError(...)"
     assert first_error(tmp_path / "nothing", "a\nAll runs failed\n") == "All runs failed"
+
+
+def test_a_load_generator_that_met_a_dead_model_process_is_retried_and_one_that_met_a_live_server_is_not():
+    """genai-perf's own words where one of the measured model's processes died (the chaos soak's CI failure: exit 3
+    on a champion the serve reloads in seconds) make the failure transient; a live server answering otherwise, a
+    check failed; a server gone, transient."""
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        live = f"127.0.0.1:{listening.getsockname()[1]}"
+        dead = "Thread [0] had error: Stub process 'tiny-qwen2-antonyms-v1_0_1' is not healthy."
+        assert isinstance(tool_failed("benchmark: genai-perf exited with 1", live, dead), TransientError)
+        assert type(tool_failed("benchmark: genai-perf exited with 1", live, "bad input shape")) is CheckFailed
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{closed.getsockname()[1]}"
+    assert isinstance(tool_failed("benchmark: genai-perf exited with 1", gone), TransientError)
 
 
 def test_rounds_go_on_while_the_candidates_own_interval_straddles_its_objective(monkeypatch, caplog):
