@@ -205,11 +205,12 @@ class AIPerf:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if done.returncode != 0:
+            error = first_error(artifact_dir, done.stderr or done.stdout)
             raise tool_failed(
-                f"benchmark: AIPerf on {served.name} exited with {done.returncode}: "
-                f"{first_error(artifact_dir, done.stderr or done.stdout)[:400]} (logs: {artifact_dir}/**/aiperf.log)",
+                f"benchmark: AIPerf on {served.name} exited with {done.returncode}: {error[:400]} "
+                f"(logs: {artifact_dir}/**/aiperf.log)",
                 self.http_url,
-                first_error(artifact_dir, done.stderr or done.stdout),
+                error,
             )
         # One run writes its export at the top; N runs write profile_runs/run_000K/ (orchestrator/orchestrator.py:38-89).
         exports = sorted(artifact_dir.glob("profile_runs/run_*/profile_export_aiperf.json")) or sorted(

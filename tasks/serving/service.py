@@ -195,8 +195,6 @@ class ServiceControl:
         response = requests.post(
             f"{self.url}/v2/models/{name}/generate", json=body, headers={CONTROL_HEADER: self.key}, timeout=timeout
         )
-        if response.status_code == 503:  # a model process or replica away, which the serve recovers: retried
-            raise TransientError(f"the service: {name} generate answered 503: {error_text(response)}")
         if response.status_code != 200:
             raise CheckFailed(f"the service: {name} generate failed: {error_text(response)}")
         return response.json()["text_output"]
