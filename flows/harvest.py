@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from flows.cli.common import llmops_home
 from tasks.data.exchanges import default_location, open_exchange_log
 from tasks.data.harvest import MinRating, dataset_sha256, harvest, save
 from tasks.data.records import read_data
 from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput
+from tasks.platform.project import llmops_home
 from tasks.platform.stores import open_store
 
 FLYWHEEL_EXPERIMENT = "llm-flywheel"  # the MLflow experiment of the flywheel's runs (flows/flywheel.py)

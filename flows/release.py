@@ -29,6 +29,7 @@ from tasks.merge import merge
 from tasks.platform.config import Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.decisions import forget_waiting, suspended_release
 from tasks.platform.errors import CheckFailed
+from tasks.platform.project import llmops_home
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.run_policy import check_profile_locations, check_release_parameters
 from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
@@ -104,10 +105,6 @@ def fenced(fn):
             raise
 
     return run
-
-
-def llmops_home() -> Path:
-    return Path(os.environ.get("LLMOPS_HOME", ".llmops")).resolve()
 
 
 def default_services(tracking_uri: str | None, artifacts: str | None) -> tuple[str | None, str | None]:

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 from prefect import flow
 
-from flows.release import llmops_home
 from tasks.build_engine import build_engine
 from tasks.evaluate import evaluate
 from tasks.merge import merge
 from tasks.platform.config import Profile, check_machine, check_received_profile
+from tasks.platform.project import llmops_home
 from tasks.platform.run_policy import refuse_unlisted_location, refuse_unlisted_tracking
 from tasks.platform.stage_cache import RunContext, StageResult
 from tasks.platform.stores import open_store

@@ -15,9 +15,9 @@ import json
 import os
 import sys
 
-from flows.release import llmops_home
 from tasks.platform.config import Profile, check_received_profile
 from tasks.platform.errors import LlmopsError
+from tasks.platform.project import llmops_home
 from tasks.platform.stage_cache import RunContext, StageResult
 from tasks.platform.stores import open_store
 from tasks.platform.tracking import Tracker

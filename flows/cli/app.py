@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flows.cli import approval, data, deploy, gate, predict, profiles, run, serve, stack, store, triton
 from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected
+from tasks.platform.project import llmops_home
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.run_log import RunLog, exit_code
 from tasks.platform.unused_imports import PIPELINE, leave_out
@@ -107,7 +108,7 @@ def stop_prefect_services() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    home = Path(os.environ.get("LLMOPS_HOME", ".llmops")).resolve()
+    home = llmops_home()
     prepare_environment(home)
     with RunLog(home / "logs", args.command, debug=args.debug) as run_log:
         outcome = run_command(args)

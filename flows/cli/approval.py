@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from uuid import UUID
 
-from flows.cli.common import llmops_home, prefect_api_env
+from flows.cli.common import prefect_api_env
 from tasks.platform.decisions import auth_for, resume
 from tasks.platform.errors import BadInput
+from tasks.platform.project import llmops_home
 
 EPILOG = """examples:
   llmops approve                                       # the releases of this home waiting for a decision

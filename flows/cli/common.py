@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from tasks.platform.errors import REJECTED_EXIT_CODE, exit_codes_text
+from tasks.platform.project import llmops_home
 
 EXIT_CODES = exit_codes_text()
 
@@ -34,11 +34,6 @@ def add_overrides_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
         metavar="KEY=VALUE",
         help=help_text,
     )
-
-
-def llmops_home() -> Path:
-    """$LLMOPS_HOME, resolved by main before any command runs."""
-    return Path(os.environ["LLMOPS_HOME"])
 
 
 def say(line: str) -> None:

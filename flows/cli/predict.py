@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from flows.cli.common import add_overrides_flag, llmops_home
+from flows.cli.common import add_overrides_flag
 from tasks.platform.errors import BadInput, TransientError
+from tasks.platform.project import llmops_home
 
 API_KEY_ENV = "OPENAI_API_KEY"  # what OpenAI clients read: the key this client sends, where the service asks one
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected, add_overrides_flag, llmops_home
+from flows.cli.common import EXIT_CODES, RUN_SERVICES, Rejected, add_overrides_flag
 from tasks.platform.prefect_api import TemporaryPrefectAPI
+from tasks.platform.project import llmops_home
 
 EPILOG = (
     EXIT_CODES

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from flows.cli.common import add_overrides_flag, llmops_home
+from flows.cli.common import add_overrides_flag
+from tasks.platform.project import llmops_home
 
 # `llmops serve` flags that set serve.listen.* (flag, key, type, help)
 SERVE_LISTEN_FLAGS = (

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from flows.cli.common import llmops_home, say
+from flows.cli.common import say
+from tasks.platform.project import llmops_home
 
 DESCRIPTION = (
     "A local stack on 127.0.0.1: an S3 server (rclone), an MLflow server (S3 artifacts), "

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from flows.cli.common import llmops_home
 from tasks.platform.errors import BadInput
+from tasks.platform.project import llmops_home
 
 EPILOG = """examples:
   llmops store gc --dry-run              # what would be freed, nothing deleted

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from flows.cli.common import add_overrides_flag, llmops_home
+from flows.cli.common import add_overrides_flag
+from tasks.platform.project import llmops_home
 
 FLAGS = (  # flag, serve.listen key, type, help
     ("--host", "triton_host", str, "bind address (default 127.0.0.1)"),

@@ -186,7 +186,7 @@ import sys
 from types import SimpleNamespace
 
 from flows.cli import app, entry
-from flows.cli.common import llmops_home
+from tasks.platform.project import llmops_home
 from tasks.platform.errors import CheckFailed, LostService
 
 

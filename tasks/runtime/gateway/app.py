@@ -52,7 +52,7 @@ from tasks.runtime.gateway.replicas import Replicas
 from tasks.runtime.gateway.reply import answered_by
 from tasks.runtime.gateway.serving import OpenAIServing, bounded_max_tokens, conversation
 from tasks.runtime.gateway.shadow import Shadow
-from tasks.runtime.gateway.upstream import Answer, Triton
+from tasks.runtime.gateway.upstream import Answer, TritonUpstream
 from tasks.runtime.gateway.work import Pools
 from tasks.runtime.rollouts import RolloutController
 
@@ -90,7 +90,7 @@ class Gateway:
         self.config = config
         health = config.health
         self.metrics, self.pools = GatewayMetrics(), Pools()  # pools by kind: no answer waits behind a restart
-        connect = functools.partial(Triton, transport=transport, first_byte_s=health.first_byte_s, between_chunks_s=health.between_chunks_s)  # fmt: skip
+        connect = functools.partial(TritonUpstream, transport=transport, first_byte_s=health.first_byte_s, between_chunks_s=health.between_chunks_s)  # fmt: skip
         tritons = [connect(url) for url in [config.triton_url, *config.more_replicas]]
         self.triton = Replicas(tritons, self.metrics.registry, health.probe_interval_s > 0, connect, config.service)
         self.prober = Prober(

@@ -32,7 +32,7 @@ from tasks.control.contract import Version
 from tasks.platform.config.serving import HealthSection
 from tasks.runtime.gateway.access import CURRENT, RequestRecord
 from tasks.runtime.gateway.protocol import RequestError
-from tasks.runtime.gateway.replicas import Replica, Replicas
+from tasks.runtime.gateway.replicas import PooledReplica, Replicas
 from tasks.runtime.gateway.upstream import Unanswered
 from tasks.runtime.gateway.work import Pools
 
@@ -113,13 +113,13 @@ class Prober:
         for replica in self.replicas.replicas:
             self.place(replica)
 
-    def answering(self, replica: Replica) -> bool:
+    def answering(self, replica: PooledReplica) -> bool:
         """Every routed version's last probe on `replica` answered; with nothing routed yet (a first release's
         candidate at 0%), every probed version's; with nothing to probe, nothing speaks against it."""
         judged = self.routed() or self.versions()
         return all(self.state.get((replica.url, v.name), VersionHealth()).answered for v in judged)
 
-    def failing(self, replica: Replica) -> bool:
+    def failing(self, replica: PooledReplica) -> bool:
         """A judged version's last probe on `replica` failed with an answer. One that only timed out keeps the replica
         in the pool: a replica too busy to answer a probe in probe_timeout_s (a load test on its Triton, a full CPU)
         is slow, not gone, and out of the pool it would cost every client a 503; readiness and recovery still count
@@ -127,13 +127,13 @@ class Prober:
         judged = self.routed() or self.versions()
         return any(self.state.get((replica.url, v.name), VersionHealth()).refused for v in judged)
 
-    def place(self, replica: Replica) -> None:
+    def place(self, replica: PooledReplica) -> None:
         if self.answering(replica):
             self.replicas.join(replica)
         elif self.failing(replica):
             self.replicas.leave(replica, "its probes do not answer")
 
-    async def probe(self, replica: Replica, version: Version) -> bool:
+    async def probe(self, replica: PooledReplica, version: Version) -> bool:
         """One probe of `version` on `replica`; its state, counters and (where it keeps failing) its recovery."""
         token = CURRENT.set(RequestRecord(client="probe"))
         refused = False

@@ -19,7 +19,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Gauge
 
 from tasks.control.contract import Version
-from tasks.runtime.gateway.upstream import Answer, Triton, Unanswered, server_fault, text_pieces
+from tasks.runtime.gateway.upstream import Answer, TritonUpstream, Unanswered, server_fault, text_pieces
 
 LOG = logging.getLogger("llmops.gateway")
 # A request that found one of a version's model instances dead tries the same replica this many times in all: the
@@ -29,8 +29,8 @@ DEAD_INSTANCE_TRIES = 3
 
 
 @dataclass
-class Replica:
-    triton: Triton
+class PooledReplica:
+    triton: TritonUpstream
     outstanding: int = 0
     in_pool: bool = True
     draining: bool = False  # leaving for good (serve.autoscale): no new request, never back in the pool
@@ -47,13 +47,13 @@ class Replicas:
 
     def __init__(
         self,
-        tritons: list[Triton],
+        tritons: list[TritonUpstream],
         registry: CollectorRegistry,
         strict: bool = False,
-        connect: Callable[[str], Triton] = Triton,
+        connect: Callable[[str], TritonUpstream] = TritonUpstream,
         service: str = "",
     ):
-        self.replicas, self.strict, self.connect = [Replica(triton) for triton in tritons], strict, connect
+        self.replicas, self.strict, self.connect = [PooledReplica(triton) for triton in tritons], strict, connect
         self.next = 0  # where the search for the least busy starts: ties go round the pool
         self.wake: Callable[[], None] | None = None  # serve.autoscale at zero: asks for a replica (wake_with)
         self.cold_start_s = 0.0
@@ -96,7 +96,7 @@ class Replicas:
         finally:
             self.waiting -= 1
 
-    def pick(self, tried: set[str]) -> Replica:
+    def pick(self, tried: set[str]) -> PooledReplica:
         """The replica in the pool with the fewest requests outstanding, not among those `tried`; not strict, where
         none is in the pool, one out of it."""
         count = len(self.replicas)
@@ -108,22 +108,22 @@ class Replicas:
         self.next = (self.next + 1) % count
         return min(candidates, key=lambda r: r.outstanding)
 
-    def leave(self, replica: Replica, why: str) -> None:
+    def leave(self, replica: PooledReplica, why: str) -> None:
         if replica.in_pool:
             LOG.warning("replicas: %s leaves the pool (%s)", replica.url, why)
             replica.in_pool = False
             self.up.labels(replica.url).set(0)
 
-    def join(self, replica: Replica) -> None:
+    def join(self, replica: PooledReplica) -> None:
         if not replica.in_pool and not replica.draining:
             LOG.warning("replicas: %s is back in the pool", replica.url)
             replica.in_pool = True
             self.up.labels(replica.url).set(1)
 
-    async def add(self, url: str) -> Replica:
+    async def add(self, url: str) -> PooledReplica:
         """The Triton at `url` joined the fleet, every routed version loaded on it. Strict, it is out of the pool until
         the probes' next round finds every routed version answering there; else in it at once."""
-        replica = Replica(self.connect(url), in_pool=not self.strict)
+        replica = PooledReplica(self.connect(url), in_pool=not self.strict)
         self.replicas = [*self.replicas, replica]  # a new list: a pick or a probe round iterating the old one goes on
         self.up.labels(replica.url).set(int(replica.in_pool))
         LOG.warning("replicas: %s joins%s", replica.url, " (in the pool once its probes answer)" if self.strict else "")
@@ -146,7 +146,7 @@ class Replicas:
         await replica.triton.aclose()  # its connections (else asyncio says "Unclosed client session" at GC)
         return cut
 
-    async def on_one(self, version: Version, work: Callable[[Triton], Any]) -> Any:
+    async def on_one(self, version: Version, work: Callable[[TritonUpstream], Any]) -> Any:
         """`work(triton)` on the least busy replica; where it was not answered there, on another (or, where one of the
         version's instances was found dead there, on the same one again: DEAD_INSTANCE_TRIES)."""
         tried: set[str] = set()
@@ -184,9 +184,9 @@ class Replicas:
         self, version: Version, body: dict[str, Any], ended: Callable[[bool], None] = lambda ok: None
     ) -> tuple[httpx.Response, AsyncIterator[bytes]]:
         """Triton.forward_stream on a replica that answered; it counts as outstanding until the relay ends."""
-        holder: list[Replica] = []
+        holder: list[PooledReplica] = []
 
-        async def started(triton: Triton) -> tuple[httpx.Response, AsyncIterator[bytes]]:
+        async def started(triton: TritonUpstream) -> tuple[httpx.Response, AsyncIterator[bytes]]:
             replica = next(r for r in self.replicas if r.triton is triton)
             response, chunks = await triton.forward_stream(version, body, ended)
             replica.outstanding += 1  # held by the relay from here on
@@ -213,9 +213,9 @@ class Replicas:
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Triton.generate_stream_outputs on a replica whose first event came (before it, another replica may
         answer)."""
-        holder: list[tuple[Replica, AsyncGenerator[dict[str, Any], None]]] = []
+        holder: list[tuple[PooledReplica, AsyncGenerator[dict[str, Any], None]]] = []
 
-        async def first(triton: Triton) -> dict[str, Any] | None:
+        async def first(triton: TritonUpstream) -> dict[str, Any] | None:
             events = triton.generate_stream_outputs(version, inputs)
             try:
                 event = await anext(events, None)

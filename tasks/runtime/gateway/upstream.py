@@ -119,7 +119,7 @@ def upstream_message(response: httpx.Response | Answer) -> str:
         return response.text[:300]
 
 
-class Triton:
+class TritonUpstream:
     """The generate calls of the served versions on one Triton."""
 
     def __init__(
