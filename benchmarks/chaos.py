@@ -11,6 +11,9 @@ deadline. Releases follow one another, each of a kind drawn at random:
     rejected  the same, with a latency bound no version meets (gate.p99_request_latency_ms 0.5): exit 10
     killed    SIGKILLed (its whole process group) at a random point of its rollout
     stopped   SIGSTOPped once its candidate has a live share, for its lease and 10 s more, then SIGCONTed: exit 6
+    hangs     (with --kinds naming it) the candidate's first model process SIGSTOPped as its load starts: the serve
+              takes the load for hung past serve.load_timeout_s (20 s here) and abandons it on its last replica
+              serving the champion (exit 3), or restarts that replica and loads again where another serves (exit 0)
 
 and with each, at a random time, one fault (or none): a replica's tritonserver SIGKILLed, one of the champion's
 model processes SIGKILLed, or the serve itself SIGKILLed and started again. Once a release ended and the service
@@ -23,7 +26,7 @@ and every check that failed.
     LLMOPS_HOME=/tmp/chaos/home llmops run --artifacts /tmp/chaos/store --set serve.backend=python \\
         --set serve.lora=merged --set serve.instance_count=2
     .venv/bin/python benchmarks/chaos.py --home /tmp/chaos/home --artifacts /tmp/chaos/store [--minutes 60]
-        [--replicas 1] [--concurrency 8] [--seed 0]
+        [--replicas 1] [--concurrency 8] [--seed 0] [--kinds good,rejected,killed,stopped,hangs]
 
 It stops by itself after --minutes (the release then running is waited for), and exits 1 where a check failed.
 """
@@ -56,10 +59,11 @@ FAST = [  # the suite's lighter release: the same code paths in less time (tests
     *("--set", "bench.concurrency=[2]", "--set", "bench.request_count=16", "--set", "bench.rounds=1"),
     *("--set", "bench.max_rounds=1", "--set", "gate.min_throughput_ratio=null", "--set", "quantize.backend=none"),
 ]
-KINDS = ("good", "rejected", "killed", "stopped")
+KINDS = ("good", "rejected", "killed", "stopped")  # drawn by default; `hangs` too where --kinds names it
+ALL_KINDS = (*KINDS, "hangs")
 FAULTS = (None, "tritonserver", "model process", "serve")
 DEFINED = {0, 3, 4, 5, 6, 10}  # docs/user-guide.md's exit codes of a release that ended as it says; 1 is a bug
-EXPECTED = {"good": {0}, "rejected": {10}, "killed": {-9}, "stopped": {6}}  # with no fault: what the kind ends in
+EXPECTED = {"good": {0}, "rejected": {10}, "killed": {-9}, "stopped": {6}, "hangs": {0, 3}}  # with no fault
 RELEASE_TIMEOUT_S = 900
 
 
@@ -165,12 +169,34 @@ def release(serve: Serve, kind: str, number: int, log: Path) -> subprocess.Popen
     settings = [*SERVING, *FAST, "--set", f"canary.window_s={1.5 + number / 1000:.3f}"]
     if kind == "rejected":
         settings += ["--set", "gate.p99_request_latency_ms=0.5"]
+    if kind == "hangs":
+        settings += ["--set", "serve.load_timeout_s=20"]
     with open(log, "w") as out:
         return subprocess.Popen(
             [str(LLMOPS), "run", "--artifacts", serve.artifacts, *settings],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "LLMOPS_HOME": str(serve.home)},
         )  # fmt: skip
+
+
+def hang_a_candidate_process(serve: Serve) -> bool:
+    """The first model process of a version the table does not name as champion, SIGSTOPped as it starts (Triton 2.51
+    waits for it without a deadline): True once one was."""
+    import psutil
+
+    service = serve.service()
+    champion = service.control.table().champion if service else None
+    if serve.process is None or champion is None:
+        return False
+    for process in psutil.Process(serve.process.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            arguments = process.cmdline()  # STUB MODEL_PY SHM ... INSTANCE DEFAULT: the instance is <model>_<i>_<j>
+            if arguments and "triton_python_backend_stub" in arguments[0]:
+                model = arguments[-2].rsplit("_", 2)[0]
+                if model != champion.model and model.startswith(serve.state["service"]):
+                    process.suspend()
+                    return True
+    return False
 
 
 def candidate_live(serve: Serve) -> bool:
@@ -191,7 +217,7 @@ def run_one(
     process = release(serve, kind, number, log)
     fault_at = started + random.uniform(10, 60)
     kill_at = started + random.uniform(20, 90) if kind == "killed" else None
-    struck, stopped = None, False
+    struck, stopped, hung = None, False, False
     while process.poll() is None and time.monotonic() - started < RELEASE_TIMEOUT_S and not done.is_set():
         now = time.monotonic()
         if fault and struck is None and now > fault_at:
@@ -199,12 +225,15 @@ def run_one(
             struck = now
         if kill_at and now > kill_at:
             os.killpg(process.pid, signal.SIGKILL)
+        if kind == "hangs" and not hung:
+            with contextlib.suppress(Exception):
+                hung = hang_a_candidate_process(serve)
         if kind == "stopped" and not stopped and candidate_live(serve):
             os.killpg(process.pid, signal.SIGSTOP)
             time.sleep(lease_s + 10)
             os.killpg(process.pid, signal.SIGCONT)
             stopped = True
-        time.sleep(0.5)
+        time.sleep(0.1 if kind == "hangs" and not hung else 0.5)
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
@@ -223,10 +252,10 @@ def checks(serve: Serve, soaked: Soaked, since: float) -> list[str]:
     if table.candidate is not None or set(table.weights) != {table.champion.name if table.champion else ""}:
         broken.append(f"routes left split: {table.weights}")
     routed = table.models()
-    for triton in service.tritons:
-        extra = sorted(set(triton.loaded_models()) - routed)
+    for replica in service.control.held():
+        extra = sorted(set(replica["models"] or ()) - routed)
         if extra:
-            broken.append(f"{triton.url} holds what nothing routes: {extra}")
+            broken.append(f"{replica['url']} holds what nothing routes: {extra}")
     alias = registry(serve.home).get_model_version_by_alias(serve.state["service"], "champion").version
     if table.champion is None or table.champion.source.get("version") != str(alias):
         broken.append(f"the record's champion {table.champion and table.champion.name} is not the registry's v{alias}")
@@ -242,7 +271,9 @@ def recovered_after(soaked: Soaked, struck: float, until: float) -> float | None
     return max(failed) - struck if failed else None
 
 
-def drive(serve: Serve, soaked: Soaked, minutes: float, done: threading.Event, rows: list[Outcome]) -> None:
+def drive(
+    serve: Serve, soaked: Soaked, minutes: float, done: threading.Event, rows: list[Outcome], kinds: tuple[str, ...]
+) -> None:
     from tasks.platform.config import load_profile
 
     lease_s = load_profile("cpu-tiny").canary.lease_s
@@ -250,7 +281,7 @@ def drive(serve: Serve, soaked: Soaked, minutes: float, done: threading.Event, r
     try:
         while time.monotonic() < ends_at and not done.is_set():
             number += 1
-            kind, fault = random.choice(KINDS), random.choice(FAULTS)
+            kind, fault = random.choice(kinds), random.choice(FAULTS)
             code, seconds, struck = run_one(serve, kind, fault, number, lease_s, done)
             if done.is_set():  # the clients ended (an error): no check means anything now
                 return
@@ -298,14 +329,20 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"the kinds of release drawn, of {','.join(ALL_KINDS)}"
+    )
     args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    if not kinds or set(kinds) - set(ALL_KINDS):
+        parser.error(f"--kinds: some of {','.join(ALL_KINDS)}")
     random.seed(args.seed)
     serve = Serve(args.home, args.artifacts, args.replicas)
     state = serve.start()
     rows: list[Outcome] = []
     done = threading.Event()
     soaked = Soaked(record=True)
-    driver = threading.Thread(target=drive, args=(serve, soaked, args.minutes, done, rows))
+    driver = threading.Thread(target=drive, args=(serve, soaked, args.minutes, done, rows, kinds))
     try:
         driver.start()
         seconds = args.minutes * 60 + RELEASE_TIMEOUT_S + 120  # until the driver is done

@@ -45,11 +45,19 @@ from tasks.runtime.gateway.capture import CaptureSettings
 from tasks.runtime.gateway.control import ControlApi
 from tasks.runtime.gateway.logs import LogWriter
 from tasks.runtime.gateway.running import Listener, RunningGateway
-from tasks.serving.champion import as_route, registry_champion, registry_follows_record, served_of
+from tasks.runtime.loads import ReleaseLoads
+from tasks.serving.champion import (
+    as_route,
+    promoted_rollout,
+    registry_champion,
+    registry_follows_record,
+    served_of,
+)
 from tasks.serving.client import Triton
 from tasks.serving.models import Served
 from tasks.serving.publication import new_serve_key, publish, unpublish
 
+REGISTRY_S = 2.0  # how often the table is looked at for a promotion the registry has not followed yet
 RECONCILE_S = 5.0  # how often what the replicas hold is made what the table serves (Fleet.reconcile)
 
 
@@ -109,7 +117,8 @@ def serve(
                 publish(home, fleet.tritons, gateway_url, control_url, serve_key, service, metrics_url)
 
         start_loops(profile, fleet, gateway, discover, republish, stopped, champion)
-        threading.Thread(target=registry_to_record, args=(ctx, recorded), name="registry", daemon=True).start()
+        registry = threading.Thread(target=registry_follows, args=(ctx, recorded, fleet, stopped), daemon=True)
+        registry.start()
         while not stopped.wait(0.5):
             for replica in fleet.dead():
                 # server.json stays while the replica restarts: it names this serve, which lives, so a release started
@@ -228,15 +237,35 @@ def expire_approvals(home: Path, stopped: threading.Event, every_s: float = EXPI
             print(f"llmops serve: {line}", flush=True)
 
 
-def registry_to_record(ctx: RunContext, recorded: RouteTable | None) -> None:
-    """The registry's champion made the record's where they differ, said; off the start's path (MLflow may be slow or
-    away: the serve starts from the store alone)."""
+def registry_follows(
+    ctx: RunContext, recorded: RouteTable | None, fleet: Fleet, stopped: threading.Event, every_s: float = REGISTRY_S
+) -> None:
+    """The registry's champion made the record's where they differ, said: at the start (off its path: MLflow may be
+    slow or away, the serve starts from the store alone), then once for each rollout the controller promotes (its
+    release may be stopped or dead, its own alias write never made; both write the same version). A failed write is
+    tried again each round, said once."""
+    unsaid, handled = registry_to_record(ctx, recorded, ""), None
+    while not stopped.wait(every_s):
+        table = fleet.table()
+        if table is None or table.rollout is None or not promoted_rollout(table):
+            continue
+        rollout = (table.rollout.release, table.rollout.updated_at)
+        if rollout != handled:
+            unsaid = registry_to_record(ctx, table, unsaid)
+            handled = rollout if not unsaid else None
+
+
+def registry_to_record(ctx: RunContext, table: RouteTable | None, said_before: str) -> str:
+    """One comparison of the registry's champion with `table`'s, what was done said; the failure said, returned (''
+    where none), and not said again where it is `said_before`."""
     try:
-        said = registry_follows_record(ctx, recorded)
-    except Exception as exc:  # MLflow away or refusing: compared at the next start
-        said = f"llmops serve: the registry's champion not compared with the record ({type(exc).__name__}: {exc})"
+        said, failed = registry_follows_record(ctx, table), ""
+    except Exception as exc:  # MLflow away or refusing
+        failed = f"llmops serve: the registry's champion not compared with the record ({type(exc).__name__}: {exc})"
+        said = failed if failed != said_before else None
     if said:
         print(said[:500], flush=True)
+    return failed
 
 
 def starting_champion(ctx: RunContext, table: RouteTable | None) -> Served:
@@ -305,7 +334,7 @@ def start_gateway(
         [
             Listener(gateway.app(), listen.host, ports.gateway, **tls),
             Listener(
-                ControlApi(gateway, serve_key, fleet.hung_load).app(),
+                ControlApi(gateway, serve_key, ReleaseLoads(fleet)).app(),
                 listen.control_host,
                 ports.control,
                 **control_tls,

@@ -17,9 +17,9 @@ from tasks.control.contract import RouteTable
 from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.platform.tracking import Registered
-from tasks.serving.champion import as_route, serve_champion, served_version, serving_champion
+from tasks.serving.champion import as_route, load_on_service, serve_champion, served_version, serving_champion
 from tasks.serving.client import Triton
-from tasks.serving.models import Served, install_model, retire
+from tasks.serving.models import Served
 from tasks.serving.service import Service, ServiceControl
 
 
@@ -33,6 +33,7 @@ class Deployment:
         float  # how long each change of the routes holds unrenewed (canary.lease_s) before the champion serves alone
     )
     steps: list[dict] = field(default_factory=list)
+    loaded: list[dict] = field(default_factory=list)  # the candidate on each replica: url, load_s, artifact_sha256
     holding: threading.Event = field(default_factory=threading.Event)  # set: not renewing
 
     def headline(self) -> str:
@@ -42,19 +43,13 @@ class Deployment:
 
     @property
     def triton(self) -> Triton:
-        """The first replica: where the benchmark measures and the gate reads what was loaded."""
+        """The first replica: where the benchmark measures."""
         return self.served.triton
 
-    @property
-    def tritons(self) -> list[Triton]:
-        """Every replica: each version is loaded on each."""
-        return self.served.tritons
-
     def retire(self, served: Served) -> None:
-        """`served` unloaded from every replica; nothing where this release lost the service (the next owner's)."""
-        self.control.refuse_if_lost()
-        for triton in self.tritons:
-            retire(triton, self.service, served)
+        """`served` unloaded from every replica by the service; nothing where this release lost the service (the next
+        owner's)."""
+        self.control.unload(as_route(served))
 
     @property
     def control(self) -> ServiceControl:
@@ -111,26 +106,10 @@ class Deployment:
         self.control.put_table(self.table({self.champion.name: 100.0} if self.champion else {}, candidate=False))
 
 
-class LoadHung(TransientError):
-    """A load on `triton` that got no answer: it outlasted serve.load_timeout_s, or its connection broke."""
-
-    def __init__(self, message: str, triton: Triton):
-        super().__init__(message)
-        self.triton = triton
-
-    def __reduce__(self):  # Prefect keeps a task's exception: pickled as the TransientError it is to the run
-        return (TransientError, (str(self),))
-
-
 def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> Deployment:
     client = ctx.tracker.client
     candidate = served_version(ctx, served.name, client.get_model_version(registered.name, registered.version))
-    try:
-        deployment, load_s = load_both(ctx, served, candidate)
-    except TransientError as exc:
-        if served.hung is None:  # a Triton nobody here owns: Prefect's retry, and then its error
-            raise
-        deployment, load_s = load_again(ctx, served, candidate, exc)
+    deployment, load_s = load_both(ctx, served, candidate)
     if deployment.unchanged:
         logger().info(f"canary: v{candidate.version} is already the champion; nothing to roll out")
         return deployment
@@ -146,36 +125,11 @@ def deploy_canary(ctx: RunContext, registered: Registered, served: Service) -> D
     return deployment
 
 
-def load_again(ctx: RunContext, served: Service, candidate: Served, exc: TransientError) -> tuple[Deployment, float]:
-    """A load that hung, once more where that is safe. Triton 2.51 waits for a hung model process without a deadline,
-    and a retry on the same server waits behind it. The run's own Triton (no clients) is started again; `llmops serve`
-    starts its replica again only where another one serves the champion, and otherwise ends the candidate's model
-    processes and abandons the load (tasks/runtime/fleet.py:Fleet.hung_load): a candidate never costs the champion a
-    request. A candidate that hangs again, or is abandoned, ends the release here, unretried."""
-    hung = exc.triton if isinstance(exc, LoadHung) else served.triton
-    assert served.hung is not None
-    logger().warning(f"canary: {exc}; asking the service what becomes of the load on Triton {hung.url}")
-    try:
-        outcome = served.hung(hung, candidate.models, 2 * ctx.profile.serve.load_timeout_s + 60)
-    except CheckFailed as refused:
-        raise CheckFailed(f"canary: {candidate.name}'s load hung ({exc}) and {refused}") from None
-    if outcome != "restarted":
-        raise CheckFailed(
-            f"canary: {candidate.name}'s load hung on Triton {hung.url}, the last replica serving the champion: "
-            "its model processes were ended and the load abandoned; the champion served throughout"
-        )
-    logger().info(f"canary: Triton {hung.url} started again; loading {candidate.name} once more")
-    try:
-        return load_both(ctx, served, candidate)
-    except LoadHung as again:  # retried once: a candidate that hangs every time ends the release here
-        raise CheckFailed(
-            f"canary: {candidate.name}'s load hung again after Triton {hung.url} restarted: {again}"
-        ) from None
-
-
 def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Deployment, float]:
-    """The champion (the service's, else the registry's) and the candidate loaded on every replica; the seconds the
-    candidate's load took (0: nothing to load). A candidate that fails to load is retired again."""
+    """The champion (the service's, else the registry's) and the candidate loaded on every replica by the service
+    (from the store: the release loads nothing on its Tritons); the seconds the candidate's load took (0: nothing to
+    load). A candidate that fails to load is retired again by the service, and one whose load hangs is the service's
+    to end (tasks/runtime/fleet.py:Fleet.load_everywhere): CheckFailed, unretried."""
     champion = serving_champion(ctx, served)
     # declared before any load: `llmops serve`'s reconciler unloads what no live owner declared and no route needs
     served.control.declare([model for version in (champion, candidate) if version for model in version.models])
@@ -185,14 +139,5 @@ def load_both(ctx: RunContext, served: Service, candidate: Served) -> tuple[Depl
     deployment = Deployment(served, candidate, champion, release, ctx.profile.canary.lease_s)
     if deployment.unchanged:
         return deployment, 0.0
-    seconds = []
-    for triton in served.tritons:
-        served.control.refuse_if_lost()
-        try:
-            seconds.append(install_model(triton, ctx.profile, candidate))
-        except CheckFailed:
-            deployment.retire(candidate)
-            raise
-        except TransientError as exc:
-            raise LoadHung(str(exc), triton) from None
-    return deployment, max(seconds)
+    deployment.loaded = load_on_service(ctx, served, candidate)
+    return deployment, max(float(replica["load_s"]) for replica in deployment.loaded)

@@ -163,8 +163,9 @@ def comparison_checks(cfg: GateSection, comparison: Comparison) -> list[Check]:
 
 
 def measured_artifact(deployment: Deployment) -> str:
-    """The artifact Triton loaded for the candidate, from the configuration the server reports."""
-    return deployment.triton.model_parameter(deployment.candidate.name, "artifact_sha256")
+    """The artifact the first replica (where the benchmark measured) loaded for the candidate, as the service read it
+    from the configuration Triton reports when it loaded it."""
+    return str(deployment.loaded[0].get("artifact_sha256") or "") if deployment.loaded else ""
 
 
 def score_quality(

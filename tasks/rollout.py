@@ -190,9 +190,9 @@ def promote(ctx: RunContext, deployment: Deployment) -> None:
     """The candidate is the champion: the service's controller made it so in its table and record (ramp returned
     None); then the old champion leaves the replicas and the registry follows. The registry's writes outlast an MLflow
     outage of run.storage_outage_s; where they still fail, the service already serves the candidate (its deployment
-    record says so, and `llmops serve` moves the alias at its next start), and the error says what each holds and that
-    the same release run again moves the alias (deploy_canary finds the candidate serving as the champion: unchanged,
-    and the alias follows)."""
+    record says so, and `llmops serve` moves the alias within seconds of the promotion), and the error says what
+    each holds and that the same release run again moves the alias (deploy_canary finds the candidate serving as the
+    champion: unchanged, and the alias follows)."""
     if deployment.champion and deployment.champion.name != deployment.candidate.name:
         deployment.retire(deployment.champion)
     try:

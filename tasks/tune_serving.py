@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,7 @@ from tasks.load.genai_perf import GenaiPerf, goodput_of
 from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
-from tasks.serving.models import install_model, triton_unload_quietly
+from tasks.serving.champion import load_on_service
 
 if TYPE_CHECKING:
     from tasks.deploy_canary import Deployment
@@ -126,25 +126,29 @@ def tune_serving(ctx: RunContext, deployment: Deployment) -> Tuned | None:
             cached=True,
         )
     else:
-        tuned = search(profile, deployment, ctx.work_dir("tune_serving", ctx.tracker.run_id))
+        tuned = search(ctx, deployment, ctx.work_dir("tune_serving", ctx.tracker.run_id))
         ctx.store.put_record(RECORDS, key, asdict(tuned) | {"cached": False})
-    load(profile, deployment, tuned.settings)
+    load(ctx, deployment, tuned.settings)
+    champion = deployment.champion
+    deployment.route({champion.name: 100.0} if champion else {})  # the record's candidate with those settings
     track(ctx, tuned, deployment)
     logger().info(f"tune_serving: {tuned.headline()}")
     return tuned
 
 
-def load(profile: Profile, deployment: Deployment, settings: dict[str, int]) -> None:
-    """The candidate loaded with `settings` on every replica (the champion serves throughout)."""
-    for triton in deployment.tritons:
-        triton_unload_quietly(triton, deployment.candidate.name)
-        install_model(triton, with_settings(profile, settings), deployment.candidate)
+def load(ctx: RunContext, deployment: Deployment, settings: dict[str, int]) -> None:
+    """The candidate loaded again by the service with `settings` on every replica (the champion serves throughout);
+    from then on its route carries them, so a replica that starts again serves it as measured."""
+    tried = replace(deployment.candidate, settings={**(deployment.candidate.settings or {}), **settings})
+    deployment.loaded = load_on_service(ctx, deployment.served, tried, fresh=True)
+    deployment.candidate = tried
 
 
-def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
+def search(ctx: RunContext, deployment: Deployment, out_dir: Path) -> Tuned:
     """Optuna's trials on the loaded candidate; genai-perf's runs under `out_dir`."""
     import optuna
 
+    profile = ctx.profile
     candidate = deployment.candidate
     searched, concurrency = space(profile), max(profile.bench.concurrency)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +166,7 @@ def search(profile: Profile, deployment: Deployment, out_dir: Path) -> Tuned:
             measured.error = str(exc).splitlines()[-1][:300]
             return measured
         try:
-            load(profile, deployment, settings)
+            load(ctx, deployment, settings)
             level = genai_perf.measure(candidate, concurrency, label)
             goodput = goodput_of(out_dir / f"{candidate.name}-c{concurrency}{label}")
             measured = Trial(number, settings, goodput, level.requests_per_s, level.ttft_p99_ms, level.itl_p99_ms)

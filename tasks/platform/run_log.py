@@ -150,3 +150,30 @@ class OneLineFailures(logging.Formatter):
         line.msg, line.args = f"{record.getMessage()} (traceback in {self.run_log.path})", None
         line.exc_info, line.exc_text = None, None
         return self.inner.format(line)
+
+
+class Said(logging.Handler):
+    """The project's log lines (the `llmops` logger, which a thread outside a flow logs to) of one thread while the
+    block runs: what a service's load said, sent back to the release that asked for it, whose terminal showed those
+    lines when it loaded its versions itself."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.thread, self.lines = threading.get_ident(), list[str]()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.lines.append(record.getMessage())
+
+    def __enter__(self) -> list[str]:
+        log = logging.getLogger("llmops")
+        self.level = log.level
+        log.addHandler(self)
+        if not log.isEnabledFor(logging.INFO):
+            log.setLevel(logging.INFO)
+        return self.lines
+
+    def __exit__(self, *exc: object) -> None:
+        log = logging.getLogger("llmops")
+        log.removeHandler(self)
+        log.setLevel(self.level)

@@ -7,8 +7,7 @@ A replica this serve started that dies is started again on its ports with backof
 version of the table loaded on it again; after `serve.listen.restart_limit` deaths in a row (each within a minute of
 its start) the serve gives up (exit 4). A model that keeps failing its probes is loaded again on its replica
 (`recover`); where that fails and it serves the champion on a replica this serve started, that replica is SIGKILLed,
-and so restarted. A release's hung load restarts a replica only while another one serves the champion; on the last one, the
-candidate's model processes are ended and its load abandoned.
+and so restarted. What a release asks the serve to load on them is tasks/runtime/loads.py's.
 """
 
 from __future__ import annotations
@@ -226,11 +225,8 @@ class Fleet:
         )
 
     def table_versions(self) -> list[Served]:
-        """The versions of the gateway's table (the champion first), from the store alone. A version written without
-        a source (an operator's second name for a model another version loads, PUT by hand) is not one to load."""
-        table = self.table()
-        versions: list[Version] = table.versions() if table is not None else []
-        return [served_of(self.ctx, self.ctx.profile.registry.model_name, v) for v in versions if v.source]
+        """The versions of the gateway's table, from the store alone (versions_to_load)."""
+        return versions_to_load(self.ctx, self.table())
 
     def recover(self, url: str, model: str) -> str:
         """The gateway's probes' recovery of `model` on replica `url` (tasks/runtime/gateway/probes.py)."""
@@ -263,45 +259,6 @@ class Fleet:
             self.say(f"llmops serve: {model} did not load again on {url} ({exc}); restarting that Triton")
             server.kill()  # the serve's watch starts it again and loads the table's versions
             return "restarted"
-
-    def hung_load(self, url: str, models: list[str], timeout_s: float) -> str:
-        """A release's load of `models` hung on replica `url` (its control API, tasks/runtime/gateway/control.py).
-        Triton 2.51 waits for a model process's first message without a deadline (python_backend
-        src/stub_launcher.cc, ModelInstanceStubProcess: parent_message_queue_->Pop()), and a retry on that server
-        waits behind it. Where another replica serves the champion, that Triton is killed with its model processes
-        and back once the watch started it again with the table's versions: "restarted", and the release loads again.
-        Where it is the last replica serving the champion, it is never restarted for a candidate: the candidate's
-        model processes are ended (their memory freed) and its load is abandoned ("abandoned"); the load's thread
-        stays blocked inside that Triton until it next starts, so the version is not loaded there again."""
-        replica = next((r for r in self.replicas if r.client.url == url), None)
-        if replica is None or replica.server is None:
-            raise CheckFailed(f"Triton {url} is not one this serve started; restart it where it was started")
-        table = self.table()
-        champion = table.champion if table is not None else None
-        serving = [r for r in self.replicas if r is not replica and r.running() and not r.restarting]
-        if champion is not None and not serving:  # a candidate never costs the champion its clients
-            # only what loads for the release alone: never a model the table routes, nor one serving (the base engine
-            # an adapter candidate registers with serves the champion)
-            routed = table.models() if table else set()
-            hung = [m for m in models if m not in routed and not replica.client.is_ready(m)]
-            ended = replica.server.end_model_processes(hung) if hung else []
-            self.say(
-                f"llmops serve: a release's load of {', '.join(hung)} hung on Triton {url}, the last replica serving "
-                f"the champion {champion.name}: its model processes ended ({len(ended)}), the load abandoned"
-            )
-            self.count("abandon", ",".join(hung))
-            return "abandoned"
-        self.say(f"llmops serve: a release's load hung on Triton {url}; starting that Triton again")
-        with replica.lock:
-            started, restarting, server = replica.started, replica.restarting, replica.server
-        if not restarting:  # else the watch is starting it already
-            server.kill()
-        deadline = time.monotonic() + timeout_s
-        while replica.started == started or replica.restarting or not replica.running():
-            if time.monotonic() > deadline:
-                raise TransientError(f"Triton {url} did not serve again within {timeout_s:.0f}s of its restart")
-            time.sleep(0.2)
-        return "restarted"
 
     # --- reconciling what the replicas hold with the table ---------------------------------------------------------
 
@@ -346,3 +303,10 @@ class Fleet:
         for replica in self.replicas:
             if replica.server is not None:
                 replica.server.stop()
+
+
+def versions_to_load(ctx: RunContext, table: RouteTable | None) -> list[Served]:
+    """The versions of `table` (the champion first), from the store alone. A version written without a source (an
+    operator's second name for a model another version loads, PUT by hand) is not one to load."""
+    versions: list[Version] = table.versions() if table is not None else []
+    return [served_of(ctx, ctx.profile.registry.model_name, v) for v in versions if v.source]

@@ -9,13 +9,21 @@ release's stages reach the service it returns through tasks/serving/service.py o
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from tasks.control.contract import record_path
+from tasks.control.contract import RouteTable, Version, record_path
+from tasks.platform.config import Profile
+from tasks.platform.errors import CheckFailed, TransientError
 from tasks.platform.ports import free_port
+from tasks.platform.run_log import Said
 from tasks.platform.stage_cache import RunContext, logger
-from tasks.serving.champion import triton_launch
+from tasks.runtime.fleet import versions_to_load
+from tasks.runtime.loads import held_by, loaded_on, with_load_timeout
+from tasks.serving.champion import released_profile, served_of, triton_launch
 from tasks.serving.client import Triton, TritonTarget, attach_control_key
+from tasks.serving.models import Served, install_model, retire, triton_unload_quietly
 from tasks.serving.publication import awaited_service, published, published_service
 from tasks.serving.server import TritonServer
 from tasks.serving.service import Service, ServiceControl
@@ -61,37 +69,94 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
                 model_roots=ctx.store.local_folders(),
             )
             triton = server.client
+    own = OwnTriton(ctx, triton, server)
     try:
-        gateway, control = temporary_gateway(ctx, triton)
+        gateway, control = temporary_gateway(ctx, triton, own)
     except BaseException:
         if server is not None:
             server.stop()
         raise
+    own.table = lambda: gateway.gateway.table
 
     def stop() -> None:
         gateway.stop()
-        if server is not None:
-            server.stop()
+        if own.server is not None:
+            own.server.stop()
 
-    def restart(_: Triton, models: list[str], timeout_s: float) -> str:  # the one Triton of this run's, no clients
-        nonlocal server
-        assert server is not None
-        server.kill()
-        server = TritonServer.start(
+    return Service(service_name, [triton], control, stop)
+
+
+class OwnTriton:
+    """The loads of a release's own service (POST /control/v1/versions on its temporary gateway): its one Triton, the
+    one it started or attached to. A load that hangs on one this run started (no clients) kills it with its model
+    processes and starts it again on its ports, the table's versions loaded, then the load once more; on one it
+    attached to, Prefect's retry (TransientError)."""
+
+    def __init__(self, ctx: RunContext, triton: Triton, server: TritonServer | None):
+        self.ctx, self.triton, self.server = ctx, triton, server
+        self.table: Callable[[], RouteTable] = lambda: RouteTable(ctx.profile.registry.model_name)
+
+    def load_everywhere(self, version: Version, load_timeout_s: float, fresh: bool = False) -> list[dict[str, Any]]:
+        served = served_of(self.ctx, self.ctx.profile.registry.model_name, version)
+        profile = with_load_timeout(released_profile(self.ctx.profile, served), load_timeout_s)
+        with Said() as said:
+            if fresh:
+                triton_unload_quietly(self.triton, served.name)
+            seconds = self.install(version, served, profile)
+        return [loaded_on(self.triton, served, seconds, said)]
+
+    def install(self, version: Version, served: Served, profile: Profile) -> float:
+        try:
+            return install_model(self.triton, profile, served)
+        except CheckFailed:
+            if self.table().version(version.name) is None:
+                retire(self.triton, self.ctx.profile.registry.model_name, served)
+            raise
+        except TransientError as exc:
+            if self.server is None:
+                raise
+            logger().warning(f"canary: {exc}; starting this run's Triton {self.triton.url} again")
+            self.restart()
+        logger().info(f"canary: Triton {self.triton.url} started again; loading {served.name} once more")
+        try:
+            return install_model(self.triton, profile, served)
+        except TransientError as again:
+            raise CheckFailed(
+                f"{served.name}'s load hung again after Triton {self.triton.url} restarted: {again}"
+            ) from None
+
+    def restart(self) -> None:
+        assert self.server is not None
+        ctx = self.ctx
+        launcher, env = triton_launch(ctx.profile, ctx.home)
+        self.server.kill()
+        self.server = TritonServer.start(
             ctx.home,
             ctx.profile.serve.triton_binary,
             launcher=launcher,
             extra_env=env,
-            ports=server.ports,
+            ports=self.server.ports,
             model_roots=ctx.store.local_folders(),
         )
-        triton.control_key = server.client.control_key  # a new Triton, a new key; the same ports
-        return "restarted"
+        self.triton.control_key = self.server.client.control_key  # a new Triton, a new key; the same ports
+        for served in versions_to_load(ctx, self.table()):
+            install_model(self.triton, released_profile(ctx.profile, served), served)
 
-    return Service(service_name, [triton], control, stop, restart if server is not None else None)
+    def held(self) -> list[dict[str, Any]]:
+        return [held_by(self.triton)]
+
+    def unload_everywhere(self, version: Version) -> list[str]:
+        if self.table().version(version.name) is not None:
+            raise CheckFailed(f"{version.name} is in the service's routes: route it away before unloading it")
+        retire(
+            self.triton,
+            self.ctx.profile.registry.model_name,
+            served_of(self.ctx, self.ctx.profile.registry.model_name, version),
+        )
+        return [self.triton.url]
 
 
-def temporary_gateway(ctx: RunContext, triton: Triton):
+def temporary_gateway(ctx: RunContext, triton: Triton, versions: OwnTriton):
     """The gateway of `llmops serve` with its control listener only, on a free loopback port, for this run: the
     same routing, deadlines and counters as a service's, and the service's deployment record of this home."""
     from tasks.runtime.gateway import Gateway, GatewayConfig
@@ -110,7 +175,9 @@ def temporary_gateway(ctx: RunContext, triton: Triton):
         recover=reloading(triton, ctx.profile.serve.load_timeout_s) if triton.repository is not None else None,
     )
     gateway = Gateway(config)
-    running = RunningGateway([Listener(ControlApi(gateway, key).app(lifespan=True), "127.0.0.1", port)], gateway)
+    running = RunningGateway(
+        [Listener(ControlApi(gateway, key, versions).app(lifespan=True), "127.0.0.1", port)], gateway
+    )
     running.start()
     logger().info(f"serving: a gateway for {service} on 127.0.0.1:{port} in front of Triton {triton.url}")
     return running, ServiceControl(f"http://127.0.0.1:{port}", key)

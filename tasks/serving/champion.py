@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.control.contract import RouteTable, Version
 from tasks.platform.config import Profile
+from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.adapters import AdapterVersion, base_model_name, served_artifact
-from tasks.serving.models import MergedVersion, Served, install_model, model_name
+from tasks.serving.models import MergedVersion, Served, model_name
 from tasks.serving.service import Service
 
 if TYPE_CHECKING:
@@ -103,15 +104,15 @@ def champion_version(ctx: RunContext):
 
 
 def registry_follows_record(ctx: RunContext, table: RouteTable | None) -> str | None:
-    """At a serve's start: where the registry's champion is not the deployment record's, the alias is moved to the
-    record's, which says what clients get (a promotion writes the record first: one whose alias write failed, or a
-    service that promoted apart from the serve, leaves the registry behind). One direction only, and never while a
-    release owns the service (its promotion may be under way). What was done, said in one line; None where nothing
-    differed. MLflow's errors are raised (the caller says them)."""
+    """Where the registry's champion is not the deployment record's, the alias is moved to the record's, which says
+    what clients get (the service's controller promotes in the record: a release whose alias write failed, or that
+    was stopped or died as its candidate was promoted, leaves the registry behind). One direction only, and while a
+    release owns the service only once its rollout is promoted (before, its promotion may be under way). What was
+    done, said in one line; None where nothing differed. MLflow's errors are raised (the caller says them)."""
     champion = table.champion if table is not None else None
-    if champion is None or not champion.source.get("version"):
+    if table is None or champion is None or not champion.source.get("version"):
         return None
-    if table is not None and table.owner is not None and not table.owner.expired(time.time()):
+    if table.owner is not None and not table.owner.expired(time.time()) and not promoted_rollout(table):
         return None
     recorded, registered = str(champion.source["version"]), champion_version(ctx)
     current = None if registered is None else str(registered.version)
@@ -121,6 +122,17 @@ def registry_follows_record(ctx: RunContext, table: RouteTable | None) -> str | 
     return (
         f"llmops serve: the registry's champion was {'v' + current if current else 'none'}, the deployment record's "
         f"v{recorded}: alias champion -> v{recorded} (the record says what clients get)"
+    )
+
+
+def promoted_rollout(table: RouteTable) -> bool:
+    """Whether the table's last rollout ended with its candidate the champion (the controller's own write)."""
+    rollout, champion = table.rollout, table.champion
+    return (
+        rollout is not None
+        and rollout.phase == "promoted"
+        and champion is not None
+        and rollout.candidate == champion.name
     )
 
 
@@ -166,8 +178,7 @@ def serve_champion(ctx: RunContext, service: Service, champion: Served | None) -
     request where the table had no champion, or another one)."""
     if champion is None:
         return None
-    for triton in service.tritons:
-        install_model(triton, released_profile(ctx.profile, champion), champion)
+    load_on_service(ctx, service, champion)
     table = service.control.table()
     if table.champion is None or table.champion.name != champion.name:
         champion_route = as_route(champion)
@@ -175,6 +186,20 @@ def serve_champion(ctx: RunContext, service: Service, champion: Served | None) -
             replace(RouteTable(service.name), champion=champion_route, weights={champion_route.name: 100.0})
         )
     return champion
+
+
+def load_on_service(ctx: RunContext, service: Service, served: Served, fresh: bool = False) -> list[dict[str, Any]]:
+    """`served` loaded by the service on every replica, from the store with the settings it carries (its route's
+    source): per replica, the seconds it took (0: loaded already) and the artifact it serves. `fresh`: unloaded first
+    (new settings)."""
+    try:
+        loaded = service.control.load(as_route(served), ctx.profile.serve.load_timeout_s, len(service.tritons), fresh)
+    except CheckFailed as refused:
+        raise CheckFailed(f"canary: the service did not load {served.name}: {refused}") from None
+    for replica in loaded:
+        for line in replica.get("said") or ():
+            logger().info(str(line))  # what the service's load said, as the release said it when it loaded itself
+    return loaded
 
 
 def released_profile(profile: Profile, served: Served) -> Profile:

@@ -176,7 +176,7 @@ class Triton:
     grpc_url: str | None = None
     control_key: str | None = field(default=None, repr=False)
     # Where the key is read again when Triton refuses it: a Triton restarted by `llmops serve` has a new one (its
-    # control.keys), an operator may rotate a key file. None: the key given is the only one.
+    # control.key), an operator may rotate a key file. None: the key given is the only one.
     reread_key: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
 
     @classmethod

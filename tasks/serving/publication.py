@@ -1,13 +1,13 @@
 """Where `llmops serve` publishes what it runs for its LLMOPS_HOME, and how a release of that home finds it:
-`$LLMOPS_HOME/triton/server.json` (its Triton replicas, its gateway and control API's URLs, its process), the
-Tritons' control keys in `$LLMOPS_HOME/triton/control.key` and `control.keys`, and the serve's own control key in
+`$LLMOPS_HOME/triton/server.json` (its Triton replicas, its gateway and control API's URLs, its process), the first
+Triton's control key in `$LLMOPS_HOME/triton/control.key` (for a release of another service, which loads on that
+Triton itself; one of the serve's own service holds no Triton key: the serve loads), and the serve's own key in
 `$LLMOPS_HOME/serving/control.key` (all mode 600, written while the serve runs, removed when it stops). This module is
 those files' one owner.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import secrets
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 
 SERVER_FILE = "server.json"  # written while `llmops serve` runs: lets a run attach to the serving Triton
-CONTROL_KEYS_FILE = "control.keys"  # beside control.key: every replica's key by URL (mode 600)
 SERVE_KEY_FILE = Path("serving") / "control.key"  # under $LLMOPS_HOME, mode 600, while `llmops serve` runs
 SERVE_KEY_ENV = "LLMOPS_SERVE_CONTROL_KEY"  # the serve's control key where its user gives one (else a fresh one)
 
@@ -52,8 +51,6 @@ def publish(
     state.parent.mkdir(parents=True, exist_ok=True)
     if first.control_key:
         write_secret(home / "triton" / CONTROL_KEY_FILE, first.control_key)
-    keys = {t.url: t.control_key for t in tritons if t.control_key}
-    write_secret(home / "triton" / CONTROL_KEYS_FILE, json.dumps(keys))
     if serve_key:
         (home / SERVE_KEY_FILE).parent.mkdir(parents=True, exist_ok=True)
         write_secret(home / SERVE_KEY_FILE, serve_key)
@@ -87,7 +84,7 @@ def publish(
 def unpublish(home: Path, serve_stops: bool = True) -> None:
     """Before its Tritons stop: the server file, and the keys that die with them; and where the serve stops too, its
     own control key."""
-    for name in (SERVER_FILE, CONTROL_KEY_FILE, CONTROL_KEYS_FILE):
+    for name in (SERVER_FILE, CONTROL_KEY_FILE, "control.keys"):  # control.keys: an older serve's replica keys
         (home / "triton" / name).unlink(missing_ok=True)
     if serve_stops:
         (home / SERVE_KEY_FILE).unlink(missing_ok=True)
@@ -178,7 +175,7 @@ def published_service(home: Path, name: str) -> Service | None:
     if info is None or info.get("service") != name or not key_file.is_file():
         return None
     control = ServiceControl(info["control_url"], key_file.read_text().strip(), reread=lambda: published_control(home))
-    return Service(name, published_replicas(home, info), control, hung=control.hung_load)
+    return Service(name, published_replicas(info), control)
 
 
 def published_control(home: Path) -> tuple[str, str] | None:
@@ -187,27 +184,13 @@ def published_control(home: Path) -> tuple[str, str] | None:
     return (info["control_url"], key_file.read_text().strip()) if info and key_file.is_file() else None
 
 
-def published_replicas(home: Path, info: dict) -> list[Triton]:
-    """Every Triton replica server.json lists, each with its own control key (control.keys)."""
+def published_replicas(info: dict) -> list[Triton]:
+    """Every Triton replica server.json lists, without a control key: a release benchmarks on them and reads their
+    metrics; what they load is the serve's (POST /control/v1/versions)."""
     replicas = info.get("replicas") or [{k: info.get(k) for k in ("url", "grpc_url", "metrics_url", "repository")}]
     return [
         Triton(
-            r["url"],
-            Path(r["repository"]) if r.get("repository") else None,
-            r.get("metrics_url"),
-            r.get("grpc_url"),
-            replica_key(home, r["url"]),
-            reread_key=functools.partial(replica_key, home, r["url"]),  # a replica `llmops serve` restarted: new key
+            r["url"], Path(r["repository"]) if r.get("repository") else None, r.get("metrics_url"), r.get("grpc_url")
         )
         for r in replicas
     ]
-
-
-def replica_key(home: Path, url: str) -> str | None:
-    """The control key `llmops serve` keeps for its replica at `url` (control.keys), else this home's key."""
-    keys_file = home / "triton" / CONTROL_KEYS_FILE
-    try:
-        keys = json.loads(keys_file.read_text()) if keys_file.is_file() else {}
-    except (OSError, ValueError):  # being rewritten: the home's key, or the next read
-        keys = {}
-    return keys.get(url) or control_key(home)

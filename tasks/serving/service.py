@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
 import requests
 
-from tasks.control.contract import Owner, RouteTable
+from tasks.control.contract import Owner, RouteTable, Version
 from tasks.platform.errors import CheckFailed, LostService, TransientError
 from tasks.serving.client import CONTROL_HEADER, Triton, generate_body
 
@@ -81,14 +81,19 @@ class ServiceControl:
         self.url, self.key = now
         return True
 
-    def write(self, method: str, path: str, body: Mapping[str, Any], timeout: float = 30) -> dict:
-        """A change of the service, fenced: with the release's epoch, never once the release lost the service."""
+    def write(
+        self, method: str, path: str, body: Mapping[str, Any], timeout: float = 30, transient: tuple[int, ...] = ()
+    ) -> dict:
+        """A change of the service, fenced: with the release's epoch, never once the release lost the service.
+        A status in `transient` is a TransientError (Prefect's retry), any other refusal a CheckFailed."""
         self.refuse_if_lost()
         fence = self.fence
         fenced = {**body, "epoch": fence.epoch, "epoch_of": fence.release} if fence else dict(body)
         response = self.send(method, path, fenced, timeout)
         if response.status_code == 409 and "owner" in json_object(response) and self.fence is not None:
             self.lose(f"{error_text(response)}; this release wrote nothing more")
+        if response.status_code in transient:
+            raise TransientError(f"the control API at {self.url}: {method} {path}: {error_text(response)}")
         if response.status_code != 200:
             raise CheckFailed(f"the control API at {self.url}: {method} {path}: {error_text(response)}")
         return response.json()
@@ -161,12 +166,28 @@ class ServiceControl:
         body = {"release": release, "epoch": epoch if epoch is not None else self.fence.epoch if self.fence else None}
         return RouteTable.of(self.call("DELETE", "/control/v1/owner", body))
 
-    def hung_load(self, triton: Triton, models: list[str], timeout_s: float) -> str:
-        """This release's load of `models` hung on `triton`: `llmops serve` starts that Triton again where another
-        replica serves the champion ("restarted": load again), else ends those models' processes ("abandoned");
-        CheckFailed where the serve does not own that Triton."""
-        body = {"url": triton.url, "models": models, "timeout_s": timeout_s}
-        return str(self.write("POST", "/control/v1/loads/hung", body, timeout_s + 30)["outcome"])
+    def load(self, version: Version, load_timeout_s: float, replicas: int, fresh: bool = False) -> list[dict[str, Any]]:
+        """`version` loaded by the service on every replica, from the artifact store with the settings its source
+        carries (POST /control/v1/versions; `fresh`: unloaded first), a load past `load_timeout_s` taken for hung:
+        per replica, what it took. A hung load is the service's to end (it restarts a replica where another serves the
+        champion, else abandons the load). CheckFailed with the service's reason where the version does not load,
+        TransientError where a replica did not serve; the call waits for each of the `replicas`."""
+        body = {"version": asdict(version), "load_timeout_s": load_timeout_s, "fresh": fresh}
+        waited = max(1, replicas) * (4 * load_timeout_s + 120)  # a load, a restart (2 loads and 60 s) and a load again
+        self.refuse_if_lost()
+        try:
+            answer = self.write("POST", "/control/v1/versions", body, waited, transient=(502, 503, 504))
+        except CheckFailed as refused:
+            raise CheckFailed(str(refused).split(": POST /control/v1/versions: ", 1)[-1]) from None
+        return list(answer["replicas"])
+
+    def held(self) -> list[dict[str, Any]]:
+        """What each replica holds, as the service reads it (GET /control/v1/replicas): url, models (None: no answer)."""
+        return list(self.call("GET", "/control/v1/replicas")["replicas"])
+
+    def unload(self, version: Version) -> None:
+        """`version` unloaded from every replica by the service (DELETE /control/v1/versions); never a routed one."""
+        self.write("DELETE", "/control/v1/versions", {"version": asdict(version)}, 120)
 
     def start_rollout(self, plan: Mapping[str, Any], release: str, lease_s: float) -> RouteTable:
         """The table's candidate rolled out by the service's controller, as `plan` says, held for lease_s."""
@@ -258,10 +279,6 @@ class Service:
     tritons: list[Triton]
     control: ServiceControl
     stop: Callable[[], None] = lambda: None
-    # (replica, models, timeout_s): a load of `models` hung there; the release's own Triton is killed with its model
-    # processes and started again ("restarted"); `llmops serve` decides for its own (ServiceControl.hung_load); None
-    # where neither owns it
-    hung: Callable[[Triton, list[str], float], str] | None = None
 
     @property
     def triton(self) -> Triton:

@@ -396,11 +396,12 @@ def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outli
     release, cpu_tiny_store, tmp_path
 ):
     """`llmops serve` with serve.replicas 2 (the python engine) from this home's deployment record: a release through
-    its control API loads the candidate on both replicas, walks the canary and promotes. The candidate's load hangs on
-    the second replica (its model processes SIGSTOPped as they start: Triton 2.51 waits for them without a deadline,
-    and a retry on that server waits behind them): past the release's serve.load_timeout_s the release tells the serve
-    (POST /control/v1/loads/hung); another replica serves the champion, so the serve SIGKILLs this one with its model
-    processes and starts it with the champion, and the release loads the candidate again and promotes; clients through the gateway see only 200s and 503s meanwhile,
+    its control API has the serve load the candidate on both replicas (POST /control/v1/versions), walks the canary and
+    promotes. The candidate's load hangs on the second replica (its model processes SIGSTOPped as they start: Triton
+    2.51 waits for them without a deadline, and a retry on that server waits behind them): past the release's
+    serve.load_timeout_s, which its load request carries, another replica serves the champion, so the serve SIGKILLs
+    this one with its model processes, starts it with the champion, loads the candidate again, and the release
+    promotes; clients through the gateway see only 200s and 503s meanwhile,
     but for a request the hung Triton held, which the gateway ends at its deadline (504), and 200s once it serves
     again. Then a soak (closed loops of mixed /v1 streaming and /v2 requests, a tenth of the
     streams hung up on, a 20 s client deadline) sees no request hang and no 5xx, through a canary ramp 10 -> 50 ->
@@ -452,9 +453,9 @@ def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outli
         watcher.join()
         output = result.stdout + result.stderr
         assert result.returncode == 0, output[-3000:]
-        told = "did not load within 40s (serve.load_timeout_s); asking the service what becomes of the load on Triton"
-        assert stopped and f"{told} {second_url}" in output
-        lines = log.read_text()
+        lines = log.read_text()  # the serve loads the candidate (POST /control/v1/versions) and decides
+        told = "did not load within 40s (serve.load_timeout_s); deciding what becomes of the load on Triton"
+        assert stopped and f"{told} {second_url}" in lines
         assert f"a release's load hung on Triton {second_url}; starting that Triton again" in lines
         assert "Triton restarted" in lines
         assert not [p for p in stopped if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # killed with it

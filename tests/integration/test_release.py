@@ -590,7 +590,7 @@ def test_mlflow_stopped_during_the_ramp_rolls_the_candidate_back_first_and_ends_
         code, output = frozen_mlflow_once(stack, args, home, "canary: 50% to ")
         done.set()
         assert hung, output[-3000:]
-        told = "did not load within 40s (serve.load_timeout_s); asking the service what becomes of the load on Triton"
+        told = "did not load within 40s (serve.load_timeout_s); starting this run's Triton"
         assert f"{told} http://127.0.0.1:" in output and " started again; loading " in output, (hung, output[-3000:])
         assert code == 4, output[-3000:]
         last = output.strip().splitlines()[-1]

@@ -1133,16 +1133,17 @@ def test_a_candidate_whose_load_hangs_on_the_last_replica_is_abandoned_while_the
     home, server, cpu_tiny_store, tls, tmp_path
 ):
     """Issue 60, finding 2: the candidate's model process is SIGSTOPped as it starts, on the serve's one replica, so
-    its load hangs (Triton 2.51 waits for it without a deadline). Past serve.load_timeout_s the release tells the
-    serve; the serve never restarts the Triton serving the champion for a candidate: it ends the candidate's model
-    processes and the load is abandoned. The release ends with one line (exit 3), unretried; clients at concurrency 8
+    its load hangs (Triton 2.51 waits for it without a deadline). The serve loads it, takes it for hung past the
+    release's serve.load_timeout_s (its load request carries it), and never restarts the Triton serving the champion
+    for a candidate: it ends the candidate's model processes and the load is abandoned. The release ends with one line (exit 3), unretried; clients at concurrency 8
     get only 200s (the load went over gRPC: over HTTP it held the gateway's pooled connection to Triton, and one
     client request in 4 of 6 runs got no answer; tasks/serving/grpc_loads.py); the champion's engine is the one it
     was. A new profile digest: stages are cache hits."""
     import psutil
 
     before, triton, engines = champion(home), served_by(home, server), engine_processes(server)
-    held = triton.loaded_models()
+    held, decided = triton.loaded_models(), "(serve.load_timeout_s); deciding what becomes of the load"
+    decided_before = (home / "serve.log").read_text().count(decided)
 
     def stubs() -> dict[int, str]:
         found = {}
@@ -1177,9 +1178,10 @@ def test_a_candidate_whose_load_hangs_on_the_last_replica_is_abandoned_while_the
     assert lines[-1].startswith("llmops: error: canary: ") and lines[-1].endswith(
         "the load abandoned; the champion served throughout"
     ), lines[-1]
-    assert sum("asking the service what becomes of the load" in line for line in lines) == 1  # no second try
+    served = (home / "serve.log").read_text()  # the serve loads the candidate and decides: no second try
+    assert served.count(decided) == decided_before + 1
     assert stopped and not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    assert "its model processes ended" in (home / "serve.log").read_text()
+    assert "its model processes ended" in served
     assert triton.loaded_models() == held and champion(home) == before and engine_processes(server) == engines
     assert load.ok > 50 and load.failed == 0, (load.ok, load.errors[:5])
     print(f"\nthe hung candidate was abandoned; {load.ok} client requests, none failed")
@@ -1435,13 +1437,15 @@ def test_canary_breach_rolls_back_automatically_with_no_failed_request_and_the_o
     assert ready_models(served_by(home, server), expected) == sorted(expected)
     assert engine_processes(server) == engines  # rolled back on the one engine
     assert load.failed == 0, load.errors[:5]
-    # Both versions answered the openai client during the step: the champion's answer to every prompt, and
-    # for some prompt another (the base model's). vLLM's greedy answers are not batch-invariant: in a batch with
+    # Both versions answered the openai client during the step: the champion's answer to some prompt, and for
+    # some prompt another (the base model's). Not the champion's to every prompt: since the service's controller
+    # rolls back, the step can end within one round of asks, and a prompt asked twice at 50/50 met only the
+    # candidate in fresh-clone CI of 8539e26. vLLM's greedy answers are not batch-invariant: in a batch with
     # the load's requests the champion once went on past where it stopped alone ("closed" became "closedull",
     # fresh-clone CI of 504843a), so an answer is the champion's when it begins with the champion's answer.
     assert len(seen) == len(PROMPTS), seen
     by_champion = {prompt: {a for a in answers if a.startswith(champions[prompt])} for prompt, answers in seen.items()}
-    assert all(by_champion.values()), (champions, seen)
+    assert any(by_champion.values()), (champions, seen)
     # and the client met the candidate too: the gateway draws each request's version (with the router in Triton,
     # three of five CI runs saw only the champion's answers while the canary's probes met the candidate: issue 20)
     assert any(seen[prompt] - by_champion[prompt] for prompt in seen), (champions, seen)
@@ -1989,7 +1993,7 @@ def test_api_keys_and_the_control_key_leak_nowhere(home, server):
         "control key": control_key.read_text(),
         "serve's control key": serve_key.read_text(),
     }
-    kept_on_purpose = {home / "api-keys", control_key, home / "triton" / "control.keys", serve_key}
+    kept_on_purpose = {home / "api-keys", control_key, serve_key}
     leaks = in_files(secrets, home, kept_on_purpose) + in_mlflow(secrets, f"sqlite:///{home / 'mlflow.db'}")
     assert not leaks, leaks[:10]
     assert not in_processes(secrets)

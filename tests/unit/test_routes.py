@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 from tasks.control.contract import RoutesError, RouteTable, Version, read_record, write_record
 from tasks.runtime.gateway import Gateway, GatewayConfig
 from tasks.runtime.gateway.control import ControlApi
+from tasks.runtime.loads import ReleaseLoads
 from tasks.serving import adapter_registry
 from tasks.serving.service import ServiceControl
 from tests.unit.test_gateway import AUTH, CHAMPION, CHAT, KEY, QUESTION, SERVICE, TABLE, FakeTriton, scrape
@@ -296,44 +297,61 @@ def test_only_the_release_that_holds_the_routes_renews_its_hold(service):
     assert other.status_code == 409 and other.json() == {"error": "release: the routes are held by run-7, not run-8"}
 
 
-def test_a_release_tells_the_serve_its_load_hung_and_hears_what_became_of_it_or_why_not(service):
-    """POST /control/v1/loads/hung: the serve's decision, awaited; each refusal in Triton's error shape. The restart
-    itself (a hung load, a real `llmops serve` of two replicas) is test_attach's two-replica test; the abandoned load
-    on one replica is test_serving's."""
-    from tasks.platform.errors import CheckFailed, TransientError
+class Loads:
+    """What loads a release's versions, as the control API calls it (the serve's fleet, a release's own Triton)."""
 
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, float, bool]] = []
+        self.unloaded: list[str] = []
+
+    def load_everywhere(self, version: Version, load_timeout_s: float, fresh: bool = False) -> list[dict]:
+        from tasks.platform.errors import CheckFailed, TransientError
+
+        if version.name == "demo-v8":
+            raise CheckFailed("demo-v8's load hung on Triton http://h:1, the last replica serving the champion")
+        if version.name == "demo-v9":
+            raise TransientError("Triton http://h:1 did not serve again within 60s")
+        if version.source.get("settings") == {"instance_count": 0}:
+            raise ValueError("serve.instance_count: Input should be greater than 0")
+        self.loaded.append((version.name, load_timeout_s, fresh))
+        return [{"url": "http://h:1", "load_s": 1.5}]
+
+    def unload_everywhere(self, version: Version) -> list[str]:
+        self.unloaded.append(version.name)
+        return ["http://h:1"]
+
+
+def test_a_release_asks_the_service_to_load_its_version_and_hears_how_each_replica_took_it_or_why_not(service):
+    """POST /control/v1/versions: the service loads a release's version itself (the release holds no Triton key);
+    each refusal in Triton's error shape, the load's own failures by kind. The loads themselves, with a hung one, are
+    test_attach's two-replica test and the serving tests' releases."""
     gateway, _, control = service()
-    url = "http://127.0.0.1:8000"
-    hung = {"url": url, "models": ["demo-v2"], "timeout_s": 60}
-    assert control.post("/control/v1/loads/hung", json=hung).json() == {
-        "error": "this gateway starts no Triton: restart it where it was started"
-    }
-    asked: list[tuple[str, list[str], float]] = []
-
-    def restart(triton_url: str, models: list[str], timeout_s: float) -> str:
-        asked.append((triton_url, models, timeout_s))
-        if triton_url.endswith(":9"):
-            raise CheckFailed(f"Triton {triton_url} is not one this serve started")
-        if triton_url.endswith(":10"):
-            raise TransientError(f"Triton {triton_url} did not serve again within 60s of its restart")
-        return "restarted"
-
-    with TestClient(ControlApi(gateway, CONTROL_KEY, restart).app(), headers={"llmops-control-key": CONTROL_KEY}) as c:
-        done = c.post("/control/v1/loads/hung", json=hung)
-        assert done.status_code == 200 and done.json() == {"url": url, "outcome": "restarted"}
-        assert asked == [(url, ["demo-v2"], 60.0)]
-        for body, status, error in [
-            ({**hung, "url": "http://h:9"}, 409, "Triton http://h:9 is not one this serve started"),
-            ({**hung, "url": "http://h:10"}, 504, "did not serve again within 60s"),
-            ({"models": ["demo-v2"], "timeout_s": 60}, 400, "url: the URL of one of the serve's Tritons"),
-            ({**hung, "models": "demo-v2"}, 400, "models: a list of model names"),
-            ({**hung, "timeout_s": 0}, 400, "timeout_s: seconds in (0, 3600]"),
-            ({**hung, "timeout_s": True}, 400, "timeout_s"),
+    version = {"name": "demo-v2", "model": "demo-v2", "source": {"version": "2", "artifacts": {"merge": "ab"}}}
+    body = {"version": version, "load_timeout_s": 60}
+    assert control.post("/control/v1/versions", json=body).json() == {"error": "this gateway loads no versions"}
+    loads = Loads()
+    with TestClient(ControlApi(gateway, CONTROL_KEY, loads).app(), headers={"llmops-control-key": CONTROL_KEY}) as c:
+        done = c.post("/control/v1/versions", json={**body, "fresh": True})
+        assert done.status_code == 200, done.text
+        assert done.json() == {"name": "demo-v2", "replicas": [{"url": "http://h:1", "load_s": 1.5}]}
+        assert loads.loaded == [("demo-v2", 60.0, True)]
+        gone = c.request("DELETE", "/control/v1/versions", json={"version": version})
+        assert gone.json() == {"name": "demo-v2", "unloaded": ["http://h:1"]} and loads.unloaded == ["demo-v2"]
+        refused_settings = {**version, "source": {"settings": {"instance_count": 0}}}
+        for sent, status, error in [
+            ({**body, "version": {**version, "name": "demo-v8"}}, 409, "the last replica serving the champion"),
+            ({**body, "version": {**version, "name": "demo-v9"}}, 504, "did not serve again within 60s"),
+            ({**body, "version": refused_settings}, 400, "version.source: serve.instance_count"),
+            ({"load_timeout_s": 60}, 400, "version: a version needs a name"),
+            ({**body, "version": {**version, "name": "../x"}}, 400, "version.name: '../x' is not a model name"),
+            ({**body, "load_timeout_s": 0}, 400, "load_timeout_s: seconds in (0, 3600]"),
+            ({**body, "load_timeout_s": True}, 400, "load_timeout_s"),
+            ({**body, "fresh": "yes"}, 400, "fresh: true or false"),
         ]:
-            refused = c.post("/control/v1/loads/hung", json=body)
-            assert refused.status_code == status and error in refused.json()["error"], (body, refused.text)
-        assert c.post("/control/v1/loads/hung", json=hung, headers={"llmops-control-key": "x"}).status_code == 401
-    assert len(asked) == 3
+            refused = c.post("/control/v1/versions", json=sent)
+            assert refused.status_code == status and error in refused.json()["error"], (sent, refused.text)
+        assert c.post("/control/v1/versions", json=body, headers={"llmops-control-key": "x"}).status_code == 401
+    assert len(loads.loaded) == 1
 
 
 # --- the service's ownership (the serving lock) -----------------------------------------------------------------
@@ -709,66 +727,69 @@ def test_the_serve_never_restarts_its_last_replica_serving_the_champion_for_a_re
     restart only where another replica serves (or nothing is served yet)."""
     alone = fleet_of(1, TABLE)
     # an adapter candidate's models: its own and the base engine, which serves (never ended), and the champion's
-    assert alone.hung_load("http://127.0.0.1:8000", ["demo-base", "demo-v2", CHAMPION.name], 5) == "abandoned"
+    assert (
+        ReleaseLoads(alone).hung_load("http://127.0.0.1:8000", ["demo-base", "demo-v2", CHAMPION.name], 5)
+        == "abandoned"
+    )
     assert alone.replicas[0].server.kills == 0 and alone.replicas[0].server.ended == ["demo-v2"]  # type: ignore[union-attr]
     two = fleet_of(2, TABLE)
-    assert two.hung_load("http://127.0.0.1:8001", ["demo-v2"], 5) == "restarted"
+    assert ReleaseLoads(two).hung_load("http://127.0.0.1:8001", ["demo-v2"], 5) == "restarted"
     assert [r.server.kills for r in two.replicas] == [0, 1]  # type: ignore[union-attr]
     first_release = fleet_of(1, RouteTable(SERVICE))  # nothing served yet: no client to lose
-    assert first_release.hung_load("http://127.0.0.1:8000", ["demo-v1"], 5) == "restarted"
+    assert ReleaseLoads(first_release).hung_load("http://127.0.0.1:8000", ["demo-v1"], 5) == "restarted"
     assert first_release.replicas[0].server.kills == 1  # type: ignore[union-attr]
 
 
-def test_a_candidate_whose_load_hangs_again_after_the_restart_ends_the_release_without_another_retry(monkeypatch):
-    """The release retries a hung candidate once (after its replica restarted); a second hang is a failed check with
-    one line, which Prefect does not retry (a transient fault would load it up to three times more)."""
+def test_a_version_whose_load_hangs_is_the_serves_to_end_and_one_that_does_not_load_is_unloaded(monkeypatch):
+    """The serve loads a release's version (Fleet.load_everywhere). A load that hangs where another replica serves the
+    champion restarts that Triton and is tried once more; a second hang is a failed check with one line (a transient
+    fault would be loaded up to three times more by Prefect's retries); on the last replica serving the champion the
+    load is abandoned, never retried; a version that does not load is unloaded again from every replica."""
     from types import SimpleNamespace
 
-    from tasks import deploy_canary as stage
     from tasks.platform.config import load_profile
-    from tasks.platform.errors import CheckFailed
+    from tasks.platform.errors import CheckFailed, TransientError
+    from tasks.runtime import loads as module
 
-    triton = SimpleNamespace(url="http://127.0.0.1:8000")
-    loads: list[str] = []
-
-    def hangs(ctx, served, candidate):
-        loads.append(candidate.name)
-        raise stage.LoadHung("demo-v2 did not load within 40s (serve.load_timeout_s)", triton)  # type: ignore[arg-type]
-
-    restarts: list[str] = []
     candidate = SimpleNamespace(name="demo-v2", models=["demo-v2"])
-    monkeypatch.setattr(stage, "served_version", lambda ctx, name, version: candidate)
-    monkeypatch.setattr(stage, "load_both", hangs)
-    ctx = SimpleNamespace(
-        tracker=SimpleNamespace(client=SimpleNamespace(get_model_version=lambda *args: None)),
-        profile=load_profile("cpu-tiny"),
-    )
+    monkeypatch.setattr(module, "served_of", lambda ctx, service, version: candidate)
+    monkeypatch.setattr(module, "released_profile", lambda profile, served: profile)
+    loads: list[str] = []
+    retired: list[str] = []
 
-    def restarted(hung, models, timeout_s) -> str:
-        restarts.append(hung.url)
-        return "restarted"
+    def hangs(triton, profile, served):
+        loads.append(triton.url)
+        raise TransientError("demo-v2 did not load within 40s (serve.load_timeout_s)")
 
-    served = SimpleNamespace(name=SERVICE, triton=triton, hung=restarted)
-    registered = SimpleNamespace(name=SERVICE, version="2")
-    with pytest.raises(
-        CheckFailed, match=r"^canary: demo-v2's load hung again after Triton http://127.0.0.1:8000 restarted"
-    ):
-        stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
-    assert (loads, restarts) == (["demo-v2", "demo-v2"], ["http://127.0.0.1:8000"])
+    monkeypatch.setattr(module, "install_model", hangs)
+    monkeypatch.setattr(module, "retire", lambda triton, service, served: retired.append(triton.url))
+    version = Version("demo-v2", "demo-v2")
 
-    served.hung = lambda hung, models, timeout_s: "abandoned"  # the last replica serving the champion
-    with pytest.raises(
-        CheckFailed, match=r"^canary: demo-v2's load hung on Triton .* the load abandoned; the champion"
-    ):
-        stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
-    assert loads == ["demo-v2"] * 3  # not loaded again
+    two = fleet_of(2, TABLE)
+    two.ctx = SimpleNamespace(profile=load_profile("cpu-tiny"))  # type: ignore[assignment]
+    monkeypatch.setattr(module, "loaded_on", lambda triton, served, seconds, said: {"url": triton.url})
+    with pytest.raises(CheckFailed, match=r"^demo-v2's load hung again after Triton http://127.0.0.1:8000 restarted"):
+        ReleaseLoads(two).load_everywhere(version, 60)
+    assert loads == ["http://127.0.0.1:8000"] * 2 and [r.server.kills for r in two.replicas] == [1, 0]  # type: ignore[union-attr]
 
-    def refused(hung, models, timeout_s):
-        raise CheckFailed("Triton http://127.0.0.1:8000 is not one this serve started; restart it where it was started")
+    alone = fleet_of(1, TABLE)
+    alone.ctx = two.ctx
+    with pytest.raises(CheckFailed, match=r"^demo-v2's load hung on Triton .* the load abandoned; the champion"):
+        ReleaseLoads(alone).load_everywhere(version, 60)
+    assert len(loads) == 3 and alone.replicas[0].server.kills == 0  # type: ignore[union-attr]
 
-    served.hung = refused
-    with pytest.raises(CheckFailed, match=r"^canary: demo-v2's load hung \(.*\) and Triton .* is not one this serve"):
-        stage.deploy_canary(ctx, registered, served)  # type: ignore[arg-type]
+    def fails(triton, profile, served):
+        raise CheckFailed("demo-v2: the serving config names no model_dir")
+
+    monkeypatch.setattr(module, "install_model", fails)
+    with pytest.raises(CheckFailed, match="names no model_dir"):
+        ReleaseLoads(two).load_everywhere(version, 60)
+    assert retired == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"] and not retired.clear()
+    with pytest.raises(CheckFailed, match="names no model_dir"):
+        ReleaseLoads(two).load_everywhere(
+            Version(CHAMPION.name, CHAMPION.model), 60
+        )  # the champion: routed, never unloaded
+    assert retired == []
 
 
 # --- bounded pools: an answer never waits behind a job ---------------------------------------------------------------
@@ -797,15 +818,16 @@ def test_answers_and_control_writes_go_on_while_every_job_thread_is_held_by_rest
     release = threading.Event()
     held: list[str] = []
 
-    def restart(url: str, models: list[str], timeout_s: float) -> str:  # a replica started again: minutes here
-        held.append(url)
-        release.wait(60)
-        return "restarted"
+    class Restarts(Loads):
+        def load_everywhere(self, version: Version, load_timeout_s: float, fresh: bool = False) -> list[dict]:
+            held.append(version.name)  # a load, a replica started again: minutes here
+            release.wait(60)
+            return []
 
     public, control = free_port(), free_port()
     listeners = [
         Listener(gateway.app(), "127.0.0.1", public),
-        Listener(ControlApi(gateway, CONTROL_KEY, restart).app(), "127.0.0.1", control),
+        Listener(ControlApi(gateway, CONTROL_KEY, Restarts()).app(), "127.0.0.1", control),
     ]
     running = RunningGateway(listeners, gateway).start()
     headers = {"llmops-control-key": CONTROL_KEY}
@@ -814,8 +836,8 @@ def test_answers_and_control_writes_go_on_while_every_job_thread_is_held_by_rest
             restarts = [
                 callers.submit(
                     httpx.post,
-                    f"http://127.0.0.1:{control}/control/v1/loads/hung",
-                    json={"url": f"http://127.0.0.1:{9000 + n}", "models": ["demo-v2"], "timeout_s": 60},
+                    f"http://127.0.0.1:{control}/control/v1/versions",
+                    json={"version": {"name": f"demo-v{n + 2}"}, "load_timeout_s": 60},
                     headers=headers,
                     timeout=90,
                 )

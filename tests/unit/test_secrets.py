@@ -62,15 +62,14 @@ def test_publish_hands_the_keys_over_privately_and_unpublish_takes_them_away(tmp
     key_file, serve_key = tmp_path / "triton" / "control.key", tmp_path / "serving" / "control.key"
     assert key_file.read_text() == "k1" and mode(key_file) == 0o600 and mode(state) == 0o600
     assert serve_key.read_text() == "serve-key" and mode(serve_key) == 0o600
-    keys = tmp_path / "triton" / "control.keys"
-    assert json.loads(keys.read_text()) == {client.url: "k1", replica.url: "k3"} and mode(keys) == 0o600
+    assert not (tmp_path / "triton" / "control.keys").exists()  # the replicas' keys stay the serve's own
     published = json.loads(state.read_text())
     assert published["gateway_url"] == "http://127.0.0.1:4" and published["service"] == "svc"
     assert [r["url"] for r in published["replicas"]] == [client.url, replica.url]
     restarted = Triton(client.url, client.repository, client.metrics_url, client.grpc_url, "k2")  # a restart
     publish(tmp_path, [restarted], None)
     assert key_file.read_text() == "k2"
-    assert sorted(os.listdir(key_file.parent)) == ["control.key", "control.keys", "server.json"]
+    assert sorted(os.listdir(key_file.parent)) == ["control.key", "server.json"]
     unpublish(tmp_path, serve_stops=False)  # a Triton restarts: the serve's own key stays
     assert os.listdir(key_file.parent) == [] and serve_key.is_file()
     unpublish(tmp_path)

@@ -540,14 +540,14 @@ def test_a_shadow_window_without_the_gateway_of_llmops_serve_is_refused_before_t
 
 
 def test_a_release_reads_the_control_key_again_when_a_restarted_triton_refuses_it(tmp_path):
-    """`llmops serve` restarts a replica with a new control key (control.keys): the release's client, refused with
-    the old one, reads the file again and loads with the new key; a key that did not change is not retried."""
-    import json
+    """`llmops serve` restarts its Triton with a new control key (control.key): the client of a release of another
+    service loading there, refused with the old one, reads the file again and loads with the new key; a key that
+    did not change is not retried. A release of the serve's own service holds no Triton key at all."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from tasks.serving.client import CONTROL_HEADER
-    from tasks.serving.publication import CONTROL_KEYS_FILE, published_replicas
+    from tasks.serving.client import CONTROL_HEADER, CONTROL_KEY_FILE, Triton, control_key
+    from tasks.serving.publication import published_replicas
 
     current = {"key": "old-key"}
     seen: list[str] = []
@@ -569,14 +569,16 @@ def test_a_release_reads_the_control_key_again_when_a_restarted_triton_refuses_i
     server = ThreadingHTTPServer(("127.0.0.1", 0), Restricted)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    keys = tmp_path / "triton" / CONTROL_KEYS_FILE
+    keys = tmp_path / "triton" / CONTROL_KEY_FILE
     keys.parent.mkdir()
-    keys.write_text(json.dumps({url: "old-key"}))
+    keys.write_text("old-key")
     try:
-        [triton] = published_replicas(tmp_path, {"replicas": [{"url": url}]})
+        [published] = published_replicas({"replicas": [{"url": url}]})
+        assert published.control_key is None and not published.control_headers()
+        triton = Triton(url, None, None, None, control_key(tmp_path), lambda: control_key(tmp_path))  # as `published`
         triton.load("svc-v2")
-        current["key"] = "new-key"  # the replica restarted
-        keys.write_text(json.dumps({url: "new-key"}))
+        current["key"] = "new-key"  # the Triton restarted
+        keys.write_text("new-key")
         triton.load("svc-v3")
         assert seen == ["old-key", "old-key", "new-key"]
         current["key"] = "rotated-elsewhere"  # a key nobody wrote down: refused once, not retried
@@ -722,3 +724,52 @@ def test_a_serve_starting_moves_the_registrys_champion_to_the_records_and_says_s
     )
     assert str(client.get_model_version_by_alias("svc", "champion").version) == "2"
     assert registry_follows_record(ctx, recorded) is None  # nothing differs now
+
+
+def test_a_serve_moves_the_registrys_champion_once_its_controller_promoted_though_the_release_still_owns_it(
+    tmp_path, capsys
+):
+    """Issue 73, found by the 12-minute chaos soak (seed 5): a release SIGSTOPped in its last window; the service's
+    controller promoted its candidate in the record; the release woke past its lease, ended with exit 6 and wrote no
+    alias: the registry said v1 while clients got v2, until the serve's next start. The running serve now follows a
+    promotion its controller made, though the release's ownership has not lapsed; a rollout still ramping is not
+    followed. A real MLflow registry (sqlite), the loop of `llmops serve` (flows/serve.py registry_follows)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from flows.serve import registry_follows
+    from tasks.control.contract import Owner, RouteTable, Version
+    from tasks.control.rollout import Rollout
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model("svc")
+    for _ in range(2):
+        client.create_model_version("svc", source=str(tmp_path))
+    client.set_registered_model_alias("svc", "champion", "1")
+    ctx = SimpleNamespace(
+        profile=SimpleNamespace(registry=SimpleNamespace(model_name="svc")), tracker=SimpleNamespace(client=client)
+    )
+    champion, candidate = (Version(f"svc-v{n}", f"svc-v{n}", None, {"version": str(n)}) for n in (1, 2))
+    owner = Owner("run-9", time.time(), time.time() + 600, None, 3)
+    plan = Rollout("run-9", "svc-v2", (50.0, 100.0), 6.0, 0.05, 500.0, step=1, step_started_at=time.time())
+    ramping = RouteTable("svc", champion, candidate, {"svc-v1": 50.0, "svc-v2": 50.0}, owner=owner, rollout=plan)
+    done = RouteTable("svc", candidate, None, {"svc-v2": 100.0}, owner=owner, rollout=plan.ended("promoted", None, 1))
+    tables = iter([ramping, ramping, done])
+    fleet = SimpleNamespace(table=lambda: next(tables, done))
+    stopped = threading.Event()
+    loop = threading.Thread(target=registry_follows, args=(ctx, ramping, fleet, stopped, 0.05))
+    loop.start()
+    deadline = time.time() + 20
+    while str(client.get_model_version_by_alias("svc", "champion").version) != "2" and time.time() < deadline:
+        time.sleep(0.05)
+    stopped.set()
+    loop.join(5)
+    assert str(client.get_model_version_by_alias("svc", "champion").version) == "2"
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "llmops serve: the registry's champion was v1, the deployment record's v2: alias champion -> v2 "
+        "(the record says what clients get)"
+    ]

@@ -19,13 +19,12 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
     PUT    /control/v1/loads        {"models": [MODEL, ...], "epoch": N}: the owner declares the Triton models it loads
                                     (before it loads them); the serve's reconciler unloads a model of the service that
                                     neither the table routes nor a live owner declared (tasks/runtime/fleet.py)
-    POST   /control/v1/loads/hung   {"url": TRITON_URL, "models": [MODEL, ...], "timeout_s": S}: a release's load of
-                                    its models hung on that replica (Triton 2.51 waits for a model process without a
-                                    deadline). Where another replica serves the champion, the serve kills that one with
-                                    its model processes and answers {"outcome": "restarted"} once its watch started it
-                                    again with the table's versions (504 past S); on the last replica serving the
-                                    champion, it ends those models' processes and answers {"outcome": "abandoned"}: a
-                                    candidate never costs the champion a request (409 for a Triton it does not own)
+    POST   /control/v1/versions     {"version": {"name", "model", "adapter", "source"}, "load_timeout_s": S, "fresh":
+                                    B}: the serve loads it on every replica from the store with the settings its
+                                    source carries (tasks/runtime/loads.py): {"replicas": [{"url", "load_s",
+                                    "artifact_sha256", "said"}]}; 409 where it does not load or a hung load was
+                                    abandoned, 504 where a replica did not serve. DELETE {"version"}: unloaded (409
+                                    while routed). GET /control/v1/replicas: [{"url", "models"}], what is loaded where
     PUT    /control/v1/rollout      {"steps": [..], "window_s": S, "max_error_rate": R, "max_mean_latency_ms": MS,
                                     "await_decision": B, "release": RUN, "lease_s": S}: the table's candidate rolled out
                                     by the service's controller (tasks/runtime/rollouts.py); its status is the table's
@@ -36,7 +35,7 @@ own (loopback by default; serve.listen.control_host), every call authenticated b
                                     the release's probes and served scoring, through the gateway's own path
     GET    /health/live, /health/ready, /metrics   as on the gateway's own listener, without a key
 
-Fencing: every write (deployment, routes, shadow, lease, loads, loads/hung) of a release carries the epoch its
+Fencing: every write (deployment, routes, shadow, lease, loads, versions, rollout) of a release carries the epoch its
 ownership was given and the release it was given to ({"epoch": N, "epoch_of": RUN}; a write whose own `release`
 names it may leave epoch_of out); while a release owns the service, a write whose epoch and release are not the
 owner's, or that carries none, is a 409 {"error": ..., "owner": {...}} naming the owner, and so is a write with an epoch once
@@ -66,11 +65,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tasks.control.contract import Owner, RoutesError, RouteTable, parse_models, parse_weights
+from tasks.control.contract import Owner, RoutesError, RouteTable, Version, parse_models, parse_weights
 from tasks.platform.errors import CheckFailed, TransientError
 from tasks.runtime.gateway.access import Guard, current, triton_error
 from tasks.runtime.gateway.app import Gateway
 from tasks.runtime.gateway.protocol import RequestError
+from tasks.runtime.loads import Versions
 from tasks.runtime.rollouts import decided, submitted
 from tasks.serving.client import CONTROL_HEADER
 
@@ -80,7 +80,6 @@ MAX_OWNER_S = 366 * 24 * 3600.0  # a release waiting for a person owns the servi
 MAX_RESTART_S = 3600.0
 
 Endpoint = Callable[[Request], Awaitable[Response]]
-HungLoad = Callable[[str, list[str], float], str]  # (Triton URL, models, timeout_s): "restarted" | "abandoned"
 
 
 class Fenced(RequestError):
@@ -118,10 +117,9 @@ def fence(table: RouteTable, data: dict[str, Any], now: float) -> None:
 
 
 class ControlApi:
-    def __init__(self, gateway: Gateway, key: str, hung_load: HungLoad | None = None):
-        """`hung_load`: the serve's (tasks/runtime/fleet.py:Fleet.hung_load); None where the gateway starts no Triton
-        (a release's temporary gateway)."""
-        self.gateway, self.key, self.hung_load = gateway, key, hung_load
+    def __init__(self, gateway: Gateway, key: str, versions: Versions | None = None):
+        """`versions`: what loads a release's versions on the Tritons (None: a gateway that loads nothing)."""
+        self.gateway, self.key, self.versions = gateway, key, versions
 
     def authorize(self, request: Request) -> None:
         given = request.headers.get(CONTROL_HEADER, "")
@@ -323,26 +321,36 @@ class ControlApi:
         except RoutesError as exc:
             raise RequestError(400, str(exc)) from None
 
-    async def hung(self, request: Request, data: dict[str, Any]) -> Response:
-        url, timeout = data.get("url"), data.get("timeout_s")
-        if not isinstance(url, str) or not url:
-            raise RequestError(400, "url: the URL of one of the serve's Tritons")
+    async def version(self, request: Request, data: dict[str, Any]) -> Response:
+        """POST: the version loaded on every replica; DELETE: unloaded from each."""
         try:
-            models = list(parse_models(data.get("models"), "models"))
+            version = Version.of(data.get("version"), "version")
         except RoutesError as exc:
             raise RequestError(400, str(exc)) from None
+        timeout, fresh = data.get("load_timeout_s", 300), data.get("fresh", False)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_RESTART_S:
-            raise RequestError(400, f"timeout_s: seconds in (0, {MAX_RESTART_S:.0f}]")
-        if self.hung_load is None:
-            raise RequestError(409, "this gateway starts no Triton: restart it where it was started")
+            raise RequestError(400, f"load_timeout_s: seconds in (0, {MAX_RESTART_S:.0f}]")
+        if not isinstance(fresh, bool):
+            raise RequestError(400, "fresh: true or false")
+        if self.versions is None:
+            raise RequestError(409, "this gateway loads no versions")
         fence(self.gateway.table, data, time.time())
         try:
-            outcome = await self.gateway.pools.job(self.hung_load, url, models, float(timeout))
+            if request.method == "DELETE":
+                unloaded = await self.gateway.pools.job(self.versions.unload_everywhere, version)
+                return JSONResponse({"name": version.name, "unloaded": unloaded})
+            loaded = await self.gateway.pools.job(self.versions.load_everywhere, version, float(timeout), fresh)
+        except (ValueError, KeyError) as exc:  # settings the profile refuses, a source naming no artifact
+            raise RequestError(400, f"version.source: {exc}") from None
         except CheckFailed as exc:
             raise RequestError(409, str(exc)) from None
         except TransientError as exc:
             raise RequestError(504, str(exc)) from None
-        return JSONResponse({"url": url, "outcome": outcome})
+        return JSONResponse({"name": version.name, "replicas": loaded})
+
+    async def replicas(self) -> Response:
+        held = await self.gateway.pools.answer(self.versions.held) if self.versions is not None else []
+        return JSONResponse({"replicas": held})
 
     async def generate(self, request: Request) -> Response:
         try:
@@ -373,7 +381,8 @@ class ControlApi:
                 methods=["PUT", "DELETE"],
             ),
             Route("/control/v1/loads", self.endpoint(lambda _, data: self.declare(data)), methods=["PUT"]),
-            Route("/control/v1/loads/hung", self.endpoint(self.hung), methods=["POST"]),
+            Route("/control/v1/versions", self.endpoint(self.version), methods=["POST", "DELETE"]),
+            Route("/control/v1/replicas", self.endpoint(lambda _, data: self.replicas()), methods=["GET"]),
             Route("/control/v1/rollout", self.endpoint(lambda _, data: self.roll_out(data)), methods=["PUT"]),
             Route("/control/v1/rollout/decision", self.endpoint(lambda _, data: self.decide(data)), methods=["POST"]),
             Route("/v2/models/{model}/generate", self.generate, methods=["POST"]),
