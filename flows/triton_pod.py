@@ -2,9 +2,13 @@
 locked to LLMOPS_TRITON_CONTROL_KEY, the Python backend and the profile's launch), in the foreground and with no model
 loaded, for a gateway elsewhere to fill: on Kubernetes, a pod of the Deployment a KEDA ScaledObject scales, which
 `llmops serve --triton-discover` finds by its headless Service and loads every routed version on before it takes a
-request (infra/kubernetes/serving-autoscale.yaml). Models arrive with their files in the load requests: they may read
-from their own folder alone (tasks/serving/model_roots.py). SIGTERM stops Triton (its --exit-timeout-secs lets the
-requests it has finish); a Triton that dies on its own ends the command with exit 4 and its log's last lines.
+request (infra/kubernetes/serving-autoscale.yaml). With `--artifacts s3://BUCKET/PREFIX` (LLMOPS_ARTIFACTS), the
+gateway's S3 store, a model fetches its files from the store itself, with this pod's AWS_* credentials (read-only
+ones suffice), into $LLMOPS_HOME/cache/objects, and a load request carries its config alone; without it, the files
+arrive in the load requests (at most tasks/serving/client.py:SENT_FILES_LIMIT). Either way a model may read from
+its own folder and what it fetched alone (tasks/serving/model_roots.py). SIGTERM stops Triton (its
+--exit-timeout-secs lets the requests it has finish); a Triton that dies on its own ends the command with exit 4 and
+its log's last lines.
 """
 
 from __future__ import annotations
@@ -19,8 +23,35 @@ from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput, TransientError
 from tasks.serving.champion import triton_launch
 from tasks.serving.client import CONTROL_KEY_ENV
-from tasks.serving.model_roots import ROOTS_ENV
+from tasks.serving.model_roots import CACHE_ENV, ROOTS_ENV, STORE_ENV, STORE_SCHEME
 from tasks.serving.server import TritonServer
+
+# What boto3 inside a model reads to reach the store: tritonserver and its stubs get no AWS variable otherwise
+# (tasks/platform/child_env.py)
+STORE_VARIABLES = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_MAX_ATTEMPTS",
+    "AWS_CA_BUNDLE",
+)
+
+
+def store_env(home: Path, artifacts: str | None) -> dict[str, str]:
+    """The variables a model needs to fetch from the S3 store `artifacts` (none: no store, files come with the
+    loads); BadInput for a store that is not S3 (a local folder is a shared disk: `llmops serve`'s own replicas)."""
+    if not artifacts:
+        return {}
+    if not artifacts.startswith(STORE_SCHEME):
+        raise BadInput(
+            f"--artifacts {artifacts}: a Triton that shares no disk fetches from an S3 store (s3://BUCKET/PREFIX)"
+        )
+    found = {name: os.environ[name] for name in STORE_VARIABLES if os.environ.get(name)}
+    return {**found, STORE_ENV: artifacts.rstrip("/"), CACHE_ENV: str(home / "cache" / "objects")}
 
 
 def loopback(host: str) -> bool:
@@ -30,8 +61,9 @@ def loopback(host: str) -> bool:
         return False
 
 
-def run_triton(profile: Profile, home: Path) -> None:
+def run_triton(profile: Profile, home: Path, artifacts: str | None = None) -> None:
     listen = profile.serve.listen
+    store = store_env(home, artifacts)
     if not os.environ.get(CONTROL_KEY_ENV):
         raise BadInput(
             f"{CONTROL_KEY_ENV}: not set; the gateway that loads models here needs the key this Triton locks its "
@@ -51,14 +83,15 @@ def run_triton(profile: Profile, home: Path) -> None:
         home,
         profile.serve.triton_binary,
         launcher=launcher,
-        extra_env={**env, ROOTS_ENV: ""},  # no store on this machine: a model reads its own folder alone
+        extra_env={**env, ROOTS_ENV: "", **store},  # no store folder here: its own folder, or what it fetched
         host=listen.triton_host,
         ports=ports,
         die_with_parent=True,
     )
     print(
         f"llmops triton: serving at {server.client.url} (gRPC {server.client.grpc_url}, metrics "
-        f"{server.client.metrics_url}), no model loaded: `llmops serve --triton-discover` loads them; log "
+        f"{server.client.metrics_url}), no model loaded: `llmops serve --triton-discover` loads them"
+        f"{' (their files fetched from ' + store[STORE_ENV] + ')' if store else ''}; log "
         f"{server.log_path}; SIGTERM stops",
         flush=True,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from flows.cli.common import add_overrides_flag
 from tasks.platform.project import llmops_home
@@ -16,7 +17,9 @@ FLAGS = (  # flag, serve.listen key, type, help
 
 EPILOG = """examples:
   LLMOPS_TRITON_CONTROL_KEY=$(cat key) llmops triton --http-port 9000 --grpc-port 9001 --metrics-port 9002 &
-  LLMOPS_TRITON_CONTROL_KEY=$(cat key) llmops triton --host 0.0.0.0 --triton-ports-firewalled   # a pod"""
+  LLMOPS_TRITON_CONTROL_KEY=$(cat key) llmops triton --host 0.0.0.0 --triton-ports-firewalled   # a pod
+  LLMOPS_TRITON_CONTROL_KEY=$(cat key) AWS_ENDPOINT_URL=http://s3:9000 AWS_ACCESS_KEY_ID=... \
+    AWS_SECRET_ACCESS_KEY=... llmops triton --artifacts s3://artifacts/llmops   # fetches the models from S3"""
 
 
 def register(commands) -> None:
@@ -26,7 +29,8 @@ def register(commands) -> None:
         description="Run tritonserver as `llmops serve` runs its own (explicit model control, its model-control API "
         "locked to LLMOPS_TRITON_CONTROL_KEY, which must be set; the profile's Python backend and launch) in the "
         "foreground, with no model loaded: the `llmops serve` that finds it (--triton-discover, on the same "
-        "serve.listen Triton ports) loads every routed version on it, files and all, before it takes a request. "
+        "serve.listen Triton ports) loads every routed version on it before it takes a request, the files fetched "
+        "from the S3 store (--artifacts) or sent with the load. "
         "SIGTERM stops it; a Triton that dies on its own exits 4.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -35,6 +39,13 @@ def register(commands) -> None:
     add_overrides_flag(triton, "override a profile value (repeatable)")
     for flag, key, kind, text in FLAGS:
         triton.add_argument(flag, dest=key, type=kind, help=f"{text} (serve.listen.{key})")
+    triton.add_argument(
+        "--artifacts",
+        default=os.environ.get("LLMOPS_ARTIFACTS"),
+        help="the S3 artifact store of the serve that loads it (s3://BUCKET/PREFIX; default $LLMOPS_ARTIFACTS): its "
+        "models fetch their files from it with this process's AWS_* credentials, and a load request carries only the "
+        "config; without it, the files come with the load requests (at most 45 MiB a model)",
+    )
     triton.add_argument(
         "--triton-ports-firewalled",
         action="store_true",
@@ -54,4 +65,4 @@ def command_triton(args) -> None:
     check_machine(profile, ["serve"])
     home = llmops_home()
     home.mkdir(parents=True, exist_ok=True)
-    run_triton(profile, home)
+    run_triton(profile, home, args.artifacts)

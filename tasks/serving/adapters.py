@@ -119,10 +119,12 @@ def install_adapter(triton: Triton, profile: Profile, served: AdapterVersion, se
                 f"serve.lora adapter: {base} holds {len(held)} adapters ({', '.join(held)}), serve.vllm.max_loras is "
                 f"{profile.serve.vllm.max_loras}; raise it or unload a version"
             )
-        shipped = triton.repository is None
+        fetched = served.fetched_by(triton)
+        shipped = triton.repository is None and not fetched
+        adapter_dir = served.store_object(served.sources["train"]) if fetched else served.adapter_dir.resolve()
         values: dict[str, object] = {
             "base_model": base,
-            "adapter_dir": "adapter" if shipped else served.adapter_dir.resolve(),
+            "adapter_dir": "adapter" if shipped else adapter_dir,
             "artifact_sha256": served.artifact_sha256,
         }
         folder = render_model("lora", repository, served.name, values)
@@ -150,8 +152,11 @@ def ensure_base(triton: Triton, profile: Profile, served: AdapterVersion, base: 
             )
         return
     template, values = serving_model(profile, served.base_dir, served.base_sha256)  # vllm, enable_lora true
-    shipped = triton.repository is None
-    folder = render_model(template, repository, base, {**values, **({"model_dir": "model"} if shipped else {})})
+    fetched = served.fetched_by(triton)
+    shipped = triton.repository is None and not fetched
+    if fetched or shipped:  # no shared disk: fetched by the Triton from the S3 store, or sent with the request
+        values = {**values, "model_dir": served.store_object(served.base_sha256) if fetched else "model"}
+    folder = render_model(template, repository, base, values)
     if shipped:
         shutil.copytree(served.base_dir, folder / "1" / "model")
     if triton.is_local():

@@ -50,6 +50,7 @@ def served_from(ctx: RunContext, service: str, version: str, sources: dict[str, 
     """A version from its store artifacts (by stage), as the registry's tags or a deployment record name them: an
     adapter on its base where they name one (serve.lora adapter), else its merged model. The one place that decides."""
     merged, name = sources["merge"], model_name(service, version)
+    store = ctx.store.uri if ctx.store.uri.startswith("s3://") else ""  # a Triton with no disk fetches from S3
     if "train" in sources:
         adapter, base = sources["train"], sources["base_model"]
         return AdapterVersion(
@@ -59,6 +60,7 @@ def served_from(ctx: RunContext, service: str, version: str, sources: dict[str, 
             artifact_sha256=served_artifact(adapter, base),
             sources=sources,
             settings=settings,
+            store=store,
             adapter_dir=ctx.store.fetch(adapter),
             base_dir=ctx.store.fetch(base),
             base_sha256=base,
@@ -72,6 +74,7 @@ def served_from(ctx: RunContext, service: str, version: str, sources: dict[str, 
         artifact_sha256=checkpoint or merged,
         sources=sources,
         settings=settings,
+        store=store,
         checkpoint_dir=ctx.store.fetch(checkpoint) if checkpoint else None,
     )
 

@@ -38,6 +38,9 @@ SERVE_URL_ENV = "LLMOPS_SERVE_CONTROL_URL"  # the control API of the `llmops ser
 SERVE_KEY_FILE_ENV = "LLMOPS_SERVE_CONTROL_KEY_FILE"  # and the file of that serve's control key
 ALLOW_PLAIN_HTTP_ENV = "LLMOPS_TRITON_ALLOW_PLAIN_HTTP"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The files a load request may carry (model_folder): 45 MiB is 60 MiB in base64, under Triton's 64 MiB HTTP body with
+# the config and the JSON around it
+SENT_FILES_LIMIT = 45 * 2**20
 
 
 def control_key(home: Path) -> str | None:
@@ -314,15 +317,29 @@ class Triton:
 
 
 def load_parameters(model_folder: Path) -> dict[str, str]:
-    """A rendered model folder as load-request parameters: its config.pbtxt as JSON, every other file base64."""
+    """A rendered model folder as load-request parameters: its config.pbtxt as JSON, every other file base64.
+    CheckFailed, before anything is read or sent, where the files are more than a request carries: Triton's HTTP
+    server takes a body of at most 64 MiB (tritonserver --http-max-input-size), and base64 makes 3 bytes 4."""
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
+    files = [
+        path
+        for path in sorted(model_folder.rglob("*"))
+        if path.is_file() and path.name != "config.pbtxt" and "__pycache__" not in path.parts
+    ]
+    size = sum(path.stat().st_size for path in files)
+    if size > SENT_FILES_LIMIT:
+        raise CheckFailed(
+            f"model {model_folder.name}: its files are {size / 2**20:,.1f} MiB, more than the "
+            f"{SENT_FILES_LIMIT / 2**20:.0f} MiB a load request carries to a Triton that shares no disk; serve from "
+            "an S3 artifact store (--artifacts s3://BUCKET/PREFIX, and `llmops triton --artifacts` the same), from "
+            "which the Triton fetches the files itself"
+        )
     config = text_format.Parse((model_folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     parameters = {"config": json_format.MessageToJson(config, preserving_proto_field_name=True)}
-    for path in sorted(model_folder.rglob("*")):
-        if path.is_file() and path.name != "config.pbtxt" and "__pycache__" not in path.parts:
-            parameters[f"file:{path.relative_to(model_folder)}"] = base64.b64encode(path.read_bytes()).decode()
+    for path in files:
+        parameters[f"file:{path.relative_to(model_folder)}"] = base64.b64encode(path.read_bytes()).decode()
     return parameters
 
 

@@ -40,32 +40,42 @@ class MergedVersion(Served):
         """The folder the served model loads (weights and tokenizer)."""
         return self.checkpoint_dir or self.model_dir
 
+    @property
+    def serves_digest(self) -> str:
+        """The store object of the folder it loads."""
+        return self.sources.get("quantize") or self.sources["merge"]
+
     def install(self, triton: Triton, profile: Profile) -> float:
         with model_folders(triton) as repository:
-            # No shared filesystem: the model's weights and tokenizer travel inside its folder (1/model).
-            shipped = triton.repository is None
-            kv_tokens = None
-            if profile.serve.backend == "llmapi":
-                kv_tokens = memory_plan.canary_kv_tokens(profile, self.serves, self.name)
-                logger().info(f"canary: {self.name} gets a KV cache of {kv_tokens} tokens (room for a second model)")
-            template, values = serving_model(profile, self.serves, self.artifact_sha256, kv_tokens)
-            folder = render_model(
-                template, repository, self.name, {**values, "model_dir": "model"} if shipped else values
-            )
-            if shipped:
-                shutil.copytree(self.serves, folder / "1" / "model")
+            template = self.render(triton, profile, repository)
             if template == "vllm" and triton.is_local():
                 vllm_serving.require_room(profile, self.name)
             check_serving_contract(repository, profile, self)
-            logger().info(
-                f"canary: loading {self.name} on Triton {triton.url}"
-                + (" (model files sent with the request)" if triton.repository is None else "")
-            )
             started = time.monotonic()
             load_rendered(triton, self.name, repository, profile.serve.load_timeout_s)
             load_s = time.monotonic() - started
             logger().info(f"canary: {self.name} loaded in {load_s:.1f}s ({profile.serve.backend} backend)")
             return load_s
+
+    def render(self, triton: Triton, profile: Profile, repository: Path) -> str:
+        """Its model rendered into `repository` for `triton`; the template's name. A Triton sharing no disk with this
+        process fetches the model from the S3 store itself (model_dir: the object's URI), or gets its weights and
+        tokenizer inside the model's folder (1/model), sent with the load request."""
+        fetched = self.fetched_by(triton)
+        shipped = triton.repository is None and not fetched
+        kv_tokens = None
+        if profile.serve.backend == "llmapi":
+            kv_tokens = memory_plan.canary_kv_tokens(profile, self.serves, self.name)
+            logger().info(f"canary: {self.name} gets a KV cache of {kv_tokens} tokens (room for a second model)")
+        template, values = serving_model(profile, self.serves, self.artifact_sha256, kv_tokens)
+        if fetched or shipped:
+            values = {**values, "model_dir": self.store_object(self.serves_digest) if fetched else "model"}
+        folder = render_model(template, repository, self.name, values)
+        if shipped:
+            shutil.copytree(self.serves, folder / "1" / "model")
+        how = " (fetched by Triton from the store)" if fetched else " (model files sent with the request)"
+        logger().info(f"canary: loading {self.name} on Triton {triton.url}" + (how if fetched or shipped else ""))
+        return template
 
     def retire(self, triton: Triton, service: str) -> None:
         triton_unload_quietly(triton, self.name)
@@ -88,6 +98,8 @@ def check_serving_contract(repository: Path, profile: Profile, served: Served) -
     if not found:
         raise CheckFailed(f"train/serve contract: {config} names no {key}")
     named = Path(found)
+    if found.startswith("s3://"):  # the Triton fetches the object this process fetched and checked (served.serves)
+        named = served.serves if isinstance(served, MergedVersion) else served.model_dir
     tokenizer_dir = named if named.is_absolute() else repository / model / "1" / named  # shipped with the model
     require_kept(served.model_dir, tokenizer_dir, f"the serving config {config} ({key} {found})", served.model_dir)
 

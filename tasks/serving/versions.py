@@ -42,6 +42,16 @@ class Served:
     artifact_sha256: str = ""  # the store artifact it serves, as its model config names it (the gate reads it back)
     sources: dict[str, str] = field(default_factory=dict)  # the store artifacts it serves, by stage
     settings: dict | None = None  # the serving settings it was released with (serve.model_settings), where known
+    store: str = ""  # the S3 artifact store it came from (s3://BUCKET/PREFIX), which a Triton with no disk fetches from
+
+    def fetched_by(self, triton: Triton) -> bool:
+        """Whether `triton` fetches this version's files from the store itself (tasks/serving/model_roots.py): one
+        sharing no disk with this process, where the store is S3; otherwise the files travel with the load request."""
+        return triton.repository is None and bool(self.store)
+
+    def store_object(self, digest: str) -> str:
+        """The URI a rendered config names for the store object `digest` (tasks/serving/model_roots.py:fetched)."""
+        return f"{self.store}/objects/{digest}"
 
     @property
     def answered_by(self) -> tuple[str, str | None]:

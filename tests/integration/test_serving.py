@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import os
 import re
@@ -110,7 +111,13 @@ def tls(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def start_serve(
-    home: Path, store: Path, tls: tuple[Path, Path], log: Path, *args: str, within: tuple = (), env: dict | None = None
+    home: Path,
+    store: Path | str,
+    tls: tuple[Path, Path],
+    log: Path,
+    *args: str,
+    within: tuple = (),
+    env: dict | None = None,
 ) -> subprocess.Popen:
     """`llmops serve ARGS` on free ports; `within`: the command it runs under (unshare ...), `env`: more variables."""
     keys = home / "api-keys"
@@ -1828,8 +1835,11 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
     )
 
 
-def start_triton_pod(home: Path, host: str, ports: list[int], key: str, log: Path) -> subprocess.Popen:
-    """`llmops triton` as a pod of infra/kubernetes/serving-autoscale.yaml runs it: its own home, no model loaded."""
+def start_triton_pod(
+    home: Path, host: str, ports: list[int], key: str, log: Path, store: str, store_env: dict
+) -> subprocess.Popen:
+    """`llmops triton` as a pod of infra/kubernetes/serving-autoscale.yaml runs it: its own home, no model loaded,
+    the serve's S3 store to fetch the models from with the S3 credentials `store_env`."""
     home.mkdir()
     flags = [
         "--host",
@@ -1843,9 +1853,9 @@ def start_triton_pod(home: Path, host: str, ports: list[int], key: str, log: Pat
     ]
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [str(LLMOPS), "triton", *AUTOSCALE[:4], *flags],
+            [str(LLMOPS), "triton", *AUTOSCALE[:4], *flags, "--artifacts", store],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env={**llmops_env(home), "LLMOPS_TRITON_CONTROL_KEY": key},
+            env={**llmops_env(home), "LLMOPS_TRITON_CONTROL_KEY": key, **store_env},
         )  # fmt: skip
     until(lambda: "llmops triton: serving at" in log.read_text() or process.poll() is not None, 120, log)
     assert process.poll() is None, log.read_text()[-2000:]
@@ -1858,15 +1868,19 @@ def test_a_gateway_loads_each_triton_its_name_comes_to_name_and_drains_each_it_s
     """`llmops serve --triton-discover NAME` as infra/kubernetes/serving-autoscale.yaml runs it in front of the Triton
     pods a KEDA ScaledObject scales. The system's resolver answers for NAME from a hosts file bind-mounted over
     /etc/hosts in the serve's own mount namespace (unshare), as a headless Service's DNS names its ready pods; two
-    `llmops triton` run on 127.0.0.1 and 127.0.0.2 on the same ports, as pods do, each with its own home (the models
-    go with their load requests). A Triton the name comes to name loads the champion and then serves requests; one
+    `llmops triton` run on 127.0.0.1 and 127.0.0.2 on the same ports, as pods do, each with its own home: the serve's
+    store is S3 (rclone's server, holding the suite's store), and each pod fetches the champion's files from it
+    itself, checked, while the load requests carry the config alone. A Triton the name comes to name loads the
+    champion and then serves requests; one
     it stops naming is drained, and once its process is gone (the pod ended) no request failed. With the policy's
     floor at 0 (KEDA may stop the last pod), a request that finds no pod waits, counted in the requests in flight that
     KEDA's wake trigger reads, and is answered once the name names a Triton again."""
     import secrets
     import shutil
 
+    from tasks.platform.local_stack.s3 import start_s3
     from tasks.platform.ports import free_port
+    from tests.servers import S3_KEY, S3_SECRET, s3_env
 
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
         pytest.skip("needs `unshare -m` (root, or CAP_SYS_ADMIN) to give the serve a hosts file of its own")
@@ -1874,22 +1888,27 @@ def test_a_gateway_loads_each_triton_its_name_comes_to_name_and_drains_each_it_s
     hosts, name = tmp_path / "hosts", "llmops-triton-pods"
     system_hosts = Path("/etc/hosts").read_text()
     hosts.write_text(f"{system_hosts}\n127.0.0.1 {name}\n")
-    pods = [start_triton_pod(tmp_path / "pod-a", "127.0.0.1", ports, key, tmp_path / "pod-a.log")]
+    s3 = start_s3(tmp_path / "s3", free_port(), S3_KEY, S3_SECRET, tmp_path)
+    store, store_env = "s3://artifacts/store", s3_env(s3.url)
+    shutil.copytree(cpu_tiny_store, tmp_path / "s3" / "artifacts" / "store", copy_function=os.link)  # the same objects
+    pod = functools.partial(start_triton_pod, store=store, store_env=store_env)
+    pods = [pod(tmp_path / "pod-a", "127.0.0.1", ports, key, tmp_path / "pod-a.log")]
     other, log = tmp_path / "home", tmp_path / "serve.log"
     other.mkdir()
     shutil.copy2(home / "mlflow.db", other / "mlflow.db")
     flags = ["--triton-http-port", str(ports[0]), "--triton-grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     zero = ["--set", "serve.autoscale={min_replicas: 0, max_replicas: 2, cold_start_timeout_s: 90}"]  # KEDA's policy
     process = start_serve(
-        other, cpu_tiny_store, tls, log, *AUTOSCALE[:4], *zero, "--triton-discover", name, *flags,
+        other, store, tls, log, *AUTOSCALE[:4], *zero, "--triton-discover", name, *flags,
         within=("unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)),
-        env={"LLMOPS_TRITON_CONTROL_KEY": key, "LLMOPS_TRITON_ALLOW_PLAIN_HTTP": "1"},
+        env={"LLMOPS_TRITON_CONTROL_KEY": key, "LLMOPS_TRITON_ALLOW_PLAIN_HTTP": "1", **store_env},
     )  # fmt: skip
     first, second = (f"http://127.0.0.{n}:{ports[0]}" for n in (1, 2))
     try:
         state = wait_published(other, process, log, timeout=300)
         assert [replica["url"] for replica in state["replicas"]] == [first]
-        pods.append(start_triton_pod(tmp_path / "pod-b", "127.0.0.2", ports, key, tmp_path / "pod-b.log"))
+        champion_digest = routed_by(other, state).table().champion.source["artifacts"]["merge"]
+        pods.append(pod(tmp_path / "pod-b", "127.0.0.2", ports, key, tmp_path / "pod-b.log"))
         with ClosedLoop(state["gateway_url"], tls, clients=3) as load:
             hosts.write_text(f"{system_hosts}\n127.0.0.1 {name}\n127.0.0.2 {name}\n")  # in place: the mount sees it
             until(lambda: f"discovery: {second} joins, every routed version loaded" in log.read_text(), 180, log)
@@ -1920,12 +1939,17 @@ def test_a_gateway_loads_each_triton_its_name_comes_to_name_and_drains_each_it_s
         asking.join(120)
         assert waited and waited[0].choices[0].message.content, log.read_text()[-2000:]
         assert "model server fault" not in log.read_text()
+        # each pod fetched the champion from the store itself: its own cache holds the object (the config that
+        # names it, and no weights in the request: tests/unit/test_model_fetch.py)
+        for folder in ("pod-a", "pod-b"):
+            assert (tmp_path / folder / "cache" / "objects" / champion_digest / "config.json").is_file(), folder
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
-        for pod in pods:
-            pod.terminate()
-            pod.wait(60)
+        for started in pods:
+            started.terminate()
+            started.wait(60)
+        s3.stop()
 
 
 def benchmark_on_a_copy(home: Path, store: Path, folder: Path, script: str, *args: str) -> str:

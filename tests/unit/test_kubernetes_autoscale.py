@@ -245,6 +245,12 @@ def test_the_gateway_finds_the_triton_pods_by_their_headless_service_on_the_port
         env = {e["name"]: e for e in container["env"]}
         assert env[CONTROL_KEY_ENV]["valueFrom"]["secretKeyRef"]["key"] == "control-key"
     assert {e["name"]: e.get("value") for e in gateway["env"]}[ALLOW_PLAIN_HTTP_ENV] == "1"
+    # the pods fetch from the gateway's store (`llmops triton --artifacts`, LLMOPS_ARTIFACTS) with keys of their own
+    gateway_env, triton_env = ({e["name"]: e for e in c["env"]} for c in (gateway, triton))
+    assert triton_env["LLMOPS_ARTIFACTS"] == gateway_env["LLMOPS_ARTIFACTS"]
+    for name, read_only in (("AWS_ACCESS_KEY_ID", "store-read-access-key-id"), ("AWS_SECRET_ACCESS_KEY", "store-read-secret-access-key")):  # fmt: skip
+        assert triton_env[name]["valueFrom"]["secretKeyRef"]["key"] == read_only, name
+        assert gateway_env[name]["valueFrom"]["secretKeyRef"]["key"] != read_only, name
     so = found["ScaledObject/llmops-triton"]["spec"]
     assert so["scaleTargetRef"]["name"] == "llmops-triton" and "nvidia.com/gpu" in triton["resources"]["limits"]
     assert "nvidia.com/gpu" not in str(gateway["resources"])  # the gateway takes no GPU
