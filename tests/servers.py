@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -66,6 +67,19 @@ def registry(home: Path):
     from mlflow import MlflowClient
 
     return MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+
+
+def tritons_under(pid: int) -> list:
+    """The tritonserver processes under a process: one that exits while the tree is read (a replica the service
+    stopped, a start that died) is not counted, where psutil would raise NoSuchProcess on its name."""
+    import psutil
+
+    tritons = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.name() == "tritonserver":
+                tritons.append(child)
+    return tritons
 
 
 def s3_env(endpoint: str) -> dict:

@@ -19,7 +19,7 @@ import requests
 
 from tasks.serving.server import TritonServer
 from tests.integration.test_serving import FAST
-from tests.servers import latest_release, llmops, registry
+from tests.servers import latest_release, llmops, registry, tritons_under
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200), pytest.mark.usefixtures("shared_prefect")]
 
@@ -419,7 +419,7 @@ def test_two_replicas_behind_one_gateway_roll_a_canary_out_across_both_and_outli
         state = published(release, serving, log, 240)
         assert len(state["replicas"]) == 2
         second_url = state["replicas"][1]["url"]
-        tritons = [p for p in psutil.Process(serving.pid).children(recursive=True) if p.name() == "tritonserver"]
+        tritons = tritons_under(serving.pid)
         second = next(p for p in tritons if f"--http-port={second_url.rsplit(':', 1)[1]}" in p.cmdline())
         champions_models, stopped = set(second.children()), []
         # the champion's model processes loaded torch and transformers without scikit-learn or scipy (infra/triton's

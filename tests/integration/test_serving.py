@@ -26,7 +26,7 @@ import requests
 
 from tasks.runtime.gateway.probes import DEAD_AGAIN_S
 from tests.abuse import Probe, leaked, probe, table
-from tests.servers import LLMOPS, ROOT, latest_release, llmops, llmops_env, registry
+from tests.servers import LLMOPS, ROOT, latest_release, llmops, llmops_env, registry, tritons_under
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200), pytest.mark.usefixtures("shared_prefect")]
 
@@ -780,7 +780,7 @@ def test_triton_killed_under_load_gives_clients_only_503s_until_it_is_restarted_
 
     from tasks.serving.publication import published_service
 
-    tritons = [p for p in psutil.Process(server["serve_pid"]).children(recursive=True) if p.name() == "tritonserver"]
+    tritons = tritons_under(server["serve_pid"])
     assert len(tritons) == 1
     engines = [p for p in tritons[0].children(recursive=True) if " ".join(p.cmdline()).startswith("VLLM::EngineCore")]
     assert engines, "no vLLM engine process under the serving Triton"
@@ -824,8 +824,6 @@ def second_service(home: Path, store: Path, tls, folder: Path, *args: str) -> tu
     published; with its tritonserver process."""
     import shutil
 
-    import psutil
-
     other = folder / "home"
     other.mkdir()
     shutil.copy2(home / "mlflow.db", other / "mlflow.db")
@@ -833,7 +831,7 @@ def second_service(home: Path, store: Path, tls, folder: Path, *args: str) -> tu
     try:
         # room for one start of Triton again after a load past serve.load_timeout_s (90 s): seen on a slow machine
         wait_published(other, process, folder / "serve.log", timeout=300)
-        tritons = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+        tritons = tritons_under(process.pid)
         assert len(tritons) == 1
     except BaseException:  # not left serving (and loading engines) beside the rest of the suite
         os.killpg(process.pid, signal.SIGTERM)
@@ -867,7 +865,7 @@ def test_a_hung_champion_load_starts_triton_again_and_serve_exits_4_when_triton_
     def stop_the_first_tritons_models() -> None:
         first = None
         while not done.wait(0.1):
-            tritons = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+            tritons = tritons_under(process.pid)
             first = first or (tritons[0] if tritons else None)
             for stub in first.children() if first is not None and first.is_running() else []:
                 if stub not in stopped:
@@ -885,7 +883,7 @@ def test_a_hung_champion_load_starts_triton_again_and_serve_exits_4_when_triton_
             stopped and "did not load within 40s (serve.load_timeout_s); starting that Triton again (1 of 1)" in lines
         )
         assert not [p for p in stopped if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # killed with it
-        (triton,) = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+        (triton,) = tritons_under(process.pid)
         triton.kill()
         assert process.wait(60) == 4
     finally:
@@ -1722,7 +1720,6 @@ def test_a_service_that_autoscales_adds_a_replica_under_load_that_serves_the_can
     joins the pool once its probes answer, and serves the canary at its weight from its first request (asked of
     each replica: Triton's own counts per model). Once the clients stop, it is drained and stopped. Every request was
     answered, none met a replica without its version, and never more than 2 Tritons ran."""
-    import psutil
 
     process, (first,) = second_service(home, cpu_tiny_store, tls, tmp_path, *AUTOSCALE)
     published, log = tmp_path / "home" / "triton" / "server.json", tmp_path / "serve.log"
@@ -1732,7 +1729,7 @@ def test_a_service_that_autoscales_adds_a_replica_under_load_that_serves_the_can
         return json.loads(published.read_text())["replicas"]
 
     def watch_tritons() -> None:
-        tritons = [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+        tritons = tritons_under(process.pid)
         most[0] = max(most[0], len(tritons))
         for triton in tritons:
             if triton.pid != first.pid and not killed:  # the first start of a second replica dies as it starts
@@ -1782,7 +1779,6 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
     again and loads the champion, and is answered within cold_start_timeout_s. Quiet again, it is back at zero; a
     release taking the service (its own client, PUT /owner) is answered once a replica serves, and none stops while it
     owns the service."""
-    import psutil
 
     from tasks.serving.ownership import Ownership
     from tasks.serving.publication import published_service
@@ -1794,7 +1790,7 @@ def test_a_service_that_scales_to_zero_answers_the_next_request_and_the_next_rel
     log, other = tmp_path / "serve.log", tmp_path / "home"
 
     def tritons() -> list:
-        return [p for p in psutil.Process(process.pid).children(recursive=True) if p.name() == "tritonserver"]
+        return tritons_under(process.pid)
 
     try:
         state = json.loads((other / "triton" / "server.json").read_text())

@@ -186,7 +186,7 @@ def test_a_registered_version_serves_the_modelopt_checkpoint_else_the_merged_mod
         "artifact.quantize.sha256": "q" * 64,
         "artifact.build_engine.sha256": "c",
     }
-    store = types.SimpleNamespace(fetch=lambda digest: tmp_path / digest)
+    store = types.SimpleNamespace(fetch=lambda digest: tmp_path / digest, uri=str(tmp_path))
     ctx = types.SimpleNamespace(profile=load_profile(profile_name), store=store)
     served = served_version(ctx, "svc", types.SimpleNamespace(version=3, tags=tags))  # type: ignore[arg-type]
     digest = tags[f"artifact.{serves}.sha256"]
