@@ -86,8 +86,17 @@ def s3_client():
 
     # Endpoint and credentials come from the standard AWS variables/profile (AWS_ENDPOINT_URL,
     # AWS_ACCESS_KEY_ID, ...). Standard retry mode backs off on throttling and 5xx itself.
+    # Response checksums only where a call asks for them: botocore 1.44 wraps a GetObject body that carries an
+    # x-amz-checksum header in a StreamingChecksumBody even when the status is a 5xx, and its error parser then fails
+    # on it (AttributeError, boto/botocore#3680) instead of retrying; each file we read is checked against its
+    # manifest's sha256 anyway.
     attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", "3"))
-    config = Config(retries={"mode": "standard", "max_attempts": attempts}, connect_timeout=5, read_timeout=60)
+    config = Config(
+        retries={"mode": "standard", "max_attempts": attempts},
+        connect_timeout=5,
+        read_timeout=60,
+        response_checksum_validation="when_required",
+    )
     return boto3.client("s3", config=config)
 
 

@@ -85,8 +85,12 @@ def download(bucket: str, prefix: str, digest: str, staging: str, label: str) ->
     """Every file of the object into `staging`, each checked against the manifest, which is checked against
     `digest` (its sha256, as tasks/platform/config/profile.py:sha256_json computes it)."""
     import boto3
+    from botocore.config import Config
 
-    client = boto3.client("s3")  # AWS_ENDPOINT_URL and the read-only credentials from the environment
+    # AWS_ENDPOINT_URL and the read-only credentials from the environment; response checksums off for the 5xx that
+    # botocore 1.44 cannot parse with them (tasks/platform/store.py:s3_client), the manifest checks each file.
+    config = Config(retries={"mode": "standard"}, response_checksum_validation="when_required")
+    client = boto3.client("s3", config=config)
     manifest_bytes = client.get_object(Bucket=bucket, Key=f"{prefix}/manifest.json")["Body"].read()
     manifest = json.loads(manifest_bytes)
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
