@@ -692,18 +692,11 @@ def test_a_release_waits_for_a_serve_that_died_without_stopping_instead_of_start
     )
 
 
-def test_a_serve_starting_moves_the_registrys_champion_to_the_records_and_says_so(tmp_path):
-    """Issue 73: the record says what clients get, and a promotion writes it first; a registry left behind (its alias
-    write failed, a release promoted apart from the serve) follows it when the serve starts, in one direction, said.
-    Never while a release owns the service. A real MLflow registry (sqlite)."""
-    import time
-    from dataclasses import replace
+def registry_of_two_versions(tmp_path):
+    """A real MLflow registry (sqlite) with versions 1 and 2 of `svc`, v1 its champion; the run context that reads it."""
     from types import SimpleNamespace
 
     from mlflow import MlflowClient
-
-    from tasks.control.contract import Owner, RouteTable, Version
-    from tasks.serving.champion import registry_follows_record
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -714,6 +707,20 @@ def test_a_serve_starting_moves_the_registrys_champion_to_the_records_and_says_s
     ctx = SimpleNamespace(
         profile=SimpleNamespace(registry=SimpleNamespace(model_name="svc")), tracker=SimpleNamespace(client=client)
     )
+    return ctx, client
+
+
+def test_a_serve_starting_moves_the_registrys_champion_to_the_records_and_says_so(tmp_path):
+    """Issue 73: the record says what clients get, and a promotion writes it first; a registry left behind (its alias
+    write failed, a release promoted apart from the serve) follows it when the serve starts, in one direction, said.
+    Never while a release owns the service. A real MLflow registry (sqlite)."""
+    import time
+    from dataclasses import replace
+
+    from tasks.control.contract import Owner, RouteTable, Version
+    from tasks.serving.champion import registry_follows_record
+
+    ctx, client = registry_of_two_versions(tmp_path)
     recorded = RouteTable("svc", Version("svc-v2", "svc-v2", None, {"version": "2"}), None, {"svc-v2": 100.0})
     owned = replace(recorded, owner=Owner("run-9", time.time(), time.time() + 60, None, 3))
     assert registry_follows_record(ctx, owned) is None  # a release owns it: its promotion may be under way
@@ -738,21 +745,11 @@ def test_a_serve_moves_the_registrys_champion_once_its_controller_promoted_thoug
     import time
     from types import SimpleNamespace
 
-    from mlflow import MlflowClient
-
     from flows.serve import registry_follows
     from tasks.control.contract import Owner, RouteTable, Version
     from tasks.control.rollout import Rollout
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    client.create_registered_model("svc")
-    for _ in range(2):
-        client.create_model_version("svc", source=str(tmp_path))
-    client.set_registered_model_alias("svc", "champion", "1")
-    ctx = SimpleNamespace(
-        profile=SimpleNamespace(registry=SimpleNamespace(model_name="svc")), tracker=SimpleNamespace(client=client)
-    )
+    ctx, client = registry_of_two_versions(tmp_path)
     champion, candidate = (Version(f"svc-v{n}", f"svc-v{n}", None, {"version": str(n)}) for n in (1, 2))
     owner = Owner("run-9", time.time(), time.time() + 600, None, 3)
     plan = Rollout("run-9", "svc-v2", (50.0, 100.0), 6.0, 0.05, 500.0, step=1, step_started_at=time.time())
