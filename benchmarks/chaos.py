@@ -16,9 +16,7 @@ deadline. Releases follow one another, each of a kind drawn at random:
               serving the champion (exit 3), or restarts that replica and loads again where another serves (exit 0)
 
 and with each, at a random time, one fault (or none): a replica's tritonserver SIGKILLed, one of the champion's
-model processes SIGKILLed, or the serve itself SIGKILLed and started again; with --faults naming `mlflow`, the serve
-and the releases track to an MLflow server the soak runs over the home's store, and that fault stops it for 30 s
-(SIGKILL, then the same server started again on the same port). Once a release ended and the service
+model processes SIGKILLed, or the serve itself SIGKILLed and started again. Once a release ended and the service
 settled (canary.lease_s and a reconcile round), the checks: the release ended with a defined exit code (never 1,
 never hung); no candidate is routed; each replica holds only what the record routes; the record's champion is the
 registry's; the answers of the last seconds all name that champion (x-llmops-version). The table at the end: the
@@ -29,7 +27,6 @@ and every check that failed.
         --set serve.lora=merged --set serve.instance_count=2
     .venv/bin/python benchmarks/chaos.py --home /tmp/chaos/home --artifacts /tmp/chaos/store [--minutes 60]
         [--replicas 1] [--concurrency 8] [--seed 0] [--kinds good,rejected,killed,stopped,hangs]
-        [--faults none,tritonserver,model-process,serve,mlflow]
 
 It stops by itself after --minutes (the release then running is waited for), and exits 1 where a check failed.
 """
@@ -64,10 +61,7 @@ FAST = [  # the suite's lighter release: the same code paths in less time (tests
 ]
 KINDS = ("good", "rejected", "killed", "stopped")  # drawn by default; `hangs` too where --kinds names it
 ALL_KINDS = (*KINDS, "hangs")
-FAULTS = (None, "tritonserver", "model process", "serve")  # drawn by default; `mlflow` too where --faults names it
-FAULT_NAMES = {"none": None, "tritonserver": "tritonserver", "model-process": "model process", "serve": "serve",
-               "mlflow": "mlflow"}  # fmt: skip
-MLFLOW_DOWN_S = 30
+FAULTS = (None, "tritonserver", "model process", "serve")
 DEFINED = {0, 3, 4, 5, 6, 10}  # docs/user-guide.md's exit codes of a release that ended as it says; 1 is a bug
 EXPECTED = {"good": {0}, "rejected": {10}, "killed": {-9}, "stopped": {6}, "hangs": {0, 3}}  # with no fault
 RELEASE_TIMEOUT_S = 900
@@ -83,59 +77,13 @@ class Outcome:
     broken: list[str] = field(default_factory=list)  # the checks that failed
 
 
-class Tracking:
-    """An MLflow tracking server over the home's sqlite store, on one port for the whole soak: what the serve and the
-    releases track to where the soak stops MLflow as a fault."""
-
-    def __init__(self, home: Path):
-        from tasks.platform.ports import free_port
-
-        self.home, self.port = home, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = None
-        self.restarted: threading.Thread | None = None
-
-    def start(self) -> None:
-        import requests
-
-        from tasks.platform.local_stack.process import start
-
-        command = [str(ROOT / ".venv" / "bin" / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--workers", "1", "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}"]  # fmt: skip
-        ready = lambda: requests.get(f"{self.url}/health", timeout=2).ok  # noqa: E731
-        self.server = start("mlflow", command, self.url, ready, self.home / "chaos-mlflow", timeout=180)
-
-    def stop(self) -> None:
-        """SIGKILL for the server and its workers: down, as a crashed tracking server or a lost network is."""
-        if self.server is not None and self.server.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.server.pid, signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                self.server.process.wait(30)
-
-    def down_for(self, seconds: float) -> None:
-        """Stopped now, started again after `seconds` off the caller's thread (the release goes on meanwhile)."""
-        self.stop()
-        self.restarted = threading.Thread(target=lambda: (time.sleep(seconds), self.start()), daemon=True)
-        self.restarted.start()
-
-    def back(self) -> None:
-        """Once the server stopped as a fault is up again (before the checks, and the next release)."""
-        if self.restarted is not None:
-            self.restarted.join()
-            self.restarted = None
-
-    def env(self) -> dict:
-        return {"MLFLOW_TRACKING_URI": self.url}
-
-
 class Serve:
     """The `llmops serve` of the soak: started, SIGKILLed, started again on the same ports (its clients' URL)."""
 
-    def __init__(self, home: Path, artifacts: str, replicas: int, tracking: Tracking | None = None):
+    def __init__(self, home: Path, artifacts: str, replicas: int):
         from tasks.platform.ports import free_port
 
-        self.home, self.artifacts, self.replicas, self.tracking = home, artifacts, replicas, tracking
+        self.home, self.artifacts, self.replicas = home, artifacts, replicas
         self.process: subprocess.Popen | None = None
         self.state: dict = {}
         self.starts = 0
@@ -154,7 +102,7 @@ class Serve:
                 self.process = subprocess.Popen(
                     [str(LLMOPS), "serve", "--artifacts", self.artifacts, *self.ports, *settings],
                     stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                    env=self.env(),
+                    env={**os.environ, "LLMOPS_HOME": str(self.home)},
                 )  # fmt: skip
             published, deadline = self.home / "triton" / "server.json", time.monotonic() + 300
             while self.process.poll() is None and time.monotonic() < deadline:
@@ -185,10 +133,6 @@ class Serve:
             os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(120)
 
-    def env(self) -> dict:
-        """The environment of the serve and of each release: this home, and the soak's MLflow server where one runs."""
-        return {**os.environ, "LLMOPS_HOME": str(self.home), **(self.tracking.env() if self.tracking else {})}
-
     def service(self):
         from tasks.serving.publication import published_service
 
@@ -204,9 +148,6 @@ def strike(fault: str, serve: Serve) -> None:
     elif fault == "serve":
         serve.kill()
         serve.start()
-    elif fault == "mlflow":
-        assert serve.tracking is not None
-        serve.tracking.down_for(MLFLOW_DOWN_S)
 
 
 def kill_a_champion_instance(serve: Serve) -> None:
@@ -233,7 +174,8 @@ def release(serve: Serve, kind: str, number: int, log: Path) -> subprocess.Popen
     with open(log, "w") as out:
         return subprocess.Popen(
             [str(LLMOPS), "run", "--artifacts", serve.artifacts, *settings],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=serve.env(),
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**os.environ, "LLMOPS_HOME": str(serve.home)},
         )  # fmt: skip
 
 
@@ -330,13 +272,7 @@ def recovered_after(soaked: Soaked, struck: float, until: float) -> float | None
 
 
 def drive(
-    serve: Serve,
-    soaked: Soaked,
-    minutes: float,
-    done: threading.Event,
-    rows: list[Outcome],
-    kinds: tuple[str, ...],
-    faults: tuple[str | None, ...] = FAULTS,
+    serve: Serve, soaked: Soaked, minutes: float, done: threading.Event, rows: list[Outcome], kinds: tuple[str, ...]
 ) -> None:
     from tasks.platform.config import load_profile
 
@@ -345,10 +281,8 @@ def drive(
     try:
         while time.monotonic() < ends_at and not done.is_set():
             number += 1
-            kind, fault = random.choice(kinds), random.choice(faults)
+            kind, fault = random.choice(kinds), random.choice(FAULTS)
             code, seconds, struck = run_one(serve, kind, fault, number, lease_s, done)
-            if serve.tracking is not None:
-                serve.tracking.back()
             if done.is_set():  # the clients ended (an error): no check means anything now
                 return
             time.sleep(lease_s + 10)  # the lease of a release that died, and a reconcile round
@@ -398,25 +332,17 @@ def main() -> None:
     parser.add_argument(
         "--kinds", default=",".join(KINDS), help=f"the kinds of release drawn, of {','.join(ALL_KINDS)}"
     )
-    default_faults = ",".join(name for name, fault in FAULT_NAMES.items() if fault in FAULTS)
-    parser.add_argument("--faults", default=default_faults, help=f"the faults drawn, of {','.join(FAULT_NAMES)}")
     args = parser.parse_args()
-    kinds, fault_names = tuple(args.kinds.split(",")), args.faults.split(",")
+    kinds = tuple(args.kinds.split(","))
     if not kinds or set(kinds) - set(ALL_KINDS):
         parser.error(f"--kinds: some of {','.join(ALL_KINDS)}")
-    if set(fault_names) - set(FAULT_NAMES):
-        parser.error(f"--faults: some of {','.join(FAULT_NAMES)}")
-    faults = tuple(FAULT_NAMES[name] for name in fault_names)
     random.seed(args.seed)
-    tracking = Tracking(args.home) if "mlflow" in faults else None
-    if tracking is not None:
-        tracking.start()
-    serve = Serve(args.home, args.artifacts, args.replicas, tracking)
+    serve = Serve(args.home, args.artifacts, args.replicas)
     state = serve.start()
     rows: list[Outcome] = []
     done = threading.Event()
     soaked = Soaked(record=True)
-    driver = threading.Thread(target=drive, args=(serve, soaked, args.minutes, done, rows, kinds, faults))
+    driver = threading.Thread(target=drive, args=(serve, soaked, args.minutes, done, rows, kinds))
     try:
         driver.start()
         seconds = args.minutes * 60 + RELEASE_TIMEOUT_S + 120  # until the driver is done
@@ -426,9 +352,6 @@ def main() -> None:
     finally:
         done.set()
         serve.stop()
-        if tracking is not None:
-            tracking.back()
-            tracking.stop()
     print("\n" + table(rows, soaked))
     broken = [f"release {n} ({r.kind}): {b}" for n, r in enumerate(rows, 1) for b in r.broken]
     print("\n".join(broken) or "every check held after every release")
