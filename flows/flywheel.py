@@ -25,7 +25,6 @@ from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.harvest import FLYWHEEL_EXPERIMENT, Harvested, describe, harvest_dataset, review_markdown
-from flows.release import default_services
 from tasks.approve import Approval, DecisionPolicy, run_creator, wait_for_decision
 from tasks.data.forget import expire_harvested, harvested_in
 from tasks.data.harvest import MinRating, admission_refusals
@@ -34,6 +33,7 @@ from tasks.platform.config import PROFILE_EXAM, Profile, ProfileName, check_api_
 from tasks.platform.errors import BadInput
 from tasks.platform.project import llmops_home
 from tasks.platform.run_policy import refuse_unlisted_location
+from tasks.platform.stores import default_services
 from tasks.platform.tracking import default_tracking_uri, ensure_experiment
 
 

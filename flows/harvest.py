@@ -45,7 +45,7 @@ def capture_location(config: Profile, location: str | None) -> str:
     """Where the service's exchanges are: as given, else serve.capture.location, else capture/ in the store."""
     if location or config.serve.capture.location:
         return str(location or config.serve.capture.location)
-    # the store a run uses (flows/release.py:default_services): LLMOPS_ARTIFACTS, else the home's
+    # the store a run uses (tasks/platform/stores.py:default_services): LLMOPS_ARTIFACTS, else the home's
     return default_location(open_store(os.environ.get("LLMOPS_ARTIFACTS") or None, llmops_home()).uri)
 
 

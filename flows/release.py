@@ -10,7 +10,6 @@ Each stage is a cached, retried Prefect task (tasks/platform/stage_cache.py); th
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from tasks.platform.project import llmops_home
 from tasks.platform.quiet import quiet_libraries
 from tasks.platform.run_policy import check_profile_locations, check_release_parameters
 from tasks.platform.stage_cache import RunContext, StageResult, logger, stage_task
-from tasks.platform.stores import open_store
+from tasks.platform.stores import default_services, open_store, refuse_a_local_store_for_a_tracking_server
 from tasks.platform.tracking import Tracker, default_tracking_uri, end_failed, end_run, resume_run, start_run
 from tasks.platform.unused_imports import PIPELINE, leave_out
 from tasks.prepare_data import DatasetMetrics, prepare_data
@@ -107,17 +106,10 @@ def fenced(fn):
     return run
 
 
-def default_services(tracking_uri: str | None, artifacts: str | None) -> tuple[str | None, str | None]:
-    """Unset: what the environment names (MLflow's own MLFLOW_TRACKING_URI, LLMOPS_ARTIFACTS), as a
-    worker of the local stack or a cluster sets it; else the sqlite/local defaults under LLMOPS_HOME."""
-    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None, artifacts or os.environ.get(
-        "LLMOPS_ARTIFACTS"
-    ) or None
-
-
 def open_context(profile: Profile, tracking_uri: str | None, artifacts: str | None) -> RunContext:
     tracking_uri, artifacts = default_services(tracking_uri, artifacts)
     home = llmops_home()
+    refuse_a_local_store_for_a_tracking_server(tracking_uri, artifacts, home)  # a worker's run, before MLflow's
     waiting = suspended_release(home, str(runtime.flow_run.id or ""))
     if waiting is not None and waiting.get("mlflow_run_id"):  # started again by its decision: the same MLflow run
         tracker = resume_run(tracking_uri or default_tracking_uri(home), waiting["mlflow_run_id"])

@@ -16,11 +16,11 @@ from prefect import flow, get_run_logger, runtime
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 
-from flows.release import default_services
 from tasks.data.records import read_data
 from tasks.platform.config import PROFILE_EXAM, Profile, ProfileName, check_api_profile, load_profile
 from tasks.platform.project import llmops_home
 from tasks.platform.run_policy import refuse_unlisted_location
+from tasks.platform.stores import default_services
 from tasks.platform.tracking import default_tracking_uri
 
 RELEASE_DEPLOYMENT = "release/release"

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from flows.release import default_services
 from tasks.control.contract import recorded_digests
 from tasks.platform.project import llmops_home
 from tasks.platform.store_gc import collect_garbage, registered_digests, why_kept
-from tasks.platform.stores import open_store
+from tasks.platform.stores import default_services, open_store
 from tasks.platform.tracking import default_tracking_uri
 
 

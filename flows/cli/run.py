@@ -131,7 +131,7 @@ def command_run(args) -> str:
 
 
 def check_inputs(args) -> None:
-    """Bad input fails here, before anything is created: profile, machine, local data, Triton options."""
+    """Bad input fails here, before anything is created: profile, machine, local data, stores, Triton options."""
     from tasks.platform.config import check_machine, load_profile, local_stages
     from tasks.training.memory_plan import memory_plan
 
@@ -139,7 +139,10 @@ def check_inputs(args) -> None:
     memory_plan(profile)  # a layout that cannot fit is refused before anything is created
     check_machine(profile, local_stages(profile))
     validate_local_data(profile)
+    from tasks.platform.stores import default_services, refuse_a_local_store_for_a_tracking_server
     from tasks.serving.client import TritonTarget
+
+    refuse_a_local_store_for_a_tracking_server(*default_services(args.tracking_uri, args.artifacts), llmops_home())
 
     TritonTarget.from_options(args.triton_url, args.triton_grpc_url, args.triton_metrics_url, args.triton_repository)
 

@@ -334,6 +334,26 @@ def test_bad_profile_is_rejected_before_anything_is_created(stack, tmp_path, ove
     assert not home.exists()
 
 
+def test_a_local_store_beside_the_mlflow_server_is_refused_before_anything_is_created(stack, first_run, tmp_path):
+    """The MLflow server refuses a path on this machine as a model version's source (the chaos soak's releases with a
+    tracking server and the default store all failed at register, after training): refused first, in one line."""
+    from mlflow.exceptions import MlflowException
+
+    store = tmp_path / "store"
+    with pytest.raises(MlflowException, match="Invalid model version source") as refused:
+        MlflowClient(stack.mlflow.url).create_model_version(MODEL, source=str(store / "objects" / ("0" * 64)))
+    assert refused.value.error_code == "INVALID_PARAMETER_VALUE"  # the server's own check, at the pinned MLflow
+    before = versions(stack)
+    args = release_args(stack)
+    args[args.index("--artifacts") + 1] = str(store)
+    result = llmops(stack, *args)
+    assert_one_line_error(
+        result, 2, f"the local store {store} cannot hold what the MLflow server at {stack.mlflow.url}"
+    )
+    assert "give an s3://bucket/prefix store" in result.stderr
+    assert not store.exists() and versions(stack) == before
+
+
 def test_unreachable_s3_fails_after_retries(stack, first_run):
     closed = f"http://127.0.0.1:{free_port()}"
     result = llmops(stack, *release_args(stack), env=s3_env(closed))

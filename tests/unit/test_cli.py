@@ -155,6 +155,35 @@ def test_run_on_bad_data_fails_before_anything_starts(tmp_path):
     assert not (tmp_path / "home").exists()  # no Prefect server, no store, no MLflow database
 
 
+def test_an_mlflow_server_with_the_default_local_store_is_refused_before_anything_starts(tmp_path):
+    """MLFLOW_TRACKING_URI names a server and no LLMOPS_ARTIFACTS: the store under LLMOPS_HOME, whose paths that server
+    refuses as model version sources (tests/integration/test_release.py shows the server's refusal). Nothing listens
+    on the URL: the refusal comes before any call to it. A worker's flow run meets the same check (open_context)."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in cli_env(home, MLFLOW_TRACKING_URI="http://127.0.0.1:9").items() if k != "LLMOPS_ARTIFACTS"}
+    result = subprocess.run([str(LLMOPS), "run"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"llmops: error: --artifacts (LLMOPS_ARTIFACTS): the local store {home / 'store'} cannot hold what the MLflow "
+        "server at http://127.0.0.1:9 registers (it refuses a path on this machine as a model version's source): give "
+        "an s3://bucket/prefix store, or leave --tracking-uri (MLFLOW_TRACKING_URI) unset for the registry under "
+        "LLMOPS_HOME"
+    ]
+    assert not home.exists()
+
+
+def test_a_workers_release_meets_the_same_store_check_before_its_mlflow_run(tmp_path, monkeypatch):
+    from flows.release import open_context
+    from tasks.platform.config import load_profile
+    from tasks.platform.errors import BadInput
+
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path))
+    monkeypatch.delenv("LLMOPS_ARTIFACTS", raising=False)
+    with pytest.raises(BadInput, match=r"^--artifacts \(LLMOPS_ARTIFACTS\): the local store .* cannot hold"):
+        open_context(load_profile("cpu-tiny"), "https://127.0.0.1:9", str(tmp_path / "store"))
+    assert not list(tmp_path.iterdir())
+
+
 def test_bad_input_is_one_line_and_debug_adds_its_traceback(tmp_path):
     home = tmp_path / "home"
     result = llmops("run", "--set", "train.bogus=1", env_home=home)
