@@ -89,10 +89,10 @@ def analysed(ctx: RunContext, deployment: Deployment, window: Window, clients: C
         return None
     scraped = prometheus.wait_for_scrape(cfg.prometheus_url, name, window.ended_at, timeout=max(30, 3 * cfg.window_s))
     counters = prometheus.version_counters(cfg.prometheus_url, name, window.started_at, scraped)
-    requests = counters.successes + counters.failures
-    if requests and counters.failures / requests > cfg.max_error_rate:
-        return f"candidate failed {counters.failures:.0f}/{requests:.0f} requests (from Prometheus)"
-    mean_ms = counters.seconds / counters.successes * 1000 if counters.successes else None
+    requests = counters.ok + counters.failed  # refused (over a limit) is the client's share, not the candidate's
+    if requests and counters.failed / requests > cfg.max_error_rate:
+        return f"candidate failed {counters.failed:.0f}/{requests:.0f} requests (from Prometheus)"
+    mean_ms = counters.seconds / counters.ok * 1000 if counters.ok else None
     if mean_ms is not None and mean_ms > cfg.max_mean_latency_ms:
         return f"candidate mean latency {mean_ms:.1f} ms > canary.max_mean_latency_ms {cfg.max_mean_latency_ms} (from Prometheus)"
     return None

@@ -9,18 +9,11 @@ add nothing for three instant queries.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import requests
 
 from tasks.platform.errors import TransientError
-
-
-@dataclass
-class VersionCounters:
-    successes: float
-    failures: float
-    seconds: float  # of the answered requests
+from tasks.serving.service import VersionCounters
 
 
 def query(url: str, expr: str, at: float | None = None) -> list[dict]:
@@ -65,8 +58,9 @@ def version_counters(url: str, version: str, start: float, end: float) -> Versio
         expr = f'sum({metric}{{version="{version}"{labels}}})'
         return scalar(url, expr, end) - scalar(url, expr, start)
 
+    def outcome(name: str) -> float:
+        return moved("llmops_gateway_version_requests_total", f',outcome="{name}"')
+
     return VersionCounters(
-        moved("llmops_gateway_version_requests_total", ',outcome="ok"'),
-        moved("llmops_gateway_version_requests_total", ',outcome="failed"'),
-        moved("llmops_gateway_version_seconds_total", ""),
+        outcome("ok"), outcome("refused"), outcome("failed"), moved("llmops_gateway_version_seconds_total", "")
     )
