@@ -16,7 +16,8 @@ deadline. Releases follow one another, each of a kind drawn at random:
               serving the champion (exit 3), or restarts that replica and loads again where another serves (exit 0)
 
 and with each, at a random time, one fault (or none): a replica's tritonserver SIGKILLed, one of the champion's
-model processes SIGKILLed, or the serve itself SIGKILLed and started again. Once a release ended and the service
+model processes SIGKILLed, or the serve itself SIGKILLed and started again; with --servers, MLflow stopped for 30 s
+too (SIGKILL, then the same server started again on the same port). Once a release ended and the service
 settled (canary.lease_s and a reconcile round), the checks: the release ended with a defined exit code (never 1,
 never hung); no candidate is routed; each replica holds only what the record routes; the record's champion is the
 registry's; the answers of the last seconds all name that champion (x-llmops-version). The table at the end: the
@@ -27,6 +28,12 @@ and every check that failed.
         --set serve.lora=merged --set serve.instance_count=2
     .venv/bin/python benchmarks/chaos.py --home /tmp/chaos/home --artifacts /tmp/chaos/store [--minutes 60]
         [--replicas 1] [--concurrency 8] [--seed 0] [--kinds good,rejected,killed,stopped,hangs]
+    .venv/bin/python benchmarks/chaos.py --home /tmp/chaos/s3-home --servers [--minutes 60] [...]
+
+--servers: the soak runs an S3 (`rclone serve s3` over HOME/s3) and an MLflow tracking server (over HOME/mlflow.db)
+of its own, as `llmops stack` does, and the serve and every release use them (the store s3://artifacts/chaos, the
+registry on the server: a tracking server needs an S3 store). On a new home it first makes the champion there with
+the command above's settings. Only then can MLflow be a fault.
 
 It stops by itself after --minutes (the release then running is waited for), and exits 1 where a check failed.
 """
@@ -47,6 +54,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,6 +70,9 @@ FAST = [  # the suite's lighter release: the same code paths in less time (tests
 KINDS = ("good", "rejected", "killed", "stopped")  # drawn by default; `hangs` too where --kinds names it
 ALL_KINDS = (*KINDS, "hangs")
 FAULTS = (None, "tritonserver", "model process", "serve")
+WITH_SERVERS = (*FAULTS, "mlflow")  # drawn with --servers
+MLFLOW_DOWN_S = 30
+S3_STORE = "s3://artifacts/chaos"
 DEFINED = {0, 3, 4, 5, 6, 10}  # docs/user-guide.md's exit codes of a release that ended as it says; 1 is a bug
 EXPECTED = {"good": {0}, "rejected": {10}, "killed": {-9}, "stopped": {6}, "hangs": {0, 3}}  # with no fault
 RELEASE_TIMEOUT_S = 900
@@ -77,13 +88,78 @@ class Outcome:
     broken: list[str] = field(default_factory=list)  # the checks that failed
 
 
+if TYPE_CHECKING:
+    from tasks.platform.local_stack import Server
+
+
+class Servers:
+    """With --servers: an S3 and an MLflow tracking server of the soak's own, on one port each the whole soak; the
+    MLflow server stopped as a fault and started again on its port."""
+
+    def __init__(self, home: Path):
+        import secrets
+
+        from tasks.platform.local_stack import s3_env, start_s3
+        from tasks.platform.ports import free_port
+
+        self.home, self.logs, self.port = home, home / "chaos-servers", free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        secret = secrets.token_hex(16)
+        self.s3 = start_s3(home / "s3", free_port(), "chaos", secret, self.logs)
+        self.s3_env = s3_env(self.s3.url, "chaos", secret)
+        self.mlflow: Server | None = None
+        self.restarted: threading.Thread | None = None
+
+    def start_mlflow(self) -> None:
+        from tasks.platform.local_stack import start_mlflow
+
+        self.mlflow = start_mlflow(f"sqlite:///{self.home / 'mlflow.db'}", self.port, self.s3_env, self.logs)
+
+    def down_for(self, seconds: float) -> None:
+        """MLflow SIGKILLed (its workers with it: down, as a crashed server or a lost network is), and started again
+        after `seconds` off the caller's thread: the release goes on meanwhile."""
+        if self.mlflow is not None and self.mlflow.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.mlflow.pid, signal.SIGKILL)
+            if self.mlflow.process is not None:
+                self.mlflow.process.wait(30)
+        self.restarted = threading.Thread(target=self.start_again, args=(seconds,), daemon=True)
+        self.restarted.start()
+
+    def start_again(self, after_s: float) -> None:
+        from tasks.platform.errors import CheckFailed
+
+        time.sleep(after_s)
+        for attempt in range(3):  # its start may outlast start_mlflow's 180 s on 2 cores under the soak's load
+            try:
+                self.start_mlflow()
+                return
+            except CheckFailed as exc:  # what start() raises for a server that did not come up
+                print(f"chaos: MLflow did not start again (try {attempt + 1} of 3): {exc}", flush=True)
+
+    def back(self) -> None:
+        """Once a server stopped as a fault is up again (before the checks and the next release)."""
+        if self.restarted is not None:
+            self.restarted.join()
+            self.restarted = None
+
+    def env(self) -> dict:
+        return {**self.s3_env, "MLFLOW_TRACKING_URI": self.url}
+
+    def stop(self) -> None:
+        self.back()
+        for server in (self.mlflow, self.s3):
+            if server is not None:
+                server.stop()
+
+
 class Serve:
     """The `llmops serve` of the soak: started, SIGKILLed, started again on the same ports (its clients' URL)."""
 
-    def __init__(self, home: Path, artifacts: str, replicas: int):
+    def __init__(self, home: Path, artifacts: str, replicas: int, servers: Servers | None = None):
         from tasks.platform.ports import free_port
 
-        self.home, self.artifacts, self.replicas = home, artifacts, replicas
+        self.home, self.artifacts, self.replicas, self.servers = home, artifacts, replicas, servers
         self.process: subprocess.Popen | None = None
         self.state: dict = {}
         self.starts = 0
@@ -101,8 +177,7 @@ class Serve:
             with open(log, "w") as out:
                 self.process = subprocess.Popen(
                     [str(LLMOPS), "serve", "--artifacts", self.artifacts, *self.ports, *settings],
-                    stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                    env={**os.environ, "LLMOPS_HOME": str(self.home)},
+                    stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=self.env(),
                 )  # fmt: skip
             published, deadline = self.home / "triton" / "server.json", time.monotonic() + 300
             while self.process.poll() is None and time.monotonic() < deadline:
@@ -133,6 +208,10 @@ class Serve:
             os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(120)
 
+    def env(self) -> dict:
+        """The serve's and each release's: this home, and the soak's S3 and MLflow server where it runs them."""
+        return {**os.environ, "LLMOPS_HOME": str(self.home), **(self.servers.env() if self.servers else {})}
+
     def service(self):
         from tasks.serving.publication import published_service
 
@@ -148,6 +227,9 @@ def strike(fault: str, serve: Serve) -> None:
     elif fault == "serve":
         serve.kill()
         serve.start()
+    elif fault == "mlflow":
+        assert serve.servers is not None
+        serve.servers.down_for(MLFLOW_DOWN_S)
 
 
 def kill_a_champion_instance(serve: Serve) -> None:
@@ -174,8 +256,7 @@ def release(serve: Serve, kind: str, number: int, log: Path) -> subprocess.Popen
     with open(log, "w") as out:
         return subprocess.Popen(
             [str(LLMOPS), "run", "--artifacts", serve.artifacts, *settings],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "LLMOPS_HOME": str(serve.home)},
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=serve.env(),
         )  # fmt: skip
 
 
@@ -241,6 +322,35 @@ def run_one(
     return process.returncode, time.monotonic() - started, struck or 0.0
 
 
+def champion_on_the_servers(serve: Serve) -> None:
+    """The champion the soak starts from, in the soak's S3 and registry: made by a release of the soak's serving
+    settings where the home has none (a few minutes); refused where the home's champion lives in another store."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from tasks.platform.config import load_profile
+
+    model = load_profile("cpu-tiny").registry.model_name
+    assert serve.servers is not None
+    try:
+        champion = MlflowClient(serve.servers.url).get_model_version_by_alias(model, "champion")
+    except MlflowException:
+        champion = None
+    if champion is not None:
+        if not champion.source.startswith(f"{S3_STORE}/"):
+            sys.exit(f"--servers: {serve.home}'s champion v{champion.version} is in {champion.source}, not in the "
+                     f"soak's {S3_STORE}: a new --home, please")  # fmt: skip
+        return
+    print(
+        f"chaos: making the champion on the soak's S3 and MLflow server ({serve.home / 'chaos-seed.log'})", flush=True
+    )
+    with open(serve.home / "chaos-seed.log", "w") as out:
+        made = subprocess.run([str(LLMOPS), "run", "--artifacts", S3_STORE, *SERVING], stdout=out,
+                              stderr=subprocess.STDOUT, cwd=ROOT, env=serve.env(), timeout=RELEASE_TIMEOUT_S)  # fmt: skip
+    if made.returncode != 0:
+        sys.exit(f"chaos: the first release ended in exit {made.returncode}: {serve.home / 'chaos-seed.log'}")
+
+
 def checks(serve: Serve, soaked: Soaked, since: float) -> list[str]:
     """What must hold once a rollout ended and the service settled."""
     from tests.servers import registry
@@ -272,7 +382,13 @@ def recovered_after(soaked: Soaked, struck: float, until: float) -> float | None
 
 
 def drive(
-    serve: Serve, soaked: Soaked, minutes: float, done: threading.Event, rows: list[Outcome], kinds: tuple[str, ...]
+    serve: Serve,
+    soaked: Soaked,
+    minutes: float,
+    done: threading.Event,
+    rows: list[Outcome],
+    kinds: tuple[str, ...],
+    faults: tuple[str | None, ...] = FAULTS,
 ) -> None:
     from tasks.platform.config import load_profile
 
@@ -281,8 +397,10 @@ def drive(
     try:
         while time.monotonic() < ends_at and not done.is_set():
             number += 1
-            kind, fault = random.choice(kinds), random.choice(FAULTS)
+            kind, fault = random.choice(kinds), random.choice(faults)
             code, seconds, struck = run_one(serve, kind, fault, number, lease_s, done)
+            if serve.servers is not None:
+                serve.servers.back()
             if done.is_set():  # the clients ended (an error): no check means anything now
                 return
             time.sleep(lease_s + 10)  # the lease of a release that died, and a reconcile round
@@ -324,7 +442,13 @@ def table(rows: list[Outcome], soaked: Soaked) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--home", type=Path, required=True)
-    parser.add_argument("--artifacts", required=True)
+    parser.add_argument("--artifacts", help="the home's store, a folder (without --servers)")
+    parser.add_argument(
+        "--servers",
+        action="store_true",
+        help=f"an S3 and an MLflow server of the soak's own ({S3_STORE}); MLflow stopped for {MLFLOW_DOWN_S} s is "
+        "then a fault too",
+    )
     parser.add_argument("--minutes", type=float, default=60)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -336,14 +460,21 @@ def main() -> None:
     kinds = tuple(args.kinds.split(","))
     if not kinds or set(kinds) - set(ALL_KINDS):
         parser.error(f"--kinds: some of {','.join(ALL_KINDS)}")
+    if bool(args.servers) == bool(args.artifacts):
+        parser.error("--artifacts FOLDER (the home's store) or --servers (the soak's own S3 and MLflow server)")
     random.seed(args.seed)
-    serve = Serve(args.home, args.artifacts, args.replicas)
-    state = serve.start()
+    servers = Servers(args.home) if args.servers else None
+    serve = Serve(args.home, args.artifacts or S3_STORE, args.replicas, servers)
     rows: list[Outcome] = []
     done = threading.Event()
     soaked = Soaked(record=True)
-    driver = threading.Thread(target=drive, args=(serve, soaked, args.minutes, done, rows, kinds))
+    faults = WITH_SERVERS if servers else FAULTS
+    driver = threading.Thread(target=drive, args=(serve, soaked, args.minutes, done, rows, kinds, faults))
     try:
+        if servers is not None:
+            servers.start_mlflow()
+            champion_on_the_servers(serve)
+        state = serve.start()
         driver.start()
         seconds = args.minutes * 60 + RELEASE_TIMEOUT_S + 120  # until the driver is done
         asyncio.run(soak(state["gateway_url"], state["service"], args.concurrency, seconds, seed=args.seed,
@@ -352,6 +483,8 @@ def main() -> None:
     finally:
         done.set()
         serve.stop()
+        if servers is not None:
+            servers.stop()
     print("\n" + table(rows, soaked))
     broken = [f"release {n} ({r.kind}): {b}" for n, r in enumerate(rows, 1) for b in r.broken]
     print("\n".join(broken) or "every check held after every release")

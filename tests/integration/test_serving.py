@@ -1996,6 +1996,47 @@ def test_the_chaos_soak_runs_as_documented(home, first_release, cpu_tiny_store, 
     assert "every check held after every release" in out and "hung 0, failed 0" in out, out[-3000:]
 
 
+def test_the_chaos_soaks_own_mlflow_server_is_a_fault_it_recovers_from(tmp_path, monkeypatch):
+    """benchmarks/chaos.py --servers: an S3 and an MLflow tracking server of the soak's own; its `mlflow` fault
+    SIGKILLs the server and starts it again on the same port with the registry intact; a home whose champion lives in
+    another store is refused in one line (the soak would serve what its S3 does not hold). The making of a first
+    champion and the soak itself: docs/benchmarks.md's run of it."""
+    import importlib.util
+    import sys
+
+    import requests
+    from mlflow import MlflowClient
+
+    spec = importlib.util.spec_from_file_location("chaos", ROOT / "benchmarks" / "chaos.py")
+    assert spec is not None and spec.loader is not None
+    chaos = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "chaos", chaos)  # its dataclasses look their module up there
+    spec.loader.exec_module(chaos)
+    home = tmp_path / "home"
+    servers = chaos.Servers(home)
+    try:
+        servers.start_mlflow()
+        client = MlflowClient(servers.url)
+        client.create_registered_model(SERVICE)
+        version = client.create_model_version(SERVICE, source="s3://artifacts/elsewhere/objects/0").version
+        client.set_registered_model_alias(SERVICE, "champion", version)
+        serve = chaos.Serve(home, chaos.S3_STORE, 1, servers)
+        with pytest.raises(
+            SystemExit, match=r"champion v1 is in s3://artifacts/elsewhere/objects/0, not in the soak's"
+        ):
+            chaos.champion_on_the_servers(serve)
+        servers.down_for(1)
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"{servers.url}/health", timeout=2)
+        servers.back()
+        assert requests.get(f"{servers.url}/health", timeout=2).ok
+        assert client.get_model_version_by_alias(SERVICE, "champion").version == version
+        assert serve.env()["MLFLOW_TRACKING_URI"] == servers.url and serve.env()["AWS_ENDPOINT_URL"] == servers.s3.url
+    finally:
+        servers.stop()
+    assert not servers.s3.alive() and servers.mlflow is not None and not servers.mlflow.alive()
+
+
 def test_api_keys_and_the_control_key_leak_nowhere(home, server):
     """After every release and request of this module, while the serve runs: the clients' API keys, Triton's
     control key and the serve's own are in no file of the home but the mode-600 ones that keep them (serve's log,
