@@ -11,14 +11,16 @@ from flows.cli.common import prefect_api_env
 
 VALIDATE_DESCRIPTION = (
     "Read, validate, clean and split a dataset the way prepare_data does, without running anything: "
-    "records read, duplicates and empty answers dropped, train/eval counts, fingerprint. Bad data "
-    "exits 2 with the first error, naming the file, line and field."
+    "records read, duplicates and empty answers dropped, train/eval counts, fingerprint. Preference data "
+    "(LlamaFactory's chosen/rejected pairs or KTO's kto_tag) is read as a preference stage would: pairs, prompts and "
+    "a split by prompt. Bad data exits 2 with the first error, naming the file, line and field."
 )
 
 VALIDATE_EPILOG = (
     "examples:\n  llmops data validate profiles/data/antonyms.jsonl\n"
     "  llmops data validate my_qa.json --format alpaca --eval-data held_out.jsonl\n"
-    "  llmops data validate s3://datasets/sft/ --profile cpu-tiny-qa-zh"
+    "  llmops data validate s3://datasets/sft/ --profile cpu-tiny-qa-zh\n"
+    "  llmops data validate profiles/data/antonym-pairs.jsonl"
 )
 
 
@@ -174,12 +176,16 @@ def push_data(args) -> str:
 
 
 def validate_data(args) -> str:
-    from tasks.data.records import read_data
+    from tasks.data.preferences import is_preference_data
+    from tasks.data.records import read_data, read_source
     from tasks.platform.config import load_profile
 
     overrides = [f"data.format={args.format}"] if args.format else []
     profile = load_profile(args.profile, overrides, args.source, args.eval_data)
     cfg = profile.data
+    files = read_source(cfg.source)
+    if is_preference_data(files):
+        return preference_lines(files, profile, args.eval_data)
     data = read_data(cfg)
     stats = data.stats
     lines = [
@@ -197,6 +203,33 @@ def validate_data(args) -> str:
         *judging_lines(profile, data),
     ]
     return "\n".join(lines)
+
+
+def preference_lines(files, profile, eval_data: str | None) -> str:
+    """What a preference stage would train on: pairs (or KTO's rated answers) split by prompt."""
+    from tasks.data.preferences import describe_kind, read_preferences
+    from tasks.platform.errors import BadInput
+
+    if eval_data:
+        raise BadInput(
+            "--eval-data: preference data splits by prompt at data.eval_fraction; a held-out set is not read"
+        )
+    cfg = profile.data
+    data = read_preferences(files, cfg)
+    unit = "pairs" if data.kind == "pairs" else "rated answers"
+    rated = ""
+    if data.kind == "kto":
+        desirable = sum(1 for r in data.train + data.eval if r.desirable)
+        rated = f"\n  desirable / not        {desirable} / {len(data.train) + len(data.eval) - desirable}"
+    return (
+        f"data {cfg.source}: valid {describe_kind(data.kind)} records ({cfg.format} format)\n"
+        f"  records read           {data.read}\n"
+        f"  duplicates dropped     {data.duplicates}\n"
+        f"  prompts                {data.prompts}{rated}\n"
+        f"  train / eval {unit:<9} {len(data.train)} / {len(data.eval)}  (eval: {data.eval_prompts} prompts hashed "
+        f"at data.eval_fraction {cfg.eval_fraction}; no prompt in both)\n"
+        f"  fingerprint            {data.fingerprint}"
+    )
 
 
 def judging_lines(profile, data) -> list[str]:

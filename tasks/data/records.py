@@ -102,7 +102,7 @@ def iter_raw_records(file: SourceFile, keep_invalid: bool = False):
         yield where, record
 
 
-def _text(record: dict, field: str, where: str, required: bool = True) -> str:
+def string_field(record: dict, field: str, where: str, required: bool = True) -> str:
     if field not in record:
         if required:
             raise BadInput(f"{where}: field '{field}' is missing")
@@ -111,6 +111,9 @@ def _text(record: dict, field: str, where: str, required: bool = True) -> str:
     if not isinstance(value, str):
         raise BadInput(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
     return value
+
+
+PREFERENCE_FIELDS = ("chosen", "rejected", "kto_tag")  # LlamaFactory's preference columns (tasks/data/preferences.py)
 
 
 def detect_format(record: dict, where: str) -> str:
@@ -129,36 +132,57 @@ def normalize(record, fmt: str, where: str) -> Conversation:
     """One record as a list of {role, content} messages: optional system, then user/assistant turns."""
     if not isinstance(record, dict):
         raise BadInput(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if preference := next((name for name in PREFERENCE_FIELDS if name in record), None):
+        raise BadInput(
+            f"{where}: field '{preference}' makes it a preference record; train.stage sft learns one answer per "
+            "prompt ('output' or the last assistant turn), so preference data is not SFT data (`llmops data validate` "
+            "reads it)"
+        )
     fmt = detect_format(record, where) if fmt == "auto" else fmt
     if fmt == "alpaca":
-        instruction = _text(record, "instruction", where)
-        extra = _text(record, "input", where, required=False)
-        output = _text(record, "output", where)
-        system = _text(record, "system", where, required=False)
+        instruction = string_field(record, "instruction", where)
+        extra = string_field(record, "input", where, required=False)
+        output = string_field(record, "output", where)
+        system = string_field(record, "system", where, required=False)
         prompt = Message(role="user", content=f"{instruction}\n\n{extra}" if extra else instruction)
         answer = Message(role="assistant", content=output)
         return [*([Message(role="system", content=system)] if system else []), prompt, answer]
-    field, role_key, content_key = (
-        ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
-    )
+    field = TURNS[fmt][0]
+    messages = turns_of(record, fmt, where)
+    if not alternates(messages, ending="assistant"):
+        raise BadInput(f"{where}: field '{field}' must alternate user/assistant turns and end with the assistant")
+    return messages
+
+
+TURNS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages", "role", "content")}
+
+
+def turns_of(record: dict, fmt: str, where: str) -> Conversation:
+    """The turns of a sharegpt or openai record as messages, each role and content checked (not their order)."""
+    field, role_key, content_key = TURNS[fmt]
     turns = record.get(field)
     if not isinstance(turns, list) or not turns:
         raise BadInput(f"{where}: field '{field}' must be a non-empty list")
-    messages: Conversation = []  # the turns, validated one by one
-    for i, turn in enumerate(turns):
-        at = f"{where}: {field}[{i}]"
-        if not isinstance(turn, dict):
-            raise BadInput(f"{at}: expected an object")
-        given = _text(turn, role_key, at)
-        role = ROLES_SHAREGPT.get(given) if fmt == "sharegpt" else (given if given in ROLES_OPENAI else None)
-        if role is None:
-            raise BadInput(f"{at}.{role_key}: unknown role {given!r}")
-        messages.append(Message(role=role, content=_text(turn, content_key, at)))
-    body = messages[1:] if messages[0]["role"] == "system" else messages
+    return [turn_message(turn, fmt, f"{where}: {field}[{i}]") for i, turn in enumerate(turns)]
+
+
+def turn_message(turn, fmt: str, at: str) -> Message:
+    """One sharegpt ({from, value}) or openai ({role, content}) turn as a message."""
+    _, role_key, content_key = TURNS[fmt]
+    if not isinstance(turn, dict):
+        raise BadInput(f"{at}: expected an object")
+    given = string_field(turn, role_key, at)
+    role = ROLES_SHAREGPT.get(given) if fmt == "sharegpt" else (given if given in ROLES_OPENAI else None)
+    if role is None:
+        raise BadInput(f"{at}.{role_key}: unknown role {given!r}")
+    return Message(role=role, content=string_field(turn, content_key, at))
+
+
+def alternates(messages: Conversation, ending: str) -> bool:
+    """An optional system turn, then user and assistant turns in turn, the last one `ending`'s."""
+    body = messages[1:] if messages and messages[0]["role"] == "system" else messages
     expected = ["user", "assistant"] * (len(body) // 2 + 1)
-    if not body or [m["role"] for m in body] != expected[: len(body)] or len(body) % 2:
-        raise BadInput(f"{where}: field '{field}' must alternate user/assistant turns and end with the assistant")
-    return messages
+    return bool(body) and [m["role"] for m in body] == expected[: len(body)] and body[-1]["role"] == ending
 
 
 def record_hash(messages: Conversation, salt: str = "") -> str:

@@ -380,3 +380,21 @@ def test_a_users_data_is_split_on_its_own_and_too_little_of_it_is_refused_before
         )
     )
     assert not (tmp_path / "home").exists()  # refused before any server, store or MLflow database
+
+
+def test_data_validate_reads_preference_pairs_and_refuses_a_bad_one(tmp_path):
+    pairs = ROOT / "profiles" / "data" / "antonym-pairs.jsonl"
+    result = llmops("data", "validate", str(pairs))
+    assert result.returncode == 0, result.stderr
+    assert "valid preference pair (chosen/rejected) records" in result.stdout
+    assert "prompts                61" in result.stdout and "train / eval pairs     56 / 5" in result.stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"instruction": "a", "chosen": "b", "rejected": "c"}\n{"instruction": "x", "chosen": "y", "rejected": ""}\n'
+    )
+    result = llmops("data", "validate", str(bad))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"llmops: error: data file {bad} line 2: field 'rejected' is empty"]
+    result = llmops("run", "--data", str(pairs), env_home=tmp_path / "home")  # train.stage sft: refused first
+    assert result.returncode == 2 and "line 1: field 'chosen' makes it a preference record" in result.stderr
+    assert not (tmp_path / "home").exists()

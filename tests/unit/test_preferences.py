@@ -1,0 +1,147 @@
+"""Preference data (issue 78): LlamaFactory's pair and KTO layouts read, refused with one line naming the line and
+field, split by prompt, and written so that LlamaFactory's own DPO and KTO data pipeline reads every example."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.data.preferences import normalize_preference, read_preferences
+from tasks.data.records import SourceFile, normalize, record_hash
+from tasks.platform.config import DataSection
+from tasks.platform.errors import BadInput
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = DataSection(source="pairs.jsonl")
+
+
+def jsonl(name: str, rows: list) -> SourceFile:
+    return SourceFile(name, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def pair(i: int, chosen: str = "cold", rejected: str = "hot") -> dict:
+    return {"instruction": f"What is the opposite of word {i}?", "chosen": chosen, "rejected": rejected}
+
+
+def test_the_three_layouts_read_as_the_same_pair():
+    alpaca = {"instruction": "Opposite of hot?", "chosen": "cold", "rejected": "warm", "system": "Be brief."}
+    sharegpt = {
+        "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Opposite of hot?"}],
+        "chosen": {"from": "gpt", "value": "cold"},
+        "rejected": {"from": "gpt", "value": "warm"},
+    }
+    openai = {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Opposite of hot?"}],
+        "chosen": "cold",
+        "rejected": {"role": "assistant", "content": "warm"},
+    }
+    read = [normalize_preference(r, "auto", "here") for r in (alpaca, sharegpt, openai)]
+    assert read[0] == read[1] == read[2]
+    assert read[0].prompt[-1] == {"role": "user", "content": "Opposite of hot?"} and read[0].kind == "pairs"
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ({"instruction": "q", "chosen": "a", "rejected": ""}, "line 1: field 'rejected' is empty"),
+        (
+            {"instruction": "q", "chosen": " a", "rejected": "a "},
+            "line 1: fields 'chosen' and 'rejected' hold the same",
+        ),
+        ({"instruction": "q", "chosen": "a"}, "line 1: field 'rejected' is missing"),
+        (
+            {"instruction": "q", "chosen": "a", "rejected": 3},
+            "line 1: field 'rejected' must be a string or an assistant",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}],
+                "chosen": {"role": "user", "content": "a"},
+                "rejected": "b",
+            },
+            "line 1: field 'chosen' is a user turn; it must be the assistant's",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "chosen": "a",
+                "rejected": "b",
+            },
+            "line 1: field 'messages' must alternate user/assistant turns and end with the user",
+        ),
+        (
+            {"instruction": "q", "output": "a", "kto_tag": "yes"},
+            "line 1: field 'kto_tag' must be true or false, got str",
+        ),
+        ({"instruction": "q", "kto_tag": True}, "line 1: field 'output' is missing"),
+    ],
+)
+def test_a_bad_record_is_refused_naming_its_line_and_field(record, error):
+    with pytest.raises(BadInput) as refused:
+        read_preferences([jsonl("pairs.jsonl", [record, pair(1)])], CFG)
+    assert str(refused.value).startswith(f"data file pairs.jsonl {error}")
+
+
+def test_a_second_kind_in_one_dataset_is_refused_naming_the_first():
+    kto = {"instruction": "q", "output": "a", "kto_tag": False}
+    with pytest.raises(
+        BadInput, match=r"line 2: a KTO \(kto_tag\) record among preference pair .*line 1 was the first"
+    ):
+        read_preferences([jsonl("pairs.jsonl", [pair(1), kto])], CFG)
+
+
+def test_sft_refuses_a_preference_record_naming_its_field():
+    with pytest.raises(BadInput, match="here: field 'chosen' makes it a preference record; train.stage sft"):
+        normalize(pair(1), "auto", "here")
+
+
+def test_a_prompts_pairs_stay_in_one_split_and_duplicates_are_dropped():
+    rows = [pair(i, chosen=answer) for i in range(60) for answer in ("cold", "chilly", "icy")]
+    data = read_preferences([jsonl("pairs.jsonl", [*rows, rows[0]])], CFG)
+    assert (data.read, data.duplicates, data.prompts) == (181, 1, 60)
+    train_prompts = {record_hash(r.prompt) for r in data.train}
+    eval_prompts = {record_hash(r.prompt) for r in data.eval}
+    assert not train_prompts & eval_prompts and len(eval_prompts) == data.eval_prompts > 0
+    assert len(data.train) == 3 * len(train_prompts) and len(data.eval) == 3 * len(eval_prompts)
+    shuffled = read_preferences([jsonl("pairs.jsonl", rows[::-1])], CFG)
+    assert shuffled.fingerprint == data.fingerprint and len(shuffled.eval) == len(data.eval)
+
+
+def read_by_llamafactory(tmp_path, *datasets: list[dict]) -> list[list[dict]]:
+    """What LlamaFactory's own DPO or KTO data pipeline makes of each dataset as we write it
+    (tests/llamafactory_pairs.py, one process for all)."""
+    files = []
+    for index, rows in enumerate(datasets):
+        files.append(tmp_path / f"data-{index}.jsonl")
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf")}
+    script = ROOT / "tests" / "llamafactory_pairs.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), *map(str, files)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Skipping this abnormal example" not in done.stderr + done.stdout
+    printed = [
+        json.loads(line.removeprefix("EXAMPLE ")) for line in done.stdout.splitlines() if line.startswith("EXAMPLE ")
+    ]
+    return [[e for e in printed if e["file"] == index] for index in range(len(datasets))]
+
+
+def test_llamafactory_reads_every_pair_and_every_rated_answer_we_write(tmp_path):
+    pairs = [json.loads(line) for line in (ROOT / "profiles" / "data" / "antonym-pairs.jsonl").read_text().splitlines()]
+    rated = [{"instruction": f"Opposite of word {i}?", "output": "cold", "kto_tag": i % 2 == 0} for i in range(40)]
+    read_pairs, read_rated = read_by_llamafactory(tmp_path, pairs, rated)
+    expected = read_preferences([jsonl("pairs.jsonl", pairs)], CFG)
+    assert len(read_pairs) == len(expected.train)
+    for example, record in zip(read_pairs, expected.train, strict=True):
+        assert record.chosen in example["chosen"] and record.rejected in example["rejected"], example
+    tags = {record.desirable for record in read_preferences([jsonl("kto.jsonl", rated)], CFG).train}
+    assert read_rated and {e["kto_tag"] for e in read_rated} == tags == {True, False}
+    assert all("cold" in e["answer"] for e in read_rated)
