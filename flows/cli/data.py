@@ -177,7 +177,7 @@ def push_data(args) -> str:
 
 def validate_data(args) -> str:
     from tasks.data.preferences import is_preference_data
-    from tasks.data.records import read_data, read_source
+    from tasks.data.records import clean_and_split, read_exams, read_source
     from tasks.platform.config import load_profile
 
     overrides = [f"data.format={args.format}"] if args.format else []
@@ -186,7 +186,7 @@ def validate_data(args) -> str:
     files = read_source(cfg.source)
     if is_preference_data(files):
         return preference_lines(files, profile, args.eval_data)
-    data = read_data(cfg)
+    data = clean_and_split(files, cfg, *read_exams(cfg))  # the files read once
     stats = data.stats
     lines = [
         f"data {cfg.source}: valid ({cfg.format} format)",

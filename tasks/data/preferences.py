@@ -19,6 +19,7 @@ from typing import Literal
 
 from tasks.data.records import (
     HARVESTED,
+    PREFERENCE_FIELDS,
     SourceFile,
     alternates,
     detect_format,
@@ -53,11 +54,12 @@ class PreferenceRecord:
         return "kto" if self.desirable is not None else "pairs"
 
     def digest(self) -> str:
-        return record_hash([*self.prompt, Message(role="assistant", content=f"{self.chosen}\0{self.rejected}")])
+        answers = f"{self.chosen}\0{self.rejected}\0{self.desirable}"  # one answer rated both ways is two records
+        return record_hash([*self.prompt, Message(role="assistant", content=answers)])
 
 
 def is_preference_record(record) -> bool:
-    return isinstance(record, dict) and any(name in record for name in ("chosen", "rejected", "kto_tag"))
+    return isinstance(record, dict) and any(name in record for name in PREFERENCE_FIELDS)
 
 
 def normalize_preference(record, fmt: str, where: str) -> PreferenceRecord:

@@ -145,3 +145,9 @@ def test_llamafactory_reads_every_pair_and_every_rated_answer_we_write(tmp_path)
     tags = {record.desirable for record in read_preferences([jsonl("kto.jsonl", rated)], CFG).train}
     assert read_rated and {e["kto_tag"] for e in read_rated} == tags == {True, False}
     assert all("cold" in e["answer"] for e in read_rated)
+
+
+def test_one_answer_rated_both_ways_is_two_records_not_a_duplicate():
+    rated = [{"instruction": f"q{i}", "output": "a", "kto_tag": tag} for i in range(30) for tag in (True, False, True)]
+    data = read_preferences([jsonl("kto.jsonl", rated)], CFG)
+    assert data.duplicates == 30 and len(data.train) + len(data.eval) == 60
