@@ -71,15 +71,19 @@ def registry(home: Path):
 
 def tritons_under(pid: int) -> list:
     """The tritonserver processes under a process: one that exits while the tree is read (a replica the service
-    stopped, a start that died) is not counted, where psutil would raise NoSuchProcess on its name."""
+    stopped, a start that died) is not counted, where psutil would raise NoSuchProcess on its name. Nor is a
+    tritonserver's own child: the Python backend forks one per model instance and only then execs bash and the stub
+    (python_backend src/stub_launcher.cc, Launch: fork, then execvp("bash", ...)), so a model loading shows a child
+    named tritonserver for a moment (CI counted 3 where the serve ran 2)."""
     import psutil
 
-    tritons = []
+    found = {}  # a tritonserver: its parent's pid
     for child in psutil.Process(pid).children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
             if child.name() == "tritonserver":
-                tritons.append(child)
-    return tritons
+                found[child] = child.ppid()
+    pids = {triton.pid for triton in found}
+    return [triton for triton, parent in found.items() if parent not in pids]
 
 
 def s3_env(endpoint: str) -> dict:
