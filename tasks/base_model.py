@@ -1,7 +1,8 @@
 """base_model: the model LoRA adapts.
 
 GPU profiles name a hub id, a local folder or an s3:// prefix, copied into the store so the
-run's lineage pins exact weights. With no model hub reachable, `tiny-qwen2` makes a
+run's lineage pins exact weights; a registered version (`models:/NAME@champion`) names the merged model an earlier
+release of this registry made (SFT, then DPO on it). With no model hub reachable, `tiny-qwen2` makes a
 Qwen2-shaped model here: a byte-level BPE trained on the task's text with a ChatML chat
 template, then a short full-parameter pretrain on that text. A purely random base barely
 learns under LoRA (the tied output layer is not a LoRA target), hence the pretrain.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tasks.data.splits import load_split
 from tasks.platform.config import BaseModelSection, TinyModel
@@ -172,9 +174,51 @@ def copy_model(source: str, out_dir: Path) -> BaseModelMetrics:
     return BaseModelMetrics()
 
 
+REGISTERED = "models:/"
+
+
+def registered_merge(ctx: RunContext, source: str) -> str:
+    """The store digest of the merged model a registered version of this run's registry released: `models:/NAME@ALIAS`
+    or `models:/NAME/VERSION` (MLflow's model URI forms), such as an SFT release's champion a DPO release tunes."""
+    from mlflow.exceptions import MlflowException
+
+    from tasks.platform.tracking import not_found
+
+    named = source.removeprefix(REGISTERED)
+    client = ctx.tracker.client
+    try:
+        if "@" in named:
+            name, alias = named.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        elif "/" in named:
+            name, number = named.rsplit("/", 1)
+            version = client.get_model_version(name, number)
+        else:
+            raise BadInput(f"base_model.source {source}: a registered model is models:/NAME@ALIAS or models:/NAME/N")
+    except MlflowException as exc:
+        if not_found(exc):
+            raise BadInput(
+                f"base_model.source {source}: no such registered version in {ctx.tracker.tracking_uri} (release that "
+                "model first, e.g. `llmops run --profile cpu-tiny` for tiny-qwen2-antonyms)"
+            ) from None
+        raise
+    digest = version.tags.get("artifact.merge.sha256")
+    if not digest:
+        raise BadInput(f"base_model.source {source}: version {version.version} names no merged model (artifact.merge)")
+    return digest
+
+
 def base_model(ctx: RunContext, data: StageResult) -> StageResult:
     cfg: BaseModelSection = ctx.profile.base_model
-    if cfg.source == "tiny-qwen2":
+    if cfg.source.startswith(REGISTERED):
+        merged = registered_merge(ctx, cfg.source)
+        logger().info(f"base_model: {cfg.source} is the merged model {merged[:12]}")
+        key: dict[str, Any] = {"registered": merged}  # the weights, whichever alias or version named them
+
+        def produce(out_dir: Path) -> dict:
+            shutil.copytree(ctx.store.fetch(merged), out_dir, dirs_exist_ok=True)
+            return BaseModelMetrics().as_mlflow()
+    elif cfg.source == "tiny-qwen2":
         key = {"data": data.artifact.digest, "tiny": cfg.tiny.model_dump()}
 
         def produce(out_dir: Path) -> dict:

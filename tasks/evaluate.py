@@ -1,10 +1,10 @@
 """evaluate: base vs candidate (base + adapter) on the held-out split, on the metric the profile gates on.
 
-Every metric is computed for both models, per sample (tasks/quality/metrics.py): exact match, ROUGE-1/2/L
-and BLEU-4 of the greedy answer, and the answer-token loss (the loss LlamaFactory trains on: answer
-tokens and the closing <|im_end|>, prompt masked) with its perplexity. `evaluate.metric` picks the
-one the checks use; `answer_loss` is lower-is-better and the checks turn around for it. Prompts are
-encoded with the tokenizer's chat template, answers separately, the way LlamaFactory's template
+Every metric is computed for both models, per sample (tasks/quality/metrics.py): exact match, ROUGE-1/2/L and BLEU-4
+of the greedy answer, and the answer-token loss (the loss LlamaFactory trains on: answer tokens and the closing
+<|im_end|>, prompt masked) with its perplexity; on preference pairs the preference accuracy (chosen more likely than
+rejected). `evaluate.metric` picks the one the checks use; `answer_loss` is lower-is-better and the checks turn around
+for it. Prompts are encoded with the tokenizer's chat template, answers separately, the way LlamaFactory's template
 encodes them, so the eval sees the same token boundaries as training.
 
 Where the profile leaves them `auto`, the metric and the answer length are decided from the eval split's
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from tasks.data.splits import eval_conversations, require_samples
+from tasks.data.splits import eval_conversations, eval_rejected, require_samples
 from tasks.platform.config import EvaluateSection, Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
@@ -51,6 +51,8 @@ from tasks.quality.scoring import (
 from tasks.quality.stats import Difference, paired_difference
 from tasks.reporting.evidence import release_folder
 from tasks.serving.eval_engine import EngineAnswers, answer_on_engine, engine_version
+
+REQUIRED = ("base", "candidate", "improvement", "samples")  # EvaluationMetrics' fields without a default
 
 
 @dataclass
@@ -93,18 +95,7 @@ class EvaluationMetrics(StageMetrics):
         return found
 
     def as_mlflow(self) -> dict[str, float | str]:
-        optional = {
-            "improvement_low": self.improvement_low,
-            "improvement_high": self.improvement_high,
-            "permutation_base": self.permutation_base,
-            "permutation_candidate": self.permutation_candidate,
-            "beyond_permutation": self.beyond_permutation,
-            "beyond_permutation_low": self.beyond_permutation_low,
-            "beyond_permutation_high": self.beyond_permutation_high,
-            "judged": self.judged,
-            "metric_why": self.metric_why,
-            "answer_tokens": self.answer_tokens,
-        }
+        optional = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in REQUIRED}
         return {
             **{f"base_{name}": value for name, value in self.base.items()},
             **{f"candidate_{name}": value for name, value in self.candidate.items()},
@@ -118,22 +109,8 @@ class EvaluationMetrics(StageMetrics):
         def role(prefix: str) -> dict[str, float]:
             return {k.removeprefix(prefix): v for k, v in values.items() if k.startswith(prefix)}
 
-        return cls(
-            role("base_"),
-            role("candidate_"),
-            values["improvement"],
-            values["samples"],
-            values.get("improvement_low"),
-            values.get("improvement_high"),
-            values.get("permutation_base"),
-            values.get("permutation_candidate"),
-            values.get("beyond_permutation"),
-            values.get("beyond_permutation_low"),
-            values.get("beyond_permutation_high"),
-            values.get("judged"),
-            values.get("metric_why"),
-            values.get("answer_tokens"),
-        )
+        optional = {f.name: values.get(f.name) for f in fields(cls) if f.name not in REQUIRED}
+        return cls(role("base_"), role("candidate_"), values["improvement"], values["samples"], **optional)
 
     def headline(self, metric: str) -> str:
         """`rouge_l 0.117 -> 0.891 (open-ended references: ...; answers up to 74 tokens)`: the run's table says the
@@ -192,9 +169,11 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
         if cfg.engine == "vllm":
             base_scores, candidate_scores = engine_scores(ctx, base_dir, adapter_dir, tokenizer, conversations)
         else:
-            compute = Compute.of(ctx.profile)
-            base_scores = score(load_model(base_dir, compute=compute), tokenizer, conversations, cfg)
-            candidate_scores = score(load_model(base_dir, adapter_dir, compute), tokenizer, conversations, cfg)
+            compute, rejected = Compute.of(ctx.profile), eval_rejected(ctx, data, cfg.max_samples)
+            base_scores, candidate_scores = (  # one model in memory at a time
+                score(load_model(base_dir, adapter, compute), tokenizer, conversations, cfg, rejected)
+                for adapter in (None, adapter_dir)
+            )
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
         baseline = permutation_baseline(cfg, conversations, base_scores, candidate_scores)
         judging = decide(cfg, conversations, tokenizer)[1]  # as judged_as said it: cfg is decided already
@@ -324,10 +303,11 @@ def write_evaluation(
 
 def score_table(result: EvaluationMetrics, baseline: Baseline | None = None) -> str:
     """Base and candidate, one row each, every metric a column; the permutation baseline below where it was scored."""
-    names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity"]
-    header = "  " + " " * 10 + " ".join(f"{n:>11}" for n in names)
+    names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity", *sorted({"preference_accuracy"} & set(result.base))]
+    widths = [max(11, len(n)) for n in names]
+    header = "  " + " " * 10 + " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
     rows = [
-        f"  {label:<9} " + " ".join(f"{means[n]:>11.3f}" for n in names)
+        f"  {label:<9} " + " ".join(f"{means[n]:>{w}.3f}" for n, w in zip(names, widths, strict=True))
         for label, means in (("base", result.base), ("candidate", result.candidate))
     ]
     if baseline is not None:

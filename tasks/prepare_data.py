@@ -1,8 +1,8 @@
-"""prepare_data: read, validate, clean, split and fingerprint an SFT dataset.
+"""prepare_data: read, validate, clean, split and fingerprint the dataset the train stage learns from.
 
-Every record is normalised to OpenAI-style messages (tasks/data/records.py) and written in LlamaFactory's
-sharegpt layout with a `dataset_info.json` (tasks/data/splits.py), so training reads exactly what was
-validated here.
+SFT records are normalised to OpenAI-style messages (tasks/data/records.py); preference pairs and KTO's rated answers
+(train.stage dpo, kto) are read as tasks/data/preferences.py says. Either is written in LlamaFactory's sharegpt layout
+with a `dataset_info.json` (tasks/data/splits.py), so training reads exactly what was validated here.
 """
 
 from __future__ import annotations
@@ -11,9 +11,24 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.data.records import CleanData, clean_and_split, read_exams, read_source, source_digest
+from tasks.data.preferences import (
+    PreferenceData,
+    PreferenceKind,
+    describe_kind,
+    read_preferences,
+    write_preference_dataset,
+)
+from tasks.data.records import (
+    CleanData,
+    SourceFile,
+    clean_and_split,
+    read_data,
+    read_exams,
+    read_source,
+    source_digest,
+)
 from tasks.data.splits import load_split, require_samples, write_dataset
-from tasks.platform.config import EvaluateSection, TrainSection
+from tasks.platform.config import DataSection, EvaluateSection, TrainSection
 from tasks.platform.errors import BadInput
 from tasks.platform.stage_cache import RunContext, StageMetrics, StageResult, logger, run_cached
 
@@ -37,6 +52,8 @@ class DatasetMetrics(StageMetrics):
     harvested_records: int | None = None  # records the flywheel harvested from served traffic (gate.approval)
     harvested_with_history: int | None = None  # ... of which a client wrote earlier assistant turns (mask_history)
     eval_split: str | None = None  # where the eval split came from: "hash split of qa.jsonl" (a tag, not a metric)
+    preference: str | None = None  # train.stage dpo/kto: "pairs" or "kto" (a tag)
+    prompts: int | None = None  # ... the distinct prompts, which the split keeps whole
 
     @classmethod
     def of_data(cls, data: CleanData) -> DatasetMetrics:
@@ -47,9 +64,45 @@ class DatasetMetrics(StageMetrics):
             eval_split=data.eval_split,
         )
 
+    @classmethod
+    def of_preferences(cls, data: PreferenceData, names: str) -> DatasetMetrics:
+        return cls(
+            records_read=data.read,
+            duplicates_dropped=data.duplicates,
+            empty_answers_dropped=0,  # an empty answer is refused, naming its line
+            records=len(data.train) + len(data.eval),
+            train_records=len(data.train),
+            eval_records=len(data.eval),
+            fingerprint=data.fingerprint,
+            eval_split=f"hash split of {names} by prompt",
+            preference=data.kind,
+            prompts=data.prompts,
+        )
+
     def headline(self) -> str:
         origin = f" ({self.eval_split})" if self.eval_split else ""
-        return f"{self.train_records} train / {self.eval_records} eval{origin}"
+        kind = f" {'pairs' if self.preference == 'pairs' else 'rated answers'}" if self.preference else ""
+        return f"{self.train_records} train / {self.eval_records} eval{kind}{origin}"
+
+
+def preference_data(files: list[SourceFile], cfg: DataSection, stage: str) -> PreferenceData:
+    """The preference records train.stage `stage` learns from: pairs for dpo, rated answers for kto."""
+    data = read_preferences(files, cfg)
+    wanted: PreferenceKind = "pairs" if stage == "dpo" else "kto"
+    if data.kind != wanted:
+        raise BadInput(
+            f"data {cfg.source}: train.stage {stage} learns from {describe_kind(wanted)} records; these are "
+            f"{describe_kind(data.kind)} records"
+        )
+    return data
+
+
+def read_dataset(cfg: DataSection, stage: str) -> DatasetMetrics:
+    """What prepare_data would report of this data, read and validated here (`llmops run` checks local data first)."""
+    if stage == "sft":
+        return DatasetMetrics.of_data(read_data(cfg))
+    files = read_source(cfg.source)
+    return DatasetMetrics.of_preferences(preference_data(files, cfg, stage), ", ".join(f.name for f in files))
 
 
 def prepare_data(ctx: RunContext) -> StageResult:
@@ -57,7 +110,18 @@ def prepare_data(ctx: RunContext) -> StageResult:
     files = read_source(cfg.source)
     eval_files, harvest_eval_files = read_exams(cfg)
 
+    stage = ctx.profile.train.stage
+
     def produce(out_dir: Path) -> dict:
+        if stage != "sft":
+            preferences = preference_data(files, cfg, stage)
+            write_preference_dataset(preferences, out_dir)
+            metrics = DatasetMetrics.of_preferences(preferences, ", ".join(f.name for f in files))
+            logger().info(
+                f"prepare_data: {metrics.records_read} read, {metrics.duplicates_dropped} duplicates dropped, "
+                f"{metrics.prompts} prompts, {metrics.headline()}"
+            )
+            return metrics.as_mlflow()
         data = clean_and_split(files, cfg, eval_files, harvest_eval_files)
         refuse_unmasked_history(DatasetMetrics.of_data(data), ctx.profile.train, cfg.source)  # before writing
         write_dataset(data, out_dir)
@@ -76,6 +140,7 @@ def prepare_data(ctx: RunContext) -> StageResult:
             "eval_source": source_digest(eval_files) if eval_files else None,
             "harvest_eval_source": source_digest(harvest_eval_files) if harvest_eval_files else None,
             "config": cfg.model_dump(exclude={"source", "eval_source", "harvest_eval_source"}),
+            **({"preference": stage} if stage != "sft" else {}),  # an SFT key as before: the caches stay
         },
         produce,
         headline=lambda m: DatasetMetrics.from_mlflow(m).headline(),

@@ -58,6 +58,8 @@ def lineage_tags(ctx: RunContext, stages: list[StageResult], fingerprint: str, f
         "code.version": code_version(),
         "prefect.flow_run_id": flow_run_id,
         "mlflow.run_id": ctx.tracker.run_id,
+        "train.stage": ctx.profile.train.stage,
+        "base_model.source": ctx.profile.base_model.source,  # models:/NAME/N: the release this one tuned further
     }
     for stage in stages:
         if stage.stage == "evaluate":

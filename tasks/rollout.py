@@ -23,9 +23,9 @@ from tasks.platform.errors import CheckFailed, LostService, RampFailed, Registry
 from tasks.platform.run_log import exit_code
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.platform.store import outlast_outage
+from tasks.platform.tracking import not_found
 from tasks.reporting.evidence import CANARY_STEPS, release_folder
 from tasks.serving import prometheus
-from tasks.serving.champion import not_found
 from tasks.serving.service import ServiceControl
 
 POLL_S = 0.5  # the release's probes between two reads of the rollout's status

@@ -1,4 +1,4 @@
-"""train: LlamaFactory SFT (LoRA or QLoRA) run the way LlamaFactory is run, `llamafactory-cli train cfg.yaml`.
+"""train: LlamaFactory SFT, DPO or KTO (LoRA or QLoRA) run the way LlamaFactory is run, `llamafactory-cli train cfg.yaml`.
 
 The parent process follows LlamaFactory's `trainer_log.jsonl` while training runs: each
 logging step goes to MLflow (`train/loss`, `train/learning_rate`) and to the terminal/Prefect
@@ -70,8 +70,10 @@ def llamafactory_config(
     hardware: HardwareSection | None = None,
     shared_disk: bool = True,
 ) -> dict:
-    """The YAML LlamaFactory reads, under its own key names."""
-    args = cfg.model_dump(exclude={"extra_args"}, exclude_none=True)
+    """The YAML LlamaFactory reads, under its own key names. The preference settings go to dpo and kto only (an SFT
+    run's YAML is as before); mask_history to sft only (LlamaFactory refuses it elsewhere: hparams/parser.py,
+    "`train_on_prompt` or `mask_history` cannot be set as True except SFT")."""
+    args = {key: value for key, value in settings(cfg).items() if key != "extra_args" and value is not None}
     if cfg.finetuning_type != "lora":
         for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target"):
             args.pop(key, None)
@@ -100,6 +102,15 @@ def llamafactory_config(
         args["resume_from_checkpoint"] = str(resume_from)
     args.update(cfg.extra_args)
     return args
+
+
+PREFERENCE_SETTINGS = {"pref_beta", "pref_loss", "pref_ftx"}
+
+
+def settings(cfg: TrainSection) -> dict:
+    """The train section as this stage uses it: the preference settings with dpo and kto only, mask_history with sft
+    only (so an SFT run's cache key and YAML are what they were before train.stage had other values)."""
+    return cfg.model_dump(exclude=PREFERENCE_SETTINGS if cfg.stage == "sft" else {"mask_history"})
 
 
 def global_batch_size(cfg: TrainSection, hardware: HardwareSection) -> int:
@@ -143,14 +154,17 @@ class TrainingFollower:
         for line in complete.decode().splitlines():
             entry = json.loads(line)
             step, total = entry.get("current_steps", 0), entry.get("total_steps", 0)
-            metrics = {k: entry[k] for k in ("loss", "lr", "epoch", "throughput") if k in entry}
+            # accuracy: the dpo trainer's share of a step's pairs whose chosen answer out-rewards the rejected one
+            # (LlamaFactory's train/callbacks.py, LogCallback.on_log: `rewards/accuracies`)
+            metrics = {k: entry[k] for k in ("loss", "lr", "epoch", "throughput", "accuracy") if k in entry}
             if "lr" in metrics:
                 metrics["learning_rate"] = metrics.pop("lr")
             self.ctx.tracker.log_metrics("train", metrics, step=step)
             self.last_step = step
             if "loss" in entry:
+                accuracy = f" pair accuracy {entry['accuracy']:.2f}" if "accuracy" in entry else ""
                 logger().info(
-                    f"train: step {step}/{total} ({entry.get('percentage', 0):.0f}%) loss {entry['loss']:.4f} "
+                    f"train: step {step}/{total} ({entry.get('percentage', 0):.0f}%) loss {entry['loss']:.4f}{accuracy} "
                     f"lr {metrics.get('learning_rate', 0):.2e} elapsed {entry.get('elapsed_time', '?')} "
                     f"eta {entry.get('remaining_time', '?')}"
                 )
@@ -217,7 +231,7 @@ def stage_inputs(ctx: RunContext, data: StageResult, base: StageResult) -> dict:
     return {
         "data": data.artifact.digest,
         "base": base.artifact.digest,
-        "train": cfg.model_dump(),
+        "train": settings(cfg),
         "deepspeed": zero.digest if zero else None,
         "gpus": hardware.gpus,
         "nodes": hardware.nodes,

@@ -167,13 +167,12 @@ def take_attach_options(args) -> None:
 def validate_local_data(profile) -> None:
     """Bad local data, and an eval split too small to decide on, fail here, in a second or two, before Prefect's API
     server or any stage starts. (Data on S3 is validated by prepare_data, which retries S3 faults.)"""
-    from tasks.data.records import read_data
-    from tasks.prepare_data import DatasetMetrics, refuse_too_few_samples
+    from tasks.prepare_data import read_dataset, refuse_too_few_samples
 
     data = profile.data
     sources = [data.source, data.eval_source, data.harvest_eval_source]
     if not any(source and source.startswith("s3://") for source in sources):
-        refuse_too_few_samples(DatasetMetrics.of_data(read_data(data)), profile.evaluate)
+        refuse_too_few_samples(read_dataset(data, profile.train.stage), profile.evaluate)
 
 
 def summary(result) -> str:

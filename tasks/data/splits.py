@@ -38,7 +38,24 @@ def write_dataset(data: CleanData, out_dir: Path) -> None:
 
 
 def load_split(folder: Path, split: str) -> list[Conversation]:
-    return [row["messages"] for row in json.loads((folder / f"{split}.json").read_text())]
+    """A split's conversations, each ending with its reference answer: an SFT record's own; a preference pair's
+    chosen answer (tasks/data/preferences.py, llamafactory_rows); a KTO answer only where it was rated desirable."""
+    conversations = []
+    for row in json.loads((folder / f"{split}.json").read_text()):
+        if "chosen" in row:
+            conversations.append([*row["messages"], row["chosen"]])
+        elif row.get("kto_tag", True):
+            conversations.append(row["messages"])
+    return conversations
+
+
+def load_rejected(folder: Path, split: str) -> list[Conversation] | None:
+    """A split of preference pairs as load_split reads it, with each rejected answer in place of the chosen one; None
+    for a split of other records."""
+    rows = json.loads((folder / f"{split}.json").read_text())
+    if not rows or "rejected" not in rows[0]:
+        return None
+    return [[*row["messages"], row["rejected"]] for row in rows]
 
 
 def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[Conversation]:
@@ -47,6 +64,12 @@ def eval_conversations(ctx: RunContext, data: StageResult, limit: int | None = N
 
 
 ADD_SAMPLES = "add data, raise data.eval_fraction, or name a held-out set with --eval-data (data.eval_source)"
+
+
+def eval_rejected(ctx: RunContext, data: StageResult, limit: int | None = None) -> list[Conversation] | None:
+    """The held-out pairs with their rejected answers, in eval_conversations' order; None where the data has no pairs."""
+    rejected = load_rejected(ctx.store.fetch(data.artifact.digest), "eval")
+    return None if rejected is None else rejected[:limit]
 
 
 def require_samples(

@@ -176,7 +176,7 @@ def refuse_unlisted_model(parameter: str, value: str) -> None:
     gate.approval harvested by default one promotes without a person. An s3:// prefix or a folder (what copy_model
     reads with the worker's keys and rights) must lie inside LLMOPS_RUN_LOCATIONS; a hub id must be on
     LLMOPS_RUN_MODELS; the tiny model made here from the run's own data needs neither."""
-    if value == "tiny-qwen2":
+    if value == "tiny-qwen2" or value.startswith("models:/"):  # a registered version: the run's own registry and store
         return
     if value.startswith(("s3://", "/", ".", "~")) or Path(value).exists():
         refuse_unlisted_location(parameter, value)

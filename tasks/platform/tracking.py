@@ -140,3 +140,11 @@ def end_failed(tracker: Tracker, exc: BaseException, warn: Callable[[str], None]
             f"MLflow: the failure was not recorded in run {tracker.run_id}, which stays RUNNING there "
             f"({type(unrecorded).__name__}: {str(unrecorded)[:200]})"
         )
+
+
+def not_found(exc) -> bool:
+    """MLflow's answer for a registered model or alias that does not exist: RESOURCE_DOES_NOT_EXIST for the model,
+    INVALID_PARAMETER_VALUE "Registered model alias NAME not found." for the alias (mlflow/store/model_registry/
+    sqlalchemy_store.py and file_store.py, get_model_version_by_alias)."""
+    code = getattr(exc, "error_code", "")
+    return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(exc))

@@ -5,6 +5,8 @@
 - bleu_4: sentence BLEU up to 4-grams over words (nltk, smoothing method 3).
 - answer_loss: mean cross-entropy of the reference answer's tokens given the prompt (computed by
   the model, tasks/evaluate.py); lower is better.
+- preference_accuracy: on preference pairs, 1 when the model gives the chosen answer a higher summed log-probability
+  than the rejected one given the prompt, else 0 (tasks/quality/scoring.py, preferred).
 
 Words: jieba segments Chinese (and other unsegmented text) into words and leaves space-separated
 words whole; whitespace is dropped. These are the segmenter and scorers LlamaFactory's own SFT
@@ -19,7 +21,13 @@ import logging
 from functools import lru_cache
 
 # The metrics the gate can decide on; True where higher is better.
-GATE_METRICS: dict[str, bool] = {"exact_match": True, "rouge_l": True, "bleu_4": True, "answer_loss": False}
+GATE_METRICS: dict[str, bool] = {
+    "exact_match": True,
+    "rouge_l": True,
+    "bleu_4": True,
+    "answer_loss": False,
+    "preference_accuracy": True,
+}
 TEXT_METRICS = ("exact_match", "rouge_1", "rouge_2", "rouge_l", "bleu_4")
 
 

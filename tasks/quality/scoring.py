@@ -45,9 +45,22 @@ def batches(items: list, size: int = BATCH):
 
 def answer_losses(model, tokenizer, conversations: list[Conversation]) -> list[float]:
     """Per sample, the mean cross-entropy of the answer's tokens (and the closing <|im_end|>) given the prompt."""
+    return [total / tokens for total, tokens in answer_nll(model, tokenizer, conversations)]
+
+
+def preferred(model, tokenizer, chosen: list[Conversation], rejected: list[Conversation]) -> list[float]:
+    """Per preference pair, 1.0 where the model gives the chosen answer a higher log-probability than the rejected
+    one given the same prompt (summed over the answer's tokens, as DPO's loss reads a policy), else 0.0."""
+    chosen_nll, rejected_nll = (answer_nll(model, tokenizer, side) for side in (chosen, rejected))
+    return [float(c < r) for (c, _), (r, _) in zip(chosen_nll, rejected_nll, strict=True)]
+
+
+def answer_nll(model, tokenizer, conversations: list[Conversation]) -> list[tuple[float, int]]:
+    """Per sample, the summed cross-entropy of the answer's tokens (and the closing <|im_end|>) given the prompt, and
+    how many tokens that is."""
     import torch
 
-    losses = []
+    losses: list[tuple[float, int]] = []
     for group in batches(conversations):
         rows = [(prompt_ids(tokenizer, c), answer_ids(tokenizer, c)) for c in group]
         width = max(len(p) + len(a) for p, a in rows)
@@ -65,7 +78,7 @@ def answer_losses(model, tokenizer, conversations: list[Conversation]) -> list[f
         target = labels[:, 1:]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
         counts = (target != -100).sum(dim=1).clamp(min=1)
-        losses += (nll.sum(dim=1) / counts).tolist()
+        losses += zip(nll.sum(dim=1).tolist(), counts.tolist(), strict=True)
     return losses
 
 
@@ -125,9 +138,20 @@ def scored_metric(values: dict, model: str) -> str | None:
     return next((name for name in metrics.TEXT_METRICS if f"{model}_{name}" in values), None)
 
 
-def score(model, tokenizer, conversations: list[Conversation], cfg: EvaluateSection) -> Scores:
+def score(
+    model,
+    tokenizer,
+    conversations: list[Conversation],
+    cfg: EvaluateSection,
+    rejected: list[Conversation] | None = None,
+) -> Scores:
+    """Every metric per sample; with `rejected` (the eval split's pairs with the rejected answers, tasks/data/splits.py
+    load_rejected), preference_accuracy too."""
     predictions = generate_answers(model, tokenizer, conversations, cfg.answer_tokens)
-    return scores_of(predictions, answer_losses(model, tokenizer, conversations), conversations)
+    scores = scores_of(predictions, answer_losses(model, tokenizer, conversations), conversations)
+    if rejected is not None:
+        scores.per_sample["preference_accuracy"] = preferred(model, tokenizer, conversations, rejected)
+    return scores
 
 
 def scores_of(predictions: list[str], losses: list[float], conversations: list[Conversation]) -> Scores:

@@ -13,6 +13,7 @@ from tasks.control.contract import RouteTable, Version
 from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed
 from tasks.platform.stage_cache import RunContext, logger
+from tasks.platform.tracking import not_found
 from tasks.serving import vllm as vllm_serving
 from tasks.serving.adapters import AdapterVersion, base_model_name, served_artifact
 from tasks.serving.models import MergedVersion, Served, model_name
@@ -137,14 +138,6 @@ def promoted_rollout(table: RouteTable) -> bool:
         and champion is not None
         and rollout.candidate == champion.name
     )
-
-
-def not_found(exc) -> bool:
-    """MLflow's answer for a registered model or alias that does not exist: RESOURCE_DOES_NOT_EXIST for the model,
-    INVALID_PARAMETER_VALUE "Registered model alias NAME not found." for the alias (mlflow/store/model_registry/
-    sqlalchemy_store.py and file_store.py, get_model_version_by_alias)."""
-    code = getattr(exc, "error_code", "")
-    return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(exc))
 
 
 def is_champion(ctx: RunContext, registered: Registered) -> bool:

@@ -756,6 +756,44 @@ def test_answers_shuffled_across_questions_are_refused_on_the_permutation_baseli
     assert all(stage in stages for stage in ("prepare_data", "base_model", "train")) and lineage == 3
 
 
+def test_dpo_on_the_first_releases_model_makes_it_prefer_the_held_out_chosen_answers_more_than_it_did(stack, first_run):
+    """Issue 78, SFT then DPO: `llmops run --profile cpu-tiny-dpo` on the first run's registered version (its merged SFT
+    model, found through the MLflow server and fetched from S3): LlamaFactory's DPO on antonym pairs of words the SFT
+    data never names, judged on the held-out pairs' preference accuracy (the chosen answer more likely than the
+    rejected one): the DPO model's is above the SFT model's, on its interval's lower bound, and it is registered with
+    that version's weights as its base. Registering only: the served path of a merged model is test_serving's."""
+    client = MlflowClient(stack.mlflow.url)
+    sft = client.get_model_version(MODEL, "1")
+    base = [*("--set", "base_model.source=models:/tiny-qwen2-antonyms/1", "--set", "serve.deploy=false")]
+    args = [
+        "run",
+        "--profile",
+        "cpu-tiny-dpo",
+        "--artifacts",
+        "s3://artifacts/llmops",
+        "--tracking-uri",
+        stack.mlflow.url,
+    ]
+    result = llmops(stack, *args, *base, "--set", "run.retry_delay_s=0.2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "199 train / 41 eval pairs (hash split of" in output
+    assert (
+        f"base_model: models:/tiny-qwen2-antonyms/1 is the merged model {sft.tags['artifact.merge.sha256'][:12]}"
+        in output
+    )
+    assert re.search(r"train: step \d+/\d+ \(\d+%\) loss [0-9.]+ pair accuracy [0-9.]+ ", output), output[-3000:]
+    run = latest_run(stack)
+    metrics = run.data.metrics
+    assert run.data.tags["evaluate.metric"] == "preference_accuracy" and "train/accuracy" in metrics
+    gained = metrics["evaluate/candidate_preference_accuracy"] - metrics["evaluate/base_preference_accuracy"]
+    assert gained > 0 and metrics["evaluate/improvement_low"] > 0, metrics
+    dpo = max(client.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
+    tags = client.get_model_version(MODEL, dpo.version).tags
+    assert tags["artifact.base_model.sha256"] == sft.tags["artifact.merge.sha256"] and tags["train.stage"] == "dpo"
+    assert tags["base_model.source"] == "models:/tiny-qwen2-antonyms/1"
+
+
 def test_store_gc_keeps_what_registered_versions_need_and_a_rerun_is_all_cache_hits(
     stack, first_run, tmp_path, monkeypatch
 ):

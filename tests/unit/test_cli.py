@@ -387,7 +387,7 @@ def test_data_validate_reads_preference_pairs_and_refuses_a_bad_one(tmp_path):
     result = llmops("data", "validate", str(pairs))
     assert result.returncode == 0, result.stderr
     assert "valid preference pair (chosen/rejected) records" in result.stdout
-    assert "prompts                61" in result.stdout and "train / eval pairs     56 / 5" in result.stdout
+    assert "prompts                240" in result.stdout and "train / eval pairs     199 / 41" in result.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
         '{"instruction": "a", "chosen": "b", "rejected": "c"}\n{"instruction": "x", "chosen": "y", "rejected": ""}\n'

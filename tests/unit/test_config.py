@@ -97,15 +97,17 @@ def test_profile_digest_changes_with_any_value():
 # and when serving could scale with its load (serve.autoscale, null by default), and when a user's own data was
 # judged as its references need (evaluate.metric and max_new_tokens auto, min_relative_improvement, permutation_check,
 # confidence 0.9 and min_improvement 0 by default; cpu-tiny's margin for its exam only; gate.quality_on_interval), and
-# when a release's liveness lease became seconds (canary.lease_s 15; canary.hold_s the approval hold alone).
+# when a release's liveness lease became seconds (canary.lease_s 15; canary.hold_s the approval hold alone), and when
+# preference tuning came (train.stage dpo/kto, pref_beta, pref_loss, pref_ftx; cpu-tiny-dpo).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "cdb8f0f14d858ace32c676eea1424c3a7aa36ad0d9d8f330b363d4e9690177e0",
-    "cpu-tiny-qa-zh": "72ddd62c236f6d0280badaeed02d74e3687a85917f7a748c39c2469c0621aee4",
-    "llama3-8b-h100-fp8": "a5f73247096261283c1821f05aa5ad7f4fe8d7dfae5c8798bb6e05e2a370a91c",
-    "qwen-7b-qlora-2xa10": "8914506ea2cf914554a142d116c922c89bf4fa53990a86021bf92faaa5b338cd",
-    "qwen-7b-vllm-h100": "98d5b269c86c808ac4b9dc1fa64d2892987c26d40cf7bce878f2bcdded029bdf",
-    "qwen2-14b-int4-tp2": "50d10531fb45e65701b015f1def73fcdd6792b8f14a7ca1483875a3953ca58d0",
-    "qwen2.5-72b-lora-2x8xh100": "62cad3a301a3c8f2bc4dca847d1a8cb1857fc9a57f3e88d7cf00a604e0609bdb",
+    "cpu-tiny": "33ee537aa0d1665bb3c20a619d3e08f88137a4dd289529032a736974bb610cce",
+    "cpu-tiny-dpo": "fbb9921a8a30130a5e9a4f4fb623ffbff6070424881e6a090551372cdd926f65",
+    "cpu-tiny-qa-zh": "3265cc1dc295386d8ab3ccb3b568fa5b60f1b0de0acca08e92d71e10ab56c92a",
+    "llama3-8b-h100-fp8": "72e05be60629ac2436422354cf267880241ba828e63026319349cc30ccfa6075",
+    "qwen-7b-qlora-2xa10": "bc7b8d5d234c63f7f2d0cfa20161f3aba543ee81591f30e1e46089bfcf533f97",
+    "qwen-7b-vllm-h100": "77c60c2df4905f37d889b78e5256d89e1c05836a4f436e74d98fbf27009cb4ab",
+    "qwen2-14b-int4-tp2": "e26bd5794fbfb43e3aa39046a73d73be1e4118a62b25ad770b983a30830e2bbf",
+    "qwen2.5-72b-lora-2x8xh100": "7545299660aa40883f793476615cf79378d4259681bdb8cd28a4675cac12f4a5",
 }
 
 
@@ -176,7 +178,11 @@ def test_show_is_the_resolved_profile_as_commented_yaml():
     lines = shown.splitlines()
     at = lines.index("  lora_rank: 4")
     assert lines[at - 1] == "  # Rank of the LoRA matrices. (default: 8)"
-    assert lines[lines.index("  stage: sft") - 1] == "  # LlamaFactory training stage; supervised fine-tuning only."
+    at = lines.index("  stage: sft")  # a long description wraps over several comment lines above its setting
+    start = next(i for i in range(at - 1, -1, -1) if not lines[i - 1].startswith("  #"))
+    comment = " ".join(line.removeprefix("  # ") for line in lines[start:at])
+    assert comment.startswith("LlamaFactory training stage: sft (supervised fine-tuning on answers), dpo")
+    assert comment.endswith("makes SFT then DPO (base_model.source).")
 
 
 @pytest.mark.parametrize("name", ["qwen 7b", "team/model", "models:prod", "-lead", ".hidden", ""])

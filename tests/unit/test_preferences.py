@@ -151,3 +151,64 @@ def test_one_answer_rated_both_ways_is_two_records_not_a_duplicate():
     rated = [{"instruction": f"q{i}", "output": "a", "kto_tag": tag} for i in range(30) for tag in (True, False, True)]
     data = read_preferences([jsonl("kto.jsonl", rated)], CFG)
     assert data.duplicates == 30 and len(data.train) + len(data.eval) == 60
+
+
+def prepared(tmp_path: Path, rows: list) -> Path:
+    from tasks.data.preferences import write_preference_dataset
+
+    write_preference_dataset(read_preferences([jsonl("pairs.jsonl", rows)], CFG), tmp_path)
+    return tmp_path
+
+
+def test_the_stages_read_a_pairs_chosen_answer_as_its_reference_and_the_scorer_its_rejected_one(tmp_path):
+    from tasks.data.splits import load_rejected, load_split
+
+    folder = prepared(tmp_path, [pair(i, chosen=f"c{i}", rejected=f"r{i}") for i in range(60)])
+    chosen, rejected = load_split(folder, "eval"), load_rejected(folder, "eval")
+    assert chosen and rejected and len(chosen) == len(rejected)
+    for good, bad in zip(chosen, rejected, strict=True):
+        assert good[:-1] == bad[:-1] and good[-1]["role"] == bad[-1]["role"] == "assistant"
+        assert good[-1]["content"].replace("c", "r") == bad[-1]["content"]
+
+
+def test_a_kto_split_gives_the_stages_its_desirable_answers_only(tmp_path):
+    from tasks.data.preferences import write_preference_dataset
+    from tasks.data.splits import load_rejected, load_split
+
+    rated = [{"instruction": f"q{i}", "output": "good" if i % 2 else "bad", "kto_tag": bool(i % 2)} for i in range(60)]
+    write_preference_dataset(read_preferences([jsonl("kto.jsonl", rated)], CFG), tmp_path)
+    train = load_split(tmp_path, "train")
+    assert train and {c[-1]["content"] for c in train} == {"good"} and load_rejected(tmp_path, "train") is None
+
+
+@pytest.mark.parametrize(
+    ("stage", "rows", "said"),
+    [
+        ("dpo", [{"instruction": f"q{i}", "output": "a", "kto_tag": True} for i in range(30)], "these are KTO"),
+        ("kto", [pair(i) for i in range(30)], "learns from KTO (kto_tag) records; these are preference pair"),
+    ],
+)
+def test_a_preference_stage_refuses_the_other_methods_data_in_one_line(stage, rows, said):
+    from tasks.prepare_data import preference_data
+
+    with pytest.raises(BadInput, match=f"train.stage {stage} learns from .*") as refused:
+        preference_data([jsonl("pairs.jsonl", rows)], CFG, stage)
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["train.stage=dpo"], "data.eval_source with train.stage dpo"),
+        (["evaluate.metric=preference_accuracy"], "evaluate.metric preference_accuracy with train.stage sft"),
+        (
+            ["train.stage=dpo", "data.eval_source=null", "evaluate.metric=preference_accuracy", "evaluate.engine=vllm"],
+            "metric preference_accuracy with engine vllm",
+        ),
+    ],
+)
+def test_a_profile_that_would_judge_a_preference_run_on_what_it_cannot_score_is_refused(overrides, said):
+    from tasks.platform.config import load_profile
+
+    with pytest.raises(BadInput, match=said):
+        load_profile("cpu-tiny", overrides)

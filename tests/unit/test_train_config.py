@@ -212,3 +212,21 @@ def test_a_training_whose_nodes_start_here_needs_all_their_gpus_here():
         check_machine(profile, ["train"])
     with pytest.raises(BadInput, match=r"merge need\(s\) 8 CUDA GPU\(s\) \(hardware.gpus\)"):
         check_machine(profile, ["merge"])  # the other heavy stages run on one node
+
+
+def test_a_dpo_run_hands_llamafactory_its_preference_settings_and_no_mask_history():
+    """LlamaFactory refuses mask_history outside SFT (hparams/parser.py), and cpu-tiny sets it: a dpo run drops it and
+    passes stage, pref_beta, pref_loss and pref_ftx under LlamaFactory's names; an SFT run's YAML has none of them."""
+    args = render("train.stage=dpo", "train.pref_beta=0.2", "train.pref_loss=orpo", "data.eval_source=null")
+    assert args["stage"] == "dpo" and args["pref_beta"] == 0.2 and args["pref_loss"] == "orpo"
+    assert args["pref_ftx"] == 0.0 and "mask_history" not in args
+    sft = render()
+    assert sft["mask_history"] is True and not any(key.startswith("pref_") for key in sft)
+
+
+def test_an_sft_runs_cache_key_holds_what_it_held_before_preference_settings_existed():
+    from tasks.train import settings
+
+    cfg = load_profile("cpu-tiny").train
+    assert settings(cfg) == cfg.model_dump(exclude={"pref_beta", "pref_loss", "pref_ftx"})
+    assert "pref_beta" in settings(cfg.model_copy(update={"stage": "kto"}))

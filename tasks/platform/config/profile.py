@@ -124,6 +124,22 @@ class Profile(Section):
         return self
 
     @model_validator(mode="after")
+    def _preference_runs_split_their_own_pairs(self) -> Profile:
+        """dpo and kto are judged on their own pairs' held-out prompts; preference_accuracy needs pairs (dpo)."""
+        stage = self.train.stage
+        if stage != "sft" and self.data.eval_source is not None:
+            raise ValueError(
+                f"data.eval_source with train.stage {stage}: a preference run's exam is its own data's held-out "
+                "prompts (split by prompt); set data.eval_source null"
+            )
+        if self.evaluate.metric == "preference_accuracy" and stage != "dpo":
+            raise ValueError(
+                f"evaluate.metric preference_accuracy with train.stage {stage}: it is scored on preference pairs "
+                "(chosen/rejected), which train.stage dpo trains on"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _unreviewed_harvests_are_safe(self) -> Profile:
         """flywheel.review rules pushes harvests no person read: only with what keeps a client from writing the
         next release's answers, its history, or its exam."""

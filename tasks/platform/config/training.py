@@ -59,8 +59,9 @@ class BaseModelSection(Section):
 
     source: str = Field(
         "tiny-qwen2",
-        description="tiny-qwen2 builds a small model here (base_model.tiny); anything else is a Hugging Face hub "
-        "id, a local folder or an s3:// URI.",
+        description="tiny-qwen2 builds a small model here (base_model.tiny); models:/NAME@ALIAS or "
+        "models:/NAME/VERSION is the merged model a release of this registry made (an SFT champion a dpo run tunes); "
+        "anything else is a Hugging Face hub id, a local folder or an s3:// URI.",
     )
     tiny: TinyModel = TinyModel()
     architecture: ModelArchitecture | None = Field(
@@ -119,10 +120,34 @@ BROKEN_ATTENTION = {
 }
 
 
-class TrainSection(Section):
-    """LlamaFactory SFT arguments, under LlamaFactory's own names (train stage)."""
+# LlamaFactory 0.9.5's preference losses of stage dpo (hparams/finetuning_args.py:183); orpo and simpo need no reference
+# model (finetuning_args.py:574, use_ref_model).
+PreferenceLoss = Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"]
+PREFERENCE_STAGES = ("dpo", "kto")
 
-    stage: Literal["sft"] = Field("sft", description="LlamaFactory training stage; supervised fine-tuning only.")
+
+class TrainSection(Section):
+    """LlamaFactory training arguments, under LlamaFactory's own names (train stage)."""
+
+    stage: Literal["sft", "dpo", "kto"] = Field(
+        "sft",
+        description="LlamaFactory training stage: sft (supervised fine-tuning on answers), dpo (preference pairs, "
+        "chosen/rejected; train.pref_loss picks DPO, IPO, ORPO, SimPO...) or kto (answers rated desirable or not, "
+        "kto_tag). dpo and kto train on preference data (docs/user-guide.md#preference-tuning-dpo-orpo-simpo-kto); with LoRA the "
+        "reference model is the base with the adapter off, so a base that is an SFT release's merged model makes "
+        "SFT then DPO (base_model.source).",
+    )
+    pref_beta: float = Field(
+        0.1, gt=0, description="dpo/kto: the preference loss's beta (how far from the reference model it may go)."
+    )
+    pref_loss: PreferenceLoss = Field(
+        "sigmoid",
+        description="dpo: the preference loss: sigmoid (DPO), hinge, ipo, kto_pair, orpo or simpo (these two without "
+        "a reference model).",
+    )
+    pref_ftx: float = Field(
+        0.0, ge=0, description="dpo: the weight of an SFT loss on the chosen answers added to the preference loss."
+    )
     finetuning_type: Literal["lora", "full", "freeze"] = Field(
         "lora", description="LoRA adapters, all weights, or the last layers only (LlamaFactory's finetuning_type)."
     )
@@ -161,7 +186,8 @@ class TrainSection(Section):
         False,
         description="Train on each record's last answer only: earlier assistant turns are context, never labels "
         "(LlamaFactory's mask_history). Needed for data harvested from served traffic whose history clients wrote "
-        "(prepare_data refuses such data without it).",
+        "(prepare_data refuses such data without it). sft only: dpo and kto train on the last answer anyway, and "
+        "LlamaFactory refuses the setting there, so it is not passed to them.",
     )
     deepspeed: str | None = Field(
         None, description="A DeepSpeed config file for LlamaFactory; null: no DeepSpeed.", json_schema_extra=FILE_ONLY
@@ -225,11 +251,14 @@ class EvaluateSection(Section):
     Left at `auto`, the metric and the answer length follow from the eval split's references
     (tasks/quality/answer_kind.py), and the run says what it chose and why."""
 
-    metric: Literal["auto", "exact_match", "rouge_l", "bleu_4", "answer_loss"] = Field(
+    metric: Literal["auto", "exact_match", "rouge_l", "bleu_4", "answer_loss", "preference_accuracy"] = Field(
         "auto",
         description="The deciding metric: exact_match, rouge_l, bleu_4 (higher is better) or answer_loss (lower is "
         "better); all are logged. auto: exact_match where the references are closed answers (90% of them at most "
-        "3 words, or at most 10 distinct ones), rouge_l where they are open-ended.",
+        "3 words, or at most 10 distinct ones), rouge_l where they are open-ended. preference_accuracy: on "
+        "preference pairs (train.stage dpo), the share of held-out pairs whose chosen answer the model gives a "
+        "higher log-probability than the rejected one (transformers only); the answers are scored against the "
+        "chosen ones too.",
     )
     max_new_tokens: int | Literal["auto"] = Field(
         "auto",
@@ -286,6 +315,11 @@ class EvaluateSection(Section):
     def positive_answer_length(self) -> EvaluateSection:
         if self.max_new_tokens != "auto" and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {self.max_new_tokens}: at least 1, or auto")
+        if self.metric == "preference_accuracy" and self.engine == "vllm":
+            raise ValueError(
+                "metric preference_accuracy with engine vllm: the rejected answers' log-probabilities are scored by "
+                "transformers; set evaluate.engine transformers"
+            )
         return self
 
     @property
