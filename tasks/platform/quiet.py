@@ -45,9 +45,34 @@ MESSAGES: dict[str, tuple[str, ...]] = {
     # urllib3 (under MLflow's client and our requests sessions) retrying a request whose kept-alive connection the
     # server closed as it was sent: a server's keep-alive timeout racing the request (seen in a CI run: MLflow's
     # runs/get, RemoteDisconnected). The retry is answered. Retries after a refused or timed-out connection still
-    # show: they are an outage in progress, which ends in our one-line error if it outlasts the retries.
+    # show, in our words (_Reworded): they are an outage in progress, which ends in our one-line error if it outlasts
+    # the retries.
     "urllib3.connectionpool": (r"Retrying \(.*\) after connection broken by 'RemoteDisconnected\(",),
 }
+
+# urllib3 2.x's own line for a retried connection (connectionpool.py, HTTPConnectionPool.urlopen): "Retrying (%r)
+# after connection broken by '%r': %s" with the Retry object's repr and the error's, an object address among them.
+URLLIB3_RETRY = "Retrying (%r) after connection broken by '%r': %s"
+
+
+def retry_in_our_words(record: logging.LogRecord) -> None:
+    """`127.0.0.1:5000 refused the connection; retrying /api/2.0/mlflow/runs/get (2 retries left)`: where, what and
+    how many tries are left, for urllib3's retry line."""
+    if record.msg != URLLIB3_RETRY or not isinstance(record.args, tuple) or len(record.args) != 3:
+        return
+    retries, error, path = record.args
+    conn = getattr(error, "conn", None)
+    where = f"{conn.host}:{conn.port}" if conn is not None and hasattr(conn, "host") else "the server"
+    text = str(error)
+    if "Connection refused" in text:
+        what = "refused the connection"
+    elif "timed out" in text.lower():
+        what = "did not answer in time"
+    else:
+        what = f"broke the connection ({type(error).__name__})"
+    left = getattr(retries, "total", None)
+    tries = "retries left" if left is None else f"{left} {'retry' if left == 1 else 'retries'} left"
+    record.msg, record.args = "%s %s; retrying %s (%s)", (where, what, path, tries)
 
 
 class _DropMessages(logging.Filter):
@@ -57,7 +82,10 @@ class _DropMessages(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(pattern.match(message) for pattern in self.patterns)
+        if any(pattern.match(message) for pattern in self.patterns):
+            return False
+        retry_in_our_words(record)
+        return True
 
 
 # A logger's filters apply to the records created on it (not to those that reach it from a child logger), so each
