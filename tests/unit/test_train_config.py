@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import pytest
 import yaml
 
 from tasks.platform.config import HardwareSection, load_profile
@@ -230,3 +231,31 @@ def test_an_sft_runs_cache_key_holds_what_it_held_before_preference_settings_exi
     cfg = load_profile("cpu-tiny").train
     assert settings(cfg) == cfg.model_dump(exclude={"pref_beta", "pref_loss", "pref_ftx"})
     assert "pref_beta" in settings(cfg.model_copy(update={"stage": "kto"}))
+
+
+@pytest.mark.parametrize(
+    ("profile", "overrides", "reference"),
+    [
+        ("cpu-tiny-dpo", [], True),
+        ("cpu-tiny-dpo", ["train.pref_loss=ipo"], True),
+        ("cpu-tiny-dpo", ["train.pref_loss=orpo"], False),
+        ("cpu-tiny-dpo", ["train.pref_loss=simpo"], False),
+        ("cpu-tiny-dpo", ["train.stage=kto", "evaluate.metric=auto"], False),
+        ("qwen-7b-qlora-2xa10", ["train.stage=dpo"], True),  # QLoRA 4-bit under DPO: the GPU profile's variant
+    ],
+)
+def test_llamafactorys_own_parser_takes_every_preference_config_we_render(profile, overrides, reference):
+    """LlamaFactory 0.9.5's get_train_args (hparams/parser.py) on the YAML the train stage writes: the stage and loss
+    as set, and the DPO trainer's reference model exactly where the loss needs one (finetuning_args.py:574,
+    use_ref_model: dpo without orpo or simpo; the KTO workflow makes its own, train/kto/workflow.py:57-60)."""
+    from pathlib import Path
+
+    from llamafactory.hparams import get_train_args
+
+    loaded = load_profile(profile, overrides)
+    args = llamafactory_config(loaded.train, Path("/w/base"), Path("/w/data"), Path("/w/out"), None, loaded.hardware)
+    args["bf16"] = False  # no GPU here: transformers refuses bf16 before the parser's own checks are done
+    _, _, _, finetuning, _ = get_train_args(args)
+    assert finetuning.stage == loaded.train.stage and finetuning.pref_loss == loaded.train.pref_loss
+    assert finetuning.pref_beta == loaded.train.pref_beta and finetuning.pref_ftx == loaded.train.pref_ftx
+    assert finetuning.use_ref_model is reference
