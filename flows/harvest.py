@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from tasks.data.exchanges import default_location, open_exchange_log
-from tasks.data.harvest import MinRating, dataset_sha256, harvest, save
+from tasks.data.harvest import MinRating, dataset_sha256, harvest, save, save_text
 from tasks.data.records import read_data
 from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput
@@ -57,6 +57,7 @@ def harvest_dataset(
     location: str | None = None,
     service: str | None = None,
     trusted: frozenset[str] | None = None,
+    pairs: bool = False,
 ) -> Harvested:
     """Harvest `service` (the profile's registry.model_name by default) against the profile's data (the previous
     training set, config.data.source) and held-out set; the dataset goes to `out` as harvest-SERVICE-TIME.jsonl.
@@ -64,6 +65,8 @@ def harvest_dataset(
     service = service or config.registry.model_name
     log = open_exchange_log(capture_location(config, location))
     previous = read_data(config.data)
+    if pairs:
+        return harvest_pair_dataset(log, service, since, out, previous.eval, trusted)
     result = harvest(log, service, since, min_rating, previous, trusted=trusted)
     report = {
         "service": service,
@@ -78,7 +81,28 @@ def harvest_dataset(
     return Harvested(uri, len(result.records), report | {"dataset": uri, "sha256": dataset_sha256(result)})
 
 
+def harvest_pair_dataset(
+    log, service: str, since: datetime, out: str, held_out: list, trusted: frozenset[str] | None
+) -> Harvested:
+    """`llmops data harvest --pairs`: preference pairs (tasks/data/harvest_pairs.py) as harvest-pairs-SERVICE-TIME.jsonl."""
+    import hashlib
+
+    from tasks.data.harvest_pairs import harvest_pairs, pairs_text
+
+    result = harvest_pairs(log, service, since, held_out, trusted)
+    report = {"service": service, "since": since.isoformat(), "capture": log.uri, "pairs": True, **result.report()}
+    if not result.pairs:
+        return Harvested(None, 0, report)
+    text = pairs_text(result)
+    uri = save_text(text, out, f"harvest-pairs-{service}-{datetime.now(UTC):%Y%m%dT%H%M%SZ}")
+    return Harvested(
+        uri, len(result.pairs), report | {"dataset": uri, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    )
+
+
 def describe(harvested: Harvested) -> str:
+    if harvested.report.get("pairs"):
+        return describe_pairs(harvested)
     counts, report = harvested.report["counts"], harvested.report
     kept = ", ".join(f"{counts.get(tier, 0)} {tier}" for tier in ("corrected", "good", "unrated"))
     dropped = ", ".join(
@@ -98,6 +122,26 @@ def describe(harvested: Harvested) -> str:
         f"  dataset                {harvested.uri or 'none written: no records'}",
     ]
     return "\n".join(lines)
+
+
+def describe_pairs(harvested: Harvested) -> str:
+    counts, report = harvested.report["counts"], harvested.report
+    kept = ", ".join(f"{counts.get(tier, 0)} {tier}" for tier in ("corrected", "rated"))
+    dropped = ", ".join(
+        f"{value} {name.removesuffix('_dropped').replace('_', ' ')}"
+        for name, value in sorted(counts.items())
+        if name.endswith("_dropped") and value
+    )
+    return "\n".join(
+        [
+            f"preference pairs of {report['service']} since {report['since']} from {report['capture']}:",
+            f"  exchanges read         {counts.get('exchanges', 0)} ({counts.get('feedback', 0)} feedback)",
+            f"  pairs kept             {harvested.records} ({kept})",
+            f"  dropped                {dropped or 'none'}",
+            f"  clients                {clients_line(report)}",
+            f"  dataset                {harvested.uri or 'none written: no pairs'}",
+        ]
+    )
 
 
 def clients_line(report: dict[str, Any]) -> str:

@@ -117,13 +117,16 @@ HARVEST_DESCRIPTION = (
     "clients sent (POST /v1/feedback): corrected answers first, well-rated answers next, answers rated bad out; "
     "near-duplicates, prompts of the held-out eval set and records the data already holds are dropped and counted. "
     "Writes harvest-SERVICE-TIME.jsonl under --out (push it with `llmops data push`) and prints a report: counts, "
-    "languages, lengths and the shift from the previous data."
+    "languages, lengths and the shift from the previous data. With --pairs: preference pairs for train.stage dpo "
+    "(harvest-pairs-SERVICE-TIME.jsonl): a client's correction against the answer it was served, and one client's "
+    "answers to one prompt rated good and bad."
 )
 HARVEST_EPILOG = (
     "examples:\n  llmops data harvest --service tiny-qwen2-antonyms --since 24h --out harvested/\n"
     "  llmops data push harvested/ s3://datasets/sft/\n"
     "  llmops data harvest --profile cpu-tiny --data s3://datasets/sft/ --since 2026-11-24T00:00 "
-    "--min-rating none --out s3://datasets/harvest/ --report report.json"
+    "--min-rating none --out s3://datasets/harvest/ --report report.json\n"
+    "  llmops data harvest --pairs --since 7d --out pairs/"
 )
 
 
@@ -150,6 +153,12 @@ def register_harvest(actions) -> None:
     harvest.add_argument("--data", help="the data the last release trained on (default: the profile's data.source)")
     harvest.add_argument("--capture", help="capture location (default: serve.capture.location, else the store's)")
     harvest.add_argument("--report", help="also write the report as JSON to this file")
+    harvest.add_argument(
+        "--pairs",
+        action="store_true",
+        help="preference pairs for train.stage dpo instead: a correction against the served answer, and one "
+        "client's answers to one prompt rated good and bad",
+    )
     harvest.set_defaults(handler=harvest_data)
 
 
@@ -161,7 +170,9 @@ def harvest_data(args) -> str:
 
     config = load_profile(args.profile, [], args.data, PROFILE_EXAM)  # the curated exam, as the flywheel's
     service = args.service or config.registry.model_name
-    harvested = harvest_dataset(config, parse_since(args.since), args.out, args.min_rating, args.capture, service)
+    harvested = harvest_dataset(
+        config, parse_since(args.since), args.out, args.min_rating, args.capture, service, pairs=args.pairs
+    )
     if args.report:
         with open(args.report, "w", encoding="utf-8") as stream:
             json.dump(harvested.report, stream, indent=1, ensure_ascii=False)

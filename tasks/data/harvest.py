@@ -284,8 +284,13 @@ def admission_refusals(report: dict[str, Any], max_client_share: float, min_clie
 
 
 def save(harvested: Harvest, out: str, name: str) -> str:
-    """The records (dataset_text: what `llmops data push` and prepare_data read) at `out`/`name`.jsonl, a folder
-    or an s3:// prefix, written whole (mode 600 in a folder); its URI (a path for a folder)."""
+    """The records (dataset_text: what `llmops data push` and prepare_data read) at `out`/`name`.jsonl."""
+    return save_text(dataset_text(harvested), out, name)
+
+
+def save_text(text: str, out: str, name: str) -> str:
+    """JSONL `text` at `out`/`name`.jsonl, a folder or an s3:// prefix, written whole (mode 600 in a folder); its URI
+    (a path for a folder)."""
     location = open_location(out)
-    location.put(f"{name}.jsonl", dataset_text(harvested))
+    location.put(f"{name}.jsonl", text)
     return location.uri_of(f"{name}.jsonl") if out.startswith("s3://") else str(local_root(out) / f"{name}.jsonl")

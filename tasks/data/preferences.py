@@ -13,7 +13,7 @@ on that it trained on.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -48,6 +48,7 @@ class PreferenceRecord:
     chosen: str
     rejected: str | None = None
     desirable: bool | None = None
+    harvested: bool = False  # from served traffic (`llmops data harvest --pairs`): never in the eval split
 
     @property
     def kind(self) -> PreferenceKind:
@@ -137,6 +138,7 @@ class PreferenceData:
     prompts: int
     fingerprint: str
     eval_prompts: int
+    harvested_held_out: int = 0  # harvested pairs left out: their prompt hashed into the eval split
 
 
 def read_preferences(files: list[SourceFile], cfg: DataSection) -> PreferenceData:
@@ -150,9 +152,13 @@ def read_preferences(files: list[SourceFile], cfg: DataSection) -> PreferenceDat
     for file in files:
         for where, raw in iter_raw_records(file):
             read += 1
-            if isinstance(raw, dict) and HARVESTED in raw:
-                raise BadInput(f"{where}: a harvested record among preference data (pairs are harvested as pairs)")
+            if isinstance(raw, dict) and HARVESTED in raw and "kto_tag" in raw:
+                raise BadInput(
+                    f"{where}: a harvested record rated for KTO (the service's ratings are harvested as pairs)"
+                )
             record = normalize_preference(raw, cfg.format, where)
+            if isinstance(raw, dict) and HARVESTED in raw:  # `llmops data harvest --pairs`: trained on, never an exam
+                record = replace(record, harvested=True)
             if first is None:
                 first = (where, record.kind)
             elif record.kind != first[1]:
@@ -171,7 +177,9 @@ def read_preferences(files: list[SourceFile], cfg: DataSection) -> PreferenceDat
     prompt_hashes = {record_hash(r.prompt) for r in records}
     held_out = [is_eval(r.prompt, cfg.eval_fraction, cfg.split_salt) for r in records]
     train = [r for r, out in zip(records, held_out, strict=True) if not out]
-    evals = [r for r, out in zip(records, held_out, strict=True) if out]
+    evals = [r for r, out in zip(records, held_out, strict=True) if out and not r.harvested]
+    # a harvested pair is never an exam, and its prompt is never trained on where a curated pair of it is one
+    harvested_held_out = sum(out and r.harvested for r, out in zip(records, held_out, strict=True))
     if not train or not evals:
         raise BadInput(
             f"data {names}: {len(prompt_hashes)} prompts leave an empty {'train' if not train else 'eval'} split at "
@@ -179,7 +187,9 @@ def read_preferences(files: list[SourceFile], cfg: DataSection) -> PreferenceDat
         )
     eval_prompts = len({record_hash(r.prompt) for r in evals})
     fingerprint = fingerprint_of([r.digest() for r in records])
-    return PreferenceData(first[1], train, evals, read, duplicates, len(prompt_hashes), fingerprint, eval_prompts)
+    found = PreferenceData(first[1], train, evals, read, duplicates, len(prompt_hashes), fingerprint, eval_prompts)
+    found.harvested_held_out = harvested_held_out
+    return found
 
 
 def describe_kind(kind: PreferenceKind) -> str:

@@ -13,6 +13,7 @@ from tasks.data.preferences import normalize_preference, read_preferences
 from tasks.data.records import SourceFile, normalize, record_hash
 from tasks.platform.config import DataSection
 from tasks.platform.errors import BadInput
+from tests.unit.test_gateway import SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = DataSection(source="pairs.jsonl")
@@ -212,3 +213,86 @@ def test_a_profile_that_would_judge_a_preference_run_on_what_it_cannot_score_is_
 
     with pytest.raises(BadInput, match=said):
         load_profile("cpu-tiny", overrides)
+
+
+# --- pairs harvested from the service (`llmops data harvest --pairs`) --------------------------------------------
+
+
+def served_traffic(folder: Path) -> float:
+    """A capture folder as the gateway writes it: corrections, one client's answers rated both ways, and what the
+    flywheel's rules drop."""
+    import time
+
+    from tasks.data.exchanges import LocalExchangeLog
+    from tests.unit.test_capture import exchange, feedback
+
+    log, now = LocalExchangeLog(folder), time.time()
+    exchange(log, now - 60, "c1", "What is the opposite of polite?", "polite", client="team-a")
+    feedback(log, now - 50, "c1", "bad", "rude", client="team-a")  # a correction: rude over polite
+    exchange(log, now - 59, "g1", "What is the opposite of ancient?", "modern", client="team-b")
+    feedback(log, now - 50, "g1", "good", client="team-b")
+    exchange(log, now - 58, "b1", "what is the opposite of ANCIENT", "ancient", client="team-b")
+    feedback(log, now - 50, "b1", "bad", client="team-b")  # the same prompt rated bad: modern over ancient
+    exchange(log, now - 57, "x1", "What is the opposite of wise?", "foolish", client="team-a")
+    feedback(log, now - 50, "x1", "good", client="team-b")  # feedback from another client: no pair
+    exchange(log, now - 56, "h1", "Antonym of hot:", "hot", client="team-a")
+    feedback(log, now - 50, "h1", "bad", "cold", client="team-a")  # a prompt of the curated exam: never a pair
+    exchange(log, now - 55, "u1", "What is the opposite of huge?", "tiny", client="team-a")  # unrated
+    return now
+
+
+def test_corrections_and_answers_rated_both_ways_become_pairs_a_dpo_run_reads(tmp_path):
+    from datetime import UTC, datetime
+
+    from tasks.data.exchanges import LocalExchangeLog
+    from tasks.data.harvest_pairs import harvest_pairs, pairs_text
+    from tests.unit.test_capture import conversation
+
+    now = served_traffic(tmp_path / "capture")
+    exam = [conversation("Antonym of hot:", "cold")]
+    found = harvest_pairs(
+        LocalExchangeLog(tmp_path / "capture"), SERVICE, datetime.fromtimestamp(now - 3600, UTC), exam
+    )
+    assert [(p.chosen, p.rejected, p.client) for p in found.pairs] == [
+        ("rude", "polite", "team-a"),
+        ("modern", "ancient", "team-b"),
+    ]
+    counts = found.counts
+    assert (counts["corrected"], counts["rated"], counts["pairs"], counts["exchanges"]) == (1, 1, 2, 6)
+    assert counts["eval_overlap_dropped"] == counts["feedback_from_another_client"] == 1
+    assert counts["unrated_dropped"] == 2  # u1, and x1 whose only feedback came from another client
+    curated = [pair(i, chosen=f"c{i}", rejected=f"r{i}") for i in range(40)]
+    text = "".join(json.dumps(r) + "\n" for r in curated) + pairs_text(found) * 3  # harvested pairs, some held out
+    data = read_preferences([SourceFile("pairs.jsonl", text.encode())], CFG)
+    trained = [r for r in data.train if r.harvested]
+    # a harvested pair is trained on, or left out where its prompt hashes into the eval split; never an exam
+    assert {r.chosen for r in trained} <= {"rude", "modern"} and not any(r.harvested for r in data.eval)
+    assert len(trained) + data.harvested_held_out == 2 and data.duplicates == 4
+
+
+def test_the_harvest_command_writes_pairs_that_forget_removes(tmp_path):
+    from tests.unit.test_cli import llmops
+
+    served_traffic(tmp_path / "capture")
+    out = tmp_path / "pairs"
+    done = llmops(
+        *("data", "harvest", "--pairs", "--service", SERVICE, "--capture", str(tmp_path / "capture")),
+        *("--since", "1h", "--out", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    # against cpu-tiny's curated exam, which "Antonym of hot:" is not in: that correction is a pair here
+    assert "pairs kept             3 (2 corrected, 1 rated)" in done.stdout, done.stdout
+    (written,) = out.glob(f"harvest-pairs-{SERVICE}-*.jsonl")
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [(r["chosen"], r["rejected"], r["harvested"]["client"]) for r in rows] == [
+        ("cold", "hot", "team-a"),  # corrections first, the newest first
+        ("rude", "polite", "team-a"),
+        ("modern", "ancient", "team-b"),
+    ]
+    gone = llmops(
+        *("data", "forget", "--client", "team-b", "--service", SERVICE),
+        *("--capture", str(tmp_path / "capture"), "--dataset", str(written)),
+        env_home=str(tmp_path / "home"),
+    )
+    assert gone.returncode == 0, gone.stderr
+    assert [json.loads(line)["harvested"]["client"] for line in written.read_text().splitlines()] == ["team-a"] * 2
