@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.control.contract import RouteTable, Version, read_record, record_path
+from tasks.control.contract import RouteTable, Version, record_path
 from tasks.platform.config import Profile
 from tasks.platform.errors import CheckFailed, TransientError
 from tasks.platform.ports import free_port
@@ -71,7 +71,6 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
             triton = server.client
     own = OwnTriton(ctx, triton, server)
     try:
-        load_routed(ctx, triton)
         gateway, control = temporary_gateway(ctx, triton, own)
     except BaseException:
         if server is not None:
@@ -85,16 +84,6 @@ def open_service(ctx: RunContext, target: TritonTarget | None) -> Service:
             own.server.stop()
 
     return Service(service_name, [triton], control, stop)
-
-
-def load_routed(ctx: RunContext, triton: Triton) -> None:
-    """The versions the deployment record routes, loaded before the gateway that routes to them starts, as the serve's
-    fleet grows a replica: a gateway started first probed a champion its new Triton did not hold yet, said a model
-    server fault each probe and began a recovering load beside the canary stage's own load of it."""
-    for served in versions_to_load(ctx, read_record(record_path(ctx.home, ctx.profile.registry.model_name))):
-        if not triton.is_ready(served.name):
-            logger().info(f"serving: loading {served.name} (the deployment record routes it) on Triton {triton.url}")
-            install_model(triton, released_profile(ctx.profile, served), served)
 
 
 class OwnTriton:
