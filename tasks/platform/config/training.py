@@ -133,9 +133,9 @@ class TrainSection(Section):
         "sft",
         description="LlamaFactory training stage: sft (supervised fine-tuning on answers), dpo (preference pairs, "
         "chosen/rejected; train.pref_loss picks DPO, IPO, ORPO, SimPO...) or kto (answers rated desirable or not, "
-        "kto_tag). dpo and kto train on preference data (docs/user-guide.md#preference-tuning-dpo-orpo-simpo-kto); with LoRA the "
-        "reference model is the base with the adapter off, so a base that is an SFT release's merged model makes "
-        "SFT then DPO (base_model.source).",
+        "kto_tag). dpo and kto train on preference data (docs/user-guide.md#preference-tuning-dpo-orpo-simpo-kto); "
+        "with LoRA the reference model is the base with the adapter off, so a base that is an SFT release's merged "
+        "model makes SFT then DPO (base_model.source).",
     )
     pref_beta: float = Field(
         0.1, gt=0, description="dpo/kto: the preference loss's beta (how far from the reference model it may go)."
