@@ -296,3 +296,30 @@ def test_the_harvest_command_writes_pairs_that_forget_removes(tmp_path):
     )
     assert gone.returncode == 0, gone.stderr
     assert [json.loads(line)["harvested"]["client"] for line in written.read_text().splitlines()] == ["team-a"] * 2
+
+
+# --- SFT then DPO: the base a registered version names (base_model.source models:/...) ----------------------------
+
+
+def test_a_registered_base_is_the_merged_model_its_alias_or_number_names_and_a_missing_one_is_one_line(tmp_path):
+    """base_model.source models:/NAME@ALIAS and models:/NAME/N, against a real MLflow registry (sqlite): the store
+    digest of the version's merged model; an alias no version holds, or a URI of neither form, is refused naming it."""
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from tasks.base_model import registered_merge
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    client.create_registered_model("svc")
+    for digest in ("a" * 64, "b" * 64):
+        client.create_model_version("svc", str(tmp_path), tags={"artifact.merge.sha256": digest})
+    client.set_registered_model_alias("svc", "champion", "1")
+    ctx = SimpleNamespace(tracker=SimpleNamespace(client=client, tracking_uri=uri))
+    assert registered_merge(ctx, "models:/svc@champion") == "a" * 64
+    assert registered_merge(ctx, "models:/svc/2") == "b" * 64
+    with pytest.raises(BadInput, match=r"^base_model.source models:/svc@canary: no such registered version in sqlite"):
+        registered_merge(ctx, "models:/svc@canary")
+    with pytest.raises(BadInput, match="a registered model is models:/NAME@ALIAS or models:/NAME/N"):
+        registered_merge(ctx, "models:/svc")
