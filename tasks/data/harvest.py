@@ -152,19 +152,34 @@ def latest_feedback(log: ExchangeLog, service: str, since: datetime, counts: Cou
     return newest, [o.key for o in objects]
 
 
+def own_feedback(exchange: dict, judged: dict | None, counts: Counter) -> dict | None:
+    """The feedback on an exchange where the client that got the answer sent it; another client's counts for nothing."""
+    if judged is not None and judged.get("client") != exchange.get("client"):
+        counts["feedback_from_another_client"] += 1
+        return None
+    return judged
+
+
+def refused_by_rules(exchange: dict, judged: dict | None, trusted: frozenset[str] | None, counts: Counter) -> bool:
+    """The review rules (`trusted` set): an untrusted client's correction, or a client-written system turn, is out."""
+    if trusted is None:
+        return False
+    if judged is not None and judged.get("correction") and judged["client"] not in trusted:
+        counts["untrusted_correction_dropped"] += 1
+        return True
+    if any(m.get("role") == "system" for m in exchange.get("messages") or []):
+        counts["system_turn_dropped"] += 1
+        return True
+    return False
+
+
 def candidate(
     exchange: dict, judged: dict | None, min_rating: MinRating, counts: Counter, trusted: frozenset[str] | None
 ) -> Candidate | None:
     """The record an exchange gives, or None (counted by why). `trusted`: the clients whose corrections count
     (None: every client's, for a person to review)."""
-    if judged is not None and judged.get("client") != exchange.get("client"):
-        counts["feedback_from_another_client"] += 1
-        judged = None
-    if trusted is not None and judged is not None and judged.get("correction") and judged["client"] not in trusted:
-        counts["untrusted_correction_dropped"] += 1
-        return None
-    if trusted is not None and any(m.get("role") == "system" for m in exchange.get("messages") or []):
-        counts["system_turn_dropped"] += 1
+    judged = own_feedback(exchange, judged, counts)
+    if refused_by_rules(exchange, judged, trusted, counts):
         return None
     if judged is not None and judged.get("correction"):
         tier, answer = 0, judged["correction"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from tasks.data.exchanges import ExchangeLog
-from tasks.data.harvest import latest_feedback, prompt_key
+from tasks.data.harvest import latest_feedback, own_feedback, prompt_key, refused_by_rules
 from tasks.data.records import HARVESTED, normalize
 from tasks.platform.errors import BadInput
 from tasks.quality.chat import Conversation, Message
@@ -71,18 +71,11 @@ def prompt_of(exchange: dict) -> Conversation | None:
 
 def usable(exchange: dict, judged: dict | None, trusted: frozenset[str] | None, counts: Counter) -> Conversation | None:
     """The exchange's prompt where its client's feedback may make a pair of it (else None, counted by why)."""
-    client = str(exchange.get("client", ""))
-    if judged is not None and judged.get("client") != client:
-        counts["feedback_from_another_client"] += 1
-        judged = None
+    judged = own_feedback(exchange, judged, counts)
     if judged is None:
         counts["unrated_dropped"] += 1
         return None
-    if trusted is not None and judged.get("correction") and client not in trusted:
-        counts["untrusted_correction_dropped"] += 1
-        return None
-    if trusted is not None and any(m.get("role") == "system" for m in exchange.get("messages") or []):
-        counts["system_turn_dropped"] += 1
+    if refused_by_rules(exchange, judged, trusted, counts):
         return None
     prompt = prompt_of(exchange)
     if prompt is None:
