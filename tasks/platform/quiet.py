@@ -61,8 +61,9 @@ def retry_in_our_words(record: logging.LogRecord) -> None:
     if record.msg != URLLIB3_RETRY or not isinstance(record.args, tuple) or len(record.args) != 3:
         return
     retries, error, path = record.args
-    conn = getattr(error, "conn", None)
-    where = f"{conn.host}:{conn.port}" if conn is not None and hasattr(conn, "host") else "the server"
+    # a refused connection names its connection (NewConnectionError.conn), a read timeout its pool (RequestError.pool)
+    server = getattr(error, "conn", None) or (None if hasattr(error, "conn") else getattr(error, "pool", None))
+    where = f"{server.host}:{server.port}" if server is not None and hasattr(server, "host") else "the server"
     text = str(error)
     if "Connection refused" in text:
         what = "refused the connection"

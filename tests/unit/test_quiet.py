@@ -97,3 +97,28 @@ def test_a_retried_kept_alive_connection_prints_nothing_but_a_refused_one_still_
         for line in said
     ), said
     assert "object at 0x" not in quiet.stderr
+
+
+def test_a_read_timeout_retry_names_the_server_that_did_not_answer(caplog):
+    """A server that takes the connection and never answers (a frozen MLflow): urllib3's retry line, in our words,
+    names it (ReadTimeoutError carries its pool, not a connection)."""
+    import logging
+
+    import urllib3
+
+    from tasks.platform.quiet import quiet_libraries
+
+    quiet_libraries()
+    silent = socket.create_server(("127.0.0.1", 0))
+    port = silent.getsockname()[1]
+    http = urllib3.PoolManager(retries=urllib3.Retry(total=1, read=1), timeout=urllib3.Timeout(read=0.3))
+    try:
+        with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"):
+            try:
+                http.request("GET", f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get")
+            except urllib3.exceptions.MaxRetryError:
+                pass
+    finally:
+        silent.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "urllib3.connectionpool"]
+    assert said == [f"127.0.0.1:{port} did not answer in time; retrying /api/2.0/mlflow/runs/get (0 retries left)"]
