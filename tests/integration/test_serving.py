@@ -1542,6 +1542,9 @@ def model_processes(serve_pid: int) -> dict[int, str]:
     return found
 
 
+RELOAD_S = 180
+
+
 def test_one_dead_model_instance_is_loaded_again_while_the_only_replica_serves_and_its_other_version_is_untouched(
     home, server, cpu_tiny_store, tls, tmp_path
 ):
@@ -1573,7 +1576,9 @@ def test_one_dead_model_instance_is_loaded_again_while_the_only_replica_serves_a
             mark = len(log.read_text())
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
-            until(lambda: f"probes: {champion_model} on {state['url']} reloaded" in log.read_text(), 60, log)
+            # the reload returns once Triton has unloaded the old instances: 18 s alone on 2 cores, over 60 s in a
+            # fresh clone's CI beside other tests' servers (stop 84); requests stop failing before it returns
+            until(lambda: f"probes: {champion_model} on {state['url']} reloaded" in log.read_text(), RELOAD_S, log)
             reloaded_s = time.monotonic() - killed_at
             answered = load.ok
             until(lambda: load.ok > answered + 100, 60, log)
@@ -1585,7 +1590,9 @@ def test_one_dead_model_instance_is_loaded_again_while_the_only_replica_serves_a
             mark_again, failed = len(log.read_text()), load.failed
             os.kill(next(pid for pid, i in after.items() if i == f"{champion_model}_0_1"), signal.SIGKILL)
             until(
-                lambda: log.read_text()[mark_again:].count(f"{champion_model} on {state['url']} reloaded") >= 1, 60, log
+                lambda: log.read_text()[mark_again:].count(f"{champion_model} on {state['url']} reloaded") >= 1,
+                RELOAD_S,
+                log,
             )
             answered = load.ok
             until(lambda: load.ok > answered + 100, 60, log)
@@ -1674,8 +1681,13 @@ def until(condition, timeout_s: float, log: Path, watch=lambda: None) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         watch()
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, said_besides_access(log)[-3000:]
         time.sleep(0.5)
+
+
+def said_besides_access(log: Path) -> str:
+    """The serve's log without its access lines, which under a client load would fill any tail of it."""
+    return "".join(line for line in log.read_text().splitlines(keepends=True) if " llmops.gateway.access " not in line)
 
 
 def requests_served(metrics_url: str) -> float:
