@@ -28,6 +28,7 @@ from tasks.platform.config import GateSection
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.quality.checks import Check, GateReport, at_least, at_most, interval_check, ratio_check
 from tasks.quality.judge import JudgeVerdict, judge_checks, judge_served
+from tasks.quality.pairwise import PairwiseVerdict, compare_served, pairwise_checks
 from tasks.quality.stats import Difference
 from tasks.reporting.evidence import release_folder
 from tasks.shadow import shadow_checks
@@ -37,6 +38,7 @@ ANSWERS_TABLE = "eval/served_answers_table.json"  # the run's per-example table 
 if TYPE_CHECKING:
     from tasks.benchmark import BenchmarkResult, Comparison, ServingSummary
     from tasks.deploy_canary import Deployment
+    from tasks.quality.chat import Conversation
     from tasks.shadow import ShadowResult
 
 
@@ -51,7 +53,7 @@ class Quality:
     max_tokens: int
     served_artifact: str  # what promotion serves (the registered version's artifact)
     measured_artifact: str  # what Triton loaded for the candidate, read back from the server
-    judge: JudgeVerdict | None = None  # evaluate.judge's grades of both versions' served answers
+    judge: JudgeVerdict | PairwiseVerdict | None = None  # evaluate.judge's grades, or its comparisons (pairwise)
 
 
 def decide(
@@ -79,8 +81,10 @@ def decide(
         checks += comparison_checks(cfg, comparison)
     if shadowed is not None:
         checks += shadow_checks(cfg, shadowed)
-    if quality is not None and quality.judge is not None:
+    if quality is not None and isinstance(quality.judge, JudgeVerdict):
         checks += judge_checks(cfg, quality.judge)
+    elif quality is not None and isinstance(quality.judge, PairwiseVerdict):
+        checks += pairwise_checks(cfg, quality.judge)
     if champion_version is not None and quality is not None and quality.drop_vs_champion is not None:
         checks.append(
             at_most(
@@ -223,8 +227,7 @@ def score_quality(
         }
         for i, (c, o) in enumerate(zip(conversations, offline, strict=True))
     ]
-    questions, references = [c[-2]["content"] for c in conversations], [c[-1]["content"] for c in conversations]
-    judged = judge_served(ctx, questions, references, candidate.answers, champion.answers if champion else None)
+    judged = judge_answers(ctx, conversations, candidate.answers, champion.answers if champion else None, offline)
     add_grades(examples, judged)
     (folder / SERVED_ANSWERS_FILE).write_text(json.dumps(examples, indent=1, ensure_ascii=False))
     log_answers_table(ctx, examples)
@@ -250,8 +253,32 @@ def score_quality(
     )
 
 
-def add_grades(examples: list[dict], judged: JudgeVerdict | None) -> None:
-    """Each example's judge scores (None: no grade) with its other scores."""
+def judge_answers(
+    ctx: RunContext,
+    conversations: list[Conversation],
+    candidate: list[str],
+    champion: list[str] | None,
+    offline: list[dict],
+) -> JudgeVerdict | PairwiseVerdict | None:
+    """evaluate.judge's verdict on the served answers: each graded, or (pairwise) the candidate's compared with the
+    champion's, or with the base model's offline answers where there is no champion yet."""
+    questions, references = [c[-2]["content"] for c in conversations], [c[-1]["content"] for c in conversations]
+    judge = ctx.profile.evaluate.judge
+    if judge is None or not judge.pairwise:
+        return judge_served(ctx, questions, references, candidate, champion)
+    if champion is not None:
+        return compare_served(ctx, questions, references, candidate, champion, "champion")
+    return compare_served(ctx, questions, references, candidate, [s["base"] for s in offline], "base")
+
+
+def add_grades(examples: list[dict], judged: JudgeVerdict | PairwiseVerdict | None) -> None:
+    """Each example's judge scores (None: no grade) with its other scores; pairwise, the candidate's points and the
+    judge's two replies."""
+    if isinstance(judged, PairwiseVerdict):
+        for example, outcome, replies in zip(examples, judged.outcomes, judged.replies, strict=True):
+            example["scores"]["served"]["judge_win"] = outcome
+            example["judge_replies"] = {"candidate_first": replies[0], "candidate_second": replies[1]}
+        return
     if judged is None:
         return
     for i, example in enumerate(examples):

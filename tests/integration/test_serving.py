@@ -1311,14 +1311,44 @@ def test_the_judge_agreement_benchmark_grades_both_shipped_exams_through_the_ser
     assert "rho vs rouge_l" in done.stdout and "s/answer" in done.stdout
 
 
-def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server, run):
+def test_the_pairwise_judge_compares_through_the_gateway_and_counts_the_replies_it_cannot_read(
+    server, tls, monkeypatch
+):
+    """evaluate.judge.pairwise's comparison as the gate runs it (tasks/quality/pairwise.py), its judge the served
+    champion through the gateway's `/v1` with an API key (the `openai` SDK): each prompt asked in both orders, every
+    reply counted. A tiny antonyms model is no judge: a reply naming neither answer is counted, said in the check and
+    left out of the win rate, never a loss. (The win rate deciding a release: tests/unit/test_judge.py.)"""
+    from tasks.platform.config import GateSection
+    from tasks.platform.config.training import EvaluateSection, JudgeSection
+    from tasks.quality.pairwise import choice_of, compare, pairwise_checks
+
+    monkeypatch.setenv("LLMOPS_JUDGE_API_KEY", API_KEYS["team-a"])
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls[0]))
+    cfg = JudgeSection(url=f"{server['gateway_url']}/v1", model=SERVICE, pairwise=True, max_tokens=4)
+    words = [("hot", "cold"), ("up", "down"), ("big", "small")]
+    verdict = compare(
+        cfg, EvaluateSection(confidence=0.9), [f"What is the opposite of {w}?" for w, _ in words],
+        [a for _, a in words], [a for _, a in words], [w for w, _ in words], "champion",
+    )  # fmt: skip
+    assert len(verdict.replies) == 3 and verdict.tokens > 0 and verdict.seconds > 0
+    unread = sum(choice_of(reply) is None for pair in verdict.replies for reply in pair)
+    checks = pairwise_checks(GateSection(), verdict)
+    assert checks[0].value == pytest.approx(unread / 6) and checks[0].passed == (unread / 6 <= cfg.max_malformed)
+    assert sum(o is None for o in verdict.outcomes) == sum(None in map(choice_of, pair) for pair in verdict.replies)
+    assert checks[1].name == "judge win rate vs champion"
+    assert verdict.win_rate is not None or (checks[1].inconclusive and checks[1].value is None)
+
+
+def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server, run, tls, monkeypatch):
     """A second service on the same Triton (its releases route through a temporary gateway of their own: the serve
     routes the first service). Its first release is merged and promoted; an adapter candidate then serves next to
     that merged champion on a base engine of its own (a service moving to adapters), the gate rejects it (an
     absolute rate no model reaches), and the rollback unloads its adapter and its engine, which no adapter uses any
     more, while the merged champion serves on. The first service is untouched throughout. (A first release that is
     an adapter and is rejected leaves the same: its rollback is this one's, with no champion to serve on; it was a
-    release of its own here, 50 to 60 s of the suite.)"""
+    release of its own here, 50 to 60 s of the suite.) The adapter's gate also asks a pairwise judge (the first
+    service's champion, through the gateway's `/v1`) which of its and the merged champion's answers is better: no
+    tiny antonyms model is a judge, so its replies without a verdict are counted and decide with the rate."""
     other, unreachable = "tiny-qwen2-other", ("--set", "gate.min_requests_per_s=1000000")
     before, engines, triton = champion(home), engine_processes(server), served_by(home, server)
     models = triton.loaded_models()
@@ -1342,10 +1372,20 @@ def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server,
     merged_engine = engine_processes(server) - engines
     assert len(merged_engine) == 1
 
-    output = release(*unreachable)
+    monkeypatch.setenv("LLMOPS_JUDGE_API_KEY", API_KEYS["team-a"])
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls[0]))  # the gateway's own certificate (httpx reads it)
+    pairwise = f"evaluate.judge={{url: '{server['gateway_url']}/v1', model: {SERVICE}, pairwise: true, max_tokens: 4}}"
+    output = release(*unreachable, "--set", pairwise)
     assert f"canary: loading the base engine {other}-base" in output
     assert f"ready next to {merged}" in output
-    assert "rejected: candidate rejected: request throughput (req/s)" in output.strip().splitlines()[-1]
+    last = output.strip().splitlines()[-1]
+    assert "rejected: candidate rejected: request throughput (req/s)" in last
+    assert re.search(
+        r"gate: judge \S+ compared the candidate's answers with the champion's on \d+ prompts, both orders", output
+    )
+    assert "judge: replies without a verdict (share)" in last, last  # counted and said, never a loss
+    judged = latest_release(home).data.metrics
+    assert judged["judge/tokens_per_reply"] > 0 and 0.5 < judged["judge/malformed_share"] <= 1, judged
     assert ready_models(triton, with_merged) == with_merged  # the merged champion alone, no engine of adapters
     assert engines_settle(engines | merged_engine) == engines | merged_engine
     assert champion(home) == before

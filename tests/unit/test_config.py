@@ -98,16 +98,17 @@ def test_profile_digest_changes_with_any_value():
 # judged as its references need (evaluate.metric and max_new_tokens auto, min_relative_improvement, permutation_check,
 # confidence 0.9 and min_improvement 0 by default; cpu-tiny's margin for its exam only; gate.quality_on_interval), and
 # when a release's liveness lease became seconds (canary.lease_s 15; canary.hold_s the approval hold alone), and when
-# preference tuning came (train.stage dpo/kto, pref_beta, pref_loss, pref_ftx; cpu-tiny-dpo).
+# preference tuning came (train.stage dpo/kto, pref_beta, pref_loss, pref_ftx; cpu-tiny-dpo), and when the gate
+# got a pairwise judge (gate.min_win_rate 0.5).
 RESOLVED_DIGESTS = {
-    "cpu-tiny": "33ee537aa0d1665bb3c20a619d3e08f88137a4dd289529032a736974bb610cce",
-    "cpu-tiny-dpo": "fbb9921a8a30130a5e9a4f4fb623ffbff6070424881e6a090551372cdd926f65",
-    "cpu-tiny-qa-zh": "3265cc1dc295386d8ab3ccb3b568fa5b60f1b0de0acca08e92d71e10ab56c92a",
-    "llama3-8b-h100-fp8": "72e05be60629ac2436422354cf267880241ba828e63026319349cc30ccfa6075",
-    "qwen-7b-qlora-2xa10": "bc7b8d5d234c63f7f2d0cfa20161f3aba543ee81591f30e1e46089bfcf533f97",
-    "qwen-7b-vllm-h100": "77c60c2df4905f37d889b78e5256d89e1c05836a4f436e74d98fbf27009cb4ab",
-    "qwen2-14b-int4-tp2": "e26bd5794fbfb43e3aa39046a73d73be1e4118a62b25ad770b983a30830e2bbf",
-    "qwen2.5-72b-lora-2x8xh100": "7545299660aa40883f793476615cf79378d4259681bdb8cd28a4675cac12f4a5",
+    "cpu-tiny": "9898bc5a11e5d3e439745cf2d37dd2d688e142b0306450e3fb0495e674bec330",
+    "cpu-tiny-dpo": "2ebe76f9cb6b0b46166a2a8a551ab22c6b32fd8bd3dc2ffed4f6b8dc063b1c00",
+    "cpu-tiny-qa-zh": "64feb4ee0d2828b36ae997dae8f7afa1913fdfcff5d33446d31ec058ffa7c865",
+    "llama3-8b-h100-fp8": "5bfcfeec5b431477ec0883dfce230a6aa1d322d74642d0c407436ab9a68bbdd6",
+    "qwen-7b-qlora-2xa10": "14cb2c90234d3f68968532860184cc3cb585b3ef99a07b68cdda3196d55154e8",
+    "qwen-7b-vllm-h100": "7a2a35f353958f0d4c28b792a18136f66dc80dbb7c129ea4bd059abb39f6602f",
+    "qwen2-14b-int4-tp2": "2b917c1a1390ac38e3388756166587eb4cc6bfe9cede1b5c1e9e5d50ecd9d288",
+    "qwen2.5-72b-lora-2x8xh100": "838b6271c7eb7e7b71b4f4c568fb9e5793792889a9822e58775c70c7f30100c0",
 }
 
 

@@ -198,6 +198,16 @@ class GateSection(Section):
     min_judge_score: float | None = Field(
         None, ge=0, le=1, description="With evaluate.judge: the smallest mean judge score (0..1) of the candidate."
     )
+    min_win_rate: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="With evaluate.judge.pairwise: the candidate's smallest win rate over the champion (the base "
+        "model on a first release), a tie counting a half, on its bootstrap interval's lower bound at "
+        "evaluate.confidence (the point value without one). 0.5: the candidate surely at least as good (its wins "
+        "and ties outweigh its losses on the whole interval); lower allows a margin (0.4: it may lose a little more "
+        "often than it wins).",
+    )
     min_shadow_agreement: float | None = Field(
         None,
         ge=0,

@@ -213,6 +213,10 @@ DEFAULT_RUBRIC = (
     "Grade the answer against the reference answer: is it correct and complete for the question? "
     "1 means wrong or unrelated, the top of the scale means as good as the reference."
 )
+PAIRWISE_RUBRIC = (
+    "Two answers to the question follow. Which one answers it better: correct, complete and close to the reference "
+    "answer?"
+)
 
 
 class JudgeSection(Section):
@@ -230,7 +234,18 @@ class JudgeSection(Section):
         description="The environment variable holding its API key (never the key itself); unset: no key sent.",
         json_schema_extra=FILE_ONLY,
     )
-    rubric: str = Field(DEFAULT_RUBRIC, description="What the judge is asked to grade, before the question.")
+    pairwise: bool = Field(
+        False,
+        description="Compare instead of grade: for each eval prompt the judge says which of two answers is better, "
+        "the candidate's or the champion's (the base model's on a first release), twice with the order swapped; a "
+        "preference that flips with the order is a tie. The gate checks the candidate's win rate (a tie counts a "
+        "half) against gate.min_win_rate.",
+    )
+    rubric: str | None = Field(
+        None,
+        description="What the judge is asked to grade (or, pairwise, what makes one answer better), before the "
+        "question; null: the mode's own.",
+    )
     scale: int = Field(5, ge=2, le=10, description="The grades run from 1 to this; a score is (grade - 1)/(scale - 1).")
     max_tokens: int = Field(16, ge=1, description="Tokens of the judge's answer (its grade comes first).")
     timeout_s: float = Field(
