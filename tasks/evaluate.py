@@ -170,8 +170,9 @@ def evaluate(ctx: RunContext, data: StageResult, base: StageResult, adapter: Sta
             base_scores, candidate_scores = engine_scores(ctx, base_dir, adapter_dir, tokenizer, conversations)
         else:
             compute, rejected = Compute.of(ctx.profile), eval_rejected(ctx, data, cfg.max_samples)
+            beta = ctx.profile.train.pref_beta
             base_scores, candidate_scores = (  # one model in memory at a time
-                score(load_model(base_dir, adapter, compute), tokenizer, conversations, cfg, rejected)
+                score(load_model(base_dir, adapter, compute), tokenizer, conversations, cfg, rejected, beta)
                 for adapter in (None, adapter_dir)
             )
         improvement = gain(candidate_scores.per_sample[cfg.metric], base_scores.per_sample[cfg.metric], cfg)
@@ -303,7 +304,12 @@ def write_evaluation(
 
 def score_table(result: EvaluationMetrics, baseline: Baseline | None = None) -> str:
     """Base and candidate, one row each, every metric a column; the permutation baseline below where it was scored."""
-    names = [*metrics.TEXT_METRICS, "answer_loss", "perplexity", *sorted({"preference_accuracy"} & set(result.base))]
+    names = [
+        *metrics.TEXT_METRICS,
+        "answer_loss",
+        "perplexity",
+        *(n for n in metrics.PREFERENCE_METRICS if n in result.base),
+    ]
     widths = [max(11, len(n)) for n in names]
     header = "  " + " " * 10 + " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
     rows = [
@@ -318,8 +324,11 @@ def score_table(result: EvaluationMetrics, baseline: Baseline | None = None) -> 
     return "\n".join([header, *rows])
 
 
-def headroom(metric: str, base: float) -> float:
-    """How far the base is from a perfect score: 1 - base on a 0..1 metric, the base's loss on answer_loss."""
+def headroom(metric: str, base: float) -> float | None:
+    """How far the base is from a perfect score: 1 - base on a 0..1 metric, the base's loss on answer_loss; None on
+    reward_margin, which has no perfect score."""
+    if metric == "reward_margin":
+        return None
     return 1.0 - base if higher_is_better(metric) else base
 
 
@@ -359,8 +368,8 @@ def require_improvement(
             f"{scores}: {which} {bound:.3f} {compared} evaluate.min_improvement {cfg.min_improvement:g}{interval}{hint}"
         )
     room = headroom(metric, result.base[metric])
-    share = improvement.value / room if room > 0 else 0.0
-    if share < cfg.min_relative_improvement:
+    share = improvement.value / room if room is not None and room > 0 else 0.0
+    if room is not None and share < cfg.min_relative_improvement:
         raise CheckFailed(
             f"{scores}: it gains {share:.1%} of the base's headroom ({improvement.value:.3f} of {room:.3f}), less than "
             f"evaluate.min_relative_improvement {cfg.min_relative_improvement:g}"

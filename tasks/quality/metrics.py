@@ -7,6 +7,9 @@
   the model, tasks/evaluate.py); lower is better.
 - preference_accuracy: on preference pairs, 1 when the model gives the chosen answer a higher summed log-probability
   than the rejected one given the prompt, else 0 (tasks/quality/scoring.py, preferred).
+- reward_margin: on preference pairs, train.pref_beta times the chosen answer's summed log-probability minus the
+  rejected one's; the candidate's minus the base's is DPO's reward margin, the base being DPO's reference model.
+  Unbounded, so it has no headroom (evaluate.min_relative_improvement does not apply).
 
 Words: jieba segments Chinese (and other unsegmented text) into words and leaves space-separated
 words whole; whitespace is dropped. These are the segmenter and scorers LlamaFactory's own SFT
@@ -27,7 +30,9 @@ GATE_METRICS: dict[str, bool] = {
     "bleu_4": True,
     "answer_loss": False,
     "preference_accuracy": True,
+    "reward_margin": True,
 }
+PREFERENCE_METRICS = ("preference_accuracy", "reward_margin")  # scored on held-out pairs (train.stage dpo)
 TEXT_METRICS = ("exact_match", "rouge_1", "rouge_2", "rouge_l", "bleu_4")
 
 

@@ -48,11 +48,20 @@ def answer_losses(model, tokenizer, conversations: list[Conversation]) -> list[f
     return [total / tokens for total, tokens in answer_nll(model, tokenizer, conversations)]
 
 
-def preferred(model, tokenizer, chosen: list[Conversation], rejected: list[Conversation]) -> list[float]:
-    """Per preference pair, 1.0 where the model gives the chosen answer a higher log-probability than the rejected
-    one given the same prompt (summed over the answer's tokens, as DPO's loss reads a policy), else 0.0."""
+def preferred(
+    model, tokenizer, chosen: list[Conversation], rejected: list[Conversation], beta: float
+) -> dict[str, list[float]]:
+    """Per preference pair, from the log-probabilities of its two answers given the prompt (summed over the answer's
+    tokens, as DPO's loss reads a policy): preference_accuracy 1.0 where the chosen one is the more likely, else 0.0;
+    reward_margin, beta times the chosen's log-probability minus the rejected's. The candidate's reward_margin minus
+    the base's is DPO's reward margin with the base as its reference model (TRL's and LlamaFactory's rewards/margins,
+    beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r)))), the quantity DPO's loss widens."""
     chosen_nll, rejected_nll = (answer_nll(model, tokenizer, side) for side in (chosen, rejected))
-    return [float(c < r) for (c, _), (r, _) in zip(chosen_nll, rejected_nll, strict=True)]
+    pairs = list(zip(chosen_nll, rejected_nll, strict=True))
+    return {
+        "preference_accuracy": [float(c < r) for (c, _), (r, _) in pairs],
+        "reward_margin": [beta * (r - c) for (c, _), (r, _) in pairs],
+    }
 
 
 def answer_nll(model, tokenizer, conversations: list[Conversation]) -> list[tuple[float, int]]:
@@ -144,13 +153,14 @@ def score(
     conversations: list[Conversation],
     cfg: EvaluateSection,
     rejected: list[Conversation] | None = None,
+    beta: float = 0.1,
 ) -> Scores:
     """Every metric per sample; with `rejected` (the eval split's pairs with the rejected answers, tasks/data/splits.py
-    load_rejected), preference_accuracy too."""
+    load_rejected), preference_accuracy and reward_margin (at DPO's `beta`) too."""
     predictions = generate_answers(model, tokenizer, conversations, cfg.answer_tokens)
     scores = scores_of(predictions, answer_losses(model, tokenizer, conversations), conversations)
     if rejected is not None:
-        scores.per_sample["preference_accuracy"] = preferred(model, tokenizer, conversations, rejected)
+        scores.per_sample |= preferred(model, tokenizer, conversations, rejected, beta)
     return scores
 
 

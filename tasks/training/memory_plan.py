@@ -19,7 +19,9 @@ size and the DeepSpeed config, training needs per GPU (bytes):
     runtime      CUDA context, cuBLAS and NCCL workspaces (the serving plan's RUNTIME_RESERVE_GIB), plus
                  DeepSpeed's communication buckets x 2
 
-and the sum must fit the GPU's memory less the serving plan's FRAGMENTATION margin. A profile that does not
+where batch is per_device_train_batch_size, twice it under DPO (its chosen and rejected in one batch); DPO with a
+reference model (not orpo or simpo) and KTO add the reference model's logits, computed without gradients while the
+policy's are held (sequences_per_step says where in LlamaFactory). The sum must fit the GPU's memory less the serving plan's FRAGMENTATION margin. A profile that does not
 fit is refused naming the term that overflows (the largest) and what shrinks it. docs/gpu.md#memory-plans
 checks these terms against LlamaFactory's hardware table and DeepSpeed's ZeRO-3 estimator.
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.platform.config import Profile
-from tasks.platform.config.training import ModelArchitecture
+from tasks.platform.config.training import ModelArchitecture, TrainSection
 from tasks.platform.errors import BadInput
 from tasks.serving.llm_api import llm_args
 from tasks.serving.memory_plan import (
@@ -188,10 +190,27 @@ def lora_term(profile: Profile, shape: Shape, zero: ZeroConfig | None) -> Term:
     return Term("lora states", per_gpu, f"{params / 1e6:.0f}M LoRA parameters x 18 B, partitioned by ZeRO-{stage}")
 
 
+def sequences_per_step(train: TrainSection) -> tuple[int, int]:
+    """Sequences in the forward pass that keeps its graph, and in the reference model's forward (no gradients, its
+    logits held beside the policy's until the loss), per device and step. LlamaFactory 0.9.5: DPO's collator puts a
+    batch's chosen and rejected sequences in one batch of 2n (data/collator.py:542-564, PairwiseDataCollatorWithPadding;
+    train/dpo/trainer.py:230-238 splits the fp32 logits), and its reference forward reads the same 2n unless the loss
+    needs no reference model (orpo, simpo: hparams/finetuning_args.py:574; dpo/trainer.py:259-274); KTO's graph
+    holds the n target sequences while its KL sequences and the reference's n + n pass without gradients
+    (train/kto/trainer.py:184-218)."""
+    batch = train.per_device_train_batch_size
+    if train.stage == "dpo":
+        return 2 * batch, 0 if train.pref_loss in ("orpo", "simpo") else 2 * batch
+    if train.stage == "kto":
+        return batch, 2 * batch
+    return batch, 0
+
+
 def activation_terms(profile: Profile) -> list[Term]:
     arch, train = profile.base_model.architecture, profile.train
     assert arch is not None
-    width, batch, tokens = training_dtype_bytes(profile), train.per_device_train_batch_size, train.cutoff_len
+    (batch, reference), tokens = sequences_per_step(train), train.cutoff_len
+    width = training_dtype_bytes(profile)
     h, kv, i, layers = arch.hidden_size, arch.kv_width, arch.intermediate_size, arch.num_hidden_layers
     layer = batch * tokens * (6 * h + 2 * kv + 4 * i) * width  # what one layer saves for its backward pass
     checkpointing = not train.extra_args.get("disable_gradient_checkpointing", False)
@@ -208,9 +227,18 @@ def activation_terms(profile: Profile) -> list[Term]:
     logits = Term(
         "logits",
         batch * tokens * arch.vocab_size * 10,
-        f"{batch} x {tokens} tokens x {arch.vocab_size} vocabulary x 10 B (16-bit logits, fp32 copy, log-softmax)",
+        f"{batch} x {tokens} tokens x {arch.vocab_size} vocabulary x 10 B (16-bit logits, fp32 copy, log-softmax)"
+        + (f"; {train.stage}: chosen and rejected in one batch" if train.stage == "dpo" else ""),
     )
-    return [activations, logits]
+    if not reference:
+        return [activations, logits]
+    held = Term(
+        "reference logits",
+        reference * tokens * arch.vocab_size * 10,
+        f"{train.stage}'s reference forward without gradients: {reference} x {tokens} tokens x {arch.vocab_size} "
+        "vocabulary x 10 B, beside the policy's",
+    )
+    return [activations, logits, held]
 
 
 def runtime_term(profile: Profile, zero: ZeroConfig | None) -> Term:
@@ -254,6 +282,9 @@ REMEDIES = {
     "to keep the global batch)",
     "logits": "lower train.cutoff_len or train.per_device_train_batch_size (raise gradient_accumulation_steps to "
     "keep the global batch)",
+    "reference logits": "lower train.cutoff_len or train.per_device_train_batch_size (raise "
+    "gradient_accumulation_steps to keep the global batch), or a loss without a reference model (train.pref_loss "
+    "orpo or simpo)",
     "runtime": "use a GPU with more memory",
 }
 

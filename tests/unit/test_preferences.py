@@ -206,6 +206,14 @@ def test_a_preference_stage_refuses_the_other_methods_data_in_one_line(stage, ro
             ["train.stage=dpo", "data.eval_source=null", "evaluate.metric=preference_accuracy", "evaluate.engine=vllm"],
             "metric preference_accuracy with engine vllm",
         ),
+        (
+            ["train.stage=kto", "data.eval_source=null", "evaluate.metric=reward_margin"],
+            "reward_margin with train.stage kto",
+        ),
+        (
+            ["train.stage=dpo", "data.eval_source=null", "evaluate.metric=reward_margin", "evaluate.engine=vllm"],
+            "metric reward_margin with engine vllm",
+        ),
     ],
 )
 def test_a_profile_that_would_judge_a_preference_run_on_what_it_cannot_score_is_refused(overrides, said):

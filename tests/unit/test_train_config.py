@@ -242,6 +242,16 @@ def test_an_sft_runs_cache_key_holds_what_it_held_before_preference_settings_exi
         ("cpu-tiny-dpo", ["train.pref_loss=simpo"], False),
         ("cpu-tiny-dpo", ["train.stage=kto", "evaluate.metric=auto"], False),
         ("qwen-7b-qlora-2xa10", ["train.stage=dpo"], True),  # QLoRA 4-bit under DPO: the GPU profile's variant
+        (  # the H100 profile's DPO variant (docs/user-guide.md): half the batch per device, the same global batch
+            "qwen-7b-vllm-h100",
+            [
+                "train.stage=dpo",
+                "data.eval_source=null",
+                "train.per_device_train_batch_size=2",
+                "train.gradient_accumulation_steps=16",
+            ],
+            True,
+        ),  # fmt: skip
     ],
 )
 def test_llamafactorys_own_parser_takes_every_preference_config_we_render(profile, overrides, reference):

@@ -125,3 +125,36 @@ def test_the_seven_b_profile_fits_an_h100_at_its_batch_and_not_at_twice_it():
     doubled = load_profile("qwen-7b-vllm-h100", ["train.per_device_train_batch_size=8"])
     with pytest.raises(BadInput, match=r"80.4 GiB per GPU .* logits overflow \(46.4 GiB: 8 x 4096 tokens x 152064"):
         memory_plan(doubled)
+
+
+DPO = ["train.stage=dpo", "data.eval_source=null"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sequences", "reference"),
+    [
+        ([], 4, 0),
+        (DPO, 8, 8),  # chosen and rejected in one batch; the reference model reads both without gradients
+        ([*DPO, "train.pref_loss=simpo"], 8, 0),  # no reference model
+        (["train.stage=kto", "data.eval_source=null"], 4, 8),  # the targets hold the graph; KL and reference do not
+    ],
+)
+def test_a_preference_stage_plans_the_sequences_its_trainer_puts_through_the_model(overrides, sequences, reference):
+    """Issue 78: qwen-7b-vllm-h100 (4 x 4096 tokens per device) planned as LlamaFactory 0.9.5's DPO and KTO trainers
+    batch (tasks/training/memory_plan.py, sequences_per_step, with the lines it read)."""
+    got = terms(training_plan(load_profile("qwen-7b-vllm-h100", overrides)))
+    assert got["logits"] == pytest.approx(sequences * 4096 * 152064 * 10)
+    assert got.get("reference logits", 0) == pytest.approx(reference * 4096 * 152064 * 10)
+
+
+def test_the_h100_profiles_dpo_variant_is_refused_at_its_sft_batch_and_fits_at_half_of_it():
+    """DPO on qwen-7b-vllm-h100 as shipped (4 x 8) would put 8 sequences of 4096 tokens through the model with
+    gradients and 8 more through the reference: refused before anything runs, naming the logits; 2 x 16 (the same
+    global batch) fits. docs/user-guide.md gives that variant."""
+    with pytest.raises(
+        BadInput, match=r"training needs 126\.8 GiB per GPU .* logits overflow .*dpo: chosen and rejected"
+    ):
+        memory_plan(load_profile("qwen-7b-vllm-h100", DPO))
+    half = ["train.per_device_train_batch_size=2", "train.gradient_accumulation_steps=16"]
+    plan = training_plan(load_profile("qwen-7b-vllm-h100", [*DPO, *half]))
+    assert plan.total_gib == pytest.approx(71.3, abs=0.05) and plan.total_gib < plan.usable_gib

@@ -125,16 +125,17 @@ class Profile(Section):
 
     @model_validator(mode="after")
     def _preference_runs_split_their_own_pairs(self) -> Profile:
-        """dpo and kto are judged on their own pairs' held-out prompts; preference_accuracy needs pairs (dpo)."""
+        """dpo and kto are judged on their own pairs' held-out prompts; preference_accuracy and reward_margin need pairs
+        (dpo)."""
         stage = self.train.stage
         if stage != "sft" and self.data.eval_source is not None:
             raise ValueError(
                 f"data.eval_source with train.stage {stage}: a preference run's exam is its own data's held-out "
                 "prompts (split by prompt); set data.eval_source null"
             )
-        if self.evaluate.metric == "preference_accuracy" and stage != "dpo":
+        if self.evaluate.metric in ("preference_accuracy", "reward_margin") and stage != "dpo":
             raise ValueError(
-                f"evaluate.metric preference_accuracy with train.stage {stage}: it is scored on preference pairs "
+                f"evaluate.metric {self.evaluate.metric} with train.stage {stage}: it is scored on preference pairs "
                 "(chosen/rejected), which train.stage dpo trains on"
             )
         return self

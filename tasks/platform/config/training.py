@@ -266,14 +266,18 @@ class EvaluateSection(Section):
     Left at `auto`, the metric and the answer length follow from the eval split's references
     (tasks/quality/answer_kind.py), and the run says what it chose and why."""
 
-    metric: Literal["auto", "exact_match", "rouge_l", "bleu_4", "answer_loss", "preference_accuracy"] = Field(
+    metric: Literal[
+        "auto", "exact_match", "rouge_l", "bleu_4", "answer_loss", "preference_accuracy", "reward_margin"
+    ] = Field(
         "auto",
         description="The deciding metric: exact_match, rouge_l, bleu_4 (higher is better) or answer_loss (lower is "
         "better); all are logged. auto: exact_match where the references are closed answers (90% of them at most "
         "3 words, or at most 10 distinct ones), rouge_l where they are open-ended. preference_accuracy: on "
         "preference pairs (train.stage dpo), the share of held-out pairs whose chosen answer the model gives a "
         "higher log-probability than the rejected one (transformers only); the answers are scored against the "
-        "chosen ones too.",
+        "chosen ones too. reward_margin: on the same pairs, DPO's reward margin with the base as reference "
+        "(train.pref_beta times the log-probability margin of chosen over rejected, the candidate's minus the "
+        "base's; in its own units, without a headroom: min_improvement is the margin to size).",
     )
     max_new_tokens: int | Literal["auto"] = Field(
         "auto",
@@ -330,9 +334,9 @@ class EvaluateSection(Section):
     def positive_answer_length(self) -> EvaluateSection:
         if self.max_new_tokens != "auto" and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {self.max_new_tokens}: at least 1, or auto")
-        if self.metric == "preference_accuracy" and self.engine == "vllm":
+        if self.metric in ("preference_accuracy", "reward_margin") and self.engine == "vllm":
             raise ValueError(
-                "metric preference_accuracy with engine vllm: the rejected answers' log-probabilities are scored by "
+                f"metric {self.metric} with engine vllm: the rejected answers' log-probabilities are scored by "
                 "transformers; set evaluate.engine transformers"
             )
         return self
