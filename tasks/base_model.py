@@ -27,7 +27,8 @@ from tasks.serving.hf_compat import make_loadable_by_transformers4
 
 @dataclass
 class BaseModelMetrics(StageMetrics):
-    """What `tiny-qwen2` built and how its pretrain went; a copied base (hub, folder, s3://) reports none."""
+    """What `tiny-qwen2` built and how its pretrain went; a copied base (hub, folder, s3://, a registered version)
+    reports its parameters alone, counted from its safetensors headers."""
 
     STAGES = ("base_model",)
 
@@ -37,7 +38,27 @@ class BaseModelMetrics(StageMetrics):
     pretrain_loss_last: float | None = None
 
     def headline(self) -> str:
-        return f"{'?' if self.parameters is None else self.parameters} params"
+        return (
+            "parameters not counted (weights not in safetensors)"
+            if self.parameters is None
+            else f"{self.parameters} params"
+        )
+
+
+def counted_parameters(folder: Path) -> int | None:
+    """The parameters of a copied base, from its safetensors headers alone (no tensor read); None without any."""
+    import math
+
+    from safetensors import safe_open
+
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        return None
+    total = 0
+    for path in shards:
+        with safe_open(str(path), "np") as weights:
+            total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118 (a handle, not a dict)
+    return total
 
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -171,7 +192,7 @@ def copy_model(source: str, out_dir: Path) -> BaseModelMetrics:
             ) from None
     if not (out_dir / "config.json").is_file():
         raise BadInput(f"base_model.source {source}: no config.json (not a Hugging Face model folder)")
-    return BaseModelMetrics()
+    return BaseModelMetrics(parameters=counted_parameters(out_dir))
 
 
 REGISTERED = "models:/"
@@ -217,7 +238,7 @@ def base_model(ctx: RunContext, data: StageResult) -> StageResult:
 
         def produce(out_dir: Path) -> dict:
             shutil.copytree(ctx.store.fetch(merged), out_dir, dirs_exist_ok=True)
-            return BaseModelMetrics().as_mlflow()
+            return BaseModelMetrics(parameters=counted_parameters(out_dir)).as_mlflow()
     elif cfg.source == "tiny-qwen2":
         key = {"data": data.artifact.digest, "tiny": cfg.tiny.model_dump()}
 

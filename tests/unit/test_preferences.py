@@ -331,3 +331,25 @@ def test_a_registered_base_is_the_merged_model_its_alias_or_number_names_and_a_m
         registered_merge(ctx, "models:/svc@canary")
     with pytest.raises(BadInput, match="a registered model is models:/NAME@ALIAS or models:/NAME/N"):
         registered_merge(ctx, "models:/svc")
+
+
+def test_a_copied_base_counts_its_parameters_from_the_safetensors_headers(tmp_path):
+    """A registered or copied base (a DPO run's SFT model) said `? params` in the run table: its count is now read
+    from its safetensors headers, the same as the model's own (tied embeddings saved once), and a folder of .bin
+    weights says it was not counted."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tasks.base_model import BaseModelMetrics, copy_model
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path / "base")
+    copied = copy_model(str(tmp_path / "base"), tmp_path / "copy")
+    assert copied.parameters == sum(p.numel() for p in model.parameters())
+    assert copied.headline() == f"{copied.parameters} params"
+    assert BaseModelMetrics().headline() == "parameters not counted (weights not in safetensors)"
