@@ -54,6 +54,7 @@ class DatasetMetrics(StageMetrics):
     eval_split: str | None = None  # where the eval split came from: "hash split of qa.jsonl" (a tag, not a metric)
     preference: str | None = None  # train.stage dpo/kto: "pairs" or "kto" (a tag)
     prompts: int | None = None  # ... the distinct prompts, which the split keeps whole
+    harvested_held_out: int | None = None  # ... harvested pairs left out: their prompt hashed into the eval split
 
     @classmethod
     def of_data(cls, data: CleanData) -> DatasetMetrics:
@@ -77,6 +78,9 @@ class DatasetMetrics(StageMetrics):
             eval_split=f"hash split of {names} by prompt",
             preference=data.kind,
             prompts=data.prompts,
+            # the flywheel's pairs: a release trained on them waits for a person as an SFT one does (gate.approval)
+            harvested_records=sum(r.harvested for r in data.train) or None,
+            harvested_held_out=data.harvested_held_out or None,
         )
 
     def headline(self) -> str:
@@ -117,9 +121,15 @@ def prepare_data(ctx: RunContext) -> StageResult:
             preferences = preference_data(files, cfg, stage)
             write_preference_dataset(preferences, out_dir)
             metrics = DatasetMetrics.of_preferences(preferences, ", ".join(f.name for f in files))
+            harvested = (
+                f", {metrics.harvested_records or 0} of them harvested from served traffic (train only; "
+                f"{metrics.harvested_held_out or 0} left out, their prompt in the eval split)"
+                if metrics.harvested_records or metrics.harvested_held_out
+                else ""
+            )
             logger().info(
                 f"prepare_data: {metrics.records_read} read, {metrics.duplicates_dropped} duplicates dropped, "
-                f"{metrics.prompts} prompts, {metrics.headline()}"
+                f"{metrics.prompts} prompts, {metrics.headline()}{harvested}"
             )
             return metrics.as_mlflow()
         data = clean_and_split(files, cfg, eval_files, harvest_eval_files)

@@ -756,12 +756,26 @@ def test_answers_shuffled_across_questions_are_refused_on_the_permutation_baseli
     assert all(stage in stages for stage in ("prepare_data", "base_model", "train")) and lineage == 3
 
 
-def test_dpo_on_the_first_releases_model_makes_it_prefer_the_held_out_chosen_answers_more_than_it_did(stack, first_run):
+def test_dpo_on_the_first_releases_model_makes_it_prefer_the_held_out_chosen_answers_more_than_it_did(
+    stack, first_run, tmp_path
+):
     """Issue 78, SFT then DPO: `llmops run --profile cpu-tiny-dpo` on the first run's registered version (its merged SFT
     model, found through the MLflow server and fetched from S3): LlamaFactory's DPO on antonym pairs of words the SFT
     data never names, judged on the held-out pairs' preference accuracy (the chosen answer more likely than the
     rejected one): the DPO model's is above the SFT model's, on its interval's lower bound, and it is registered with
-    that version's weights as its base. Registering only: the served path of a merged model is test_serving's."""
+    that version's weights as its base. Its data also holds the pairs `llmops data harvest --pairs` built from captured
+    traffic (corrections, answers rated both ways): trained on, never in the eval split, and counted as the
+    flywheel's records, which make a deployed release wait for a person (gate.approval harvested). Registering only:
+    the served path of a merged model is test_serving's."""
+    from tests.unit.test_gateway import SERVICE as CAPTURED  # the service the unit tests' capture folder is of
+    from tests.unit.test_preferences import served_traffic
+
+    data = tmp_path / "pairs"
+    served_traffic(tmp_path / "capture")
+    harvest = ["data", "harvest", "--pairs", "--service", CAPTURED, "--capture", str(tmp_path / "capture")]
+    harvested = llmops(stack, *harvest, "--since", "1h", "--out", str(data))
+    assert harvested.returncode == 0 and "pairs kept             3" in harvested.stdout, harvested.stdout[-2000:]
+    shutil.copy(ROOT / "profiles" / "data" / "antonym-pairs.jsonl", data)
     client = MlflowClient(stack.mlflow.url)
     sft = client.get_model_version(MODEL, "1")
     base = [*("--set", "base_model.source=models:/tiny-qwen2-antonyms/1", "--set", "serve.deploy=false")]
@@ -769,6 +783,8 @@ def test_dpo_on_the_first_releases_model_makes_it_prefer_the_held_out_chosen_ans
         "run",
         "--profile",
         "cpu-tiny-dpo",
+        "--data",
+        str(data),
         "--artifacts",
         "s3://artifacts/llmops",
         "--tracking-uri",
@@ -777,7 +793,10 @@ def test_dpo_on_the_first_releases_model_makes_it_prefer_the_held_out_chosen_ans
     result = llmops(stack, *args, *base, "--set", "run.retry_delay_s=0.2")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert "199 train / 41 eval pairs (hash split of" in output
+    split = re.search(r"(\d+) train / 41 eval pairs \(hash split of .*, (\d) of them harvested from served traffic \(train "
+                      r"only; (\d) left out, their prompt in the eval split\)", output)  # fmt: skip
+    # two of the three harvested pairs are curated ones too (dropped as duplicates): one trains, none is an exam
+    assert split and (int(split[1]), split[2], split[3]) == (200, "1", "0"), output[-4000:]
     assert (
         f"base_model: models:/tiny-qwen2-antonyms/1 is the merged model {sft.tags['artifact.merge.sha256'][:12]}"
         in output
@@ -786,6 +805,7 @@ def test_dpo_on_the_first_releases_model_makes_it_prefer_the_held_out_chosen_ans
     run = latest_run(stack)
     metrics = run.data.metrics
     assert run.data.tags["evaluate.metric"] == "preference_accuracy" and "train/accuracy" in metrics
+    assert run.data.tags["data.harvested_records"] == split[2]
     gained = metrics["evaluate/candidate_preference_accuracy"] - metrics["evaluate/base_preference_accuracy"]
     assert gained > 0 and metrics["evaluate/improvement_low"] > 0, metrics
     # DPO's reward margin on the held-out pairs (the SFT model its reference): what its loss widens, logged beside

@@ -276,6 +276,15 @@ def test_corrections_and_answers_rated_both_ways_become_pairs_a_dpo_run_reads(tm
     # a harvested pair is trained on, or left out where its prompt hashes into the eval split; never an exam
     assert {r.chosen for r in trained} <= {"rude", "modern"} and not any(r.harvested for r in data.eval)
     assert len(trained) + data.harvested_held_out == 2 and data.duplicates == 4
+    # counted as the flywheel's records: a DPO release trained on them waits for a person (gate.approval harvested,
+    # flows/release.py), as an SFT release on harvested records does; before, a pair counted none and went out alone
+    from tasks.prepare_data import DatasetMetrics
+
+    metrics = DatasetMetrics.of_preferences(data, "pairs.jsonl")
+    assert (metrics.harvested_records or 0) == len(trained) and (
+        metrics.harvested_held_out or 0
+    ) == data.harvested_held_out
+    assert len(trained) >= 1, "the split must train on one harvested pair for this test to say anything"
 
 
 def test_the_harvest_command_writes_pairs_that_forget_removes(tmp_path):
