@@ -150,7 +150,9 @@ def prepare_data(ctx: RunContext) -> StageResult:
             "eval_source": source_digest(eval_files) if eval_files else None,
             "harvest_eval_source": source_digest(harvest_eval_files) if harvest_eval_files else None,
             "config": cfg.model_dump(exclude={"source", "eval_source", "harvest_eval_source"}),
-            **({"preference": stage} if stage != "sft" else {}),  # an SFT key as before: the caches stay
+            # an SFT key as before: the caches stay; a preference result made before harvested pairs were counted
+            # (which gate.approval reads) is made again
+            **({"preference": stage, "harvested_counted": True} if stage != "sft" else {}),
         },
         produce,
         headline=lambda m: DatasetMetrics.from_mlflow(m).headline(),
