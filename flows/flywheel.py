@@ -38,14 +38,17 @@ from tasks.platform.tracking import default_tracking_uri, ensure_experiment
 
 
 def refuse_unsafe_locations(config: Profile, data_destination: str, pending_destination: str) -> None:
-    """A flywheel needs a curated exam that harvests never enter, and a pending location retraining never reads."""
-    if config.data.eval_source is None:
+    """A flywheel needs a curated exam that harvests never enter, and a pending location retraining never reads. A
+    preference profile's exam is its data's held-out prompts, which a harvested pair never enters (its prompt hashed
+    there leaves it out: tasks/data/preferences.py); an SFT profile names one apart (data.eval_source)."""
+    if config.train.stage == "sft" and config.data.eval_source is None:
         raise BadInput(
             f"profile {config.name}: the flywheel needs data.eval_source, a curated held-out set: without one the "
             "release's eval split would be drawn from data clients wrote"
         )
-    if same_or_inside(config.data.eval_source, data_destination) or same_or_inside(
-        config.data.eval_source, pending_destination
+    if config.data.eval_source is not None and (
+        same_or_inside(config.data.eval_source, data_destination)
+        or same_or_inside(config.data.eval_source, pending_destination)
     ):
         raise BadInput(
             f"data.eval_source {config.data.eval_source}: inside (or holding) where harvests land "
@@ -62,7 +65,8 @@ def refuse_unsafe_locations(config: Profile, data_destination: str, pending_dest
 @task(name="harvest", retries=2, retry_delay_seconds=10, cache_policy=NO_CACHE)
 def harvest_task(config: Profile, since: datetime, out: str, min_rating: MinRating) -> Harvested:
     trusted = frozenset(config.serve.capture.trusted_clients) if config.flywheel.review == "rules" else None
-    harvested = harvest_dataset(config, since, out, min_rating, trusted=trusted)
+    pairs = config.train.stage != "sft"  # a DPO profile's next data: pairs (kto is refused there)
+    harvested = harvest_dataset(config, since, out, min_rating, trusted=trusted, pairs=pairs)
     if harvested.uri is not None:
         import json
 
@@ -183,8 +187,9 @@ def flywheel(
     """Harvest the service's captured exchanges into the pending location; push them as new data once approved.
 
     Args:
-        profile: profile of the service (its registry.model_name, serve.capture, flywheel and data settings); it must
-            name a curated held-out set (data.eval_source).
+        profile: profile of the service (its registry.model_name, serve.capture, flywheel and data settings); an SFT
+            profile must name a curated held-out set (data.eval_source); a DPO profile harvests preference pairs,
+            held out from its data's eval split.
         data_destination: the data location the retrain deployment watches; also the previous training data.
         pending_destination: where a harvest and its report wait for review; never inside data_destination.
         since_hours: exchanges of the last hours to harvest (records already in the data are dropped).
@@ -196,7 +201,8 @@ def flywheel(
         check_api_profile(profile)
         refuse_unlisted_location("data_destination", data_destination)
         refuse_unlisted_location("pending_destination", pending_destination)
-    config = load_profile(profile, [], data_destination, PROFILE_EXAM)  # the curated exam, as retrain's runs
+    preference = load_profile(profile).train.stage != "sft"  # its exam: its own pairs' held-out prompts
+    config = load_profile(profile, [], data_destination, None if preference else PROFILE_EXAM)  # as retrain's runs
     refuse_unsafe_locations(config, data_destination, pending_destination)
     expired = expire_harvested(
         harvested_in(data_destination) + harvested_in(pending_destination),

@@ -11,11 +11,12 @@ from typing import Any
 
 from tasks.data.exchanges import default_location, open_exchange_log
 from tasks.data.harvest import MinRating, dataset_sha256, harvest, save, save_text
-from tasks.data.records import read_data
+from tasks.data.records import read_data, read_source
 from tasks.platform.config import Profile
 from tasks.platform.errors import BadInput
 from tasks.platform.project import llmops_home
 from tasks.platform.stores import open_store
+from tasks.quality.chat import Conversation, Message
 
 FLYWHEEL_EXPERIMENT = "llm-flywheel"  # the MLflow experiment of the flywheel's runs (flows/flywheel.py)
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([mhd])$")
@@ -63,10 +64,22 @@ def harvest_dataset(
     training set, config.data.source) and held-out set; the dataset goes to `out` as harvest-SERVICE-TIME.jsonl.
     `trusted`: only these clients' corrections (the flywheel's review rules); None: every client's."""
     service = service or config.registry.model_name
+    stage = config.train.stage
+    if stage != "sft" and not pairs:
+        raise BadInput(
+            f"profile {config.name}: train.stage {stage} learns from preference data, not from single answers; "
+            "harvest pairs (`llmops data harvest --pairs`)"
+        )
+    if pairs and stage == "kto":
+        raise BadInput(
+            f"profile {config.name}: train.stage kto learns from rated answers; harvested pairs are DPO's "
+            "(train.stage dpo or sft)"
+        )
     log = open_exchange_log(capture_location(config, location))
-    previous = read_data(config.data)
     if pairs:
-        return harvest_pair_dataset(log, service, since, out, previous.eval, trusted)
+        samples = config.flywheel.report_samples
+        return harvest_pair_dataset(log, service, since, out, held_out_conversations(config), trusted, samples)
+    previous = read_data(config.data)
     result = harvest(log, service, since, min_rating, previous, trusted=trusted)
     report = {
         "service": service,
@@ -81,8 +94,19 @@ def harvest_dataset(
     return Harvested(uri, len(result.records), report | {"dataset": uri, "sha256": dataset_sha256(result)})
 
 
+def held_out_conversations(config: Profile) -> list[Conversation]:
+    """What no harvested pair may take a prompt of: an SFT profile's eval split (its curated exam where it names one);
+    a DPO profile's held-out pairs, each its prompt and its chosen answer."""
+    if config.train.stage == "sft":
+        return read_data(config.data).eval
+    from tasks.data.preferences import read_preferences
+
+    held_out = read_preferences(read_source(config.data.source), config.data).eval
+    return [[*record.prompt, Message(role="assistant", content=record.chosen)] for record in held_out]
+
+
 def harvest_pair_dataset(
-    log, service: str, since: datetime, out: str, held_out: list, trusted: frozenset[str] | None
+    log, service: str, since: datetime, out: str, held_out: list, trusted: frozenset[str] | None, samples: int = 0
 ) -> Harvested:
     """`llmops data harvest --pairs`: preference pairs (tasks/data/harvest_pairs.py) as harvest-pairs-SERVICE-TIME.jsonl."""
     import hashlib
@@ -90,7 +114,13 @@ def harvest_pair_dataset(
     from tasks.data.harvest_pairs import harvest_pairs, pairs_text
 
     result = harvest_pairs(log, service, since, held_out, trusted)
-    report = {"service": service, "since": since.isoformat(), "capture": log.uri, "pairs": True, **result.report()}
+    report = {
+        "service": service,
+        "since": since.isoformat(),
+        "capture": log.uri,
+        "pairs": True,
+        **result.report(samples),
+    }
     if not result.pairs:
         return Harvested(None, 0, report)
     text = pairs_text(result)

@@ -49,13 +49,22 @@ class PairHarvest:
     counts: dict[str, int] = field(default_factory=dict)
     objects: list[str] = field(default_factory=list)  # the captured objects read: the dataset's lineage
 
-    def report(self) -> dict:
+    def report(self, samples: int = 0) -> dict:
+        """The counts and each client's share (what the flywheel's review rules read, as of an SFT harvest), and the
+        first `samples` pairs for a reviewer: the served or worse answer (rejected) beside the better one (chosen)."""
         clients = Counter(p.client for p in self.pairs)
         total = max(1, len(self.pairs))
+        shares = {name: round(n / total, 4) for name, n in clients.most_common()}
         return {
             "counts": self.counts,
             "clients": dict(clients.most_common()),
-            "client_shares": {name: round(n / total, 4) for name, n in clients.most_common()},
+            "client_shares": shares,
+            "distinct_clients": len(clients),
+            "largest_client_share": max(shares.values(), default=0.0),
+            "corrections": [
+                {"client": p.client, "prompt": p.prompt[-1]["content"], "served": p.rejected, "correction": p.chosen}
+                for p in self.pairs[:samples]
+            ],
             "captured_objects": self.objects,
         }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -505,6 +506,43 @@ def test_the_review_rules_push_only_harvests_no_client_dominates(watched, shared
     left = [json.loads(line) for line in pushed[0].read_text().splitlines()]
     assert [r["harvested"]["client"] for r in left] == ["alice"] and first.read_text().count("mallory") == 0
     assert "mallory" not in "".join(p.read_text() for p in (watched / "store" / "capture").rglob("*.jsonl"))
+
+
+def test_a_dpo_profiles_flywheel_pushes_the_preference_pairs_its_rules_admit(tmp_path, shared_prefect):
+    """The flywheel on a DPO profile (cpu-tiny-dpo's, flywheel.review rules): two trusted clients' corrections become
+    preference pairs (the correction chosen, the served answer rejected), pushed unreviewed beside the profile's pairs
+    where retraining watches, which a DPO run reads as harvested pairs (trained on, never an exam). Its exam is those
+    pairs' held-out prompts: no data.eval_source (a preference profile refuses one). Before, the flow refused the
+    profile (PROFILE_EXAM) and its harvest read the pairs as SFT data."""
+    import yaml
+
+    from tasks.data.preferences import read_preferences
+    from tasks.data.records import read_source
+    from tasks.platform.config import load_profile
+
+    values = yaml.safe_load((ROOT / "profiles" / "cpu-tiny-dpo.yaml").read_text())
+    values["data"] = {"source": str(ROOT / "profiles/data/antonym-pairs.jsonl")}
+    values["serve"]["capture"] = {"trusted_clients": ["alice", "bob"]}
+    values["flywheel"] = {"review": "rules", "max_client_share": 0.5, "min_clients": 2}
+    profile = tmp_path / "dpo-rules.yaml"
+    profile.write_text(yaml.safe_dump(values))
+    (tmp_path / "sft").mkdir()
+    shutil.copy(ROOT / "profiles" / "data" / "antonym-pairs.jsonl", tmp_path / "sft")
+    served(tmp_path, "a1", "alice", "What is the opposite of brave?", "brave", correction="cowardly")
+    served(tmp_path, "b1", "bob", "What is the opposite of loud?", "loud", correction="quiet")
+    said = flywheel_said(start_flywheel(tmp_path, shared_prefect, str(profile)))
+    assert said.startswith("2 new records (admitted by flywheel.review rules): pushed 1 file(s)"), said
+    (pushed,) = (tmp_path / "sft").glob("harvest-pairs-*.jsonl")
+    rows = [json.loads(line) for line in pushed.read_text().splitlines()]
+    assert sorted((r["chosen"], r["rejected"], r["harvested"]["client"]) for r in rows) == [
+        ("cowardly", "brave", "alice"),
+        ("quiet", "loud", "bob"),
+    ]
+    assert list((tmp_path / "pending").iterdir()) == []
+    config = load_profile(str(profile), [], str(tmp_path / "sft"))
+    data = read_preferences(read_source(config.data.source), config.data)
+    assert sum(r.harvested for r in data.train) + data.harvested_held_out == 2
+    assert not any(r.harvested for r in data.eval)
 
 
 def ssh_key(folder: Path, name: str) -> Path:

@@ -256,6 +256,11 @@ def test_unreviewed_harvests_need_trusted_clients_masked_history_and_a_curated_e
         data="{source: d.jsonl, eval_source: exam.jsonl}",
     )
     assert load_profile(str(ok)).flywheel.review == "rules"
+    # DPO labels a pair's last answers alone and its exam is its own pairs' held-out prompts: trusted clients suffice
+    dpo = profile({"review": "rules"}, serve="{capture: {trusted_clients: [curator]}}", train="{stage: dpo}")
+    assert load_profile(str(dpo)).train.stage == "dpo"
+    with pytest.raises(BadInput, match=r"flywheel.review rules needs serve.capture.trusted_clients$"):
+        load_profile(str(profile({"review": "rules"}, train="{stage: dpo}")))
     with pytest.raises(BadInput, match="anonymous is whoever reaches a gateway without keys"):
         load_profile(str(profile({}, serve="{capture: {trusted_clients: [anonymous]}}")))
 

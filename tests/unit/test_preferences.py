@@ -315,6 +315,40 @@ def test_the_harvest_command_writes_pairs_that_forget_removes(tmp_path):
     assert [json.loads(line)["harvested"]["client"] for line in written.read_text().splitlines()] == ["team-a"] * 2
 
 
+def test_a_dpo_profile_harvests_pairs_held_out_from_its_own_pairs_exam_and_refuses_single_answers(tmp_path):
+    """`llmops data harvest --pairs --profile cpu-tiny-dpo` read the profile's pairs as SFT data and exited 2; its
+    exam is the held-out pairs' prompts, which no harvested pair takes. Without --pairs, or for a KTO profile, the
+    harvest is refused in one line naming what the profile learns from."""
+    from flows.harvest import held_out_conversations
+    from tasks.data.harvest import prompt_key
+    from tasks.platform.config import load_profile
+    from tests.unit.test_cli import llmops
+
+    served_traffic(tmp_path / "capture")
+    harvest = (
+        "data",
+        "harvest",
+        "--profile",
+        "cpu-tiny-dpo",
+        "--service",
+        SERVICE,
+        "--capture",
+        str(tmp_path / "capture"),
+    )
+    done = llmops(*harvest, "--pairs", "--since", "1h", "--out", str(tmp_path / "pairs"))
+    assert done.returncode == 0, done.stderr
+    (written,) = (tmp_path / "pairs").glob("harvest-pairs-*.jsonl")
+    prompts = {
+        prompt_key([*json.loads(line)["messages"], {"role": "assistant", "content": ""}])
+        for line in written.read_text().splitlines()
+    }
+    exam = {prompt_key(c) for c in held_out_conversations(load_profile("cpu-tiny-dpo"))}
+    assert len(exam) == 41 and prompts and not prompts & exam
+    refused = llmops(*harvest, "--since", "1h", "--out", str(tmp_path / "sft"))
+    assert refused.returncode == 2 and "train.stage dpo learns from preference data" in refused.stderr
+    assert "--pairs" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
 # --- SFT then DPO: the base a registered version names (base_model.source models:/...) ----------------------------
 
 

@@ -143,15 +143,19 @@ class Profile(Section):
     @model_validator(mode="after")
     def _unreviewed_harvests_are_safe(self) -> Profile:
         """flywheel.review rules pushes harvests no person read: only with what keeps a client from writing the
-        next release's answers, its history, or its exam."""
+        next release's answers, its history, or its exam. A preference profile needs neither of the last two: its
+        trainer labels the last answers alone (LlamaFactory 0.9.5 data/processor/pairwise.py:47-68, encode_oneturn
+        puts every earlier turn in the prompt), and its exam is its own pairs' held-out prompts, which no harvested
+        pair enters (tasks/data/preferences.py)."""
         if self.flywheel.review != "rules":
             return self
+        preference = self.train.stage != "sft"
         missing = [
             name
             for name, ok in (
                 ("serve.capture.trusted_clients", bool(self.serve.capture.trusted_clients)),
-                ("train.mask_history true", self.train.mask_history),
-                ("data.eval_source (a curated held-out set)", self.data.curated_exam is not None),
+                ("train.mask_history true", self.train.mask_history or preference),
+                ("data.eval_source (a curated held-out set)", self.data.curated_exam is not None or preference),
             )
             if not ok
         ]
