@@ -28,7 +28,7 @@ from tasks.platform.config import GateSection
 from tasks.platform.stage_cache import RunContext, StageResult, logger
 from tasks.quality.checks import Check, GateReport, at_least, at_most, interval_check, ratio_check
 from tasks.quality.judge import JudgeVerdict, judge_checks, judge_served
-from tasks.quality.pairwise import PairwiseVerdict, compare_served, pairwise_checks
+from tasks.quality.pairwise import Compared, PairwiseVerdict, compare_served, pairwise_checks
 from tasks.quality.stats import Difference
 from tasks.reporting.evidence import release_folder
 from tasks.shadow import shadow_checks
@@ -267,8 +267,8 @@ def judge_answers(
     if judge is None or not judge.pairwise:
         return judge_served(ctx, questions, references, candidate, champion)
     if champion is not None:
-        return compare_served(ctx, questions, references, candidate, champion, "champion")
-    return compare_served(ctx, questions, references, candidate, [s["base"] for s in offline], "base")
+        return compare_served(ctx, Compared(questions, references, candidate, champion), "champion")
+    return compare_served(ctx, Compared(questions, references, candidate, [s["base"] for s in offline]), "base")
 
 
 def add_grades(examples: list[dict], judged: JudgeVerdict | PairwiseVerdict | None) -> None:

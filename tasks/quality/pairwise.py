@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from tasks.platform.config import GateSection
 from tasks.platform.config.training import PAIRWISE_RUBRIC, EvaluateSection, JudgeSection
@@ -80,20 +80,21 @@ class PairwiseVerdict:
         return sum(choice_of(first) == choice_of(second) in ("A", "B") for first, second in self.replies)
 
 
-def compare(
-    cfg: JudgeSection,
-    evaluate: EvaluateSection,
-    questions: list[str],
-    references: list[str],
-    candidate: list[str],
-    other: list[str],
-    against: str,
-) -> PairwiseVerdict:
+class Compared(NamedTuple):
+    """Per eval prompt: the question, its reference, the candidate's answer and the other version's."""
+
+    questions: list[str]
+    references: list[str]
+    candidate: list[str]
+    other: list[str]
+
+
+def compare(cfg: JudgeSection, evaluate: EvaluateSection, texts: Compared, against: str) -> PairwiseVerdict:
     """Both orders of every prompt asked at once (`cfg.concurrency` in flight), then scored per prompt."""
     started = time.monotonic()
     conversations = [
         pairwise_messages(cfg, question, reference, *answers)
-        for question, reference, mine, theirs in zip(questions, references, candidate, other, strict=True)
+        for question, reference, mine, theirs in zip(*texts, strict=True)
         for answers in ((mine, theirs), (theirs, mine))
     ]
     replies, tokens = ask(cfg, conversations)
@@ -116,18 +117,11 @@ def compare(
     )
 
 
-def compare_served(
-    ctx: RunContext,
-    questions: list[str],
-    references: list[str],
-    candidate: list[str],
-    other: list[str],
-    against: str,
-) -> PairwiseVerdict:
+def compare_served(ctx: RunContext, texts: Compared, against: str) -> PairwiseVerdict:
     """The candidate's served answers compared with the other version's (evaluate.judge.pairwise), logged and said."""
     cfg = ctx.profile.evaluate
     assert cfg.judge is not None
-    verdict = compare(cfg.judge, cfg, questions, references, candidate, other, against)
+    verdict = compare(cfg.judge, cfg, texts, against)
     rate = verdict.win_rate
     asked = 2 * len(verdict.replies)
     ctx.tracker.log_metrics(

@@ -1320,16 +1320,15 @@ def test_the_pairwise_judge_compares_through_the_gateway_and_counts_the_replies_
     left out of the win rate, never a loss. (The win rate deciding a release: tests/unit/test_judge.py.)"""
     from tasks.platform.config import GateSection
     from tasks.platform.config.training import EvaluateSection, JudgeSection
-    from tasks.quality.pairwise import choice_of, compare, pairwise_checks
+    from tasks.quality.pairwise import Compared, choice_of, compare, pairwise_checks
 
     monkeypatch.setenv("LLMOPS_JUDGE_API_KEY", API_KEYS["team-a"])
     monkeypatch.setenv("SSL_CERT_FILE", str(tls[0]))
     cfg = JudgeSection(url=f"{server['gateway_url']}/v1", model=SERVICE, pairwise=True, max_tokens=4)
     words = [("hot", "cold"), ("up", "down"), ("big", "small")]
-    verdict = compare(
-        cfg, EvaluateSection(confidence=0.9), [f"What is the opposite of {w}?" for w, _ in words],
-        [a for _, a in words], [a for _, a in words], [w for w, _ in words], "champion",
-    )  # fmt: skip
+    questions, antonyms = [f"What is the opposite of {w}?" for w, _ in words], [a for _, a in words]
+    texts = Compared(questions, antonyms, antonyms, [w for w, _ in words])
+    verdict = compare(cfg, EvaluateSection(confidence=0.9), texts, "champion")
     assert len(verdict.replies) == 3 and verdict.tokens > 0 and verdict.seconds > 0
     unread = sum(choice_of(reply) is None for pair in verdict.replies for reply in pair)
     checks = pairwise_checks(GateSection(), verdict)

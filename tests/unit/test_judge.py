@@ -93,17 +93,21 @@ def test_an_endpoint_that_is_not_there_is_transient_in_one_line():
         judge(cfg, ["q"], ["r"], ["a"])
 
 
+def send_json(handler: http.server.BaseHTTPRequestHandler, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class Refusing(http.server.BaseHTTPRequestHandler):
     """An endpoint refusing every key, as an OpenAI-compatible server does (401, its error shape)."""
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        body = json.dumps({"error": {"message": "bad key", "type": "invalid_request_error"}}).encode()
-        self.send_response(401)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_json(self, 401, {"error": {"message": "bad key", "type": "invalid_request_error"}})
 
     def log_message(self, *args):
         pass
@@ -174,16 +178,11 @@ class OpenAIJudge(http.server.BaseHTTPRequestHandler):
             for tag in ("reference", "answer_a", "answer_b")
         }
         reply = type(self).decide(part["reference"], part["answer_a"], part["answer_b"])
-        body = json.dumps({
+        send_json(self, 200, {
             "id": "x", "object": "chat.completion", "created": 0, "model": request["model"],
             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": reply}}],
             "usage": {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41},
-        }).encode()  # fmt: skip
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        })  # fmt: skip
 
     def log_message(self, *args):
         pass
@@ -191,7 +190,7 @@ class OpenAIJudge(http.server.BaseHTTPRequestHandler):
 
 def compared(decide, candidate: list[str], other: list[str], min_win_rate: float = 0.5):
     from tasks.platform.config.training import EvaluateSection
-    from tasks.quality.pairwise import compare, pairwise_checks
+    from tasks.quality.pairwise import Compared, compare, pairwise_checks
 
     handler = type("Judge", (OpenAIJudge,), {"decide": staticmethod(decide)})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -200,7 +199,7 @@ def compared(decide, candidate: list[str], other: list[str], min_win_rate: float
         cfg = JudgeSection(url=f"http://127.0.0.1:{server.server_port}/v1", model="m", pairwise=True)
         questions, references = [f"Opposite of word {i}?" for i in range(len(candidate))], ["cold"] * len(candidate)
         evaluate = EvaluateSection(confidence=0.9, bootstrap_resamples=500)
-        verdict = compare(cfg, evaluate, questions, references, candidate, other, "champion")
+        verdict = compare(cfg, evaluate, Compared(questions, references, candidate, other), "champion")
     finally:
         server.shutdown()
     return verdict, pairwise_checks(GateSection(min_win_rate=min_win_rate), verdict)
