@@ -222,6 +222,31 @@ def test_a_model_that_stops_answering_turns_readiness_false_is_recovered_and_rea
     assert f'llmops_gateway_version_up{{{replica},version="demo-v1"}} 1.0' in metrics
 
 
+def test_a_version_that_fails_its_probes_is_said_once_with_the_servers_words_and_a_clients_fault_each_time(
+    upstream, caplog
+):
+    """Issue 73: a version not loaded on a Triton yet (a release's own service, before its canary stage loads the
+    champion) failed every probe with a `model server fault` warning, 8 in 12 s. A probe's fault is now said where the
+    version's state changes (stopped answering, with what Triton said) and in its recovery line; a client's request
+    that meets it is still a warning of its own."""
+    import logging
+
+    fake, url = upstream
+    health = HealthSection(probe_interval_s=0.05, probe_timeout_s=1, recover_after=1000, recover_cooldown_s=600)
+    caplog.set_level(logging.WARNING)
+    with gateway(url, health=health) as client:
+        time.sleep(0.3)  # answering
+        fake.fault = ("Request for unknown model: 'demo-v1' has no available versions", 404)
+        fake.failing = True
+        time.sleep(0.6)  # about 12 failed probes
+        assert client.post(f"/v2/models/{SERVICE}/generate", json={"text_input": "hot"}).status_code == 503
+    faults = [r.message for r in caplog.records if "model server fault" in r.message]
+    stopped = [r.message for r in caplog.records if "stopped answering" in r.message]
+    assert len(faults) == 1, faults  # the client's request alone (the replica had left the pool for its probes)
+    assert stopped == [f"probes: demo-v1 on {url} stopped answering: HTTP 404: Request for unknown model: 'demo-v1' "
+                       "has no available versions"], stopped  # fmt: skip
+
+
 def test_one_dead_instance_is_loaded_again_at_once_while_its_replica_stays_in_the_pool_and_requests_are_answered(
     upstream, caplog
 ):

@@ -46,6 +46,7 @@ class RequestRecord:
 
 
 CURRENT = contextvars.ContextVar[RequestRecord]("gateway_request")
+PROBE_CLIENT = "probe"  # the client of the gateway's own synthetic requests (probes.py)
 
 
 def current() -> RequestRecord:

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tasks.control.contract import Version
 from tasks.platform.config.serving import HealthSection
-from tasks.runtime.gateway.access import CURRENT, RequestRecord
+from tasks.runtime.gateway.access import CURRENT, PROBE_CLIENT, RequestRecord
 from tasks.runtime.gateway.protocol import RequestError
 from tasks.runtime.gateway.replicas import PooledReplica, Replicas
 from tasks.runtime.gateway.upstream import Unanswered
@@ -46,6 +46,7 @@ class VersionHealth:
     refused: bool = False  # the last probe failed with an answer (unreachable, not loaded, a dead stub), not a timeout
     failures: int = 0  # failed probes in a row
     probed_at: float = 0.0
+    why: str = ""  # what the last failed probe met (the model server's words, or the timeout)
 
 
 Recover = Callable[[str, str], str]  # (replica URL, Triton model) -> what was done: "reloaded", "restarted"
@@ -135,8 +136,8 @@ class Prober:
 
     async def probe(self, replica: PooledReplica, version: Version) -> bool:
         """One probe of `version` on `replica`; its state, counters and (where it keeps failing) its recovery."""
-        token = CURRENT.set(RequestRecord(client="probe"))
-        refused = False
+        token = CURRENT.set(RequestRecord(client=PROBE_CLIENT))
+        refused, why = False, ""
         replica.probing += 1  # a drain closes the replica's connections only after this ends
         try:
             async with asyncio.timeout(self.health.probe_timeout_s):
@@ -144,26 +145,28 @@ class Prober:
             answered = True
         except Unanswered as unanswered:
             answered, refused = False, not unanswered.dead_instance  # another instance may answer the next
+            why = unanswered.detail or unanswered.message
             if unanswered.dead_instance:
                 self.instance_died(replica.url, version)
         except RequestError as error:
             answered, refused = False, error.status != 504  # a 504: Triton's own deadline, a timeout as well
+            why = error.detail or error.message
         except TimeoutError:
-            answered = False
+            answered, why = False, f"no answer within serve.health.probe_timeout_s {self.health.probe_timeout_s:g}"
         finally:
             replica.probing -= 1
             CURRENT.reset(token)
         state = self.state.setdefault((replica.url, version.name), VersionHealth())
         state.refused = refused
         if answered != state.answered and state.probed_at:
-            change = "answers again" if answered else "stopped answering"
+            change = "answers again" if answered else f"stopped answering: {why}"
             LOG.warning("probes: %s on %s %s", version.name, replica.url, change)
-        state.answered, state.probed_at = answered, time.monotonic()
+        state.answered, state.probed_at, state.why = answered, time.monotonic(), why
         state.failures = 0 if answered else state.failures + 1
         self.probes.labels(replica.url, version.name, "ok" if answered else "failed").inc()
         self.up.labels(replica.url, version.name).set(1 if answered else 0)
         if state.failures >= self.health.recover_after and self.recoverable(version):
-            self.start_recovery(replica.url, version.model)
+            self.start_recovery(replica.url, version.model, f"keeps failing ({why})")
         return answered
 
     def recoverable(self, version: Version) -> bool:

@@ -36,6 +36,7 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after = retry_after
+        self.detail = ""  # what the model server said, for the log only (upstream.server_fault)
 
 
 class ChatMessage(BaseModel):

@@ -29,7 +29,7 @@ from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from tasks.control.contract import Version
-from tasks.runtime.gateway.access import ERROR_LOG, current
+from tasks.runtime.gateway.access import ERROR_LOG, PROBE_CLIENT, current
 from tasks.runtime.gateway.protocol import RequestError
 
 # httpx's API on aiohttp's connections (httpx-aiohttp, the openai SDK's own aiohttp option): httpx's default
@@ -90,14 +90,24 @@ def server_fault(status: int, detail: str, down: bool | None = None) -> RequestE
     """A 5xx for the client, with its request id; what went wrong (Triton's own words) only in the log. `down`: a
     503 of a request not started (Unanswered), the Triton unreachable (True) or the model not loaded (False, or one
     of its instances dead: DEAD_INSTANCE)."""
-    request_id = current().id
-    ERROR_LOG.warning("request %s: model server fault (%s): %s", request_id, status, detail[:2000])
+    record = current()
+    request_id = record.id
+    # a probe's fault is the prober's to say, once where its version's state changes (probes.py), not once a probe:
+    # a version a release has yet to load on its own Triton failed every probe with a warning (issue 73)
+    said = ERROR_LOG.debug if record.client == PROBE_CLIENT else ERROR_LOG.warning
+    said("request %s: model server fault (%s): %s", request_id, status, detail[:2000])
     if status == 503:
         message = f"the model server is not available; try again shortly (request id {request_id})"
         if down is not None:
-            return Unanswered(message, down, dead_instance=DEAD_INSTANCE.search(detail) is not None)
-        return RequestError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_S)
-    return RequestError(status, f"the model server failed to answer (request id {request_id})", code="server_error")
+            error: RequestError = Unanswered(message, down, dead_instance=DEAD_INSTANCE.search(detail) is not None)
+        else:
+            error = RequestError(503, message, code="service_unavailable", retry_after=RETRY_AFTER_S)
+    else:
+        error = RequestError(
+            status, f"the model server failed to answer (request id {request_id})", code="server_error"
+        )
+    error.detail = detail[:300]
+    return error
 
 
 def upstream_error(response: httpx.Response | Answer) -> RequestError:
