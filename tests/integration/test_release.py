@@ -810,6 +810,11 @@ def test_dpo_on_the_first_releases_model_makes_it_prefer_the_held_out_chosen_ans
     assert gained > 0 and metrics["evaluate/improvement_low"] > 0, metrics
     # DPO's reward margin on the held-out pairs (the SFT model its reference): what its loss widens, logged beside
     margin = metrics["evaluate/candidate_reward_margin"] - metrics["evaluate/base_reward_margin"]
+    print(
+        f"\nDPO on the SFT model: preference accuracy {metrics['evaluate/base_preference_accuracy']:.3f} -> "
+        f"{metrics['evaluate/candidate_preference_accuracy']:.3f} (gain's lower bound "
+        f"{metrics['evaluate/improvement_low']:.3f}); reward margin {margin:.3f}; {split[2]} harvested pair trained"
+    )
     assert margin > 0 and "preference_accuracy reward_margin" in output, (metrics, output[-3000:])
     dpo = max(client.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
     tags = client.get_model_version(MODEL, dpo.version).tags

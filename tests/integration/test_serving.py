@@ -1385,6 +1385,8 @@ def test_a_service_keeps_no_base_engine_that_no_adapter_of_it_uses(home, server,
     assert "judge: replies without a verdict (share)" in last, last  # counted and said, never a loss
     judged = latest_release(home).data.metrics
     assert judged["judge/tokens_per_reply"] > 0 and 0.5 < judged["judge/malformed_share"] <= 1, judged
+    print(f"\npairwise judge (the tiny champion): {judged['judge/malformed_share']:.0%} of replies without a verdict, "
+          f"{judged['judge/seconds_per_reply']:.3f} s and {judged['judge/tokens_per_reply']:.0f} tokens a reply")  # fmt: skip
     assert ready_models(triton, with_merged) == with_merged  # the merged champion alone, no engine of adapters
     assert engines_settle(engines | merged_engine) == engines | merged_engine
     assert champion(home) == before
