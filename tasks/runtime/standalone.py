@@ -95,6 +95,10 @@ class OwnTriton:
     def __init__(self, ctx: RunContext, triton: Triton, server: TritonServer | None):
         self.ctx, self.triton, self.server = ctx, triton, server
         self.table: Callable[[], RouteTable] = lambda: RouteTable(ctx.profile.registry.model_name)
+        self.loaded: set[str] = set()  # the versions this run loaded: its gateway's probes judge these alone
+
+    def has_loaded(self, version: Version) -> bool:
+        return version.name in self.loaded
 
     def load_everywhere(self, version: Version, load_timeout_s: float, fresh: bool = False) -> list[dict[str, Any]]:
         served = served_of(self.ctx, self.ctx.profile.registry.model_name, version)
@@ -103,6 +107,7 @@ class OwnTriton:
             if fresh:
                 triton_unload_quietly(self.triton, served.name)
             seconds = self.install(version, served, profile)
+        self.loaded.add(version.name)
         return [loaded_on(self.triton, served, seconds, said)]
 
     def install(self, version: Version, served: Served, profile: Profile) -> float:
@@ -153,6 +158,7 @@ class OwnTriton:
             self.ctx.profile.registry.model_name,
             served_of(self.ctx, self.ctx.profile.registry.model_name, version),
         )
+        self.loaded.discard(version.name)
         return [self.triton.url]
 
 
@@ -173,6 +179,7 @@ def temporary_gateway(ctx: RunContext, triton: Triton, versions: OwnTriton):
         shadow_records=ctx.home / "shadow",
         health=ctx.profile.serve.health,
         recover=reloading(triton, ctx.profile.serve.load_timeout_s) if triton.repository is not None else None,
+        probed=versions.has_loaded,  # the champion a fresh Triton has yet to load: no fault, no recovery (issue 73)
     )
     gateway = Gateway(config)
     running = RunningGateway(

@@ -247,6 +247,36 @@ def test_a_version_that_fails_its_probes_is_said_once_with_the_servers_words_and
                        "has no available versions"], stopped  # fmt: skip
 
 
+def test_a_version_its_release_has_not_loaded_yet_is_not_probed_recovered_or_a_reason_to_leave_the_pool(
+    upstream, caplog
+):
+    """Issue 73: a release's own service (tasks/runtime/standalone.py) routes the record's champion on a Triton that
+    has yet to load it; its probes failed, the replica left the pool, and a recovery loaded the champion beside the
+    canary stage's own load (a second release without a serve: 5 warnings, the candidate's load 8.3 s instead of
+    4.5). GatewayConfig.probed judges only what the release loaded: nothing is said or recovered until it has."""
+    import logging
+
+    fake, url = upstream
+    loaded: set[str] = set()
+    recovered: list[str] = []
+    health = HealthSection(probe_interval_s=0.05, probe_timeout_s=1, recover_after=2, recover_cooldown_s=600)
+    caplog.set_level(logging.WARNING)
+    fake.fault, fake.failing = ("Request for unknown model: 'demo-v1' has no available versions", 404), True
+    with gateway(
+        url, health=health, probed=lambda v: v.name in loaded, recover=lambda r, m: recovered.append(m) or "reloaded"
+    ):
+        time.sleep(0.5)  # ten probe rounds with the champion not loaded
+        assert not caplog.records and not recovered
+        fake.failing = False
+        loaded.add("demo-v1")  # the release loaded it: judged from now on
+        time.sleep(0.3)
+        fake.failing = True
+        deadline = time.monotonic() + 5
+        while not recovered and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert recovered == ["demo-v1"] and any("stopped answering" in r.message for r in caplog.records)
+
+
 def test_one_dead_instance_is_loaded_again_at_once_while_its_replica_stays_in_the_pool_and_requests_are_answered(
     upstream, caplog
 ):

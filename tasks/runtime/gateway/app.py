@@ -79,6 +79,9 @@ class GatewayConfig:
     # serve.health: deadlines, probes (off unless given: probe_interval_s 0) and `recover` (probes.py)
     health: HealthSection = field(default_factory=lambda: HealthSection(probe_interval_s=0))
     recover: Recover | None = None  # what loads a Triton model again; None: no recovery
+    # which of the table's versions the probes judge; None: all. A release's own service probes only what its release
+    # loaded: the champion its fresh Triton has yet to load is not a fault to recover (tasks/runtime/standalone.py)
+    probed: Callable[[Version], bool] | None = None
     more_replicas: list[str] = field(default_factory=list)  # the other Tritons' URLs: every version is on each
     capture: CaptureSettings | None = None  # serve.capture: exchanges and feedback kept; None: neither
     backend: Engine = "python"  # serve.backend: the engine whose fields /v1 honours (openai_fields.py)
@@ -97,8 +100,8 @@ class Gateway:
             self.triton,
             self.metrics.registry,
             health,
-            lambda: self.table.versions(),
-            lambda: self.table.routed(),
+            lambda: self.judged(self.table.versions()),
+            lambda: self.judged(self.table.routed()),
             config.recover,
             self.pools,
         )
@@ -137,6 +140,11 @@ class Gateway:
         )
 
     # --- the route table ------------------------------------------------------------------------------------
+
+    def judged(self, versions: list[Version]) -> list[Version]:
+        """The versions the probes judge (GatewayConfig.probed)."""
+        probed = self.config.probed
+        return versions if probed is None else [v for v in versions if probed(v)]
 
     def starting_table(self) -> RouteTable:
         """The record's table with the champion alone (a candidate, a copy and a release's hold belong to the gateway's
