@@ -232,6 +232,12 @@ def preference_lines(files, profile, eval_data: str | None) -> str:
     if data.kind == "kto":
         desirable = sum(1 for r in data.train + data.eval if r.desirable)
         rated = f"\n  desirable / not        {desirable} / {len(data.train) + len(data.eval) - desirable}"
+    harvested = sum(r.harvested for r in data.train)
+    if harvested or data.harvested_held_out:
+        rated += (
+            f"\n  harvested              {harvested} trained on, {data.harvested_held_out} left out (their prompt "
+            "in the eval split); a release on them waits for a person (gate.approval harvested)"
+        )
     return (
         f"data {cfg.source}: valid {describe_kind(data.kind)} records ({cfg.format} format)\n"
         f"  records read           {data.read}\n"

@@ -344,6 +344,14 @@ def test_a_dpo_profile_harvests_pairs_held_out_from_its_own_pairs_exam_and_refus
     }
     exam = {prompt_key(c) for c in held_out_conversations(load_profile("cpu-tiny-dpo"))}
     assert len(exam) == 41 and prompts and not prompts & exam
+    import shutil
+
+    from tests.unit.test_cli import ROOT as PROJECT
+
+    shutil.copy(PROJECT / "profiles" / "data" / "antonym-pairs.jsonl", tmp_path / "pairs")
+    validated = llmops("data", "validate", "--profile", "cpu-tiny-dpo", str(tmp_path / "pairs"))
+    assert validated.returncode == 0, validated.stderr
+    assert "  harvested              1 trained on, 0 left out" in validated.stdout, validated.stdout
     refused = llmops(*harvest, "--since", "1h", "--out", str(tmp_path / "sft"))
     assert refused.returncode == 2 and "train.stage dpo learns from preference data" in refused.stderr
     assert "--pairs" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
